@@ -1,0 +1,1 @@
+"""One module per backend, each a subclass of ``base.Loader``; ``fastdata.registry`` maps names to them."""

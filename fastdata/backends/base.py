@@ -1,0 +1,184 @@
+"""The contract every backend honours, and the parts of it that are the same for all of them.
+
+- ``for images, labels in loader``: images float (N, C, H, W) normalized on ``loader.device``,
+  labels int64 (N,) on the same device.
+- ``len(loader)`` equals the batches one pass yields; each ``iter()`` is the next epoch.
+- The order and the random augmentation of epoch ``e`` derive from ``(seed, e)`` (see sampling.py).
+- ``state_dict()`` records the consumer's position (epoch, batches handed out); ``load_state_dict()``
+  makes the next ``iter()`` continue from there, with exactly the batches an uninterrupted run sees.
+
+A subclass implements ``_epoch(epoch, batches)`` → iterator of (images, labels) on the device.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import ClassVar, Iterator
+
+import numpy as np
+import torch
+
+from ..config import LoaderConfig
+from ..datasets import Source
+from ..sampling import EpochPlan, distributed_info
+
+
+class Loader:
+    """Base class; see the module docstring for the contract.
+
+    Args:
+        source: a fastdata Source.
+        config: the shared, validated options.
+        **options: backend-specific options; each backend lists its own in ``options``.
+    """
+
+    name: ClassVar[str] = "base"
+    #: backend-specific option → default; anything else passed to make_loader is an error.
+    options: ClassVar[dict] = {}
+    #: source kinds the backend can read.
+    kinds: ClassVar[tuple[str, ...]] = ("array", "files")
+
+    def __init__(self, source: Source, config: LoaderConfig, **options):
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise TypeError(f"backend {self.name!r} got unknown option(s) {unknown}; its options are "
+                            f"{sorted(self.options)} and the shared ones are LoaderConfig's fields")
+        if source.kind not in self.kinds:
+            raise TypeError(f"backend {self.name!r} cannot read a {type(source).__name__} "
+                            f"(kind {source.kind!r}); it reads {list(self.kinds)}")
+        self.opts = {**self.options, **options}
+        self.source = source
+        self.config = config
+        self.device: torch.device = config.device
+        self.augment = config.augment if config.augment is not None else source.default_augmentation(config.train)
+        mean = config.mean if config.mean is not None else source.mean
+        std = config.std if config.std is not None else source.std
+        if len(mean) == 1 and source.channels > 1:
+            mean, std = mean * source.channels, std * source.channels
+        if len(mean) != source.channels or len(std) != source.channels:
+            raise ValueError(f"mean/std have {len(mean)}/{len(std)} values but {source!r} has "
+                             f"{source.channels} channel(s)")
+        self.mean, self.std = tuple(mean), tuple(std)
+        rank, world = distributed_info(config.rank, config.world_size)
+        self.plan = EpochPlan(len(source), config.batch_size, config.shuffle, config.drop_last,
+                              config.seed, rank, world)
+        if len(self.plan) == 0:
+            raise ValueError(
+                f"{source!r} has {len(source)} samples, fewer than one batch of {config.batch_size}"
+                f"{f' x {world} ranks' if world > 1 else ''} with drop_last=True: the loader would "
+                f"yield nothing; lower batch_size or pass drop_last=False")
+        self._next = (0, 0)           # (epoch, first batch) of the next iter()
+        self._position = (0, 0)       # (epoch, batches handed to the consumer)
+        self.skipped = 0              # samples skipped with on_error="skip" in the current epoch
+        self._scale, self._shift = self._normalizer()
+
+    # ------------------------------------------------------------------ the contract
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch, start = self._next
+        self._next = (epoch + 1, 0)
+        self._position = (epoch, start)
+        self.skipped = 0
+        return self._count(epoch, start)
+
+    def _count(self, epoch: int, start: int):
+        it = self._epoch(epoch, self.plan.batches(epoch, start), start)
+        done = start
+        try:
+            for batch in it:
+                done += 1
+                self._position = (epoch, done)
+                yield batch
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+        if self.skipped:
+            warnings.warn(f"{self.name}: skipped {self.skipped} undecodable sample(s) in epoch {epoch} "
+                          f"(on_error='skip')", RuntimeWarning, stacklevel=2)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` starts (or the one in progress)."""
+        return self._next[0]
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next ``iter()`` reads epoch ``epoch`` from its start (resume, DDP)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._next = (int(epoch), 0)
+
+    def state_dict(self) -> dict:
+        epoch, done = self._position
+        if done >= len(self):
+            epoch, done = epoch + 1, 0
+        p = self.plan
+        return {"epoch": epoch, "batch": done, "seed": p.seed, "batch_size": p.batch_size,
+                "world_size": p.world_size, "num_samples": p.num_samples, "shuffle": p.shuffle,
+                "drop_last": p.drop_last}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state``'s position. A different world size, batch size, seed or dataset would
+        make the remaining batches differ from the interrupted run's, so it is refused."""
+        p = self.plan
+        mine = {"seed": p.seed, "batch_size": p.batch_size, "world_size": p.world_size,
+                "num_samples": p.num_samples, "shuffle": p.shuffle, "drop_last": p.drop_last}
+        diff = {k: (state.get(k), v) for k, v in mine.items() if k in state and state[k] != v}
+        if diff:
+            detail = ", ".join(f"{k} was {a} and is now {b}" for k, (a, b) in diff.items())
+            raise ValueError(f"cannot resume this loader from the saved position: {detail}; the remaining "
+                             f"batches would not be the interrupted run's (restart the epoch with "
+                             f"set_epoch() instead)")
+        if not 0 <= state["batch"] <= len(self):
+            raise ValueError(f"saved batch {state['batch']} is outside [0, {len(self)}]")
+        self._next = (int(state["epoch"]), int(state["batch"]))
+        self._position = self._next
+
+    def close(self) -> None:
+        """Release workers, threads and caches. The loader is unusable afterwards."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(source={self.source!r}, batch_size={self.config.batch_size}, "
+                f"batches={len(self)}, device={self.device}, augment={self.augment})")
+
+    # ------------------------------------------------------------------ for subclasses
+    def _epoch(self, epoch: int, batches: list[np.ndarray], start: int) -> Iterator:
+        """Yield (images, labels) for ``batches`` (sample ids); ``start`` is the first batch's number."""
+        raise NotImplementedError
+
+    def batch_rng(self, epoch: int, batch: int) -> np.random.Generator:
+        return np.random.default_rng(self.plan.batch_seed(epoch, batch))
+
+    def _normalizer(self):
+        # (x / 255 - mean) / std folded into one multiply-add: x * scale + shift.
+        mean = torch.tensor(self.mean, dtype=torch.float32)
+        std = torch.tensor(self.std, dtype=torch.float32)
+        scale = (1.0 / (255.0 * std)).view(1, -1, 1, 1)
+        shift = (-mean / std).view(1, -1, 1, 1)
+        return scale.to(self.device), shift.to(self.device)
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, H, W, C) on the device → normalized (N, C, H, W) in the configured dtype/layout.
+
+        The batch stays uint8 until here (a quarter of float's bytes through collate, pinning and the
+        host-to-device copy). ``permute`` of an NHWC tensor already has channels-last strides, so the
+        channels_last layout costs no copy; the contiguous (NCHW) layout costs one.
+        """
+        x = images.permute(0, 3, 1, 2)
+        if not self.config.channels_last:
+            x = x.contiguous()
+        return self.normalize_float(x.float())
+
+    def normalize_float(self, x: torch.Tensor) -> torch.Tensor:
+        """float (N, C, H, W) in 0..255 → normalized, in the configured dtype and memory format."""
+        x = torch.addcmul(self._shift, x, self._scale) if x.numel() else x
+        if self.config.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x if self.config.dtype == torch.float32 else x.to(self.config.dtype)

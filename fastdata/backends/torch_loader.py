@@ -1,0 +1,171 @@
+"""``torch`` backend: a DataLoader whose workers each build whole uint8 batches.
+
+Why batches, not samples: the main process sends a worker one job (the batch's sample ids and its
+augmentation seed) and gets one uint8 (N, H, W, C) tensor back through shared memory. Per-sample
+DataLoader traffic (one queue message and one tensor per image, then a Python collate) costs more
+than decoding a 28x28 digit. Array sources are gathered and translated with vectorized numpy; files
+go through PIL per sample (Pillow-SIMD accelerates the resize, ``Image.draft`` shrinks the decode).
+Normalization to float happens once per batch on the device.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..errors import DecodeError
+from ..transforms import augment_array, augment_batch, load_photo
+from .base import Loader
+
+
+class BatchFetcher(Dataset):
+    """Maps a job ``(ids, seed)`` to ``(uint8 images (N,H,W,C), int64 labels (N,), skipped)``.
+
+    Stateless, so persistent workers serve every epoch. Also used by the memory backend to decode its
+    cache in parallel.
+    """
+
+    def __init__(self, source, augment, on_error: str = "raise"):
+        self.source = source
+        self.augment = augment
+        self.on_error = on_error
+        if source.kind == "files" and augment.crop not in ("random_resized", "center"):
+            raise ValueError(f"{source!r} holds photos of different sizes: its augmentation needs a crop "
+                             f"that fixes the output size ('random_resized' or 'center'), got "
+                             f"crop={augment.crop!r}")
+
+    def __len__(self):  # jobs come from the sampler; a length keeps DataLoader's bookkeeping happy
+        return len(self.source)
+
+    def __getitem__(self, job):
+        ids, seed = job
+        rng = np.random.default_rng(seed)
+        src = self.source
+        if src.kind == "array":
+            images = augment_batch(src.images[ids], self.augment, rng)
+            return torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(src.labels[ids]), 0
+        if src.kind == "files":
+            return self._files(ids, rng)
+        return self._dataset(ids, rng)
+
+    def _files(self, ids, rng):
+        size = self.augment.size
+        out = np.empty((len(ids), size, size, 3), dtype=np.uint8)
+        keep = []
+        for j, i in enumerate(ids):
+            try:
+                out[len(keep)] = load_photo(self.source.paths[i], self.augment, rng)
+            except DecodeError:
+                if self.on_error == "raise":
+                    raise
+                continue
+            keep.append(j)
+        labels = self.source.labels[ids[keep]]
+        return torch.from_numpy(out[: len(keep)]), torch.from_numpy(labels), len(ids) - len(keep)
+
+    def _dataset(self, ids, rng):
+        ds = self.source.dataset
+        ids_list = [int(i) for i in ids]
+        # Batched fetching where the dataset offers it (one call, one lock, one seek pattern).
+        samples = ds.__getitems__(ids_list) if hasattr(ds, "__getitems__") else [ds[i] for i in ids_list]
+        images, labels = [], []
+        for image, label in samples:
+            if hasattr(image, "getbands"):  # PIL image
+                from ..transforms import to_rgb
+
+                arr = np.asarray(to_rgb(image) if self.source.channels == 3 else image.convert("L"))
+            else:  # uint8 tensor (C, H, W)
+                t = torch.as_tensor(image)
+                if t.dtype != torch.uint8:
+                    raise TypeError(f"{self.source.name}[{label}] returned a {t.dtype} tensor; the torch "
+                                    f"backend expects PIL images or uint8 (C, H, W) tensors")
+                arr = t.permute(1, 2, 0).numpy() if t.dim() == 3 else t.numpy()
+            arr = arr[..., None] if arr.ndim == 2 else arr
+            images.append(augment_array(arr, self.augment, rng) if self.augment.crop != "translate" else arr)
+            labels.append(int(label))
+        if self.augment.crop == "translate" or self.augment.crop == "none":
+            shapes = {a.shape for a in images}
+            if len(shapes) > 1:
+                raise ValueError(f"{self.source.name} returned images of different sizes {sorted(shapes)[:3]}; "
+                                 f"use a recipe with a resizing crop (Augmentation.imagenet_eval())")
+            batch = np.stack(images)
+            if self.augment.crop == "translate":
+                batch = augment_batch(batch, self.augment, rng)
+        else:
+            batch = np.stack(images)
+        return torch.from_numpy(np.ascontiguousarray(batch)), torch.tensor(labels, dtype=torch.int64), 0
+
+
+class JobSampler(Sampler):
+    """Yields the current epoch's jobs. One object for the DataLoader's lifetime, so persistent workers
+    keep running between epochs; ``jobs`` is replaced before each epoch."""
+
+    def __init__(self):
+        self.jobs: list = []
+
+    def __iter__(self):
+        return iter(self.jobs)
+
+    def __len__(self):
+        return len(self.jobs)
+
+
+class TorchLoader(Loader):
+    """Multi-worker DataLoader backend.
+
+    Options:
+        prefetch_factor: batches each worker prepares ahead (default 2).
+        persistent_workers: keep workers alive between epochs (default True; forking them anew each
+            epoch costs seconds with large sources).
+        timeout: seconds to wait for a worker's batch before raising (default 0: no limit; a dead worker
+            is detected regardless).
+        multiprocessing_context: 'fork', 'spawn' or 'forkserver' (default: the platform's).
+    """
+
+    name = "torch"
+    kinds = ("array", "files", "dataset")
+    options = {"prefetch_factor": 2, "persistent_workers": True, "timeout": 0,
+               "multiprocessing_context": None}
+
+    def __init__(self, source, config, **options):
+        super().__init__(source, config, **options)
+        self.fetcher = BatchFetcher(source, self.augment, config.on_error)
+        self._sampler = JobSampler()
+        workers = config.num_workers
+        pf = self.opts["prefetch_factor"]
+        if workers and (not isinstance(pf, int) or pf < 1):
+            raise ValueError(f"prefetch_factor must be an integer >= 1, got {pf!r}")
+        self.pin = self.device.type == "cuda"
+        self._loader = DataLoader(
+            self.fetcher, batch_size=None, sampler=self._sampler, num_workers=workers,
+            pin_memory=self.pin, pin_memory_device=str(self.device) if self.pin else "",
+            persistent_workers=bool(workers and self.opts["persistent_workers"]),
+            prefetch_factor=pf if workers else None, timeout=self.opts["timeout"],
+            multiprocessing_context=self.opts["multiprocessing_context"] if workers else None)
+
+    def host_batches(self, epoch, batches, start):
+        """uint8 (images, labels) batches in host memory (pinned on CUDA), in order; counts skips."""
+        self._sampler.jobs = [(ids, self.plan.batch_seed(epoch, start + k)) for k, ids in enumerate(batches)]
+        for images, labels, skipped in self._loader:
+            self.skipped += skipped
+            yield images, labels
+
+    def _epoch(self, epoch, batches, start):
+        # non_blocking: from pinned memory the copy is asynchronous, so the host goes on to the next
+        # batch while the copy runs; normalization is queued on the same stream after the copy.
+        for images, labels in self.host_batches(epoch, batches, start):
+            images = images.to(self.device, non_blocking=self.pin)
+            labels = labels.to(self.device, non_blocking=self.pin)
+            yield self.normalize(images), labels
+
+    def close(self):
+        it = getattr(self._loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()  # persistent workers otherwise live until garbage collection
+        self._loader._iterator = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

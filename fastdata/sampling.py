@@ -1,0 +1,89 @@
+"""The order of an epoch: which sample ids each rank reads, in which batches.
+
+All backends draw their batches from here, so order, sharding, drop_last and resume behave the same
+whichever backend runs. The order of epoch ``e`` is a pure function of ``(seed, e)``: a resumed run,
+another rank, or a rerun computes the same permutation without any saved RNG state.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def distributed_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world_size): explicit values, else torch.distributed, else torchrun's env vars, else (0, 1)."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        r, w = dist.get_rank(), dist.get_world_size()
+    else:
+        r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return (r if rank is None else rank), (w if world_size is None else world_size)
+
+
+def seed_for(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (seed, epoch, batch, ...); stable across runs and platforms."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Batches of sample ids for one rank.
+
+    With ``drop_last=True`` every rank gets ``N // (world * batch)`` full batches; the rest of the
+    permutation is not read this epoch (a new permutation next epoch reaches it).
+    With ``drop_last=False`` every sample is read exactly once across ranks: the final global step's
+    remainder is split as evenly as possible, so every rank has the same number of batches and at most
+    the last one is smaller (it is empty on a rank only when fewer samples than ranks remain).
+    """
+
+    num_samples: int
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self):
+        if self.num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {self.num_samples}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.global_batch
+        return -(-self.num_samples // self.global_batch)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        return np.random.default_rng(seed_for(self.seed, epoch)).permutation(self.num_samples).astype(np.int64)
+
+    def batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
+        """This rank's batches of epoch ``epoch``, from batch ``start`` on (resume skips, never decodes)."""
+        n_batches = len(self)
+        if not 0 <= start <= n_batches:
+            raise ValueError(f"start batch {start} is outside [0, {n_batches}]")
+        perm = self.order(epoch)
+        out = []
+        for b in range(start, n_batches):
+            step = perm[b * self.global_batch:(b + 1) * self.global_batch]
+            if len(step) == self.global_batch:
+                out.append(step[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+            else:  # the partial last step (drop_last=False): split evenly over the ranks
+                out.append(np.array_split(step, self.world_size)[self.rank])
+        return out
+
+    def batch_seed(self, epoch: int, batch: int) -> int:
+        """Seed of the random augmentation of one batch: independent of workers, threads and resume."""
+        return seed_for(self.seed, epoch, batch, self.rank, 0x5EED)

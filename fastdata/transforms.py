@@ -1,0 +1,205 @@
+"""CPU-side sample preparation: decoding with named errors, and the recipe written with PIL operations.
+
+Everything here returns uint8 HWC arrays: float conversion and normalization happen once per batch on
+the device (a float sample is 4x the bytes to collate, pin and copy). Random parameters come from a
+numpy Generator passed in, seeded per batch, so the result does not depend on which worker ran it.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from .config import Augmentation
+from .errors import DecodeError
+
+_FORMAT_OF_EXT = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG"}
+_EXIF_ORIENTATION = 0x0112
+
+
+def open_image(path) -> Image.Image:
+    """Open (header only) and check an image; any failure becomes a DecodeError naming the file."""
+    path = str(path)
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns between 1x and 2x its pixel limit and raises above; both are refused here.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(path)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise DecodeError(path, f"decompression-bomb limit: {e}") from None
+    except FileNotFoundError:
+        raise DecodeError(path, "file not found") from None
+    except Exception as e:  # UnidentifiedImageError, OSError, SyntaxError from broken headers
+        size = _size_or_none(path)
+        why = "empty file (0 bytes)" if size == 0 else f"not a readable image ({type(e).__name__}: {e})"
+        raise DecodeError(path, why) from None
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and img.width * img.height > limit:
+        img.close()
+        raise DecodeError(path, f"{img.width}x{img.height} pixels exceeds the decompression-bomb limit "
+                                f"of {limit} pixels (PIL.Image.MAX_IMAGE_PIXELS)")
+    ext = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    expected = _FORMAT_OF_EXT.get(ext)
+    if expected and img.format != expected:
+        fmt = img.format
+        img.close()
+        raise DecodeError(path, f"file holds {fmt} data but is named {ext} (expected {expected})")
+    return img
+
+
+def _size_or_none(path):
+    import os
+
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any mode → RGB: greyscale and CMYK converted, alpha dropped, 16-bit scaled (not clipped) to 8."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        arr = np.asarray(img)
+        # 16-bit data spans 0..65535; Pillow's own convert clips at 255, which whitens the image.
+        top = 65535 if img.mode.startswith("I;16") or arr.max() > 255 else 255
+        img = Image.fromarray((arr.astype(np.float32) * (255.0 / top) + 0.5).clip(0, 255).astype(np.uint8))
+    elif img.mode == "P":
+        img = img.convert("RGBA")  # via RGBA: a palette with transparency converts without a warning
+    return img.convert("RGB")
+
+
+def exif_orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(_EXIF_ORIENTATION, 1) or 1)
+    except Exception:  # a broken EXIF block does not make the pixels unreadable
+        return 1
+
+
+def rrc_params(rng: np.random.Generator, height: int, width: int, scale, ratio) -> tuple[float, float, float, float]:
+    """RandomResizedCrop's box (top, left, h, w), torchvision's algorithm: 10 tries, then a center crop."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return top, left, h, w
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def center_params(height: int, width: int, size: int, resize: int | None) -> tuple[float, float, float, float]:
+    """Box (top, left, h, w) in source pixels equal to 'resize shorter side, then center-crop size'."""
+    scale = (resize or size) / min(height, width)
+    side_h, side_w = size / scale, size / scale
+    return (height - side_h) / 2, (width - side_w) / 2, side_h, side_w
+
+
+def _clamp_box(left, top, bw, bh, width, height):
+    """PIL box (l, t, r, b) inside the image: float rounding must not push an edge a hair outside."""
+    return (max(0.0, left), max(0.0, top), min(float(width), left + bw), min(float(height), top + bh))
+
+
+def sample_box(aug: Augmentation, rng: np.random.Generator, height: int, width: int):
+    """(box (top, left, h, w) or None, flip) for one sample, drawn in a fixed order from ``rng``."""
+    if aug.crop == "random_resized":
+        box = rrc_params(rng, height, width, aug.scale, aug.ratio)
+    elif aug.crop == "center":
+        box = center_params(height, width, aug.size, aug.resize)
+    else:
+        box = None
+    flip = bool(aug.hflip > 0 and rng.random() < aug.hflip)
+    return box, flip
+
+
+def load_photo(path, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
+    """Decode one file and apply the recipe; returns uint8 (H, W, 3).
+
+    ``Image.draft`` lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop will be shrunk anyway:
+    the IDCT then skips the detail that the resize would throw away, which is most of the decode time
+    for ImageNet-sized photos and 224 crops.
+    """
+    img = open_image(path)
+    try:
+        orientation = exif_orientation(img)
+        swap = orientation in (5, 6, 7, 8)
+        width, height = (img.height, img.width) if swap else img.size
+        box, flip = sample_box(aug, rng, height, width)
+        if box is not None and orientation == 1 and img.format == "JPEG":
+            top, left, bh, bw = box
+            out = aug.size
+            # Ask for the smallest scale that keeps the crop at least `out` pixels on each side.
+            want = (max(1, math.ceil(width * out / bw)), max(1, math.ceil(height * out / bh)))
+            if want[0] < width and want[1] < height:
+                img.draft("RGB", want)
+        try:
+            img.load()
+        except Exception as e:
+            raise DecodeError(path, f"{type(e).__name__}: {e}") from None
+        if orientation != 1:
+            img = ImageOps.exif_transpose(img)
+        img = to_rgb(img)
+        if box is not None:
+            fx, fy = img.width / width, img.height / height  # draft may have shrunk the image
+            top, left, bh, bw = box
+            img = img.resize((aug.size, aug.size), Image.BILINEAR,
+                             box=_clamp_box(left * fx, top * fy, bw * fx, bh * fy, img.width, img.height))
+        if flip:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        return np.asarray(img)
+    finally:
+        img.close()
+
+
+def augment_array(image: np.ndarray, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
+    """The recipe for one decoded uint8 (H, W, C) array (PIL path for the resizing crops)."""
+    if aug.crop in ("random_resized", "center"):
+        h, w, c = image.shape
+        box, flip = sample_box(aug, rng, h, w)
+        top, left, bh, bw = box
+        img = Image.fromarray(image[..., 0] if c == 1 else image)
+        img = img.resize((aug.size, aug.size), Image.BILINEAR, box=_clamp_box(left, top, bw, bh, w, h))
+        if flip:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        out = np.asarray(img)
+        return out[..., None] if out.ndim == 2 else out
+    return augment_batch(image[None], aug, rng)[0]
+
+
+def translate_offsets(rng: np.random.Generator, n: int, pad: int) -> np.ndarray:
+    """(n, 2) crop offsets (dy, dx) in [0, 2*pad]: the shift is offset - pad."""
+    return rng.integers(0, 2 * pad + 1, size=(n, 2))
+
+
+def augment_batch(images: np.ndarray, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
+    """Translate / flip a whole (N, H, W, C) uint8 batch with array ops (no per-sample Python)."""
+    n, h, w, _ = images.shape
+    if aug.crop == "translate":
+        p = aug.pad
+        off = translate_offsets(rng, n, p)
+        padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)))
+        rows = off[:, 0, None] + np.arange(h)            # (n, h)
+        cols = off[:, 1, None] + np.arange(w)            # (n, w)
+        images = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    elif aug.crop != "none":
+        return np.stack([augment_array(im, aug, rng) for im in images])
+    if aug.hflip > 0:
+        flip = rng.random(n) < aug.hflip
+        if flip.any():
+            images = images.copy() if not images.flags.writeable else images
+            images[flip] = images[flip, :, ::-1]
+    return images

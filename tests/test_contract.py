@@ -1,0 +1,206 @@
+"""The batch contract, held against every backend by the same tests."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import BACKENDS, DEVICES, decode_ids, indexed_source, label_of
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ImageFolder, SyntheticDigits
+
+NONE = Augmentation.none()
+
+
+def epoch_ids(loader):
+    batches = [(decode_ids(x), y.cpu().numpy()) for x, y in loader]
+    return batches
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batches_honour_the_contract(backend, device):
+    src = indexed_source(1000)
+    loader = make_loader(src, backend, batch_size=128, device=device, train=False, num_workers=2)
+    assert len(loader) == 8  # ceil(1000 / 128): evaluation keeps the partial batch
+    n_batches, seen = 0, []
+    for images, labels in loader:
+        n_batches += 1
+        assert images.dtype == torch.float32 and labels.dtype == torch.int64
+        assert images.device.type == device and labels.device.type == device
+        assert images.shape[1:] == (1, 8, 8) and labels.shape == (images.shape[0],)
+        ids = decode_ids(images)
+        np.testing.assert_array_equal(labels.cpu().numpy(), label_of(ids))
+        seen.append(ids)
+    assert n_batches == len(loader)
+    seen = np.concatenate(seen)
+    np.testing.assert_array_equal(np.sort(seen), np.arange(1000))  # every sample exactly once
+    np.testing.assert_array_equal(seen, np.arange(1000))             # evaluation: in order
+    # The constant gradient part is normalized with the source's mean/std: values are exact.
+    ref = (torch.linspace(40, 200, 64).to(torch.uint8).float().view(8, 8) / 255 - 0.5) / 0.25
+    torch.testing.assert_close(images[0, 0, 1:].cpu(), ref[1:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shuffled_epochs_cover_each_sample_once_and_follow_the_seed(backend):
+    src = indexed_source(1000)
+    kw = dict(batch_size=100, device="cpu", shuffle=True, drop_last=False, augment=NONE, num_workers=2, seed=3)
+    a = make_loader(src, backend, **kw)
+    e0 = np.concatenate([ids for ids, _ in epoch_ids(a)])
+    e1 = np.concatenate([ids for ids, _ in epoch_ids(a)])
+    for e in (e0, e1):
+        np.testing.assert_array_equal(np.sort(e), np.arange(1000))
+    assert not np.array_equal(e0, e1), "the next epoch must be a new order"
+    assert not np.array_equal(e0, np.arange(1000)), "shuffle=True must shuffle"
+    b = make_loader(src, backend, **kw)
+    np.testing.assert_array_equal(np.concatenate([ids for ids, _ in epoch_ids(b)]), e0)  # same seed
+    b.set_epoch(1)
+    np.testing.assert_array_equal(np.concatenate([ids for ids, _ in epoch_ids(b)]), e1)
+    c = make_loader(src, backend, **{**kw, "seed": 4})
+    assert not np.array_equal(np.concatenate([ids for ids, _ in epoch_ids(c)]), e0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drop_last_yields_full_batches_only(backend):
+    loader = make_loader(indexed_source(1000), backend, batch_size=128, device="cpu", augment=NONE,
+                         num_workers=0)
+    assert loader.config.drop_last  # training default
+    sizes = [len(y) for _, y in loader]
+    assert sizes == [128] * 7 and len(loader) == 7
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtype_and_channels_last(backend, dtype):
+    src = indexed_source(64, size=8, channels=3)
+    loader = make_loader(src, backend, batch_size=32, device="cpu", dtype=dtype, channels_last=True,
+                         augment=NONE, num_workers=0)
+    images, _ = next(iter(loader))
+    assert images.dtype == dtype and images.shape == (32, 3, 8, 8)
+    assert images.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_continues_with_the_remaining_batches(backend):
+    src = indexed_source(640)
+    kw = dict(batch_size=64, device="cpu", seed=5, num_workers=2)
+    full = make_loader(src, backend, **kw)
+    reference = [decode_ids(x) for x, _ in full]           # epoch 0, uninterrupted (training aug on)
+    for k in (0, 1, 4, len(full) - 1):
+        a = make_loader(src, backend, **kw)
+        it = iter(a)
+        for _ in range(k):
+            next(it)
+        state = a.state_dict()
+        assert (state["epoch"], state["batch"]) == (0, k)
+        b = make_loader(src, backend, **kw)
+        b.load_state_dict(state)
+        rest = [decode_ids(x) for x, _ in b]
+        assert len(rest) == len(full) - k
+        for got, want in zip(rest, reference[k:]):
+            np.testing.assert_array_equal(got, want)
+    # a finished epoch saves as the start of the next one
+    assert full.state_dict()["epoch"] == 1 and full.state_dict()["batch"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_refuses_a_different_batch_size_or_world_size(backend):
+    src = indexed_source(640)
+    a = make_loader(src, backend, batch_size=64, device="cpu", num_workers=0)
+    state = a.state_dict()
+    with pytest.raises(ValueError, match="batch_size was 64 and is now 32"):
+        make_loader(src, backend, batch_size=32, device="cpu", num_workers=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="world_size was 1 and is now 2"):
+        make_loader(src, backend, batch_size=64, device="cpu", num_workers=0, rank=0,
+                    world_size=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_shards_are_disjoint_covering_and_equal_in_length(backend, world, drop_last):
+    n = 1000
+    per_rank = []
+    for rank in range(world):
+        loader = make_loader(indexed_source(n), backend, batch_size=64, device="cpu", augment=NONE,
+                             drop_last=drop_last, rank=rank, world_size=world, num_workers=0, seed=1)
+        batches = [decode_ids(x) for x, _ in loader]
+        assert len(batches) == len(loader)
+        per_rank.append(batches)
+    assert len({len(b) for b in per_rank}) == 1, "every rank must run the same number of steps"
+    ids = np.concatenate([np.concatenate(b) for b in per_rank])
+    assert len(ids) == len(set(ids.tolist())), "shards overlap"
+    if drop_last:
+        assert len(ids) == (n // (64 * world)) * 64 * world
+    else:
+        np.testing.assert_array_equal(np.sort(ids), np.arange(n))
+
+
+def mean_image(loader, epochs=1):
+    total, count = 0.0, 0
+    for _ in range(epochs):
+        for x, _ in loader:
+            total = total + x.float().sum(0)
+            count += len(x)
+    return total / count
+
+
+def test_augmentation_statistics_agree_across_backends():
+    """Digit translation: each backend's average augmented image matches the others' far better than it
+    matches the unaugmented average (which a missing or different augmentation would match)."""
+    src = SyntheticDigits(3000, seed=2)
+    plain = mean_image(make_loader(src, "torch", batch_size=250, device="cpu", augment=NONE, num_workers=0))
+    means = {b: mean_image(make_loader(src, b, batch_size=250, device="cpu", num_workers=0), epochs=2)
+             for b in BACKENDS}
+    ref = means["torch"]
+    gap_to_plain = (ref - plain).abs().mean()
+    assert gap_to_plain > 0.02
+    for b, m in means.items():
+        assert (m - ref).abs().mean() < 0.35 * gap_to_plain, b
+
+
+def test_photo_recipes_agree_across_backends(photo_folder):
+    """Photos: evaluation crops of the same files agree closely; training crops have the same statistics."""
+    src = ImageFolder(photo_folder)
+    evals = {b: torch.cat([x for x, _ in make_loader(src, b, batch_size=6, train=False, device="cpu",
+                                                     num_workers=0)]) for b in BACKENDS}
+    for b, x in evals.items():
+        assert x.shape == (18, 3, 224, 224)
+        # memory crops 224 out of a 256-square cache (two resamplings); torch resizes the box once.
+        assert (x - evals["torch"]).abs().mean() < 0.05, b
+    for b in BACKENDS:
+        loader = make_loader(src, b, batch_size=6, device="cpu", num_workers=0)
+        x = torch.cat([x for _ in range(3) for x, _ in loader])
+        assert x.shape == (54, 3, 224, 224)
+        # Random crops zoom in: their pixel statistics stay those of the photos (|mean diff| small) but
+        # individual crops differ from the evaluation crops.
+        assert abs(x.mean() - evals["torch"].mean()) < 0.15, b
+        assert (x[:18] - evals["torch"]).abs().mean() > 0.1, b
+
+
+def test_normalization_statistics_of_digits():
+    src = SyntheticDigits(2000, seed=1)
+    for b in BACKENDS:
+        x = torch.cat([x for x, _ in make_loader(src, b, batch_size=500, train=False, device="cpu",
+                                                 num_workers=0)])
+        assert abs(x.mean().item()) < 0.02 and abs(x.std().item() - 1) < 0.02, b
+
+
+def test_torch_dataset_source_works_with_torch_backends():
+    from PIL import Image
+
+    class Pils(torch.utils.data.Dataset):
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return Image.fromarray(np.full((12, 10, 3), i, np.uint8)), i % 4
+
+    for b in ("torch", "prefetch", "auto"):
+        loader = make_loader(Pils(), b, batch_size=8, train=False, device="cpu", num_workers=2,
+                             mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+        xs, ys = zip(*loader)
+        x, y = torch.cat(xs), torch.cat(ys)
+        assert x.shape == (40, 3, 12, 10)
+        np.testing.assert_array_equal(torch.round(x[:, 0, 0, 0] * 255).long().numpy(), np.arange(40))
+        np.testing.assert_array_equal(y.numpy(), np.arange(40) % 4)
