@@ -1,0 +1,292 @@
+"""The dali backend on CPU (CI has no GPU): the contract, agreement with the torch backend, errors.
+
+The CUDA test at the end runs the nvJPEG ("mixed") path where a GPU exists.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nvidia.dali.plugin.pytorch", reason="the dali backend needs nvidia-dali-cuda120")
+
+from fastdata import make_loader  # noqa: E402
+from fastdata.config import Augmentation  # noqa: E402
+from fastdata.datasets import ArraySource, ImageFolder  # noqa: E402
+from fastdata.errors import DecodeError  # noqa: E402
+from fastdata.sampling import EpochPlan  # noqa: E402
+
+from conftest import MEAN, STD, decode_ids, indexed_source, label_of  # noqa: E402
+
+NONE = Augmentation.none()
+
+
+def dali(source, **kw):
+    kw.setdefault("device", "cpu")
+    return make_loader(source, backend="dali", **kw)
+
+
+def torch_loader(source, **kw):
+    kw.setdefault("device", "cpu")
+    kw.setdefault("num_workers", 0)
+    return make_loader(source, backend="torch", **kw)
+
+
+def epoch_ids(loader):
+    return [decode_ids(x) for x, _ in loader]
+
+
+# ---------------------------------------------------------------------------------------- contract
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batches_shape_dtype_layout_labels(dtype, channels_last):
+    src = indexed_source(200, size=8, channels=3)
+    loader = dali(src, batch_size=64, train=False, augment=NONE, dtype=dtype, channels_last=channels_last)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 4
+    for x, y in batches:
+        assert x.device.type == "cpu" and y.device.type == "cpu"
+        assert x.dtype == dtype and x.shape[1:] == (3, 8, 8)
+        assert y.dtype == torch.int64 and y.shape == (x.shape[0],)
+        assert x.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        np.testing.assert_array_equal(y.numpy(), label_of(decode_ids(x)))
+    assert [len(y) for _, y in batches] == [64, 64, 64, 8]
+
+
+def test_normalization_matches_formula():
+    src = indexed_source(64, size=8)
+    (x, _), = list(dali(src, batch_size=64, train=False, augment=NONE))
+    raw = torch.from_numpy(src.images).permute(0, 3, 1, 2).float()
+    expected = (raw / 255 - MEAN[0]) / STD[0]
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=0)
+
+
+def test_every_sample_once_in_the_plans_order():
+    src = indexed_source(1000)
+    loader = dali(src, batch_size=64, train=True, shuffle=True, drop_last=False, augment=NONE, seed=11)
+    got = epoch_ids(loader)
+    plan = EpochPlan(1000, 64, True, False, 11)
+    assert len(got) == len(loader) == len(plan) == 16
+    assert [len(g) for g in got] == [64] * 15 + [40]
+    for g, want in zip(got, plan.batches(0)):  # the same order as every other backend
+        np.testing.assert_array_equal(g, want)
+    assert sorted(np.concatenate(got).tolist()) == list(range(1000))
+
+
+def test_drop_last_gives_full_batches():
+    src = indexed_source(1000)
+    loader = dali(src, batch_size=64, train=True, augment=NONE)
+    got = epoch_ids(loader)
+    assert len(got) == len(loader) == 15 and all(len(g) == 64 for g in got)
+    assert len(np.unique(np.concatenate(got))) == 15 * 64
+
+
+def test_seed_epoch_and_set_epoch():
+    src = indexed_source(300)
+    a = dali(src, batch_size=50, train=True, augment=NONE, seed=3)
+    b = dali(src, batch_size=50, train=True, augment=NONE, seed=3)
+    e0a, e0b = np.concatenate(epoch_ids(a)), np.concatenate(epoch_ids(b))
+    np.testing.assert_array_equal(e0a, e0b)                       # same seed, same order
+    e1 = np.concatenate(epoch_ids(a))                              # iter() again = next epoch
+    assert not np.array_equal(e0a, e1) and sorted(e0a) == sorted(e1)
+    a.set_epoch(0)
+    np.testing.assert_array_equal(np.concatenate(epoch_ids(a)), e0a)
+    c = dali(src, batch_size=50, train=True, augment=NONE, seed=4)
+    assert not np.array_equal(np.concatenate(epoch_ids(c)), e0a)
+
+
+def test_abandoned_epoch_then_fresh_epochs():
+    # Breaking out leaves prefetched batches inside DALI; the next iter() must not see them.
+    src = indexed_source(640)
+    loader = dali(src, batch_size=64, train=True, augment=NONE, seed=2, prefetch_queue_depth=3)
+    for _ in zip(range(2), loader):
+        pass
+    plan = EpochPlan(640, 64, True, True, 2)
+    for epoch in (1, 2):
+        got = epoch_ids(loader)
+        assert len(got) == 10
+        for g, want in zip(got, plan.batches(epoch)):
+            np.testing.assert_array_equal(g, want)
+
+
+def test_resume_gives_exactly_the_remaining_batches():
+    src = indexed_source(700)
+    kw = dict(batch_size=64, train=True, drop_last=False, augment=Augmentation.digits_train(), seed=9)
+    full = dali(src, **kw)
+    list(full)                                   # epoch 0
+    want = [(x.clone(), y.clone()) for x, y in full]  # epoch 1, uninterrupted
+    first = dali(src, **kw)
+    list(first)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    state = first.state_dict()
+    assert (state["epoch"], state["batch"]) == (1, 4)
+    resumed = dali(src, **kw)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == len(want) - 4
+    for (x, y), (wx, wy) in zip(rest, want[4:]):
+        torch.testing.assert_close(x, wx, rtol=0, atol=0)  # same ids *and* same random shifts
+        assert torch.equal(y, wy)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shards_disjoint_covering_equal_counts(world, drop_last):
+    n = 1003
+    src = indexed_source(n)
+    shards = [epoch_ids(dali(src, batch_size=32, train=True, drop_last=drop_last, augment=NONE,
+                             rank=r, world_size=world, seed=5)) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1          # every rank steps the same number of times
+    ids = [np.concatenate(s) for s in shards]
+    allids = np.concatenate(ids)
+    assert len(np.unique(allids)) == len(allids)       # disjoint
+    if drop_last:
+        assert len(allids) == (n // (32 * world)) * 32 * world
+    else:
+        assert sorted(allids.tolist()) == list(range(n))  # covering
+
+
+def test_empty_last_batch_on_a_rank():
+    # 13 samples, 3 ranks x 4: the last step has 1 sample, so ranks 1 and 2 get an empty last batch.
+    src = indexed_source(13)
+    batches = list(dali(src, batch_size=4, train=False, augment=NONE, rank=2, world_size=3))
+    assert [tuple(x.shape) for x, _ in batches] == [(4, 1, 8, 8), (0, 1, 8, 8)]
+    assert batches[1][1].shape == (0,) and batches[1][1].dtype == torch.int64
+
+
+# ------------------------------------------------------------------- augmentation vs the torch backend
+def test_translation_equals_torch_backend_and_shift_statistics():
+    # One bright pixel in the middle: its position in the output is the shift of that sample.
+    n, size = 4000, 11
+    images = np.zeros((n, size, size), np.uint8)
+    images[:, 5, 5] = 255
+    src = ArraySource(images, np.arange(n) % 10, mean=(0.0,), std=(1.0,), digits=True)
+    kw = dict(batch_size=250, train=True, seed=7)     # digits_train: shifts of up to ±2 px
+    d = torch.cat([x for x, _ in dali(src, **kw)])
+    t = torch.cat([x for x, _ in torch_loader(src, **kw)])
+    # The shifts are drawn from the same per-batch seed with the same helper: identical pixels.
+    torch.testing.assert_close(d, t, rtol=0, atol=1e-6)
+
+    flat = d[:, 0].reshape(len(d), -1).argmax(1)
+    dy, dx = (flat // size - 5).numpy(), (flat % size - 5).numpy()
+    assert (d[:, 0].reshape(len(d), -1).amax(1) > 0.99).all()  # the pixel never leaves a ±2 shift
+    counts = np.zeros((5, 5))
+    np.add.at(counts, (dy + 2, dx + 2), 1)
+    expected = len(d) / 25                        # uniform over the 25 shifts
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 52.6, f"shift histogram not uniform (chi2={chi2:.1f} > 99.9% quantile, 24 dof)"
+
+
+def test_translation_fills_with_zeros():
+    src = ArraySource(np.full((64, 8, 8), 255, np.uint8), np.zeros(64, np.int64), mean=(0.0,), std=(1.0,))
+    x = torch.cat([x for x, _ in dali(src, batch_size=64, train=True, augment=Augmentation(crop="translate", pad=3))])
+    zeros_per_image = (x[:, 0] == 0).sum((1, 2))
+    assert (x[:, 0] > 0.99).sum() > 0 and (zeros_per_image > 0).float().mean() > 0.5
+    assert set(torch.unique(x).tolist()) <= {0.0, 1.0}
+
+
+# ------------------------------------------------------------------------------------ image folders
+def test_eval_pixels_agree_with_torch_backend(photo_folder):
+    """Tolerance, in 0..255 pixel levels: mean |diff| < 0.5, 99th percentile <= 2, max <= 8.
+
+    Both backends decode with libjpeg-turbo-class IDCTs (DALI through nvImageCodec, the torch backend
+    through PIL, which may also use ``Image.draft``'s DCT-domain downscale) and resize the same box
+    with an antialiased linear filter (DALI's ``fn.resize`` vs PIL's BILINEAR with ``box``). Their
+    rounding differs by about one level on a minority of pixels (measured: mean 0.17, p99 1, max 1);
+    a wrong box, a half-pixel shift, a flip or the wrong normalization shows up as tens of levels.
+    """
+    src = ImageFolder(photo_folder)
+    d_loader, t_loader = dali(src, batch_size=8, train=False), torch_loader(src, batch_size=8, train=False)
+    d, dl = map(torch.cat, zip(*d_loader))
+    t, tl = map(torch.cat, zip(*t_loader))
+    assert d.shape == t.shape == (18, 3, 224, 224) and torch.equal(dl, tl)
+    std = torch.tensor(src.std).view(1, 3, 1, 1)
+    diff = ((d - t) * std * 255).abs()
+    assert diff.mean() < 0.5
+    assert diff.flatten().kthvalue(int(0.99 * diff.numel())).values <= 2.0
+    assert diff.max() <= 8.0
+
+
+def test_train_crops_follow_the_shared_recipe(photo_folder):
+    # The crop boxes and flips come from the same seeded draws as the torch backend's, so even the
+    # random training crops agree to a few levels on average.
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=6, train=True, seed=4)
+    d = torch.cat([x for x, _ in dali(src, **kw)])
+    t = torch.cat([x for x, _ in torch_loader(src, **kw)])
+    assert d.shape == t.shape == (18, 3, 224, 224)
+    std = torch.tensor(src.std).view(1, 3, 1, 1)
+    per_image = ((d - t) * std * 255).abs().mean((1, 2, 3))
+    assert per_image.max() < 3.0, per_image
+    again = torch.cat([x for x, _ in dali(src, **kw)])
+    assert torch.equal(d, again)
+
+
+def test_files_need_a_resizing_crop(photo_folder):
+    with pytest.raises(ValueError, match="random_resized"):
+        dali(ImageFolder(photo_folder), batch_size=4, augment=Augmentation(crop="translate", pad=2))
+
+
+def _broken_folder(tmp_path, photo_folder, damage):
+    root = tmp_path / "broken"
+    shutil.copytree(photo_folder, root)
+    bad = root / "class_001" / "img_00002.jpg"
+    data = bad.read_bytes()
+    bad.write_bytes(damage(data))
+    return root, bad
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b""], ids=["truncated", "empty"])
+def test_broken_jpeg_raises_naming_the_file_and_loader_stays_usable(tmp_path, photo_folder, damage):
+    root, bad = _broken_folder(tmp_path, photo_folder, damage)
+    loader = dali(ImageFolder(root), batch_size=4, train=False)
+    for _ in range(2):  # the second iter() builds a fresh pipeline and fails the same clear way
+        with pytest.raises(DecodeError, match=str(bad.name)) as err:
+            list(loader)
+        assert str(bad) in str(err.value)
+
+
+def test_broken_jpeg_skipped_and_counted(tmp_path, photo_folder):
+    root, bad = _broken_folder(tmp_path, photo_folder, lambda b: b[: len(b) // 2])
+    loader = dali(ImageFolder(root), batch_size=4, train=False, on_error="skip")
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match="skipped 1"):
+            batches = list(loader)
+        assert len(batches) == len(loader) == 5
+        assert sum(len(y) for _, y in batches) == 17 and loader.skipped == 1
+
+
+# -------------------------------------------------------------------------------------------- options
+def test_options():
+    src = indexed_source(64)
+    loader = dali(src, batch_size=32, num_workers=1, train=False)
+    assert loader.num_threads == 1 and loader.prefetch_queue_depth == 2
+    assert dali(src, batch_size=32, num_threads=3, prefetch_queue_depth=1).num_threads == 3
+    with pytest.raises(ValueError, match="prefetch_queue_depth"):
+        dali(src, batch_size=32, prefetch_queue_depth=0)
+    with pytest.raises(TypeError, match="unknown option"):
+        dali(src, batch_size=32, workers=2)
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the mixed (nvJPEG) path needs a CUDA GPU")
+def test_mixed_device_path_matches_cpu(photo_folder):
+    src = ImageFolder(photo_folder)
+    gpu = list(make_loader(src, backend="dali", device="cuda", batch_size=8, train=False))
+    cpu = list(dali(src, batch_size=8, train=False))
+    assert len(gpu) == len(cpu)
+    for (gx, gy), (cx, cy) in zip(gpu, cpu):
+        assert gx.is_cuda and gy.is_cuda and gx.dtype == torch.float32 and gy.dtype == torch.int64
+        assert torch.equal(gy.cpu(), cy)
+        # nvJPEG's IDCT and upsampling differ from libjpeg-turbo's by a level or two.
+        diff = ((gx.cpu() - cx) * torch.tensor(src.std).view(1, 3, 1, 1) * 255).abs()
+        assert diff.mean() < 1.5 and diff.max() <= 16
+    digits = indexed_source(300)
+    got = [decode_ids(x) for x, _ in make_loader(digits, backend="dali", device="cuda", batch_size=64,
+                                                   train=False, augment=NONE)]
+    assert sorted(np.concatenate(got).tolist()) == list(range(300))
