@@ -103,10 +103,20 @@ def rrc_params(rng: np.random.Generator, height: int, width: int, scale, ratio) 
 
 
 def center_params(height: int, width: int, size: int, resize: int | None) -> tuple[float, float, float, float]:
-    """Box (top, left, h, w) in source pixels equal to 'resize shorter side, then center-crop size'."""
-    scale = (resize or size) / min(height, width)
-    side_h, side_w = size / scale, size / scale
-    return (height - side_h) / 2, (width - side_w) / 2, side_h, side_w
+    """Box (top, left, h, w) in source pixels equal to torchvision's Resize(resize) + CenterCrop(size).
+
+    torchvision rounds the resized size and the crop offset to whole pixels; the box follows the same
+    integers, so one PIL resize of the box gives the same sampling positions and filter widths as
+    resizing the whole image and then cropping (a fractional box would shift by up to half a pixel).
+    """
+    resize = resize or size
+    if width <= height:
+        rw, rh = resize, int(resize * height / width)
+    else:
+        rw, rh = int(resize * width / height), resize
+    top, left = int(round((rh - size) / 2.0)), int(round((rw - size) / 2.0))
+    sy, sx = height / rh, width / rw
+    return top * sy, left * sx, size * sy, size * sx
 
 
 def _clamp_box(left, top, bw, bh, width, height):
@@ -154,7 +164,10 @@ def load_photo(path, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
             img = ImageOps.exif_transpose(img)
         img = to_rgb(img)
         if box is not None:
-            fx, fy = img.width / width, img.height / height  # draft may have shrunk the image
+            # draft shrinks by an exact power of two (1/2, 1/4, 1/8); the reduced size is rounded up
+            # to whole blocks, so img.width / width is not the scale (off by up to 3 source pixels).
+            reduction = 2 ** round(math.log2(width / img.width)) if img.width < width else 1
+            fx = fy = 1.0 / reduction
             top, left, bh, bw = box
             img = img.resize((aug.size, aug.size), Image.BILINEAR,
                              box=_clamp_box(left * fx, top * fy, bw * fx, bh * fy, img.width, img.height))

@@ -173,12 +173,13 @@ class Loader:
         """
         x = images.permute(0, 3, 1, 2)
         if not self.config.channels_last:
-            x = x.contiguous()
-        return self.normalize_float(x.float())
+            x = x.contiguous()  # the layout change is cheapest on uint8, before the float conversion
+        return self.normalize_float(x)
 
     def normalize_float(self, x: torch.Tensor) -> torch.Tensor:
-        """float (N, C, H, W) in 0..255 → normalized, in the configured dtype and memory format."""
-        x = torch.addcmul(self._shift, x, self._scale) if x.numel() else x
+        """(N, C, H, W) in 0..255 (uint8 or float) → normalized, in the configured dtype and layout."""
+        # uint8 * float32 promotes inside the multiply: one pass writes the float batch, one adds.
+        x = x.mul(self._scale).add_(self._shift) if x.numel() else x.float()
         if self.config.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x if self.config.dtype == torch.float32 else x.to(self.config.dtype)

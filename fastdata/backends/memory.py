@@ -56,6 +56,10 @@ def free_bytes(device: torch.device) -> int:
 def cache_bytes(source, config) -> int:
     """Bytes of the uint8 cache for ``source`` (new allocation only: an array on the CPU is shared)."""
     if source.kind == "array":
+        aug = config.augment if config.augment is not None else source.default_augmentation(config.train)
+        if aug.crop == "translate":  # kept pre-padded (see MemoryLoader), on any device
+            n, h, w, c = source.images.shape
+            return n * (h + 2 * aug.pad) * (w + 2 * aug.pad) * c
         return 0 if config.device.type == "cpu" else source.images.nbytes
     return len(source) * config.cache_size * config.cache_size * 3
 
@@ -91,6 +95,19 @@ class MemoryLoader(Loader):
             cache, labels = self._decode_files()
         self.cache = cache.to(self.device)
         self.labels = labels.to(self.device)
+        if self.augment.crop == "translate":
+            # Pad the cache once: then gathering a batch, padding it and cropping each sample at its
+            # offset is a single `take` of precomputed flat indices (measured on the CPU: ~3x faster
+            # than a gather, a pad and an advanced-indexing crop per batch).
+            p = self.augment.pad
+            self.cache = F.pad(self.cache, (0, 0, p, p, p, p))
+            n, hp, wp, c = self.cache.shape
+            h, w = hp - 2 * p, wp - 2 * p
+            dev = self.device
+            self._pixel = ((torch.arange(h, device=dev) * wp * c)[:, None, None]
+                           + (torch.arange(w, device=dev) * c)[None, :, None]
+                           + torch.arange(c, device=dev)[None, None, :])[None]      # (1, h, w, c)
+            self._strides = (hp * wp * c, wp * c, c)
         if self.kept is not None and len(self.kept) != len(source):
             # on_error="skip" dropped files at cache time: the epoch covers the decodable ones.
             self.plan = EpochPlan(len(self.kept), config.batch_size, config.shuffle, config.drop_last,
@@ -133,22 +150,19 @@ class MemoryLoader(Loader):
         for k, ids in enumerate(batches):
             rng = self.batch_rng(epoch, start + k)
             idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
-            yield self._augment(self.cache[idx], rng), self.labels[idx]
+            images = None if self.augment.crop == "translate" else self.cache[idx]
+            yield self._augment(images, rng, idx), self.labels[idx]
 
-    def _augment(self, x: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+    def _augment(self, x, rng: np.random.Generator, idx: torch.Tensor) -> torch.Tensor:
         """uint8 (N, H, W, C) batch on the device → normalized float (N, C, h, w)."""
-        aug, n = self.augment, x.shape[0]
+        aug = self.augment
         if aug.crop == "translate":
             # Same draws, same order as transforms.augment_batch: offsets, then flips.
-            p = aug.pad
-            off = torch.from_numpy(translate_offsets(rng, n, p)).to(self.device)
-            h, w = x.shape[1:3]
-            padded = F.pad(x, (0, 0, p, p, p, p))                       # NHWC: pad W and H
-            rows = off[:, 0, None] + torch.arange(h, device=self.device)
-            cols = off[:, 1, None] + torch.arange(w, device=self.device)
-            x = padded[torch.arange(n, device=self.device)[:, None, None], rows[:, :, None], cols[:, None, :]]
-            x = self._flip_nhwc(x, rng)
-            return self.normalize(x)
+            off = torch.from_numpy(translate_offsets(rng, len(idx), aug.pad)).to(self.device)
+            s_img, s_row, s_col = self._strides
+            start = idx * s_img + off[:, 0] * s_row + off[:, 1] * s_col
+            x = self.cache.view(-1).take(start[:, None, None, None] + self._pixel)
+            return self.normalize(self._flip_nhwc(x, rng))
         if aug.crop == "none":
             return self.normalize(self._flip_nhwc(x, rng))
         return self._resized_crops(x, rng)

@@ -1,0 +1,54 @@
+"""EpochPlan: the one place that decides order, shards and epoch length."""
+import numpy as np
+import pytest
+
+from fastdata.sampling import EpochPlan, distributed_info
+
+
+@pytest.mark.parametrize("n, b, world, drop_last, expected", [
+    (1000, 64, 1, True, 15), (1000, 64, 1, False, 16), (1000, 64, 3, True, 5), (1000, 64, 3, False, 6),
+    (64, 64, 1, True, 1), (63, 64, 1, True, 0), (63, 64, 1, False, 1),
+])
+def test_length(n, b, world, drop_last, expected):
+    plan = EpochPlan(n, b, True, drop_last, 0, 0, world)
+    assert len(plan) == expected
+    assert len(plan.batches(0)) == expected
+
+
+def test_order_is_a_function_of_seed_and_epoch():
+    a, b = EpochPlan(100, 10, True, False, 7), EpochPlan(100, 10, True, False, 7)
+    np.testing.assert_array_equal(a.order(3), b.order(3))
+    assert not np.array_equal(a.order(3), a.order(4))
+    assert not np.array_equal(a.order(3), EpochPlan(100, 10, True, False, 8).order(3))
+    np.testing.assert_array_equal(EpochPlan(100, 10, False, False, 7).order(5), np.arange(100))
+
+
+def test_resume_start_skips_whole_batches():
+    plan = EpochPlan(100, 10, True, True, 1)
+    full = plan.batches(2)
+    for k in (0, 3, 10):
+        rest = plan.batches(2, k)
+        assert len(rest) == 10 - k
+        for x, y in zip(rest, full[k:]):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="outside"):
+        plan.batches(0, 11)
+
+
+def test_partial_last_step_is_split_evenly_over_ranks():
+    # 70 samples, 3 ranks x 16: step 2 has 22 left → 8, 7, 7
+    sizes = [[len(b) for b in EpochPlan(70, 16, False, False, 0, r, 3).batches(0)] for r in range(3)]
+    assert sizes == [[16, 8], [16, 7], [16, 7]]
+
+
+def test_batch_seeds_differ_per_batch_epoch_and_rank():
+    p0, p1 = EpochPlan(100, 10, True, True, 1, 0, 2), EpochPlan(100, 10, True, True, 1, 1, 2)
+    seeds = {p0.batch_seed(e, b) for e in range(3) for b in range(5)} | {p1.batch_seed(0, 0)}
+    assert len(seeds) == 16
+
+
+def test_distributed_info_reads_torchrun_variables(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert distributed_info() == (2, 4)
+    assert distributed_info(rank=0, world_size=1) == (0, 1)
