@@ -51,3 +51,21 @@ def test_cache_lives_on_the_gpu():
     assert loader.cache.is_cuda
     x, y = next(iter(loader))
     assert x.is_cuda and y.is_cuda
+
+
+def test_uint8_path_when_the_normalized_cache_does_not_fit(monkeypatch):
+    """Digits are cached normalized when that fits; otherwise as uint8 (4x smaller) with the same output."""
+    import fastdata.backends.memory as memory
+
+    src = SyntheticDigits(1000, seed=5)
+    ready = make_loader(src, "memory", batch_size=100, device="cpu", seed=1)
+    assert ready.ready is not None and ready.ready.dtype == torch.float32
+    uint8_bytes = memory.cache_bytes(src, ready.config)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int(uint8_bytes * 2))
+    small = make_loader(src, "memory", batch_size=100, device="cpu", seed=1)
+    assert small.ready is None and small.cache.dtype == torch.uint8
+    ref = make_loader(src, "torch", batch_size=100, device="cpu", seed=1, num_workers=0)
+    for (a, ya), (b, yb), (c, yc) in zip(ready, small, ref):
+        torch.testing.assert_close(a, c, rtol=0, atol=1e-6)
+        torch.testing.assert_close(b, c, rtol=0, atol=1e-6)
+        assert torch.equal(ya, yc) and torch.equal(yb, yc)

@@ -6,7 +6,7 @@ import torch
 
 from conftest import indexed_source
 from fastdata import MissingDependency, available_backends, make_loader, registry
-from fastdata.datasets import SyntheticDigits
+from fastdata.datasets import ImageFolder, SyntheticDigits
 
 
 def test_unknown_backend_lists_the_choices():
@@ -58,3 +58,9 @@ def test_auto_falls_back_to_torch_when_the_cache_does_not_fit(monkeypatch, caplo
         loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", num_workers=0)
     assert loader.name == "torch"
     assert "does not fit" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rule")
+def test_auto_sends_photos_on_the_cpu_to_a_decoding_backend(photo_folder):
+    loader = make_loader(ImageFolder(photo_folder), batch_size=6, device="cpu", num_workers=0)
+    assert loader.name == ("dali" if "dali" in available_backends() else "torch")
