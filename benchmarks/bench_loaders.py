@@ -1,0 +1,431 @@
+"""Loader throughput: which backend delivers the most images/s on this machine.
+
+Every contender delivers the contract form — a normalized float (N, C, H, W) batch on the device with
+the training augmentation on — and runs in the same process, one after another, so the ratios hold
+on a noisy machine. Contenders per workload:
+
+- ``baseline``: what the usual tutorials write: a torchvision dataset returning PIL images,
+  ``transforms`` (augmentation, ``ToTensor``, ``Normalize``), ``DataLoader(shuffle=True,
+  num_workers=<cores>, pin_memory=<cuda>)`` and ``.to(device)``.
+- each fastdata backend that is available here, through ``fastdata.make_loader`` with the same batch
+  size; a backend that is missing (not installed, not written yet, cannot read the source) is listed
+  as skipped with the reason.
+- ``limit``: what no loader of this data can beat on this machine. Photos: decoding the same files and
+  nothing else (PIL open + load + convert RGB, full resolution) with the same number of workers. Digits
+  in memory: a random gather of ready normalized float batches from one prebuilt tensor.
+
+Note that a loader can beat the photo "limit": the torch backend decodes JPEGs at reduced scale
+(``Image.draft``) when the crop is shrunk anyway, which skips most of the IDCT; the limit is the honest
+full decode the issue defines, and the report shows the ratio as measured.
+
+    python benchmarks/bench_loaders.py                   # full run → benchmarks/results/
+    python benchmarks/bench_loaders.py --quick --out /tmp/bench
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+try:
+    from . import common
+except ImportError:  # run as a script: python benchmarks/bench_loaders.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import common
+
+import fastdata
+from fastdata.config import usable_cores
+
+WORKLOADS = ("digits", "jpeg")
+BACKEND_ORDER = ("torch", "memory", "prefetch", "dali", "auto")
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Loader throughput (images/s) of the tutorial pipeline, every "
+                                            "available fastdata backend and the machine's limit.",
+                                add_help=add_help)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--backends", nargs="+", default=None, choices=BACKEND_ORDER,
+                   help="fastdata backends to try (default: all; unavailable ones are skipped)")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the tutorial pipeline")
+    p.add_argument("--no-limit", dest="limit", action="store_false", help="skip the limit measurement")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes/threads (default: usable cores)")
+    p.add_argument("--passes", type=int, default=None, help="timed passes per contender (median reported; "
+                                                             "default 3, --quick 1); one warm-up pass precedes them")
+    p.add_argument("--digits", type=int, default=None, help="digit images (default 60000, --quick 6000)")
+    p.add_argument("--digits-batch", type=int, default=256)
+    p.add_argument("--jpeg-images", type=int, default=None, help="photos in the JPEG folder "
+                                                                  "(default 1500, --quick 96)")
+    p.add_argument("--jpeg-batch", type=int, default=None, help="default 64, --quick 32")
+    p.add_argument("--data", default="./data", help="folder holding MNIST/raw (used when present)")
+    p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEG folder is kept")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of timed passes per contender before stopping early (default 60, --quick 8)")
+    p.add_argument("--quick", action="store_true", help="small sizes, one timed pass: checks that it runs "
+                                                         "(under 2 minutes on 2 cores), not how fast")
+    p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
+    p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")
+    return p
+
+
+# ------------------------------------------------------------------------------------ consuming
+def consume(loader, device) -> int:
+    """Iterate one pass; touch every batch so nothing can be skipped lazily. Returns images seen."""
+    n = 0
+    check = torch.zeros((), device=device)
+    for images, labels in loader:
+        # One strided read per batch: forces the batch to exist (DALI outputs, lazy views) at the cost
+        # of N elements, not the whole tensor.
+        check += images[:, 0, 0, 0].sum()
+        n += labels.shape[0]
+    float(check)  # one host sync per pass, not one per batch
+    return n
+
+
+def check_contract(loader, device, name) -> str:
+    """First batch: normalized float (N, C, H, W) on the device. Returns a description for the report."""
+    images, labels = next(iter(loader))
+    problems = []
+    if images.device.type != torch.device(device).type:
+        problems.append(f"images on {images.device}, not {device}")
+    if not images.is_floating_point() or images.dim() != 4:
+        problems.append(f"images {images.dtype} {tuple(images.shape)}, not float (N, C, H, W)")
+    if labels.dtype != torch.int64:
+        problems.append(f"labels {labels.dtype}, not int64")
+    if problems:
+        raise AssertionError(f"{name} breaks the contract: " + "; ".join(problems))
+    return f"{tuple(images.shape[1:])} {str(images.dtype).replace('torch.', '')}"
+
+
+# ------------------------------------------------------------------------------------ baseline
+class TutorialDigits(torch.utils.data.Dataset):
+    """What ``torchvision.datasets.MNIST`` does: uint8 arrays in memory, one PIL image per sample."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, transform):
+        self.images = images  # (N, 28, 28) uint8
+        self.labels = labels
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        img = Image.fromarray(self.images[i], mode="L")
+        return self.transform(img), int(self.labels[i])
+
+
+def baseline_loader(workload, source, args, device):
+    from torchvision import datasets, transforms
+
+    if workload == "digits":
+        tf = transforms.Compose([transforms.RandomCrop(28, padding=2), transforms.ToTensor(),
+                                 transforms.Normalize(source.mean, source.std)])
+        ds = TutorialDigits(source.images[..., 0], source.labels, tf)
+        batch = args.digits_batch
+    else:
+        tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
+                                 transforms.ToTensor(), transforms.Normalize(source.mean, source.std)])
+        ds = datasets.ImageFolder(str(source.root), transform=tf)
+        batch = args.jpeg_batch
+    dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=args.workers,
+                                     pin_memory=device.type == "cuda")
+
+    class ToDevice:  # the tutorial's training loop: `images, labels = images.to(device), labels.to(device)`
+        def __len__(self):
+            return len(dl)
+
+        def __iter__(self):
+            for images, labels in dl:
+                yield images.to(device), labels.to(device)
+
+    return ToDevice()
+
+
+# ------------------------------------------------------------------------------------ limits
+class DigitsGather:
+    """Ready normalized float batches: a permutation and an index per batch, nothing else."""
+
+    def __init__(self, source, batch, device):
+        x = torch.from_numpy(source.images).to(device).permute(0, 3, 1, 2).float().div_(255)
+        mean = torch.tensor(source.mean, device=device).view(1, -1, 1, 1)
+        std = torch.tensor(source.std, device=device).view(1, -1, 1, 1)
+        self.images = ((x - mean) / std).contiguous()
+        self.labels = torch.from_numpy(source.labels).to(device)
+        self.batch, self.device = batch, device
+
+    def __len__(self):
+        return len(self.labels) // self.batch
+
+    def __iter__(self):
+        perm = torch.randperm(len(self.labels), device=self.device)
+        for k in range(len(self)):
+            ids = perm[k * self.batch:(k + 1) * self.batch]
+            yield self.images[ids], self.labels[ids]
+
+
+class DecodeOnly(torch.utils.data.Dataset):
+    """Job → decode every file of one batch at full resolution; return only the count.
+
+    Returning a count (not pixels) keeps inter-process traffic out of the measurement: this is the
+    decode cost alone, the part every photo loader has to pay (unless it decodes at reduced scale).
+    """
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, ids):
+        from PIL import Image
+
+        for i in ids:
+            with Image.open(self.paths[i]) as img:
+                img.load()
+                img.convert("RGB")
+        return len(ids)
+
+
+class DecodeLimit:
+    def __init__(self, source, batch, workers):
+        self.paths = source.paths
+        self.batch = batch
+        jobs = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(range(len(self.paths))),
+                                             batch, drop_last=True)
+        self.dl = torch.utils.data.DataLoader(DecodeOnly(self.paths), batch_size=None, sampler=jobs,
+                                              num_workers=workers, persistent_workers=workers > 0,
+                                              prefetch_factor=4 if workers else None)
+
+    def __len__(self):
+        return len(self.dl)
+
+    def count(self) -> int:
+        return sum(self.dl)
+
+
+# ------------------------------------------------------------------------------------ sources
+def digits_source(args):
+    from fastdata.datasets import MNIST, SyntheticDigits
+
+    try:
+        src = MNIST(args.data, train=True, download=False)
+        if args.digits < len(src):  # --quick or --digits: a prefix of MNIST
+            from fastdata.datasets import ArraySource
+
+            src = ArraySource(src.images[: args.digits], src.labels[: args.digits], mean=src.mean, std=src.std,
+                              name="mnist", digits=True)
+        return src, f"MNIST from {args.data} ({len(src):,} x 28x28)"
+    except FileNotFoundError:
+        src = SyntheticDigits(args.digits)
+        return src, f"SyntheticDigits ({len(src):,} x 28x28; no MNIST under {args.data})"
+
+
+def jpeg_source(args):
+    from fastdata.datasets import ImageFolder, make_image_folder
+
+    classes = 10
+    per_class = max(1, -(-args.jpeg_images // classes))
+    root = Path(args.cache) / f"jpeg-{classes}x{per_class}"
+    done = root / ".complete"
+    if not done.exists():  # generating 1,500 photos takes about a minute; keep them between runs
+        t0 = time.perf_counter()
+        make_image_folder(root, classes=classes, per_class=per_class, seed=0)
+        done.write_text("ok\n")
+        print(f"  wrote {classes * per_class} JPEGs to {root} in {time.perf_counter() - t0:.1f}s", flush=True)
+    src = ImageFolder(root)
+    kb = sum(Path(p).stat().st_size for p in src.paths) / len(src) / 1024
+    return src, f"ImageFolder {root} ({len(src):,} JPEGs, ~{kb:.0f} KB each), RandomResizedCrop 224 + flip"
+
+
+# ------------------------------------------------------------------------------------ measuring
+def measure(rows, workload, name, role, build, args, device, run=None):
+    """Build a contender, check its first batch, time its passes; append a Row (ok, skipped or error)."""
+    t0 = time.perf_counter()
+    loader = None
+    try:
+        loader, note = build()
+    except (ImportError, fastdata.MissingDependency) as e:
+        rows.append(common.Row(workload, name, role, status="skipped", note=f"not available: {e}"))
+        print(f"  {name:<10} skipped: {e}", flush=True)
+        return
+    except Exception as e:  # a backend that cannot read this source says so in its error
+        status = "skipped" if isinstance(e, (TypeError, fastdata.CacheDoesNotFit)) else "error"
+        rows.append(common.Row(workload, name, role, status=status, note=f"{type(e).__name__}: {e}"))
+        print(f"  {name:<10} {status}: {type(e).__name__}: {e}", flush=True)
+        if status == "error":
+            traceback.print_exc()
+        return
+    setup = time.perf_counter() - t0
+    try:
+        if run is None:
+            shape = check_contract(loader, device, name)
+            run = lambda: consume(loader, device)  # noqa: E731
+        else:
+            shape = "decode only"
+        seconds, items, warm = common.time_passes(run, args.passes, device=device, budget_s=args.budget)
+    except Exception as e:
+        rows.append(common.Row(workload, name, role, status="error", note=f"{type(e).__name__}: {e}"))
+        print(f"  {name:<10} error: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc()
+        return
+    finally:
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+    rates = [n / s for n, s in zip(items, seconds)]
+    row = common.Row(workload, name, role, rate=common.median_rate(seconds, items), passes=rates,
+                     note=note, extra={"setup_s": setup, "warmup_s": warm, "batch": shape,
+                                       "images_per_pass": items[0]})
+    rows.append(row)
+    spread = f" (passes {', '.join(common.fmt_num(r) for r in rates)})" if len(rates) > 1 else ""
+    print(f"  {name:<10} {common.fmt_num(row.rate):>10} images/s{spread}  setup {setup:.2f}s  "
+          f"warm-up pass {warm:.2f}s  {note}", flush=True)
+
+
+def run_workload(workload, args, device, rows, sources):
+    source, desc = digits_source(args) if workload == "digits" else jpeg_source(args)
+    sources[workload] = desc
+    batch = args.digits_batch if workload == "digits" else args.jpeg_batch
+    print(f"\n[{workload}] {desc}; batch {batch}, {args.workers} workers, device {device}", flush=True)
+
+    if args.baseline:
+        measure(rows, workload, "baseline", "baseline",
+                lambda: (baseline_loader(workload, source, args, device), "torchvision transforms + DataLoader"),
+                args, device)
+
+    available = set(fastdata.available_backends())
+    for name in args.backends:
+        if name not in available:
+            rows.append(common.Row(workload, name, "fastdata", status="skipped",
+                                   note="not available here (fastdata.available_backends())"))
+            print(f"  {name:<10} skipped: not in available_backends()", flush=True)
+            continue
+
+        def build(name=name):
+            picked = []
+            handler = _Capture(picked)
+            logging.getLogger("fastdata").addHandler(handler)
+            try:
+                loader = fastdata.make_loader(source, name, batch_size=batch, device=device,
+                                              num_workers=args.workers, train=True)
+            finally:
+                logging.getLogger("fastdata").removeHandler(handler)
+            note = f"make_loader(backend={name!r})"
+            if name == "auto":
+                chosen = getattr(loader, "name", type(loader).__name__)
+                note = f"auto picked {chosen!r}" + (f": {picked[0]}" if picked else "")
+            return loader, note
+
+        measure(rows, workload, name, "fastdata", build, args, device)
+
+    if args.limit:
+        if workload == "digits":
+            measure(rows, workload, "limit", "limit",
+                    lambda: (DigitsGather(source, batch, device), "gather of ready float batches"), args, device)
+        else:
+            lim = DecodeLimit(source, batch, args.workers)
+            measure(rows, workload, "limit", "limit",
+                    lambda: (lim, f"PIL full decode + RGB only, {args.workers} workers"), args, device,
+                    run=lim.count)
+
+
+class _Capture(logging.Handler):
+    """Collects the reason ``auto`` logs for its choice."""
+
+    def __init__(self, out):
+        super().__init__(logging.INFO)
+        self.out = out
+
+    def emit(self, record):
+        self.out.append(record.getMessage())
+
+
+# ------------------------------------------------------------------------------------ report
+def targets_for(device) -> list[common.Target]:
+    """The project's goals (issue 5). DALI's figure is its CPU pipeline on a CPU-only machine."""
+    dali = "dali (CPU)" if device.type == "cpu" else "dali"
+    return [
+        common.Target("digits", "memory", "baseline", 100, label="digits: memory >= 100x baseline"),
+        common.Target("digits", "torch", "baseline", 5, label="digits: torch >= 5x baseline"),
+        common.Target("digits", "dali", "baseline", 3, label=f"digits: {dali} >= 3x baseline"),
+        common.Target("jpeg", "torch", "limit", 0.9, label="jpeg: torch >= 0.9x decode-only limit"),
+        common.Target("jpeg", "torch", "dali", 1.0, label=f"jpeg: torch faster than {dali}"),
+    ]
+
+
+def results_markdown(rows, sources, targets, args, device) -> str:
+    parts = []
+    for workload in [w for w in WORKLOADS if w in sources]:
+        lines = []
+        for r in [r for r in rows if r.workload == workload]:
+            lines.append([r.name, r.role, common.fmt_num(r.rate) if r.status == "ok" else r.status,
+                          common.fmt_ratio(r.vs_baseline), common.fmt_ratio(r.vs_limit),
+                          f"{r.extra['setup_s']:.2f}" if "setup_s" in r.extra else "-",
+                          f"{r.extra['warmup_s']:.2f}" if "warmup_s" in r.extra else "-",
+                          r.note.replace("|", "/")[:160]])
+        batch = args.digits_batch if workload == "digits" else args.jpeg_batch
+        parts.append(f"## {workload}\n\n{sources[workload]}. Batch {batch}, {args.workers} workers, device "
+                     f"`{device}`, median of {args.passes} timed pass(es) after one warm-up.\n\n"
+                     + common.markdown_table(["contender", "role", "images/s", "vs baseline", "vs limit",
+                                              "setup s", "warm-up pass s", "note"], lines))
+    if targets:
+        parts.append("## Targets\n\n" + common.targets_markdown(targets))
+    return "\n\n".join(parts)
+
+
+def main(args) -> dict:
+    """Run the benchmark; returns the JSON payload (also written under ``args.out``)."""
+    if args.quick:
+        args.digits = args.digits or 6000
+        args.jpeg_images = args.jpeg_images or 96
+        args.passes = args.passes or 1
+        args.budget = args.budget if args.budget is not None else 8.0
+        args.jpeg_batch = args.jpeg_batch or 32
+    args.digits = args.digits or 60_000
+    args.jpeg_images = args.jpeg_images or 1500
+    args.passes = args.passes or 3
+    args.jpeg_batch = args.jpeg_batch or 64
+    args.budget = args.budget if args.budget is not None else 60.0
+    args.workers = usable_cores() if args.workers is None else args.workers
+    args.backends = list(args.backends or BACKEND_ORDER)
+    device = fastdata.config.resolve_device(args.device)
+    torch.manual_seed(0)
+
+    machine = common.machine_info()
+    rows: list[common.Row] = []
+    sources: dict[str, str] = {}
+    for workload in args.workloads:
+        run_workload(workload, args, device, rows, sources)
+    common.add_ratios(rows)
+    targets = [t.evaluate(rows) for t in targets_for(device) if t.workload in sources]
+
+    body = results_markdown(rows, sources, targets, args, device)
+    print("\n" + body, flush=True)
+    tag = args.tag or common.machine_tag(machine)
+    argv = getattr(args, "argv", None)
+    payload = {"benchmark": "loaders", "device": str(device), "workers": args.workers, "passes": args.passes,
+               "quick": args.quick, "sources": sources, "unit": "images/s",
+               "rows": [vars(r) for r in rows], "targets": [vars(t) | {"label": t.describe()} for t in targets]}
+    chart = {f"{w} ({sources[w].split()[0]}), batch {args.digits_batch if w == 'digits' else args.jpeg_batch}": [(r.name, r.rate, r.role) for r in rows
+                                                   if r.workload == w and r.status == "ok"] for w in sources}
+    paths = common.write_reports(args.out, f"loaders-{tag}", title="Loader throughput", machine=machine,
+                                 command=common.command_line("bench_loaders.py", argv), body_md=body,
+                                 payload=payload, chart_groups=chart, chart_xlabel="images/s (log scale)")
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+    payload["paths"] = {k: str(v) for k, v in paths.items()}
+    return payload
+
+
+if __name__ == "__main__":
+    parsed = get_args_parser().parse_args()
+    parsed.argv = sys.argv[1:]
+    main(parsed)

@@ -1,0 +1,249 @@
+"""Training throughput per backend: how much of the step time the data costs.
+
+``fastdata.engine.fit`` trains the package CNN (``fastdata.models.SmallCNN``) for a fixed number of
+steps per epoch (the dataset holds exactly ``steps x batch`` images) with each loader. The first epoch
+is a warm-up (worker start-up, caches, allocator) and is not counted; the figures are medians over the
+remaining epochs of fit's own records:
+
+- ``images_per_second``: training throughput;
+- ``data_wait_fraction``: host time blocked waiting for the next batch ÷ epoch time;
+- ``gpu_idle_fraction`` (CUDA only): gaps between steps on the GPU timeline ÷ the epoch's GPU time.
+
+Contenders: the tutorial pipeline (``baseline``, as in bench_loaders.py), every available fastdata
+backend, and ``limit``: ready float batches gathered from memory, i.e. the model's own speed with free
+data. On a CPU-only machine the loader shares the cores with the model, so a loader that waits little
+can still slow training by taking CPU from it: compare images/s with the limit as well.
+
+    python benchmarks/bench_training.py
+    python benchmarks/bench_training.py --quick --out /tmp/bench
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+try:
+    from . import common
+    from . import bench_loaders as loaders
+except ImportError:  # run as a script: python benchmarks/bench_training.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import common
+    from benchmarks import bench_loaders as loaders
+
+import fastdata
+from fastdata.config import usable_cores
+
+WORKLOADS = ("digits", "jpeg")
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Training images/s, data-wait and GPU-idle fractions of "
+                                            "fastdata.engine.fit with each loader.", add_help=add_help)
+    p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
+                   help="default: digits on CPU (a CNN on 224² photos trains at a few dozen images/s on "
+                        "a CPU), digits and jpeg on CUDA")
+    p.add_argument("--backends", nargs="+", default=None, choices=loaders.BACKEND_ORDER)
+    p.add_argument("--no-baseline", dest="baseline", action="store_false")
+    p.add_argument("--no-limit", dest="limit", action="store_false")
+    p.add_argument("--device", default=None)
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per epoch (default 30, --quick 6)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="epochs per contender, the first one a warm-up (default 3, --quick 2)")
+    p.add_argument("--digits-batch", type=int, default=None, help="default 256, --quick 64")
+    p.add_argument("--jpeg-batch", type=int, default=None, help="default 64 (--quick 16)")
+    p.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
+    p.add_argument("--data", default="./data")
+    p.add_argument("--cache", default=str(common.CACHE_DIR))
+    p.add_argument("--quick", action="store_true", help="few small steps: checks that it runs, not how fast")
+    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--tag", default=None)
+    return p
+
+
+class Adapter:
+    """Gives a plain iterable (the tutorial DataLoader, the gather limit) the loader contract fit uses."""
+
+    def __init__(self, inner, device):
+        self.inner, self.device = inner, device
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def set_epoch(self, epoch):  # the tutorial shuffles with the global RNG; nothing to set
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+    def close(self):
+        pass
+
+
+def train(loader, source, args, device) -> dict:
+    from fastdata.engine import fit
+    from fastdata.models import SmallCNN
+
+    torch.manual_seed(0)
+    model = SmallCNN(num_classes=source.num_classes, in_channels=source.channels)
+    history = fit(model, loader, epochs=args.epochs, amp=args.amp, progress=False)
+    timed = history[1:] if len(history) > 1 else history  # the first epoch is the warm-up
+
+    def med(key):
+        values = [r[key] for r in timed if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {"rate": med("images_per_second"), "data_wait": med("data_wait_fraction"),
+            "gpu_idle": med("gpu_idle_fraction"), "epochs": history,
+            "passes": [r["images_per_second"] for r in timed]}
+
+
+def run_workload(workload, args, device, rows, sources):
+    batch = args.digits_batch if workload == "digits" else args.jpeg_batch
+    n = args.steps * batch
+    if workload == "digits":
+        args.digits = n
+        source, desc = loaders.digits_source(args)
+    else:
+        args.jpeg_images = n
+        source, desc = loaders.jpeg_source(args)
+    sources[workload] = f"{desc}; {args.steps} steps of {batch} per epoch"
+    print(f"\n[{workload}] {sources[workload]}, {args.workers} workers, device {device}", flush=True)
+    available = set(fastdata.available_backends())
+
+    contenders = []
+    if args.baseline:
+        contenders.append(("baseline", "baseline", lambda: Adapter(loaders.baseline_loader(
+            workload, source, _with_batch(args, workload, batch), device), device)))
+    for name in args.backends:
+        if name not in available:
+            rows.append(common.Row(workload, name, "fastdata", status="skipped",
+                                   note="not available here (fastdata.available_backends())"))
+            continue
+        contenders.append((name, "fastdata", lambda name=name: fastdata.make_loader(
+            source, name, batch_size=batch, device=device, num_workers=args.workers, train=True)))
+    if args.limit and workload == "digits":
+        contenders.append(("limit", "limit", lambda: Adapter(loaders.DigitsGather(source, batch, device), device)))
+
+    for name, role, build in contenders:
+        try:
+            loader = build()
+        except (ImportError, fastdata.MissingDependency) as e:
+            rows.append(common.Row(workload, name, role, status="skipped", note=f"not available: {e}"))
+            print(f"  {name:<10} skipped: {e}", flush=True)
+            continue
+        except Exception as e:
+            status = "skipped" if isinstance(e, (TypeError, fastdata.CacheDoesNotFit)) else "error"
+            rows.append(common.Row(workload, name, role, status=status, note=f"{type(e).__name__}: {e}"))
+            print(f"  {name:<10} {status}: {type(e).__name__}: {e}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = train(loader, source, args, device)
+        except Exception as e:
+            rows.append(common.Row(workload, name, role, status="error", note=f"{type(e).__name__}: {e}"))
+            print(f"  {name:<10} error: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+            continue
+        finally:
+            loader.close()
+        note = getattr(loader, "name", "") if name == "auto" else ""
+        row = common.Row(workload, name, role, rate=res["rate"], passes=res["passes"],
+                         note=f"auto picked {note!r}" if note else "",
+                         extra={"data_wait": res["data_wait"], "gpu_idle": res["gpu_idle"],
+                                "epochs": res["epochs"], "wall_s": time.perf_counter() - t0})
+        rows.append(row)
+        idle = f"  gpu idle {common.fmt_pct(res['gpu_idle'])}" if res["gpu_idle"] is not None else ""
+        print(f"  {name:<10} {common.fmt_num(res['rate']):>8} images/s  data wait "
+              f"{common.fmt_pct(res['data_wait'])}{idle}", flush=True)
+
+
+def _with_batch(args, workload, batch):
+    ns = argparse.Namespace(**vars(args))
+    if workload == "digits":
+        ns.digits_batch = batch
+    else:
+        ns.jpeg_batch = batch
+    return ns
+
+
+def targets_for(device) -> list[common.Target]:
+    if device.type != "cpu":
+        return []  # the issue's training targets are for the CPU machine
+    return [common.Target("digits", name, column="data_wait", at_most=0.02,
+                          label=f"training on CPU: {name} data_wait_fraction <= 2%")
+            for name in ("memory", "prefetch", "torch")]
+
+
+def main(args) -> dict:
+    device = fastdata.config.resolve_device(args.device)
+    if args.workloads is None:
+        args.workloads = ["digits"] if device.type == "cpu" else list(WORKLOADS)
+    args.steps = args.steps or (6 if args.quick else 30)
+    args.epochs = args.epochs or (2 if args.quick else 3)
+    args.digits_batch = args.digits_batch or (64 if args.quick else 256)
+    args.jpeg_batch = args.jpeg_batch or (16 if args.quick else 64)
+    args.workers = usable_cores() if args.workers is None else args.workers
+    args.backends = list(args.backends or loaders.BACKEND_ORDER)
+    machine = common.machine_info()
+    rows: list[common.Row] = []
+    sources: dict[str, str] = {}
+    for workload in args.workloads:
+        run_workload(workload, args, device, rows, sources)
+    common.add_ratios(rows)
+    targets = [t.evaluate(rows) for t in targets_for(device) if t.workload in sources]
+
+    parts = []
+    cuda = device.type == "cuda"
+    for workload in [w for w in WORKLOADS if w in sources]:
+        lines = []
+        for r in [r for r in rows if r.workload == workload]:
+            ok = r.status == "ok"
+            line = [r.name, common.fmt_num(r.rate) if ok else r.status, common.fmt_ratio(r.vs_baseline),
+                    common.fmt_ratio(r.vs_limit), common.fmt_pct(r.extra.get("data_wait")) if ok else "-"]
+            if cuda:
+                line.append(common.fmt_pct(r.extra.get("gpu_idle")) if ok else "-")
+            lines.append(line + [r.note.replace("|", "/")[:160]])
+        header = ["contender", "train images/s", "vs baseline", "vs limit", "data wait"] + \
+                 (["GPU idle"] if cuda else []) + ["note"]
+        parts.append(f"## {workload}\n\n{sources[workload]}; SmallCNN, amp={args.amp}, {args.workers} workers, "
+                     f"device `{device}`; median of epochs 2-{args.epochs} (epoch 1 is a warm-up).\n\n"
+                     + common.markdown_table(header, lines))
+    if not cuda:
+        parts.append("GPU idle is measured with CUDA events and is not available on a CPU-only machine.")
+    if targets:
+        parts.append("## Targets\n\n" + common.targets_markdown(targets))
+    body = "\n\n".join(parts)
+    print("\n" + body, flush=True)
+    tag = args.tag or common.machine_tag(machine)
+    payload = {"benchmark": "training", "device": str(device), "workers": args.workers, "steps": args.steps,
+               "epochs": args.epochs, "amp": args.amp, "quick": args.quick, "sources": sources,
+               "unit": "training images/s", "rows": [vars(r) for r in rows],
+               "targets": [vars(t) | {"label": t.describe()} for t in targets]}
+    chart = {f"{w}: training images/s": [(r.name, r.rate, r.role) for r in rows if r.workload == w and r.status == "ok"]
+             for w in sources}
+    paths = common.write_reports(args.out, f"training-{tag}", title="Training throughput", machine=machine,
+                                 command=common.command_line("bench_training.py", getattr(args, "argv", None)),
+                                 body_md=body, payload=payload, chart_groups=chart,
+                                 chart_xlabel="training images/s", chart_log=False)
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+    payload["paths"] = {k: str(v) for k, v in paths.items()}
+    return payload
+
+
+if __name__ == "__main__":
+    parsed = get_args_parser().parse_args()
+    parsed.argv = sys.argv[1:]
+    main(parsed)

@@ -1,0 +1,161 @@
+"""The benchmark scripts run end to end in --quick mode and write consistent reports.
+
+Speed is not asserted (the machine is shared and the sizes are tiny); what is asserted is that every
+contender the script should measure was measured with a positive rate, that the ratios in the reports
+are the rates divided by the baseline's and the limit's, and that the three report files exist.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the scripts live in benchmarks/, next to the package, not inside it
+    sys.path.insert(0, str(ROOT))
+
+import fastdata  # noqa: E402
+
+
+def load(name):
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def backend_module_exists(name: str) -> bool:
+    """True when fastdata ships the backend's file (a backend still being written is allowed to be absent)."""
+    if name == "auto":
+        return (ROOT / "fastdata" / "backends" / "auto.py").exists()
+    module = fastdata.registry.BACKENDS[name][0]
+    return (ROOT / (module.replace(".", "/") + ".py")).exists()
+
+
+def expected_fastdata() -> set[str]:
+    return {b for b in fastdata.available_backends() if backend_module_exists(b)}
+
+
+def check_reports(payload, stem_prefix):
+    paths = {k: Path(v) for k, v in payload["paths"].items()}
+    assert set(paths) == {"md", "json", "png"}
+    for p in paths.values():
+        assert p.exists() and p.stat().st_size > 0, p
+        assert p.name.startswith(stem_prefix)
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    on_disk = json.loads(paths["json"].read_text())
+    for key in ("cpu", "cores", "pil", "torch", "torchvision", "numpy", "date"):
+        assert on_disk["machine"].get(key) not in (None, ""), key
+    return on_disk, paths["md"].read_text()
+
+
+def check_rows(rows, workload, must_have):
+    group = {r["name"]: r for r in rows if r["workload"] == workload}
+    missing = must_have - set(group)
+    assert not missing, f"{workload}: no row for {missing}"
+    for name in must_have:
+        r = group[name]
+        assert r["status"] == "ok", f"{workload}/{name}: {r['status']}: {r['note']}"
+        assert r["rate"] > 0 and all(p > 0 for p in r["passes"]), (workload, name, r)
+    base, limit = group["baseline"]["rate"], group["limit"]["rate"]
+    for r in group.values():
+        if r["status"] != "ok":
+            assert r["rate"] is None and r["note"], r  # a skip or an error always says why
+            continue
+        assert math.isclose(r["vs_baseline"], r["rate"] / base, rel_tol=1e-9)
+        assert math.isclose(r["vs_limit"], r["rate"] / limit, rel_tol=1e-9)
+    return group
+
+
+def test_bench_loaders_quick(tmp_path):
+    bench = load("bench_loaders")
+    args = bench.get_args_parser().parse_args(
+        ["--quick", "--out", str(tmp_path), "--digits", "3000", "--jpeg-images", "60", "--jpeg-batch", "16", "--budget", "3",
+         "--cache", str(tmp_path / "cache"), "--tag", "test"])
+    payload = bench.main(args)
+    on_disk, md = check_reports(payload, "loaders-test")
+    assert on_disk["rows"] == json.loads(json.dumps(payload["rows"]))
+    must = {"baseline", "limit"} | expected_fastdata()
+    for workload in ("digits", "jpeg"):
+        group = check_rows(payload["rows"], workload, must)
+        for name, r in group.items():
+            if r["status"] == "ok":  # every measured contender appears in the Markdown table
+                assert f"| {name} " in md
+    # The targets are evaluated from the same numbers, and each is printed with its status.
+    rows = {(r["workload"], r["name"]): r for r in payload["rows"]}
+    for t in payload["targets"]:
+        assert t["label"] in md
+        if t["status"] != "n/a":
+            ref = rows[(t["workload"], t["reference"])]["rate"]
+            assert math.isclose(t["value"], rows[(t["workload"], t["name"])]["rate"] / ref, rel_tol=1e-9)
+            assert t["status"] == ("met" if t["value"] >= t["at_least"] else "missed")
+    assert {t["label"] for t in payload["targets"]} >= {"digits: memory >= 100x baseline",
+                                                         "jpeg: torch >= 0.9x decode-only limit"}
+
+
+def test_bench_training_quick(tmp_path):
+    if not (ROOT / "fastdata" / "engine.py").exists():
+        pytest.skip("fastdata/engine.py is not written yet")
+    bench = load("bench_training")
+    args = bench.get_args_parser().parse_args(
+        ["--quick", "--out", str(tmp_path), "--steps", "4", "--tag", "test", "--cache", str(tmp_path / "c")])
+    payload = bench.main(args)
+    on_disk, md = check_reports(payload, "training-test")
+    group = check_rows(payload["rows"], "digits", {"baseline", "limit"} | expected_fastdata())
+    for r in group.values():
+        if r["status"] == "ok":
+            assert 0.0 <= r["extra"]["data_wait"] <= 1.0
+            assert len(r["extra"]["epochs"]) == args.epochs
+            assert r["rate"] == pytest.approx(r["extra"]["epochs"][-1]["images_per_second"])
+    assert "data wait" in md and "| memory " in md
+
+
+def test_bench_pillow_quick(tmp_path):
+    bench = load("bench_pillow")
+    args = bench.get_args_parser().parse_args(
+        ["--quick", "--out", str(tmp_path), "--images", "4", "--rounds", "2", "--round-s", "0.05",
+         "--tag", "test", "--cache", str(tmp_path / "c")])
+    payload = bench.main(args)
+    on_disk, md = check_reports(payload, "pillow-test")
+    (result,) = payload["results"]
+    import PIL
+
+    assert result["pil"]["version"] == PIL.__version__
+    assert result["pil"]["simd"] == (".post" in PIL.__version__)  # Pillow-SIMD's version marker
+    assert result["pil"]["flavour"] in md
+    for op in bench.OPS:
+        assert result["ops"][op]["us"] > 0 and op in md
+
+
+def test_pillow_compare_runs_the_same_job_elsewhere(tmp_path):
+    """--compare re-runs the measurement under another interpreter; here the same one stands in."""
+    bench = load("bench_pillow")
+    args = bench.get_args_parser().parse_args(
+        ["--quick", "--out", str(tmp_path), "--images", "2", "--rounds", "1", "--round-s", "0.02",
+         "--tag", "cmp", "--cache", str(tmp_path / "c"), "--compare", sys.executable, str(tmp_path / "nope")])
+    payload = bench.main(args)
+    ok = [r for r in payload["results"] if r["ops"]]
+    failed = [r for r in payload["results"] if not r["ops"]]
+    assert len(ok) == 2 and len(failed) == 1 and "nope" in failed[0]["error"]
+    md = Path(payload["paths"]["md"]).read_text()
+    assert "speed-up of" in md
+
+
+def test_targets_and_ratios():
+    from benchmarks import common
+
+    rows = [common.Row("w", "baseline", "baseline", rate=100.0), common.Row("w", "fast", "fastdata", rate=550.0),
+            common.Row("w", "limit", "limit", rate=1000.0),
+            common.Row("w", "gone", "fastdata", status="skipped", note="not installed")]
+    common.add_ratios(rows)
+    assert rows[1].vs_baseline == pytest.approx(5.5) and rows[1].vs_limit == pytest.approx(0.55)
+    assert rows[3].vs_baseline is None
+    met = common.Target("w", "fast", "baseline", 5).evaluate(rows)
+    missed = common.Target("w", "fast", "limit", 0.9).evaluate(rows)
+    na = common.Target("w", "gone", "baseline", 1).evaluate(rows)
+    assert (met.status, missed.status, na.status) == ("met", "missed", "n/a")
+    rows[1].extra["data_wait"] = 0.03
+    assert common.Target("w", "fast", column="data_wait", at_most=0.02).evaluate(rows).status == "missed"
+    md = common.targets_markdown([met, missed, na])
+    assert "**missed**" in md and "| met" in md.replace("  ", " ")
