@@ -1,17 +1,37 @@
 """Errors that name what went wrong: the file, the argument, the numbers."""
+import ast
+import re
+
+# The message DecodeError writes, found again inside the text DataLoader re-raises from a worker.
+_MESSAGE = re.compile(r"cannot decode image ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (.*)")
 
 
 class DecodeError(ValueError):
     """An image file that cannot be decoded (truncated, empty, not an image, too large)."""
 
     def __init__(self, path, reason: str | None = None):
-        # One argument is a ready message: how DataLoader re-raises a worker's exception in the parent.
-        self.path = str(path) if reason is not None else None
+        if reason is None:
+            # One argument is a ready message: how DataLoader re-raises a worker's exception in the parent
+            # ("Caught DecodeError in DataLoader worker process 0. Original Traceback: ..."). Recover
+            # .path and .reason from the worker's message, so `except DecodeError as e: e.path` works
+            # in the main process too (torch rebuilds the exception from its text, not by pickling).
+            self.path, self.reason, self._message = None, None, str(path)
+            found = _MESSAGE.findall(str(path))
+            if found:
+                quoted, self.reason = found[-1]
+                try:
+                    self.path = ast.literal_eval(quoted)
+                except (ValueError, SyntaxError):
+                    self.path = quoted[1:-1]
+            super().__init__(path)
+            return
+        self.path = str(path)
         self.reason = reason
-        super().__init__(f"cannot decode image {self.path!r}: {reason}" if reason is not None else path)
+        self._message = None
+        super().__init__(f"cannot decode image {self.path!r}: {reason}")
 
     def __reduce__(self):  # survives the trip from a worker process
-        return (DecodeError, (self.path, self.reason))
+        return (DecodeError, (self._message,) if self._message is not None else (self.path, self.reason))
 
 
 class CacheDoesNotFit(MemoryError):

@@ -51,9 +51,9 @@ def test_auto_picks_memory_when_the_cache_fits_and_says_why(caplog):
 
 
 def test_auto_falls_back_to_torch_when_the_cache_does_not_fit(monkeypatch, caplog):
-    import fastdata.backends.auto as auto
+    import fastdata.backends.memory as memory
 
-    monkeypatch.setattr(auto, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
     with caplog.at_level(logging.INFO, logger="fastdata"):
         loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", num_workers=0)
     assert loader.name == "torch"

@@ -8,7 +8,8 @@ window); else ``prefetch`` on CUDA (copies overlap compute); else ``torch``. Tor
 """
 from __future__ import annotations
 
-from .memory import FIT_FRACTION, _fmt, cache_bytes, free_bytes
+from . import memory
+from .memory import FIT_FRACTION, _fmt, cache_bytes
 
 
 def choose(source, config) -> tuple[str, str]:
@@ -26,7 +27,7 @@ def choose(source, config) -> tuple[str, str]:
         if dali:
             return "dali", "photos on the CPU: DALI decodes only each crop's window"
         return "torch", "photos on the CPU: the worker processes decode in parallel"
-    need, free = cache_bytes(source, config), free_bytes(config.device)
+    need, free = cache_bytes(source, config), memory.free_bytes(config.device)
     where = f"GPU {config.device}" if cuda else "RAM"
     if need <= FIT_FRACTION * free:
         return "memory", f"its uint8 cache ({_fmt(need)}) fits in the free {where} ({_fmt(free)})"

@@ -39,6 +39,7 @@ import collections
 import math
 import os
 import re
+import weakref
 
 import numpy as np
 import torch
@@ -70,7 +71,10 @@ class _Feeder:
     """
 
     def __init__(self, loader: "DaliLoader"):
-        self.loader = loader
+        # A weak reference: the pipeline holds this callback, and a strong one back to the loader would
+        # put every DaliLoader in a reference cycle that only the cyclic GC frees — possibly inside a
+        # forked DataLoader worker, where destroying a DALI pipeline deadlocks.
+        self.loader = weakref.proxy(loader)
         self.jobs = iter(())
         self.records = collections.deque()
         self.epoch = 0

@@ -152,7 +152,7 @@ class MemoryLoader(Loader):
         """Decode every file once, in parallel, at cache_size² (the torch backend's workers do it)."""
         from torch.utils.data import DataLoader
 
-        from .torch_loader import BatchFetcher
+        from .torch_loader import BatchFetcher, collect_before_fork
 
         s = self.config.cache_size
         fetcher = BatchFetcher(self.source, Augmentation(crop="center", size=s, resize=s), "raise")
@@ -165,10 +165,19 @@ class MemoryLoader(Loader):
         ok = np.ones(n, dtype=bool)
         loader = DataLoader(_Tolerant(fetcher, self.config.on_error), batch_size=None, sampler=jobs,
                             num_workers=min(workers, len(jobs)))
-        for (ids, _), (images, bad) in zip(jobs, loader):
-            good = np.setdiff1d(ids, bad, assume_unique=True)
-            cache[good] = images
-            ok[bad] = False
+        if loader.num_workers:
+            collect_before_fork()
+        it = iter(loader)
+        try:
+            for (ids, _), (images, bad) in zip(jobs, it):
+                good = np.setdiff1d(ids, bad, assume_unique=True)
+                cache[good] = images
+                ok[bad] = False
+        finally:
+            # Shut the decoding workers down now, also after a DecodeError: left to the cyclic GC
+            # (the exception's traceback holds the iterator), they stall a later loader for seconds.
+            if hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()
         self.skipped_at_cache = int((~ok).sum())
         self.kept = np.flatnonzero(ok)
         if self.skipped_at_cache:

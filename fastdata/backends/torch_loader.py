@@ -18,6 +18,22 @@ from ..transforms import augment_array, augment_batch, load_photo
 from .base import Loader
 
 
+def collect_before_fork() -> None:
+    """Collect the parent's cyclic garbage right before DataLoader forks its workers.
+
+    Why: a forked worker inherits the parent's unreachable-but-uncollected objects, and its own garbage
+    collector may finalize them there. For a DALI pipeline (e.g. a failed DaliLoader kept in a cycle by
+    its exception's traceback) that deadlocks the worker forever in the pipeline's destructor (its
+    executor threads do not exist in the child), and the main process waits for the batch forever;
+    a DataLoader iterator finalized in a child fails with "can only test a child process". Collected
+    here, in the parent, they are destroyed where they were made. Costs one GC pass per worker start
+    (once per loader with persistent workers).
+    """
+    import gc
+
+    gc.collect()
+
+
 class BatchFetcher(Dataset):
     """Maps a job ``(ids, seed)`` to ``(uint8 images (N,H,W,C), int64 labels (N,), skipped)``.
 
@@ -113,6 +129,12 @@ class JobSampler(Sampler):
 class TorchLoader(Loader):
     """Multi-worker DataLoader backend.
 
+    Undecodable files: ``on_error="raise"`` (default) raises ``DecodeError`` in the main process; its
+    message holds the worker's traceback and ``.path`` names the file. ``on_error="skip"`` drops the
+    file from its batch (that batch comes out smaller), adds it to ``loader.skipped`` and warns once
+    at the end of the epoch. ``len(loader)`` is unchanged by skips: it counts batches, and a batch is
+    empty (0 samples) only if all of its files were skipped.
+
     Options:
         prefetch_factor: batches each worker prepares ahead (default 2).
         persistent_workers: keep workers alive between epochs (default True; forking them anew each
@@ -146,9 +168,21 @@ class TorchLoader(Loader):
     def host_batches(self, epoch, batches, start):
         """uint8 (images, labels) batches in host memory (pinned on CUDA), in order; counts skips."""
         self._sampler.jobs = [(ids, self.plan.batch_seed(epoch, start + k)) for k, ids in enumerate(batches)]
-        for images, labels, skipped in self._loader:
-            self.skipped += skipped
-            yield images, labels
+        if self._loader.num_workers and getattr(self._loader, "_iterator", None) is None:
+            collect_before_fork()
+        try:
+            for images, labels, skipped in self._loader:
+                self.skipped += skipped
+                yield images, labels
+        except Exception:
+            # A worker's error (DecodeError, ...) or a dead worker: shut the workers down here, now.
+            # Otherwise the DataLoader iterator stays reachable only through the exception's traceback
+            # (a reference cycle), and the cyclic GC finalizes it later at an arbitrary point: its queues
+            # may already be cleared, so each worker join waits its 5 s timeout (10 s stalls in an
+            # unrelated loader), or the finalizer runs in a forked child ("can only test a child
+            # process"). The next iter() starts fresh workers.
+            self.close()
+            raise
 
     def _epoch(self, epoch, batches, start):
         # non_blocking: from pinned memory the copy is asynchronous, so the host goes on to the next
