@@ -1,0 +1,102 @@
+"""Process-group set-up under ``torchrun``, DDP wrapping and reducing per-epoch figures.
+
+Without ``torchrun`` (no ``WORLD_SIZE`` > 1 in the environment) every function here is a cheap no-op
+for a single process, so the same script runs alone or distributed.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    """Rank 0 prints, writes checkpoints and JSON."""
+    return rank() == 0
+
+
+def init_distributed(device=None) -> torch.device:
+    """Initialize the process group when launched by ``torchrun``; return this process's device.
+
+    nccl for CUDA, gloo for CPU. On CUDA each process takes ``cuda:LOCAL_RANK`` and makes it the
+    current device *before* loaders are built, so ``device=None`` resolves to the right GPU and NCCL
+    does not pile every rank onto GPU 0.
+
+    Args:
+        device: ``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``; an explicit index is
+            honoured for single-process runs only.
+    """
+    from .config import resolve_device
+
+    want_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if env_world_size() <= 1:
+        return resolve_device(device)
+    if want_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local} but this machine has {torch.cuda.device_count()} CUDA "
+                               f"device(s); start at most that many processes per node")
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = resolve_device("cpu")
+    if not dist.is_initialized():
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", **kwargs)
+    return dev
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DistributedDataParallel when the process group has more than one rank, else ``model`` itself."""
+    if not is_distributed():
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (in place on a copy); identity in a single process.
+
+    The tensor must live on the loader's device: nccl reduces CUDA tensors only."""
+    if is_distributed():
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def all_max(values: torch.Tensor) -> torch.Tensor:
+    if is_distributed():
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values

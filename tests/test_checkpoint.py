@@ -1,0 +1,131 @@
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fastdata import checkpoint as ckpt
+
+
+def _state(value: float) -> dict:
+    return {"w": torch.full((3,), value), "step": int(value), "name": "x", "nested": {"t": (1, 2.5, None)}}
+
+
+def test_roundtrip_loads_with_weights_only(tmp_path):
+    path = ckpt.save({**_state(1.0), "rng": ckpt.rng_state()}, tmp_path / "c.pt")
+    # ckpt.load uses weights_only=True; plain torch.load with it must work too.
+    for loaded in (ckpt.load(path), torch.load(path, weights_only=True)):
+        assert torch.equal(loaded["w"], torch.ones(3))
+        assert loaded["nested"]["t"] == (1, 2.5, None)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_rng_state_restores_every_generator():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    np.random.normal()  # leaves a cached gaussian in numpy's state
+    state = ckpt.rng_state()
+    first = (random.random(), np.random.normal(), np.random.rand(), torch.rand(3))
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    ckpt.set_rng_state(state)
+    again = (random.random(), np.random.normal(), np.random.rand(), torch.rand(3))
+    assert first[:3] == again[:3]
+    assert torch.equal(first[3], again[3])
+
+
+def test_crash_between_write_and_replace_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    ckpt.save(_state(1.0), path)
+
+    def crash(src, dst):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        ckpt.save(_state(2.0), path)
+    monkeypatch.undo()
+    assert torch.equal(ckpt.load(path)["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # the temporary was removed
+
+
+def test_failure_mid_write_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    ckpt.save(_state(1.0), path)
+    real_save = torch.save
+
+    def disk_full(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        ckpt.save(_state(2.0), path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.equal(ckpt.load(path)["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def _save_as(uid, path, queue):
+    """In a forked child: drop to ``uid`` (when root) and try to save; report the exception's type."""
+    try:
+        if os.geteuid() == 0:
+            os.setgid(uid)
+            os.setuid(uid)
+        ckpt.save(_state(2.0), path)
+        queue.put(None)
+    except BaseException as e:  # reported, not raised: the parent asserts on it
+        queue.put(type(e).__name__)
+
+
+def test_unwritable_folder_raises_and_keeps_previous():
+    """Root can write anywhere, so the second save runs in a forked child that gives up root (uid
+    nobody) against a root-owned read-only folder: the same situation as a user's unwritable folder."""
+    import multiprocessing as mp
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="fastdata-ro-")  # under /tmp, traversable by others (unlike tmp_path)
+    try:
+        os.chmod(base, 0o755)
+        folder = os.path.join(base, "ro")
+        os.mkdir(folder)
+        path = os.path.join(folder, "c.pt")
+        ckpt.save(_state(1.0), path)
+        os.chmod(folder, 0o555)
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        child = ctx.Process(target=_save_as, args=(65534, path, q))
+        child.start()
+        child.join(60)
+        assert q.get(timeout=5) == "PermissionError"
+        assert torch.equal(ckpt.load(path)["w"], torch.ones(3))
+        assert sorted(os.listdir(folder)) == ["c.pt"]
+    finally:
+        os.chmod(os.path.join(base, "ro"), 0o755)
+        shutil.rmtree(base)
+
+
+def test_folder_that_is_a_file_raises(tmp_path):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("x")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ckpt.save(_state(1.0), blocker / "c.pt")
+    assert blocker.read_text() == "x"
+
+
+def test_clean_stale_removes_only_this_checkpoints_temporaries(tmp_path):
+    path = tmp_path / "c.pt"
+    ckpt.save(_state(1.0), path)
+    stale = [tmp_path / "c.pt.tmp.abc123", tmp_path / "c.pt.tmp.zz"]
+    keep = [tmp_path / "other.pt.tmp.abc", tmp_path / "c.pt.bak"]
+    for p in stale + keep:
+        p.write_bytes(b"junk")
+    removed = ckpt.clean_stale(path)
+    assert sorted(removed) == sorted(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.pt"] + [p.name for p in keep])
+    assert ckpt.clean_stale(tmp_path / "missing" / "c.pt") == []
+
+
+def test_load_missing_file_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.pt"):
+        ckpt.load(tmp_path / "nope.pt")

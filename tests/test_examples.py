@@ -1,0 +1,185 @@
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fastdata import available_backends
+from fastdata.datasets import make_image_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+JSON_FIELDS = {"backend", "device", "dataset", "epochs", "test_accuracy", "train_seconds", "images_per_second",
+               "data_wait_fraction", "gpu_idle_fraction", "history"}
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def mnist_example():
+    return _load("train_mnist")
+
+
+@pytest.fixture(scope="module")
+def folder_example():
+    return _load("train_imagefolder")
+
+
+@pytest.mark.parametrize("name", ["train_mnist", "train_imagefolder"])
+def test_parsers_take_choices_from_the_registry_and_no_type_bool(name):
+    parser = _load(name).get_args_parser()
+    actions = {a.dest: a for a in parser._actions}
+    assert list(actions["backend"].choices) == available_backends()
+    assert list(actions["amp"].choices) == ["auto", "bf16", "fp16", "off"]
+    assert all(a.type is not bool for a in parser._actions)
+    assert isinstance(actions["compile"], argparse.BooleanOptionalAction)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data-root", "x", "--backend", "nope"])
+
+
+def test_mnist_defaults(mnist_example):
+    args = mnist_example.get_args_parser().parse_args([])
+    assert (args.epochs, args.data, args.data_root, args.backend, args.amp) == (3, "auto", "./data", "auto", "auto")
+    assert not args.resume and not args.no_progress and args.json_out is None
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends() if b != "auto"])
+def test_mnist_example_json_out(mnist_example, tmp_path, backend):
+    out = tmp_path / "result.json"
+    args = mnist_example.get_args_parser().parse_args(
+        ["--backend", backend, "--data", "synthetic", "--train-size", "1536", "--test-size", "256", "--epochs", "2",
+         "--batch-size", "64", "--workers", "0", "--device", "cpu", "--no-progress",
+         "--json-out", str(out)])
+    mnist_example.main(args)
+    result = json.loads(out.read_text())
+    assert JSON_FIELDS <= set(result)
+    assert result["backend"] == backend and result["device"] == "cpu" and result["dataset"] == "synthetic"
+    assert result["epochs"] == 2 and len(result["history"]) == 2
+    assert 0.3 < result["test_accuracy"] <= 1.0      # learned something: chance is 0.1
+    assert result["gpu_idle_fraction"] is None        # CPU
+    assert 0 <= result["data_wait_fraction"] <= 1 and result["images_per_second"] > 0
+    assert result["train_seconds"] > 0
+
+
+def test_mnist_auto_falls_back_to_synthetic_with_one_line(mnist_example, tmp_path, capsys):
+    args = mnist_example.get_args_parser().parse_args(
+        ["--data-root", str(tmp_path / "empty"), "--train-size", "256", "--test-size", "128", "--epochs", "1",
+         "--batch-size", "64", "--workers", "0", "--device", "cpu", "--backend", "memory", "--no-progress"])
+    result = mnist_example.main(args)
+    assert result["dataset"] == "synthetic"
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if "synthetic digits instead" in line]) == 1
+    assert "MNIST" in out
+
+
+def test_mnist_required_fails_clearly(mnist_example, tmp_path):
+    args = mnist_example.get_args_parser().parse_args(["--data", "mnist", "--data-root", str(tmp_path), "--device",
+                                                       "cpu"])
+    with pytest.raises(SystemExit, match="--data mnist: MNIST files not found"):
+        mnist_example.main(args)
+
+
+def test_imagefolder_example(folder_example, tmp_path):
+    make_image_folder(tmp_path / "train", classes=2, per_class=6, seed=0)
+    make_image_folder(tmp_path / "val", classes=2, per_class=2, seed=1)
+    out = tmp_path / "r.json"
+    args = folder_example.get_args_parser().parse_args(
+        ["--data-root", str(tmp_path / "train"), "--val-root", str(tmp_path / "val"), "--backend", "torch",
+         "--epochs", "1", "--batch-size", "4", "--image-size", "64", "--workers", "0", "--device", "cpu",
+         "--no-progress", "--json-out", str(out), "--checkpoint", str(tmp_path / "ck.pt")])
+    folder_example.main(args)
+    result = json.loads(out.read_text())
+    assert JSON_FIELDS <= set(result)
+    assert result["classes"] == 2 and len(result["history"]) == 1
+    assert 0.0 <= result["test_accuracy"] <= 1.0
+    assert (tmp_path / "ck.pt").exists()
+
+
+# --------------------------------------------------------------------------------- torchrun / DDP
+SHARD_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np, torch
+    from fastdata import Augmentation, make_loader
+    from fastdata import distributed as fdist
+    from fastdata.datasets import ArraySource
+    from fastdata.engine import fit
+    from fastdata.models import SmallCNN
+
+    device = fdist.init_distributed("cpu")
+    # Image i carries its id in its first two pixels; mean 0 / std 1 lets us read it back exactly.
+    n = 96
+    images = np.zeros((n, 12, 12), np.uint8)
+    images[:, 0, 0], images[:, 0, 1] = np.arange(n) // 256, np.arange(n) % 256
+    images[:, 4:8, 4:8] = (np.arange(n) % 10 * 25)[:, None, None]
+    src = ArraySource(images, np.arange(n) % 10, mean=(0.0,), std=(1.0,))
+    loader = make_loader(src, sys.argv[1], batch_size=8, num_workers=0, augment=Augmentation.none(), seed=1)
+
+    class Ids:
+        def __init__(self, inner):
+            self.inner, self.device, self.ids = inner, inner.device, []
+        def __len__(self): return len(self.inner)
+        def set_epoch(self, e): self.inner.set_epoch(e)
+        def state_dict(self): return self.inner.state_dict()
+        def load_state_dict(self, s): self.inner.load_state_dict(s)
+        def __iter__(self):
+            for x, y in self.inner:
+                px = torch.round(x[:, 0, 0, :2] * 255).long()
+                self.ids += (px[:, 0] * 256 + px[:, 1]).tolist()
+                yield x, y
+
+    torch.manual_seed(fdist.rank())  # different initial weights: DDP must broadcast rank 0's
+    model = SmallCNN(width=4)
+    ids = Ids(loader)
+    hist = fit(model, ids, epochs=1, eval_loader=make_loader(src, sys.argv[1], batch_size=16, train=False,
+               num_workers=0), progress=False)
+    weights = float(sum(p.double().sum() for p in model.parameters()))
+    with open(os.path.join(sys.argv[2], f"rank{fdist.rank()}.json"), "w") as f:
+        json.dump({"ids": ids.ids, "world": fdist.world_size(), "weights": weights, "history": hist}, f)
+    fdist.cleanup()
+""")
+
+
+def _torchrun(args, cwd, timeout=90):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_ddp_two_ranks_read_disjoint_shards_and_agree(tmp_path):
+    script = tmp_path / "shards.py"
+    script.write_text(SHARD_SCRIPT)
+    _torchrun([str(script), "torch", str(tmp_path)], cwd=tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world"] == r1["world"] == 2
+    assert len(r0["ids"]) == len(r1["ids"]) == 48
+    assert not set(r0["ids"]) & set(r1["ids"])
+    assert sorted(r0["ids"] + r1["ids"]) == list(range(96))
+    assert r0["weights"] == r1["weights"]       # DDP kept the replicas identical
+    assert r0["history"] == r1["history"]       # figures were reduced over both ranks
+
+
+def test_mnist_example_under_torchrun(tmp_path):
+    out = tmp_path / "ddp.json"
+    # --data auto with no MNIST: rank 0 tries the download, the other rank waits, both fall back.
+    proc = _torchrun([str(EXAMPLES / "train_mnist.py"), "--data-root", str(tmp_path / "none"), "--train-size", "1024",
+                      "--test-size", "256", "--epochs", "1", "--batch-size", "64", "--workers", "0",
+                      "--backend", "memory", "--no-progress", "--json-out", str(out)], cwd=tmp_path)
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["device"] == "cpu"
+    assert proc.stdout.count("epoch 1/1") == 1          # rank 0 prints, rank 1 does not
+    assert proc.stdout.count("synthetic digits instead") == 1 and result["dataset"] == "synthetic"
+    assert JSON_FIELDS <= set(result)
