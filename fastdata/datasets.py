@@ -200,48 +200,65 @@ def _digit_segments(digit: int) -> np.ndarray:
                       dtype=np.float32)
 
 
+def _distance_to_segments(grid, pts):
+    """(c, P) distance from each grid point to the nearest of each image's segments pts (c, S, 2, 2)."""
+    a0, d = pts[:, :, 0], pts[:, :, 1] - pts[:, :, 0]                               # (c, S, 2)
+    rel = grid[None, :, None, :] - a0[:, None]                                        # (c, P, S, 2)
+    t = ((rel * d[:, None]).sum(-1) / (d * d).sum(-1).clamp_min(1e-6)[:, None]).clamp_(0, 1)
+    return (rel - t[..., None] * d[:, None]).square_().sum(-1).amin(-1).sqrt_()
+
+
 def render_digits(labels: np.ndarray, rng: np.random.Generator, size: int = 28) -> np.ndarray:
     """Draw one anti-aliased digit per label, each with its own jitter, slant, scale, stroke and noise.
 
     Pixels are shaded by their distance to the nearest stroke segment. The distance field runs in torch
     (multi-threaded float32), one digit class at a time so no work goes to padding segments: 60,000
-    digits take a few seconds on two cores.
+    digits take a few seconds on two cores. Half the images carry a distractor stroke and a fifth an
+    occluding patch, so some digits are genuinely ambiguous: a small CNN learns them well, not perfectly.
     """
     import torch
 
     n = len(labels)
     # All random draws happen up front in a fixed order, so the images depend on the seed alone.
-    angle = rng.uniform(-0.3, 0.3, n)
-    shear = rng.uniform(-0.3, 0.3, n)
-    sx, sy = rng.uniform(0.55, 0.85, n), rng.uniform(0.6, 0.85, n)
+    angle = rng.uniform(-0.45, 0.45, n)
+    shear = rng.uniform(-0.45, 0.45, n)
+    sx, sy = rng.uniform(0.45, 0.9, n), rng.uniform(0.5, 0.9, n)
     a = np.stack([np.cos(angle) * sx, -np.sin(angle) * sy + shear * sx,
                   np.sin(angle) * sx, np.cos(angle) * sy], -1).reshape(n, 2, 2).astype(np.float32)
-    shift = np.stack([rng.uniform(-0.09, 0.09, n), rng.uniform(-0.09, 0.09, n)], -1).astype(np.float32)
-    width = rng.uniform(0.9, 2.2, n).astype(np.float32)
-    ink = rng.uniform(0.65, 1.0, n).astype(np.float32)
-    noise_level = rng.uniform(0.0, 0.12, n).astype(np.float32)
+    shift = np.stack([rng.uniform(-0.14, 0.14, n), rng.uniform(-0.14, 0.14, n)], -1).astype(np.float32)
+    width = rng.uniform(0.7, 2.6, n).astype(np.float32)
+    ink = rng.uniform(0.5, 1.0, n).astype(np.float32)
+    noise_level = rng.uniform(0.0, 0.3, n).astype(np.float32)
     noise = rng.standard_normal((n, size * size), dtype=np.float32)
+    clutter = rng.uniform(0, size, (n, 1, 2, 2)).astype(np.float32)                   # one stray stroke
+    clutter[:, :, 1] = clutter[:, :, 0] + rng.normal(0, size / 5, (n, 1, 2)).astype(np.float32)
+    clutter_ink = np.where(rng.random(n) < 0.5, rng.uniform(0.3, 0.9, n), 0).astype(np.float32)
+    occlude = rng.random(n) < 0.2
+    box = rng.integers(0, size, (n, 2)), rng.integers(5, 11, (n, 2))
     jitter_seed = int(rng.integers(2 ** 62))
     ys, xs = np.mgrid[0:size, 0:size].astype(np.float32) + 0.5
     grid = torch.from_numpy(np.stack([xs.ravel(), ys.ravel()], -1))                   # (P, 2)
-    out = np.empty((n, size * size), dtype=np.float32)
+    dist = np.empty((n, size * size), dtype=np.float32)
     for digit in range(10):
         ids = np.flatnonzero(labels == digit)
         if len(ids) == 0:
             continue
         base = _digit_segments(digit)
-        jit = np.random.default_rng([jitter_seed, digit]).normal(0, 0.025, (len(ids),) + base.shape)
+        jit = np.random.default_rng([jitter_seed, digit]).normal(0, 0.045, (len(ids),) + base.shape)
         segs = torch.from_numpy((base[None] + jit.astype(np.float32)) - 0.5)            # (m, S, 2, 2)
         pts = torch.einsum("nij,nsej->nsei", torch.from_numpy(a[ids]), segs)
         pts = (pts + 0.5 + torch.from_numpy(shift[ids])[:, None, None, :]) * size
         for lo in range(0, len(ids), 1024):  # bounds the (chunk, P, S, 2) temporaries to ~100 MB
-            p = pts[lo:lo + 1024]
-            a0, d = p[:, :, 0], p[:, :, 1] - p[:, :, 0]                               # (c, S, 2)
-            rel = grid[None, :, None, :] - a0[:, None]                                # (c, P, S, 2)
-            t = ((rel * d[:, None]).sum(-1) / (d * d).sum(-1).clamp_min(1e-6)[:, None]).clamp_(0, 1)
-            dist = (rel - t[..., None] * d[:, None]).square_().sum(-1).amin(-1).sqrt_()  # (c, P)
-            out[ids[lo:lo + 1024]] = dist.numpy()
-    img = np.clip(width[:, None] - out + 0.5, 0, 1) * ink[:, None] + noise * noise_level[:, None]
+            dist[ids[lo:lo + 1024]] = _distance_to_segments(grid, pts[lo:lo + 1024]).numpy()
+    stray = np.concatenate([_distance_to_segments(grid, torch.from_numpy(clutter[lo:lo + 4096])).numpy()
+                            for lo in range(0, n, 4096)])
+    img = np.maximum(np.clip(width[:, None] - dist + 0.5, 0, 1) * ink[:, None],
+                     np.clip(1.2 - stray + 0.5, 0, 1) * clutter_ink[:, None])
+    img = img.reshape(n, size, size)
+    for i in np.flatnonzero(occlude):  # a dark patch over part of the digit
+        (y, x), (h, w) = box[0][i], box[1][i]
+        img[i, y:y + h, x:x + w] = 0
+    img = img.reshape(n, -1) + noise * noise_level[:, None]
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8).reshape(n, size, size)
 
 

@@ -51,7 +51,7 @@ def test_synthetic_digits_are_deterministic_and_varied():
     same = a.images[a.labels == 3].astype(np.float32)
     assert np.abs(same[0] - same[1]).mean() > 10
     # Digits are drawn: bright strokes on a dark ground, some ink in every image.
-    assert (a.images.reshape(500, -1).max(1) > 150).all()
+    assert (a.images.reshape(500, -1).max(1) > 100).all()
     assert 0.05 < a.images.mean() / 255 < 0.3
 
 

@@ -17,7 +17,7 @@ RECORD_KEYS = {"epoch", "train_loss", "train_accuracy", "eval_loss", "eval_accur
 
 @pytest.fixture(scope="module")
 def digits():
-    return SyntheticDigits(1536, train=True, seed=1), SyntheticDigits(512, train=False, seed=1)
+    return SyntheticDigits(4096, train=True, seed=1), SyntheticDigits(512, train=False, seed=1)
 
 
 class Crash(Exception):
@@ -109,8 +109,10 @@ def test_fit_learns_synthetic_digits(backend, digits):
     torch.manual_seed(0)
     loader = make_loader(train, backend, batch_size=64, num_workers=0, device="cpu")
     eval_loader = make_loader(test, backend, batch_size=256, train=False, num_workers=0, device="cpu")
-    history = fit(SmallCNN(width=16), loader, epochs=2, eval_loader=eval_loader, progress=False)
-    assert [r["epoch"] for r in history] == [1, 2]
+    model = SmallCNN(width=16)
+    history = fit(model, loader, epochs=3, eval_loader=eval_loader, progress=False,
+                  optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
+    assert [r["epoch"] for r in history] == [1, 2, 3]
     for r in history:
         assert set(r) == RECORD_KEYS
         assert 0.0 <= r["data_wait_fraction"] <= 1.0
