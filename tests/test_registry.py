@@ -60,7 +60,7 @@ def test_auto_falls_back_to_torch_when_the_cache_does_not_fit(monkeypatch, caplo
     assert "does not fit" in caplog.text
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rule")
-def test_auto_sends_photos_on_the_cpu_to_a_decoding_backend(photo_folder):
-    loader = make_loader(ImageFolder(photo_folder), batch_size=6, device="cpu", num_workers=0)
-    assert loader.name == ("dali" if "dali" in available_backends() else "torch")
+def test_auto_caches_a_small_photo_folder(photo_folder, caplog):
+    with caplog.at_level(logging.INFO, logger="fastdata"):
+        loader = make_loader(ImageFolder(photo_folder), batch_size=6, device="cpu", num_workers=0)
+    assert loader.name == "memory" and "fits in the free" in caplog.text
