@@ -22,6 +22,8 @@ from functools import lru_cache
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fastdata.doctor import cpu_model
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
 
@@ -67,17 +69,6 @@ def median_rate(seconds, items) -> float:
 
 
 # ------------------------------------------------------------------------------------ machine info
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -159,7 +150,7 @@ def machine_info() -> dict:
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": socket.gethostname(),
-        "cpu": cpu_model(),
+        "cpu": cpu_model(),  # the doctor's reading, so reports and `fastdata doctor` agree
         "cores": usable_cores(),
         "memory_gib": mem_gib,
         "gpu": gpu,

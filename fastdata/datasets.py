@@ -67,7 +67,10 @@ class ArraySource(Source):
             raise ValueError(f"labels must have shape ({len(images)},), got {labels.shape}")
         if len(images) == 0:
             raise ValueError(f"{name}: no images")
-        self.images = np.ascontiguousarray(images)  # (N, H, W, C)
+        # Writable and contiguous: torch.from_numpy shares it without a copy, and warns on read-only
+        # buffers (read_idx's frombuffer is one).
+        images = np.ascontiguousarray(images)
+        self.images = images if images.flags.writeable else images.copy()  # (N, H, W, C)
         self.labels = labels.astype(np.int64)
         self.name = name
         self.digits = digits
