@@ -129,3 +129,47 @@ def test_clean_stale_removes_only_this_checkpoints_temporaries(tmp_path):
 def test_load_missing_file_names_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         ckpt.load(tmp_path / "nope.pt")
+
+
+def test_keyboard_interrupt_during_a_save_keeps_previous(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    ckpt.save(_state(1.0), path)
+    real_save = torch.save
+
+    def interrupted(obj, f):
+        f.write(b"the first bytes of a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(_state(2.0), path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def _die_before_replace(path):
+    """A hard crash (no cleanup runs: power loss, SIGKILL) between writing the temporary and the rename."""
+    os.replace = lambda src, dst: os._exit(3)
+    ckpt.save(_state(2.0), path)
+
+
+def test_hard_crash_leaves_a_temporary_that_the_next_start_removes(tmp_path):
+    import multiprocessing as mp
+
+    from fastdata import SmallCNN, fit, make_loader
+    from fastdata.datasets import SyntheticDigits
+
+    path = tmp_path / "c.pt"
+    ckpt.save(_state(1.0), path)
+    child = mp.get_context("fork").Process(target=_die_before_replace, args=(path,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 3
+    stale = [p.name for p in tmp_path.iterdir() if p.name != "c.pt"]
+    assert len(stale) == 1 and stale[0].startswith("c.pt.tmp."), stale  # the crash left it behind
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))  # previous one intact
+    # The next training start with that checkpoint path removes the stale temporary.
+    loader = make_loader(SyntheticDigits(64, seed=1), "torch", batch_size=32, num_workers=0, device="cpu")
+    fit(SmallCNN(width=4), loader, epochs=1, checkpoint=tmp_path / "c.pt", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
