@@ -64,7 +64,16 @@ def init_distributed(device=None) -> torch.device:
 
 
 def cleanup() -> None:
+    """Tear the process group down on every rank together.
+
+    The barrier first: a rank that destroys its group and exits while a peer's gloo threads still
+    talk to it can make that peer abort at exit ("terminate called without an active exception",
+    seen here in the 2-rank CPU test; pytorch/pytorch#190489)."""
     if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:  # a peer already failed: still release this rank's resources
+            pass
         dist.destroy_process_group()
 
 

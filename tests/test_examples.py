@@ -142,7 +142,7 @@ SHARD_SCRIPT = textwrap.dedent("""
     ids = Ids(loader)
     hist = fit(model, ids, epochs=1, eval_loader=make_loader(src, sys.argv[1], batch_size=16, train=False,
                num_workers=0), progress=False)
-    weights = float(sum(p.double().sum() for p in model.parameters()))
+    weights = float(sum(p.detach().double().sum() for p in model.parameters()))
     with open(os.path.join(sys.argv[2], f"rank{fdist.rank()}.json"), "w") as f:
         json.dump({"ids": ids.ids, "world": fdist.world_size(), "weights": weights, "history": hist}, f)
     fdist.cleanup()
