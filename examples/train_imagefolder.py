@@ -53,6 +53,7 @@ def main(args) -> dict:
     import torchvision
 
     device = fdist.init_distributed(args.device)
+    ok = False  # a failed rank must not wait at a barrier its peers may never reach
     try:
         torch.manual_seed(args.seed)
         train_src = ImageFolder(args.data_root)
@@ -110,9 +111,10 @@ def main(args) -> dict:
         for loader in (train_loader, val_loader):
             if loader is not None:
                 loader.close()
+        ok = True
         return result
     finally:
-        fdist.cleanup()
+        fdist.cleanup(barrier=ok)
 
 
 if __name__ == "__main__":

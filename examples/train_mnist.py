@@ -94,6 +94,7 @@ def _first(source, n):
 
 def main(args) -> dict:
     device = fdist.init_distributed(args.device)
+    ok = False  # a failed rank must not wait at a barrier its peers may never reach
     try:
         torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
         train_src, test_src, dataset = load_digits(args)
@@ -135,9 +136,10 @@ def main(args) -> dict:
                     json.dump(result, f, indent=2)
         for loader in (train_loader, test_loader):
             loader.close()
+        ok = True
         return result
     finally:
-        fdist.cleanup()
+        fdist.cleanup(barrier=ok)
 
 
 if __name__ == "__main__":

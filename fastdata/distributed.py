@@ -63,17 +63,20 @@ def init_distributed(device=None) -> torch.device:
     return dev
 
 
-def cleanup() -> None:
-    """Tear the process group down on every rank together.
+def cleanup(barrier: bool = True) -> None:
+    """Tear the process group down, on every rank together after a successful run.
 
     The barrier first: a rank that destroys its group and exits while a peer's gloo threads still
     talk to it can make that peer abort at exit ("terminate called without an active exception",
-    seen here in the 2-rank CPU test; pytorch/pytorch#190489)."""
+    seen here in the 2-rank CPU test; pytorch/pytorch#190489). After a failure pass
+    ``barrier=False``: the peers may be inside a collective that never completes, and the barrier
+    would wait for the process group's timeout (30 minutes) instead of letting torchrun stop them."""
     if dist.is_available() and dist.is_initialized():
-        try:
-            dist.barrier()
-        except Exception:  # a peer already failed: still release this rank's resources
-            pass
+        if barrier:
+            try:
+                dist.barrier()
+            except Exception:  # a peer already failed: still release this rank's resources
+                pass
         dist.destroy_process_group()
 
 
