@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# Sets fastdata up on a fresh machine: a virtual environment (.venv, or the active one) with torch and
+# Sets fastdata up on a fresh machine: a virtual environment (.venv) with torch and
 # torchvision pinned by constraints.txt, NVIDIA DALI, the test tools, and Pillow-SIMD in place of Pillow.
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")"
 
-if [ -n "${VIRTUAL_ENV:-}" ]; then
-  PY="$VIRTUAL_ENV/bin/python"
-else
-  if [ ! -x .venv/bin/python ]; then
-    "${PYTHON:-python3}" -m venv .venv
-  fi
-  PY=.venv/bin/python
+# Always .venv beside this script, also when another environment is active: the README's commands
+# run .venv/bin/python. PYTHON picks the interpreter the environment is made from (>= 3.10).
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
 fi
+PY=.venv/bin/python
 PIP=("$PY" -m pip --disable-pip-version-check)
 
 # The constraints keep pip on torch 2.14.1 / torchvision 0.29.1: unpinned it fetches newer releases
