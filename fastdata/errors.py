@@ -3,7 +3,9 @@ import ast
 import re
 
 # The message DecodeError writes, found again inside the text DataLoader re-raises from a worker.
-_MESSAGE = re.compile(r"cannot decode image ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (.*)")
+_HINT = "; on_error='skip' skips and counts such files"
+_MESSAGE = re.compile(r"cannot decode image ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"): (.*?)(?:"
+                      + re.escape(_HINT) + r")?$", re.M)
 
 
 class DecodeError(ValueError):
@@ -28,7 +30,9 @@ class DecodeError(ValueError):
         self.path = str(path)
         self.reason = reason
         self._message = None
-        super().__init__(f"cannot decode image {self.path!r}: {reason}")
+        # The hint matters on real data: ImageNet's training set holds a few PNG files named .JPEG, and
+        # one such file should not end a run whose user would rather skip it.
+        super().__init__(f"cannot decode image {self.path!r}: {reason}{_HINT}")
 
     def __reduce__(self):  # survives the trip from a worker process
         return (DecodeError, (self._message,) if self._message is not None else (self.path, self.reason))
