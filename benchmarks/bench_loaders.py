@@ -48,7 +48,7 @@ BACKEND_ORDER = ("torch", "memory", "prefetch", "dali", "auto")
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Loader throughput (images/s) of the tutorial pipeline, every "
-                                            "available fastdata backend and the machine's limit.",
+         "available fastdata backend and the machine's limit.",
                                 add_help=add_help)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--backends", nargs="+", default=None, choices=BACKEND_ORDER,
@@ -58,18 +58,18 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--workers", type=int, default=None, help="worker processes/threads (default: usable cores)")
     p.add_argument("--passes", type=int, default=None, help="timed passes per contender (median reported; "
-                                                             "default 3, --quick 1); one warm-up pass precedes them")
+                          "default 3, --quick 1); one warm-up pass precedes them")
     p.add_argument("--digits", type=int, default=None, help="digit images (default 60000, --quick 6000)")
     p.add_argument("--digits-batch", type=int, default=256)
     p.add_argument("--jpeg-images", type=int, default=None, help="photos in the JPEG folder "
-                                                                  "(default 1500, --quick 96)")
+                               "(default 1500, --quick 96)")
     p.add_argument("--jpeg-batch", type=int, default=None, help="default 64, --quick 32")
     p.add_argument("--data", default="./data", help="folder holding MNIST/raw (used when present)")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEG folder is kept")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timed passes per contender before stopping early (default 60, --quick 8)")
     p.add_argument("--quick", action="store_true", help="small sizes, one timed pass: checks that it runs "
-                                                         "(under 2 minutes on 2 cores), not how fast")
+                      "(under 2 minutes on 2 cores), not how fast")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")
     return p
@@ -200,10 +200,10 @@ class DecodeLimit:
         self.paths = source.paths
         self.batch = batch
         jobs = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(range(len(self.paths))),
-                                             batch, drop_last=True)
+          batch, drop_last=True)
         self.dl = torch.utils.data.DataLoader(DecodeOnly(self.paths), batch_size=None, sampler=jobs,
-                                              num_workers=workers, persistent_workers=workers > 0,
-                                              prefetch_factor=4 if workers else None)
+           num_workers=workers, persistent_workers=workers > 0,
+           prefetch_factor=4 if workers else None)
 
     def __len__(self):
         return len(self.dl)
@@ -316,7 +316,7 @@ def run_workload(workload, args, device, rows, sources):
             logging.getLogger("fastdata").addHandler(handler)
             try:
                 loader = fastdata.make_loader(source, name, batch_size=batch, device=device,
-                                              num_workers=args.workers, train=True)
+           num_workers=args.workers, train=True)
             finally:
                 logging.getLogger("fastdata").removeHandler(handler)
             note = f"make_loader(backend={name!r})"
@@ -376,7 +376,7 @@ def results_markdown(rows, sources, targets, args, device) -> str:
         parts.append(f"## {workload}\n\n{sources[workload]}. Batch {batch}, {args.workers} workers, device "
                      f"`{device}`, median of {args.passes} timed pass(es) after one warm-up.\n\n"
                      + common.markdown_table(["contender", "role", "images/s", "vs baseline", "vs limit",
-                                              "setup s", "warm-up pass s", "note"], lines))
+           "setup s", "warm-up pass s", "note"], lines))
     if targets:
         parts.append("## Targets\n\n" + common.targets_markdown(targets))
     return "\n\n".join(parts)
@@ -415,13 +415,13 @@ def main(args) -> dict:
     payload = {"benchmark": "loaders", "device": str(device), "workers": args.workers, "passes": args.passes,
                "quick": args.quick, "sources": sources, "unit": "images/s",
                "rows": [vars(r) for r in rows], "targets": [vars(t) | {"label": t.describe()} for t in targets]}
-    chart = {f"{w} ({sources[w].split()[0]}), batch {args.digits_batch if w == 'digits' else args.jpeg_batch}": [(r.name, r.rate, r.role) for r in rows
-                                                   if r.workload == w and r.status == "ok"] for w in sources}
-    paths = common.write_reports(args.out, f"loaders-{tag}", title="Loader throughput", machine=machine,
-                                 command=common.command_line("bench_loaders.py", argv), body_md=body,
-                                 payload=payload, chart_groups=chart, chart_xlabel="images/s (log scale)")
-    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
-    payload["paths"] = {k: str(v) for k, v in paths.items()}
+    batch = {"digits": args.digits_batch, "jpeg": args.jpeg_batch}
+    chart = {f"{w} ({sources[w].split()[0]}), batch {batch[w]}":
+             [(r.name, r.rate, r.role) for r in rows if r.workload == w and r.status == "ok"] for w in sources}
+    payload["paths"] = common.write_reports(
+        args.out, f"loaders-{tag}", title="Loader throughput", machine=machine,
+        command=common.command_line("bench_loaders.py", argv), body_md=body,
+        payload=payload, chart_groups=chart, chart_xlabel="images/s (log scale)")
     return payload
 
 

@@ -39,11 +39,11 @@ SIZE = 224
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Per-sample cost of JPEG decode + RandomResizedCrop and of a "
-                                            "1024²→224² resize with the installed PIL (Pillow or Pillow-SIMD).",
+         "1024²→224² resize with the installed PIL (Pillow or Pillow-SIMD).",
                                 add_help=add_help)
     p.add_argument("--images", type=int, default=16, help="distinct JPEGs cycled through (default 16)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per operation, median reported "
-                                                             "(default 7, --quick 3)")
+                          "(default 7, --quick 3)")
     p.add_argument("--round-s", type=float, default=None, help="seconds per round (default 0.5, --quick 0.1)")
     p.add_argument("--compare", nargs="*", default=[], metavar="PYTHON",
                    help="other interpreters (with another PIL) to run the same measurement under")
@@ -214,12 +214,11 @@ def main(args) -> dict:
     chart = {f"samples/s on one core — {label(r)}": [(op, 1e6 / r["ops"][op]["us"], "fastdata") for op in OPS]
              for r in ok}
     tag = args.tag or common.machine_tag(machine)
-    paths = common.write_reports(args.out, f"pillow-{tag}", title="Pillow per-sample cost", machine=machine,
-                                 command=common.command_line("bench_pillow.py", getattr(args, "argv", None)),
-                                 body_md=body, payload=payload, chart_groups=chart,
-                                 chart_xlabel="samples/s on one core (log scale)")
-    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
-    payload["paths"] = {k: str(v) for k, v in paths.items()}
+    payload["paths"] = common.write_reports(
+        args.out, f"pillow-{tag}", title="Pillow per-sample cost", machine=machine,
+        command=common.command_line("bench_pillow.py", getattr(args, "argv", None)),
+        body_md=body, payload=payload, chart_groups=chart,
+        chart_xlabel="samples/s on one core (log scale)")
     return payload
 
 

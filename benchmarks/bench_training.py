@@ -44,7 +44,7 @@ WORKLOADS = ("digits", "jpeg")
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Training images/s, data-wait and GPU-idle fractions of "
-                                            "fastdata.engine.fit with each loader.", add_help=add_help)
+         "fastdata.engine.fit with each loader.", add_help=add_help)
     p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
                    help="default: digits on CPU (a CNN on 224² photos trains at a few dozen images/s on "
                         "a CPU), digits and jpeg on CUDA")
@@ -234,12 +234,11 @@ def main(args) -> dict:
                "targets": [vars(t) | {"label": t.describe()} for t in targets]}
     chart = {f"{w}: training images/s": [(r.name, r.rate, r.role) for r in rows if r.workload == w and r.status == "ok"]
              for w in sources}
-    paths = common.write_reports(args.out, f"training-{tag}", title="Training throughput", machine=machine,
-                                 command=common.command_line("bench_training.py", getattr(args, "argv", None)),
-                                 body_md=body, payload=payload, chart_groups=chart,
-                                 chart_xlabel="training images/s", chart_log=False)
-    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
-    payload["paths"] = {k: str(v) for k, v in paths.items()}
+    payload["paths"] = common.write_reports(
+        args.out, f"training-{tag}", title="Training throughput", machine=machine,
+        command=common.command_line("bench_training.py", getattr(args, "argv", None)),
+        body_md=body, payload=payload, chart_groups=chart,
+        chart_xlabel="training images/s", chart_log=False)
     return payload
 
 

@@ -69,48 +69,14 @@ def median_rate(seconds, items) -> float:
 
 
 # ------------------------------------------------------------------------------------ machine info
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 @lru_cache(maxsize=None)  # the doctor's AVX2 check disassembles PIL's binary: once is enough
 def _pil_info() -> dict:
-    """Which PIL is installed: the doctor's answer when fastdata has one, else detected here.
+    """Which PIL is installed (Pillow or Pillow-SIMD, built with AVX2 or not): the doctor's answer, so
+    the reports and ``python -m fastdata doctor`` agree, plus whether libjpeg-turbo decodes."""
+    from fastdata.doctor import pil_info as doctor_pil_info
 
-    Pillow-SIMD installs the same ``PIL`` package; its versions carry a ``.postN`` suffix (its
-    maintainer's documented way to tell) and its distribution is named ``Pillow-SIMD``. Whether it was
-    built with AVX2 (``CC="cc -mavx2"``) is not visible from Python: ``avx2`` says only whether the CPU
-    has it (None when unknown).
-    """
-    try:
-        from fastdata.doctor import pil_info as doctor_pil_info  # the lead's doctor, when it exists
-    except ImportError:
-        doctor_pil_info = None
-    if doctor_pil_info is not None:
-        info = dict(doctor_pil_info())
-        info.setdefault("source", "fastdata.doctor.pil_info")
-    else:
-        import PIL
-
-        version = PIL.__version__
-        simd = bool(re.search(r"\.post\d+$", version))
-        try:
-            from importlib import metadata
-
-            metadata.distribution("Pillow-SIMD")
-            simd = True
-        except Exception:
-            pass
-        flags = cpu_flags()
-        info = {"version": version, "simd": simd, "avx2": ("avx2" in flags) if flags else None,
-                "source": "benchmarks.common.pil_info"}
+    info = dict(doctor_pil_info())
+    info.setdefault("source", "fastdata.doctor.pil_info")
     try:
         from PIL import features
 
@@ -360,7 +326,8 @@ def bar_chart(path: Path, groups: dict[str, list[tuple[str, float, str]]], *, xl
 
 def write_reports(out_dir, stem: str, *, title: str, machine: dict, command: str, body_md: str,
                   payload: dict, chart_groups: dict, chart_xlabel: str, chart_log: bool = True) -> dict:
-    """Write ``<stem>.md``, ``<stem>.json`` and ``<stem>.png`` under ``out_dir``; return their paths."""
+    """Write ``<stem>.md``, ``<stem>.json`` and ``<stem>.png`` under ``out_dir``, say so, and return
+    their paths as strings (for the payload a script returns)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("md", "json", "png")}
@@ -370,7 +337,8 @@ def write_reports(out_dir, stem: str, *, title: str, machine: dict, command: str
     write_json(paths["json"], {"title": title, "machine": machine, "command": command, **payload})
     bar_chart(paths["png"], chart_groups, xlabel=chart_xlabel, title=f"{title} — {machine['cpu']}, "
               f"{machine['cores']} cores{', ' + machine['gpu'] if machine.get('gpu') else ''}", log=chart_log)
-    return paths
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+    return {k: str(v) for k, v in paths.items()}
 
 
 def command_line(script: str, argv: list[str] | None) -> str:
