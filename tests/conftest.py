@@ -1,5 +1,16 @@
-"""Shared test data: every test makes its own, nothing is downloaded."""
+"""Shared test data: every test makes its own, nothing is downloaded.
+
+CUDA tests carry ``@pytest.mark.cuda`` (``@pytest.mark.cuda(devices=2)`` for more than one GPU). Without
+a usable GPU they skip, saying why. ``FASTDATA_REQUIRE_CUDA=N`` (N >= 1: the GPUs the run must have)
+turns those skips into failures: the first run on a GPU machine then cannot pass by skipping, and a
+machine whose ``nvidia-smi`` lists GPUs that torch cannot use (a driver older than torch's CUDA build
+needs) fails instead of quietly testing the CPU paths. Tests that need more GPUs than N still skip.
+"""
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -10,10 +21,75 @@ from fastdata.datasets import ArraySource, make_image_folder
 
 BACKENDS = [b for b in available_backends()]
 CONCRETE = [b for b in BACKENDS if b != "auto"]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="needs a CUDA GPU"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 MEAN, STD = (0.5,), (0.25,)
+
+
+def _required_gpus() -> int:
+    raw = os.environ.get("FASTDATA_REQUIRE_CUDA", "").strip()
+    if raw in ("", "0"):
+        return 0
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        raise pytest.UsageError(f"FASTDATA_REQUIRE_CUDA={raw!r}: expected the number of GPUs the run "
+                                f"must have (1, 2, ...) or 0") from None
+
+
+REQUIRED_GPUS = _required_gpus()
+CUDA_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nvidia_smi_gpus() -> list[str]:
+    """GPU names ``nvidia-smi -L`` lists (empty without the tool or a driver)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line for line in out.splitlines() if line.startswith("GPU ")]
+
+
+def cuda_unavailable_reason(devices: int = 1) -> str | None:
+    """Why a test needing ``devices`` GPUs cannot run here, or None when it can."""
+    if CUDA_GPUS >= devices:
+        return None
+    if CUDA_GPUS == 0:
+        listed = nvidia_smi_gpus()
+        if listed:
+            return (f"nvidia-smi lists {len(listed)} GPU(s) but torch {torch.__version__} (built for CUDA "
+                    f"{torch.version.cuda}) cannot use them: torch.cuda.is_available() is False; the "
+                    f"driver is probably older than this CUDA build needs (see `python -m fastdata doctor`)")
+        return "needs a CUDA GPU; this machine has none"
+    return f"needs {devices} CUDA GPUs; this machine has {CUDA_GPUS}"
+
+
+_NOT_RUN: list[str] = []
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("cuda")
+    if marker is None:
+        return
+    devices = int(marker.kwargs.get("devices", 1))
+    why = cuda_unavailable_reason(devices)
+    if why is None:
+        return
+    if REQUIRED_GPUS >= devices:
+        _NOT_RUN.append(item.nodeid)
+        pytest.fail(f"FASTDATA_REQUIRE_CUDA={REQUIRED_GPUS}: this CUDA test cannot run: {why}", pytrace=False)
+    pytest.skip(why)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _NOT_RUN:
+        terminalreporter.section(f"FASTDATA_REQUIRE_CUDA={REQUIRED_GPUS}: CUDA tests that could not run")
+        for nodeid in _NOT_RUN:
+            terminalreporter.write_line(nodeid)
+        terminalreporter.write_line(cuda_unavailable_reason(1) or "")
 
 
 def label_of(ids):

@@ -274,7 +274,6 @@ def test_options():
 
 # ----------------------------------------------------------------------------------------------- CUDA
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the mixed (nvJPEG) path needs a CUDA GPU")
 def test_mixed_device_path_matches_cpu(photo_folder):
     src = ImageFolder(photo_folder)
     gpu = list(make_loader(src, backend="dali", device="cuda", batch_size=8, train=False))

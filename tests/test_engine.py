@@ -264,7 +264,6 @@ def test_resume_without_a_checkpoint_starts_fresh(tmp_path, capsys):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA-event timing, autocast on GPU)")
 def test_fit_on_cuda_reports_gpu_idle_and_uses_amp(digits):
     train, test = digits
     loader = make_loader(train, "torch", batch_size=128, num_workers=2, device="cuda")

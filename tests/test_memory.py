@@ -45,7 +45,7 @@ def test_hflip_on_the_device_mirrors_exactly():
     torch.testing.assert_close(a, b.flip(3))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_cache_lives_on_the_gpu():
     loader = make_loader(SyntheticDigits(1000), "memory", batch_size=100, device="cuda")
     assert loader.cache.is_cuda

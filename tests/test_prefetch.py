@@ -52,7 +52,7 @@ def test_thread_ends_when_the_consumer_breaks():
     assert not [t for t in threading.enumerate() if t.name == "fastdata-prefetch"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_cuda_stream_prefetch_keeps_batches_intact():
     src = indexed_source(2000)
     loader = make_loader(src, "prefetch", batch_size=100, device="cuda", train=False, num_workers=2, depth=3)
