@@ -7,43 +7,14 @@ pipeline). A leak of one batch per epoch, one pipe per epoch or one thread per e
 from __future__ import annotations
 
 import gc
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import CONCRETE, DEVICES, indexed_source
+from procs import usage
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder, make_image_folder
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def family() -> list[int]:
-    """This process and its live children (the workers)."""
-    pids = [os.getpid()]
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            pids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return pids
-
-
-def usage() -> dict:
-    """Summed over the family: resident bytes, open fds, threads, processes."""
-    rss = fds = threads = procs = 0
-    for pid in family():
-        try:
-            rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
-            threads += len(os.listdir(f"/proc/{pid}/task"))
-            procs += 1
-        except OSError:  # a process that just ended
-            pass
-    return {"rss": rss, "fds": fds, "threads": threads, "procs": procs}
-
 
 @pytest.fixture(scope="module")
 def endurance_photos(tmp_path_factory):

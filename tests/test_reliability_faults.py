@@ -17,41 +17,13 @@ import pytest
 import torch
 
 from conftest import BACKENDS, CONCRETE, decode_ids, indexed_source
+from procs import children, wait_until
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import DatasetSource
 
 NONE = Augmentation.none()
 WORKER_BACKENDS = ["torch", "prefetch"]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def children(pid: int | None = None) -> set[int]:
-    """Live (non-zombie) child processes of ``pid`` (default: this process), from /proc."""
-    pid = pid or os.getpid()
-    out = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out |= {int(c) for c in (task / "children").read_text().split()}
-        except OSError:
-            pass
-    live = set()
-    for c in out:
-        try:
-            state = Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in ("Z", "X"):
-            live.add(c)
-    return live
-
-
-def wait_until(cond, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 class Boom(Exception):
@@ -90,7 +62,7 @@ def test_an_exception_in_a_worker_reaches_the_caller_with_its_type_and_traceback
     with pytest.raises(exc) as info:
         for _, y in loader:
             got += len(y)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30, "a hang, not an error"  # generous: the suite may run on busy cores
     assert got <= 32, "sample 37 is in the 5th batch: at most the first 4 batches come out"
     msg = str(info.value)
     assert "sample 37 is cursed" in msg
@@ -134,13 +106,9 @@ EXIT_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, {tests!r})
     from conftest import indexed_source
+    from procs import children as kids, wait_until
     from fastdata import make_loader, Augmentation
 
-    def kids():
-        out = set()
-        for t in Path(f"/proc/{{os.getpid()}}/task").iterdir():
-            out |= {{int(c) for c in (t / "children").read_text().split()}}
-        return {{c for c in out if Path(f"/proc/{{c}}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"}}
 
     backend, how = sys.argv[1], sys.argv[2]
     loader = make_loader(indexed_source(4000, size=16), backend, batch_size=32, device="cpu",
@@ -155,9 +123,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     print("WORKERS", len(had), flush=True)
     if how == "del":
         del loader, x, y
-        end = time.monotonic() + 5
-        while kids() & had and time.monotonic() < end:
-            time.sleep(0.05)
+        wait_until(lambda: not (kids() & had), 15)
         print("WORKERS_AFTER_DEL", len(kids() & had), flush=True)
     print("EXITING", flush=True)
     # how == "exit": leave with the loader alive; the interpreter must still exit promptly
@@ -173,7 +139,7 @@ def test_leaving_an_epoch_early_ends_threads_and_workers_and_the_interpreter_exi
     proc = subprocess.Popen([sys.executable, str(script), backend, how], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # our own process group: the script and its workers
         out, _ = proc.communicate()
@@ -186,8 +152,9 @@ def test_leaving_an_epoch_early_ends_threads_and_workers_and_the_interpreter_exi
         assert "WORKERS_AFTER_DEL 0" in out, out
     assert "EXITING" in out
     assert "Traceback" not in out and "Exception ignored" not in out, out
-    # start-up (torch import) is most of it; a hang on exit would be 5 s per worker or forever
-    assert took < 30, f"took {took:.1f} s"
+    # start-up (torch import) is most of it, and seconds longer on busy cores; a hang on exit would be
+    # 5 s per worker joined in turn, or forever
+    assert took < 60, f"took {took:.1f} s"
 
 
 # ------------------------------------------------------------------------------------------ item 10
@@ -209,7 +176,7 @@ def test_an_error_in_the_prefetch_thread_reaches_the_caller():
     with pytest.raises(RuntimeError, match="normalization exploded"):
         for x, _ in loader:
             got.append(decode_ids(x))
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30, "a hang, not an error"
     assert calls and all(name == "fastdata-prefetch" for name in calls), calls  # it was the thread
     assert len(got) == 2  # the two good batches first, in order
     np.testing.assert_array_equal(np.concatenate(got), np.arange(128))
