@@ -159,3 +159,45 @@ def test_targets_and_ratios():
     assert common.Target("w", "fast", column="data_wait", at_most=0.02).evaluate(rows).status == "missed"
     md = common.targets_markdown([met, missed, na])
     assert "**missed**" in md and "| met" in md.replace("  ", " ")
+
+
+def test_time_to_target_counts_training_seconds_up_to_the_first_epoch_that_reaches_it():
+    bench = load("bench_accuracy")
+    history = [{"epoch": 1, "seconds": 10.0, "eval_accuracy": 0.97},
+               {"epoch": 2, "seconds": 12.0, "eval_accuracy": 0.991},
+               {"epoch": 3, "seconds": 11.0, "eval_accuracy": 0.995}]
+    assert bench.time_to_target(history, 0.99) == (22.0, 2)
+    assert bench.time_to_target(history, 0.999) == (None, None)
+    assert bench.time_to_target([{"epoch": 1, "seconds": 3.0, "eval_accuracy": None}], 0.5) == (None, None)
+
+
+def test_bench_accuracy_quick_runs_the_example_per_backend(tmp_path):
+    bench = load("bench_accuracy")
+    args = bench.get_args_parser().parse_args(
+        ["--quick", "--backends", "memory", "--train-size", "1024", "--test-size", "512", "--batch-size", "128",
+         "--device", "cpu", "--data-root", str(tmp_path / "no-mnist"), "--out", str(tmp_path), "--tag", "test"])
+    payload = bench.main(args)
+    on_disk, md = check_reports(payload, "accuracy-test")
+    (row,) = payload["rows"]
+    assert row["status"] == "ok", row
+    assert row["dataset"] == "synthetic" and "synthetic digits" in md  # says what it trained on
+    assert 0.0 <= row["final_accuracy"] <= 1.0 and row["images_per_second"] > 0
+    assert "| memory " in md
+
+
+def test_gpu_script_refuses_a_machine_without_a_usable_gpu(tmp_path):
+    if torch_cuda_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    import subprocess
+
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "tests"], capture_output=True, text=True,
+                          cwd=ROOT, env={**__import__("os").environ, "PY": sys.executable,
+                                         "OUT_DIR": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "torch sees no CUDA device" in proc.stderr and "CUDA devices" in proc.stderr
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
