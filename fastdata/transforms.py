@@ -19,14 +19,18 @@ _FORMAT_OF_EXT = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG"}
 _EXIF_ORIENTATION = 0x0112
 
 
-def open_image(path) -> Image.Image:
-    """Open (header only) and check an image; any failure becomes a DecodeError naming the file."""
+def open_image(path, fp=None) -> Image.Image:
+    """Open (header only) and check an image; any failure becomes a DecodeError naming the file.
+
+    ``fp``: the file's bytes already read (a file object), so a caller that needs them anyway (the
+    dali backend feeds them to DALI) reads the file once; ``path`` still names it in errors.
+    """
     path = str(path)
     try:
         with warnings.catch_warnings():
             # Pillow warns between 1x and 2x its pixel limit and raises above; both are refused here.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(path)
+            img = Image.open(path if fp is None else fp)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise DecodeError(path, f"decompression-bomb limit: {e}") from None
     except FileNotFoundError:
@@ -77,6 +81,24 @@ def exif_orientation(img: Image.Image) -> int:
         return int(img.getexif().get(_EXIF_ORIENTATION, 1) or 1)
     except Exception:  # a broken EXIF block does not make the pixels unreadable
         return 1
+
+
+def check_pixels(img: Image.Image, path) -> None:
+    """Decode all of an opened image's data with the decoder ``load_photo`` uses; a failure (truncated
+    file, broken data stream) becomes the DecodeError ``load_photo`` raises for it.
+
+    A backend that does not decode with PIL (dali) calls this once per file so that every backend
+    agrees on which files are broken, whatever the crop (a region decoder never reads the rows a crop
+    misses). JPEGs are decoded at 1/8 scale (``Image.draft``): libjpeg still reads and entropy-decodes
+    every byte of the scan, which is where truncation and corrupt data are found, but skips most of
+    the IDCT and colour conversion. ``img`` is consumed (loaded at reduced size).
+    """
+    if img.format == "JPEG":
+        img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
+    try:
+        img.load()
+    except Exception as e:
+        raise DecodeError(path, f"{type(e).__name__}: {e}") from None
 
 
 def rrc_params(rng: np.random.Generator, height: int, width: int, scale, ratio) -> tuple[float, float, float, float]:
