@@ -7,9 +7,12 @@ here: each backend validates its own.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 _DTYPES = {
@@ -19,6 +22,50 @@ _DTYPES = {
 }
 CROPS = ("none", "translate", "random_resized", "center")
 ON_ERROR = ("raise", "skip")
+
+
+# Type checks shared by both dataclasses. bool is an int subclass, and a string or a float where an
+# integer belongs would otherwise be coerced somewhere deep in a backend (or fail at the first batch),
+# so each is refused here with the field's name.
+def _integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an integer {bounds}, got {value}")
+    return value
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _flag(name: str, value, *, optional: bool = False):
+    # numpy's bool_ is accepted (it is what comparisons return); 0/1 are not: an int here is a mistake.
+    if optional and value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+    return bool(value)
+
+
+def _pair(name: str, value) -> tuple[float, float]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"{name} must be a (low, high) pair of numbers, got {value!r}")
+    return _real(f"{name}[0]", value[0]), _real(f"{name}[1]", value[1])
+
+
+def _reals(name: str, value) -> tuple[float, ...]:
+    values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if not values:
+        raise ValueError(f"{name} must hold one value per channel, got {value!r}")
+    return tuple(_real(f"{name}[{i}]" if len(values) > 1 else name, v) for i, v in enumerate(values))
+
 
 
 @dataclass(frozen=True)
@@ -46,9 +93,19 @@ class Augmentation:
     hflip: float = 0.0
 
     def __post_init__(self):
-        if self.crop not in CROPS:
+        def fix(name, value):  # frozen: normalized values are written once, here
+            object.__setattr__(self, name, value)
+
+        if not isinstance(self.crop, str) or self.crop not in CROPS:
             raise ValueError(f"unknown crop {self.crop!r}; choose from {list(CROPS)}")
-        if self.crop in ("random_resized", "center") and (self.size is None or self.size <= 0):
+        for name in ("size", "resize"):
+            if getattr(self, name) is not None:
+                fix(name, _integer(name, getattr(self, name), minimum=1))
+        fix("pad", _integer("pad", self.pad, minimum=0))
+        fix("hflip", _real("hflip", self.hflip))
+        fix("scale", _pair("scale", self.scale))
+        fix("ratio", _pair("ratio", self.ratio))
+        if self.crop in ("random_resized", "center") and self.size is None:
             raise ValueError(f"crop={self.crop!r} needs a positive size, got size={self.size!r}")
         if self.crop == "center" and self.resize is not None and self.resize < self.size:
             raise ValueError(f"resize={self.resize} is smaller than the center crop size={self.size}")
@@ -102,10 +159,34 @@ def resolve_dtype(dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(_DTYPES)}") from None
 
 
+def _local_rank() -> int | None:
+    """torchrun's LOCAL_RANK (this process's GPU on its node), or None outside torchrun."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None or value.strip() == "":
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        raise ValueError(f"the LOCAL_RANK environment variable must be an integer >= 0, got {value!r}") from None
+    if rank < 0:
+        raise ValueError(f"the LOCAL_RANK environment variable must be an integer >= 0, got {value!r}")
+    return rank
+
+
 def resolve_device(device) -> torch.device:
-    """None → CUDA when available, else CPU. A CUDA device that is not there is an error, not a fallback."""
+    """None → CUDA when available, else CPU. A CUDA device that is not there is an error, not a fallback.
+
+    Under torchrun (LOCAL_RANK set), None and ``"cuda"`` mean ``cuda:LOCAL_RANK``: before the process
+    group exists ``torch.cuda.current_device()`` is 0 on every rank, so all ranks would share GPU 0.
+    An explicit ``"cuda:N"`` is kept as given.
+    """
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        device = "cuda"
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a string such as 'cpu' or 'cuda:0', an int or a torch.device, "
+                        f"got {device!r} ({type(device).__name__})")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -115,10 +196,20 @@ def resolve_device(device) -> torch.device:
             raise RuntimeError(
                 f"device {str(device)!r} was requested but CUDA is not available here "
                 f"(torch {torch.__version__}, torch.cuda.is_available() is False); use device='cpu'")
+        count = torch.cuda.device_count()
+        if dev.index is None:
+            local = _local_rank()
+            if local is not None:
+                if local >= count:
+                    raise RuntimeError(
+                        f"LOCAL_RANK={local} asks for cuda:{local} (device={str(device)!r} under torchrun "
+                        f"means the rank's own GPU) but this machine has {count} CUDA device(s); run at "
+                        f"most {count} processes per node (torchrun --nproc-per-node)")
+                return torch.device("cuda", local)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
+        if index >= count:
             raise RuntimeError(f"device {str(device)!r} does not exist; this machine has "
-                               f"{torch.cuda.device_count()} CUDA device(s)")
+                               f"{count} CUDA device(s)")
         dev = torch.device("cuda", index)
     elif dev.type != "cpu":
         raise ValueError(f"device {str(device)!r} is not supported; use 'cpu' or 'cuda[:N]'")
@@ -126,10 +217,26 @@ def resolve_device(device) -> torch.device:
 
 
 def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask), whatever other processes share them."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """This process's share of the usable cores: the default for workers, cache workers, DALI threads.
+
+    torchrun starts LOCAL_WORLD_SIZE processes per node, each of which would otherwise take every core
+    (8 ranks on 16 cores: 128 DataLoader workers plus 128 DALI threads, all thrashing).
+    """
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    try:
+        ranks = max(1, int(ranks)) if ranks else 1
+    except ValueError:
+        raise ValueError(f"the LOCAL_WORLD_SIZE environment variable must be an integer >= 1, "
+                         f"got {ranks!r}") from None
+    return max(1, usable_cores() // ranks)
 
 
 @dataclass(frozen=True)
@@ -175,45 +282,73 @@ class LoaderConfig:
         def fix(name, value):  # frozen: normalized values are written once, here
             object.__setattr__(self, name, value)
 
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size <= 0:
+        # The values as given, before defaults are derived: replace() starts from these, so that
+        # replace(train=False) re-derives shuffle/drop_last from the new train instead of keeping the
+        # training config's derived True (evaluation would shuffle and drop its last batch).
+        object.__setattr__(self, "_given", {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) \
+                or self.batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
-        if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 0):
-            raise ValueError(f"num_workers must be an integer >= 0 (0 loads in the main process), "
-                             f"got {self.num_workers!r}")
-        if self.on_error not in ON_ERROR:
+        fix("batch_size", int(self.batch_size))
+        if self.num_workers is not None:
+            if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, numbers.Integral) \
+                    or self.num_workers < 0:
+                raise ValueError(f"num_workers must be an integer >= 0 (0 loads in the main process), "
+                                 f"got {self.num_workers!r}")
+            fix("num_workers", int(self.num_workers))
+        fix("train", _flag("train", self.train))
+        fix("shuffle", _flag("shuffle", self.shuffle, optional=True))
+        fix("drop_last", _flag("drop_last", self.drop_last, optional=True))
+        fix("channels_last", _flag("channels_last", self.channels_last))
+        # seed_for() mixes 32-bit words: seeds 2**32 apart would give identical orders.
+        fix("seed", _integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1))
+        if not isinstance(self.on_error, str) or self.on_error not in ON_ERROR:
             raise ValueError(f"unknown on_error {self.on_error!r}; choose from {list(ON_ERROR)}")
         if self.augment is not None and not isinstance(self.augment, Augmentation):
             raise TypeError(f"augment must be a fastdata.Augmentation, got {type(self.augment).__name__}")
-        if self.cache_size <= 0:
-            raise ValueError(f"cache_size must be positive, got {self.cache_size}")
+        fix("cache_size", _integer("cache_size", self.cache_size, minimum=1))
         for name in ("mean", "std"):
-            v = getattr(self, name)
-            if v is not None:
-                v = tuple(float(x) for x in (v if isinstance(v, (tuple, list)) else (v,)))
-                fix(name, v)
+            if getattr(self, name) is not None:
+                fix(name, _reals(name, getattr(self, name)))
         if self.std is not None and any(s <= 0 for s in self.std):
             raise ValueError(f"std must be positive, got {self.std}")
-        fix("shuffle", self.train if self.shuffle is None else bool(self.shuffle))
-        fix("drop_last", self.train if self.drop_last is None else bool(self.drop_last))
+        if self.mean is not None and self.std is not None and len(self.mean) != len(self.std) \
+                and 1 not in (len(self.mean), len(self.std)):
+            raise ValueError(f"mean and std must have one value per channel, got {len(self.mean)} and "
+                             f"{len(self.std)} values")
+        if self.world_size is not None:
+            fix("world_size", _integer("world_size", self.world_size, minimum=1))
+        if self.rank is not None:
+            fix("rank", _integer("rank", self.rank, minimum=0))
+        if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
+        fix("shuffle", self.train if self.shuffle is None else self.shuffle)
+        fix("drop_last", self.train if self.drop_last is None else self.drop_last)
         fix("dtype", resolve_dtype(self.dtype))
         fix("device", resolve_device(self.device))
         if self.num_workers is None:
-            fix("num_workers", usable_cores())
-        if self.world_size is not None and self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
+            fix("num_workers", default_workers())
 
     @classmethod
     def from_kwargs(cls, config: "LoaderConfig | None", kwargs: dict) -> tuple["LoaderConfig", dict]:
         """Split ``kwargs`` into config fields (applied over ``config``) and backend-specific options."""
+        if config is not None and not isinstance(config, LoaderConfig):
+            raise TypeError(f"config must be a fastdata.LoaderConfig, got {type(config).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         ours = {k: v for k, v in kwargs.items() if k in names}
         rest = {k: v for k, v in kwargs.items() if k not in names}
-        base = config if config is not None else cls.__new__(cls)
         if config is None:
             return cls(**ours), rest
-        return dataclasses.replace(base, **ours), rest
+        return config.replace(**ours), rest
 
     def replace(self, **changes) -> "LoaderConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``. Defaults derived from other fields (shuffle and drop_last from
+        ``train``, the device, num_workers) are derived again unless they were given explicitly.
+        Use this, not ``dataclasses.replace``, which copies the derived values."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise TypeError(f"LoaderConfig has no field(s) {unknown}; its fields are {sorted(names)}")
+        given = getattr(self, "_given", None) or {n: getattr(self, n) for n in names}
+        return type(self)(**{**given, **changes})
