@@ -3,6 +3,9 @@
 - ``for images, labels in loader``: images float (N, C, H, W) normalized on ``loader.device``,
   labels int64 (N,) on the same device.
 - ``len(loader)`` equals the batches one pass yields; each ``iter()`` is the next epoch.
+- A new ``iter()`` supersedes the previous one: the older epoch is closed first (its workers, threads
+  and pipelines released), and using the older iterator afterwards raises RuntimeError. So a
+  ``next(iter(loader))`` peek works, and two interleaved epochs are an error, never wrong data.
 - The order and the random augmentation of epoch ``e`` derive from ``(seed, e)`` (see sampling.py).
 - ``state_dict()`` records the consumer's position (epoch, batches handed out); ``load_state_dict()``
   makes the next ``iter()`` continue from there, with exactly the batches an uninterrupted run sees.
@@ -12,14 +15,49 @@ A subclass implements ``_epoch(epoch, batches)`` → iterator of (images, labels
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import ClassVar, Iterator
 
 import numpy as np
 import torch
 
-from ..config import LoaderConfig
+from ..config import LoaderConfig, _integer
 from ..datasets import Source
 from ..sampling import EpochPlan, distributed_info
+
+
+_SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loader: each iter() starts "
+               "the next epoch and closes the previous one (two epochs of one loader cannot run "
+               "interleaved, they share its workers). Keep one iterator per epoch; to look at a batch "
+               "outside the loop use next(iter(loader)) before it, or a second loader")
+
+
+class EpochIterator:
+    """What ``iter(loader)`` returns: the epoch's batches, until a newer ``iter()`` supersedes it."""
+
+    __slots__ = ("_batches", "_superseded", "__weakref__")
+
+    def __init__(self, batches):
+        self._batches = batches
+        self._superseded = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._superseded:
+            raise RuntimeError(_SUPERSEDED)
+        return next(self._batches)
+
+    def close(self) -> None:
+        """End the epoch early and release what it holds (also happens when the iterator is dropped)."""
+        self._batches.close()
+
+    def _supersede(self) -> None:
+        self._superseded = True
+        # close() runs the epoch's finally blocks now: workers, threads and pipelines are released
+        # before the newer epoch starts using them.
+        self._batches.close()
 
 
 class Loader:
@@ -68,6 +106,9 @@ class Loader:
                 f"yield nothing; lower batch_size or pass drop_last=False")
         self._next = (0, 0)           # (epoch, first batch) of the next iter()
         self._position = (0, 0)       # (epoch, batches handed to the consumer)
+        # The running epoch's iterator, weakly: a dropped peek (next(iter(loader))) is finalized at
+        # once, releasing its prefetch thread, instead of living until the next iter().
+        self._current = None
         self.skipped = 0              # samples skipped with on_error="skip" in the current epoch
         self._scale, self._shift = self._normalizer()
 
@@ -76,11 +117,16 @@ class Loader:
         return len(self.plan)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        previous = self._current() if self._current is not None else None
+        if previous is not None:
+            previous._supersede()
         epoch, start = self._next
         self._next = (epoch + 1, 0)
         self._position = (epoch, start)
         self.skipped = 0
-        return self._count(epoch, start)
+        it = EpochIterator(self._count(epoch, start))
+        self._current = weakref.ref(it)
+        return it
 
     def _count(self, epoch: int, start: int):
         it = self._epoch(epoch, self.plan.batches(epoch, start), start)
@@ -105,34 +151,55 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` reads epoch ``epoch`` from its start (resume, DDP)."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self._next = (int(epoch), 0)
+        epoch = _integer("epoch", epoch, minimum=0)
+        self._next = (epoch, 0)
+        # The position too: a checkpoint taken right after set_epoch() (at an epoch boundary) must
+        # resume in this epoch, not in the one the loader last ran.
+        self._position = (epoch, 0)
+
+    def _identity(self) -> dict:
+        """What a saved position is only valid for: the same plan over the same data."""
+        p = self.plan
+        return {"seed": p.seed, "batch_size": p.batch_size, "world_size": p.world_size,
+                "num_samples": p.num_samples, "shuffle": p.shuffle, "drop_last": p.drop_last,
+                "source": self.source.fingerprint()}
 
     def state_dict(self) -> dict:
+        """The consumer's position (epoch, batches handed out) and what it is valid for."""
         epoch, done = self._position
         if done >= len(self):
             epoch, done = epoch + 1, 0
-        p = self.plan
-        return {"epoch": epoch, "batch": done, "seed": p.seed, "batch_size": p.batch_size,
-                "world_size": p.world_size, "num_samples": p.num_samples, "shuffle": p.shuffle,
-                "drop_last": p.drop_last}
+        return {"epoch": epoch, "batch": done, **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state``'s position. A different world size, batch size, seed or dataset would
-        make the remaining batches differ from the interrupted run's, so it is refused."""
-        p = self.plan
-        mine = {"seed": p.seed, "batch_size": p.batch_size, "world_size": p.world_size,
-                "num_samples": p.num_samples, "shuffle": p.shuffle, "drop_last": p.drop_last}
-        diff = {k: (state.get(k), v) for k, v in mine.items() if k in state and state[k] != v}
+        make the remaining batches differ from the interrupted run's, so it is refused, as is a state
+        with a missing key or a value of the wrong type or range (each error names the key)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be the dict that state_dict() returned, got {type(state).__name__}")
+        mine = self._identity()
+        missing = [k for k in ("epoch", "batch", *mine) if k not in state]
+        if missing:
+            raise ValueError(f"loader state has no {missing[0]!r} key (missing: {missing}); it was not "
+                             f"written by state_dict() of this version, so the position cannot be trusted")
+        for key in ("epoch", "batch", *mine):
+            value, expected = state[key], type(mine.get(key, 0))
+            ok = isinstance(value, bool) if expected is bool else \
+                isinstance(value, expected) and not isinstance(value, bool)
+            if not ok:
+                raise TypeError(f"loader state {key!r} must be {expected.__name__}, got {value!r} "
+                                f"({type(value).__name__})")
+        if state["epoch"] < 0:
+            raise ValueError(f"loader state 'epoch' must be >= 0, got {state['epoch']}")
+        diff = {k: (state[k], v) for k, v in mine.items() if state[k] != v}
         if diff:
-            detail = ", ".join(f"{k} was {a} and is now {b}" for k, (a, b) in diff.items())
+            detail = ", ".join(f"{k} was {a!r} and is now {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"cannot resume this loader from the saved position: {detail}; the remaining "
                              f"batches would not be the interrupted run's (restart the epoch with "
                              f"set_epoch() instead)")
         if not 0 <= state["batch"] <= len(self):
-            raise ValueError(f"saved batch {state['batch']} is outside [0, {len(self)}]")
-        self._next = (int(state["epoch"]), int(state["batch"]))
+            raise ValueError(f"loader state 'batch' {state['batch']} is outside [0, {len(self)}]")
+        self._next = (state["epoch"], state["batch"])
         self._position = self._next
 
     def close(self) -> None:
