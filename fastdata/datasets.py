@@ -8,8 +8,10 @@ Three kinds, which backends treat differently:
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +39,11 @@ class Source:
 
     def default_augmentation(self, train: bool) -> Augmentation:
         return Augmentation.none()
+
+    def fingerprint(self) -> str:
+        """A short, readable identity of the data, stored with a loader's position: resuming on other
+        data of the same size would silently read different samples. Cheap, so not a full hash."""
+        return f"{type(self).__name__} n={len(self)}"
 
     def __repr__(self):
         return f"{type(self).__name__}(n={len(self)}, classes={self.num_classes}, name={self.name!r})"
@@ -67,11 +74,15 @@ class ArraySource(Source):
             raise ValueError(f"labels must have shape ({len(images)},), got {labels.shape}")
         if len(images) == 0:
             raise ValueError(f"{name}: no images")
+        if images.shape[1] == 0 or images.shape[2] == 0:
+            raise ValueError(f"images must have at least one pixel, got {images.shape[1]}x{images.shape[2]} "
+                             f"images {images.shape}")
+        labels = check_labels(labels)
         # Writable and contiguous: torch.from_numpy shares it without a copy, and warns on read-only
         # buffers (read_idx's frombuffer is one).
         images = np.ascontiguousarray(images)
         self.images = images if images.flags.writeable else images.copy()  # (N, H, W, C)
-        self.labels = labels.astype(np.int64)
+        self.labels = labels
         self.name = name
         self.digits = digits
         self.channels = images.shape[-1]
@@ -82,6 +93,13 @@ class ArraySource(Source):
             mean = tuple(float(m) for m in sub.mean(axis=(0, 1, 2))) if mean is None else mean
             std = tuple(max(float(s), 1e-3) for s in sub.std(axis=(0, 1, 2))) if std is None else std
         self.mean, self.std = tuple(mean), tuple(std)
+
+    def fingerprint(self) -> str:
+        # Shape plus a CRC of the labels and of up to 64 evenly spaced images: tens of KB for MNIST,
+        # a few MB for a cached photo set, so it is cheap to compute at every checkpoint.
+        picks = np.linspace(0, len(self.images) - 1, min(64, len(self.images))).astype(np.int64)
+        return (f"{type(self).__name__} n={len(self)} image={'x'.join(map(str, self.image_shape))} "
+                f"crc={_crc(self.labels, self.images[picks])}")
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -95,6 +113,33 @@ class ArraySource(Source):
         import torch
 
         return torch.from_numpy(self.images[i]), int(self.labels[i])
+
+
+def check_labels(labels, what: str = "labels") -> np.ndarray:
+    """Labels as int64, refusing what a cast would silently change: fractions (1.7 → 1), NaN (→ INT64_MIN),
+    negatives (a negative class count), non-numbers. The error names the first bad one and its index."""
+    labels = np.asarray(labels)
+    if labels.dtype == np.bool_ or not (np.issubdtype(labels.dtype, np.integer)
+                                         or np.issubdtype(labels.dtype, np.floating)):
+        raise TypeError(f"{what} must be integers >= 0, got dtype {labels.dtype}")
+    if np.issubdtype(labels.dtype, np.floating):
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(labels) | (labels != np.round(labels))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i]!r}")
+    negative = labels < 0
+    if negative.any():
+        i = int(np.flatnonzero(negative)[0])
+        raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i]!r}")
+    return labels.astype(np.int64)
+
+
+def _crc(*arrays: np.ndarray) -> str:
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(a).data, crc)
+    return f"{crc:08x}"
 
 
 # ---------------------------------------------------------------------------------------------- MNIST
@@ -123,10 +168,17 @@ def read_idx(path) -> np.ndarray:
     if len(data) < header:
         raise ValueError(f"IDX file '{path}' is truncated inside its header")
     shape = struct.unpack(">" + "I" * ndim, data[4:header])
-    expected = int(np.prod(shape))
+    expected = math.prod(shape)  # Python ints: sizes near 2**32 overflow np.prod's int64 silently
     if len(data) - header < expected:
         raise ValueError(f"IDX file '{path}' is truncated: header says {shape} = {expected} bytes, "
                          f"body has {len(data) - header}")
+    if len(data) - header > expected:
+        raise ValueError(f"IDX file '{path}' does not match its header: header says {shape} = {expected} "
+                         f"bytes, body has {len(data) - header} (a wrong header or another file appended)")
+    if shape[0] == 0:
+        raise ValueError(f"IDX file '{path}' holds no items (header says {shape})")
+    if ndim == 3 and 0 in shape[1:]:
+        raise ValueError(f"IDX file '{path}' holds {shape[1]}x{shape[2]} images; they need at least one pixel")
     return np.frombuffer(data, dtype=np.uint8, count=expected, offset=header).reshape(shape)
 
 
@@ -171,7 +223,8 @@ class MNIST(ArraySource):
         if len(images) != len(labels):
             raise ValueError(f"'{paths[0]}' has {len(images)} images but '{paths[1]}' has {len(labels)} labels")
         if labels.max() > 9:
-            raise ValueError(f"'{paths[1]}' holds label {labels.max()}; MNIST labels are 0-9")
+            i = int(np.argmax(labels > 9))
+            raise ValueError(f"'{paths[1]}' holds label {labels[i]} at index {i}; MNIST labels are 0-9")
         self.root = Path(root)
         self.train = bool(train)
         super().__init__(images, labels, mean=(0.1307,), std=(0.3081,), name="mnist", digits=True)
@@ -289,6 +342,34 @@ class SyntheticDigits(ArraySource):
 
 
 # ------------------------------------------------------------------------------------ image folders
+def _scandir(folder) -> list:
+    """os.scandir that names the folder it cannot read (os.walk skips it silently: its images vanish)."""
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot read folder '{folder}' of the image folder: {e.strerror}; its "
+                                f"images would be missing (fix its permissions or remove it)") from None
+
+
+def _walk_images(folder, exts, visited: set, real_root: str):
+    """Image files under ``folder``, following links to folders, each real folder once."""
+    for entry in _scandir(folder):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():  # follows links
+            real = os.path.realpath(entry.path)
+            if real_root.startswith(real.rstrip(os.sep) + os.sep):
+                raise ValueError(f"folder link '{entry.path}' points to '{real}', which contains the image "
+                                 f"folder '{real_root}' itself: reading it would loop")
+            if real in visited:  # a loop, or a folder already read (under its own class)
+                continue
+            visited.add(real)
+            yield from _walk_images(entry.path, exts, visited, real_root)
+        elif entry.name.lower().endswith(exts):
+            yield entry.path
+
+
 class ImageFolder(Source):
     """One sub-folder per class of JPEG/PNG files (ImageNet's layout); classes sorted by name.
 
@@ -306,16 +387,18 @@ class ImageFolder(Source):
         if not root.is_dir():
             raise NotADirectoryError(f"image folder '{root}' is not a directory")
         exts = tuple(e.lower() for e in extensions)
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+        classes = sorted(e.name for e in _scandir(root) if e.is_dir() and not e.name.startswith("."))
         if not classes:
             raise FileNotFoundError(f"image folder '{root}' has no class sub-folders "
                                     f"(expected root/<class>/<image>{exts[0]})")
+        # Every real directory is walked once. The root and the class folders are marked up front, so a
+        # link back to them (a/loop -> ..) neither loops (os.walk(followlinks=True) re-reads the tree
+        # through it: 6 images became 2,706) nor relabels another class's images.
+        real_root = os.path.realpath(root)
+        visited = {real_root} | {os.path.realpath(root / c) for c in classes}
         paths, labels = [], []
         for label, cls in enumerate(classes):
-            files = sorted(
-                os.path.join(dp, f)
-                for dp, _, fs in os.walk(root / cls, followlinks=True)
-                for f in fs if f.lower().endswith(exts) and not f.startswith("."))
+            files = sorted(_walk_images(root / cls, exts, visited, real_root))
             if not files:
                 raise FileNotFoundError(f"class folder '{root / cls}' has no images with endings {list(exts)}")
             paths += files
@@ -329,42 +412,124 @@ class ImageFolder(Source):
         self.num_classes = len(classes)
         self.mean, self.std = tuple(mean), tuple(std)
         self.name = f"imagefolder:{root.name}"
+        self._fingerprint = None
+
+    def fingerprint(self) -> str:
+        # The file list (relative paths and labels) and the file sizes. Not the mtimes: copying a data
+        # set to a node's local disk changes them but not the data. Computed once (one stat per file).
+        if self._fingerprint is None:
+            crc = zlib.crc32("\n".join(self.classes).encode())
+            for path, label in zip(self.paths, self.labels):
+                rel = os.path.relpath(path, self.root)
+                crc = zlib.crc32(f"{rel}\0{label}\0{os.stat(path).st_size}\n".encode(), crc)
+            self._fingerprint = (f"{type(self).__name__} n={len(self)} classes={self.num_classes} "
+                                 f"files={crc:08x}")
+        return self._fingerprint
 
     def default_augmentation(self, train: bool) -> Augmentation:
         return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
 
 
 class DatasetSource(Source):
-    """Any map-style torch Dataset returning (PIL image or uint8 tensor (C,H,W), int). torch backend only.
+    """Any map-style torch Dataset returning (PIL image or uint8 tensor (C,H,W) or (H,W), int).
+    torch and prefetch backends.
+
+    Every sample comes out with ``channels`` channels (``as_array``). With ``channels=None`` the first
+    sample decides: colour → 3, and later grey samples are replicated to RGB (lossless, as ImageFolder
+    does); grey → 1, and a later colour sample is an error rather than silently turned grey. Pass
+    ``channels=1`` to convert colour samples to grey (Pillow's luma) on purpose, or ``channels=3``.
 
     Args:
         dataset: the Dataset; ``__getitems__`` is used for batched fetching when it exists.
         mean, std: normalization; None → ImageNet's for 3 channels, 0.5/0.5 otherwise.
-        channels: channels of the samples (probed from the first one when None).
+        channels: 1 or 3; None → from the first sample (see above).
+        num_classes: None → from ``dataset.targets`` when it has them.
     """
 
     kind = "dataset"
 
     def __init__(self, dataset, *, mean=None, std=None, channels: int | None = None, num_classes=None):
         self.dataset = dataset
+        self.name = type(dataset).__name__
         n = len(dataset)
         if n == 0:
             raise ValueError(f"dataset {type(dataset).__name__} is empty")
+        self._convert_colour = channels is not None  # RGB → grey only when asked for
         if channels is None:
-            first = dataset[0][0]
-            channels = len(first.getbands()) if hasattr(first, "getbands") else int(first.shape[0])
-            channels = 3 if channels >= 3 else 1
+            channels = 3 if self._channels_of(dataset[0][0]) >= 3 else 1
+        elif isinstance(channels, bool) or channels not in (1, 3):
+            raise ValueError(f"channels must be 1, 3 or None (from the first sample), got {channels!r}")
         self.channels = channels
         targets = getattr(dataset, "targets", None)
-        self.labels = np.asarray(targets, dtype=np.int64) if targets is not None and len(targets) == n \
+        known = targets is not None and len(targets) == n
+        self.labels = check_labels(targets, f"{self.name}.targets") if known \
             else np.full(n, -1, dtype=np.int64)  # unknown until loaded
-        self.num_classes = num_classes or (int(self.labels.max()) + 1 if targets is not None else 0)
+        self.num_classes = num_classes or (int(self.labels.max()) + 1 if known else 0)
         self.mean = tuple(mean) if mean else (IMAGENET_MEAN if channels == 3 else (0.5,))
         self.std = tuple(std) if std else (IMAGENET_STD if channels == 3 else (0.5,))
-        self.name = type(dataset).__name__
 
     def __len__(self):
         return len(self.dataset)
+
+    def fingerprint(self) -> str:
+        # A Dataset's data cannot be read cheaply from here: its type, length and targets.
+        t = type(self.dataset)
+        known = bool(len(self.labels)) and self.labels[0] >= 0
+        return (f"{t.__module__}.{t.__qualname__} n={len(self)}"
+                + (f" targets={_crc(self.labels)}" if known else ""))
+
+    def _channels_of(self, image) -> int:
+        if hasattr(image, "getbands"):
+            return len(image.getbands())
+        import torch
+
+        t = torch.as_tensor(image)
+        return int(t.shape[0]) if t.dim() == 3 else 1
+
+    def as_array(self, image) -> np.ndarray:
+        """One sample's image → uint8 (H, W, ``self.channels``), converted the same way for every sample.
+
+        PIL images: any mode → RGB as ImageFolder does (grey replicated, alpha dropped, 16-bit scaled),
+        or → L with Pillow's luma. Tensors: uint8 (C, H, W) or (H, W); grey is replicated to RGB, RGB(A)
+        becomes grey exactly as Pillow's convert("L") computes it.
+        """
+        if hasattr(image, "getbands"):  # PIL image
+            from .transforms import to_rgb
+
+            if self.channels == 1 and len(image.getbands()) >= 3 and not self._convert_colour:
+                self._refuse_colour(image.mode)
+            arr = np.asarray(to_rgb(image) if self.channels == 3 else
+                             (image if image.mode == "L" else to_rgb(image).convert("L")))
+            return arr[..., None] if arr.ndim == 2 else arr
+        import torch
+
+        t = torch.as_tensor(image)
+        if t.dtype != torch.uint8:
+            raise TypeError(f"{self.name} returned a {t.dtype} tensor; the torch backend expects PIL images "
+                            f"or uint8 (C, H, W) tensors")
+        if t.dim() == 2:
+            t = t[None]
+        if t.dim() != 3 or t.shape[0] not in (1, 3, 4):
+            raise ValueError(f"{self.name} returned a tensor of shape {tuple(image.shape)}; expected uint8 "
+                             f"(C, H, W) with C in (1, 3, 4), or (H, W)")
+        arr = t.permute(1, 2, 0).numpy()
+        c = arr.shape[-1]
+        if c == 4:  # alpha dropped, as to_rgb does for PIL images
+            arr, c = arr[..., :3], 3
+        if c == self.channels:
+            return np.ascontiguousarray(arr)
+        if self.channels == 3:  # grey → RGB: lossless
+            return np.repeat(arr, 3, axis=-1)
+        if not self._convert_colour:
+            self._refuse_colour(f"{c}-channel tensor")
+        rgb = arr.astype(np.uint32)  # Pillow's L conversion (Convert.c, L24), bit for bit
+        luma = (rgb[..., 0] * 19595 + rgb[..., 1] * 38470 + rgb[..., 2] * 7471 + 0x8000) >> 16
+        return luma.astype(np.uint8)[..., None]
+
+    def _refuse_colour(self, what) -> None:
+        raise ValueError(f"{self.name} returned a colour sample ({what}) but its first sample was grey, so "
+                         f"the source has 1 channel; pass DatasetSource(dataset, channels=3) to keep colour "
+                         f"(grey samples are replicated), or channels=1 to convert colour samples to grey")
 
 
 def as_source(obj) -> Source:

@@ -68,6 +68,15 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
     if backend == "auto":
         from .backends.auto import choose
 
+        # auto passes each backend only the options it knows, so a misspelt one (prefetch_factr=4) must
+        # be refused here, against every backend's options, or it would vanish without a word.
+        known = set()
+        for name in available_backends()[1:]:
+            known |= set(backend_class(name).options)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"backend 'auto' got unknown option(s) {unknown}; the backends' options are "
+                            f"{sorted(known)} and the shared ones are LoaderConfig's fields")
         backend, reason = choose(src, cfg)
         log.info("fastdata: backend 'auto' picked %r: %s", backend, reason)
         options = {k: v for k, v in options.items() if k in backend_class(backend).options}
