@@ -49,3 +49,136 @@ def test_config_is_frozen():
 def test_augmentation_rejects_inconsistent_recipes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Augmentation(**kwargs)
+
+
+# ---------------------------------------------------------------- every field checked, with its name
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("batch_size", 64.0), ("batch_size", "64"), ("batch_size", True),
+    ("num_workers", True), ("num_workers", 2.0), ("num_workers", "2"),
+    ("train", 1), ("train", "yes"), ("shuffle", 1), ("shuffle", "False"), ("drop_last", 0),
+    ("seed", -1), ("seed", 2 ** 32), ("seed", 1.5), ("seed", "0"), ("seed", True),
+    ("channels_last", 1), ("channels_last", "true"),
+    ("cache_size", 256.0), ("cache_size", "256"), ("cache_size", 0), ("cache_size", True),
+    ("rank", 1.0), ("rank", "0"), ("rank", -1), ("rank", True),
+    ("world_size", 2.0), ("world_size", "2"), ("world_size", 0), ("world_size", True),
+    ("mean", "0.5"), ("mean", (0.5, "0.4")), ("mean", NAN), ("mean", (0.1, INF, 0.2)), ("mean", ()),
+    ("std", "0.5"), ("std", NAN), ("std", INF), ("std", (0.2, -INF, 0.2)), ("std", 0.0), ("std", True),
+    ("on_error", ["raise"]), ("on_error", None),
+    ("augment", "digits"), ("device", 1.5), ("device", True), ("device", "tpu"), ("dtype", "int8"),
+])
+def test_every_loader_config_field_is_checked_and_named(field, bad):
+    with pytest.raises((TypeError, ValueError), match=field):
+        LoaderConfig(device="cpu", **{field: bad}) if field != "device" else LoaderConfig(device=bad)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(crop="random_resized", size=224.0), "size"), (dict(crop="random_resized", size="224"), "size"),
+    (dict(crop="random_resized", size=True), "size"), (dict(crop="random_resized", size=-1), "size"),
+    (dict(crop="translate", pad=2.0), "pad"), (dict(crop="translate", pad="2"), "pad"),
+    (dict(crop="translate", pad=True), "pad"), (dict(pad=-1), "pad"),
+    (dict(crop="center", size=224, resize=256.0), "resize"), (dict(crop="center", size=224, resize=0), "resize"),
+    (dict(hflip=True), "hflip"), (dict(hflip="0.5"), "hflip"), (dict(hflip=NAN), "hflip"),
+    (dict(scale=0.5), "scale"), (dict(scale=(0.1, 0.5, 1.0)), "scale"), (dict(scale=(0.1, NAN)), "scale"),
+    (dict(scale=("0.1", 1.0)), "scale"), (dict(ratio=(0.75, INF)), "ratio"), (dict(ratio=None), "ratio"),
+    (dict(crop=["none"]), "crop"), (dict(crop=None), "crop"),
+])
+def test_every_augmentation_field_is_checked_and_named(kwargs, name):
+    with pytest.raises((TypeError, ValueError), match=name):
+        Augmentation(**kwargs)
+
+
+def test_valid_values_are_normalized_once():
+    import numpy as np
+
+    cfg = LoaderConfig(device="cpu", batch_size=np.int64(8), seed=np.int32(3), mean=[0.5], std=0.25,
+                       shuffle=np.bool_(True), rank=0, world_size=1)
+    assert type(cfg.batch_size) is int and type(cfg.seed) is int and cfg.shuffle is True
+    assert cfg.mean == (0.5,) and cfg.std == (0.25,)
+    aug = Augmentation(crop="random_resized", size=np.int64(32), scale=[0.5, 1], ratio=(1, 1), hflip=1)
+    assert aug.size == 32 and aug.scale == (0.5, 1.0) and aug.ratio == (1.0, 1.0) and aug.hflip == 1.0
+
+
+# ---------------------------------------------------------------- derived defaults follow the final values
+def test_replace_rederives_what_the_user_did_not_set():
+    train = LoaderConfig(device="cpu", num_workers=0)
+    evaluation = train.replace(train=False)
+    assert not evaluation.shuffle and not evaluation.drop_last and evaluation.num_workers == 0
+    explicit = LoaderConfig(device="cpu", shuffle=True).replace(train=False)
+    assert explicit.shuffle and not explicit.drop_last  # given explicitly: kept
+    cfg, rest = LoaderConfig.from_kwargs(train, {"train": False, "depth": 3})
+    assert not cfg.shuffle and not cfg.drop_last and rest == {"depth": 3}
+    with pytest.raises(TypeError, match=r"no field\(s\) \['shufle'\]"):
+        train.replace(shufle=False)
+
+
+def test_make_loader_with_a_training_config_and_train_false_reads_every_sample_in_order():
+    import numpy as np
+
+    from conftest import decode_ids, indexed_source
+    from fastdata import make_loader
+
+    cfg = LoaderConfig(device="cpu", batch_size=32, num_workers=0)
+    loader = make_loader(indexed_source(100), "torch", config=cfg, train=False)
+    assert len(loader) == 4
+    ids = np.concatenate([decode_ids(x) for x, _ in loader])
+    np.testing.assert_array_equal(ids, np.arange(100))
+
+
+# ---------------------------------------------------------------- torchrun: devices and cores per rank
+@pytest.fixture
+def four_gpus(monkeypatch):
+    """torch.cuda stubbed as a machine with 4 GPUs whose current device is 0 (no process group yet)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_under_torchrun_the_default_cuda_device_is_local_rank(monkeypatch, four_gpus):
+    from fastdata.config import resolve_device
+
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert resolve_device(None) == torch.device("cuda", 2)
+    assert resolve_device("cuda") == torch.device("cuda", 2)
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda", 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)  # explicit: kept
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=5 .* 4 CUDA device\(s\)"):
+        resolve_device(None)
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ValueError, match="LOCAL_RANK"):
+        resolve_device("cuda")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert resolve_device(None) == torch.device("cuda", 0)
+
+
+@pytest.mark.cuda
+def test_under_torchrun_the_default_cuda_device_is_local_rank_on_a_gpu(monkeypatch):
+    from fastdata.config import resolve_device
+
+    last = torch.cuda.device_count() - 1
+    monkeypatch.setenv("LOCAL_RANK", str(last))
+    assert resolve_device(None) == torch.device("cuda", last)
+    assert LoaderConfig(device="cuda").device == torch.device("cuda", last)
+    monkeypatch.setenv("LOCAL_RANK", str(last + 1))
+    with pytest.raises(RuntimeError, match=f"LOCAL_RANK={last + 1}"):
+        resolve_device("cuda")
+
+
+def test_under_torchrun_each_rank_gets_its_share_of_the_cores(monkeypatch):
+    import fastdata.config as config
+
+    monkeypatch.setattr(config, "usable_cores", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert LoaderConfig(device="cpu").num_workers == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert LoaderConfig(device="cpu").num_workers == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert LoaderConfig(device="cpu").num_workers == 1  # at least one
+    assert LoaderConfig(device="cpu", num_workers=5).num_workers == 5  # explicit: kept
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        LoaderConfig(device="cpu")
