@@ -260,6 +260,216 @@ def test_broken_jpeg_skipped_and_counted(tmp_path, photo_folder):
         assert sum(len(y) for _, y in batches) == 17 and loader.skipped == 1
 
 
+def _truncate_90(data: bytes) -> bytes:
+    return data[: len(data) * 9 // 10]
+
+
+def _garble_scan(data: bytes) -> bytes:
+    """200 random bytes in the middle of the scan data, from the first seed for which libjpeg (through
+    PIL) reports a broken data stream; for most seeds it only warns, and no backend can tell."""
+    import io
+
+    from PIL import Image
+
+    sos = data.index(b"\xff\xda")
+    mid = sos + (len(data) - sos) // 2
+    for seed in range(100):
+        junk = np.random.default_rng(seed).integers(0, 256, 200, dtype=np.uint8).tobytes()
+        out = data[:mid] + junk + data[mid + 200:]
+        try:
+            Image.open(io.BytesIO(out)).load()
+        except OSError:
+            return out
+    raise AssertionError("no seed garbles the scan enough for libjpeg to refuse it")
+
+
+DAMAGE = {"truncated_at_90%": _truncate_90, "garbage_in_scan": _garble_scan}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_broken_file_refused_in_the_first_epoch_whatever_the_crop(tmp_path, photo_folder, damage):
+    # Region decoding reads only the rows around a crop: without a whole-file check, a file truncated
+    # at 90% passed whenever the crop missed its last rows, and garbage that libjpeg only warns about
+    # inside DALI gave a garbled image. Every seed's first epoch must fail, as the torch backend's does.
+    root, bad = _broken_folder(tmp_path, photo_folder, DAMAGE[damage])
+    src = ImageFolder(root)
+    for seed in range(4):
+        with pytest.raises(DecodeError, match=bad.name) as err:
+            list(dali(src, batch_size=6, train=True, seed=seed))
+        assert err.value.path == str(bad)
+        with pytest.raises(DecodeError, match=bad.name):
+            list(torch_loader(src, batch_size=6, train=True, seed=seed))
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_broken_file_skipped_every_epoch_like_the_torch_backend(tmp_path, photo_folder, damage):
+    root, bad = _broken_folder(tmp_path, photo_folder, DAMAGE[damage])
+    src = ImageFolder(root)
+    kw = dict(batch_size=6, train=True, seed=3, on_error="skip")
+    d, t = dali(src, **kw), torch_loader(src, **kw)
+    for _ in range(3):
+        with pytest.warns(RuntimeWarning, match="skipped 1"):
+            db = list(d)
+        with pytest.warns(RuntimeWarning, match="skipped 1"):
+            tb = list(t)
+        assert d.skipped == t.skipped == 1
+        assert [len(y) for _, y in db] == [len(y) for _, y in tb]
+        for (dx, dy), (tx, ty) in zip(db, tb):
+            # The skipped file's draws are consumed as the torch backend consumes them: the samples
+            # after it get the same crops (a misaligned draw would differ by tens of levels).
+            assert torch.equal(dy, ty)
+            per_image = ((dx - tx) * torch.tensor(src.std).view(1, 3, 1, 1) * 255).abs().mean((1, 2, 3))
+            assert per_image.max() < 3.0, per_image
+
+
+def test_validate_false_trusts_the_files_and_changes_no_pixel(tmp_path, photo_folder):
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=6, train=True, seed=5)
+    checked = torch.cat([x for x, _ in dali(src, **kw)])
+    trusted = torch.cat([x for x, _ in dali(src, validate=False, read_threads=1, **kw)])
+    assert torch.equal(checked, trusted)
+    # Unchecked, a file truncated at 90% reaches DALI, which fails only for some crops; whatever
+    # happens, the loader still names the file when it does.
+    root, bad = _broken_folder(tmp_path, photo_folder, _truncate_90)
+    try:
+        list(dali(ImageFolder(root), batch_size=6, train=False, validate=False))
+    except DecodeError as e:
+        assert e.path == str(bad)
+
+
+def test_files_read_off_the_training_thread_and_headers_once(photo_folder, monkeypatch):
+    import threading
+
+    import fastdata.backends.dali as dali_mod
+
+    opened, threads = [], set()
+    real_open = dali_mod.open_image
+
+    def counting_open(path, fp=None):
+        opened.append(path)
+        threads.add(threading.current_thread().name)
+        return real_open(path, fp)
+
+    monkeypatch.setattr(dali_mod, "open_image", counting_open)
+    src = ImageFolder(photo_folder)
+    loader = dali(src, batch_size=4, train=True, read_threads=2)
+    for _ in range(3):
+        assert sum(len(y) for _, y in loader) == 16
+    assert sorted(opened) == sorted(map(str, src.paths))  # each header once, over 3 epochs
+    assert threading.main_thread().name not in threads and threads
+
+
+def test_dali_failures_classified_by_type_and_origin():
+    import os
+
+    import nvidia.dali
+
+    from fastdata.backends.dali import is_dali_failure
+
+    dali_file = os.path.join(os.path.dirname(nvidia.dali.__file__), "pipeline.py")
+
+    def raised(exc, filename):
+        try:
+            exec(compile("raise exc", filename, "exec"), {"exc": exc})
+        except BaseException as e:
+            return e
+
+    text = "Critical error in pipeline:\nError in CPU operator `nvidia.dali.fn.decoders.image`"
+    assert is_dali_failure(raised(RuntimeError(text), dali_file))               # DALI's executor
+    assert not is_dali_failure(raised(RuntimeError(text), __file__))            # same words, not DALI
+    assert not is_dali_failure(raised(RuntimeError("pipeline broke"), __file__))
+    assert not is_dali_failure(raised(RuntimeError("the pipeline is invalid"), dali_file))  # no prefix
+    assert not is_dali_failure(raised(torch.OutOfMemoryError(text), dali_file))  # a subclass: not DALI's
+    assert not is_dali_failure(raised(ValueError(text), dali_file))
+    assert not is_dali_failure(RuntimeError(text))                              # never raised
+
+
+def test_real_dali_decoder_failure_is_classified(tmp_path, photo_folder):
+    from nvidia.dali import fn, pipeline_def, types
+
+    from fastdata.backends.dali import is_dali_failure
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
+    def probe():
+        return fn.decoders.image(fn.external_source(name="enc", dtype=types.UINT8), device="cpu")
+
+    pipe = probe()
+    pipe.build()
+    data = next(photo_folder.rglob("*.jpg")).read_bytes()
+    with pytest.raises(RuntimeError) as err:
+        pipe.run(enc=[np.frombuffer(data[: len(data) // 2], np.uint8)])
+    assert is_dali_failure(err.value)
+
+
+def test_unrelated_runtime_error_is_reraised_untouched(photo_folder, monkeypatch):
+    loader = dali(ImageFolder(photo_folder), batch_size=4, train=False)
+    boom = RuntimeError("my pipeline broke")
+
+    def fail(out):
+        raise boom
+
+    monkeypatch.setattr(loader, "_convert", fail)
+    monkeypatch.setattr(loader, "_probe", lambda ids: pytest.fail("probed for an unrelated error"))
+    with pytest.raises(RuntimeError) as err:
+        list(loader)
+    assert err.value is boom
+    monkeypatch.undo()
+    assert sum(len(y) for _, y in loader) == 18  # and the loader starts a fresh epoch afterwards
+
+
+def test_one_probe_pipeline_finds_every_bad_file(tmp_path, photo_folder):
+    # validate=False leaves the files to DALI: each truncated file fails a DALI batch, and the probe
+    # that finds it is built once and reused after each failure.
+    root = tmp_path / "two_bad"
+    shutil.copytree(photo_folder, root)
+    bad = [root / "class_000" / "img_00001.jpg", root / "class_002" / "img_00004.jpg"]
+    for b in bad:
+        b.write_bytes(b.read_bytes()[:2000])
+    loader = dali(ImageFolder(root), batch_size=3, train=False, validate=False, on_error="skip")
+    probes = []
+    real_probe = loader._probe
+
+    def probe(ids):
+        found = real_probe(ids)
+        probes.append(loader._probe_pipe)
+        return found
+
+    loader._probe = probe
+    with pytest.warns(RuntimeWarning, match="skipped 2"):
+        assert sum(len(y) for _, y in loader) == 16
+    assert len(probes) == 2 and probes[0] is probes[1] is not None
+    with pytest.warns(RuntimeWarning, match="skipped 2"):  # known now: no DALI failure, no probe
+        assert sum(len(y) for _, y in loader) == 16
+    assert len(probes) == 2
+
+
+@pytest.mark.parametrize("kind", ["arrays", "files"])
+def test_generator_closed_mid_epoch_then_a_whole_epoch(kind, photo_folder):
+    # What a second iter() does while an epoch runs (base.py closes the previous generator first).
+    if kind == "arrays":
+        src = indexed_source(640)
+        loader = dali(src, batch_size=64, train=True, augment=NONE, seed=2, prefetch_queue_depth=3)
+    else:
+        src = ImageFolder(photo_folder)
+        loader = dali(src, batch_size=4, train=False, shuffle=True, seed=2)
+    for _ in range(2):
+        it = iter(loader)
+        next(it)
+        it.close()
+    full = list(loader)
+    assert len(full) == len(loader)
+    if kind == "arrays":
+        plan = EpochPlan(640, 64, True, True, 2)
+        for (x, _), want in zip(full, plan.batches(2)):
+            np.testing.assert_array_equal(decode_ids(x), want)
+    else:
+        ys = torch.cat([y for _, y in full])
+        assert len(ys) == 18
+        plan = EpochPlan(18, 4, True, False, 2)
+        want = np.concatenate(plan.batches(2))
+        np.testing.assert_array_equal(ys.numpy(), src.labels[want])
+
+
 # -------------------------------------------------------------------------------------------- options
 def test_options():
     src = indexed_source(64)
@@ -270,6 +480,12 @@ def test_options():
         dali(src, batch_size=32, prefetch_queue_depth=0)
     with pytest.raises(TypeError, match="unknown option"):
         dali(src, batch_size=32, workers=2)
+    assert dali(src, batch_size=32, num_threads=3).read_threads == 3
+    assert dali(src, batch_size=32, read_threads=5).read_threads == 5
+    with pytest.raises(ValueError, match="read_threads"):
+        dali(src, batch_size=32, read_threads=0)
+    with pytest.raises(ValueError, match="validate"):
+        dali(src, batch_size=32, validate="yes")
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
