@@ -1,0 +1,191 @@
+"""The base loader's share of the contract: superseded iterators, positions, resume checks."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import procs
+from conftest import CONCRETE, decode_ids, indexed_source
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ArraySource, DatasetSource, ImageFolder, make_image_folder
+
+NONE = Augmentation.none()
+
+
+def _loader(backend, src=None, **kw):
+    kw = {"batch_size": 20, "device": "cpu", "train": False, "num_workers": 2, **kw}
+    return make_loader(src if src is not None else indexed_source(200), backend, **kw)
+
+
+def _prefetch_threads() -> int:
+    return sum(t.name == "fastdata-prefetch" for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------- a second iter() while an epoch runs
+@pytest.mark.parametrize("backend", CONCRETE)
+def test_a_new_iter_supersedes_the_running_epoch(backend):
+    loader = _loader(backend)
+    assert len(loader) == 10
+    first = iter(loader)
+    for _ in range(3):
+        next(first)
+    second = iter(loader)  # e.g. a peek for logging in the middle of an epoch
+    ids = [decode_ids(x) for x, _ in second]
+    assert len(ids) == len(loader)  # exactly one epoch: not 12 batches, no missing ones
+    np.testing.assert_array_equal(np.concatenate(ids), np.arange(200))
+    with pytest.raises(RuntimeError, match="superseded by a newer iter"):
+        next(first)
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(first)  # stays an error, never a batch of another epoch
+    # The loader goes on working: the next epoch is complete too.
+    assert np.array_equal(np.concatenate([decode_ids(x) for x, _ in loader]), np.arange(200))
+    assert loader.epoch == 3
+    loader.close()
+
+
+@pytest.mark.parametrize("backend", CONCRETE)
+def test_a_peek_before_the_loop_leaves_a_whole_next_epoch(backend):
+    loader = _loader(backend, shuffle=True, seed=1)
+    images, labels = next(iter(loader))  # epoch 0, dropped at once
+    assert images.shape[0] == 20
+    assert procs.wait_until(lambda: _prefetch_threads() == 0, 10)  # the peek's thread is gone
+    ids = np.concatenate([decode_ids(x) for x, _ in loader])  # epoch 1
+    np.testing.assert_array_equal(np.sort(ids), np.arange(200))
+    assert loader.state_dict()["epoch"] == 2
+    loader.close()
+
+
+def test_superseding_a_prefetch_epoch_ends_its_thread():
+    loader = _loader("prefetch")
+    first = iter(loader)
+    next(first)
+    assert _prefetch_threads() == 1
+    second = iter(loader)
+    next(second)
+    assert _prefetch_threads() == 1  # the first epoch's producer was stopped before the second began
+    second.close()
+    assert procs.wait_until(lambda: _prefetch_threads() == 0, 10)
+    del first
+    loader.close()
+
+
+# ---------------------------------------------------------------- set_epoch and the saved position
+@pytest.mark.parametrize("backend", ["memory", "torch"])
+def test_set_epoch_then_state_dict_resumes_in_that_epoch(backend):
+    kw = dict(train=True, augment=NONE, num_workers=0, seed=4)
+    a = _loader(backend, **kw)
+    list(a)  # epoch 0 done
+    a.set_epoch(3)
+    state = a.state_dict()
+    assert (state["epoch"], state["batch"]) == (3, 0)
+    b = _loader(backend, **kw)
+    b.load_state_dict(state)
+    got = [decode_ids(x) for x, _ in b]
+    want = [decode_ids(x) for x, _ in a]  # a's epoch 3
+    assert len(got) == len(want) == len(a)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_set_epoch_checks_its_argument():
+    loader = _loader("memory", num_workers=0)
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises((TypeError, ValueError), match="epoch"):
+            loader.set_epoch(bad)
+
+
+# ---------------------------------------------------------------- load_state_dict validates every key
+KEYS = ["epoch", "batch", "seed", "batch_size", "world_size", "num_samples", "shuffle", "drop_last", "source"]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_a_state_without_a_key_is_refused_naming_it(key):
+    loader = _loader("memory", num_workers=0)
+    state = loader.state_dict()
+    assert set(state) == set(KEYS)
+    del state[key]
+    with pytest.raises(ValueError, match=f"no '{key}' key"):
+        loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("key, bad", [
+    ("epoch", -1), ("epoch", 1.0), ("epoch", "1"), ("epoch", True), ("epoch", None),
+    ("batch", 2.5), ("batch", -1), ("batch", 11), ("batch", "3"), ("batch", False),
+    ("seed", 0.0), ("batch_size", "20"), ("world_size", 1.0), ("num_samples", 200.0),
+    ("shuffle", 0), ("drop_last", "False"), ("source", 123),
+])
+def test_a_state_value_of_the_wrong_type_or_range_is_refused_naming_the_key(key, bad):
+    loader = _loader("memory", num_workers=0)
+    state = {**loader.state_dict(), key: bad}
+    with pytest.raises((TypeError, ValueError), match=f"'{key}'"):
+        loader.load_state_dict(state)
+    assert loader.state_dict()["epoch"] == 0  # nothing was applied
+
+
+def test_a_state_that_is_not_a_dict_is_refused():
+    with pytest.raises(TypeError, match="state must be the dict"):
+        _loader("memory", num_workers=0).load_state_dict([("epoch", 0)])
+
+
+def test_a_state_survives_a_weights_only_checkpoint(tmp_path):
+    a = _loader("memory", num_workers=0, train=True, augment=NONE)
+    it = iter(a)
+    next(it), next(it)
+    torch.save({"loader": a.state_dict()}, tmp_path / "c.pt")
+    b = _loader("memory", num_workers=0, train=True, augment=NONE)
+    b.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True)["loader"])
+    assert len(list(b)) == len(b) - 2
+
+
+# ---------------------------------------------------------------- resume refuses other data of the same size
+def test_resume_refuses_another_array_of_the_same_size():
+    a = _loader("memory", num_workers=0)
+    state = a.state_dict()
+    other = indexed_source(200)
+    images = other.images.copy()
+    images[-1, 3, 3] ^= 1  # one pixel of the last image (the fingerprint samples the first and last)
+    labels = other.labels.copy()
+    for changed in (ArraySource(images, other.labels, mean=other.mean, std=other.std),
+                    ArraySource(other.images, np.roll(labels, 1), mean=other.mean, std=other.std)):
+        with pytest.raises(ValueError, match="source was 'ArraySource n=200 image=8x8x1 crc=.*' and is now"):
+            _loader("memory", changed, num_workers=0).load_state_dict(state)
+    _loader("memory", indexed_source(200), num_workers=0).load_state_dict(state)  # the same data: fine
+
+
+def test_resume_refuses_another_image_folder_of_the_same_size_but_not_a_copy(tmp_path):
+    import shutil
+
+    kw = dict(num_workers=0, augment=Augmentation(crop="center", size=16, resize=16), batch_size=2)
+    first = make_image_folder(tmp_path / "a", classes=2, per_class=2, seed=0, size_range=((20, 24), (20, 24)))
+    state = _loader("torch", ImageFolder(first), **kw).state_dict()
+    assert state["source"].startswith("ImageFolder n=4 classes=2 files=")
+    copy = shutil.copytree(first, tmp_path / "copy")  # another disk, new mtimes: the same data
+    _loader("torch", ImageFolder(copy), **kw).load_state_dict(state)
+    other = make_image_folder(tmp_path / "b", classes=2, per_class=2, seed=1, size_range=((20, 24), (20, 24)))
+    with pytest.raises(ValueError, match="source was 'ImageFolder n=4 classes=2 files="):
+        _loader("torch", ImageFolder(other), **kw).load_state_dict(state)
+    renamed = shutil.copytree(first, tmp_path / "renamed")
+    (renamed / "class_000" / "img_00000.jpg").rename(renamed / "class_000" / "img_00009.jpg")
+    with pytest.raises(ValueError, match="source was"):
+        _loader("torch", ImageFolder(renamed), **kw).load_state_dict(state)
+
+
+def test_resume_refuses_another_torch_dataset_of_the_same_size():
+    class Grey(torch.utils.data.Dataset):
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return torch.full((1, 8, 8), i, dtype=torch.uint8), i % 10
+
+    class Other(Grey):
+        pass
+
+    kw = dict(num_workers=0, augment=NONE)
+    state = _loader("torch", DatasetSource(Grey()), **kw).state_dict()
+    _loader("torch", DatasetSource(Grey()), **kw).load_state_dict(state)
+    with pytest.raises(ValueError, match="source was '.*Grey n=40' and is now '.*Other n=40'"):
+        _loader("torch", DatasetSource(Other()), **kw).load_state_dict(state)
