@@ -61,7 +61,7 @@ def test_uint8_path_when_the_normalized_cache_does_not_fit(monkeypatch):
     ready = make_loader(src, "memory", batch_size=100, device="cpu", seed=1)
     assert ready.ready is not None and ready.ready.dtype == torch.float32
     uint8_bytes = memory.cache_bytes(src, ready.config)
-    monkeypatch.setattr(memory, "free_bytes", lambda device: int(uint8_bytes * 2))
+    monkeypatch.setattr(memory, "free_bytes", lambda device: int(uint8_bytes * 3))  # ready needs 4x
     small = make_loader(src, "memory", batch_size=100, device="cpu", seed=1)
     assert small.ready is None and small.cache.dtype == torch.uint8
     ref = make_loader(src, "torch", batch_size=100, device="cpu", seed=1, num_workers=0)

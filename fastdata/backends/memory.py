@@ -16,6 +16,8 @@ backend, so for digits the two backends produce identical batches.
 from __future__ import annotations
 
 import os
+import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,8 +29,15 @@ from ..sampling import EpochPlan
 from ..transforms import center_params, rrc_params, translate_offsets
 from .base import Loader
 
-# Leave room for the model, activations and the batch being augmented.
-FIT_FRACTION = 0.8
+#: What the budget keeps free by default for the model, its activations and the batch being augmented:
+#: a quarter of a GPU's *total* memory (free memory would hand the cache whatever the model has not
+#: allocated yet, and the training step then runs out), a fifth of the host's available RAM.
+DEFAULT_RESERVE = {"cuda": 0.25, "cpu": 0.2}
+
+#: Live MemoryLoader caches of this process. Every new cache is budgeted against what the others already
+#: hold on the same device (a train and an eval cache must fit together); weak references, so a cache
+#: leaves the budget when its loader is closed or collected.
+_LIVE: "weakref.WeakSet[MemoryLoader]" = weakref.WeakSet()
 
 
 def _fmt(n: float) -> str:
@@ -48,9 +57,78 @@ def available_ram() -> int:
 
 
 def free_bytes(device: torch.device) -> int:
+    """Bytes allocatable now: a GPU's free memory; the host's available RAM."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return int(torch.cuda.mem_get_info(device)[0])
     return available_ram()
+
+
+def total_bytes(device: torch.device) -> int:
+    """The pool a cache is budgeted against. On a GPU its total memory: the same on every rank of a job
+    on identical GPUs, whatever each has allocated so far. On the host, the available RAM plus what this
+    process's live memory caches hold (MemAvailable has already lost them; the budget subtracts them
+    explicitly, like on a GPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return free_bytes(device) + live_cache_bytes(device)
+
+
+def reserve_bytes(reserve, device: torch.device, total: int) -> int:
+    """``memory_reserve`` in bytes: None (the default for the device type), a fraction of ``total``
+    in [0, 1), or a number of bytes."""
+    if reserve is None:
+        reserve = DEFAULT_RESERVE[device.type]
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0 \
+            or (isinstance(reserve, float) and reserve >= 1):
+        raise ValueError(f"memory_reserve must be a fraction of the device's memory in [0, 1) or a number "
+                         f"of bytes >= 0, got {reserve!r}")
+    return int(total * reserve) if isinstance(reserve, float) else int(reserve)
+
+
+def live_cache_bytes(device: torch.device, exclude=None) -> int:
+    """Bytes held on ``device`` by this process's live memory-backend caches."""
+    return sum(m.footprint for m in list(_LIVE) if m is not exclude and m.device == device)
+
+
+class Budget(NamedTuple):
+    """What a new cache may use on a device, and where the number comes from (for the error)."""
+
+    device: torch.device
+    total: int
+    reserve: int
+    live: int      # held by other live memory caches of this process
+    free: int      # allocatable right now (GPU: other processes, the model already loaded; host: MemAvailable)
+
+    @property
+    def stable(self) -> int:
+        """total - reserve - live caches: equal on every rank of a job on identical GPUs."""
+        return max(0, self.total - self.reserve - self.live)
+
+    @property
+    def limit(self) -> int:
+        # On a GPU the cache must also be allocatable now: free memory caps the stable budget (other
+        # processes, the model already loaded). On the host "total" is derived from the free RAM already.
+        return min(self.stable, self.free) if self.device.type == "cuda" else self.stable
+
+    def explain(self) -> str:
+        if self.device.type == "cuda":
+            pool = f"GPU {self.device} allows {self.limit} bytes ({_fmt(self.limit)}): {self.total} bytes " \
+                   f"({_fmt(self.total)}) in total"
+        else:
+            pool = (f"host RAM allows {self.limit} bytes ({_fmt(self.limit)}): {self.free} bytes "
+                    f"({_fmt(self.free)}) available plus {self.total - self.free} bytes held by this process's "
+                    f"memory caches")
+        text = (f"the {pool}, minus the memory_reserve of {self.reserve} bytes ({_fmt(self.reserve)}) kept "
+                f"for the model and activations, minus {self.live} bytes ({_fmt(self.live)}) held by other "
+                f"live memory caches of this process")
+        if self.device.type == "cuda" and self.free < self.stable:
+            text += f", and only {self.free} bytes ({_fmt(self.free)}) are free now"
+        return text
+
+
+def budget(device: torch.device, reserve=None, exclude=None) -> Budget:
+    total, free = total_bytes(device), free_bytes(device)
+    return Budget(device, total, reserve_bytes(reserve, device, total), live_cache_bytes(device, exclude), free)
 
 
 def cache_bytes(source, config) -> int:
@@ -71,14 +149,27 @@ def ready_bytes(source, config, aug) -> int:
     return n * (h + 2 * p) * (w + 2 * p) * c * config.dtype.itemsize
 
 
-def check_fits(source, config) -> None:
-    need, free = cache_bytes(source, config), free_bytes(config.device)
-    if need > FIT_FRACTION * free:
-        where = f"GPU {config.device}" if config.device.type == "cuda" else "RAM"
+def check_fits(source, config, reserve=None) -> Budget:
+    """Raise CacheDoesNotFit, naming both sizes and the budget's parts, if the uint8 cache does not fit."""
+    need, b = cache_bytes(source, config), budget(config.device, reserve)
+    if need > b.limit:
         raise CacheDoesNotFit(
-            f"memory backend: caching {source!r} needs {need} bytes ({_fmt(need)}) but the {where} has "
-            f"{free} bytes ({_fmt(free)}) free, of which it uses at most {FIT_FRACTION:.0%}; use the "
+            f"memory backend: caching {source!r} needs {need} bytes ({_fmt(need)}) but {b.explain()}; "
+            f"pass memory_reserve=<bytes or fraction of the device> to change the reserve, or use the "
             f"'torch', 'prefetch' or 'dali' backend, or a smaller cache_size")
+    return b
+
+
+class _Epoch(NamedTuple):
+    """One epoch's sample ids and augmentation parameters, on the device, for slicing per batch."""
+
+    bounds: list            # (start, end) of each batch in the flat tensors below
+    ids: torch.Tensor       # int64 (samples,)
+    off: torch.Tensor | None    # int64 (samples, 2) translation offsets
+    flip: torch.Tensor | None   # bool (samples,)
+    theta: torch.Tensor | None  # float32 (samples, 2, 3) crop boxes as affine_grid matrices
+    exact: list             # per batch: (top, left) when its crop is an exact slice (eval), else None
+    pinned: tuple           # the pinned host buffers, alive until the epoch ends (see prepare_epoch)
 
 
 class MemoryLoader(Loader):
@@ -86,52 +177,78 @@ class MemoryLoader(Loader):
 
     Options:
         cache_workers: processes that decode photos into the cache (default: num_workers).
+        memory_reserve: memory the cache must leave for the model, its activations and the batch being
+            augmented: a fraction in [0, 1) (of a GPU's total memory; of the host's available RAM) or a
+            number of bytes. Default: 0.25 on a GPU, 0.2 on the CPU. Other live memory caches of the
+            process (e.g. the training cache, for the evaluation one) count against the same budget.
     """
 
     name = "memory"
-    options = {"cache_workers": None}
+    options = {"cache_workers": None, "memory_reserve": None}
 
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
-        check_fits(source, config)  # before any allocation
+        self.footprint = 0          # bytes this loader holds on its device (for the shared budget)
+        self.cache = self.ready = self._shifted = None
+        reserve = self.opts["memory_reserve"]
+        check_fits(source, config, reserve)  # before any allocation
+        _LIVE.add(self)
+        p = self.augment.pad if self.augment.crop == "translate" else 0
         if source.kind == "array":
             cache = torch.from_numpy(source.images)          # shares the array's memory on the CPU
             labels = torch.from_numpy(source.labels)
             self.kept = None
         else:
-            cache, labels = self._decode_files()
+            cache, labels = self._decode_files()             # already on the device
         self.labels = labels.to(self.device)
-        self.ready = None
         if source.kind == "array" and self.augment.crop in ("none", "translate") \
-                and ready_bytes(source, config, self.augment) <= FIT_FRACTION * free_bytes(self.device):
+                and ready_bytes(source, config, self.augment) <= budget(self.device, reserve, self).limit:
             # Small images (digits): cache them already normalized, padded for the translation, in the
             # output dtype. A batch is then one gather from a strided view of every shifted copy, with
             # no per-batch conversion — the same work as gathering ready float batches. It costs 4x
             # the bytes of uint8 (245 MB for 60,000 MNIST digits in float32); when that does not fit,
             # the uint8 path below runs instead.
             self.ready = self._build_ready(cache)
-            self.cache = None
+            self.footprint = self._owned_bytes()
             return
-        self.cache = cache.to(self.device)
-        if self.augment.crop == "translate":
+        if p:
             # Pad the cache once: then gathering a batch, padding it and cropping each sample at its
             # offset is a single `take` of precomputed flat indices (measured on the CPU: ~3x faster
-            # than a gather, a pad and an advanced-indexing crop per batch).
-            p = self.augment.pad
-            self.cache = F.pad(self.cache, (0, 0, p, p, p, p))
-            n, hp, wp, c = self.cache.shape
-            h, w = hp - 2 * p, wp - 2 * p
+            # than a gather, a pad and an advanced-indexing crop per batch). The padded tensor is
+            # allocated on the device and the source copied into its interior: no second full copy.
+            n, h, w, c = cache.shape
+            padded = torch.zeros((n, h + 2 * p, w + 2 * p, c), dtype=torch.uint8, device=self.device)
+            padded[:, p:p + h, p:p + w] = cache
+            self.cache = padded
+            hp, wp = h + 2 * p, w + 2 * p
             dev = self.device
             self._pixel = ((torch.arange(h, device=dev) * wp * c)[:, None, None]
                            + (torch.arange(w, device=dev) * c)[None, :, None]
                            + torch.arange(c, device=dev)[None, None, :])[None]      # (1, h, w, c)
             self._strides = (hp * wp * c, wp * c, c)
+        else:
+            self.cache = cache.to(self.device)
+        self.footprint = self._owned_bytes()
         if self.kept is not None and len(self.kept) != len(source):
             # on_error="skip" dropped files at cache time: the epoch covers the decodable ones.
             self.plan = EpochPlan(len(self.kept), config.batch_size, config.shuffle, config.drop_last,
                                   config.seed, self.plan.rank, self.plan.world_size)
             if len(self.plan) == 0:
                 raise ValueError(f"only {len(self.kept)} decodable files remain, fewer than one batch")
+
+    def _owned_bytes(self) -> int:
+        """Bytes of the tensors this loader allocated (an array source shared on the CPU is not one)."""
+        shared = self.source.images.ctypes.data if self.source.kind == "array" else None
+        seen, total = set(), 0
+        for t in (self.cache, self.ready, self.labels, getattr(self, "_pixel", None)):
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or (t.device.type == "cpu" and st.data_ptr() == shared):
+                continue
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+        return total
 
     def _build_ready(self, cache: torch.Tensor) -> torch.Tensor:
         p = self.augment.pad if self.augment.crop == "translate" else 0
@@ -148,8 +265,13 @@ class MemoryLoader(Loader):
             self._shifted = ready.as_strided((n, 2 * p + 1, 2 * p + 1, c, h, w), (sn, sh, sw, sc, sh, sw))
         return ready
 
+    # Files per decoding job; the host holds at most a few of these at a time (see _decode_files).
+    _CHUNK = 64
+
     def _decode_files(self):
-        """Decode every file once, in parallel, at cache_size² (the torch backend's workers do it)."""
+        """Decode every file once, in parallel, at cache_size², chunk by chunk straight into the cache on
+        the device (the torch backend's workers do the decoding). Files skipped with on_error='skip'
+        leave no gap: the good ones are written contiguously."""
         from torch.utils.data import DataLoader
 
         from .torch_loader import BatchFetcher, collect_before_fork
@@ -157,115 +279,184 @@ class MemoryLoader(Loader):
         s = self.config.cache_size
         fetcher = BatchFetcher(self.source, Augmentation(crop="center", size=s, resize=s), "raise")
         n = len(self.source)
-        chunk = 64
+        chunk = self._CHUNK
         jobs = [(np.arange(i, min(i + chunk, n)), 0) for i in range(0, n, chunk)]
         workers = self.opts["cache_workers"]
-        workers = self.config.num_workers if workers is None else workers
-        cache = torch.empty((n, s, s, 3), dtype=torch.uint8)
-        ok = np.ones(n, dtype=bool)
+        workers = min(self.config.num_workers if workers is None else workers, len(jobs))
+        # Host memory in flight: DataLoader's 2 chunks ahead per worker, plus the chunk being copied.
+        host = (2 * max(workers, 1) + 1) * chunk * s * s * 3
+        if self.device.type == "cuda" and host > available_ram():
+            raise CacheDoesNotFit(f"memory backend: decoding {self.source!r} needs {host} bytes "
+                                  f"({_fmt(host)}) of host RAM for its chunks in flight but {_fmt(available_ram())} "
+                                  f"is available; pass fewer cache_workers")
+        cache = torch.empty((n, s, s, 3), dtype=torch.uint8, device=self.device)
+        kept = []
         loader = DataLoader(_Tolerant(fetcher, self.config.on_error), batch_size=None, sampler=jobs,
-                            num_workers=min(workers, len(jobs)))
+                            num_workers=workers)
         if loader.num_workers:
             collect_before_fork()
         it = iter(loader)
+        pos = 0
         try:
             for (ids, _), (images, bad) in zip(jobs, it):
-                good = np.setdiff1d(ids, bad, assume_unique=True)
-                cache[good] = images
-                ok[bad] = False
+                good = np.setdiff1d(ids, bad, assume_unique=True)   # ascending, in the images' order
+                cache[pos:pos + len(good)] = images    # a pageable copy; synchronous, at cache time only
+                pos += len(good)
+                kept.append(good)
         finally:
             # Shut the decoding workers down now, also after a DecodeError: left to the cyclic GC
             # (the exception's traceback holds the iterator), they stall a later loader for seconds.
             if hasattr(it, "_shutdown_workers"):
                 it._shutdown_workers()
-        self.skipped_at_cache = int((~ok).sum())
-        self.kept = np.flatnonzero(ok)
+        self.kept = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
+        self.skipped_at_cache = n - len(self.kept)
         if self.skipped_at_cache:
             import warnings
 
             warnings.warn(f"memory: skipped {self.skipped_at_cache} undecodable file(s) while caching "
                           f"(on_error='skip')", RuntimeWarning, stacklevel=3)
-            cache = cache[torch.from_numpy(self.kept)]
+            cache = cache[:pos]   # a view: the unused tail is only the skipped files' bytes
         return cache, torch.from_numpy(self.source.labels[self.kept])
 
+    # ------------------------------------------------------------------ epochs
     def _epoch(self, epoch, batches, start):
-        for k, ids in enumerate(batches):
-            rng = self.batch_rng(epoch, start + k)
-            idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
-            if self.ready is not None:
-                yield self._from_ready(idx, rng), self.labels[idx]
-                continue
-            images = None if self.augment.crop == "translate" else self.cache[idx]
-            yield self._augment(images, rng, idx), self.labels[idx]
+        ep = self.prepare_epoch(epoch, batches, start)
+        for k in range(len(ep.bounds)):
+            yield self.batch(ep, k)
 
-    def _augment(self, x, rng: np.random.Generator, idx: torch.Tensor) -> torch.Tensor:
-        """uint8 (N, H, W, C) batch on the device → normalized float (N, C, h, w)."""
+    def prepare_epoch(self, epoch: int, batches: list, start: int) -> _Epoch:
+        """Every batch's ids and augmentation parameters for the epoch, uploaded once.
+
+        Why: they depend only on (seed, epoch, batch), and a per-batch ``torch.from_numpy(...).to(cuda)``
+        copies pageable memory, which blocks the host until the training stream reaches the copy: Python
+        and the kernel launches of the next step would stop overlapping the GPU every batch. Here the
+        epoch's parameters go up in one pinned, non_blocking copy per kind, and a batch is slices and
+        device ops only. The draws are the torch backend's (same per-batch rng, same order), so the
+        batches stay bit-identical to it for digits.
+        """
         aug = self.augment
-        if aug.crop == "translate":
-            # Same draws, same order as transforms.augment_batch: offsets, then flips.
-            off = torch.from_numpy(translate_offsets(rng, len(idx), aug.pad)).to(self.device)
+        bounds, ids, offs, flips, thetas, exact = [], [], [], [], [], []
+        pos = 0
+        simple = self.ready is not None or aug.crop in ("none", "translate")  # no resized crops
+        for k, b in enumerate(batches):
+            rng = self.batch_rng(epoch, start + k)
+            n = len(b)
+            if simple:
+                # Same draws, same order as transforms.augment_batch: offsets, then flips.
+                if aug.crop == "translate":
+                    offs.append(translate_offsets(rng, n, aug.pad))
+                if aug.hflip > 0:
+                    flips.append(rng.random(n) < aug.hflip)
+                exact.append(None)
+            else:
+                theta, ex = self._crop_params(rng, n)
+                thetas.append(theta)
+                exact.append(ex)
+            bounds.append((pos, pos + n))
+            ids.append(b)
+            pos += n
+        pinned = []
+
+        def upload(parts, dtype, shape):
+            arr = np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(shape, dtype)
+            t = torch.from_numpy(np.ascontiguousarray(arr))
+            if self.device.type != "cuda":
+                return t
+            # Pinned, so the copy is a DMA that runs on the current stream without blocking the host.
+            # The caching host allocator would keep the buffer until the copy's event completes even if
+            # it were freed; holding it for the epoch makes that independent of allocator details.
+            t = t.pin_memory()
+            pinned.append(t)
+            return t.to(self.device, non_blocking=True)
+
+        return _Epoch(
+            bounds=bounds,
+            ids=upload(ids, np.int64, (0,)),
+            off=upload(offs, np.int64, (0, 2)) if simple and aug.crop == "translate" else None,
+            flip=upload(flips, np.bool_, (0,)) if simple and aug.hflip > 0 else None,
+            theta=None if simple else upload(thetas, np.float32, (0, 2, 3)),
+            exact=exact, pinned=tuple(pinned))
+
+    def batch(self, ep: _Epoch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``k`` of a prepared epoch: slices of its tensors and device ops, no host→device copy."""
+        a, b = ep.bounds[k]
+        idx = ep.ids[a:b]
+        off = ep.off[a:b] if ep.off is not None else None
+        flip = ep.flip[a:b] if ep.flip is not None else None
+        if self.ready is not None:
+            images = self._from_ready(idx, off, flip)
+        elif self.augment.crop in ("none", "translate"):
+            images = self._from_uint8(idx, off, flip)
+        else:
+            images = self._resized_crops(self.cache[idx], ep.theta[a:b], ep.exact[k])
+        return images, self.labels[idx]
+
+    def _from_uint8(self, idx, off, flip) -> torch.Tensor:
+        """uint8 cache → normalized float (N, C, h, w): translate and/or flip."""
+        if off is not None:
             s_img, s_row, s_col = self._strides
             start = idx * s_img + off[:, 0] * s_row + off[:, 1] * s_col
             x = self.cache.view(-1).take(start[:, None, None, None] + self._pixel)
-            return self.normalize(self._flip_nhwc(x, rng))
-        if aug.crop == "none":
-            return self.normalize(self._flip_nhwc(x, rng))
-        return self._resized_crops(x, rng)
-
-    def _from_ready(self, idx: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
-        aug = self.augment
-        if aug.crop == "translate":
-            # Same draws, same order as transforms.augment_batch: offsets, then flips.
-            off = torch.from_numpy(translate_offsets(rng, len(idx), aug.pad)).to(self.device)
-            x = self._shifted[idx, off[:, 0], off[:, 1]]
         else:
-            x = self.ready[idx]
-        if aug.hflip > 0:
-            flip = torch.from_numpy(rng.random(len(idx)) < aug.hflip).to(self.device)
+            x = self.cache[idx]
+        if flip is not None:
+            x = torch.where(flip[:, None, None, None], x.flip(2), x)
+        return self.normalize(x)
+
+    def _from_ready(self, idx, off, flip) -> torch.Tensor:
+        x = self._shifted[idx, off[:, 0], off[:, 1]] if off is not None else self.ready[idx]
+        if flip is not None:
             x = torch.where(flip[:, None, None, None], x.flip(3), x)
         if self.config.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def _flip_nhwc(self, x, rng):
-        if self.augment.hflip <= 0:
-            return x
-        flip = torch.from_numpy(rng.random(x.shape[0]) < self.augment.hflip).to(self.device)
-        return torch.where(flip[:, None, None, None], x.flip(2), x)
+    def _crop_params(self, rng: np.random.Generator, n: int):
+        """(theta (n, 2, 3), exact crop (top, left) or None) for one batch of photos from the cache.
 
-    def _resized_crops(self, x, rng):
-        """Per-sample boxes (drawn like the torch backend's) cropped and resized in one grid_sample."""
-        aug, n = self.augment, x.shape[0]
-        h, w = x.shape[1:3]
+        Boxes are drawn like the torch backend's (transforms.sample_box: box, then flip, per sample).
+        affine_grid maps output [-1, 1] to the box in normalized input coordinates (align_corners=False:
+        pixel edges at ±1); a negative x scale mirrors the crop.
+        """
+        aug = self.augment
+        h, w = self.cache.shape[1:3]
         boxes = np.empty((n, 4), dtype=np.float64)
         flips = np.zeros(n, dtype=bool)
-        for i in range(n):  # the same draw order as transforms.sample_box: box, then flip
+        for i in range(n):
             if aug.crop == "random_resized":
                 boxes[i] = rrc_params(rng, h, w, aug.scale, aug.ratio)
             else:
                 boxes[i] = center_params(h, w, aug.size, aug.resize)
             flips[i] = aug.hflip > 0 and rng.random() < aug.hflip
-        xf = x.permute(0, 3, 1, 2).float()
         top, left, bh, bw = (boxes[:, j] for j in range(4))
-        if aug.crop == "center" and np.allclose(bh, aug.size) and float(top[0]).is_integer() \
-                and float(left[0]).is_integer():
-            t, l = int(top[0]), int(left[0])  # the exact eval crop: a slice, no resampling
-            return self.normalize_float(xf[:, :, t:t + aug.size, l:l + aug.size].contiguous())
-        # affine_grid maps output [-1, 1] to the box in normalized input coordinates
-        # (align_corners=False: pixel edges at ±1); a negative x scale mirrors the crop.
-        cx = (left + bw / 2) / w * 2 - 1
-        cy = (top + bh / 2) / h * 2 - 1
-        sx = np.where(flips, -1.0, 1.0) * bw / w
-        sy = bh / h
+        exact = None
+        if n and aug.crop == "center" and not flips.any() and np.allclose(bh, aug.size) \
+                and float(top[0]).is_integer() and float(left[0]).is_integer():
+            exact = (int(top[0]), int(left[0]))  # the exact eval crop: a slice, no resampling
         theta = np.zeros((n, 2, 3), dtype=np.float32)
-        theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = sx, cx, sy, cy
-        theta = torch.from_numpy(theta).to(self.device)
-        grid = F.affine_grid(theta, (n, xf.shape[1], aug.size, aug.size), align_corners=False)
+        theta[:, 0, 0] = np.where(flips, -1.0, 1.0) * bw / w
+        theta[:, 0, 2] = (left + bw / 2) / w * 2 - 1
+        theta[:, 1, 1] = bh / h
+        theta[:, 1, 2] = (top + bh / 2) / h * 2 - 1
+        return theta, exact
+
+    def _resized_crops(self, x, theta, exact) -> torch.Tensor:
+        """Per-sample boxes cropped and resized in one grid_sample (or the exact eval slice)."""
+        size = self.augment.size
+        xf = x.permute(0, 3, 1, 2).float()
+        if exact is not None:
+            t, l = exact
+            return self.normalize_float(xf[:, :, t:t + size, l:l + size].contiguous())
+        if x.shape[0] == 0:  # an empty share (drop_last=False, more ranks than samples left)
+            return self.normalize_float(xf.new_empty((0, xf.shape[1], size, size)))
+        grid = F.affine_grid(theta, (x.shape[0], xf.shape[1], size, size), align_corners=False)
         out = F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
         return self.normalize_float(out)
 
     def close(self):
-        self.cache = self.ready = self._shifted = None
+        self.cache = self.ready = self._shifted = self._pixel = None
+        self.footprint = 0
+        _LIVE.discard(self)
 
 
 class _Tolerant(torch.utils.data.Dataset):
