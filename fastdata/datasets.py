@@ -127,11 +127,11 @@ def check_labels(labels, what: str = "labels") -> np.ndarray:
             bad = ~np.isfinite(labels) | (labels != np.round(labels))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i]!r}")
+            raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i].item()!r}")
     negative = labels < 0
     if negative.any():
         i = int(np.flatnonzero(negative)[0])
-        raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i]!r}")
+        raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i].item()!r}")
     return labels.astype(np.int64)
 
 

@@ -88,3 +88,204 @@ def test_as_source_accepts_arrays_and_rejects_others():
         as_source(3)
     with pytest.raises(TypeError, match="images must be uint8"):
         ArraySource(np.zeros((4, 5, 5), np.float32), np.arange(4))
+
+
+# ---------------------------------------------------------------- labels are integers >= 0
+@pytest.mark.parametrize("labels, match", [
+    ([0, 1, 1.7, 2], r"labels\[2\] is 1\.7"),
+    ([0, np.nan, 1, 2], r"labels\[1\] is nan"),
+    ([0, 1, 2, np.inf], r"labels\[3\] is inf"),
+    ([0, -3, 1, 2], r"labels\[1\] is -3"),
+    ([0.0, 1.0, 2.0, -1.0], r"labels\[3\] is -1\.0"),
+])
+def test_labels_must_be_integers_at_least_zero(labels, match):
+    with pytest.raises(ValueError, match="labels must be integers >= 0; " + match):
+        ArraySource(np.zeros((4, 5, 5), np.uint8), np.asarray(labels))
+
+
+def test_whole_float_labels_are_accepted_and_strings_refused():
+    src = ArraySource(np.zeros((3, 5, 5), np.uint8), np.array([0.0, 2.0, 1.0]))
+    assert src.labels.dtype == np.int64 and src.labels.tolist() == [0, 2, 1] and src.num_classes == 3
+    with pytest.raises(TypeError, match="labels must be integers"):
+        ArraySource(np.zeros((2, 5, 5), np.uint8), np.array(["a", "b"]))
+
+
+def test_torch_dataset_targets_are_checked_too():
+    from fastdata.datasets import DatasetSource
+
+    class Data:
+        targets = [0, 1, -1]
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return np.zeros((1, 4, 4), np.uint8), self.targets[i]
+
+    with pytest.raises(ValueError, match=r"Data.targets must be integers >= 0; Data.targets\[2\] is -1"):
+        DatasetSource(Data())
+
+
+# ---------------------------------------------------------------- degenerate arrays and IDX files
+def test_zero_pixel_images_are_refused():
+    with pytest.raises(ValueError, match="images must have at least one pixel"):
+        ArraySource(np.zeros((4, 0, 0), np.uint8), np.arange(4))
+    with pytest.raises(ValueError, match="images must have at least one pixel"):
+        ArraySource(np.zeros((4, 5, 0, 1), np.uint8), np.arange(4))
+
+
+def _mnist_files(tmp_path, images_bytes: bytes, labels=np.arange(3, dtype=np.uint8)):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    (raw / "t10k-images-idx3-ubyte").write_bytes(images_bytes)
+    write_idx(raw / "t10k-labels-idx1-ubyte", labels)
+    return raw / "t10k-images-idx3-ubyte"
+
+
+def _header(*shape) -> bytes:
+    return struct.pack(">HBB", 0, 8, len(shape)) + struct.pack(">" + "I" * len(shape), *shape)
+
+
+@pytest.mark.parametrize("body, match", [
+    (_header(0, 28, 28), r"holds no items"),
+    (_header(3, 0, 0), r"holds 0x0 images; they need at least one pixel"),
+    (_header(3, 28, 0), r"holds 28x0 images"),
+    (_header(2 ** 32 - 1, 2 ** 32 - 1, 2 ** 32 - 1) + bytes(100), r"is truncated: header says"),
+    (_header(3, 65536, 65536) + bytes(3 * 4), r"is truncated: header says"),
+    (_header(3, 2, 2) + bytes(3 * 4 + 5), r"does not match its header"),
+])
+def test_degenerate_idx_files_are_errors_naming_the_path(tmp_path, body, match):
+    path = _mnist_files(tmp_path, body)
+    with pytest.raises(ValueError, match=f"IDX file '{path}' {match}"):
+        MNIST(tmp_path, train=False, download=False)
+
+
+def test_an_idx_label_file_with_no_labels_names_its_path(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    write_idx(raw / "t10k-images-idx3-ubyte", np.zeros((2, 4, 4), np.uint8))
+    (raw / "t10k-labels-idx1-ubyte").write_bytes(_header(0))
+    with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte' holds no items"):
+        MNIST(tmp_path, train=False, download=False)
+
+
+# ---------------------------------------------------------------- image folders: links and unreadable folders
+def _tiny_folder(root, per_class=3):
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / cls / f"{i}.png")
+    return root
+
+
+def test_a_link_back_to_the_root_neither_loops_nor_relabels(tmp_path):
+    root = _tiny_folder(tmp_path / "data")
+    os.symlink("..", root / "a" / "loop")           # a/loop -> the root
+    os.symlink("../b", root / "a" / "to_b")         # another class's folder
+    os.symlink("../a", root / "a" / "self")         # its own folder
+    ds = ImageFolder(root)
+    assert len(ds) == 6 and ds.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    assert all(f"{os.sep}loop{os.sep}" not in p and f"{os.sep}to_b{os.sep}" not in p for p in ds.paths)
+
+
+def test_a_linked_sub_folder_is_read_once(tmp_path):
+    root = _tiny_folder(tmp_path / "data")
+    extra = tmp_path / "outside"
+    extra.mkdir()
+    Image.new("RGB", (8, 8)).save(extra / "x.png")
+    os.symlink(extra, root / "b" / "more")
+    os.symlink(extra, root / "b" / "more_again")
+    ds = ImageFolder(root)
+    assert len(ds) == 7 and ds.labels.tolist().count(1) == 4
+
+
+def test_a_link_to_an_ancestor_of_the_root_is_an_error_naming_it(tmp_path):
+    root = _tiny_folder(tmp_path / "data")
+    os.symlink(tmp_path, root / "b" / "up")
+    with pytest.raises(ValueError, match=r"folder link '.*b/up' points to .* contains the image folder"):
+        ImageFolder(root)
+
+
+@pytest.mark.parametrize("where", ["root", "class", "sub"])
+def test_an_unreadable_folder_is_an_error_naming_it(tmp_path, monkeypatch, where):
+    # Tests run as root, which chmod 000 does not stop: the refusal is simulated at os.scandir.
+    root = _tiny_folder(tmp_path / "data")
+    (root / "b" / "sub").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "b" / "sub" / "s.png")
+    locked = {"root": root, "class": root / "b", "sub": root / "b" / "sub"}[where]
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.path.realpath(path) == os.path.realpath(locked):
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(PermissionError, match=f"cannot read folder '{locked}'"):
+        ImageFolder(root)
+
+
+# ---------------------------------------------------------------- torch Datasets: one channel count for all
+class _Samples:
+    def __init__(self, images):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], 0
+
+
+def _rgb(seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+
+
+def test_a_colour_first_sample_makes_every_sample_rgb():
+    import torch
+    from fastdata.datasets import DatasetSource
+
+    rgb = _rgb()
+    grey = rgb[..., 0]
+    src = DatasetSource(_Samples([Image.fromarray(rgb), Image.fromarray(grey)]))
+    assert src.channels == 3
+    for image in (Image.fromarray(grey), torch.from_numpy(grey), torch.from_numpy(grey)[None],
+                  Image.fromarray(grey).convert("P")):
+        out = src.as_array(image)
+        assert out.dtype == np.uint8 and out.shape == (6, 5, 3)
+        np.testing.assert_array_equal(out, np.repeat(grey[..., None], 3, -1))
+    np.testing.assert_array_equal(src.as_array(torch.from_numpy(rgb).permute(2, 0, 1)), rgb)
+    rgba = np.concatenate([rgb, np.full((6, 5, 1), 7, np.uint8)], -1)
+    np.testing.assert_array_equal(src.as_array(Image.fromarray(rgba)), rgb)
+    np.testing.assert_array_equal(src.as_array(torch.from_numpy(rgba).permute(2, 0, 1)), rgb)
+
+
+def test_a_grey_first_sample_refuses_later_colour_unless_told():
+    import torch
+    from fastdata.datasets import DatasetSource
+
+    rgb, grey = _rgb(), _rgb()[..., 0]
+    src = DatasetSource(_Samples([torch.from_numpy(grey), torch.from_numpy(rgb).permute(2, 0, 1)]))
+    assert src.channels == 1  # a (H, W) tensor is one channel, not H
+    assert src.as_array(torch.from_numpy(grey)).shape == (6, 5, 1)
+    for colour in (Image.fromarray(rgb), torch.from_numpy(rgb).permute(2, 0, 1)):
+        with pytest.raises(ValueError, match=r"colour sample .* channels=3\) .* channels=1 "):
+            src.as_array(colour)
+    told = DatasetSource(_Samples([torch.from_numpy(grey)]), channels=1)
+    pil = np.asarray(Image.fromarray(rgb).convert("L"))[..., None]
+    np.testing.assert_array_equal(told.as_array(Image.fromarray(rgb)), pil)
+    np.testing.assert_array_equal(told.as_array(torch.from_numpy(rgb).permute(2, 0, 1)), pil)  # same luma
+    assert DatasetSource(_Samples([torch.from_numpy(grey)]), channels=3).channels == 3
+
+
+def test_as_array_refuses_what_it_cannot_convert():
+    import torch
+    from fastdata.datasets import DatasetSource
+
+    src = DatasetSource(_Samples([torch.zeros(3, 4, 4, dtype=torch.uint8)]))
+    with pytest.raises(TypeError, match="returned a torch.float32 tensor; the torch backend expects PIL"):
+        src.as_array(torch.zeros(3, 4, 4))
+    with pytest.raises(ValueError, match=r"shape \(2, 4, 4\)"):
+        src.as_array(torch.zeros(2, 4, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="channels must be 1, 3 or None"):
+        DatasetSource(_Samples([torch.zeros(3, 4, 4, dtype=torch.uint8)]), channels=2)

@@ -64,3 +64,12 @@ def test_auto_caches_a_small_photo_folder(photo_folder, caplog):
     with caplog.at_level(logging.INFO, logger="fastdata"):
         loader = make_loader(ImageFolder(photo_folder), batch_size=6, device="cpu", num_workers=0)
     assert loader.name == "memory" and "fits in the free" in caplog.text
+
+
+def test_auto_refuses_an_option_no_backend_knows_instead_of_dropping_it():
+    with pytest.raises(TypeError, match=r"backend 'auto' got unknown option\(s\) \['prefetch_factr'\].*"
+                                        r"'prefetch_factor'"):
+        make_loader(SyntheticDigits(200), batch_size=50, device="cpu", prefetch_factr=4)
+    # An option of a backend auto did not pick is still fine: auto passes each backend its own.
+    loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", prefetch_factor=4, depth=3)
+    assert loader.name == "memory"
