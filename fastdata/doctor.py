@@ -1,10 +1,21 @@
-"""``python -m fastdata doctor``: what this machine gives each backend."""
+"""``python -m fastdata doctor``: what this machine gives each backend.
+
+The GPU lines tell the truth when torch cannot use a GPU that the machine has: a driver older than the
+CUDA runtime torch was built for makes ``torch.cuda.is_available()`` quietly False, and every loader then
+runs on the CPU. The doctor asks the driver itself (``nvidia-smi``) and says which of the two is wrong.
+"""
 from __future__ import annotations
 
 import platform
 import shutil
 import subprocess
 from functools import lru_cache
+
+# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA Toolkit release notes, table
+# "CUDA Toolkit and Minimum Required Driver Version for CUDA Minor Version Compatibility"): any torch
+# built for CUDA 13.x needs >= 580, for 12.x >= 525, for 11.x >= 450. An older driver makes
+# torch.cuda.is_available() False without an error.
+MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
 
 
 @lru_cache(maxsize=None)
@@ -42,6 +53,67 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def nvidia_smi() -> dict | None:
+    """{'driver': '580.65.06', 'gpus': [names]} from ``nvidia-smi``; None without the tool or a driver
+    that answers (no NVIDIA GPU here)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        run = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_nvidia_smi(run.stdout) if run.returncode == 0 else None
+
+
+def parse_nvidia_smi(text: str) -> dict | None:
+    """``name, driver_version`` lines (nvidia-smi's csv without header) → {'driver', 'gpus'}."""
+    gpus, driver = [], None
+    for line in text.splitlines():
+        name, sep, version = line.rpartition(",")
+        if sep and name.strip():
+            gpus.append(name.strip())
+            driver = version.strip()
+    return {"driver": driver, "gpus": gpus} if gpus else None
+
+
+def _version(text) -> tuple[int, ...]:
+    parts = []
+    for p in str(text).split("."):
+        if not p.isdigit():
+            break
+        parts.append(int(p))
+    return tuple(parts)
+
+
+def gpu_verdict(smi: dict | None, torch_cuda: str | None, usable: int) -> tuple[bool, str]:
+    """(torch can use the machine's GPUs, or it has none; the sentence that says so).
+
+    Args:
+        smi: ``nvidia_smi()``'s answer (None: no NVIDIA driver/GPU).
+        torch_cuda: ``torch.version.cuda``, the CUDA runtime torch was built for (None: a CPU build).
+        usable: ``torch.cuda.device_count()`` when ``torch.cuda.is_available()``, else 0.
+    """
+    if usable:
+        return True, f"{usable} GPU(s) usable by torch (CUDA {torch_cuda})"
+    if smi is None or not smi["gpus"]:
+        return True, "no NVIDIA GPU (nvidia-smi absent or lists none): the loaders run on the CPU"
+    listed = f"nvidia-smi lists {len(smi['gpus'])} GPU(s) but torch cannot use them"
+    if torch_cuda is None:
+        return False, f"{listed}: this torch is a CPU-only build; install a CUDA build of torch"
+    major = _version(torch_cuda)[:1]
+    need = MIN_DRIVER.get(major[0]) if major else None
+    have = _version(smi["driver"])
+    if need is not None and have and have < need:
+        return False, (f"{listed}: driver {smi['driver']} is too old for torch built for CUDA {torch_cuda}, "
+                       f"which needs driver >= {'.'.join(map(str, need))}; torch.cuda.is_available() is "
+                       f"False. Upgrade the NVIDIA driver, or install a torch built for an older CUDA")
+    return False, (f"{listed} although driver {smi['driver']} is recent enough for CUDA {torch_cuda}: "
+                   f"check CUDA_VISIBLE_DEVICES, the /dev/nvidia* device permissions, and that the "
+                   f"container was started with GPU access")
+
+
 def dali_info() -> dict:
     try:
         import nvidia.dali as dali
@@ -65,12 +137,18 @@ def report() -> dict:
 
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
+    smi = nvidia_smi()
+    gpu_ok, gpu_note = gpu_verdict(smi, torch.version.cuda, len(devices))
     return {
         "python": platform.python_version(),
         "torch": torch.__version__, "torch_cuda": torch.version.cuda, "torchvision": torchvision.__version__,
         "numpy": numpy.__version__,
+        "nvidia_driver": smi["driver"] if smi else None, "nvidia_gpus": smi["gpus"] if smi else [],
+        "gpu_ok": gpu_ok, "gpu_note": gpu_note,
         "cuda_devices": devices,
-        "bf16_supported": bool(devices) and torch.cuda.is_bf16_supported(),
+        # Native bf16 only: with emulation (the default) a pre-Ampere GPU says True and runs bf16
+        # matmuls far slower than fp16.
+        "bf16_supported": bool(devices) and torch.cuda.is_bf16_supported(including_emulation=False),
         "cpu": cpu_model(), "usable_cores": usable_cores(),
         "pil": pil_info(), "dali": dali_info(),
         "backends": available_backends(),
@@ -78,16 +156,21 @@ def report() -> dict:
 
 
 def main(argv=None) -> int:
+    """Print the report; exit status 1 when the machine has GPUs that torch cannot use."""
     r = report()
     pil = r["pil"]
     flavour = ("Pillow-SIMD" + (" (AVX2)" if pil["avx2"] else " (SSE4, no AVX2)" if pil["avx2"] is False else "")
                if pil["simd"] else "Pillow (not SIMD: run ./install.sh to swap in Pillow-SIMD)")
     rows = [
         ("python", r["python"]),
-        ("torch", f"{r['torch']} (built for CUDA {r['torch_cuda']})"),
+        ("torch", f"{r['torch']} (built for CUDA {r['torch_cuda']})" if r["torch_cuda"]
+         else f"{r['torch']} (CPU-only build)"),
         ("torchvision", r["torchvision"]),
+        ("NVIDIA driver", f"{r['nvidia_driver']} ({len(r['nvidia_gpus'])} GPU(s): {', '.join(r['nvidia_gpus'])})"
+         if r["nvidia_driver"] else "none (nvidia-smi not found or lists no GPU)"),
         ("CUDA devices", ", ".join(r["cuda_devices"]) or "none (loaders run on the CPU)"),
-        ("bf16 on GPU", r["bf16_supported"]),
+        ("GPU verdict", ("ok: " if r["gpu_ok"] else "PROBLEM: ") + r["gpu_note"]),
+        ("bf16 on GPU", "yes (native)" if r["bf16_supported"] else "no" if r["cuda_devices"] else "-"),
         ("CPU", f"{r['cpu']}, {r['usable_cores']} usable cores"),
         ("PIL", f"{pil['version']}: {flavour}"),
         ("DALI", f"{r['dali']['version'] or '-'}: {r['dali']['note']}"),
@@ -96,4 +179,4 @@ def main(argv=None) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    return 0
+    return 0 if r["gpu_ok"] else 1

@@ -18,3 +18,61 @@ def test_pil_info_detects_the_installed_flavour():
     info = pil_info()
     assert info["version"] == PIL.__version__
     assert info["simd"] == (".post" in PIL.__version__)
+
+
+# ------------------------------------------------------------------ the GPU verdict (issue 9.13)
+from fastdata.doctor import gpu_verdict, parse_nvidia_smi  # noqa: E402
+
+H100_550 = parse_nvidia_smi("NVIDIA H100 80GB HBM3, 550.54.15\nNVIDIA H100 80GB HBM3, 550.54.15\n")
+H100_580 = parse_nvidia_smi("NVIDIA H100 80GB HBM3, 580.65.06\n")
+
+
+def test_nvidia_smi_output_parsed():
+    assert H100_550 == {"driver": "550.54.15", "gpus": ["NVIDIA H100 80GB HBM3"] * 2}
+    assert parse_nvidia_smi("") is None
+    assert parse_nvidia_smi("No devices were found\n") is None
+
+
+def test_driver_too_old_for_torchs_cuda_is_named():
+    ok, why = gpu_verdict(H100_550, "13.0", usable=0)
+    assert not ok
+    assert "550.54.15 is too old" in why and "CUDA 13.0" in why and ">= 580" in why
+    assert "is_available() is False" in why and "2 GPU(s)" in why
+
+
+def test_recent_driver_verdicts():
+    assert gpu_verdict(H100_580, "13.0", usable=1) == (True, "1 GPU(s) usable by torch (CUDA 13.0)")
+    ok, why = gpu_verdict(H100_580, "13.0", usable=0)  # driver fine, GPU still unusable: say what else
+    assert not ok and "too old" not in why and "CUDA_VISIBLE_DEVICES" in why
+    ok, why = gpu_verdict(H100_550, "12.8", usable=0)  # 550 runs CUDA 12: not the driver's fault
+    assert not ok and "too old" not in why
+
+
+def test_no_nvidia_smi_means_no_gpu():
+    ok, why = gpu_verdict(None, "13.0", usable=0)
+    assert ok and "no NVIDIA GPU" in why
+
+
+def test_cpu_only_torch_build_on_a_gpu_machine():
+    ok, why = gpu_verdict(H100_580, None, usable=0)
+    assert not ok and "CPU-only build" in why
+
+
+def test_doctor_prints_the_old_driver_problem_and_fails(monkeypatch, capsys):
+    # nvidia-smi answering like a 550 driver, on a machine where torch sees no GPU (the CPU here).
+    import torch
+
+    from fastdata import doctor
+
+    monkeypatch.setattr(doctor, "nvidia_smi", lambda: H100_550)
+    monkeypatch.setattr(doctor, "pil_info", lambda: {"version": "x", "simd": True, "avx2": True})
+    monkeypatch.setattr(doctor, "dali_info", lambda: {"version": None, "gpu": False, "note": "-"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert doctor.main() == 1
+    out = capsys.readouterr().out
+    assert "550.54.15 (2 GPU(s): NVIDIA H100 80GB HBM3" in out
+    assert "PROBLEM" in out and "too old for torch built for CUDA 13.0" in out and ">= 580" in out
+    monkeypatch.setattr(doctor, "nvidia_smi", lambda: None)
+    assert doctor.main() == 0
+    assert "ok: no NVIDIA GPU" in capsys.readouterr().out
