@@ -1,0 +1,77 @@
+"""auto: the memory backend's budget decides, and every rank of a job makes the same choice."""
+import multiprocessing as mp
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import indexed_source
+from fastdata import Augmentation
+from fastdata.backends import auto, memory
+
+
+def config(device, rank=None, world_size=None):
+    # Translation keeps a padded uint8 copy, so the cache costs memory on the CPU too.
+    return SimpleNamespace(device=torch.device(device), augment=Augmentation(crop="translate", pad=2),
+                           train=True, cache_size=256, rank=rank, world_size=world_size)
+
+
+@pytest.fixture
+def gpu_16g(monkeypatch):
+    """A 16 GiB GPU whose free memory each test sets (it differs between ranks in a real job)."""
+    state = {"free": 15 * 2**30}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=16 * 2**30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (state["free"], 16 * 2**30))
+    return state
+
+
+def test_ranks_without_a_process_group_decide_on_equal_quantities(gpu_16g):
+    src = indexed_source(1000)
+    picks = []
+    for rank, free in ((0, 15 * 2**30), (1, 1000)):   # rank 1's GPU is nearly full, rank 0's is not
+        gpu_16g["free"] = free
+        picks.append(auto.choose(src, config("cuda:0", rank, 2))[0])
+    assert picks == ["memory", "memory"]
+    # A single process has no one to agree with: free memory counts, so it does not pick a cache that
+    # cannot be allocated.
+    assert auto.choose(src, config("cuda:0", 0, 1))[0] != "memory"
+
+
+def test_the_reserve_option_moves_the_decision(gpu_16g, monkeypatch):
+    src = indexed_source(1000)
+    need = memory.cache_bytes(src, config("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=4 * need))
+    gpu_16g["free"] = 4 * need
+    assert auto.choose(src, config("cuda:0"))[0] == "memory"                       # 4x - 25% fits
+    name, why = auto.choose(src, config("cuda:0"), {"memory_reserve": 0.9})
+    assert name != "memory" and "does not fit" in why
+
+
+def _rank(rank, path, q):
+    import torch.distributed as dist
+
+    from fastdata.backends import auto as a, memory as m
+
+    if rank == 1:
+        m.free_bytes = lambda device: 1000                   # alone, rank 1 would not cache
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        q.put((rank, a.choose(indexed_source(1000), config("cpu")), a.choose_locally(indexed_source(1000),
+                                                                                        config("cpu"))[0]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_with_a_process_group_rank_0_decides_for_everyone(tmp_path):
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, tmp_path / "pg", q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (choice, alone)) for r, choice, alone in (q.get(timeout=60) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    assert results[1][1] == "torch", "the test needs ranks that disagree on their own"
+    for rank in (0, 1):
+        name, why = results[rank][0]
+        assert name == "memory" and "rank 0's choice" in why
