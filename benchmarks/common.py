@@ -9,20 +9,14 @@ noisy machine even when absolute numbers drift between runs.
 """
 from __future__ import annotations
 
-import datetime as _dt
-import json
-import math
-import os
-import platform
-import re
-import socket
 import statistics
 import time
-from functools import lru_cache
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastdata.doctor import cpu_model
+from fastdata.report import (  # noqa: F401  (the scripts use them as common.*)
+    bar_chart, fmt_num, fmt_pct, fmt_ratio, machine_info, machine_markdown, machine_tag, markdown_table,
+    pil_info, write_json, write_reports, write_text)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
@@ -66,76 +60,6 @@ def time_passes(run_pass, passes: int, *, warmup: int = 1, device="cpu", budget_
 def median_rate(seconds, items) -> float:
     """Median of the per-pass rates (items/s)."""
     return statistics.median(n / s for n, s in zip(items, seconds) if s > 0)
-
-
-# ------------------------------------------------------------------------------------ machine info
-@lru_cache(maxsize=None)  # the doctor's AVX2 check disassembles PIL's binary: once is enough
-def _pil_info() -> dict:
-    """Which PIL is installed (Pillow or Pillow-SIMD, built with AVX2 or not): the doctor's answer, so
-    the reports and ``python -m fastdata doctor`` agree, plus whether libjpeg-turbo decodes."""
-    from fastdata.doctor import pil_info as doctor_pil_info
-
-    info = dict(doctor_pil_info())
-    info.setdefault("source", "fastdata.doctor.pil_info")
-    try:
-        from PIL import features
-
-        info.setdefault("libjpeg_turbo", bool(features.check_feature("libjpeg_turbo")))
-    except Exception:
-        pass
-    info["flavour"] = f"{'Pillow-SIMD' if info.get('simd') else 'Pillow'} {info.get('version')}"
-    return info
-
-
-def pil_info() -> dict:
-    return dict(_pil_info())
-
-
-def _version(module: str) -> str | None:
-    try:
-        mod = __import__(module, fromlist=["__version__"])
-        return str(getattr(mod, "__version__", "?"))
-    except Exception:
-        return None
-
-
-def machine_info() -> dict:
-    """The facts a reader needs to compare a result with their machine."""
-    import torch
-
-    from fastdata.config import usable_cores
-
-    gpu = None
-    if torch.cuda.is_available():
-        gpu = f"{torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
-    mem_gib = None
-    try:
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
-    except (ValueError, OSError, AttributeError):
-        pass
-    return {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "host": socket.gethostname(),
-        "cpu": cpu_model(),  # the doctor's reading, so reports and `fastdata doctor` agree
-        "cores": usable_cores(),
-        "memory_gib": mem_gib,
-        "gpu": gpu,
-        "pil": pil_info()["flavour"],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchvision": _version("torchvision"),
-        "dali": _version("nvidia.dali"),
-        "numpy": _version("numpy"),
-        "fastdata": _version("fastdata"),
-    }
-
-
-def machine_tag(info: dict) -> str:
-    """A short file-name tag: ``cuda-<gpu>`` or ``cpu-<cores>c`` (hostnames of containers mean nothing)."""
-    if info.get("gpu"):
-        name = re.sub(r"[^a-z0-9]+", "-", info["gpu"].split(" (x")[0].lower()).strip("-")
-        return f"cuda-{name.replace('nvidia-', '')}"
-    return f"cpu-{info['cores']}c"
 
 
 # ------------------------------------------------------------------------------------ results
@@ -215,41 +139,6 @@ class Target:
         return f"{self.workload}: {self.name} {self.column} <= {self.at_most:g}"
 
 
-# ------------------------------------------------------------------------------------ formatting
-def fmt_num(x, digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return x
-    if x == 0:
-        return "0"
-    if abs(x) >= 100:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}g}"
-
-
-def fmt_ratio(x) -> str:
-    return "-" if x is None else (f"{x:,.0f}x" if x >= 100 else f"{x:.2f}x")
-
-
-def fmt_pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def markdown_table(header: list[str], lines: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]
-    out = ["| " + " | ".join(str(h).ljust(w) for h, w in zip(header, widths)) + " |",
-           "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += ["| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines]
-    return "\n".join(out)
-
-
-def machine_markdown(info: dict) -> str:
-    keys = ["date", "cpu", "cores", "memory_gib", "gpu", "pil", "python", "torch", "torchvision", "dali",
-            "numpy", "fastdata", "host"]
-    return "\n".join(f"- **{k}**: {info.get(k) if info.get(k) is not None else 'none'}" for k in keys)
-
-
 def targets_markdown(targets: list[Target], value_fmt=fmt_ratio) -> str:
     if not targets:
         return ""
@@ -259,86 +148,6 @@ def targets_markdown(targets: list[Target], value_fmt=fmt_ratio) -> str:
         mark = {"met": "met", "missed": "**missed**", "n/a": "n/a (not measured)"}[t.status]
         lines.append([t.describe(), value, mark])
     return markdown_table(["target", "measured", "status"], lines)
-
-
-# ------------------------------------------------------------------------------------ files
-def write_json(path: Path, payload: dict) -> None:
-    def default(o):
-        if hasattr(o, "__dataclass_fields__"):
-            return asdict(o)
-        if isinstance(o, float) and not math.isfinite(o):
-            return None
-        return str(o)
-
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=default) + "\n")
-    os.replace(tmp, path)  # a reader never sees half a file
-
-
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def bar_chart(path: Path, groups: dict[str, list[tuple[str, float, str]]], *, xlabel: str, title: str,
-              log: bool = True) -> None:
-    """One horizontal bar panel per group: ``{group: [(label, value, role), ...]}`` → PNG.
-
-    Log scale by default: contenders differ by two orders of magnitude on the digits workload.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    groups = {g: [b for b in bars if b[1] and b[1] > 0] for g, bars in groups.items()}
-    groups = {g: bars for g, bars in groups.items() if bars}
-    if not groups:
-        groups = {"(nothing measured)": []}
-    colors = {"baseline": "#999999", "limit": "#d62728", "fastdata": "#1f77b4"}
-    height = sum(max(len(b), 1) for b in groups.values()) * 0.42 + 1.2 * len(groups) + 0.6
-    fig, axes = plt.subplots(len(groups), 1, figsize=(8.5, height), squeeze=False)
-    for ax, (group, bars) in zip(axes[:, 0], groups.items()):
-        labels = [b[0] for b in bars]
-        values = [b[1] for b in bars]
-        ax.barh(range(len(bars)), values, color=[colors.get(b[2], "#2ca02c") for b in bars])
-        ax.set_yticks(range(len(bars)))
-        ax.set_yticklabels(labels)
-        ax.invert_yaxis()
-        if log and values:
-            ax.set_xscale("log")
-        for i, v in enumerate(values):
-            ax.text(v, i, f" {fmt_num(v)}", va="center", fontsize=8)
-        if values and log:  # whole decades, so that bar lengths are not cut off at an arbitrary left edge
-            ax.set_xlim(10 ** math.floor(math.log10(min(values) / 2)), max(values) * 4)
-        elif values:
-            ax.set_xlim(0, max(values) * 1.25)
-        ax.set_title(group, fontsize=10, loc="left")
-        ax.set_xlabel(xlabel)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-def write_reports(out_dir, stem: str, *, title: str, machine: dict, command: str, body_md: str,
-                  payload: dict, chart_groups: dict, chart_xlabel: str, chart_log: bool = True) -> dict:
-    """Write ``<stem>.md``, ``<stem>.json`` and ``<stem>.png`` under ``out_dir``, say so, and return
-    their paths as strings (for the payload a script returns)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("md", "json", "png")}
-    md = (f"# {title}\n\n{machine_markdown(machine)}\n\nCommand: `{command}`\n\n{body_md}\n\n"
-          f"![{title}]({paths['png'].name})\n")
-    write_text(paths["md"], md)
-    write_json(paths["json"], {"title": title, "machine": machine, "command": command, **payload})
-    bar_chart(paths["png"], chart_groups, xlabel=chart_xlabel, title=f"{title} — {machine['cpu']}, "
-              f"{machine['cores']} cores{', ' + machine['gpu'] if machine.get('gpu') else ''}", log=chart_log)
-    print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
-    return {k: str(v) for k, v in paths.items()}
 
 
 def command_line(script: str, argv: list[str] | None) -> str:

@@ -1,0 +1,267 @@
+"""``python -m fastdata bench SOURCE``: which backend keeps *your* GPU busy on *your* data and model.
+
+It measures two things on this machine, apart:
+
+1. every available backend's delivery rate on SOURCE (normalized batches on the device, the training
+   recipe on), for a few hundred batches after a warm-up;
+2. the model's training step alone (forward, backward, optimizer step, the precision ``fit`` would use)
+   on ready tensors of the same shape: the rate the model could train at with free data.
+
+From the two it predicts, per backend, the fraction of training time spent waiting for data and the
+training rate, and recommends the backend with the highest predicted rate (within 5% of it, the one
+that costs the host least: see ``recommend``). The prediction is a model
+of how the two overlap:
+
+- ``serial``: the loader's work runs on the training thread, or on the GPU stream the model uses
+  (``memory``), or on the same CPU cores as the model (any backend on a CPU device). Per batch the
+  time is ``load + step``, and the data share is ``load / (load + step)``.
+- ``overlapped``: on CUDA, worker processes, DALI's threads and side streams (``torch``, ``prefetch``,
+  ``dali``) prepare the next batch while the GPU runs the step. Per batch the time is
+  ``max(load, step)``, and the model waits ``max(0, load - step)`` of it.
+
+This ignores contention between the loader and the model for the GPU or the host (DALI's kernels
+and the model share the GPU; a loader's workers share the host with the Python that launches kernels),
+so overlapped predictions are a lower bound on the wait. On a CPU the serial model holds within a few
+points of the wait ``fit`` measures (tested).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OVERLAPPED_ON_CUDA = {"torch", "prefetch", "dali"}
+PREFERENCE = ("memory", "dali", "prefetch", "torch")
+TIE = 0.05
+
+
+@dataclass
+class Measurement:
+    backend: str
+    status: str = "ok"              # "ok", or why it was not measured
+    images_per_second: float | None = None
+    overlap: str = "serial"
+    predicted_wait: float | None = None
+    predicted_images_per_second: float | None = None
+
+
+def predict(load_rate: float, step_rate: float, overlapped: bool) -> tuple[float, float]:
+    """(data-wait fraction, training images/s) for a loader delivering ``load_rate`` images/s and a
+    model training at ``step_rate`` images/s on ready tensors; see the module docstring."""
+    load, step = 1.0 / load_rate, 1.0 / step_rate  # seconds per image
+    if overlapped:
+        per_image = max(load, step)
+        return max(0.0, load - step) / per_image, 1.0 / per_image
+    return load / (load + step), 1.0 / (load + step)
+
+
+def recommend(rows: list[Measurement]) -> Measurement:
+    """The backend with the highest predicted training rate. Rates within ``TIE`` of the best are a tie
+    (the data is not what limits training, and the measurements are that noisy): among those, the
+    first in ``PREFERENCE``, which puts first the backend that uses the least host CPU per epoch
+    (``memory`` decodes nothing after its cache is built; the others decode every epoch)."""
+    top = max(r.predicted_images_per_second for r in rows)
+    tied = [r for r in rows if r.predicted_images_per_second >= (1 - TIE) * top]
+    return min(tied, key=lambda r: PREFERENCE.index(r.backend) if r.backend in PREFERENCE else len(PREFERENCE))
+
+
+def open_source(spec: str, *, quick: bool):
+    """A fastdata source from the command line: ``digits`` (synthetic), an MNIST root (a folder holding
+    ``MNIST/raw``), or an image folder (one sub-folder per class)."""
+    from .datasets import MNIST, ImageFolder, SyntheticDigits
+
+    if spec == "digits":
+        return SyntheticDigits(6_000 if quick else 60_000)
+    root = Path(spec)
+    if not root.is_dir():
+        raise SystemExit(f"fastdata bench: SOURCE '{spec}' is neither 'digits' nor a folder")
+    if (root / "MNIST" / "raw").is_dir():
+        return MNIST(root, train=True, download=False)
+    return ImageFolder(root)
+
+
+def make_model(name: str, source):
+    """``smallcnn`` (fastdata.SmallCNN) or any torchvision classification model by name."""
+    if name.lower() == "smallcnn":
+        from .models import SmallCNN
+
+        return SmallCNN(num_classes=max(source.num_classes, 2), in_channels=source.channels)
+    import torchvision
+
+    try:
+        builder = torchvision.models.get_model_builder(name)
+    except ValueError:
+        choices = ["smallcnn"] + sorted(torchvision.models.list_models(torchvision.models))
+        raise SystemExit(f"fastdata bench: unknown model {name!r}; choose from {choices}") from None
+    return builder(weights=None, num_classes=max(source.num_classes, 2))
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="batch", leave=False, dynamic_ncols=True)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_loader(loader, batches: int, warmup: int, progress: bool) -> float:
+    """Images/s over ``batches`` batches after ``warmup`` (epochs restart as needed)."""
+    bar = _bar(warmup + batches, f"{loader.name:>8}", progress)
+    done, images, t0 = 0, 0, None
+    while done < warmup + batches:
+        for x, _ in loader:
+            if done == warmup:
+                _sync(loader.device)
+                t0 = time.perf_counter()
+            done += 1
+            if done > warmup:
+                images += x.shape[0]
+            if bar is not None:
+                bar.update(1)
+            if done == warmup + batches:
+                break
+    _sync(loader.device)
+    if bar is not None:
+        bar.close()
+    return images / (time.perf_counter() - t0)
+
+
+def measure_step(model, sample_batch, steps: int, warmup: int, amp: str = "auto") -> float:
+    """Training images/s of ``model`` alone on one ready batch (forward, backward, optimizer step)."""
+    import torch
+
+    from .engine import resolve_amp
+
+    images, labels = sample_batch
+    device = images.device
+    mode = resolve_amp(amp, device)
+    model = model.to(device).train()
+    if images.dtype != torch.float32 and mode == "off":
+        images = images.float()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    t0 = None
+    for i in range(warmup + steps):
+        if i == warmup:
+            _sync(device)
+            t0 = time.perf_counter()
+        dtype = torch.float16 if mode == "fp16" else torch.bfloat16
+        with torch.autocast(device.type, dtype=dtype, enabled=mode != "off"):
+            loss = loss_fn(model(images), labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    _sync(device)
+    return steps * images.shape[0] / (time.perf_counter() - t0)
+
+
+def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=None, batches: int = 200,
+        warmup: int = 10, num_workers=None, amp: str = "auto", progress: bool = True,
+        backends=None) -> dict:
+    """Measure every backend and the model on ``source``; returns the report's payload."""
+    import torch
+
+    from .config import resolve_device
+    from .registry import available_backends, make_loader
+
+    device = resolve_device(device)
+    names = [b for b in (backends or available_backends()) if b != "auto"]
+    rows, sample = [], None
+    for name in names:
+        row = Measurement(name)
+        try:
+            kw = {} if num_workers is None else {"num_workers": num_workers}
+            loader = make_loader(source, name, batch_size=batch_size, device=device, train=True, **kw)
+            try:
+                row.images_per_second = measure_loader(loader, batches, warmup, progress)
+                if sample is None:
+                    sample = next(iter(loader))
+            finally:
+                loader.close()
+        except Exception as e:  # one backend that cannot read this source must not hide the others
+            row.status = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        rows.append(row)
+    if sample is None:
+        raise SystemExit("fastdata bench: no backend could read the source:\n" +
+                         "\n".join(f"  {r.backend}: {r.status}" for r in rows))
+    model = make_model(model_name, source)
+    step_rate = measure_step(model, sample, steps=max(5, batches // 10), warmup=3, amp=amp)
+    for row in rows:
+        if row.status != "ok":
+            continue
+        row.overlap = "overlapped" if device.type == "cuda" and row.backend in OVERLAPPED_ON_CUDA else "serial"
+        row.predicted_wait, row.predicted_images_per_second = predict(
+            row.images_per_second, step_rate, row.overlap == "overlapped")
+    best = recommend([r for r in rows if r.status == "ok"])
+    del sample
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"benchmark": "fastdata bench", "source": repr(source), "model": model_name,
+            "batch_size": batch_size, "device": str(device), "batches": batches,
+            "model_images_per_second": step_rate, "recommended": best.backend,
+            "rows": [asdict(r) for r in rows]}
+
+
+def report_markdown(payload: dict) -> str:
+    from .report import fmt_num, fmt_pct, markdown_table
+
+    lines = []
+    for r in payload["rows"]:
+        if r["status"] != "ok":
+            lines.append([r["backend"], "-", "-", "-", "-", r["status"]])
+            continue
+        mark = " (recommended)" if r["backend"] == payload["recommended"] else ""
+        lines.append([r["backend"] + mark, fmt_num(r["images_per_second"]), r["overlap"],
+                      fmt_pct(r["predicted_wait"]), fmt_num(r["predicted_images_per_second"]), ""])
+    table = markdown_table(["backend", "delivers images/s", "overlap", "predicted data wait",
+                            "predicted training images/s", "note"], lines)
+    return (f"Source {payload['source']}, batch {payload['batch_size']}, device `{payload['device']}`. "
+            f"The model ({payload['model']}) trains at {fmt_num(payload['model_images_per_second'])} "
+            f"images/s on ready tensors.\n\n{table}\n\nUse `backend=\"{payload['recommended']}\"`.")
+
+
+def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="python -m fastdata bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="'digits', an MNIST root (holding MNIST/raw) or an image folder")
+    p.add_argument("--model", default="smallcnn", help="smallcnn or a torchvision model name (resnet18, ...)")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available)")
+    p.add_argument("--workers", type=int, default=None, help="loader workers (default: fastdata's)")
+    p.add_argument("--batches", type=int, default=200, help="timed batches per backend")
+    p.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
+    p.add_argument("--backends", nargs="+", default=None, help="default: every available backend")
+    p.add_argument("--quick", action="store_true", help="30 batches on 6,000 digits: does it run, not how fast")
+    p.add_argument("--out", default="fastdata-bench", help="folder for bench-<tag>.{md,json,png}")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def main(args) -> dict:
+    from .report import machine_info, machine_tag, write_reports
+
+    batches = 30 if args.quick else args.batches
+    source = open_source(args.source, quick=args.quick)
+    payload = run(source, model_name=args.model, batch_size=args.batch_size, device=args.device,
+                  batches=batches, warmup=3 if args.quick else 10, num_workers=args.workers, amp=args.amp,
+                  progress=args.progress, backends=args.backends)
+    body = report_markdown(payload)
+    print(body, flush=True)
+    machine = machine_info()
+    chart = {"predicted training images/s": [(r["backend"], r["predicted_images_per_second"], "fastdata")
+                                             for r in payload["rows"] if r["status"] == "ok"],
+             "delivered images/s": [(r["backend"], r["images_per_second"], "fastdata")
+                                    for r in payload["rows"] if r["status"] == "ok"]}
+    payload["paths"] = write_reports(args.out, f"bench-{machine_tag(machine)}", title="fastdata bench",
+                                     machine=machine, command="python -m fastdata bench " + " ".join(sys.argv[2:]),
+                                     body_md=body, payload=payload, chart_groups=chart,
+                                     chart_xlabel="images/s", chart_log=True)
+    return payload

@@ -1,0 +1,94 @@
+"""``python -m fastdata bench``: the overlap model, the recommendation, and the prediction against ``fit``."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastdata import fit, make_loader
+from fastdata.bench import measure_loader, measure_step, predict
+from fastdata.datasets import SyntheticDigits
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_serial_work_adds_and_overlapped_work_hides_behind_the_step():
+    # load 1 ms/image, step 3 ms/image
+    wait, rate = predict(1000.0, 1000.0 / 3, overlapped=False)
+    assert wait == pytest.approx(0.25) and rate == pytest.approx(250.0)
+    wait, rate = predict(1000.0, 1000.0 / 3, overlapped=True)
+    assert wait == 0.0 and rate == pytest.approx(1000.0 / 3)
+    # a loader slower than the step: the model waits for the difference
+    wait, rate = predict(100.0, 200.0, overlapped=True)
+    assert wait == pytest.approx(0.5) and rate == pytest.approx(100.0)
+
+
+def test_quick_run_on_digits_recommends_memory_and_writes_the_reports(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fastdata", "bench", "digits", "--quick", "--device", "cpu",
+                           "--backends", "memory", "torch", "--workers", "1", "--batch-size", "128",
+                           "--out", str(tmp_path), "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert 'Use `backend="memory"`' in proc.stdout
+    (report,) = tmp_path.glob("bench-*.json")
+    payload = json.loads(report.read_text())
+    assert payload["recommended"] == "memory"
+    rows = {r["backend"]: r for r in payload["rows"]}
+    assert set(rows) == {"memory", "torch"}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["images_per_second"] > 0 and 0 <= r["predicted_wait"] < 1
+    assert payload["model_images_per_second"] > 0
+    assert (tmp_path / report.name.replace(".json", ".md")).read_text().count("| memory") == 1
+
+
+def test_an_unknown_source_or_model_is_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fastdata", "bench", str(tmp_path / "nope")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0 and "neither 'digits' nor a folder" in proc.stderr
+    from fastdata.bench import make_model
+
+    with pytest.raises(SystemExit, match="unknown model 'resnet9000'; choose from .*resnet18"):
+        make_model("resnet9000", SyntheticDigits(10))
+
+
+class Tiny(nn.Module):
+    """Cheap enough that loading a digit batch costs a visible share of a step on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def test_the_serial_prediction_matches_the_data_wait_fit_measures_on_the_cpu():
+    """Stated tolerance: 0.15 absolute. The prediction comes from two measurements taken apart (the
+    loader alone, the model alone); fit measures the same work interleaved."""
+    torch.manual_seed(0)
+    src = SyntheticDigits(4096)
+    loader = make_loader(src, "memory", batch_size=64, device="cpu", num_workers=0, seed=1)
+    load_rate = measure_loader(loader, batches=40, warmup=5, progress=False)
+    step_rate = measure_step(Tiny(), next(iter(loader)), steps=40, warmup=5, amp="off")
+    predicted, _ = predict(load_rate, step_rate, overlapped=False)
+    history = fit(Tiny(), loader, epochs=2, amp="off", progress=False)
+    measured = history[-1]["data_wait_fraction"]
+    assert abs(predicted - measured) <= 0.15, (predicted, measured, load_rate, step_rate)
+    assert predicted > 0.02, "the tiny model should make the data's share visible"
+
+
+def test_a_near_tie_goes_to_the_backend_that_costs_the_host_least():
+    from fastdata.bench import Measurement, recommend
+
+    def row(name, rate):
+        return Measurement(name, predicted_images_per_second=rate)
+
+    assert recommend([row("torch", 1000.0), row("memory", 980.0)]).backend == "memory"   # within 5%
+    assert recommend([row("torch", 1000.0), row("memory", 900.0)]).backend == "torch"    # clearly faster
+    assert recommend([row("prefetch", 500.0), row("dali", 499.0), row("torch", 501.0)]).backend == "dali"
