@@ -9,8 +9,7 @@ It measures two things on this machine, apart:
 
 From the two it predicts, per backend, the fraction of training time spent waiting for data and the
 training rate, and recommends the backend with the highest predicted rate (within 5% of it, the one
-that costs the host least: see ``recommend``). The prediction is a model
-of how the two overlap:
+that costs the host least: see ``recommend``). The prediction is a model of how the two overlap:
 
 - ``serial``: the loader's work runs on the training thread, or on the GPU stream the model uses
   (``memory``), or on the same CPU cores as the model (any backend on a CPU device). Per batch the
