@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
