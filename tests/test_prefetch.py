@@ -1,11 +1,18 @@
 """prefetch backend: same batches as torch, bounded read-ahead, the CUDA stream path."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import decode_ids, indexed_source
+from procs import wait_until
 from fastdata import make_loader
 
 
@@ -15,6 +22,16 @@ def test_same_batches_as_the_torch_backend():
     b = make_loader(src, "prefetch", batch_size=50, device="cpu", num_workers=2, seed=2, depth=3)
     for (xa, ya), (xb, yb) in zip(a, b):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def _blocked_in_put(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside the prefetch producer's put(), i.e. waiting for room in the queue."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "put" and frame.f_code.co_filename.endswith("prefetch.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_read_ahead_is_bounded_by_depth():
@@ -31,12 +48,12 @@ def test_read_ahead_is_bounded_by_depth():
     loader.host_batches = counting
     it = iter(loader)
     next(it)
-    import time
-
-    time.sleep(0.3)  # give the thread time to run ahead as far as it may
-    # consumer holds 1, queue holds `depth`, the producer may hold one more while blocked on put
-    assert len(produced) <= 1 + 2 + 1
-    del it
+    producer = next(t for t in threading.enumerate() if t.name == "fastdata-prefetch")
+    # consumer holds 1, the queue holds `depth`, the producer holds one more while blocked on put
+    assert wait_until(lambda: _blocked_in_put(producer) and len(produced) >= 4, timeout=30)
+    assert len(produced) == 1 + 2 + 1
+    assert _blocked_in_put(producer) and len(produced) == 4, "the producer ran past the bound"
+    it.close()
 
 
 def test_depth_must_be_positive():
@@ -50,6 +67,97 @@ def test_thread_ends_when_the_consumer_breaks():
         if i == 2:
             break
     assert not [t for t in threading.enumerate() if t.name == "fastdata-prefetch"]
+
+
+class _Gated(torch.utils.data.Dataset):
+    """Sample i is a 4x4 image filled with i. Samples from ``gate_from`` on wait for ``gate`` (a
+    multiprocessing Event, shared with forked workers): the batch holding them is 'slow' until the test
+    opens the gate."""
+
+    def __init__(self, n, gate, gate_from):
+        self.n, self.gate, self.gate_from = n, gate, gate_from
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i >= self.gate_from:
+            self.gate.wait()
+        return torch.full((1, 4, 4), i, dtype=torch.uint8), i % 10
+
+
+def test_a_break_during_a_slow_batch_ends_the_epoch_and_the_next_one_is_whole():
+    """Issue 10.1: the break must not wait for the slow batch, and the producer, still inside the shared
+    DataLoader iterator then, must not race the next epoch (that lost batches or crashed)."""
+    import multiprocessing as mp
+
+    gate = mp.get_context("fork").Event()
+    loader = make_loader(_Gated(40, gate, gate_from=4), "prefetch", batch_size=4, device="cpu", train=False,
+                         num_workers=1, mean=(0.0,), std=(1 / 255,), multiprocessing_context="fork")
+    failsafe = threading.Timer(60, gate.set)   # a broken break would wait for the gate forever
+    failsafe.start()
+    try:
+        for i, (x, y) in enumerate(loader):
+            break                              # batch 1 is stuck behind the gate in the worker now
+        assert not gate.is_set(), "the break waited for the slow batch"
+    finally:
+        failsafe.cancel()
+    gate.set()
+    for epoch in range(2):
+        ids = sorted(int(v) for x, _ in loader for v in x[:, 0, 0, 0].round())
+        assert ids == list(range(40)), f"epoch {epoch + 1} after the break was not whole"
+    loader.close()
+
+
+_CTRL_C_SCRIPT = """
+import sys, time
+sys.path[:0] = [{tests!r}, {root!r}]
+import torch
+from fastdata import make_loader
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, i):
+        time.sleep(0.01 if i < 8 else 60)     # from batch 2 on, a sample takes a minute
+        return torch.full((1, 4, 4), i % 256, dtype=torch.uint8), i % 10
+
+loader = make_loader(Slow(), "prefetch", batch_size=4, device="cpu", num_workers=2, train=False,
+                     mean=(0.0,), std=(1 / 255,))
+for i, _ in enumerate(loader):
+    print("batch", i, flush=True)
+"""
+
+
+def test_ctrl_c_during_a_prefetch_epoch_exits_promptly(tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while the consumer waits for a slow
+    batch: the process ends with KeyboardInterrupt in seconds (it took ~5.5 s), leaving no process."""
+    script = tmp_path / "ctrl_c.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(_CTRL_C_SCRIPT.format(tests=tests, root=os.path.dirname(tests)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "batch 0"
+        os.killpg(proc.pid, signal.SIGINT)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def group_gone():
+        try:
+            os.killpg(proc.pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+    assert "KeyboardInterrupt" in out, out[-2000:]
+    assert took < 5, f"exit took {took:.1f} s after Ctrl-C"
+    assert wait_until(group_gone, timeout=10), "worker processes outlived the interrupted run"
 
 
 @pytest.mark.cuda

@@ -39,6 +39,8 @@ class PrefetchLoader(TorchLoader):
             raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
         self.depth = depth
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The CPU path's latest producer thread and its stop flag (see _finish_producer).
+        self._producer: tuple[threading.Thread, threading.Event] | None = None
 
     def _epoch(self, epoch, batches, start):
         host = self.host_batches(epoch, batches, start)
@@ -80,7 +82,25 @@ class PrefetchLoader(TorchLoader):
         finally:
             host.close()
 
+    def _finish_producer(self) -> None:
+        """Wait until the previous epoch's producer thread has left the DataLoader iterator.
+
+        Why: a break, or Ctrl-C, ends the consumer at once without waiting for the producer, which may be
+        inside the (shared, persistent-worker) DataLoader iterator waiting for a slow batch. A new epoch
+        that reset that iterator under it would race it: lost batches, or the workers' shared memory
+        torn down under a read (FileNotFoundError, EOFError). The stop flag is already set, so the
+        producer leaves after its current batch. The wait is in short joins, so Ctrl-C interrupts it.
+        """
+        old, self._producer = self._producer, None
+        if old is None or old[0] is threading.current_thread():
+            return
+        thread, stop = old
+        stop.set()
+        while thread.is_alive():
+            thread.join(timeout=0.1)
+
     def _thread_epoch(self, host):
+        self._finish_producer()
         q: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
 
@@ -105,15 +125,33 @@ class PrefetchLoader(TorchLoader):
                 host.close()
 
         worker = threading.Thread(target=produce, name="fastdata-prefetch", daemon=True)
+        self._producer = (worker, stop)
         worker.start()
+        ended = False
         try:
             while True:
-                item = q.get()
+                item = q.get()   # a plain lock wait: Ctrl-C interrupts it at once
                 if item is _DONE:
+                    ended = True
                     return
                 if isinstance(item, BaseException):
+                    ended = True
                     raise item
                 yield item
+        except GeneratorExit:
+            # A break: the producer sees `stop` within its put() timeout if it is between batches, so a
+            # short wait usually lets it end here. If it is waiting for a slow batch, it is not waited
+            # for: the next epoch (or close()) does that (see _finish_producer).
+            stop.set()
+            worker.join(timeout=0.5)
+            raise
         finally:
-            stop.set()  # the producer's next put() returns, so it ends instead of blocking forever
-            worker.join(timeout=10)
+            # Ctrl-C or an error in the consumer: return at once; the daemon thread ends after its batch.
+            stop.set()
+            if ended:
+                worker.join()
+
+    def close(self):
+        # The producer must be out of the DataLoader iterator before its workers are shut down.
+        self._finish_producer()
+        super().close()
