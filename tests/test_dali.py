@@ -443,20 +443,31 @@ def test_one_probe_pipeline_finds_every_bad_file(tmp_path, photo_folder):
     assert len(probes) == 2
 
 
+@pytest.mark.parametrize("how", ["close", "second_iter"])
 @pytest.mark.parametrize("kind", ["arrays", "files"])
-def test_generator_closed_mid_epoch_then_a_whole_epoch(kind, photo_folder):
-    # What a second iter() does while an epoch runs (base.py closes the previous generator first).
+def test_epoch_closed_or_superseded_mid_epoch_then_a_whole_epoch(kind, how, photo_folder):
+    # A second iter() while an epoch runs closes the running one first (base.py): the pipeline and the
+    # batches read ahead must go with it (it used to fail with a TypeError).
     if kind == "arrays":
         src = indexed_source(640)
         loader = dali(src, batch_size=64, train=True, augment=NONE, seed=2, prefetch_queue_depth=3)
     else:
         src = ImageFolder(photo_folder)
         loader = dali(src, batch_size=4, train=False, shuffle=True, seed=2)
-    for _ in range(2):
-        it = iter(loader)
-        next(it)
-        it.close()
-    full = list(loader)
+    if how == "close":
+        for _ in range(2):
+            it = iter(loader)
+            next(it)
+            it.close()
+        full = list(loader)
+    else:
+        first = iter(loader)
+        next(first)
+        second = iter(loader)
+        next(second)
+        full = list(iter(loader))  # supersedes both
+        with pytest.raises(RuntimeError):
+            next(first)
     assert len(full) == len(loader)
     if kind == "arrays":
         plan = EpochPlan(640, 64, True, True, 2)
