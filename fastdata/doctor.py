@@ -123,8 +123,23 @@ def dali_info() -> dict:
     import torch
 
     gpu = torch.cuda.is_available()
-    return {"version": dali.__version__, "gpu": gpu,
+    return {"version": dali.__version__, "gpu": gpu, "cuda_major": dali_cuda_major(),
             "note": "GPU pipelines (nvJPEG)" if gpu else "CPU-only pipelines (no CUDA device)"}
+
+
+def dali_cuda_major() -> int | None:
+    """The CUDA major version of the installed DALI wheel, read off its distribution name
+    (``nvidia-dali-cuda120`` → 12): DALI bundles its own CUDA runtime, so its driver needs can
+    differ from torch's."""
+    from importlib import metadata
+
+    for major in (13, 12, 11):
+        try:
+            metadata.version(f"nvidia-dali-cuda{major}0")
+        except metadata.PackageNotFoundError:
+            continue
+        return major
+    return None
 
 
 def report() -> dict:
@@ -155,6 +170,14 @@ def report() -> dict:
     }
 
 
+def _dali_build(dali: dict) -> str:
+    major = dali.get("cuda_major")
+    if major is None:
+        return ""
+    need = MIN_DRIVER.get(major)
+    return f" (CUDA {major} build, needs driver >= {'.'.join(map(str, need))})" if need else f" (CUDA {major} build)"
+
+
 def main(argv=None) -> int:
     """Print the report; exit status 1 when the machine has GPUs that torch cannot use."""
     r = report()
@@ -173,7 +196,7 @@ def main(argv=None) -> int:
         ("bf16 on GPU", "yes (native)" if r["bf16_supported"] else "no" if r["cuda_devices"] else "-"),
         ("CPU", f"{r['cpu']}, {r['usable_cores']} usable cores"),
         ("PIL", f"{pil['version']}: {flavour}"),
-        ("DALI", f"{r['dali']['version'] or '-'}: {r['dali']['note']}"),
+        ("DALI", f"{r['dali']['version'] or '-'}{_dali_build(r['dali'])}: {r['dali']['note']}"),
         ("backends", ", ".join(r["backends"])),
     ]
     width = max(len(k) for k, _ in rows)

@@ -76,3 +76,17 @@ def test_doctor_prints_the_old_driver_problem_and_fails(monkeypatch, capsys):
     monkeypatch.setattr(doctor, "nvidia_smi", lambda: None)
     assert doctor.main() == 0
     assert "ok: no NVIDIA GPU" in capsys.readouterr().out
+
+
+def test_dali_wheels_cuda_build_and_its_driver_need():
+    from importlib import metadata
+
+    from fastdata.doctor import _dali_build, dali_cuda_major
+
+    try:
+        metadata.version("nvidia-dali-cuda120")
+    except metadata.PackageNotFoundError:
+        return  # another DALI build (or none): the name table is checked below
+    assert dali_cuda_major() == 12
+    assert _dali_build({"cuda_major": 12}) == " (CUDA 12 build, needs driver >= 525.60.13)"
+    assert _dali_build({"cuda_major": None}) == ""
