@@ -303,7 +303,7 @@ def test_broken_file_refused_in_the_first_epoch_whatever_the_crop(tmp_path, phot
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_broken_file_skipped_every_epoch_like_the_torch_backend(tmp_path, photo_folder, damage):
-    root, bad = _broken_folder(tmp_path, photo_folder, DAMAGE[damage])
+    root, _ = _broken_folder(tmp_path, photo_folder, DAMAGE[damage])
     src = ImageFolder(root)
     kw = dict(batch_size=6, train=True, seed=3, on_error="skip")
     d, t = dali(src, **kw), torch_loader(src, **kw)

@@ -21,7 +21,7 @@ def test_pil_info_detects_the_installed_flavour():
 
 
 # ------------------------------------------------------------------ the GPU verdict (issue 9.13)
-from fastdata.doctor import gpu_verdict, parse_nvidia_smi  # noqa: E402
+from fastdata.doctor import gpu_verdict, parse_nvidia_smi
 
 H100_550 = parse_nvidia_smi("NVIDIA H100 80GB HBM3, 550.54.15\nNVIDIA H100 80GB HBM3, 550.54.15\n")
 H100_580 = parse_nvidia_smi("NVIDIA H100 80GB HBM3, 580.65.06\n")
