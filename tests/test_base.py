@@ -189,3 +189,15 @@ def test_resume_refuses_another_torch_dataset_of_the_same_size():
     _loader("torch", DatasetSource(Grey()), **kw).load_state_dict(state)
     with pytest.raises(ValueError, match="source was '.*Grey n=40' and is now '.*Other n=40'"):
         _loader("torch", DatasetSource(Other()), **kw).load_state_dict(state)
+
+
+@pytest.mark.parametrize("field, bad", [("mean", float("nan")), ("std", float("inf")), ("std", 0.0),
+                                        ("mean", "0.5")])
+def test_non_finite_statistics_of_a_source_are_refused_naming_them(field, bad):
+    src = indexed_source(40)
+    stats = {"mean": src.mean, "std": src.std, field: (bad,)}
+    bad_src = ArraySource(src.images, src.labels, **stats)
+    with pytest.raises((TypeError, ValueError), match=field):
+        _loader("memory", bad_src, num_workers=0)
+    with pytest.raises((TypeError, ValueError), match=field):  # the same through make_loader's keywords
+        _loader("memory", src, num_workers=0, **{field: bad})

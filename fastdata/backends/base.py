@@ -21,7 +21,7 @@ from typing import ClassVar, Iterator
 import numpy as np
 import torch
 
-from ..config import LoaderConfig, _integer
+from ..config import LoaderConfig, _integer, _reals
 from ..datasets import Source
 from ..sampling import EpochPlan, distributed_info
 
@@ -88,8 +88,12 @@ class Loader:
         self.config = config
         self.device: torch.device = config.device
         self.augment = config.augment if config.augment is not None else source.default_augmentation(config.train)
-        mean = config.mean if config.mean is not None else source.mean
-        std = config.std if config.std is not None else source.std
+        # A source's own statistics (ArraySource(mean=...), ImageFolder(std=...)) get the checks that
+        # LoaderConfig gives its mean/std: a NaN or a zero here makes every batch NaN or inf.
+        mean = config.mean if config.mean is not None else _reals("mean", source.mean)
+        std = config.std if config.std is not None else _reals("std", source.std)
+        if any(s <= 0 for s in std):
+            raise ValueError(f"std must be positive, got {std} (from {source!r})")
         if len(mean) == 1 and source.channels > 1:
             mean, std = mean * source.channels, std * source.channels
         if len(mean) != source.channels or len(std) != source.channels:
