@@ -12,6 +12,7 @@ unpickle arbitrary objects.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import tempfile
 from pathlib import Path
@@ -59,12 +60,71 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read back: empty, truncated, corrupt or not a checkpoint."""
+
+
 def load(path, map_location="cpu") -> dict:
-    """Load a checkpoint written by ``save`` (``weights_only=True``: no arbitrary code runs)."""
+    """Load a checkpoint written by ``save`` (``weights_only=True``: no arbitrary code runs).
+
+    Every failure names the path and says what is wrong with it: missing, a folder, empty, truncated
+    or corrupt, or a file that is not a checkpoint (``CheckpointError``, a ``ValueError``)."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"checkpoint '{path}' is a directory, not a checkpoint file")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint '{path}' does not exist")
-    return torch.load(path, map_location=map_location, weights_only=True)
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"checkpoint '{path}' is empty (0 bytes): it was never written completely; "
+                              f"delete it to start afresh")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # weights_only refuses anything but tensors and plain types: not a file save() wrote.
+        raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is not a fastdata checkpoint or is "
+                              f"corrupt: it does not load with weights_only=True ({_first_line(e)})") from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        # torch raises RuntimeError ("failed finding central directory"), EOFError or OSError [Errno 22]
+        # for a cut-off zip archive, none of them naming the file.
+        raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is truncated or corrupt and cannot "
+                              f"be read ({type(e).__name__}: {_first_line(e)}); delete it to start afresh "
+                              f"or point to an intact copy") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint '{path}' holds a {type(state).__name__}, not a checkpoint dict")
+    return state
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def prepare(path) -> Path:
+    """Check, before any training, that ``path`` can take a checkpoint; remove stale temporaries.
+
+    Refuses a path that is a directory, creates the folder when it is missing, and proves the folder is
+    writable by creating (and removing) a temporary file there, the way ``save`` will: an unusable path
+    is an error now, not after the first epoch's work."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"checkpoint path '{path}' is a directory; give a file path such as "
+                                f"'{path / 'checkpoint.pt'}'")
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent is a file, or no permission to create it
+        raise type(e)(f"cannot create the folder '{folder}' for checkpoint '{path}': "
+                      f"{e.strerror or e}") from e
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=folder)
+    except OSError as e:
+        raise type(e)(f"cannot write checkpoint '{path}': folder '{folder}' is not writable "
+                      f"({e.strerror or e})") from e
+    os.close(fd)
+    os.unlink(tmp)
+    clean_stale(path)
+    return path
 
 
 def clean_stale(path) -> list[Path]:

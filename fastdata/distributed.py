@@ -27,6 +27,11 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def local_rank() -> int:
+    """This process's index on its machine (``LOCAL_RANK`` set by torchrun; 0 otherwise)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def is_main() -> bool:
     """Rank 0 prints, writes checkpoints and JSON."""
     return rank() == 0
@@ -49,7 +54,7 @@ def init_distributed(device=None) -> torch.device:
     if env_world_size() <= 1:
         return resolve_device(device)
     if want_cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local = local_rank()
         if local >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK={local} but this machine has {torch.cuda.device_count()} CUDA "
                                f"device(s); start at most that many processes per node")
@@ -85,16 +90,44 @@ def barrier() -> None:
         dist.barrier()
 
 
+def check_device(device: torch.device) -> None:
+    """Under torchrun on CUDA, refuse a device other than ``cuda:LOCAL_RANK``.
+
+    Every rank on the same GPU (``cuda:0``, what ``torch.cuda.current_device()`` says before anything
+    sets it) would crash NCCL or silently share one GPU; a loader built on the wrong GPU is the usual
+    cause, so the error says how loaders pick theirs."""
+    device = torch.device(device)
+    if env_world_size() <= 1 or device.type != "cuda":
+        return
+    local = local_rank()
+    if device.index != local:
+        raise RuntimeError(
+            f"under torchrun, rank {rank()} (LOCAL_RANK={local}) must train on cuda:{local}, but its "
+            f"train_loader is on {device}: build the loaders with device=None or 'cuda' (both mean "
+            f"cuda:LOCAL_RANK under torchrun), or with fastdata.distributed.init_distributed()'s device")
+
+
+def ddp_device_ids(device: torch.device) -> list[int] | None:
+    """DDP's ``device_ids``: the one GPU this process trains on, or None for CPU modules."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if device.index is None:
+        raise ValueError(f"DDP needs an explicit CUDA device index, got {device}")
+    return [device.index]
+
+
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """DistributedDataParallel when the process group has more than one rank, else ``model`` itself."""
+    """DistributedDataParallel when the process group has more than one rank, else ``model`` itself.
+
+    ``device`` is the loader's: DDP replicates, broadcasts and reduces on that GPU."""
     if not is_distributed():
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return model
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    return DistributedDataParallel(model, device_ids=ddp_device_ids(device))
 
 
 def all_sum(values: torch.Tensor) -> torch.Tensor:

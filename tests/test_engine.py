@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ from torch import nn
 from fastdata import available_backends, make_loader
 from fastdata import checkpoint as ckpt
 from fastdata.datasets import ArraySource, SyntheticDigits
-from fastdata.engine import _idle_fraction, choose_amp, evaluate, fit, resolve_amp, summarize
+from fastdata.engine import (_idle_fraction, _StepTimer, choose_amp, default_optimizer, evaluate, fit,
+                             resolve_amp, summarize, wants_fused)
 from fastdata.models import SmallCNN
 
 BACKENDS = [b for b in available_backends() if b != "auto"]
@@ -200,15 +202,16 @@ def test_fit_rejects_bad_arguments(kwargs, match):
 
 
 # ---------------------------------------------------------------------------------- checkpoints
-def _run(train, backend, workers, path, *, crash_after=None, resume=False, init_seed=0, every=None):
+def _run(train, backend, workers, path, *, crash_after=None, resume=False, init_seed=0, every=None,
+         device="cpu", amp="auto"):
     torch.manual_seed(init_seed)
     model = SmallCNN(width=8)
-    loader = Recording(make_loader(train, backend, batch_size=64, num_workers=workers, device="cpu", seed=3),
+    loader = Recording(make_loader(train, backend, batch_size=64, num_workers=workers, device=device, seed=3),
                        crash_after)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, epochs=2, steps_per_epoch=len(loader))
     history = fit(model, loader, epochs=2, optimizer=opt, scheduler=sched, checkpoint=path, resume=resume,
-                  checkpoint_every=every, progress=False)
+                  checkpoint_every=every, progress=False, amp=amp)
     return model, loader, history
 
 
@@ -224,7 +227,9 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, backend, wo
     with pytest.raises(Crash):
         _run(train, backend, workers, tmp_path / "c.pt", crash_after=k + 2, every=k)
     state = ckpt.load(tmp_path / "c.pt")
-    assert (state["epoch"], state["step"]) == divmod(k, 10)
+    # One record of the position: the loader's.
+    assert "epoch" not in state and "step" not in state
+    assert (state["loader"]["epoch"], state["loader"]["batch"]) == divmod(k, 10)
     model, loader, hist = _run(train, backend, workers, tmp_path / "c.pt", resume=True, init_seed=99, every=k)
     assert len(loader.seen) == 20 - k
     assert all(torch.equal(a, b) for a, b in zip(loader.seen, ref_loader.seen[k:]))
@@ -244,7 +249,6 @@ def test_checkpoint_loads_weights_only_and_stale_temporaries_are_cleaned(tmp_pat
     model, _, hist = _run(train, "torch", 0, path)
     assert not stale.exists()
     state = torch.load(path, weights_only=True)   # OneCycleLR, SGD, scaler, RNG: all plain types
-    assert (state["epoch"], state["step"]) == (2, 0)
     assert state["loader"]["epoch"] == 2 and state["loader"]["batch"] == 0
     assert state["scheduler"]["last_epoch"] == 2 * 4
     assert state["history"] == hist
@@ -275,3 +279,368 @@ def test_fit_on_cuda_reports_gpu_idle_and_uses_amp(digits):
         assert r["peak_memory_mb"] > 0
     assert history[-1]["eval_accuracy"] > 0.5
     assert resolve_amp("auto", torch.device("cuda")) in ("bf16", "fp16")
+
+
+class ListLoader:
+    """The loader contract over fixed batches (the same every epoch), with a position; ``iters`` counts
+    the passes started."""
+
+    def __init__(self, batches, device="cpu"):
+        self.batches, self.device = list(batches), torch.device(device)
+        self._next = self._pos = (0, 0)
+        self.iters = 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def set_epoch(self, epoch):
+        self._next = (epoch, 0)
+
+    def state_dict(self):
+        epoch, done = self._pos
+        return {"epoch": epoch + 1, "batch": 0} if done >= len(self) else {"epoch": epoch, "batch": done}
+
+    def load_state_dict(self, state):
+        self._next = self._pos = (state["epoch"], state["batch"])
+
+    def __iter__(self):
+        epoch, start = self._next
+        self._next, self._pos = (epoch + 1, 0), (epoch, start)
+        self.iters += 1
+        for i in range(start, len(self.batches)):
+            self._pos = (epoch, i + 1)
+            yield self.batches[i]
+
+
+def _batches(count, size=16, seed=0, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 1, 16, 16, generator=g).to(device, dtype),
+             torch.randint(0, 10, (size,), generator=g).to(device)) for _ in range(count)]
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten().float().cpu() for p in model.parameters()])
+
+
+# ---------------------------------------------------------------------------------- empty batches
+def test_an_empty_batch_is_left_out_of_the_figures_and_moves_nothing():
+    """on_error='skip' can empty a batch: cross-entropy over zero rows is NaN and used to poison the
+    epoch's loss. An empty batch must count nowhere and step nothing (AdamW would still move the
+    weights on a zero gradient)."""
+    full = _batches(2)
+    empty = (full[0][0][:0], full[0][1][:0])
+    torch.manual_seed(0)
+    ref = SmallCNN(width=4)
+    ref_hist = fit(ref, ListLoader(full), epochs=2, progress=False)
+    torch.manual_seed(0)
+    model = SmallCNN(width=4)
+    hist = fit(model, ListLoader([full[0], empty, full[1], empty]), epochs=2, progress=False)
+    for got, want in zip(hist, ref_hist):
+        assert math.isfinite(got["train_loss"])
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-6)
+        assert got["train_accuracy"] == want["train_accuracy"]
+    assert torch.equal(_params(model), _params(ref))
+    bn = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)][0]
+    ref_bn = [m for m in ref.modules() if isinstance(m, nn.BatchNorm2d)][0]
+    assert torch.equal(bn.running_mean, ref_bn.running_mean)
+
+
+def test_a_loader_of_only_empty_batches_reports_nan_not_an_error():
+    empty = [(torch.zeros(0, 1, 16, 16), torch.zeros(0, dtype=torch.long))] * 2
+    model = SmallCNN(width=4)
+    before = _params(model)
+    hist = fit(model, ListLoader(empty), epochs=1, progress=False)
+    assert math.isnan(hist[0]["train_loss"]) and torch.equal(_params(model), before)
+
+
+# ------------------------------------------------------------------------------------ dtype (10.20)
+def test_a_bf16_loader_with_amp_off_is_refused_before_training():
+    """Decision: refuse, not cast (casting would throw away what a bf16 loader saves)."""
+    src = SyntheticDigits(128, seed=2)
+    loader = make_loader(src, "torch", batch_size=64, num_workers=0, device="cpu", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"train_loader yields bfloat16 images.*float32 and amp is off: "
+                                        r"pass amp='bf16'.*dtype=torch.float32"):
+        fit(SmallCNN(width=4), loader, epochs=1, amp="off", progress=False)
+    # An object with the loader contract but no config: refused at its first batch, before any step.
+    model = SmallCNN(width=4)
+    before = _params(model)
+    with pytest.raises(TypeError, match="bfloat16"):
+        fit(model, ListLoader(_batches(2, dtype=torch.bfloat16)), epochs=1, amp="off", progress=False)
+    assert torch.equal(_params(model), before)
+    # With autocast the same loader trains.
+    hist = fit(SmallCNN(width=4), loader, epochs=1, amp="bf16", progress=False)
+    assert math.isfinite(hist[0]["train_loss"])
+
+
+# ------------------------------------------------------------------------- position and checkpoints
+def test_evaluating_on_the_training_loader_keeps_the_saved_position(tmp_path):
+    """fit(eval_loader=train_loader): evaluation iterates the same loader and used to move the saved
+    position a whole epoch on, so a resume skipped an epoch (history [1, 3])."""
+    src = SyntheticDigits(128, seed=8)
+
+    def run(epochs, resume):
+        loader = make_loader(src, "torch", batch_size=64, num_workers=0, device="cpu")
+        return fit(SmallCNN(width=4), loader, epochs=epochs, eval_loader=loader, checkpoint=tmp_path / "c.pt",
+                   resume=resume, progress=False)
+
+    run(1, False)
+    assert ckpt.load(tmp_path / "c.pt")["loader"]["epoch"] == 1
+    assert [r["epoch"] for r in run(3, True)] == [1, 2, 3]
+
+
+def test_an_unusable_checkpoint_path_is_refused_before_training(tmp_path):
+    loader = ListLoader(_batches(2))
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"checkpoint path '.*runs' is a directory"):
+        fit(SmallCNN(width=4), loader, epochs=1, checkpoint=tmp_path / "runs", progress=False)
+    (tmp_path / "blocker").write_text("x")
+    with pytest.raises(OSError, match=r"cannot create the folder '.*blocker' for checkpoint"):
+        fit(SmallCNN(width=4), loader, epochs=1, checkpoint=tmp_path / "blocker" / "c.pt", progress=False)
+    assert loader.iters == 0  # found before the first epoch, not after it
+    fit(SmallCNN(width=4), loader, epochs=1, checkpoint=tmp_path / "new" / "deeper" / "c.pt", progress=False)
+    assert (tmp_path / "new" / "deeper" / "c.pt").is_file()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_resuming_from_a_damaged_checkpoint_names_it(tmp_path, damage):
+    path = tmp_path / "c.pt"
+    fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, checkpoint=path, progress=False)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
+    loader = ListLoader(_batches(2))
+    with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint '.*c.pt'.* is {damage}"):
+        fit(SmallCNN(width=4), loader, epochs=2, checkpoint=path, resume=True, progress=False)
+    assert loader.iters == 0
+
+
+# ------------------------------------------------------------------------------ devices (CPU stubs)
+def test_a_model_on_another_device_than_the_loader_is_refused():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(256, 10, device="meta"))
+    with pytest.raises(ValueError, match=r"the model is on meta but train_loader yields batches on cpu"):
+        fit(model, ListLoader(_batches(1)), epochs=1, progress=False)
+
+
+def test_eval_loader_on_another_device_is_refused():
+    with pytest.raises(ValueError, match=r"eval_loader is on cuda:1 but train_loader is on cpu"):
+        fit(SmallCNN(width=4), ListLoader(_batches(1)), eval_loader=ListLoader([], device="cuda:1"), epochs=1,
+            progress=False)
+
+
+def test_resolve_amp_asks_the_loaders_gpu_not_the_current_one(monkeypatch):
+    """is_bf16_supported() looks at the current device; resolve_amp must make the loader's GPU current."""
+    current = [0]
+
+    class FakeDeviceScope:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.previous, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDeviceScope)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: current[0] == 1)
+    assert resolve_amp("auto", torch.device("cuda", 1)) == "bf16"   # only GPU 1 has bf16 here
+    assert resolve_amp("auto", torch.device("cuda", 0)) == "fp16"
+    assert current == [0]
+
+
+def test_step_events_are_recorded_on_the_loaders_gpu(monkeypatch):
+    """Event.record() without a stream uses the current device's stream (cuda:0 unless set): the
+    timer must name the training stream of the loader's device."""
+    times = iter([0.0, 8.0, 10.0, 20.0, 25.0, 30.0])
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.stream = self.t = None
+
+        def record(self, stream=None):
+            self.stream, self.t = stream, next(times)
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("training stream of", device))
+    timer = _StepTimer(torch.device("cuda", 1))
+    for _ in range(3):
+        timer.start()
+        timer.end()
+    assert {e.stream for e in timer.starts + timer.ends} == {("training stream of", torch.device("cuda", 1))}
+    assert timer.idle_fraction() == pytest.approx((2 + 5) / 30)
+    cpu = _StepTimer(torch.device("cpu"))
+    cpu.start(), cpu.end()
+    assert cpu.idle_fraction() is None and cpu.starts == []
+
+
+def test_default_optimizer_is_fused_on_cuda_only():
+    """Fused AdamW takes GradScaler's inf check as a device tensor; the non-fused one makes the scaler
+    call .item() every fp16 step. torch refuses fused=True for non-floating or non-supported params."""
+    def param(device, floating=True):
+        return SimpleNamespace(device=torch.device(device), is_floating_point=lambda: floating)
+
+    assert wants_fused([param("cuda:0"), param("cuda:0")], torch.device("cuda", 0))
+    assert not wants_fused([param("cuda:0"), param("cuda:0", floating=False)], "cuda:0")
+    assert not wants_fused([param("cuda:0"), param("cpu")], "cuda:0")
+    assert not wants_fused([param("cpu")], "cpu")
+    opt = default_optimizer(SmallCNN(width=4).parameters(), "cpu")
+    assert isinstance(opt, torch.optim.AdamW) and not opt.param_groups[0]["fused"]
+    assert (opt.defaults["lr"], opt.defaults["weight_decay"]) == (1e-3, 0.01)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+class SyncFreeSteps:
+    """Passes a loader through and runs fit's steps, from the second on (the first one initializes
+    cuDNN's algorithm choice and the optimizer state), under set_sync_debug_mode('error'): any
+    synchronizing call inside a step raises. The mode is off while the wrapped loader works and after
+    the last batch, so fit's end-of-epoch reads are not counted."""
+
+    def __init__(self, loader):
+        self.loader, self.device, self.steps = loader, loader.device, 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def set_epoch(self, epoch):
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+    def __iter__(self):
+        it = iter(self.loader)
+        try:
+            while True:
+                torch.cuda.set_sync_debug_mode(0)
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                torch.cuda.set_sync_debug_mode("error" if self.steps >= 1 else 0)
+                self.steps += 1
+                yield batch
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])   # fp16: the default optimizer is fused, so no .item()
+def test_fit_steps_do_not_synchronize(amp):
+    loader = SyncFreeSteps(ListLoader(_batches(6, size=64, device="cuda"), device="cuda"))
+    hist = fit(SmallCNN(width=8), loader, epochs=1, amp=amp, progress=False)
+    assert loader.steps == 6 and math.isfinite(hist[0]["train_loss"])
+
+
+@pytest.mark.cuda
+def test_fp16_resume_restores_the_loss_scale(tmp_path, monkeypatch):
+    scalers = []
+
+    class Recorded(torch.amp.GradScaler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            scalers.append(self)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", Recorded)
+    train = SyntheticDigits(640, train=True, seed=5)
+    path = tmp_path / "c.pt"
+    with pytest.raises(Crash):
+        _run(train, "torch", 0, path, crash_after=6, every=4, device="cuda", amp="fp16")
+    state = ckpt.load(path)
+    assert state["scaler"]["scale"] == scalers[-1].get_scale()  # what the run had at step 4
+    # A scale no fresh scaler starts at: resuming must bring it back, not start at 65536 again.
+    state["scaler"]["scale"] = 512.0
+    ckpt.save(state, path)
+    _, loader, hist = _run(train, "torch", 0, path, resume=True, every=4, device="cuda", amp="fp16")
+    assert len(loader.seen) == 20 - 4 and math.isfinite(hist[-1]["train_loss"])
+    assert scalers[-1].get_scale() == 512.0
+
+
+@pytest.mark.cuda
+def test_a_gpu_checkpoint_loads_and_resumes_on_the_cpu(tmp_path):
+    train = SyntheticDigits(640, train=True, seed=5)
+    path = tmp_path / "c.pt"
+    with pytest.raises(Crash):
+        _run(train, "torch", 0, path, crash_after=6, every=4, device="cuda")
+
+    def tensors(obj):
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from tensors(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from tensors(v)
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert all(t.device.type == "cpu" for t in tensors(ckpt.load(path, map_location="cpu")))
+    assert any(t.is_floating_point() for t in tensors(state["model"]))
+    with pytest.warns(UserWarning, match="checkpoint was trained with amp="):
+        model, loader, hist = _run(train, "torch", 0, path, resume=True, every=4, device="cpu", amp="off")
+    assert len(loader.seen) == 20 - 4 and [r["epoch"] for r in hist] == [1, 2]
+    assert all(p.device.type == "cpu" for p in model.parameters()) and math.isfinite(hist[-1]["train_loss"])
+
+
+class SlowHost:
+    """Sleeps on the host before handing out each batch: the GPU has nothing to do meanwhile."""
+
+    def __init__(self, loader, seconds):
+        self.loader, self.device, self.seconds = loader, loader.device, seconds
+
+    def __len__(self):
+        return len(self.loader)
+
+    def set_epoch(self, epoch):
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+    def __iter__(self):
+        import time
+
+        for batch in self.loader:
+            time.sleep(self.seconds)
+            yield batch
+
+
+@pytest.mark.cuda
+def test_gpu_idle_fraction_tells_a_slow_loader_from_a_fast_one():
+    slow = SlowHost(make_loader(SyntheticDigits(1024, seed=9), "memory", batch_size=128, device="cuda"), 0.05)
+    hist = fit(SmallCNN(width=8), slow, epochs=1, progress=False)
+    assert hist[0]["gpu_idle_fraction"] > 0.5, hist
+    # A model big enough that the GPU, not the host, sets the pace; the second epoch, after cuDNN's
+    # algorithm search, is the steady state.
+    fast = make_loader(SyntheticDigits(16384, seed=9), "memory", batch_size=1024, device="cuda")
+    hist = fit(SmallCNN(width=64), fast, epochs=2, progress=False)
+    assert hist[-1]["gpu_idle_fraction"] < 0.1, hist
+
+
+@pytest.mark.cuda(devices=2)
+def test_fit_on_the_second_gpu_times_the_second_gpu(monkeypatch):
+    events = []
+    real_event = torch.cuda.Event
+
+    def recording_event(*args, **kwargs):
+        event = real_event(*args, **kwargs)
+        events.append(event)
+        return event
+
+    monkeypatch.setattr(torch.cuda, "Event", recording_event)
+    before = torch.cuda.current_device()
+    loader = make_loader(SyntheticDigits(512, seed=1), "memory", batch_size=128, device="cuda:1")
+    model = SmallCNN(width=8)
+    hist = fit(model, loader, epochs=1, progress=False)
+    assert events and {e.device for e in events} == {torch.device("cuda", 1)}
+    assert 0.0 <= hist[0]["gpu_idle_fraction"] <= 1.0
+    assert {p.device for p in model.parameters()} == {torch.device("cuda", 1)}
+    assert torch.cuda.current_device() == before   # fit's device scope is undone on the way out
