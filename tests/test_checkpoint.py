@@ -173,3 +173,86 @@ def test_hard_crash_leaves_a_temporary_that_the_next_start_removes(tmp_path):
     loader = make_loader(SyntheticDigits(64, seed=1), "torch", batch_size=32, num_workers=0, device="cpu")
     fit(SmallCNN(width=4), loader, epochs=1, checkpoint=tmp_path / "c.pt", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"", r"checkpoint '.*c.pt' is empty \(0 bytes\)"),
+    ("half", r"checkpoint '.*c.pt' \([\d,]+ bytes\) is truncated or corrupt"),
+    (b"not a checkpoint at all" * 10, r"checkpoint '.*c.pt' \([\d,]+ bytes\) is (truncated or corrupt|not a fastdata)"),
+])
+def test_load_of_a_damaged_file_names_it_and_says_what_is_wrong(tmp_path, content, match):
+    """torch.load gives EOFError, RuntimeError or OSError [Errno 22] without the file's name."""
+    path = tmp_path / "c.pt"
+    ckpt.save({"w": torch.zeros(10_000)}, path)
+    if content == "half":
+        content = path.read_bytes()[: path.stat().st_size // 2]
+    path.write_bytes(content)
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        ckpt.load(path)
+
+
+def test_load_of_a_pickle_that_is_not_a_checkpoint_is_refused(tmp_path):
+    import pickle
+
+    path = tmp_path / "c.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"opaque": object}, f, protocol=2)  # a class: weights_only refuses it
+    with pytest.raises(ckpt.CheckpointError, match=r"c.pt' .* is (not a fastdata checkpoint|truncated)"):
+        ckpt.load(path)
+
+
+def test_load_of_a_directory_says_so(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        ckpt.load(tmp_path)
+
+
+def test_prepare_checks_the_path_before_any_save(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        ckpt.prepare(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match=r"cannot create the folder '.*file'"):
+        ckpt.prepare(tmp_path / "file" / "c.pt")
+    stale = tmp_path / "sub" / "c.pt.tmp.left"
+    ckpt.prepare(tmp_path / "sub" / "c.pt")         # creates the folder
+    assert (tmp_path / "sub").is_dir() and list((tmp_path / "sub").iterdir()) == []
+    stale.write_bytes(b"x")
+    ckpt.prepare(tmp_path / "sub" / "c.pt")         # and removes stale temporaries
+    assert not stale.exists()
+
+
+def _prepare_as(uid, path, queue):
+    try:
+        if os.geteuid() == 0:
+            os.setgid(uid)
+            os.setuid(uid)
+        ckpt.prepare(path)
+        queue.put(None)
+    except BaseException as e:  # reported, not raised: the parent asserts on it
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def test_prepare_refuses_an_unwritable_folder():
+    """As in test_unwritable_folder_raises_and_keeps_previous: root writes anywhere, so a forked child
+    gives up root against a root-owned read-only folder."""
+    import multiprocessing as mp
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="fastdata-ro-")
+    try:
+        os.chmod(base, 0o755)
+        folder = os.path.join(base, "ro")
+        os.mkdir(folder, 0o555)
+        os.chmod(folder, 0o555)
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        child = ctx.Process(target=_prepare_as, args=(65534, os.path.join(folder, "c.pt"), q))
+        child.start()
+        child.join(60)
+        got = q.get(timeout=5)
+        assert got is not None and got.startswith("PermissionError"), got
+        assert "c.pt" in got and "is not writable" in got
+        assert os.listdir(folder) == []
+    finally:
+        os.chmod(os.path.join(base, "ro"), 0o755)
+        shutil.rmtree(base)
