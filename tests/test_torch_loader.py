@@ -71,3 +71,141 @@ def test_photos_without_a_resizing_crop_are_refused(photo_folder):
     with pytest.raises(ValueError, match="needs a crop that fixes the output size"):
         make_loader(ImageFolder(photo_folder), "torch", batch_size=6, augment=Augmentation.none(),
                     device="cpu")
+
+
+# ------------------------------------------------------------------ pinning device (issue 9.10)
+def test_the_dataloader_gets_no_pin_memory_device():
+    import warnings
+
+    from conftest import indexed_source
+    from fastdata.backends import torch_loader as tl
+
+    src = indexed_source(40)
+    fetcher = tl.BatchFetcher(src, Augmentation.none())
+    sampler = tl.JobSampler()
+    sampler.jobs = [(np.arange(10), 0)]
+    dl = tl.make_dataloader(fetcher, sampler, 0, True, tl.TorchLoader.options)
+    assert dl.pin_memory and dl.pin_memory_device == ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(dl)
+    assert not [w for w in caught if "pin_memory_device" in str(w.message)]
+    scope = tl.device_scope(torch.device("cuda", 1), pin=True)   # constructing it touches no GPU
+    assert isinstance(scope, torch.cuda.device) and scope.idx == 1
+    assert tl.device_scope(torch.device("cuda", 1), pin=False).__class__.__name__ == "nullcontext"
+    assert tl.device_scope(torch.device("cpu"), pin=True).__class__.__name__ == "nullcontext"
+
+
+def test_the_iterator_is_created_and_advanced_inside_the_device_scope(monkeypatch):
+    """The pin thread takes the current device when the iterator is created; without workers, pinning
+    runs at each next(): both inside the scope. No batch is handed over inside it."""
+    import contextlib
+
+    from torch.utils.data import dataloader as dlmod
+
+    from conftest import indexed_source
+    from fastdata.backends import torch_loader as tl
+
+    active = []
+
+    @contextlib.contextmanager
+    def scope(device, pin):
+        active.append(device)
+        try:
+            yield
+        finally:
+            active.pop()
+
+    monkeypatch.setattr(tl, "device_scope", scope)
+    seen = []
+    orig_iter, orig_next = dlmod.DataLoader.__iter__, dlmod._BaseDataLoaderIter.__next__
+
+    def spy_iter(self):
+        seen.append(("iter", list(active)))
+        return orig_iter(self)
+
+    def spy_next(self):
+        seen.append(("next", list(active)))
+        return orig_next(self)
+
+    monkeypatch.setattr(dlmod.DataLoader, "__iter__", spy_iter)
+    monkeypatch.setattr(dlmod._BaseDataLoaderIter, "__next__", spy_next)
+    loader = make_loader(indexed_source(40), "torch", batch_size=10, device="cpu", num_workers=0)
+    for _ in range(2):
+        for x, y in loader:
+            assert active == [], "a batch was handed over inside the device scope"
+    assert [k for k, _ in seen].count("iter") == 2 and [k for k, _ in seen].count("next") == 2 * 5
+    assert all(a == [torch.device("cpu")] for _, a in seen), seen
+
+
+@pytest.mark.cuda
+def test_cuda_batches_are_pinned_without_the_deprecated_option():
+    import warnings
+
+    from conftest import decode_ids, indexed_source
+
+    loader = make_loader(indexed_source(200), "torch", batch_size=20, device="cuda", num_workers=2, train=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ids = np.concatenate([decode_ids(x) for x, _ in loader])
+            np.testing.assert_array_equal(ids, np.arange(200))
+    assert not [w for w in caught if "pin_memory_device" in str(w.message)]
+    images, _ = next(loader.host_batches(0, loader.plan.batches(0), 0))
+    assert images.is_pinned()
+    loader.close()
+
+
+@pytest.mark.cuda(devices=2)
+def test_a_loader_on_the_second_gpu_pins_for_it_and_leaves_the_current_device_alone():
+    from conftest import decode_ids, indexed_source
+
+    torch.cuda.set_device(0)
+    loader = make_loader(indexed_source(200), "torch", batch_size=20, device="cuda:1", num_workers=2,
+                         train=False)
+    ids = []
+    for x, _ in loader:
+        assert x.device == torch.device("cuda", 1)
+        assert torch.cuda.current_device() == 0, "the loader changed the caller's current device"
+        ids.append(decode_ids(x))
+    np.testing.assert_array_equal(np.concatenate(ids), np.arange(200))
+    pin_thread = loader._loader._iterator._pin_memory_thread
+    assert pin_thread._args[2] == 1, "the pin thread runs on cuda:0"   # (in_queue, out_queue, device_id, ...)
+    loader.close()
+
+
+# ------------------------------------------------------------------ dead workers (issue 10.17)
+@pytest.mark.parametrize("kill", [True, False])
+def test_a_broken_connection_from_a_killed_worker_names_the_worker(kill, monkeypatch):
+    """A SIGKILLed worker sometimes surfaces as ConnectionResetError/EOFError in the main process (the
+    race DataLoader's SIGCHLD handler loses). Simulated deterministically: the handler is muted and the
+    iterator raises the raw error after the kill. Without a dead worker, the error passes unchanged."""
+    import os
+    import signal
+    import types
+
+    from torch.utils.data._utils import signal_handling
+
+    from conftest import indexed_source
+
+    monkeypatch.setattr(signal_handling, "_error_if_any_worker_fails", lambda: None)
+    loader = make_loader(indexed_source(400), "torch", batch_size=8, device="cpu", num_workers=2, train=False)
+    it = iter(loader)
+    next(it)
+    dl_it = loader._loader._iterator
+    victim = dl_it._workers[0]
+
+    def broken(self):
+        if kill:
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(timeout=10)
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(dl_it, "_next_data", types.MethodType(broken, dl_it))
+    if kill:
+        with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid {victim.pid}\) was killed by signal SIGKILL"):
+            next(it)
+    else:
+        with pytest.raises(ConnectionResetError):
+            next(it)
+    loader.close()

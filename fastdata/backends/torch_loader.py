@@ -9,6 +9,10 @@ Normalization to float happens once per batch on the device.
 """
 from __future__ import annotations
 
+import contextlib
+import signal
+import time
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -126,6 +130,63 @@ class JobSampler(Sampler):
         return len(self.jobs)
 
 
+def device_scope(device: torch.device, pin: bool):
+    """The context in which a pinning DataLoader iterator is created and advanced: ``device`` current.
+
+    Why: DataLoader's ``pin_memory_device`` is deprecated in torch 2.14 (a warning every epoch) and
+    ignored; the iterator now pins for "the current accelerator". Its pin thread calls
+    ``torch.accelerator.set_device_index(i)`` with ``i = torch.accelerator.current_device_index()`` read
+    when the iterator is created (torch/utils/data/dataloader.py, _pin_memory_loop), and without
+    workers the pinning runs in the calling thread at each ``next()``. Outside this scope both would use
+    cuda:0 and create a context there for a loader on cuda:1. Only iterator creation and ``next()`` run
+    inside it, never a ``yield``: the caller's current device must not change under it.
+    """
+    return torch.cuda.device(device) if pin and device.type == "cuda" else contextlib.nullcontext()
+
+
+#: Errors a dead worker can surface as, besides DataLoader's own RuntimeError: the main process reads a
+#: batch whose shared memory the killed worker was serving (ConnectionResetError/ConnectionRefusedError
+#: from the fd-passing socket, EOFError from a half-written pickle, BrokenPipeError).
+_WORKER_DEATH_SYMPTOMS = (ConnectionError, EOFError)
+
+
+def dead_workers(iterator, wait: float = 1.0) -> list[str]:
+    """One line per DataLoader worker of ``iterator`` that has died: pid and exit signal or code.
+
+    A worker killed by a signal can break the connection before its exit is visible to waitpid, so
+    this polls for up to ``wait`` seconds until some worker shows an exit status.
+    """
+    workers = list(getattr(iterator, "_workers", ()))
+    end = time.monotonic() + wait
+    while True:
+        dead = [(w.pid, w.exitcode) for w in workers if w.exitcode not in (None, 0)]
+        if dead or time.monotonic() >= end or not workers:
+            break
+        time.sleep(0.02)
+    out = []
+    for pid, code in dead:
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"number {-code}"
+            out.append(f"DataLoader worker (pid {pid}) was killed by signal {name}")
+        else:
+            out.append(f"DataLoader worker (pid {pid}) exited with code {code}")
+    return out
+
+
+def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict) -> DataLoader:
+    """The backend's DataLoader: one job per batch, no collate. No ``pin_memory_device`` (deprecated
+    and ignored in torch 2.14): the pinning device comes from ``device_scope``."""
+    pf = opts["prefetch_factor"]
+    return DataLoader(
+        fetcher, batch_size=None, sampler=sampler, num_workers=workers, pin_memory=pin,
+        persistent_workers=bool(workers and opts["persistent_workers"]),
+        prefetch_factor=pf if workers else None, timeout=opts["timeout"],
+        multiprocessing_context=opts["multiprocessing_context"] if workers else None)
+
+
 class TorchLoader(Loader):
     """Multi-worker DataLoader backend.
 
@@ -158,22 +219,33 @@ class TorchLoader(Loader):
         if workers and (not isinstance(pf, int) or pf < 1):
             raise ValueError(f"prefetch_factor must be an integer >= 1, got {pf!r}")
         self.pin = self.device.type == "cuda"
-        self._loader = DataLoader(
-            self.fetcher, batch_size=None, sampler=self._sampler, num_workers=workers,
-            pin_memory=self.pin, pin_memory_device=str(self.device) if self.pin else "",
-            persistent_workers=bool(workers and self.opts["persistent_workers"]),
-            prefetch_factor=pf if workers else None, timeout=self.opts["timeout"],
-            multiprocessing_context=self.opts["multiprocessing_context"] if workers else None)
+        self._loader = make_dataloader(self.fetcher, self._sampler, workers, self.pin, self.opts)
 
     def host_batches(self, epoch, batches, start):
         """uint8 (images, labels) batches in host memory (pinned on CUDA), in order; counts skips."""
         self._sampler.jobs = [(ids, self.plan.batch_seed(epoch, start + k)) for k, ids in enumerate(batches)]
         if self._loader.num_workers and getattr(self._loader, "_iterator", None) is None:
             collect_before_fork()
+        it = None
         try:
-            for images, labels, skipped in self._loader:
+            with device_scope(self.device, self.pin):
+                it = iter(self._loader)
+            while True:
+                with device_scope(self.device, self.pin):
+                    try:
+                        images, labels, skipped = next(it)
+                    except StopIteration:
+                        return
                 self.skipped += skipped
                 yield images, labels
+        except _WORKER_DEATH_SYMPTOMS as e:
+            # A worker killed mid-batch (SIGKILL, the OOM killer) sometimes surfaces as a broken
+            # connection instead of DataLoader's RuntimeError: name the dead worker, as the README promises.
+            dead = dead_workers(it)
+            self.close()
+            if dead:
+                raise RuntimeError("; ".join(dead) + f" (the main process saw {type(e).__name__}: {e})") from e
+            raise
         except Exception:
             # A worker's error (DecodeError, ...) or a dead worker: shut the workers down here, now.
             # Otherwise the DataLoader iterator stays reachable only through the exception's traceback
