@@ -122,7 +122,9 @@ SHARD_SCRIPT = textwrap.dedent("""
     images[:, 0, 0], images[:, 0, 1] = np.arange(n) // 256, np.arange(n) % 256
     images[:, 4:8, 4:8] = (np.arange(n) % 10 * 25)[:, None, None]
     src = ArraySource(images, np.arange(n) % 10, mean=(0.0,), std=(1.0,))
-    loader = make_loader(src, sys.argv[1], batch_size=8, num_workers=0, augment=Augmentation.none(), seed=1)
+    # device="cpu" explicitly: on a GPU machine the default is CUDA, and this test is about gloo.
+    loader = make_loader(src, sys.argv[1], batch_size=8, num_workers=0, augment=Augmentation.none(), seed=1,
+                         device=device)
 
     class Ids:
         def __init__(self, inner):
@@ -141,7 +143,7 @@ SHARD_SCRIPT = textwrap.dedent("""
     model = SmallCNN(width=4)
     ids = Ids(loader)
     hist = fit(model, ids, epochs=1, eval_loader=make_loader(src, sys.argv[1], batch_size=16, train=False,
-               num_workers=0), progress=False)
+               num_workers=0, device=device), progress=False)
     weights = float(sum(p.detach().double().sum() for p in model.parameters()))
     with open(os.path.join(sys.argv[2], f"rank{fdist.rank()}.json"), "w") as f:
         json.dump({"ids": ids.ids, "world": fdist.world_size(), "weights": weights, "history": hist}, f)
@@ -177,7 +179,8 @@ def test_mnist_example_under_torchrun(tmp_path):
     # --data auto with no MNIST: rank 0 tries the download, the other rank waits, both fall back.
     proc = _torchrun([str(EXAMPLES / "train_mnist.py"), "--data-root", str(tmp_path / "none"), "--train-size", "1024",
                       "--test-size", "256", "--epochs", "1", "--batch-size", "64", "--workers", "0",
-                      "--backend", "memory", "--no-progress", "--json-out", str(out)], cwd=tmp_path)
+                      "--backend", "memory", "--device", "cpu", "--no-progress", "--json-out", str(out)],
+                     cwd=tmp_path)
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and result["device"] == "cpu"
     assert proc.stdout.count("epoch 1/1") == 1          # rank 0 prints, rank 1 does not

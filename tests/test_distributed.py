@@ -1,0 +1,193 @@
+"""Distributed set-up: each rank on its own device, DDP on the loader's GPU, ranks kept in step.
+
+CPU tests stub torchrun's environment (and ``torch.cuda`` where needed); the two-rank tests launch
+``torch.distributed.run`` on a script written to ``tmp_path``.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastdata import distributed as fdist
+from fastdata.engine import fit
+from fastdata.models import SmallCNN
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(script_text, args, cwd, timeout=120):
+    script = Path(cwd) / "script.py"
+    script.write_text(textwrap.dedent(script_text))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           *args]
+    # The timeout turns a hang (a rank waiting in a collective its peer never joins) into a failure.
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((Path(cwd) / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """This process looks like rank 1 of 2 under torchrun (no process group is started)."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+
+
+# -------------------------------------------------------------------------------------- CPU checks
+def test_ddp_device_ids_are_the_loaders_gpu():
+    assert fdist.ddp_device_ids(torch.device("cuda", 1)) == [1]
+    assert fdist.ddp_device_ids(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="explicit CUDA device index"):
+        fdist.ddp_device_ids(torch.device("cuda"))
+
+
+def test_check_device_wants_cuda_local_rank_under_torchrun(torchrun_env):
+    fdist.check_device(torch.device("cuda", 1))
+    fdist.check_device(torch.device("cpu"))   # gloo on CPU: any rank may use the CPU
+    with pytest.raises(RuntimeError, match=r"rank 1 \(LOCAL_RANK=1\) must train on cuda:1, but its "
+                                           r"train_loader is on cuda:0"):
+        fdist.check_device(torch.device("cuda", 0))
+
+
+def test_check_device_is_a_no_op_in_a_single_process(monkeypatch):
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    fdist.check_device(torch.device("cuda", 3))
+
+
+class OnDevice:
+    """A loader on ``device`` whose iteration must never start."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+    def __len__(self):
+        return 1
+
+    def __iter__(self):
+        raise AssertionError("fit started an epoch")
+
+
+def test_fit_refuses_a_loader_on_another_gpu_than_local_rank_before_starting(torchrun_env, monkeypatch):
+    """Every rank defaulting to cuda:0 was the multi-GPU crash: caught before the process group starts."""
+    monkeypatch.setattr(fdist, "init_distributed", lambda *a: pytest.fail("process group started"))
+    with pytest.raises(RuntimeError, match=r"must train on cuda:1.*is on cuda:0.*device=None or 'cuda'"):
+        fit(SmallCNN(width=4), OnDevice("cuda:0"), epochs=1, progress=False)
+
+
+def test_wrap_ddp_builds_ddp_on_the_loaders_gpu(monkeypatch):
+    built = {}
+
+    class FakeDDP:
+        def __init__(self, module, device_ids=None):
+            built.update(module=module, device_ids=device_ids)
+
+    monkeypatch.setattr(fdist, "is_distributed", lambda: True)
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", FakeDDP)
+    model = torch.nn.Linear(2, 2)
+    assert isinstance(fdist.wrap_ddp(model, torch.device("cuda", 1)), FakeDDP)
+    assert built == {"module": model, "device_ids": [1]}
+    fdist.wrap_ddp(model, torch.device("cpu"))
+    assert built["device_ids"] is None
+
+
+# ------------------------------------------------------------------------------ two ranks (gloo)
+EMPTY_BATCH_SCRIPT = """
+import json, os, sys
+import torch
+from fastdata import distributed as fdist
+from fastdata.engine import fit
+from fastdata.models import SmallCNN
+
+fdist.init_distributed("cpu")
+rank = fdist.rank()
+
+class Batches:
+    def __init__(self, batches):
+        self.batches, self.device, self.next = batches, torch.device("cpu"), 0
+    def __len__(self): return len(self.batches)
+    def set_epoch(self, e): pass
+    def state_dict(self): return {"epoch": 0, "batch": 0}
+    def load_state_dict(self, s): pass
+    def __iter__(self): return iter(self.batches)
+
+g = torch.Generator().manual_seed(rank)
+batches = [(torch.randn(8, 1, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+if rank == 1:
+    # One batch emptied mid-epoch (on_error="skip") and the last one empty (drop_last=False's share).
+    batches[1] = (batches[1][0][:0], batches[1][1][:0])
+    batches[2] = (batches[2][0][:0], batches[2][1][:0])
+torch.manual_seed(rank)  # different initial weights: DDP broadcasts rank 0's
+model = SmallCNN(width=4)   # BatchNorm inside
+hist = fit(model, Batches(batches), epochs=2, progress=False)
+params = torch.cat([p.detach().flatten() for p in model.parameters()])
+with open(f"rank{rank}.json", "w") as f:
+    json.dump({"params": params.tolist(), "history": hist}, f)
+fdist.cleanup()
+"""
+
+
+def test_ddp_rank_with_empty_batches_stays_in_step(tmp_path):
+    """Rank 1's last batch (and one in the middle) is empty: it must still join every gradient
+    all-reduce (no hang), step like rank 0 (equal weights), and count no samples (finite loss)."""
+    r0, r1 = _torchrun(EMPTY_BATCH_SCRIPT, [], tmp_path)
+    assert r0["params"] == r1["params"]
+    assert r0["history"] == r1["history"]
+    for record in r0["history"]:
+        assert record["train_loss"] == record["train_loss"]  # not NaN
+        assert 0.0 <= record["train_accuracy"] <= 1.0
+    assert all(v == v for v in r0["params"])
+
+
+# ------------------------------------------------------------------------------------- two GPUs
+TWO_GPU_SCRIPT = """
+import json, os
+import torch
+from fastdata import make_loader
+from fastdata import distributed as fdist
+from fastdata.datasets import SyntheticDigits
+from fastdata.engine import fit
+from fastdata.models import SmallCNN
+
+src = SyntheticDigits(1024, seed=1)
+before = make_loader(src, "memory", batch_size=64)   # built before any process group exists
+torch.manual_seed(fdist.rank())
+first = SmallCNN(width=8)
+fit(first, before, epochs=1, progress=False)          # fit starts the process group (nccl)
+after = make_loader(src, "torch", batch_size=64, num_workers=0)   # built after it
+second = SmallCNN(width=8)
+fit(second, after, epochs=1, progress=False)
+
+def flat(model):
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()]).cpu().tolist()
+
+with open(f"rank{fdist.rank()}.json", "w") as f:
+    json.dump({"local_rank": int(os.environ["LOCAL_RANK"]), "before": str(before.device),
+               "after": str(after.device), "current": torch.cuda.current_device(),
+               "first_on": sorted({str(p.device) for p in first.parameters()}),
+               "second_on": sorted({str(p.device) for p in second.parameters()}),
+               "first": flat(first), "second": flat(second)}, f)
+fdist.cleanup()
+"""
+
+
+@pytest.mark.cuda(devices=2)
+def test_two_gpus_under_torchrun_each_rank_on_its_own_gpu(tmp_path):
+    ranks = _torchrun(TWO_GPU_SCRIPT, [], tmp_path, timeout=300)
+    for r in ranks:
+        mine = f"cuda:{r['local_rank']}"
+        assert r["before"] == r["after"] == mine
+        assert r["first_on"] == r["second_on"] == [mine]
+        assert r["current"] == r["local_rank"]
+    assert {r["local_rank"] for r in ranks} == {0, 1}
+    assert ranks[0]["first"] == ranks[1]["first"]
+    assert ranks[0]["second"] == ranks[1]["second"]
