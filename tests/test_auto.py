@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import indexed_source
+
 from fastdata import Augmentation
 from fastdata.backends import auto, memory
 
@@ -50,7 +50,8 @@ def test_the_reserve_option_moves_the_decision(gpu_16g, monkeypatch):
 def _rank(rank, path, q):
     import torch.distributed as dist
 
-    from fastdata.backends import auto as a, memory as m
+    from fastdata.backends import auto as a
+    from fastdata.backends import memory as m
 
     if rank == 1:
         m.free_bytes = lambda device: 1000                   # alone, rank 1 would not cache
@@ -68,7 +69,7 @@ def test_with_a_process_group_rank_0_decides_for_everyone(tmp_path):
     procs = [ctx.Process(target=_rank, args=(r, tmp_path / "pg", q)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((r, (choice, alone)) for r, choice, alone in (q.get(timeout=60) for _ in procs))
+    results = {r: (choice, alone) for r, choice, alone in (q.get(timeout=60) for _ in procs)}
     for p in procs:
         p.join(timeout=30)
     assert results[1][1] == "torch", "the test needs ranks that disagree on their own"

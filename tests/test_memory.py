@@ -61,12 +61,11 @@ def test_cache_lives_on_the_gpu(photo_folder):
 @pytest.mark.cuda
 @pytest.mark.parametrize("path", ["ready", "uint8"])
 def test_gpu_digit_batches_are_bit_identical_to_the_cpu_path(path, monkeypatch):
-    import fastdata.backends.memory as memory
+    from fastdata.backends import memory
 
     src = SyntheticDigits(1000, seed=3)
     cpu = make_loader(src, "memory", batch_size=100, device="cpu", seed=5)
     if path == "uint8":  # the normalized cache does not fit: the uint8 take + normalize path runs on the GPU
-        monkeypatch.setattr(memory.MemoryLoader, "_build_ready", None)
         monkeypatch.setattr(memory, "ready_bytes", lambda *a: 2**62)
     gpu = make_loader(src, "memory", batch_size=100, device="cuda", seed=5)
     assert (gpu.ready is None) == (path == "uint8")
@@ -82,10 +81,11 @@ def test_gpu_memory_stays_flat_over_epochs_and_after_a_break(photo_folder):
                                cache_size=128, num_workers=0, augment=Augmentation.imagenet_train(size=96))):
         for x, _ in loader:  # warm the caching allocator
             pass
+        del x
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        for _ in range(3):
-            for i, (x, _) in enumerate(loader):
+        for epoch in range(3):
+            for x, _ in loader:
                 x.sum()
             del x
             torch.cuda.synchronize()
@@ -100,7 +100,7 @@ def test_gpu_memory_stays_flat_over_epochs_and_after_a_break(photo_folder):
 
 def test_uint8_path_when_the_normalized_cache_does_not_fit(monkeypatch):
     """Digits are cached normalized when that fits; otherwise as uint8 (4x smaller) with the same output."""
-    import fastdata.backends.memory as memory
+    from fastdata.backends import memory
 
     src = SyntheticDigits(1000, seed=5)
     ready = make_loader(src, "memory", batch_size=100, device="cpu", seed=1)
@@ -144,7 +144,7 @@ class _CopySpy:
 def test_the_per_batch_path_uploads_nothing(case, monkeypatch, photo_folder):
     """Issue 9.2: a batch's ids and augmentation are uploaded once per epoch; batches are device ops on
     slices. A per-batch torch.from_numpy(...).to(device) (a pageable copy: a host sync on CUDA) fails this."""
-    import fastdata.backends.memory as memory
+    from fastdata.backends import memory
 
     if case == "photos":
         loader = make_loader(ImageFolder(photo_folder), "memory", batch_size=3, device="cpu", cache_size=64,
@@ -182,8 +182,9 @@ def test_prepared_epoch_gives_the_same_batches_as_the_torch_backend():
 @pytest.mark.parametrize("train", [True, False])
 def test_an_empty_last_share_is_an_empty_batch(backend, train, photo_folder, monkeypatch):
     """drop_last=False with fewer samples left than ranks: some ranks' last batch is empty, not a crash."""
-    import fastdata.backends.memory as memory
     from conftest import decode_ids, indexed_source
+
+    from fastdata.backends import memory
 
     arrays = indexed_source(7)                           # 7 = 3 ranks x 2 + 1: ranks 1, 2 get nothing
     for uint8 in (False, True):
@@ -232,7 +233,7 @@ def gpu_16g(monkeypatch):
 
 
 def test_the_budget_is_total_memory_minus_a_reserve(gpu_16g):
-    import fastdata.backends.memory as memory
+    from fastdata.backends import memory
 
     gpu = torch.device("cuda", 0)
     assert memory.budget(gpu).limit == 12 * 2**30                 # default reserve: a quarter of 16 GiB
@@ -250,7 +251,7 @@ def test_the_budget_is_total_memory_minus_a_reserve(gpu_16g):
 def test_two_live_caches_count_against_one_budget(gpu_16g, monkeypatch):
     from types import SimpleNamespace
 
-    import fastdata.backends.memory as memory
+    from fastdata.backends import memory
     from fastdata.errors import CacheDoesNotFit
 
     gpu = torch.device("cuda", 0)
@@ -273,7 +274,7 @@ def test_two_live_caches_count_against_one_budget(gpu_16g, monkeypatch):
 def test_a_loader_leaves_the_budget_when_closed_or_collected(monkeypatch):
     import gc
 
-    import fastdata.backends.memory as memory
+    from fastdata.backends import memory
 
     cpu = torch.device("cpu")
     base = memory.live_cache_bytes(cpu)

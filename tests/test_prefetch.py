@@ -3,16 +3,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import decode_ids, indexed_source
 from procs import wait_until
+
 from fastdata import make_loader
 
 
@@ -160,15 +159,72 @@ def test_ctrl_c_during_a_prefetch_epoch_exits_promptly(tmp_path):
     assert wait_until(group_gone, timeout=10), "worker processes outlived the interrupted run"
 
 
+def _slow_side_stream(loader, cycles):
+    """Queue a GPU sleep on the prefetch side stream before each batch's copy: the copies finish late."""
+    orig = loader.host_batches
+
+    def slowed(*args):
+        for images, labels in orig(*args):
+            with torch.cuda.stream(loader._stream):
+                torch.cuda._sleep(cycles)
+            yield images, labels
+
+    loader.host_batches = slowed
+
+
 @pytest.mark.cuda
-def test_cuda_stream_prefetch_keeps_batches_intact():
-    src = indexed_source(2000)
+@pytest.mark.parametrize("slow", ["side_stream", "consumer"])
+def test_cuda_prefetch_batches_survive_a_racing_consumer(slow):
+    """Large batches (38 MB as float), read asynchronously by the consumer and dropped at once.
+
+    side_stream: the copies run late. Without the consumer stream's wait on the batch's event, the read
+    sees memory the copy has not written yet.
+    consumer: the reads run late. Without record_stream, a dropped batch's memory goes straight back to
+    the side stream's pool, and the copy of batch k+depth overwrites it before the queued read of
+    batch k runs. Checksums are compared with the same batches built on the CPU.
+    """
+    src = indexed_source(384, size=224, channels=3)
+    ref = [(x.double().sum(), y) for x, y in make_loader(src, "torch", batch_size=64, device="cpu",
+                                                         train=False, num_workers=0)]
+    loader = make_loader(src, "prefetch", batch_size=64, device="cuda", train=False, num_workers=2, depth=3)
+    if slow == "side_stream":
+        _slow_side_stream(loader, 50_000_000)
+    for epoch in range(2):
+        sums, labels = [], []
+        for x, y in loader:
+            if slow == "consumer":
+                torch.cuda._sleep(50_000_000)   # the read below runs late on the consumer stream
+            sums.append(x.double().sum())       # asynchronous: a device scalar, no host sync
+            labels.append(y.clone())
+            del x, y                            # dropped while its read is still queued
+        got = torch.stack(sums).cpu()           # the one sync
+        torch.testing.assert_close(got, torch.stack([s for s, _ in ref]), rtol=1e-9, atol=0)
+        for a, (_, b) in zip(labels, ref, strict=True):
+            assert torch.equal(a.cpu(), b)
+    loader.close()
+
+
+@pytest.mark.cuda
+def test_cuda_prefetch_memory_is_flat_over_epochs_and_after_a_break():
+    src = indexed_source(2000, size=32, channels=3)
     loader = make_loader(src, "prefetch", batch_size=100, device="cuda", train=False, num_workers=2, depth=3)
-    kept = []
-    for x, y in loader:
-        torch.cuda._sleep(1_000_000)  # a slow "step" on the consumer stream while copies run ahead
-        kept.append((x, x.sum().item()))
-    for x, s in kept:
-        assert x.sum().item() == s, "a batch changed after it was handed over"
-    ids = np.concatenate([decode_ids(x) for x, _ in kept])
-    np.testing.assert_array_equal(ids, np.arange(2000))
+    for x, _ in loader:   # warm up: the caching allocator's pools reach their working size
+        pass
+    del x
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for epoch in range(3):
+        ids = []
+        for x, _ in loader:
+            ids.append(decode_ids(x))
+        del x
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(np.concatenate(ids), np.arange(2000))
+        assert torch.cuda.memory_allocated() == base, f"epoch {epoch}: device memory grew"
+    for i, (x, _) in enumerate(loader):
+        if i == 2:
+            break
+    del x
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base, "a break left prefetched batches allocated"
+    loader.close()

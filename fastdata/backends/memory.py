@@ -37,7 +37,7 @@ DEFAULT_RESERVE = {"cuda": 0.25, "cpu": 0.2}
 #: Live MemoryLoader caches of this process. Every new cache is budgeted against what the others already
 #: hold on the same device (a train and an eval cache must fit together); weak references, so a cache
 #: leaves the budget when its loader is closed or collected.
-_LIVE: "weakref.WeakSet[MemoryLoader]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[MemoryLoader] = weakref.WeakSet()
 
 
 def _fmt(n: float) -> str:
