@@ -65,7 +65,7 @@ def test_thread_ends_when_the_consumer_breaks():
     for i, _ in enumerate(loader):
         if i == 2:
             break
-    assert not [t for t in threading.enumerate() if t.name == "fastdata-prefetch"]
+    assert wait_until(lambda: not [t for t in threading.enumerate() if t.name == "fastdata-prefetch"], 10)
 
 
 class _Gated(torch.utils.data.Dataset):

@@ -365,7 +365,8 @@ class MemoryLoader(Loader):
             # Pinned, so the copy is a DMA that runs on the current stream without blocking the host.
             # The caching host allocator would keep the buffer until the copy's event completes even if
             # it were freed; holding it for the epoch makes that independent of allocator details.
-            t = t.pin_memory()
+            with torch.cuda.device(self.device):   # the pinning context is the loader's GPU, not cuda:0
+                t = t.pin_memory()
             pinned.append(t)
             return t.to(self.device, non_blocking=True)
 
