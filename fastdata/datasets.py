@@ -420,8 +420,12 @@ class ImageFolder(Source):
         if self._fingerprint is None:
             crc = zlib.crc32("\n".join(self.classes).encode())
             for path, label in zip(self.paths, self.labels):
+                try:
+                    size = os.stat(path).st_size
+                except OSError:  # gone since the walk: its batch will name it; a checkpoint must not fail
+                    size = -1
                 rel = os.path.relpath(path, self.root)
-                crc = zlib.crc32(f"{rel}\0{label}\0{os.stat(path).st_size}\n".encode(), crc)
+                crc = zlib.crc32(f"{rel}\0{label}\0{size}\n".encode(), crc)
             self._fingerprint = (f"{type(self).__name__} n={len(self)} classes={self.num_classes} "
                                  f"files={crc:08x}")
         return self._fingerprint

@@ -21,8 +21,18 @@ def distributed_info(rank: int | None = None, world_size: int | None = None) -> 
     if dist.is_available() and dist.is_initialized():
         r, w = dist.get_rank(), dist.get_world_size()
     else:
-        r, w = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        r, w = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     return (r if rank is None else rank), (w if world_size is None else world_size)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"the {name} environment variable must be an integer, got {value!r}") from None
 
 
 def seed_for(*parts: int) -> int:

@@ -52,3 +52,14 @@ def test_distributed_info_reads_torchrun_variables(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert distributed_info() == (2, 4)
     assert distributed_info(rank=0, world_size=1) == (0, 1)
+
+
+def test_torchrun_variables_that_are_not_integers_are_named(monkeypatch):
+    from fastdata.sampling import distributed_info
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert distributed_info() == (1, 4)
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ValueError, match="the WORLD_SIZE environment variable must be an integer, got 'four'"):
+        distributed_info()
