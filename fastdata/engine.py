@@ -74,7 +74,7 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
 
     Returns ``{"loss", "accuracy" (0-1), "samples"}``. The model's train/eval mode is restored after.
     """
-    device = _loader_device(loader, "loader")
+    device = _loader_device(loader)
     with _device_scope(device):
         return _evaluate(model, loader, device, amp, loss_fn)
 
@@ -187,16 +187,16 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
     if (resume or checkpoint_every) and checkpoint is None:
         raise ValueError("resume and checkpoint_every need a checkpoint path")
-    device = _loader_device(train_loader, "train_loader")
-    if eval_loader is not None and _loader_device(eval_loader, "eval_loader") != device:
+    device = _loader_device(train_loader)
+    if eval_loader is not None and _loader_device(eval_loader) != device:
         raise ValueError(f"eval_loader is on {eval_loader.device} but train_loader is on {device}: the "
                          f"model trains and evaluates on one device; build both loaders with the same one")
     fdist.check_device(device)
+    raw = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    _check_model_device(raw, device)
     if fdist.env_world_size() > 1 and not fdist.is_distributed():
         # Before the device scope below: init_distributed makes cuda:LOCAL_RANK current for good.
         fdist.init_distributed(device.type)
-    raw = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    _check_model_device(raw, device)
     with _device_scope(device):
         return _fit(raw, train_loader, device, epochs=epochs, optimizer=optimizer, scheduler=scheduler,
                     eval_loader=eval_loader, amp=amp, compile=compile, channels_last=channels_last,
@@ -441,7 +441,7 @@ def _device_scope(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _loader_device(loader, name: str) -> torch.device:
+def _loader_device(loader) -> torch.device:
     device = torch.device(loader.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
