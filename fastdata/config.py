@@ -67,7 +67,6 @@ def _reals(name: str, value) -> tuple[float, ...]:
     return tuple(_real(f"{name}[{i}]" if len(values) > 1 else name, v) for i, v in enumerate(values))
 
 
-
 @dataclass(frozen=True)
 class Augmentation:
     """One augmentation recipe, applied identically by every backend.
@@ -204,7 +203,8 @@ def resolve_device(device) -> torch.device:
                     raise RuntimeError(
                         f"LOCAL_RANK={local} asks for cuda:{local} (device={str(device)!r} under torchrun "
                         f"means the rank's own GPU) but this machine has {count} CUDA device(s); run at "
-                        f"most {count} processes per node (torchrun --nproc-per-node)")
+                        f"most {count} processes per node (torchrun --nproc-per-node), or, where each process "
+                        f"sees only its own GPU (CUDA_VISIBLE_DEVICES set per rank), pass device='cuda:0'")
                 return torch.device("cuda", local)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= count:
