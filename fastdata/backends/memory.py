@@ -11,7 +11,15 @@ training RandomResizedCrop samples its box from the cached square instead of the
 the borders of non-square photos; the box statistics are otherwise the same).
 
 The random parameters are drawn on the host with the same numpy code and per-batch seed as the torch
-backend, so for digits the two backends produce identical batches.
+backend, so for digits the two backends produce identical batches. They are drawn for the whole epoch
+when it starts and uploaded once (see MemoryLoader.prepare_epoch): a batch costs no host→device copy
+and no host sync.
+
+Budget: a cache must fit in the device's total memory minus ``memory_reserve`` (default: a quarter of a
+GPU, a fifth of the host's available RAM) minus the other live memory caches of this process, and on a
+GPU also in its free memory. Not yet handled: under torchrun every rank decodes and holds the whole
+dataset; ranks on one node do not share one host copy, and on the CPU their caches do not see each
+other's budget (each process only sees the RAM the others have already taken).
 """
 from __future__ import annotations
 
