@@ -530,6 +530,20 @@ class DatasetSource(Source):
         luma = (rgb[..., 0] * 19595 + rgb[..., 1] * 38470 + rgb[..., 2] * 7471 + 0x8000) >> 16
         return luma.astype(np.uint8)[..., None]
 
+    def as_label(self, label, index: int) -> int:
+        """One sample's label → int, refusing what int() would silently change (1.7, NaN, -3, "2")."""
+        import torch
+
+        if isinstance(label, torch.Tensor) and label.numel() == 1:
+            label = label.item()
+        if isinstance(label, np.generic):
+            label = label.item()
+        if isinstance(label, float) and label.is_integer():
+            label = int(label)
+        if isinstance(label, bool) or not isinstance(label, int) or label < 0:
+            raise ValueError(f"{self.name}[{index}] returned label {label!r}; labels must be integers >= 0")
+        return label
+
     def _refuse_colour(self, what) -> None:
         raise ValueError(f"{self.name} returned a colour sample ({what}) but its first sample was grey, so "
                          f"the source has 1 channel; pass DatasetSource(dataset, channels=3) to keep colour "

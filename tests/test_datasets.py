@@ -289,3 +289,15 @@ def test_as_array_refuses_what_it_cannot_convert():
         src.as_array(torch.zeros(2, 4, 4, dtype=torch.uint8))
     with pytest.raises(ValueError, match="channels must be 1, 3 or None"):
         DatasetSource(_Samples([torch.zeros(3, 4, 4, dtype=torch.uint8)]), channels=2)
+
+
+def test_as_label_refuses_what_int_would_change():
+    import torch
+    from fastdata.datasets import DatasetSource
+
+    src = DatasetSource(_Samples([torch.zeros(1, 4, 4, dtype=torch.uint8)]))
+    for good, want in ((3, 3), (np.int64(2), 2), (torch.tensor(4), 4), (5.0, 5), (np.float32(1.0), 1)):
+        assert src.as_label(good, 0) == want and type(src.as_label(good, 0)) is int
+    for bad in (1.7, float("nan"), -3, "2", True, None, torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match=r"_Samples\[7\] returned label .*; labels must be integers >= 0"):
+            src.as_label(bad, 7)
