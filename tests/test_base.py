@@ -201,3 +201,15 @@ def test_non_finite_statistics_of_a_source_are_refused_naming_them(field, bad):
         _loader("memory", bad_src, num_workers=0)
     with pytest.raises((TypeError, ValueError), match=field):  # the same through make_loader's keywords
         _loader("memory", src, num_workers=0, **{field: bad})
+
+
+def test_a_finished_or_closed_iterator_keeps_ending_after_a_new_iter():
+    loader = _loader("memory", num_workers=0)
+    done = iter(loader)
+    assert len(list(done)) == len(loader)
+    stopped = iter(loader)
+    next(stopped)
+    stopped.close()
+    fresh = iter(loader)
+    assert next(done, None) is None and next(stopped, None) is None  # StopIteration, not "superseded"
+    assert len(list(fresh)) == len(loader)

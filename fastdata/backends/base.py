@@ -54,6 +54,8 @@ class EpochIterator:
         self._batches.close()
 
     def _supersede(self) -> None:
+        if self._batches.gi_frame is None:  # finished or closed: it keeps ending, as iterators do
+            return
         self._superseded = True
         # close() runs the epoch's finally blocks now: workers, threads and pipelines are released
         # before the newer epoch starts using them.
