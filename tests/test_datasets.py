@@ -301,3 +301,21 @@ def test_as_label_refuses_what_int_would_change():
     for bad in (1.7, float("nan"), -3, "2", True, None, torch.tensor([1, 2])):
         with pytest.raises(ValueError, match=r"_Samples\[7\] returned label .*; labels must be integers >= 0"):
             src.as_label(bad, 7)
+
+
+def test_the_torch_backend_converts_mixed_channel_samples_as_the_source_decides():
+    import torch
+    from fastdata import Augmentation, make_loader
+
+    rgb, grey = _rgb(), _rgb()[..., 0]
+    colour_first = make_loader(_Samples([Image.fromarray(rgb), Image.fromarray(grey)]), "torch", batch_size=2,
+                               num_workers=0, train=False, device="cpu", augment=Augmentation.none(),
+                               mean=(0.5,), std=(0.25,))  # the same statistics for every channel
+    (x, _), = list(colour_first)
+    assert x.shape == (2, 3, 6, 5)
+    # the grey sample is replicated to RGB: its three channels are equal, like PIL's convert("RGB")
+    assert torch.equal(x[1, 0], x[1, 1]) and torch.equal(x[1, 1], x[1, 2])
+    grey_first = make_loader(_Samples([Image.fromarray(grey), Image.fromarray(rgb)]), "torch", batch_size=2,
+                             num_workers=0, train=False, device="cpu", augment=Augmentation.none())
+    with pytest.raises(ValueError, match="colour sample"):
+        list(grey_first)

@@ -89,20 +89,10 @@ class BatchFetcher(Dataset):
         # Batched fetching where the dataset offers it (one call, one lock, one seek pattern).
         samples = ds.__getitems__(ids_list) if hasattr(ds, "__getitems__") else [ds[i] for i in ids_list]
         images, labels = [], []
-        for image, label in samples:
-            if hasattr(image, "getbands"):  # PIL image
-                from ..transforms import to_rgb
-
-                arr = np.asarray(to_rgb(image) if self.source.channels == 3 else image.convert("L"))
-            else:  # uint8 tensor (C, H, W)
-                t = torch.as_tensor(image)
-                if t.dtype != torch.uint8:
-                    raise TypeError(f"{self.source.name}[{label}] returned a {t.dtype} tensor; the torch "
-                                    f"backend expects PIL images or uint8 (C, H, W) tensors")
-                arr = t.permute(1, 2, 0).numpy() if t.dim() == 3 else t.numpy()
-            arr = arr[..., None] if arr.ndim == 2 else arr
+        for k, (image, label) in enumerate(samples):
+            arr = self.source.as_array(image)  # every sample converted to source.channels the same way
             images.append(augment_array(arr, self.augment, rng) if self.augment.crop != "translate" else arr)
-            labels.append(int(label))
+            labels.append(self.source.as_label(label, ids_list[k]))
         if self.augment.crop == "translate" or self.augment.crop == "none":
             shapes = {a.shape for a in images}
             if len(shapes) > 1:
