@@ -77,7 +77,7 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
         if unknown:
             raise TypeError(f"backend 'auto' got unknown option(s) {unknown}; the backends' options are "
                             f"{sorted(known)} and the shared ones are LoaderConfig's fields")
-        backend, reason = choose(src, cfg)
+        backend, reason = choose(src, cfg, options)
         log.info("fastdata: backend 'auto' picked %r: %s", backend, reason)
         options = {k: v for k, v in options.items() if k in backend_class(backend).options}
     return backend_class(backend)(src, cfg, **options)

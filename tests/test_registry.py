@@ -73,3 +73,12 @@ def test_auto_refuses_an_option_no_backend_knows_instead_of_dropping_it():
     # An option of a backend auto did not pick is still fine: auto passes each backend its own.
     loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", prefetch_factor=4, depth=3)
     assert loader.name == "memory"
+
+
+def test_auto_weighs_the_memory_reserve_the_user_passes(photo_folder, caplog):
+    # A reserve of all but one byte of RAM leaves no room for the cache: auto must see it, not only the
+    # memory backend it would then hand the option to.
+    with caplog.at_level(logging.INFO, logger="fastdata"):
+        loader = make_loader(ImageFolder(photo_folder), batch_size=6, device="cpu", num_workers=0,
+                             memory_reserve=0.999999)
+    assert loader.name == "torch" and "does not fit" in caplog.text
