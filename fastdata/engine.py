@@ -444,7 +444,11 @@ def _device_scope(device: torch.device):
 def _loader_device(loader) -> torch.device:
     device = torch.device(loader.device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        # A contract object that says just "cuda": the GPU make_loader would pick (cuda:LOCAL_RANK
+        # under torchrun, else the current one).
+        from .config import resolve_device
+
+        device = resolve_device(device)
     return device
 
 
