@@ -620,7 +620,10 @@ def test_gpu_idle_fraction_tells_a_slow_loader_from_a_fast_one():
     assert hist[0]["gpu_idle_fraction"] > 0.5, hist
     # A model big enough that the GPU, not the host, sets the pace; the second epoch, after cuDNN's
     # algorithm search, is the steady state.
-    fast = make_loader(SyntheticDigits(16384, seed=9), "memory", batch_size=1024, device="cuda")
+    rng = torch.Generator().manual_seed(9)
+    images = torch.randint(0, 256, (16384, 28, 28), dtype=torch.uint8, generator=rng).numpy()
+    src = ArraySource(images, (torch.arange(16384) % 10).numpy(), mean=(0.5,), std=(0.25,))
+    fast = make_loader(src, "memory", batch_size=1024, device="cuda")
     hist = fit(SmallCNN(width=64), fast, epochs=2, progress=False)
     assert hist[-1]["gpu_idle_fraction"] < 0.1, hist
 
