@@ -29,7 +29,7 @@ def world_size() -> int:
 
 def local_rank() -> int:
     """This process's index on its machine (``LOCAL_RANK`` set by torchrun; 0 otherwise)."""
-    return int(os.environ.get("LOCAL_RANK", 0))
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def is_main() -> bool:

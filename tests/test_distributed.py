@@ -4,6 +4,7 @@ CPU tests stub torchrun's environment (and ``torch.cuda`` where needed); the two
 ``torch.distributed.run`` on a script written to ``tmp_path``.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def _torchrun(script_text, args, cwd, timeout=120):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
            *args]
     # The timeout turns a hang (a rank waiting in a collective its peer never joins) into a failure.
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads((Path(cwd) / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -143,9 +144,9 @@ def test_ddp_rank_with_empty_batches_stays_in_step(tmp_path):
     assert r0["params"] == r1["params"]
     assert r0["history"] == r1["history"]
     for record in r0["history"]:
-        assert record["train_loss"] == record["train_loss"]  # not NaN
+        assert math.isfinite(record["train_loss"])
         assert 0.0 <= record["train_accuracy"] <= 1.0
-    assert all(v == v for v in r0["params"])
+    assert all(math.isfinite(v) for v in r0["params"])
 
 
 # ------------------------------------------------------------------------------------- two GPUs

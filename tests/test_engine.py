@@ -8,8 +8,17 @@ from torch import nn
 from fastdata import available_backends, make_loader
 from fastdata import checkpoint as ckpt
 from fastdata.datasets import ArraySource, SyntheticDigits
-from fastdata.engine import (_idle_fraction, _StepTimer, choose_amp, default_optimizer, evaluate, fit,
-                             resolve_amp, summarize, wants_fused)
+from fastdata.engine import (
+    _idle_fraction,
+    _StepTimer,
+    choose_amp,
+    default_optimizer,
+    evaluate,
+    fit,
+    resolve_amp,
+    summarize,
+    wants_fused,
+)
 from fastdata.models import SmallCNN
 
 BACKENDS = [b for b in available_backends() if b != "auto"]
@@ -340,8 +349,8 @@ def test_an_empty_batch_is_left_out_of_the_figures_and_moves_nothing():
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-6)
         assert got["train_accuracy"] == want["train_accuracy"]
     assert torch.equal(_params(model), _params(ref))
-    bn = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)][0]
-    ref_bn = [m for m in ref.modules() if isinstance(m, nn.BatchNorm2d)][0]
+    bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    ref_bn = next(m for m in ref.modules() if isinstance(m, nn.BatchNorm2d))
     assert torch.equal(bn.running_mean, ref_bn.running_mean)
 
 
@@ -630,7 +639,7 @@ def test_gpu_idle_fraction_tells_a_slow_loader_from_a_fast_one():
 
 @pytest.mark.cuda(devices=2)
 def test_fit_on_the_second_gpu_times_the_second_gpu(monkeypatch):
-    import fastdata.engine as engine
+    from fastdata import engine
 
     timers = []
 
