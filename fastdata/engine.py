@@ -11,7 +11,11 @@ What keeps the GPU busy here:
   writes the gradients instead of accumulating into them;
 - ``cudnn.benchmark``: the fastest convolution algorithm is picked once per input shape;
 - bf16 autocast where the GPU has it (no loss scaling, so no per-step check for infs), else fp16 with
-  a GradScaler; optional ``torch.compile`` and channels-last.
+  a GradScaler; optional ``torch.compile`` and channels-last;
+- the default AdamW is fused on CUDA: GradScaler leaves its fp16 inf check on the device for a fused
+  optimizer, and reads it on the host (one sync per step) for any other;
+- the loader's GPU is made current for the run, so CUDA events, streams and capability queries refer
+  to it and not to cuda:0.
 """
 from __future__ import annotations
 
