@@ -380,7 +380,17 @@ class _Step:
     def __call__(self, images, labels, sums):
         n = images.shape[0]
         with _autocast(self.device, self.mode):
-            logits = self.net(images)
+            try:
+                logits = self.net(images)
+            except RuntimeError as e:
+                if n:
+                    raise
+                raise RuntimeError(
+                    f"this rank's batch is empty ({tuple(images.shape)}: on_error='skip' emptied it, or "
+                    f"drop_last=False left this rank no samples) and the model's forward fails on an "
+                    f"empty batch ({e}); under DDP the rank must still run a step to keep its peers' "
+                    f"gradient all-reduce going: make the model accept N=0 (x.flatten(1) rather than "
+                    f"x.view(x.shape[0], -1)) or build the loader with drop_last=True") from e
             # Cross-entropy over zero rows is NaN (0/0): an empty batch gets a zero loss instead. It
             # only happens under DDP (fit skips empty batches otherwise), where this rank must still
             # run backward through the DDP module so that its peers' gradient all-reduce completes.

@@ -659,3 +659,27 @@ def test_fit_on_the_second_gpu_times_the_second_gpu(monkeypatch):
     assert 0.0 <= hist[0]["gpu_idle_fraction"] <= 1.0
     assert {p.device for p in model.parameters()} == {torch.device("cuda", 1)}
     assert torch.cuda.current_device() == before   # fit's device scope is undone on the way out
+
+
+def test_a_model_that_cannot_take_an_empty_batch_under_ddp_gets_a_clear_error():
+    """Under DDP an empty rank still runs a (zero-loss) step through the model; a model whose forward
+    fails on N=0 must be told why it met an empty batch and what to do."""
+    from fastdata.engine import _Step
+
+    class ViewFlatten(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(256, 10)
+
+        def forward(self, x):
+            return self.fc(x.view(x.shape[0], -1))   # -1 is ambiguous with 0 rows
+
+    model = ViewFlatten()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _Step(model, model, opt, torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(),
+                 torch.device("cpu"), "off", ddp=True)
+    sums = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"this rank's batch is empty.*x.flatten\(1\).*drop_last=True"):
+        step(torch.zeros(0, 1, 16, 16), torch.zeros(0, dtype=torch.long), sums)
+    step(torch.zeros(4, 1, 16, 16), torch.zeros(4, dtype=torch.long), sums)   # a real batch trains
+    assert sums[2].item() == 4
