@@ -11,6 +11,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import torch
@@ -20,7 +21,58 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-CROPS = ("none", "translate", "random_resized", "center")
+
+
+class StrChoice(str, Enum):
+    """An enum whose members are also their string values, so users keep passing and comparing strings
+    (``crop="center"``, ``source.kind == "files"``) while the code branches on members and properties.
+
+    ``str``/``format``/``repr``/``hash`` are the value's: messages read as before, a member and its
+    string are interchangeable as dict keys, and pickling (DataLoader workers) is by value-lookup.
+    """
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+    __hash__ = str.__hash__
+
+    def __repr__(self):
+        return repr(self.value)
+
+    @classmethod
+    def parse(cls, value, name: str):
+        """``value`` (a member or its string) as a member; anything else is a ValueError naming
+        ``name`` and the valid choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown {name} {value!r}; choose from {[m.value for m in cls]}") from None
+
+
+class Crop(StrChoice):
+    """The crop of an Augmentation. See Augmentation for what each does."""
+
+    NONE = "none"
+    TRANSLATE = "translate"
+    RANDOM_RESIZED = "random_resized"
+    CENTER = "center"
+
+    @property
+    def fixes_size(self) -> bool:
+        """The output is ``size`` x ``size`` whatever the source's size (what photos of mixed sizes need)."""
+        return self in (Crop.RANDOM_RESIZED, Crop.CENTER)
+
+    @property
+    def is_random(self) -> bool:
+        """The crop itself draws random numbers (flips aside)."""
+        return self in (Crop.TRANSLATE, Crop.RANDOM_RESIZED)
+
+    @property
+    def resamples(self) -> bool:
+        """The output is interpolated from a box (a resize), not a shifted copy of the source's pixels."""
+        return self.fixes_size
+
+
+CROPS = tuple(c.value for c in Crop)
 ON_ERROR = ("raise", "skip")
 
 
@@ -83,7 +135,7 @@ class Augmentation:
         hflip: probability of a horizontal flip.
     """
 
-    crop: str = "none"
+    crop: Crop = Crop.NONE
     size: int | None = None
     pad: int = 0
     scale: tuple[float, float] = (0.08, 1.0)
@@ -95,8 +147,9 @@ class Augmentation:
         def fix(name, value):  # frozen: normalized values are written once, here
             object.__setattr__(self, name, value)
 
-        if not isinstance(self.crop, str) or self.crop not in CROPS:
+        if not isinstance(self.crop, str):
             raise ValueError(f"unknown crop {self.crop!r}; choose from {list(CROPS)}")
+        fix("crop", Crop.parse(self.crop, "crop"))  # users pass strings; the code reads the enum
         for name in ("size", "resize"):
             if getattr(self, name) is not None:
                 fix(name, _integer(name, getattr(self, name), minimum=1))
@@ -104,11 +157,11 @@ class Augmentation:
         fix("hflip", _real("hflip", self.hflip))
         fix("scale", _pair("scale", self.scale))
         fix("ratio", _pair("ratio", self.ratio))
-        if self.crop in ("random_resized", "center") and self.size is None:
+        if self.crop.fixes_size and self.size is None:
             raise ValueError(f"crop={self.crop!r} needs a positive size, got size={self.size!r}")
-        if self.crop == "center" and self.resize is not None and self.resize < self.size:
+        if self.crop is Crop.CENTER and self.resize is not None and self.resize < self.size:
             raise ValueError(f"resize={self.resize} is smaller than the center crop size={self.size}")
-        if self.crop == "translate" and self.pad <= 0:
+        if self.crop is Crop.TRANSLATE and self.pad <= 0:
             raise ValueError(f"crop='translate' needs pad > 0, got pad={self.pad}")
         if not 0.0 <= self.hflip <= 1.0:
             raise ValueError(f"hflip is a probability in [0, 1], got {self.hflip}")
@@ -120,11 +173,11 @@ class Augmentation:
 
     @property
     def is_random(self) -> bool:
-        return self.crop in ("translate", "random_resized") or self.hflip > 0
+        return self.crop.is_random or self.hflip > 0
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """(H, W) of an augmented sample whose source is height x width."""
-        if self.crop in ("random_resized", "center"):
+        if self.crop.fixes_size:
             return self.size, self.size
         return height, width
 

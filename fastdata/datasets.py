@@ -16,17 +16,27 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Augmentation
+from .config import Augmentation, StrChoice
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 
+class SourceKind(StrChoice):
+    """What a source holds, which decides how a backend reads it (each backend declares the kinds it
+    ``reads``)."""
+
+    ARRAY = "array"        # decoded uint8 pixels in memory
+    FILES = "files"        # encoded photos on disk, of mixed sizes
+    DATASET = "dataset"    # an arbitrary map-style torch Dataset (Python __getitem__)
+    ABSTRACT = "abstract"  # the Source base class itself: no backend reads it
+
+
 class Source:
     """Common attributes: ``labels`` (int64 array), ``num_classes``, ``channels``, ``mean``/``std``."""
 
-    kind = "abstract"
+    kind = SourceKind.ABSTRACT
     name = "source"
     labels: np.ndarray
     mean: tuple[float, ...]
@@ -59,7 +69,7 @@ class ArraySource(Source):
         digits: small grey digits (use the digits augmentation recipe: translation, no flip).
     """
 
-    kind = "array"
+    kind = SourceKind.ARRAY
 
     def __init__(self, images, labels, *, mean=None, std=None, name: str = "array", digits: bool = False):
         images = images.numpy() if hasattr(images, "numpy") else np.asarray(images)
@@ -378,7 +388,7 @@ class ImageFolder(Source):
         extensions: file endings that count as images (case-insensitive).
     """
 
-    kind = "files"
+    kind = SourceKind.FILES
 
     def __init__(self, root, extensions=IMAGE_EXTENSIONS, *, mean=IMAGENET_MEAN, std=IMAGENET_STD):
         root = Path(root)
@@ -450,7 +460,7 @@ class DatasetSource(Source):
         num_classes: None → from ``dataset.targets`` when it has them.
     """
 
-    kind = "dataset"
+    kind = SourceKind.DATASET
 
     def __init__(self, dataset, *, mean=None, std=None, channels: int | None = None, num_classes=None):
         self.dataset = dataset

@@ -213,3 +213,42 @@ def test_a_finished_or_closed_iterator_keeps_ending_after_a_new_iter():
     fresh = iter(loader)
     assert next(done, None) is None and next(stopped, None) is None  # StopIteration, not "superseded"
     assert len(list(fresh)) == len(loader)
+
+
+def test_each_backend_declares_the_source_kinds_it_reads_and_fits_says_why():
+    from fastdata.backends.base import Loader
+    from fastdata.backends.memory import MemoryLoader
+    from fastdata.backends.torch_loader import TorchLoader
+    from fastdata.config import LoaderConfig
+    from fastdata.datasets import SourceKind
+
+    cfg = LoaderConfig(device="cpu", num_workers=0)
+    dataset = DatasetSource(torch.utils.data.TensorDataset(torch.zeros(4, 1, 1, dtype=torch.uint8),
+                                                           torch.zeros(4, dtype=torch.int64)))
+    assert SourceKind.DATASET in TorchLoader.reads and SourceKind.DATASET not in Loader.reads
+    assert TorchLoader.fits(dataset, cfg)[0]
+    ok, why = MemoryLoader.fits(dataset, cfg)
+    assert not ok and "cannot read" in why and "'dataset'" in why
+    with pytest.raises(TypeError, match="cannot read"):   # __init__ enforces the same declaration
+        MemoryLoader(dataset, cfg)
+
+
+def test_memory_fits_weighs_the_cache_against_the_reserve_and_stable_leaves_out_free_memory(monkeypatch):
+    from fastdata.backends import memory
+    from fastdata.config import LoaderConfig
+
+    src, cfg = indexed_source(40), LoaderConfig(device="cpu", num_workers=0, augment=Augmentation(crop="translate", pad=2))
+    need = memory.cache_bytes(src, cfg)
+    assert need > 0
+    ok, why = memory.MemoryLoader.fits(src, cfg)
+    assert ok and "fits" in why
+    ok, why = memory.MemoryLoader.fits(src, cfg, {"memory_reserve": 10**18})
+    assert not ok and "does not fit" in why
+    # On a GPU the free memory caps the budget, but not under stable=True (equal on every rank).
+    gib = 2**30
+    monkeypatch.setattr(memory, "total_bytes", lambda device: 8 * gib)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    gpu = LoaderConfig(device="cpu", num_workers=0, augment=cfg.augment)
+    object.__setattr__(gpu, "device", torch.device("cuda", 0))   # no GPU here: only the budget is read
+    assert not memory.MemoryLoader.fits(src, gpu)[0]
+    assert memory.MemoryLoader.fits(src, gpu, stable=True)[0]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..config import LoaderConfig, _integer, _reals
-from ..datasets import Source
+from ..datasets import Source, SourceKind
 from ..sampling import EpochPlan, distributed_info
 
 
@@ -74,17 +74,16 @@ class Loader:
     name: ClassVar[str] = "base"
     #: backend-specific option → default; anything else passed to make_loader is an error.
     options: ClassVar[dict] = {}
-    #: source kinds the backend can read.
-    kinds: ClassVar[tuple[str, ...]] = ("array", "files")
+    #: source kinds the backend can read (auto and the registry read this; __init__ enforces it).
+    reads: ClassVar[frozenset] = frozenset({SourceKind.ARRAY, SourceKind.FILES})
 
     def __init__(self, source: Source, config: LoaderConfig, **options):
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             raise TypeError(f"backend {self.name!r} got unknown option(s) {unknown}; its options are "
                             f"{sorted(self.options)} and the shared ones are LoaderConfig's fields")
-        if source.kind not in self.kinds:
-            raise TypeError(f"backend {self.name!r} cannot read a {type(source).__name__} "
-                            f"(kind {source.kind!r}); it reads {list(self.kinds)}")
+        if source.kind not in self.reads:
+            raise TypeError(self._cannot_read(source))
         self.opts = {**self.options, **options}
         self.source = source
         self.config = config
@@ -117,6 +116,26 @@ class Loader:
         self._current = None
         self.skipped = 0              # samples skipped with on_error="skip" in the current epoch
         self._scale, self._shift = self._normalizer()
+
+    # ------------------------------------------------------------------ selection
+    @classmethod
+    def fits(cls, source: Source, config: LoaderConfig, options: dict | None = None, *,
+             stable: bool = False) -> tuple[bool, str]:
+        """(whether this backend can serve ``source`` under ``config`` here, a human reason).
+
+        ``options`` are make_loader's backend options; ``stable``: decide only on quantities equal on
+        every rank of a distributed job (no process group to share one rank's decision). The default:
+        it fits when the backend reads the source's kind. A backend with a resource limit (memory's
+        cache budget) overrides this.
+        """
+        if source.kind in cls.reads:
+            return True, f"{cls.name} reads {source.kind} sources"
+        return False, cls._cannot_read(source)
+
+    @classmethod
+    def _cannot_read(cls, source) -> str:
+        return (f"backend {cls.name!r} cannot read a {type(source).__name__} (kind {source.kind!r}); "
+                f"it reads {sorted(k.value for k in cls.reads)}")
 
     # ------------------------------------------------------------------ the contract
     def __len__(self) -> int:

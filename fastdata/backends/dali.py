@@ -206,7 +206,6 @@ class DaliLoader(Loader):
     """
 
     name = "dali"
-    kinds = ("array", "files")
     options = {"num_threads": None, "prefetch_queue_depth": 2, "read_threads": None, "validate": True}
 
     def __init__(self, source, config, **options):

@@ -194,6 +194,27 @@ class MemoryLoader(Loader):
     name = "memory"
     options = {"cache_workers": None, "memory_reserve": None}
 
+    @classmethod
+    def fits(cls, source, config, options=None, *, stable=False):
+        """Fits when the source's uint8 cache fits the budget (see the module docstring).
+
+        ``stable``: budget against the device's total memory minus the reserve and this process's
+        live caches only — equal on every rank of a job without a process group, where free memory
+        (which differs with what each rank has allocated so far) would let ranks pick different backends.
+        """
+        ok, why = super().fits(source, config, options, stable=stable)
+        if not ok:
+            return ok, why
+        reserve = (options or {}).get("memory_reserve")
+        need, b = cache_bytes(source, config), budget(config.device, reserve)
+        limit = b.stable if stable else b.limit
+        where = f"GPU {config.device}" if config.device.type == "cuda" else "RAM"
+        if need <= limit:
+            return True, (f"its uint8 cache ({_fmt(need)}) fits in the free {where} "
+                          f"({_fmt(limit)} after the memory_reserve and other caches)")
+        return False, (f"the cache ({_fmt(need)}) does not fit in the free {where} ({_fmt(limit)} after "
+                       f"the memory_reserve and other caches)")
+
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
         self.footprint = 0          # bytes this loader holds on its device (for the shared budget)

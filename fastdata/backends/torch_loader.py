@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..datasets import SourceKind
 from ..errors import DecodeError
 from ..transforms import augment_array, augment_batch, load_photo
 from .base import Loader
@@ -196,7 +197,7 @@ class TorchLoader(Loader):
     """
 
     name = "torch"
-    kinds = ("array", "files", "dataset")
+    reads = frozenset({SourceKind.ARRAY, SourceKind.FILES, SourceKind.DATASET})
     options = {"prefetch_factor": 2, "persistent_workers": True, "timeout": 0,
                "multiprocessing_context": None}
 
