@@ -1,8 +1,21 @@
-"""make_loader: one name → backend table, imported lazily so that a missing extra only hurts its user."""
+"""The backend table: one row per backend, read by ``make_loader``, ``auto``, the doctor and the benchmarks.
+
+A row (``BackendSpec``) says where the backend's class lives (imported lazily, so a missing extra only
+hurts its user), the import that must work, how to install it, ``auto``'s preference and the device
+types ``auto`` may pick it on. What a backend *reads* and whether it *fits* a source are asked of the
+class itself (``reads``, ``fits``), so adding a backend is its own file plus one ``register`` call::
+
+    from fastdata import registry
+    registry.register("mine", "mypkg.loader:MyLoader", needs="mypkg", install="pip install mypkg")
+
+A backend whose package does not import stays in the table (the doctor prints its install hint) but not
+in ``available_backends()``.
+"""
 from __future__ import annotations
 
 import importlib
 import logging
+from dataclasses import dataclass
 from functools import lru_cache
 
 from .config import LoaderConfig
@@ -11,15 +24,98 @@ from .errors import MissingDependency
 
 log = logging.getLogger("fastdata")
 
-# name → (module, class, the import that must work, how to install it)
-BACKENDS = {
-    "torch": ("fastdata.backends.torch_loader", "TorchLoader", None, None),
-    "memory": ("fastdata.backends.memory", "MemoryLoader", None, None),
-    "prefetch": ("fastdata.backends.prefetch", "PrefetchLoader", None, None),
-    "dali": ("fastdata.backends.dali", "DaliLoader", "nvidia.dali.plugin.pytorch",
-             "pip install nvidia-dali-cuda120  (or: pip install 'fastdata[dali]')"),
-}
-CHOICES = ("auto",) + tuple(BACKENDS)
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend's row.
+
+    Args:
+        name: what ``make_loader(backend=...)`` takes.
+        target: ``"package.module:Class"`` (imported on first use) or the class itself.
+        needs: a module that must import for the backend to work (None: nothing beyond fastdata's own).
+        install: the command that installs ``needs``, shown when it does not import.
+        order: ``auto``'s preference, lowest first (ties keep the table's order).
+        devices: device types ``auto`` may pick the backend on; a user can still name it on any device.
+        overlaps_on_cuda: the backend prepares the next batch while a CUDA step runs (worker processes,
+            threads, a side stream); ``fastdata bench`` predicts its training rate as overlapped.
+    """
+
+    name: str
+    target: str | type
+    needs: str | None = None
+    install: str | None = None
+    order: int = 100
+    devices: tuple[str, ...] = DEVICE_TYPES
+    overlaps_on_cuda: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name == "auto":
+            raise ValueError(f"backend name must be an identifier other than 'auto', got {self.name!r}")
+        if isinstance(self.target, str) and self.target.count(":") != 1:
+            raise ValueError(f"backend {self.name!r}: target must be 'package.module:Class' or a class, "
+                             f"got {self.target!r}")
+        bad = sorted(set(self.devices) - set(DEVICE_TYPES))
+        if bad:
+            raise ValueError(f"backend {self.name!r}: unknown device type(s) {bad}; choose from "
+                             f"{list(DEVICE_TYPES)}")
+
+    @property
+    def available(self) -> bool:
+        """Whether ``needs`` imports here."""
+        return _importable(self.needs)
+
+    def load(self) -> type:
+        """The backend class; MissingDependency (with the install hint) when ``needs`` does not import."""
+        if self.needs is not None:
+            try:
+                importlib.import_module(self.needs)
+            except Exception as e:  # ImportError, or a broken install raising anything at import
+                raise MissingDependency(f"backend {self.name!r} needs {self.needs}, which does not import "
+                                        f"here ({type(e).__name__}: {e}); install it with: "
+                                        f"{self.install or 'its package'}") from e
+        if not isinstance(self.target, str):
+            return self.target
+        module, cls = self.target.split(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+_DALI_INSTALL = "pip install nvidia-dali-cuda120  (or: pip install 'fastdata[dali]')"
+
+#: name → row, in the order backends are listed (argparse choices, benchmarks, the doctor).
+#: ``order``: memory first (no decoding after its one-time cache, when that fits), then DALI (nvJPEG
+#: decodes on the GPU) and prefetch (copies overlap compute) on CUDA only, torch last: it reads every
+#: source kind and always fits. benchmarks/results holds the measurements behind this order.
+BACKENDS: dict[str, BackendSpec] = {}
+
+
+def register(name: str, target: str | type, *, needs: str | None = None, install: str | None = None,
+             order: int | None = None, devices: tuple[str, ...] = DEVICE_TYPES,
+             overlaps_on_cuda: bool = False) -> BackendSpec:
+    """Add (or replace) a backend row; returns it. ``order`` None puts the backend after every existing
+    one in ``auto``'s preference. See ``BackendSpec`` for the arguments."""
+    if order is None:
+        order = max((s.order for s in BACKENDS.values() if s.name != name), default=0) + 10
+    spec = BackendSpec(name, target, needs=needs, install=install, order=order, devices=tuple(devices),
+                       overlaps_on_cuda=overlaps_on_cuda)
+    BACKENDS[name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a row (tests that register a backend of their own remove it again)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose from {list(BACKENDS)}")
+    del BACKENDS[name]
+
+
+register("torch", "fastdata.backends.torch_loader:TorchLoader", order=40, overlaps_on_cuda=True)
+register("memory", "fastdata.backends.memory:MemoryLoader", order=10)
+register("prefetch", "fastdata.backends.prefetch:PrefetchLoader", order=30, devices=("cuda",),
+         overlaps_on_cuda=True)
+register("dali", "fastdata.backends.dali:DaliLoader", needs="nvidia.dali.plugin.pytorch", install=_DALI_INSTALL,
+         order=20, devices=("cuda",), overlaps_on_cuda=True)
 
 
 @lru_cache(maxsize=None)
@@ -33,22 +129,58 @@ def _importable(module: str | None) -> bool:
     return True
 
 
+def clear_import_cache() -> None:
+    """Forget which packages imported (tests that fake a missing package call it before and after)."""
+    _importable.cache_clear()
+
+
+def choices() -> list[str]:
+    """Every name ``make_loader`` knows: ``auto`` and each row, installed or not."""
+    return ["auto", *BACKENDS]
+
+
+def spec(name: str) -> BackendSpec:
+    """The row of backend ``name``; ValueError listing the choices for an unknown one."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose from {choices()}")
+    return BACKENDS[name]
+
+
+def specs() -> list[BackendSpec]:
+    """Every row in table order, installed or not (the doctor shows the missing ones' install hints)."""
+    return list(BACKENDS.values())
+
+
+def by_preference() -> list[BackendSpec]:
+    """Every row in ``auto``'s preference order (``order``, then table order)."""
+    return sorted(BACKENDS.values(), key=lambda s: s.order)  # sorted is stable: ties keep table order
+
+
 def available_backends() -> list[str]:
     """Backend names usable here: ``auto`` plus those whose packages import. Feeds argparse ``choices``."""
-    return ["auto"] + [name for name, (_, _, need, _) in BACKENDS.items() if _importable(need)]
+    return ["auto"] + [s.name for s in BACKENDS.values() if s.available]
 
 
-def backend_class(name: str):
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose from {list(CHOICES)}")
-    module, cls, need, install = BACKENDS[name]
-    if need is not None:
-        try:
-            importlib.import_module(need)
-        except ImportError as e:
-            raise MissingDependency(f"backend {name!r} needs {need.split('.')[0]}.{need.split('.')[1]}, "
-                                    f"which does not import here ({e}); install it with: {install}") from e
-    return getattr(importlib.import_module(module), cls)
+def backend_class(name: str) -> type:
+    """The class of backend ``name``: ValueError for an unknown name, MissingDependency (saying how to
+    install it) when its package does not import."""
+    return spec(name).load()
+
+
+def all_options() -> set[str]:
+    """The union of the available backends' options: what ``auto`` accepts."""
+    known: set[str] = set()
+    for s in BACKENDS.values():
+        if s.available:
+            known |= set(s.load().options)
+    return known
+
+
+def choose(source, config, options: dict | None = None) -> tuple[str, str]:
+    """(backend name, reason) that ``auto`` picks for ``source`` under ``config`` from this table."""
+    from .backends.auto import choose as choose_from
+
+    return choose_from(source, config, options, by_preference())
 
 
 def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = None, **kwargs):
@@ -61,18 +193,14 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
         config: a LoaderConfig; keyword arguments that name its fields override it.
         **kwargs: LoaderConfig fields (batch_size, device, train, ...) and backend-specific options.
     """
-    if not isinstance(backend, str) or backend not in CHOICES:
-        raise ValueError(f"unknown backend {backend!r}; choose from {list(CHOICES)}")
+    if not isinstance(backend, str) or backend not in choices():
+        raise ValueError(f"unknown backend {backend!r}; choose from {choices()}")
     cfg, options = LoaderConfig.from_kwargs(config, kwargs)
     src = as_source(source)
     if backend == "auto":
-        from .backends.auto import choose
-
         # auto passes each backend only the options it knows, so a misspelt one (prefetch_factr=4) must
         # be refused here, against every backend's options, or it would vanish without a word.
-        known = set()
-        for name in available_backends()[1:]:
-            known |= set(backend_class(name).options)
+        known = all_options()
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"backend 'auto' got unknown option(s) {unknown}; the backends' options are "

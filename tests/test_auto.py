@@ -7,6 +7,7 @@ import torch
 from conftest import indexed_source
 
 from fastdata import Augmentation
+from fastdata import registry
 from fastdata.backends import auto, memory
 
 
@@ -30,11 +31,11 @@ def test_ranks_without_a_process_group_decide_on_equal_quantities(gpu_16g):
     picks = []
     for rank, free in ((0, 15 * 2**30), (1, 1000)):   # rank 1's GPU is nearly full, rank 0's is not
         gpu_16g["free"] = free
-        picks.append(auto.choose(src, config("cuda:0", rank, 2))[0])
+        picks.append(registry.choose(src, config("cuda:0", rank, 2))[0])
     assert picks == ["memory", "memory"]
     # A single process has no one to agree with: free memory counts, so it does not pick a cache that
     # cannot be allocated.
-    assert auto.choose(src, config("cuda:0", 0, 1))[0] != "memory"
+    assert registry.choose(src, config("cuda:0", 0, 1))[0] != "memory"
 
 
 def test_the_reserve_option_moves_the_decision(gpu_16g, monkeypatch):
@@ -42,14 +43,15 @@ def test_the_reserve_option_moves_the_decision(gpu_16g, monkeypatch):
     need = memory.cache_bytes(src, config("cuda:0"))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=4 * need))
     gpu_16g["free"] = 4 * need
-    assert auto.choose(src, config("cuda:0"))[0] == "memory"                       # 4x - 25% fits
-    name, why = auto.choose(src, config("cuda:0"), {"memory_reserve": 0.9})
+    assert registry.choose(src, config("cuda:0"))[0] == "memory"                       # 4x - 25% fits
+    name, why = registry.choose(src, config("cuda:0"), {"memory_reserve": 0.9})
     assert name != "memory" and "does not fit" in why
 
 
 def _rank(rank, path, q):
     import torch.distributed as dist
 
+    from fastdata import registry as r
     from fastdata.backends import auto as a
     from fastdata.backends import memory as m
 
@@ -57,8 +59,8 @@ def _rank(rank, path, q):
         m.free_bytes = lambda device: 1000                   # alone, rank 1 would not cache
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
-        q.put((rank, a.choose(indexed_source(1000), config("cpu")), a.choose_locally(indexed_source(1000),
-                                                                                        config("cpu"))[0]))
+        q.put((rank, r.choose(indexed_source(1000), config("cpu")),
+               a.choose_locally(indexed_source(1000), config("cpu"), None, r.by_preference())[0]))
     finally:
         dist.destroy_process_group()
 

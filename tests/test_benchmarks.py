@@ -29,7 +29,10 @@ def backend_module_exists(name: str) -> bool:
     """True when fastdata ships the backend's file (a backend still being written is allowed to be absent)."""
     if name == "auto":
         return (ROOT / "fastdata" / "backends" / "auto.py").exists()
-    module = fastdata.registry.BACKENDS[name][0]
+    target = fastdata.registry.spec(name).target
+    if not isinstance(target, str):
+        return True
+    module = target.split(":")[0]
     return (ROOT / (module.replace(".", "/") + ".py")).exists()
 
 

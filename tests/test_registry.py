@@ -16,15 +16,17 @@ def test_unknown_backend_lists_the_choices():
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(registry.BACKENDS, "dali", ("fastdata.backends.dali", "DaliLoader",
-                                                    "nvidia_dali_not_here.plugin", "pip install nvidia-dali-cuda120"))
-    registry._importable.cache_clear()
+    monkeypatch.setitem(registry.BACKENDS, "dali", registry.BackendSpec(
+        "dali", "fastdata.backends.dali:DaliLoader", needs="nvidia_dali_not_here.plugin",
+        install="pip install nvidia-dali-cuda120", devices=("cuda",)))
+    registry.clear_import_cache()
     try:
         assert "dali" not in available_backends()
+        assert "dali" in registry.choices()          # still listed, so the doctor can say how to install it
         with pytest.raises(MissingDependency, match="pip install nvidia-dali-cuda120"):
             make_loader(indexed_source(10), backend="dali", batch_size=5)
     finally:
-        registry._importable.cache_clear()
+        registry.clear_import_cache()
 
 
 def test_available_backends_lists_the_core_ones():
@@ -82,3 +84,63 @@ def test_auto_weighs_the_memory_reserve_the_user_passes(photo_folder, caplog):
         loader = make_loader(ImageFolder(photo_folder), batch_size=6, device="cpu", num_workers=0,
                              memory_reserve=0.999999)
     assert loader.name == "torch" and "does not fit" in caplog.text
+
+
+class _Mine:
+    """A stand-in backend class: the registry only stores and returns it."""
+
+    options: dict = {}
+
+
+def test_register_adds_a_backend_as_one_row_and_unregister_removes_it():
+    spec = registry.register("mine", _Mine)
+    try:
+        assert registry.BACKENDS["mine"] is spec and spec.order > max(
+            s.order for s in registry.specs() if s.name != "mine")       # after every built-in by default
+        assert "mine" in available_backends() and registry.backend_class("mine") is _Mine
+    finally:
+        registry.unregister("mine")
+    assert "mine" not in available_backends()
+    with pytest.raises(ValueError, match=r"unknown backend 'mine'; choose from \['auto', 'torch'"):
+        registry.backend_class("mine")
+
+
+def test_a_registered_backend_whose_package_is_missing_stays_listed_with_its_install_hint():
+    registry.register("ghost", "ghost_pkg.loader:GhostLoader", needs="ghost_pkg", install="pip install ghost")
+    try:
+        assert "ghost" in registry.choices() and "ghost" not in available_backends()
+        assert not registry.spec("ghost").available
+        with pytest.raises(MissingDependency, match=r"needs ghost_pkg.*install it with: pip install ghost"):
+            make_loader(indexed_source(10), backend="ghost", batch_size=5)
+    finally:
+        registry.unregister("ghost")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"name": "auto", "target": "a:B"}, "other than 'auto'"),
+    ({"name": "x", "target": "no_colon"}, "package.module:Class"),
+    ({"name": "x", "target": "a:B", "devices": ("tpu",)}, r"unknown device type\(s\) \['tpu'\]"),
+])
+def test_a_bad_row_is_refused_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        registry.register(**kwargs)
+
+
+def test_auto_follows_the_tables_preference_order(monkeypatch, caplog):
+    from fastdata.backends.torch_loader import TorchLoader
+
+    class Preferred(TorchLoader):
+        name = "preferred"
+
+    monkeypatch.setitem(registry.BACKENDS, "preferred", registry.BackendSpec("preferred", Preferred, order=0))
+    with caplog.at_level(logging.INFO, logger="fastdata"):
+        loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", num_workers=0)
+    try:
+        assert type(loader) is Preferred and "picked 'preferred'" in caplog.text
+    finally:
+        loader.close()
+
+
+def test_auto_on_the_cpu_never_picks_a_cuda_only_row():
+    assert [s.name for s in registry.by_preference() if "cpu" in s.devices] == ["memory", "torch"]
+    assert registry.by_preference()[0].name == "memory"
