@@ -78,3 +78,39 @@ def test_with_a_process_group_rank_0_decides_for_everyone(tmp_path):
     for rank in (0, 1):
         name, why = results[rank][0]
         assert name == "memory" and "rank 0's choice" in why
+
+
+def test_on_cuda_the_tables_order_decides_when_the_cache_does_not_fit(gpu_16g, monkeypatch):
+    from fastdata import registry
+
+    src = indexed_source(1000)
+    gpu_16g["free"] = 1000                                     # no room for the cache on this GPU
+    name, why = registry.choose(src, config("cuda:0"))
+    assert name == ("dali" if registry.spec("dali").available else "prefetch")
+    assert "not memory: the cache" in why and "does not fit" in why
+    # Without DALI the next row, prefetch, is picked, and the reason says what DALI lacked.
+    monkeypatch.setitem(registry.BACKENDS, "dali", registry.BackendSpec(
+        "dali", "x.y:Z", needs="no_dali_here", install="pip install nvidia-dali-cuda120", order=20, devices=("cuda",)))
+    registry.clear_import_cache()
+    try:
+        name, why = registry.choose(src, config("cuda:0"))
+    finally:
+        registry.clear_import_cache()
+    assert name == "prefetch" and "not dali: no_dali_here does not import" in why
+
+
+def test_a_torch_dataset_goes_to_the_first_row_that_reads_it(gpu_16g):
+    from fastdata import registry
+    from fastdata.datasets import as_source
+
+    class Squares(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.zeros(1, 4, 4, dtype=torch.uint8), i % 2
+
+    src = as_source(Squares())
+    cpu_name, why = registry.choose(src, config("cpu"))
+    assert cpu_name == "torch" and "not memory: backend 'memory' cannot read" in why
+    assert registry.choose(src, config("cuda:0"))[0] == "prefetch"

@@ -1,8 +1,8 @@
 """``auto``: pick the first backend in the registry's preference order that fits, and say why.
 
 For each row of the table (``fastdata.registry``), in preference order: the backend must be allowed on
-the device type (``BackendSpec.devices``), its package must import, it must read the source's kind
-(``Loader.reads``) and fit it (``Loader.fits``: the memory backend's cache budget, for one). The first
+the device type (``BackendSpec.devices``), its package must import, and its class must say it fits
+(``Loader.fits``: it reads the source's kind, and for the memory backend its cache fits the budget). The first
 that passes is picked; the reason names it and what the preferred ones lacked. This module knows no
 backend by name: the table's ``order`` and each class's ``fits`` hold the knowledge (benchmarks/results
 holds the measurements behind the order).
@@ -55,38 +55,12 @@ def choose_locally(source, config, options: dict | None, specs: Sequence, stable
         if not spec.available:
             passed_over.append(f"not {spec.name}: {spec.needs} does not import (install: {spec.install})")
             continue
-        cls = spec.load()
-        fits, why = _fits(cls, spec.name, source, config, options or {}, stable)
+        # fits() checks the kinds the backend reads (a torch Dataset's arbitrary __getitem__ only suits
+        # the DataLoader-based backends) and any resource limit (the memory backend's cache budget).
+        fits, why = spec.load().fits(source, config, options or {}, stable=stable)
         if fits:
             tail = f" ({'; '.join(passed_over)})" if passed_over else ""
             return spec.name, why + tail
         passed_over.append(f"not {spec.name}: {why}")
     raise ValueError(f"no backend fits {source!r} on {config.device}: " + "; ".join(passed_over)
                      + f"; backends allowed on {device_type}: {[s.name for s in specs if device_type in s.devices]}")
-
-
-def _fits(cls, name, source, config, options, stable) -> tuple[bool, str]:
-    # A backend reads the source kinds it declares; a torch Dataset (arbitrary Python __getitem__) is
-    # read only by the DataLoader-based backends.
-    reads = getattr(cls, "reads", None) or getattr(cls, "kinds", ())
-    kind = getattr(source.kind, "value", source.kind)
-    if kind not in {getattr(k, "value", k) for k in reads}:
-        return False, f"it does not read a {type(source).__name__} (kind {kind!r})"
-    if not hasattr(cls, "fits"):  # TEMPORARY until the backends declare fits (engineer W1's commit)
-        return _legacy_fits(name, source, config, options, stable)
-    return cls.fits(source, config, options, stable=stable)
-
-
-def _legacy_fits(name, source, config, options, stable):
-    from . import memory
-
-    if name != "memory":
-        return True, f"{name} reads {type(source).__name__} on {config.device.type}"
-    need, b = memory.cache_bytes(source, config), memory.budget(config.device, options.get("memory_reserve"))
-    limit = b.stable if stable else b.limit
-    where = f"GPU {config.device}" if config.device.type == "cuda" else "RAM"
-    if need <= limit:
-        return True, (f"its uint8 cache ({memory._fmt(need)}) fits in the free {where} "
-                      f"({memory._fmt(limit)} after the memory_reserve and other caches)")
-    return False, (f"the cache ({memory._fmt(need)}) does not fit in the free {where} ({memory._fmt(limit)} "
-                   f"after the memory_reserve and other caches)")
