@@ -147,8 +147,8 @@ def report() -> dict:
     import torch
     import torchvision
 
+    from . import registry
     from .config import usable_cores
-    from .registry import available_backends
 
     devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
         if torch.cuda.is_available() else []
@@ -166,8 +166,24 @@ def report() -> dict:
         "bf16_supported": bool(devices) and torch.cuda.is_bf16_supported(including_emulation=False),
         "cpu": cpu_model(), "usable_cores": usable_cores(),
         "pil": pil_info(), "dali": dali_info(),
-        "backends": available_backends(),
+        "backends": registry.available_backends(),
+        "backend_table": backend_table(),
     }
+
+
+def backend_table() -> list[dict]:
+    """The registry's rows as the doctor shows them: installed or not (with the install hint), and
+    where ``auto`` may pick each."""
+    from . import registry
+
+    return [{"name": s.name, "available": s.available, "needs": s.needs, "install": s.install,
+             "order": s.order, "devices": list(s.devices)} for s in registry.specs()]
+
+
+def auto_order(table: list[dict], device_type: str) -> str:
+    """``auto``'s preference on one device type, e.g. 'memory > dali > prefetch > torch'."""
+    rows = sorted((r for r in table if device_type in r["devices"]), key=lambda r: r["order"])
+    return " > ".join(r["name"] if r["available"] else f"({r['name']}: not installed)" for r in rows)
 
 
 def _dali_build(dali: dict) -> str:
@@ -199,6 +215,9 @@ def main(argv=None) -> int:
         ("DALI", f"{r['dali']['version'] or '-'}{_dali_build(r['dali'])}: {r['dali']['note']}"),
         ("backends", ", ".join(r["backends"])),
     ]
+    rows += [(f"  {b['name']}", "ok" if b["available"] else f"not installed ({b['needs']} does not import): "
+              f"{b['install'] or 'install its package'}") for b in r["backend_table"]]
+    rows += [(f"auto on {t}", auto_order(r["backend_table"], t) + " (first that fits)") for t in ("cpu", "cuda")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -90,3 +90,21 @@ def test_dali_wheels_cuda_build_and_its_driver_need():
     assert dali_cuda_major() == 12
     assert _dali_build({"cuda_major": 12}) == " (CUDA 12 build, needs driver >= 525.60.13)"
     assert _dali_build({"cuda_major": None}) == ""
+
+
+def test_doctor_prints_each_rows_install_hint_and_autos_order(monkeypatch, capsys):
+    from fastdata import doctor, registry
+
+    monkeypatch.setattr(doctor, "nvidia_smi", lambda: None)
+    monkeypatch.setattr(doctor, "pil_info", lambda: {"version": "x", "simd": True, "avx2": True})
+    monkeypatch.setattr(doctor, "dali_info", lambda: {"version": None, "gpu": False, "note": "-"})
+    registry.register("ghost", "ghost_pkg.loader:GhostLoader", needs="ghost_pkg", install="pip install ghost",
+                      order=15, devices=("cuda",))
+    try:
+        assert doctor.main() == 0
+    finally:
+        registry.unregister("ghost")
+    out = capsys.readouterr().out
+    assert "not installed (ghost_pkg does not import): pip install ghost" in out
+    assert "auto on cpu    memory > torch" in out
+    assert "memory > (ghost: not installed) > " in out.split("auto on cuda", 1)[1]
