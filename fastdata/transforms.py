@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from .config import Augmentation
+from .config import Augmentation, Crop
 from .errors import DecodeError
 
 _FORMAT_OF_EXT = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG"}
@@ -146,16 +147,62 @@ def _clamp_box(left, top, bw, bh, width, height):
     return (max(0.0, left), max(0.0, top), min(float(width), left + bw), min(float(height), top + bh))
 
 
+class Params(NamedTuple):
+    """One batch's random augmentation parameters (see ``draw_params``)."""
+
+    offsets: np.ndarray | None  # int64 (n, 2) crop offsets (dy, dx) in [0, 2*pad]: crop "translate"
+    boxes: np.ndarray | None    # float64 (n, 4) source boxes (top, left, h, w): resizing crops
+    flips: np.ndarray           # bool (n,): mirror the sample (all False when hflip is 0)
+
+
+def draw_params(aug: Augmentation, rng: np.random.Generator, n: int, sizes) -> Params:
+    """The batch's augmentation parameters: THE one place the recipe's random numbers are drawn.
+
+    Every backend consumes these instead of drawing, so for one seed each sees the same shifts, boxes
+    and flips, and a new backend gets bit-identical augmentation for free. ``sizes``: the source images'
+    (height, width), one pair for the whole batch or an (n, 2) array, one per sample.
+
+    The draw order is part of the contract (the determinism tests compare backends pixel for pixel, and
+    a checkpoint resumes with the same draws): crop "translate": all n offsets, then n flips; crop
+    "none": n flips; resizing crops: per sample its box, then its flip. So for resizing crops, drawing
+    sample by sample (n=1, as files are opened one by one) gives exactly the batch's parameters.
+    """
+    crop = aug.crop
+    if not crop.resamples:
+        offsets = translate_offsets(rng, n, aug.pad) if crop is Crop.TRANSLATE else None
+        flips = rng.random(n) < aug.hflip if aug.hflip > 0 else np.zeros(n, dtype=bool)
+        return Params(offsets, None, flips)
+    sizes = np.asarray(sizes)
+    per_sample = sizes.ndim == 2
+    boxes = np.empty((n, 4), dtype=np.float64)
+    flips = np.zeros(n, dtype=bool)
+    hflip = aug.hflip
+    for i in range(n):
+        h, w = (int(sizes[i, 0]), int(sizes[i, 1])) if per_sample else (int(sizes[0]), int(sizes[1]))
+        if crop is Crop.RANDOM_RESIZED:
+            boxes[i] = rrc_params(rng, h, w, aug.scale, aug.ratio)
+        else:
+            boxes[i] = center_params(h, w, aug.size, aug.resize)
+        flips[i] = hflip > 0 and rng.random() < hflip
+    return Params(None, boxes, flips)
+
+
 def sample_box(aug: Augmentation, rng: np.random.Generator, height: int, width: int):
-    """(box (top, left, h, w) or None, flip) for one sample, drawn in a fixed order from ``rng``."""
-    if aug.crop == "random_resized":
-        box = rrc_params(rng, height, width, aug.scale, aug.ratio)
-    elif aug.crop == "center":
-        box = center_params(height, width, aug.size, aug.resize)
-    else:
-        box = None
-    flip = bool(aug.hflip > 0 and rng.random() < aug.hflip)
-    return box, flip
+    """(box (top, left, h, w) or None, flip) for one sample: ``draw_params`` for a batch of one."""
+    p = draw_params(aug, rng, 1, (height, width))
+    box = tuple(float(v) for v in p.boxes[0]) if p.boxes is not None else None
+    return box, bool(p.flips[0])
+
+
+def require_fixed_size(source, aug: Augmentation) -> None:
+    """Photos of mixed sizes cannot be stacked into a batch unless the crop fixes the output size.
+    Raises ValueError naming the source, the crop and the crops that work."""
+    from .datasets import SourceKind
+
+    if source.kind is SourceKind.FILES and not aug.crop.fixes_size:
+        raise ValueError(f"{source!r} holds photos of different sizes: its augmentation needs a crop "
+                         f"that fixes the output size ('random_resized' or 'center'), got "
+                         f"crop={aug.crop!r}")
 
 
 def load_photo(path, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
@@ -200,18 +247,43 @@ def load_photo(path, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
         img.close()
 
 
+def resize_box(image: np.ndarray, aug: Augmentation, box, flip: bool) -> np.ndarray:
+    """One decoded uint8 (H, W, C) array: ``box`` (top, left, h, w) resized to ``aug.size`` with PIL's
+    bilinear filter (the files' path, so arrays and photos are resampled alike), then mirrored."""
+    h, w, c = image.shape
+    top, left, bh, bw = box
+    img = Image.fromarray(image[..., 0] if c == 1 else image)
+    img = img.resize((aug.size, aug.size), Image.BILINEAR, box=_clamp_box(left, top, bw, bh, w, h))
+    if flip:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    out = np.asarray(img)
+    return out[..., None] if out.ndim == 2 else out
+
+
+def apply_params(images: np.ndarray, aug: Augmentation, params: Params) -> np.ndarray:
+    """The recipe on a (N, H, W, C) uint8 batch with drawn ``params``: translate and flip with array
+    ops (no per-sample Python), resizing crops through PIL per sample."""
+    if params.boxes is not None:
+        if not len(images):
+            return np.empty((0, aug.size, aug.size, images.shape[3]), dtype=np.uint8)
+        return np.stack([resize_box(im, aug, box, flip) for im, box, flip in
+                         zip(images, params.boxes, params.flips)])
+    n, h, w, _ = images.shape
+    if params.offsets is not None:
+        p, off = aug.pad, params.offsets
+        padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)))
+        rows = off[:, 0, None] + np.arange(h)            # (n, h)
+        cols = off[:, 1, None] + np.arange(w)            # (n, w)
+        images = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    flip = params.flips
+    if flip.any():
+        images = images.copy() if not images.flags.writeable else images
+        images[flip] = images[flip, :, ::-1]
+    return images
+
+
 def augment_array(image: np.ndarray, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
-    """The recipe for one decoded uint8 (H, W, C) array (PIL path for the resizing crops)."""
-    if aug.crop in ("random_resized", "center"):
-        h, w, c = image.shape
-        box, flip = sample_box(aug, rng, h, w)
-        top, left, bh, bw = box
-        img = Image.fromarray(image[..., 0] if c == 1 else image)
-        img = img.resize((aug.size, aug.size), Image.BILINEAR, box=_clamp_box(left, top, bw, bh, w, h))
-        if flip:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        out = np.asarray(img)
-        return out[..., None] if out.ndim == 2 else out
+    """The recipe for one decoded uint8 (H, W, C) array."""
     return augment_batch(image[None], aug, rng)[0]
 
 
@@ -221,20 +293,6 @@ def translate_offsets(rng: np.random.Generator, n: int, pad: int) -> np.ndarray:
 
 
 def augment_batch(images: np.ndarray, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
-    """Translate / flip a whole (N, H, W, C) uint8 batch with array ops (no per-sample Python)."""
+    """Draw the batch's parameters and apply them to a (N, H, W, C) uint8 batch."""
     n, h, w, _ = images.shape
-    if aug.crop == "translate":
-        p = aug.pad
-        off = translate_offsets(rng, n, p)
-        padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)))
-        rows = off[:, 0, None] + np.arange(h)            # (n, h)
-        cols = off[:, 1, None] + np.arange(w)            # (n, w)
-        images = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
-    elif aug.crop != "none":
-        return np.stack([augment_array(im, aug, rng) for im in images])
-    if aug.hflip > 0:
-        flip = rng.random(n) < aug.hflip
-        if flip.any():
-            images = images.copy() if not images.flags.writeable else images
-            images[flip] = images[flip, :, ::-1]
-    return images
+    return apply_params(images, aug, draw_params(aug, rng, n, (h, w)))

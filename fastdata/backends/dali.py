@@ -26,9 +26,8 @@ misses its last rows (the run then dies at a random later epoch), and garbage th
 about inside DALI yields a garbled image. With the check, every backend refuses the same files in the
 first epoch, whatever the crops.
 
-Random augmentation parameters are drawn here, in Python, from ``plan.batch_seed(epoch, batch)`` with
-the shared helpers (``sample_box``, ``translate_offsets``) in the same order as the torch backend, and
-fed to DALI as per-sample inputs (slice anchor, resize ROI, mirror flag). So a batch's augmentation
+Random augmentation parameters come from ``transforms.draw_params`` (the one source every backend
+uses), drawn in Python from ``plan.batch_seed(epoch, batch)``, and fed to DALI as per-sample inputs (slice anchor, resize ROI, mirror flag). So a batch's augmentation
 depends only on the seed, never on DALI's RNG, its threads or where a run was resumed; for array
 sources the output equals the torch backend's bit for bit before normalization.
 
@@ -69,8 +68,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ..config import Crop
+from ..datasets import SourceKind
 from ..errors import DecodeError
-from ..transforms import check_pixels, exif_orientation, open_image, sample_box, translate_offsets
+from ..transforms import check_pixels, draw_params, exif_orientation, open_image, require_fixed_size
 from .base import Loader
 
 # Pipelines inherited by forked children, kept alive there on purpose (see DaliLoader.__del__).
@@ -226,12 +227,9 @@ class DaliLoader(Loader):
             raise ValueError(f"validate must be True or False, got {self.opts['validate']!r}")
         self.read_threads, self.validate = readers, self.opts["validate"]
         aug = self.augment
-        if source.kind == "files" and aug.crop not in ("random_resized", "center"):
-            raise ValueError(f"{source!r} holds photos of different sizes: its augmentation needs a crop "
-                             f"that fixes the output size ('random_resized' or 'center'), got "
-                             f"crop={aug.crop!r}")
+        require_fixed_size(source, aug)
         self.gpu = self.device.type == "cuda"
-        if source.kind == "files":
+        if source.kind is SourceKind.FILES:
             self.out_shape = (3, aug.size, aug.size)
         else:
             h, w, c = source.image_shape
@@ -239,7 +237,7 @@ class DaliLoader(Loader):
         # Per file: what is known (_UNSEEN/_OK/_NO_HEADER/_BROKEN), and (height, width, EXIF orientation)
         # as the augmentation sees them. numpy, not dicts of tuples: 13 bytes a file, 17 MB for
         # ImageNet's 1.28M files. Reasons are kept only for the few broken ones.
-        n = len(source) if source.kind == "files" else 0
+        n = len(source) if source.kind is SourceKind.FILES else 0
         self._state = np.zeros(n, np.uint8)
         self._dims = np.zeros((n, 3), np.int32)
         self._why: dict[int, str] = {}
@@ -250,7 +248,7 @@ class DaliLoader(Loader):
         # pickle the callback into worker processes, which cannot follow the epoch/resume position
         # set here. Created on first use (the executors start their threads lazily).
         self._assembler = self._readers = None
-        if source.kind == "files":
+        if source.kind is SourceKind.FILES:
             self._assembler = ThreadPoolExecutor(1, thread_name_prefix="fastdata-dali-batch")
             self._readers = ThreadPoolExecutor(readers, thread_name_prefix="fastdata-dali-read")
         self._feeder = _Feeder(self, ahead=depth + 1)
@@ -268,7 +266,7 @@ class DaliLoader(Loader):
 
         self._release()
         aug, gpu = self.augment, self.gpu
-        files = self.source.kind == "files"
+        files = self.source.kind is SourceKind.FILES
         half = self.config.dtype == torch.float16
         channels_last = self.config.channels_last
 
@@ -294,7 +292,7 @@ class DaliLoader(Loader):
                                 roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
             else:
                 # With crop "none" there is no window to feed: 3 inputs instead of 5.
-                n_in = 3 if aug.crop == "none" else 5
+                n_in = 3 if aug.crop is Crop.NONE else 5
                 ins = fn.external_source(source=self._feeder, num_outputs=n_in, batch=True,
                                          layout=["HWC"] + [None] * (n_in - 1),
                                          dtype=[types.UINT8, types.INT64, types.FLOAT, types.FLOAT,
@@ -302,11 +300,11 @@ class DaliLoader(Loader):
                 img, labels, mirror = ins[0], ins[1], ins[-1]
                 p0, p1 = (ins[2], ins[3]) if n_in == 5 else (None, None)
                 img = img.gpu() if gpu else img
-                if aug.crop == "translate":
+                if aug.crop is Crop.TRANSLATE:
                     # pad + random crop as one slice whose window may leave the image: zeros there.
                     img = fn.slice(img, p0, p1, axis_names="HW", normalized_anchor=False,
                                    normalized_shape=False, out_of_bounds_policy="pad", fill_values=0)
-                elif aug.crop in ("random_resized", "center"):
+                elif aug.crop.resamples:
                     img = fn.resize(img, size=[aug.size, aug.size], roi_start=p0, roi_end=p1,
                                     roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
             # One fused pass: flip, (x - 255 mean) / (255 std), HWC → CHW (or kept for channels_last),
@@ -334,7 +332,7 @@ class DaliLoader(Loader):
     def _prepare(self, epoch: int, k: int, ids: np.ndarray):
         """DALI inputs of batch ``k`` (or None when it is empty) and its record."""
         rng = self.batch_rng(epoch, k)
-        if self.source.kind == "files":
+        if self.source.kind is SourceKind.FILES:
             return self._prepare_files(rng, k, ids)
         src, aug = self.source, self.augment
         n = len(ids)
@@ -343,21 +341,17 @@ class DaliLoader(Loader):
             return None, record
         h, w, _ = src.image_shape
         images = src.images[ids]
-        # The draws below follow transforms.augment_batch / augment_array exactly (same order, same
-        # helpers), so both backends see the same shifts, boxes and flips for a seed.
-        if aug.crop == "translate":
-            p0 = (translate_offsets(rng, n, aug.pad) - aug.pad).astype(np.float32)   # slice anchor
-            p1 = np.tile(np.array([h, w], np.float32), (n, 1))                       # slice shape
-            flips = rng.random(n) < aug.hflip if aug.hflip > 0 else np.zeros(n, bool)
-        elif aug.crop in ("random_resized", "center"):
-            boxes, flips = zip(*(sample_box(aug, rng, h, w) for _ in range(n)))
-            boxes = np.asarray(boxes, np.float32)                                    # (top, left, h, w)
+        params = draw_params(aug, rng, n, (h, w))   # the recipe's one source of random numbers
+        flips = params.flips.astype(np.int32)
+        if params.offsets is not None:
+            p0 = (params.offsets - aug.pad).astype(np.float32)                 # slice anchor
+            p1 = np.tile(np.array([h, w], np.float32), (n, 1))                 # slice shape
+        elif params.boxes is not None:
+            boxes = params.boxes.astype(np.float32)                            # (top, left, h, w)
             p0, p1 = boxes[:, :2].copy(), boxes[:, :2] + boxes[:, 2:]
-            flips = np.asarray(flips)
         else:
-            flips = rng.random(n) < aug.hflip if aug.hflip > 0 else np.zeros(n, bool)
-            return (images, src.labels[ids], flips.astype(np.int32)), record
-        return (images, src.labels[ids], p0, p1, flips.astype(np.int32)), record
+            return (images, src.labels[ids], flips), record
+        return (images, src.labels[ids], p0, p1, flips), record
 
     def _prepare_files(self, rng, k, ids):
         """Runs in the assembler thread: reads the batch's files (in the reader threads), then draws
@@ -367,17 +361,22 @@ class DaliLoader(Loader):
         data = [d for chunk in self._readers.map(self._read_files, chunks) for d in chunk]
         enc, keep, anchor, shape, roi0, roi1, mirror = [], [], [], [], [], [], []
         skipped = 0
+        # Parameters for every file whose header opened, in order: the torch backend draws for a file
+        # once open_image succeeds, before its decode can fail (a file without a header draws nothing).
+        opened = [int(i) for i in ids if self._state[int(i)] != _NO_HEADER]
+        params = draw_params(self.augment, rng, len(opened), self._dims[opened, :2].reshape(-1, 2))
+        j = 0
         for i, buf in zip(ids, data):
             i = int(i)
             state = self._state[i]
-            if state == _NO_HEADER:  # the torch backend fails in open_image, before drawing
+            if state == _NO_HEADER:
                 if self.config.on_error == "raise":
                     raise DecodeError(self.source.paths[i], self._why[i])
                 skipped += 1
                 continue
             height, width, orientation = (int(v) for v in self._dims[i])
-            # Drawn before the checks below, as the torch backend draws before its decode fails.
-            (top, left, bh, bw), flip = sample_box(self.augment, rng, height, width)
+            (top, left, bh, bw), flip = (float(v) for v in params.boxes[j]), bool(params.flips[j])
+            j += 1
             if state == _BROKEN or isinstance(buf, str):
                 if self.config.on_error == "raise":
                     raise DecodeError(self.source.paths[i], buf if isinstance(buf, str) else self._why[i])

@@ -31,10 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import Augmentation
+from ..config import Augmentation, Crop
+from ..datasets import SourceKind
 from ..errors import CacheDoesNotFit, DecodeError
 from ..sampling import EpochPlan
-from ..transforms import center_params, rrc_params, translate_offsets
+from ..transforms import draw_params
 from .base import Loader
 
 #: What the budget keeps free by default for the model, its activations and the batch being augmented:
@@ -141,9 +142,9 @@ def budget(device: torch.device, reserve=None, exclude=None) -> Budget:
 
 def cache_bytes(source, config) -> int:
     """Bytes of the uint8 cache for ``source`` (new allocation only: an array on the CPU is shared)."""
-    if source.kind == "array":
+    if source.kind is SourceKind.ARRAY:
         aug = config.augment if config.augment is not None else source.default_augmentation(config.train)
-        if aug.crop == "translate":  # kept pre-padded (see MemoryLoader), on any device
+        if aug.crop is Crop.TRANSLATE:  # kept pre-padded (see MemoryLoader), on any device
             n, h, w, c = source.images.shape
             return n * (h + 2 * aug.pad) * (w + 2 * aug.pad) * c
         return 0 if config.device.type == "cpu" else source.images.nbytes
@@ -153,7 +154,7 @@ def cache_bytes(source, config) -> int:
 def ready_bytes(source, config, aug) -> int:
     """Bytes of an array source cached already normalized (padded for translation) in the output dtype."""
     n, h, w, c = source.images.shape
-    p = aug.pad if aug.crop == "translate" else 0
+    p = aug.pad if aug.crop is Crop.TRANSLATE else 0
     return n * (h + 2 * p) * (w + 2 * p) * c * config.dtype.itemsize
 
 
@@ -222,15 +223,15 @@ class MemoryLoader(Loader):
         reserve = self.opts["memory_reserve"]
         check_fits(source, config, reserve)  # before any allocation
         _LIVE.add(self)
-        p = self.augment.pad if self.augment.crop == "translate" else 0
-        if source.kind == "array":
+        p = self.augment.pad if self.augment.crop is Crop.TRANSLATE else 0
+        if source.kind is SourceKind.ARRAY:
             cache = torch.from_numpy(source.images)          # shares the array's memory on the CPU
             labels = torch.from_numpy(source.labels)
             self.kept = None
         else:
             cache, labels = self._decode_files()             # already on the device
         self.labels = labels.to(self.device)
-        if source.kind == "array" and self.augment.crop in ("none", "translate") \
+        if source.kind is SourceKind.ARRAY and not self.augment.crop.resamples \
                 and ready_bytes(source, config, self.augment) <= budget(self.device, reserve, self).limit:
             # Small images (digits): cache them already normalized, padded for the translation, in the
             # output dtype. A batch is then one gather from a strided view of every shifted copy, with
@@ -267,7 +268,7 @@ class MemoryLoader(Loader):
 
     def _owned_bytes(self) -> int:
         """Bytes of the tensors this loader allocated (an array source shared on the CPU is not one)."""
-        shared = self.source.images.ctypes.data if self.source.kind == "array" else None
+        shared = self.source.images.ctypes.data if self.source.kind is SourceKind.ARRAY else None
         seen, total = set(), 0
         for t in (self.cache, self.ready, self.labels, getattr(self, "_pixel", None)):
             if t is None:
@@ -280,7 +281,7 @@ class MemoryLoader(Loader):
         return total
 
     def _build_ready(self, cache: torch.Tensor) -> torch.Tensor:
-        p = self.augment.pad if self.augment.crop == "translate" else 0
+        p = self.augment.pad if self.augment.crop is Crop.TRANSLATE else 0
         n, h, w, c = cache.shape
         fmt = torch.channels_last if self.config.channels_last else torch.contiguous_format
         ready = torch.empty((n, c, h + 2 * p, w + 2 * p), dtype=self.config.dtype, device=self.device,
@@ -366,19 +367,19 @@ class MemoryLoader(Loader):
         aug = self.augment
         bounds, ids, offs, flips, thetas, exact = [], [], [], [], [], []
         pos = 0
-        simple = self.ready is not None or aug.crop in ("none", "translate")  # no resized crops
+        simple = self.ready is not None or not aug.crop.resamples  # shifted copies, no resized crops
+        size = self.cache.shape[1:3] if self.cache is not None else self.ready.shape[2:]
         for k, b in enumerate(batches):
-            rng = self.batch_rng(epoch, start + k)
             n = len(b)
+            params = draw_params(aug, self.batch_rng(epoch, start + k), n, size)
             if simple:
-                # Same draws, same order as transforms.augment_batch: offsets, then flips.
-                if aug.crop == "translate":
-                    offs.append(translate_offsets(rng, n, aug.pad))
+                if params.offsets is not None:
+                    offs.append(params.offsets)
                 if aug.hflip > 0:
-                    flips.append(rng.random(n) < aug.hflip)
+                    flips.append(params.flips)
                 exact.append(None)
             else:
-                theta, ex = self._crop_params(rng, n)
+                theta, ex = self._crop_params(params)
                 thetas.append(theta)
                 exact.append(ex)
             bounds.append((pos, pos + n))
@@ -402,7 +403,7 @@ class MemoryLoader(Loader):
         return _Epoch(
             bounds=bounds,
             ids=upload(ids, np.int64, (0,)),
-            off=upload(offs, np.int64, (0, 2)) if simple and aug.crop == "translate" else None,
+            off=upload(offs, np.int64, (0, 2)) if simple and aug.crop is Crop.TRANSLATE else None,
             flip=upload(flips, np.bool_, (0,)) if simple and aug.hflip > 0 else None,
             theta=None if simple else upload(thetas, np.float32, (0, 2, 3)),
             exact=exact, pinned=tuple(pinned))
@@ -415,7 +416,7 @@ class MemoryLoader(Loader):
         flip = ep.flip[a:b] if ep.flip is not None else None
         if self.ready is not None:
             images = self._from_ready(idx, off, flip)
-        elif self.augment.crop in ("none", "translate"):
+        elif not self.augment.crop.resamples:
             images = self._from_uint8(idx, off, flip)
         else:
             images = self._resized_crops(self.cache[idx], ep.theta[a:b], ep.exact[k])
@@ -441,26 +442,19 @@ class MemoryLoader(Loader):
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def _crop_params(self, rng: np.random.Generator, n: int):
+    def _crop_params(self, params):
         """(theta (n, 2, 3), exact crop (top, left) or None) for one batch of photos from the cache.
 
-        Boxes are drawn like the torch backend's (transforms.sample_box: box, then flip, per sample).
         affine_grid maps output [-1, 1] to the box in normalized input coordinates (align_corners=False:
         pixel edges at ±1); a negative x scale mirrors the crop.
         """
         aug = self.augment
         h, w = self.cache.shape[1:3]
-        boxes = np.empty((n, 4), dtype=np.float64)
-        flips = np.zeros(n, dtype=bool)
-        for i in range(n):
-            if aug.crop == "random_resized":
-                boxes[i] = rrc_params(rng, h, w, aug.scale, aug.ratio)
-            else:
-                boxes[i] = center_params(h, w, aug.size, aug.resize)
-            flips[i] = aug.hflip > 0 and rng.random() < aug.hflip
+        boxes, flips = params.boxes, params.flips
+        n = len(flips)
         top, left, bh, bw = (boxes[:, j] for j in range(4))
         exact = None
-        if n and aug.crop == "center" and not flips.any() and np.allclose(bh, aug.size) \
+        if n and aug.crop is Crop.CENTER and not flips.any() and np.allclose(bh, aug.size) \
                 and float(top[0]).is_integer() and float(left[0]).is_integer():
             exact = (int(top[0]), int(left[0]))  # the exact eval crop: a slice, no resampling
         theta = np.zeros((n, 2, 3), dtype=np.float32)

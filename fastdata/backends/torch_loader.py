@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..config import Crop
 from ..datasets import SourceKind
 from ..errors import DecodeError
-from ..transforms import augment_array, augment_batch, load_photo
+from ..transforms import augment_array, augment_batch, load_photo, require_fixed_size
 from .base import Loader
 
 
@@ -50,10 +51,7 @@ class BatchFetcher(Dataset):
         self.source = source
         self.augment = augment
         self.on_error = on_error
-        if source.kind == "files" and augment.crop not in ("random_resized", "center"):
-            raise ValueError(f"{source!r} holds photos of different sizes: its augmentation needs a crop "
-                             f"that fixes the output size ('random_resized' or 'center'), got "
-                             f"crop={augment.crop!r}")
+        require_fixed_size(source, augment)
 
     def __len__(self):  # jobs come from the sampler; a length keeps DataLoader's bookkeeping happy
         return len(self.source)
@@ -62,10 +60,10 @@ class BatchFetcher(Dataset):
         ids, seed = job
         rng = np.random.default_rng(seed)
         src = self.source
-        if src.kind == "array":
+        if src.kind is SourceKind.ARRAY:
             images = augment_batch(src.images[ids], self.augment, rng)
             return torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(src.labels[ids]), 0
-        if src.kind == "files":
+        if src.kind is SourceKind.FILES:
             return self._files(ids, rng)
         return self._dataset(ids, rng)
 
@@ -92,15 +90,15 @@ class BatchFetcher(Dataset):
         images, labels = [], []
         for k, (image, label) in enumerate(samples):
             arr = self.source.as_array(image)  # every sample converted to source.channels the same way
-            images.append(augment_array(arr, self.augment, rng) if self.augment.crop != "translate" else arr)
+            images.append(augment_array(arr, self.augment, rng) if self.augment.crop is not Crop.TRANSLATE else arr)
             labels.append(self.source.as_label(label, ids_list[k]))
-        if self.augment.crop == "translate" or self.augment.crop == "none":
+        if not self.augment.crop.fixes_size:
             shapes = {a.shape for a in images}
             if len(shapes) > 1:
                 raise ValueError(f"{self.source.name} returned images of different sizes {sorted(shapes)[:3]}; "
                                  f"use a recipe with a resizing crop (Augmentation.imagenet_eval())")
             batch = np.stack(images)
-            if self.augment.crop == "translate":
+            if self.augment.crop is Crop.TRANSLATE:
                 batch = augment_batch(batch, self.augment, rng)
         else:
             batch = np.stack(images)
