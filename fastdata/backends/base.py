@@ -23,6 +23,7 @@ import torch
 
 from ..config import LoaderConfig, _integer, _reals
 from ..datasets import Source, SourceKind
+from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info
 
 
@@ -115,7 +116,8 @@ class Loader:
         # once, releasing its prefetch thread, instead of living until the next iter().
         self._current = None
         self.skipped = 0              # samples skipped with on_error="skip" in the current epoch
-        self._scale, self._shift = self._normalizer()
+        #: uint8 NHWC batches → normalized NCHW floats on the device (see fastdata/normalize.py).
+        self.normalizer = Normalizer(self.mean, self.std, self.device, config.dtype, config.channels_last)
 
     # ------------------------------------------------------------------ selection
     @classmethod
@@ -245,65 +247,10 @@ class Loader:
         """Yield (images, labels) for ``batches`` (sample ids); ``start`` is the first batch's number."""
         raise NotImplementedError
 
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, H, W, C) on the device → the contract's normalized (N, C, H, W) batch: the loader's
+        ``normalizer`` (fastdata/normalize.py). Backends call this, so wrapping it applies everywhere."""
+        return self.normalizer(images)
+
     def batch_rng(self, epoch: int, batch: int) -> np.random.Generator:
         return np.random.default_rng(self.plan.batch_seed(epoch, batch))
-
-    def _normalizer(self):
-        # (x / 255 - mean) / std folded into one multiply-add: x * scale + shift.
-        mean = torch.tensor(self.mean, dtype=torch.float32)
-        std = torch.tensor(self.std, dtype=torch.float32)
-        scale = (1.0 / (255.0 * std)).view(1, -1, 1, 1)
-        shift = (-mean / std).view(1, -1, 1, 1)
-        return scale.to(self.device), shift.to(self.device)
-
-    def normalize(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 (N, H, W, C) on the device → normalized (N, C, H, W) in the configured dtype/layout.
-
-        The batch stays uint8 until here (a quarter of float's bytes through collate, pinning and the
-        host-to-device copy). ``permute`` of an NHWC tensor already has channels-last strides, so the
-        channels_last layout costs no copy; the contiguous (NCHW) layout costs one.
-        """
-        x = images.permute(0, 3, 1, 2)
-        if self.device.type == "cpu" and x.numel() > self._GRAIN:
-            return self._normalize_chunked(x)
-        if not self.config.channels_last:
-            x = x.contiguous()  # the layout change is cheapest on uint8, before the float conversion
-        return self.normalize_float(x)
-
-    # On the CPU a whole-batch conversion streams the float batch through memory three times (layout
-    # copy, multiply, add: 38 MB each for 64 photos of 224²). Pieces of at most 32,768 elements (torch's
-    # intra-op grain size) stay in the core's cache and run on the calling thread: a larger op starts an
-    # OpenMP region whose threads spin against the DataLoader workers on the same cores (measured on
-    # 2 cores with 2 workers: 790 → 1,225 JPEG images/s).
-    _GRAIN = 32768
-
-    def _normalize_chunked(self, x: torch.Tensor) -> torch.Tensor:
-        n, c, h, w = x.shape
-        fmt = torch.channels_last if self.config.channels_last else torch.contiguous_format
-        out = torch.empty((n, c, h, w), dtype=torch.float32, memory_format=fmt)
-        # mul(out=) converts and transposes in one vectorized pass; copy_() with a dtype change and a
-        # layout change takes a slow element-wise path (measured 100x slower).
-        if c * h * w <= self._GRAIN:  # small images (digits): groups of whole images
-            step = self._GRAIN // (c * h * w)
-            for i in range(0, n, step):
-                o = out[i:i + step]
-                torch.mul(x[i:i + step], self._scale, out=o)
-                o.add_(self._shift)
-        else:  # photos: bands of rows within each image
-            rows = max(1, self._GRAIN // (c * w))
-            scale, shift = self._scale[0], self._shift[0]
-            for i in range(n):
-                xi, oi = x[i], out[i]
-                for r in range(0, h, rows):
-                    o = oi[:, r:r + rows]
-                    torch.mul(xi[:, r:r + rows], scale, out=o)
-                    o.add_(shift)
-        return out if self.config.dtype == torch.float32 else out.to(self.config.dtype)
-
-    def normalize_float(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, C, H, W) in 0..255 (uint8 or float) → normalized, in the configured dtype and layout."""
-        # uint8 * float32 promotes inside the multiply: one pass writes the float batch, one adds.
-        x = x.mul(self._scale).add_(self._shift) if x.numel() else x.float()
-        if self.config.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x if self.config.dtype == torch.float32 else x.to(self.config.dtype)

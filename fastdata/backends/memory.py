@@ -470,12 +470,12 @@ class MemoryLoader(Loader):
         xf = x.permute(0, 3, 1, 2).float()
         if exact is not None:
             t, l = exact
-            return self.normalize_float(xf[:, :, t:t + size, l:l + size].contiguous())
+            return self.normalizer.floats(xf[:, :, t:t + size, l:l + size].contiguous())
         if x.shape[0] == 0:  # an empty share (drop_last=False, more ranks than samples left)
-            return self.normalize_float(xf.new_empty((0, xf.shape[1], size, size)))
+            return self.normalizer.floats(xf.new_empty((0, xf.shape[1], size, size)))
         grid = F.affine_grid(theta, (x.shape[0], xf.shape[1], size, size), align_corners=False)
         out = F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
-        return self.normalize_float(out)
+        return self.normalizer.floats(out)
 
     def close(self):
         self.cache = self.ready = self._shifted = self._pixel = None

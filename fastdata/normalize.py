@@ -1,0 +1,80 @@
+"""Normalization: uint8 (N, H, W, C) batches → normalized float (N, C, H, W) on the device.
+
+Every backend keeps its batches uint8 until here: a quarter of float's bytes through collate, pinning
+and the host-to-device copy. ``(x / 255 - mean) / std`` is folded into one multiply-add,
+``x * scale + shift``, with ``scale``/``shift`` kept on the device.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Normalizer:
+    """Holds ``scale``/``shift`` on ``device`` and converts batches to ``dtype`` in the chosen layout.
+
+    Args:
+        mean, std: per-channel statistics in [0, 1] units (already validated by the loader).
+        device: where the batches are (and the constants live).
+        dtype: the output dtype (float32, bfloat16 or float16).
+        channels_last: output in channels_last memory format instead of contiguous NCHW.
+    """
+
+    # On the CPU a whole-batch conversion streams the float batch through memory three times (layout
+    # copy, multiply, add: 38 MB each for 64 photos of 224²). Pieces of at most 32,768 elements (torch's
+    # intra-op grain size) stay in the core's cache and run on the calling thread: a larger op starts an
+    # OpenMP region whose threads spin against the DataLoader workers on the same cores (measured on
+    # 2 cores with 2 workers: 790 → 1,225 JPEG images/s).
+    GRAIN = 32768
+
+    def __init__(self, mean, std, device: torch.device, dtype: torch.dtype = torch.float32,
+                 channels_last: bool = False):
+        mean_t = torch.tensor(mean, dtype=torch.float32)
+        std_t = torch.tensor(std, dtype=torch.float32)
+        self.device, self.dtype, self.channels_last = torch.device(device), dtype, channels_last
+        self.scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1).to(self.device)
+        self.shift = (-mean_t / std_t).view(1, -1, 1, 1).to(self.device)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, H, W, C) on the device → normalized (N, C, H, W) in the configured dtype/layout.
+
+        ``permute`` of an NHWC tensor already has channels-last strides, so the channels_last layout
+        costs no copy; the contiguous (NCHW) layout costs one.
+        """
+        x = images.permute(0, 3, 1, 2)
+        if self.device.type == "cpu" and x.numel() > self.GRAIN:
+            return self._chunked(x)
+        if not self.channels_last:
+            x = x.contiguous()  # the layout change is cheapest on uint8, before the float conversion
+        return self.floats(x)
+
+    def floats(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C, H, W) in 0..255 (uint8 or float) → normalized, in the configured dtype and layout."""
+        # uint8 * float32 promotes inside the multiply: one pass writes the float batch, one adds.
+        x = x.mul(self.scale).add_(self.shift) if x.numel() else x.float()
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x if self.dtype == torch.float32 else x.to(self.dtype)
+
+    def _chunked(self, x: torch.Tensor) -> torch.Tensor:
+        """The CPU path: cache-sized pieces on the calling thread (see GRAIN)."""
+        n, c, h, w = x.shape
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        out = torch.empty((n, c, h, w), dtype=torch.float32, memory_format=fmt)
+        # mul(out=) converts and transposes in one vectorized pass; copy_() with a dtype change and a
+        # layout change takes a slow element-wise path (measured 100x slower).
+        if c * h * w <= self.GRAIN:  # small images (digits): groups of whole images
+            step = self.GRAIN // (c * h * w)
+            for i in range(0, n, step):
+                o = out[i:i + step]
+                torch.mul(x[i:i + step], self.scale, out=o)
+                o.add_(self.shift)
+        else:  # photos: bands of rows within each image
+            rows = max(1, self.GRAIN // (c * w))
+            scale, shift = self.scale[0], self.shift[0]
+            for i in range(n):
+                xi, oi = x[i], out[i]
+                for r in range(0, h, rows):
+                    o = oi[:, r:r + rows]
+                    torch.mul(xi[:, r:r + rows], scale, out=o)
+                    o.add_(shift)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
