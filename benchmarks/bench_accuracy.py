@@ -42,12 +42,14 @@ def _example():
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Seconds of training until the MNIST example reaches a test "
-                                            "accuracy, per backend.", add_help=add_help)
-    p.add_argument("--backends", nargs="+", default=None, choices=[b for b in available_backends() if b != "auto"],
+    p = common.PresetParser(description="Seconds of training until the MNIST example reaches a test "
+                            "accuracy, per backend.", add_help=add_help,
+                            quick_help="1 epoch on 6,000/1,000 digits: checks that it runs, not how fast")
+    backends = [b for b in available_backends() if b != "auto"]
+    p.add_argument("--backends", nargs="+", default=backends, choices=backends,
                    help="default: every available backend")
     p.add_argument("--target", type=float, default=0.99, help="test accuracy to reach (default 0.99)")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_preset("--epochs", type=int, full=3, quick=1)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--device", default=None)
@@ -55,10 +57,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"))
     p.add_argument("--data-root", default="./data")
-    p.add_argument("--train-size", type=int, default=None)
-    p.add_argument("--test-size", type=int, default=None)
-    p.add_argument("--quick", action="store_true",
-                   help="1 epoch on 6,000/1,000 digits: checks that it runs, not how fast")
+    p.add_preset("--train-size", type=int, full=None, quick=6000, help="training images (default: all)")
+    p.add_preset("--test-size", type=int, full=None, quick=1000, help="test images (default: all)")
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     p.add_argument("--tag", default=None)
     return p
@@ -78,12 +78,9 @@ def time_to_target(history: list[dict], target: float) -> tuple[float | None, in
 
 def main(args) -> dict:
     example = _example()
-    if args.quick:
-        args.epochs, args.train_size, args.test_size = 1, args.train_size or 6000, args.test_size or 1000
-    backends = args.backends or [b for b in available_backends() if b != "auto"]
     machine = common.machine_info()
     rows, dataset = [], None
-    for backend in backends:
+    for backend in args.backends:
         argv = ["--backend", backend, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                 "--lr", str(args.lr), "--amp", args.amp, "--data", args.data, "--data-root", args.data_root,
                 "--no-progress"]
@@ -135,12 +132,10 @@ def main(args) -> dict:
     chart = {k: v for k, v in chart.items() if v}
     payload["paths"] = common.write_reports(
         args.out, f"accuracy-{tag}", title=f"Time to {args.target:.0%} test accuracy", machine=machine,
-        command=common.command_line("bench_accuracy.py", getattr(args, "argv", None)),
+        command=common.command_line("bench_accuracy.py", args.argv),
         body_md=body, payload=payload, chart_groups=chart, chart_xlabel="value", chart_log=False)
     return payload
 
 
 if __name__ == "__main__":
-    parsed = get_args_parser().parse_args()
-    parsed.argv = sys.argv[1:]
-    main(parsed)
+    main(get_args_parser().parse_args())

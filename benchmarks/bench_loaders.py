@@ -40,36 +40,40 @@ except ImportError:  # run as a script: python benchmarks/bench_loaders.py
     from benchmarks import common
 
 import fastdata
+from fastdata import registry
 from fastdata.config import usable_cores
 
 WORKLOADS = ("digits", "jpeg")
-BACKEND_ORDER = ("torch", "memory", "prefetch", "dali", "auto")
+
+
+def backend_names() -> list[str]:
+    """The registry's backends in its table order, then ``auto`` (what it picks, measured the same way)."""
+    return [s.name for s in registry.specs()] + ["auto"]
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Loader throughput (images/s) of the tutorial pipeline, every "
-         "available fastdata backend and the machine's limit.",
-                                add_help=add_help)
+    p = common.PresetParser(description="Loader throughput (images/s) of the tutorial pipeline, every "
+                            "available fastdata backend and the machine's limit.", add_help=add_help,
+                            quick_help="small sizes, one timed pass: checks that it runs (under 2 minutes "
+                                       "on 2 cores), not how fast")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--backends", nargs="+", default=None, choices=BACKEND_ORDER,
+    p.add_argument("--backends", nargs="+", default=backend_names(), choices=backend_names(),
                    help="fastdata backends to try (default: all; unavailable ones are skipped)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the tutorial pipeline")
     p.add_argument("--no-limit", dest="limit", action="store_false", help="skip the limit measurement")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
-    p.add_argument("--workers", type=int, default=None, help="worker processes/threads (default: usable cores)")
-    p.add_argument("--passes", type=int, default=None, help="timed passes per contender (median reported; "
-                          "default 3, --quick 1); one warm-up pass precedes them")
-    p.add_argument("--digits", type=int, default=None, help="digit images (default 60000, --quick 6000)")
+    p.add_argument("--workers", type=int, default=usable_cores(),
+                   help="worker processes/threads (default: usable cores)")
+    p.add_preset("--passes", type=int, full=3, quick=1,
+                 help="timed passes per contender (median reported); one warm-up pass precedes them")
+    p.add_preset("--digits", type=int, full=60_000, quick=6000, help="digit images")
     p.add_argument("--digits-batch", type=int, default=256)
-    p.add_argument("--jpeg-images", type=int, default=None, help="photos in the JPEG folder "
-                               "(default 1500, --quick 96)")
-    p.add_argument("--jpeg-batch", type=int, default=None, help="default 64, --quick 32")
+    p.add_preset("--jpeg-images", type=int, full=1500, quick=96, help="photos in the JPEG folder")
+    p.add_preset("--jpeg-batch", type=int, full=64, quick=32)
     p.add_argument("--data", default="./data", help="folder holding MNIST/raw (used when present)")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEG folder is kept")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds of timed passes per contender before stopping early (default 60, --quick 8)")
-    p.add_argument("--quick", action="store_true", help="small sizes, one timed pass: checks that it runs "
-                      "(under 2 minutes on 2 cores), not how fast")
+    p.add_preset("--budget", type=float, full=60.0, quick=8.0,
+                 help="seconds of timed passes per contender before stopping early")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")
     return p
@@ -123,20 +127,18 @@ class TutorialDigits(torch.utils.data.Dataset):
         return self.transform(img), int(self.labels[i])
 
 
-def baseline_loader(workload, source, args, device):
+def baseline_loader(workload, source, batch, workers, device):
     from torchvision import datasets, transforms
 
     if workload == "digits":
         tf = transforms.Compose([transforms.RandomCrop(28, padding=2), transforms.ToTensor(),
                                  transforms.Normalize(source.mean, source.std)])
         ds = TutorialDigits(source.images[..., 0], source.labels, tf)
-        batch = args.digits_batch
     else:
         tf = transforms.Compose([transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(),
                                  transforms.ToTensor(), transforms.Normalize(source.mean, source.std)])
         ds = datasets.ImageFolder(str(source.root), transform=tf)
-        batch = args.jpeg_batch
-    dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=args.workers,
+    dl = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
                                      pin_memory=device.type == "cuda")
 
     class ToDevice:  # the tutorial's training loop: `images, labels = images.to(device), labels.to(device)`
@@ -213,28 +215,31 @@ class DecodeLimit:
 
 
 # ------------------------------------------------------------------------------------ sources
-def digits_source(args):
+def digits_source(count: int, data: str):
+    """(source, description): the first ``count`` MNIST images under ``data``, else synthetic digits."""
     from fastdata.datasets import MNIST, SyntheticDigits
 
     try:
-        src = MNIST(args.data, train=True, download=False)
-        if args.digits < len(src):  # --quick or --digits: a prefix of MNIST
+        src = MNIST(data, train=True, download=False)
+        if count < len(src):  # --quick or --digits: a prefix of MNIST
             from fastdata.datasets import ArraySource
 
-            src = ArraySource(src.images[: args.digits], src.labels[: args.digits], mean=src.mean, std=src.std,
+            src = ArraySource(src.images[:count], src.labels[:count], mean=src.mean, std=src.std,
                               name="mnist", digits=True)
-        return src, f"MNIST from {args.data} ({len(src):,} x 28x28)"
+        return src, f"MNIST from {data} ({len(src):,} x 28x28)"
     except FileNotFoundError:
-        src = SyntheticDigits(args.digits)
-        return src, f"SyntheticDigits ({len(src):,} x 28x28; no MNIST under {args.data})"
+        src = SyntheticDigits(count)
+        return src, f"SyntheticDigits ({len(src):,} x 28x28; no MNIST under {data})"
 
 
-def jpeg_source(args):
+def jpeg_source(count: int, cache: str):
+    """(source, description): a generated folder of ``count`` photos (rounded up to 10 classes), kept
+    under ``cache`` between runs."""
     from fastdata.datasets import ImageFolder, make_image_folder
 
     classes = 10
-    per_class = max(1, -(-args.jpeg_images // classes))
-    root = Path(args.cache) / f"jpeg-{classes}x{per_class}"
+    per_class = max(1, -(-count // classes))
+    root = Path(cache) / f"jpeg-{classes}x{per_class}"
     done = root / ".complete"
     if not done.exists():  # generating 1,500 photos takes about a minute; keep them between runs
         t0 = time.perf_counter()
@@ -281,25 +286,27 @@ def measure(rows, workload, name, role, build, args, device, run=None):
         close = getattr(loader, "close", None)
         if close is not None:
             close()
-    rates = [n / s for n, s in zip(items, seconds)]
+    rates = [n / s for n, s in zip(items, seconds, strict=True)]
     row = common.Row(workload, name, role, rate=common.median_rate(seconds, items), passes=rates,
                      note=note, extra={"setup_s": setup, "warmup_s": warm, "batch": shape,
                                        "images_per_pass": items[0]})
     rows.append(row)
-    spread = f" (passes {', '.join(common.fmt_num(r) for r in rates)})" if len(rates) > 1 else ""
-    print(f"  {name:<10} {common.fmt_num(row.rate):>10} images/s{spread}  setup {setup:.2f}s  "
+    passes = f" (passes {', '.join(common.fmt_num(r) for r in rates)})" if len(rates) > 1 else ""
+    print(f"  {name:<10} {common.fmt_num(row.rate):>10} images/s{passes}  setup {setup:.2f}s  "
           f"warm-up pass {warm:.2f}s  {note}", flush=True)
 
 
 def run_workload(workload, args, device, rows, sources):
-    source, desc = digits_source(args) if workload == "digits" else jpeg_source(args)
+    source, desc = (digits_source(args.digits, args.data) if workload == "digits"
+                    else jpeg_source(args.jpeg_images, args.cache))
     sources[workload] = desc
     batch = args.digits_batch if workload == "digits" else args.jpeg_batch
     print(f"\n[{workload}] {desc}; batch {batch}, {args.workers} workers, device {device}", flush=True)
 
     if args.baseline:
         measure(rows, workload, "baseline", "baseline",
-                lambda: (baseline_loader(workload, source, args, device), "torchvision transforms + DataLoader"),
+                lambda: (baseline_loader(workload, source, batch, args.workers, device),
+                         "torchvision transforms + DataLoader"),
                 args, device)
 
     available = set(fastdata.available_backends())
@@ -316,7 +323,7 @@ def run_workload(workload, args, device, rows, sources):
             logging.getLogger("fastdata").addHandler(handler)
             try:
                 loader = fastdata.make_loader(source, name, batch_size=batch, device=device,
-           num_workers=args.workers, train=True)
+                                              num_workers=args.workers, train=True)
             finally:
                 logging.getLogger("fastdata").removeHandler(handler)
             note = f"make_loader(backend={name!r})"
@@ -367,16 +374,18 @@ def results_markdown(rows, sources, targets, args, device) -> str:
     for workload in [w for w in WORKLOADS if w in sources]:
         lines = []
         for r in [r for r in rows if r.workload == workload]:
-            lines.append([r.name, r.role, common.fmt_num(r.rate) if r.status == "ok" else r.status,
-                          common.fmt_ratio(r.vs_baseline), common.fmt_ratio(r.vs_limit),
+            lines.append([r.name, r.role, common.fmt_rate(r),
+                          common.fmt_vs(r.vs_baseline, r.vs_baseline_range if r.role != "baseline" else None),
+                          common.fmt_vs(r.vs_limit, r.vs_limit_range if r.role != "limit" else None),
                           f"{r.extra['setup_s']:.2f}" if "setup_s" in r.extra else "-",
                           f"{r.extra['warmup_s']:.2f}" if "warmup_s" in r.extra else "-",
                           r.note.replace("|", "/")[:160]])
         batch = args.digits_batch if workload == "digits" else args.jpeg_batch
         parts.append(f"## {workload}\n\n{sources[workload]}. Batch {batch}, {args.workers} workers, device "
-                     f"`{device}`, median of {args.passes} timed pass(es) after one warm-up.\n\n"
+                     f"`{device}`, median of {args.passes} timed pass(es) after one warm-up (slowest–fastest pass in "
+                     f"brackets; a ratio whose range covers 1 is {common.NOISE}).\n\n"
                      + common.markdown_table(["contender", "role", "images/s", "vs baseline", "vs limit",
-           "setup s", "warm-up pass s", "note"], lines))
+                                              "setup s", "warm-up pass s", "note"], lines))
     if targets:
         parts.append("## Targets\n\n" + common.targets_markdown(targets))
     return "\n\n".join(parts)
@@ -384,19 +393,6 @@ def results_markdown(rows, sources, targets, args, device) -> str:
 
 def main(args) -> dict:
     """Run the benchmark; returns the JSON payload (also written under ``args.out``)."""
-    if args.quick:
-        args.digits = args.digits or 6000
-        args.jpeg_images = args.jpeg_images or 96
-        args.passes = args.passes or 1
-        args.budget = args.budget if args.budget is not None else 8.0
-        args.jpeg_batch = args.jpeg_batch or 32
-    args.digits = args.digits or 60_000
-    args.jpeg_images = args.jpeg_images or 1500
-    args.passes = args.passes or 3
-    args.jpeg_batch = args.jpeg_batch or 64
-    args.budget = args.budget if args.budget is not None else 60.0
-    args.workers = usable_cores() if args.workers is None else args.workers
-    args.backends = list(args.backends or BACKEND_ORDER)
     device = fastdata.config.resolve_device(args.device)
     torch.manual_seed(0)
 
@@ -411,7 +407,6 @@ def main(args) -> dict:
     body = results_markdown(rows, sources, targets, args, device)
     print("\n" + body, flush=True)
     tag = args.tag or common.machine_tag(machine)
-    argv = getattr(args, "argv", None)
     payload = {"benchmark": "loaders", "device": str(device), "workers": args.workers, "passes": args.passes,
                "quick": args.quick, "sources": sources, "unit": "images/s",
                "rows": [vars(r) for r in rows], "targets": [vars(t) | {"label": t.describe()} for t in targets]}
@@ -420,12 +415,10 @@ def main(args) -> dict:
              [(r.name, r.rate, r.role) for r in rows if r.workload == w and r.status == "ok"] for w in sources}
     payload["paths"] = common.write_reports(
         args.out, f"loaders-{tag}", title="Loader throughput", machine=machine,
-        command=common.command_line("bench_loaders.py", argv), body_md=body,
+        command=common.command_line("bench_loaders.py", args.argv), body_md=body,
         payload=payload, chart_groups=chart, chart_xlabel="images/s (log scale)")
     return payload
 
 
 if __name__ == "__main__":
-    parsed = get_args_parser().parse_args()
-    parsed.argv = sys.argv[1:]
-    main(parsed)
+    main(get_args_parser().parse_args())

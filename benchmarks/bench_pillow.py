@@ -38,17 +38,15 @@ SIZE = 224
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Per-sample cost of JPEG decode + RandomResizedCrop and of a "
-         "1024²→224² resize with the installed PIL (Pillow or Pillow-SIMD).",
-                                add_help=add_help)
+    p = common.PresetParser(description="Per-sample cost of JPEG decode + RandomResizedCrop and of a "
+                            "1024²→224² resize with the installed PIL (Pillow or Pillow-SIMD).", add_help=add_help,
+                            quick_help="short rounds: checks that it runs, not how fast")
     p.add_argument("--images", type=int, default=16, help="distinct JPEGs cycled through (default 16)")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per operation, median reported "
-                          "(default 7, --quick 3)")
-    p.add_argument("--round-s", type=float, default=None, help="seconds per round (default 0.5, --quick 0.1)")
+    p.add_preset("--rounds", type=int, full=7, quick=3, help="timed rounds per operation, median reported")
+    p.add_preset("--round-s", type=float, full=0.5, quick=0.1, help="seconds per round")
     p.add_argument("--compare", nargs="*", default=[], metavar="PYTHON",
                    help="other interpreters (with another PIL) to run the same measurement under")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEGs are kept")
-    p.add_argument("--quick", action="store_true", help="short rounds: checks that it runs, not how fast")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON job: measure and print JSON
@@ -167,8 +165,6 @@ def main(args) -> dict:
     if args.worker is not None:
         print(json.dumps(measure(json.loads(args.worker))))
         return {}
-    args.rounds = args.rounds or (3 if args.quick else 7)
-    args.round_s = args.round_s or (0.1 if args.quick else 0.5)
     job = {"paths": photos(args), "rounds": args.rounds, "round_s": args.round_s}
     machine = common.machine_info()
     print(f"[pillow] {len(job['paths'])} JPEGs, {args.rounds} rounds of {args.round_s}s per operation, one core",
@@ -216,13 +212,11 @@ def main(args) -> dict:
     tag = args.tag or common.machine_tag(machine)
     payload["paths"] = common.write_reports(
         args.out, f"pillow-{tag}", title="Pillow per-sample cost", machine=machine,
-        command=common.command_line("bench_pillow.py", getattr(args, "argv", None)),
+        command=common.command_line("bench_pillow.py", args.argv),
         body_md=body, payload=payload, chart_groups=chart,
         chart_xlabel="samples/s on one core (log scale)")
     return payload
 
 
 if __name__ == "__main__":
-    parsed = get_args_parser().parse_args()
-    parsed.argv = sys.argv[1:]
-    main(parsed)
+    main(get_args_parser().parse_args())

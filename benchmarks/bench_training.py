@@ -43,28 +43,32 @@ WORKLOADS = ("digits", "jpeg")
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Training images/s, data-wait and GPU-idle fractions of "
-         "fastdata.engine.fit with each loader.", add_help=add_help)
+    p = common.PresetParser(description="Training images/s, data-wait and GPU-idle fractions of "
+                            "fastdata.engine.fit with each loader.", add_help=add_help,
+                            quick_help="few small steps: checks that it runs, not how fast")
     p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
                    help="default: digits on CPU (a CNN on 224² photos trains at a few dozen images/s on "
                         "a CPU), digits and jpeg on CUDA")
-    p.add_argument("--backends", nargs="+", default=None, choices=loaders.BACKEND_ORDER)
+    p.add_argument("--backends", nargs="+", default=loaders.backend_names(), choices=loaders.backend_names())
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
     p.add_argument("--no-limit", dest="limit", action="store_false")
     p.add_argument("--device", default=None)
-    p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per epoch (default 30, --quick 6)")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="epochs per contender, the first one a warm-up (default 3, --quick 2)")
-    p.add_argument("--digits-batch", type=int, default=None, help="default 256, --quick 64")
-    p.add_argument("--jpeg-batch", type=int, default=None, help="default 64 (--quick 16)")
+    p.add_argument("--workers", type=int, default=usable_cores(), help="default: usable cores")
+    p.add_preset("--steps", type=int, full=30, quick=6, help="optimizer steps per epoch")
+    p.add_preset("--epochs", type=int, full=3, quick=2, help="epochs per contender, the first one a warm-up")
+    p.add_preset("--digits-batch", type=int, full=256, quick=64)
+    p.add_preset("--jpeg-batch", type=int, full=64, quick=16)
     p.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
     p.add_argument("--data", default="./data")
     p.add_argument("--cache", default=str(common.CACHE_DIR))
-    p.add_argument("--quick", action="store_true", help="few small steps: checks that it runs, not how fast")
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     p.add_argument("--tag", default=None)
     return p
+
+
+def default_workloads(device) -> list[str]:
+    """Digits on a CPU (a CNN on 224² photos trains at a few dozen images/s there), both on CUDA."""
+    return ["digits"] if device.type == "cpu" else list(WORKLOADS)
 
 
 class Adapter:
@@ -107,18 +111,17 @@ def train(loader, source, args, device) -> dict:
 
     return {"rate": med("images_per_second"), "data_wait": med("data_wait_fraction"),
             "gpu_idle": med("gpu_idle_fraction"), "epochs": history,
-            "passes": [r["images_per_second"] for r in timed]}
+            "passes": [r["images_per_second"] for r in timed],
+            "data_wait_passes": [r["data_wait_fraction"] for r in timed if r.get("data_wait_fraction") is not None]}
 
 
 def run_workload(workload, args, device, rows, sources):
     batch = args.digits_batch if workload == "digits" else args.jpeg_batch
     n = args.steps * batch
     if workload == "digits":
-        args.digits = n
-        source, desc = loaders.digits_source(args)
+        source, desc = loaders.digits_source(n, args.data)
     else:
-        args.jpeg_images = n
-        source, desc = loaders.jpeg_source(args)
+        source, desc = loaders.jpeg_source(n, args.cache)
     sources[workload] = f"{desc}; {args.steps} steps of {batch} per epoch"
     print(f"\n[{workload}] {sources[workload]}, {args.workers} workers, device {device}", flush=True)
     available = set(fastdata.available_backends())
@@ -126,7 +129,7 @@ def run_workload(workload, args, device, rows, sources):
     contenders = []
     if args.baseline:
         contenders.append(("baseline", "baseline", lambda: Adapter(loaders.baseline_loader(
-            workload, source, _with_batch(args, workload, batch), device), device)))
+            workload, source, batch, args.workers, device), device)))
     for name in args.backends:
         if name not in available:
             rows.append(common.Row(workload, name, "fastdata", status="skipped",
@@ -162,7 +165,8 @@ def run_workload(workload, args, device, rows, sources):
         note = getattr(loader, "name", "") if name == "auto" else ""
         row = common.Row(workload, name, role, rate=res["rate"], passes=res["passes"],
                          note=f"auto picked {note!r}" if note else "",
-                         extra={"data_wait": res["data_wait"], "gpu_idle": res["gpu_idle"],
+                         extra={"data_wait": res["data_wait"], "data_wait_passes": res["data_wait_passes"],
+                                "gpu_idle": res["gpu_idle"],
                                 "epochs": res["epochs"], "wall_s": time.perf_counter() - t0})
         rows.append(row)
         idle = f"  gpu idle {common.fmt_pct(res['gpu_idle'])}" if res["gpu_idle"] is not None else ""
@@ -170,13 +174,11 @@ def run_workload(workload, args, device, rows, sources):
               f"{common.fmt_pct(res['data_wait'])}{idle}", flush=True)
 
 
-def _with_batch(args, workload, batch):
-    ns = argparse.Namespace(**vars(args))
-    if workload == "digits":
-        ns.digits_batch = batch
-    else:
-        ns.jpeg_batch = batch
-    return ns
+def _fmt_wait(row) -> str:
+    """The median data wait with its epochs' spread: '0.4% (0.2%–0.9%)'."""
+    rng = common.spread(row.extra.get("data_wait_passes"))
+    text = common.fmt_pct(row.extra.get("data_wait"))
+    return text + (f" ({common.fmt_spread(rng, common.fmt_pct)})" if rng and rng[0] != rng[1] else "")
 
 
 def targets_for(device) -> list[common.Target]:
@@ -189,18 +191,10 @@ def targets_for(device) -> list[common.Target]:
 
 def main(args) -> dict:
     device = fastdata.config.resolve_device(args.device)
-    if args.workloads is None:
-        args.workloads = ["digits"] if device.type == "cpu" else list(WORKLOADS)
-    args.steps = args.steps or (6 if args.quick else 30)
-    args.epochs = args.epochs or (2 if args.quick else 3)
-    args.digits_batch = args.digits_batch or (64 if args.quick else 256)
-    args.jpeg_batch = args.jpeg_batch or (16 if args.quick else 64)
-    args.workers = usable_cores() if args.workers is None else args.workers
-    args.backends = list(args.backends or loaders.BACKEND_ORDER)
     machine = common.machine_info()
     rows: list[common.Row] = []
     sources: dict[str, str] = {}
-    for workload in args.workloads:
+    for workload in args.workloads or default_workloads(device):
         run_workload(workload, args, device, rows, sources)
     common.add_ratios(rows)
     targets = [t.evaluate(rows) for t in targets_for(device) if t.workload in sources]
@@ -211,15 +205,18 @@ def main(args) -> dict:
         lines = []
         for r in [r for r in rows if r.workload == workload]:
             ok = r.status == "ok"
-            line = [r.name, common.fmt_num(r.rate) if ok else r.status, common.fmt_ratio(r.vs_baseline),
-                    common.fmt_ratio(r.vs_limit), common.fmt_pct(r.extra.get("data_wait")) if ok else "-"]
+            line = [r.name, common.fmt_rate(r),
+                    common.fmt_vs(r.vs_baseline, r.vs_baseline_range if r.role != "baseline" else None),
+                    common.fmt_vs(r.vs_limit, r.vs_limit_range if r.role != "limit" else None),
+                    _fmt_wait(r) if ok else "-"]
             if cuda:
                 line.append(common.fmt_pct(r.extra.get("gpu_idle")) if ok else "-")
             lines.append(line + [r.note.replace("|", "/")[:160]])
         header = ["contender", "train images/s", "vs baseline", "vs limit", "data wait"] + \
                  (["GPU idle"] if cuda else []) + ["note"]
         parts.append(f"## {workload}\n\n{sources[workload]}; SmallCNN, amp={args.amp}, {args.workers} workers, "
-                     f"device `{device}`; median of epochs 2-{args.epochs} (epoch 1 is a warm-up).\n\n"
+                     f"device `{device}`; median of epochs 2-{args.epochs} (epoch 1 is a warm-up; slowest–fastest epoch "
+                     f"in brackets, a ratio whose range covers 1 is {common.NOISE}).\n\n"
                      + common.markdown_table(header, lines))
     if not cuda:
         parts.append("GPU idle is measured with CUDA events and is not available on a CPU-only machine.")
@@ -236,13 +233,11 @@ def main(args) -> dict:
              for w in sources}
     payload["paths"] = common.write_reports(
         args.out, f"training-{tag}", title="Training throughput", machine=machine,
-        command=common.command_line("bench_training.py", getattr(args, "argv", None)),
+        command=common.command_line("bench_training.py", args.argv),
         body_md=body, payload=payload, chart_groups=chart,
         chart_xlabel="training images/s", chart_log=False)
     return payload
 
 
 if __name__ == "__main__":
-    parsed = get_args_parser().parse_args()
-    parsed.argv = sys.argv[1:]
-    main(parsed)
+    main(get_args_parser().parse_args())

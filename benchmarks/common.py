@@ -6,6 +6,11 @@ single slow pass on a shared machine does not move; on CUDA the clock stops only
 ``torch.cuda.synchronize()``, because kernels are queued asynchronously and would otherwise be left out.
 All contenders of one workload run in the same process one after another, so their ratios hold on a
 noisy machine even when absolute numbers drift between runs.
+
+Noise: every rate is shown with the spread of its passes (min-max), and every ratio with the range
+the passes allow (slowest over fastest to fastest over slowest). A comparison whose range covers the
+threshold (1.0 between two contenders, a target's figure) is "within noise": on a shared 2-core machine
+one loader measured 1,526 and 1,895 images/s in the same run, so a 1.13x lead can be noise.
 """
 from __future__ import annotations
 
@@ -15,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdata.report import (  # noqa: F401  (the scripts use them as common.*)
-    bar_chart, fmt_num, fmt_pct, fmt_ratio, machine_info, machine_markdown, machine_tag, markdown_table,
-    pil_info, write_json, write_reports, write_text)
+    PresetParser, bar_chart, fmt_num, fmt_pct, fmt_ratio, machine_info, machine_markdown, machine_tag,
+    markdown_table, pil_info, write_json, write_reports, write_text)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
@@ -59,7 +64,59 @@ def time_passes(run_pass, passes: int, *, warmup: int = 1, device="cpu", budget_
 
 def median_rate(seconds, items) -> float:
     """Median of the per-pass rates (items/s)."""
-    return statistics.median(n / s for n, s in zip(items, seconds) if s > 0)
+    return statistics.median(n / s for n, s in zip(items, seconds, strict=True) if s > 0)
+
+
+# ------------------------------------------------------------------------------------ noise
+NOISE = "within noise"
+
+
+def spread(passes) -> tuple[float, float] | None:
+    """(slowest, fastest) pass; None without passes. Min-max, not an IQR: runs have 1 to 5 passes."""
+    return (min(passes), max(passes)) if passes else None
+
+
+def ratio_range(num, den) -> tuple[float, float] | None:
+    """The range of ``num / den`` that the two spreads allow: (num's slowest / den's fastest, num's fastest
+    / den's slowest). None when either has no spread or a zero."""
+    if num is None or den is None or den[0] <= 0 or den[1] <= 0:
+        return None
+    return num[0] / den[1], num[1] / den[0]
+
+
+def compare(low, high, threshold: float, *, at_least: bool = True) -> str:
+    """"met" / "missed" against ``threshold`` (``value >= threshold``, or ``<=`` with at_least=False),
+    or "within noise" when the range [low, high] holds values on both sides of it."""
+    if at_least:
+        return "met" if low >= threshold else "missed" if high < threshold else NOISE
+    return "met" if high <= threshold else "missed" if low > threshold else NOISE
+
+
+def fmt_spread(rng, fmt=fmt_num) -> str:
+    """'1,526-1,895' (one value when every pass agreed; '-' without passes)."""
+    if rng is None:
+        return "-"
+    lo, hi = fmt(rng[0]), fmt(rng[1])
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def fmt_rate(row) -> str:
+    """A row's median rate with its passes' spread: '1,700 (1,526–1,895)'; the status if not measured."""
+    if row.status != "ok":
+        return row.status
+    rng = spread(row.passes)
+    return fmt_num(row.rate) + (f" ({fmt_spread(rng)})" if rng and rng[0] != rng[1] else "")
+
+
+def fmt_vs(ratio, rng) -> str:
+    """A ratio with its range, marked "within noise" when the range covers 1 (no clear winner)."""
+    if ratio is None:
+        return "-"
+    text = fmt_ratio(ratio)
+    if rng is None or rng[0] == rng[1]:
+        return text
+    text += f" ({fmt_spread(rng, fmt_ratio)})"
+    return text + f" {NOISE}" if rng[0] <= 1.0 <= rng[1] else text
 
 
 # ------------------------------------------------------------------------------------ results
@@ -77,19 +134,26 @@ class Row:
     extra: dict = field(default_factory=dict)    # script-specific columns
     vs_baseline: float | None = None
     vs_limit: float | None = None
+    vs_baseline_range: tuple | None = None       # what the passes' spreads allow (see ratio_range)
+    vs_limit_range: tuple | None = None
 
 
 def add_ratios(rows: list[Row]) -> None:
-    """Fill vs_baseline / vs_limit from the ``baseline`` and ``limit`` rows of the same workload."""
+    """Fill vs_baseline / vs_limit (and their ranges) from the ``baseline`` and ``limit`` rows of the
+    same workload."""
     for workload in {r.workload for r in rows}:
         group = [r for r in rows if r.workload == workload]
-        base = next((r.rate for r in group if r.role == "baseline" and r.status == "ok"), None)
-        limit = next((r.rate for r in group if r.role == "limit" and r.status == "ok"), None)
+        base = next((r for r in group if r.role == "baseline" and r.status == "ok" and r.rate), None)
+        limit = next((r for r in group if r.role == "limit" and r.status == "ok" and r.rate), None)
         for r in group:
             if r.status != "ok" or r.rate is None:
                 continue
-            r.vs_baseline = r.rate / base if base else None
-            r.vs_limit = r.rate / limit if limit else None
+            if base is not None:
+                r.vs_baseline = r.rate / base.rate
+                r.vs_baseline_range = ratio_range(spread(r.passes), spread(base.passes))
+            if limit is not None:
+                r.vs_limit = r.rate / limit.rate
+                r.vs_limit_range = ratio_range(spread(r.passes), spread(limit.passes))
 
 
 @dataclass
@@ -107,7 +171,9 @@ class Target:
     at_most: float | None = None
     label: str = ""
     value: float | None = None
-    status: str = "n/a"             # "met", "missed" or "n/a" (a contender was not measured)
+    low: float | None = None        # the range the passes allow (see ratio_range); None: one pass
+    high: float | None = None
+    status: str = "n/a"             # "met", "missed", "within noise" or "n/a" (a contender was not measured)
 
     def evaluate(self, rows: list[Row]) -> "Target":
         def find(name):
@@ -121,14 +187,20 @@ class Target:
                 self.status = "n/a"
                 return self
             self.value = row.rate / ref.rate
-            self.status = "met" if self.value >= self.at_least else "missed"
+            rng = ratio_range(spread(row.passes), spread(ref.passes))
+            threshold, at_least = self.at_least, True
         else:
             value = None if row is None else row.extra.get(self.column)
             if value is None:
                 self.status = "n/a"
                 return self
             self.value = float(value)
-            self.status = "met" if self.value <= self.at_most else "missed"
+            rng = spread(row.extra.get(f"{self.column}_passes"))  # per-pass values, where a script keeps them
+            threshold, at_least = self.at_most, False
+        self.low, self.high = rng if rng is not None else (self.value, self.value)
+        # The median decides only where the passes agree; a range across the threshold is noise.
+        self.low, self.high = min(self.low, self.value), max(self.high, self.value)
+        self.status = compare(self.low, self.high, threshold, at_least=at_least)
         return self
 
     def describe(self) -> str:
@@ -144,10 +216,12 @@ def targets_markdown(targets: list[Target], value_fmt=fmt_ratio) -> str:
         return ""
     lines = []
     for t in targets:
-        value = fmt_pct(t.value) if t.column != "rate" and t.value is not None else value_fmt(t.value)
-        mark = {"met": "met", "missed": "**missed**", "n/a": "n/a (not measured)"}[t.status]
-        lines.append([t.describe(), value, mark])
-    return markdown_table(["target", "measured", "status"], lines)
+        fmt = fmt_pct if t.column != "rate" else value_fmt
+        value = fmt(t.value) if t.value is not None else "-"
+        rng = fmt_spread((t.low, t.high), fmt) if t.low is not None and t.low != t.high else "-"
+        mark = {"met": "met", "missed": "**missed**", NOISE: NOISE, "n/a": "n/a (not measured)"}[t.status]
+        lines.append([t.describe(), value, rng, mark])
+    return markdown_table(["target", "measured", "range over passes", "status"], lines)
 
 
 def command_line(script: str, argv: list[str] | None) -> str:

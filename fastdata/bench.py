@@ -31,8 +31,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-OVERLAPPED_ON_CUDA = {"torch", "prefetch", "dali"}
-PREFERENCE = ("memory", "dali", "prefetch", "torch")
 TIE = 0.05
 
 
@@ -59,11 +57,23 @@ def predict(load_rate: float, step_rate: float, overlapped: bool) -> tuple[float
 def recommend(rows: list[Measurement]) -> Measurement:
     """The backend with the highest predicted training rate. Rates within ``TIE`` of the best are a tie
     (the data is not what limits training, and the measurements are that noisy): among those, the
-    first in ``PREFERENCE``, which puts first the backend that uses the least host CPU per epoch
-    (``memory`` decodes nothing after its cache is built; the others decode every epoch)."""
+    first in ``auto``'s preference (the registry's ``order``), which puts first the backend that uses
+    the least host CPU per epoch (``memory`` decodes nothing after its cache is built; the others decode
+    every epoch)."""
+    from .registry import by_preference
+
+    preference = [s.name for s in by_preference()]
     top = max(r.predicted_images_per_second for r in rows)
     tied = [r for r in rows if r.predicted_images_per_second >= (1 - TIE) * top]
-    return min(tied, key=lambda r: PREFERENCE.index(r.backend) if r.backend in PREFERENCE else len(PREFERENCE))
+    return min(tied, key=lambda r: preference.index(r.backend) if r.backend in preference else len(preference))
+
+
+def overlaps(backend: str, device) -> bool:
+    """Whether ``backend`` prepares batches while a step runs on ``device`` (the registry's
+    ``overlaps_on_cuda``; on a CPU every loader shares the cores with the model)."""
+    from .registry import spec
+
+    return device.type == "cuda" and spec(backend).overlaps_on_cuda
 
 
 def open_source(spec: str, *, quick: bool):
@@ -197,7 +207,7 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
     for row in rows:
         if row.status != "ok":
             continue
-        row.overlap = "overlapped" if device.type == "cuda" and row.backend in OVERLAPPED_ON_CUDA else "serial"
+        row.overlap = "overlapped" if overlaps(row.backend, device) else "serial"
         row.predicted_wait, row.predicted_images_per_second = predict(
             row.images_per_second, step_rate, row.overlap == "overlapped")
     best = recommend([r for r in rows if r.status == "ok"])

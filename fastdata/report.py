@@ -7,6 +7,7 @@ one. matplotlib is needed only for the chart, and imported only there.
 """
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -14,11 +15,43 @@ import os
 import platform
 import re
 import socket
+import sys
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
 from .doctor import cpu_model
+
+
+# ------------------------------------------------------------------------------------ command lines
+class PresetParser(argparse.ArgumentParser):
+    """An ArgumentParser whose ``--quick`` presets live in the parser, next to the options they set.
+
+    ``add_preset("--steps", full=30, quick=6, type=int)`` adds an option that defaults to 30, or to 6
+    under ``--quick``; an explicit value always wins. The parsed namespace also records ``argv`` (the
+    arguments parsed), so a report can print the command that made it.
+    """
+
+    def __init__(self, *args, quick_help: str = "small sizes: checks that it runs, not how fast", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.presets: dict[str, tuple] = {}  # dest → (full, quick)
+        self.add_argument("--quick", action="store_true", help=quick_help)
+
+    def add_preset(self, *flags, full, quick, help: str = "", **kwargs) -> argparse.Action:
+        """Add an option whose default is ``full``, or ``quick`` under ``--quick``."""
+        text = f"{help} (default {full}, --quick {quick})" if help else f"default {full}, --quick {quick}"
+        action = self.add_argument(*flags, default=None, help=text, **kwargs)
+        self.presets[action.dest] = (full, quick)
+        return action
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        values = vars(ns)
+        for dest, (full, quick) in self.presets.items():
+            if values.get(dest) is None:
+                values[dest] = quick if ns.quick else full
+        ns.argv = list(sys.argv[1:] if args is None else args)
+        return ns, rest
 
 
 # ------------------------------------------------------------------------------------ machine info
