@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from conftest import BACKENDS, CONCRETE, indexed_source
+from procs import children, wait_until
 from fastdata import Augmentation, CacheDoesNotFit, DecodeError, make_loader
 from fastdata.datasets import MNIST, ImageFolder, make_image_folder
 
@@ -75,7 +76,8 @@ def test_a_broken_file_raises_a_decode_error_naming_it(backend, kind, small_phot
         loader = _loader(root, backend)   # memory decodes (and fails) here, at cache time
         for _ in loader:
             pass
-    assert time.monotonic() - t0 < 10, "the error must arrive within seconds"
+    # "within seconds", told apart from a hang: generous, because the suite may run on busy cores
+    assert time.monotonic() - t0 < 30, "the error must arrive within seconds, not hang"
     err = info.value
     assert str(bad) in str(err), str(err)
     # .path survives the trip from a worker process (DataLoader rebuilds the exception from its text)
@@ -103,16 +105,16 @@ def test_a_failed_loader_is_cleaned_up_at_once(backend, small_photos, tmp_path):
     are shut down when the error is raised, not by a garbage-collection pass that can wait 5 s per
     worker on half-cleared queues, or run in a forked child."""
     root, _ = _with_bad_file(small_photos, tmp_path, b"")
-    gc.collect()
+    before = children()
     with pytest.raises(DecodeError):
         list(_loader(root, backend))
-    t0 = time.monotonic()
-    gc.collect()
-    took = time.monotonic() - t0
-    if took < 2.0:
+    # No gc.collect() here: the workers must be gone because the error shut them down, not because a
+    # collection happened to finalize the iterator (which is what stalled for 5 s per worker).
+    gone = wait_until(lambda: not (children() - before), 15)
+    if gone:
         return
     _shut_down_leftover_workers()
-    raise AssertionError(f"collecting the failed loader took {took:.1f} s (its workers were not shut down)")
+    raise AssertionError("the failed loader's workers were still alive: they were not shut down with the error")
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))
@@ -275,7 +277,7 @@ def test_a_decompression_bomb_is_a_named_error(backend, bomb_folder):
         list(loader)
     assert info.value.path == str(bomb)
     assert "144000000" in str(info.value) or "12000x12000" in str(info.value)  # says how big it is
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30, "refused at once, never decoded (a decode would take minutes)"
 
 
 # ------------------------------------------------------------------------------------------- item 4
