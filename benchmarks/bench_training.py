@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 
 try:
-    from . import common
     from . import bench_loaders as loaders
+    from . import common
 except ImportError:  # run as a script: python benchmarks/bench_training.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks import common
     from benchmarks import bench_loaders as loaders
+    from benchmarks import common
 
 import fastdata
 from fastdata.config import usable_cores
@@ -215,8 +215,8 @@ def main(args) -> dict:
         header = ["contender", "train images/s", "vs baseline", "vs limit", "data wait"] + \
                  (["GPU idle"] if cuda else []) + ["note"]
         parts.append(f"## {workload}\n\n{sources[workload]}; SmallCNN, amp={args.amp}, {args.workers} workers, "
-                     f"device `{device}`; median of epochs 2-{args.epochs} (epoch 1 is a warm-up; slowest–fastest epoch "
-                     f"in brackets, a ratio whose range covers 1 is {common.NOISE}).\n\n"
+                     f"device `{device}`; median of epochs 2-{args.epochs} (epoch 1 is a warm-up; "
+                     f"slowest–fastest epoch in brackets, a ratio whose range covers 1 is {common.NOISE}).\n\n"
                      + common.markdown_table(header, lines))
     if not cuda:
         parts.append("GPU idle is measured with CUDA events and is not available on a CPU-only machine.")

@@ -20,8 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastdata.report import (  # noqa: F401  (the scripts use them as common.*)
-    PresetParser, bar_chart, fmt_num, fmt_pct, fmt_ratio, machine_info, machine_markdown, machine_tag,
-    markdown_table, pil_info, write_json, write_reports, write_text)
+    PresetParser,
+    bar_chart,
+    fmt_num,
+    fmt_pct,
+    fmt_ratio,
+    machine_info,
+    machine_markdown,
+    machine_tag,
+    markdown_table,
+    pil_info,
+    write_json,
+    write_reports,
+    write_text,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"

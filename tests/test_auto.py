@@ -4,11 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import indexed_source
 
-from fastdata import Augmentation
-from fastdata import registry
-from fastdata.backends import auto, memory
+from conftest import indexed_source
+from fastdata import Augmentation, registry
+from fastdata.backends import memory
 
 
 def config(device, rank=None, world_size=None):

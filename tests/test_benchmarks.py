@@ -74,8 +74,8 @@ def check_rows(rows, workload, must_have):
 def test_bench_loaders_quick(tmp_path):
     bench = load("bench_loaders")
     args = bench.get_args_parser().parse_args(
-        ["--quick", "--out", str(tmp_path), "--digits", "3000", "--jpeg-images", "60", "--jpeg-batch", "16", "--budget", "3",
-         "--cache", str(tmp_path / "cache"), "--tag", "test"])
+        ["--quick", "--out", str(tmp_path), "--digits", "3000", "--jpeg-images", "60", "--jpeg-batch", "16",
+         "--budget", "3", "--cache", str(tmp_path / "cache"), "--tag", "test"])
     payload = bench.main(args)
     on_disk, md = check_reports(payload, "loaders-test")
     assert on_disk["rows"] == json.loads(json.dumps(payload["rows"]))
