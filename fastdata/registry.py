@@ -66,6 +66,14 @@ class BackendSpec:
         """Whether ``needs`` imports here."""
         return _importable(self.needs)
 
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why the backend cannot be used here and how to fix it (None when it can): what the doctor
+        prints, and the reason a test parametrized over the table skips it with."""
+        if self.available:
+            return None
+        return f"backend {self.name!r} needs {self.needs}, which does not import here; install: {self.install}"
+
     def load(self) -> type:
         """The backend class; MissingDependency (with the install hint) when ``needs`` does not import."""
         if self.needs is not None:

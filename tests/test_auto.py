@@ -95,7 +95,7 @@ def test_on_cuda_the_tables_order_decides_when_the_cache_does_not_fit(gpu_16g, m
         name, why = registry.choose(src, config("cuda:0"))
     finally:
         registry.clear_import_cache()
-    assert name == "prefetch" and "not dali: no_dali_here does not import" in why
+    assert name == "prefetch" and "not dali: backend 'dali' needs no_dali_here, which does not import" in why
 
 
 def test_a_torch_dataset_goes_to_the_first_row_that_reads_it(gpu_16g):

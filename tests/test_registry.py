@@ -109,7 +109,9 @@ def test_a_registered_backend_whose_package_is_missing_stays_listed_with_its_ins
     registry.register("ghost", "ghost_pkg.loader:GhostLoader", needs="ghost_pkg", install="pip install ghost")
     try:
         assert "ghost" in registry.choices() and "ghost" not in available_backends()
-        assert not registry.spec("ghost").available
+        assert not registry.spec("ghost").available and registry.spec("torch").unavailable_reason is None
+        assert registry.spec("ghost").unavailable_reason == ("backend 'ghost' needs ghost_pkg, which does not "
+                                                             "import here; install: pip install ghost")
         with pytest.raises(MissingDependency, match=r"needs ghost_pkg.*install it with: pip install ghost"):
             make_loader(indexed_source(10), backend="ghost", batch_size=5)
     finally:

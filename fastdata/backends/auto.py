@@ -53,7 +53,7 @@ def choose_locally(source, config, options: dict | None, specs: Sequence, stable
         if device_type not in spec.devices:
             continue  # e.g. prefetch and dali only pay off on CUDA; not worth a word in the reason
         if not spec.available:
-            passed_over.append(f"not {spec.name}: {spec.needs} does not import (install: {spec.install})")
+            passed_over.append(f"not {spec.name}: {spec.unavailable_reason}")
             continue
         # fits() checks the kinds the backend reads (a torch Dataset's arbitrary __getitem__ only suits
         # the DataLoader-based backends) and any resource limit (the memory backend's cache budget).
