@@ -237,7 +237,8 @@ def test_memory_fits_weighs_the_cache_against_the_reserve_and_stable_leaves_out_
     from fastdata.backends import memory
     from fastdata.config import LoaderConfig
 
-    src, cfg = indexed_source(40), LoaderConfig(device="cpu", num_workers=0, augment=Augmentation(crop="translate", pad=2))
+    src = indexed_source(40)
+    cfg = LoaderConfig(device="cpu", num_workers=0, augment=Augmentation(crop="translate", pad=2))
     need = memory.cache_bytes(src, cfg)
     assert need > 0
     ok, why = memory.MemoryLoader.fits(src, cfg)

@@ -80,9 +80,10 @@ def test_the_dataloader_gets_no_pin_memory_device():
     from conftest import indexed_source
 
     from fastdata.backends import torch_loader as tl
+    from fastdata.decode import BatchDecoder
 
     src = indexed_source(40)
-    fetcher = tl.BatchFetcher(src, Augmentation.none())
+    fetcher = BatchDecoder(src, Augmentation.none())
     sampler = tl.JobSampler()
     sampler.jobs = [(np.arange(10), 0)]
     dl = tl.make_dataloader(fetcher, sampler, 0, True, tl.TorchLoader.options)
@@ -106,6 +107,7 @@ def test_the_iterator_is_created_and_advanced_inside_the_device_scope(monkeypatc
     from torch.utils.data import dataloader as dlmod
 
     from fastdata.backends import torch_loader as tl
+    from fastdata.decode import BatchDecoder
 
     active = []
 

@@ -14,7 +14,6 @@ A subclass implements ``_epoch(epoch, batches)`` → iterator of (images, labels
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import ClassVar, Iterator
 
@@ -23,6 +22,7 @@ import torch
 
 from ..config import LoaderConfig, _integer, _reals
 from ..datasets import Source, SourceKind
+from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info
 
@@ -115,7 +115,12 @@ class Loader:
         # The running epoch's iterator, weakly: a dropped peek (next(iter(loader))) is finalized at
         # once, releasing its prefetch thread, instead of living until the next iter().
         self._current = None
-        self.skipped = 0              # samples skipped with on_error="skip" in the current epoch
+        # THE count of samples skipped with on_error="skip" in the current epoch, for every backend
+        # (warned about once per epoch by decode.warn_skipped). ``_dropped``: samples a backend left out
+        # for good before any epoch (memory's undecodable files at cache time): missing from every
+        # epoch, so counted in every epoch's ``skipped``.
+        self._dropped = 0
+        self.skipped = 0
         #: uint8 NHWC batches → normalized NCHW floats on the device (see fastdata/normalize.py).
         self.normalizer = Normalizer(self.mean, self.std, self.device, config.dtype, config.channels_last)
 
@@ -150,7 +155,7 @@ class Loader:
         epoch, start = self._next
         self._next = (epoch + 1, 0)
         self._position = (epoch, start)
-        self.skipped = 0
+        self.skipped = self._dropped
         it = EpochIterator(self._count(epoch, start))
         self._current = weakref.ref(it)
         return it
@@ -167,9 +172,7 @@ class Loader:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
-        if self.skipped:
-            warnings.warn(f"{self.name}: skipped {self.skipped} undecodable sample(s) in epoch {epoch} "
-                          f"(on_error='skip')", RuntimeWarning, stacklevel=2)
+        warn_skipped(self.name, self.skipped, epoch)
 
     @property
     def epoch(self) -> int:

@@ -27,7 +27,8 @@ about inside DALI yields a garbled image. With the check, every backend refuses 
 first epoch, whatever the crops.
 
 Random augmentation parameters come from ``transforms.draw_params`` (the one source every backend
-uses), drawn in Python from ``plan.batch_seed(epoch, batch)``, and fed to DALI as per-sample inputs (slice anchor, resize ROI, mirror flag). So a batch's augmentation
+uses), drawn in Python from ``plan.batch_seed(epoch, batch)``, and fed to DALI as per-sample inputs
+(slice anchor, resize ROI, mirror flag). So a batch's augmentation
 depends only on the seed, never on DALI's RNG, its threads or where a run was resumed; for array
 sources the output equals the torch backend's bit for bit before normalization.
 

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ..config import Augmentation, Crop
 from ..datasets import SourceKind
-from ..errors import CacheDoesNotFit, DecodeError
+from ..decode import BatchDecoder, collect_before_fork
+from ..errors import CacheDoesNotFit
 from ..sampling import EpochPlan
 from ..transforms import draw_params
 from .base import Loader
@@ -304,10 +305,9 @@ class MemoryLoader(Loader):
         leave no gap: the good ones are written contiguously."""
         from torch.utils.data import DataLoader
 
-        from .torch_loader import BatchFetcher, collect_before_fork
-
         s = self.config.cache_size
-        fetcher = BatchFetcher(self.source, Augmentation(crop="center", size=s, resize=s), "raise")
+        decoder = BatchDecoder(self.source, Augmentation(crop="center", size=s, resize=s),
+                               self.config.on_error)
         n = len(self.source)
         chunk = self._CHUNK
         jobs = [(np.arange(i, min(i + chunk, n)), 0) for i in range(0, n, chunk)]
@@ -321,30 +321,26 @@ class MemoryLoader(Loader):
                                   f"is available; pass fewer cache_workers")
         cache = torch.empty((n, s, s, 3), dtype=torch.uint8, device=self.device)
         kept = []
-        loader = DataLoader(_Tolerant(fetcher, self.config.on_error), batch_size=None, sampler=jobs,
+        loader = DataLoader(decoder, batch_size=None, sampler=jobs,
                             num_workers=workers)
         if loader.num_workers:
             collect_before_fork()
         it = iter(loader)
         pos = 0
         try:
-            for (ids, _), (images, bad) in zip(jobs, it):
-                good = np.setdiff1d(ids, bad, assume_unique=True)   # ascending, in the images' order
+            for images, _, good in it:   # good: the chunk's ids that decoded, in the images' order
                 cache[pos:pos + len(good)] = images    # a pageable copy; synchronous, at cache time only
                 pos += len(good)
-                kept.append(good)
+                kept.append(good.numpy())
         finally:
             # Shut the decoding workers down now, also after a DecodeError: left to the cyclic GC
             # (the exception's traceback holds the iterator), they stall a later loader for seconds.
             if hasattr(it, "_shutdown_workers"):
                 it._shutdown_workers()
         self.kept = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
-        self.skipped_at_cache = n - len(self.kept)
+        # Left out of every epoch: loader.skipped reports them each epoch (the one counter and warning).
+        self.skipped_at_cache = self._dropped = self.skipped = n - len(self.kept)
         if self.skipped_at_cache:
-            import warnings
-
-            warnings.warn(f"memory: skipped {self.skipped_at_cache} undecodable file(s) while caching "
-                          f"(on_error='skip')", RuntimeWarning, stacklevel=3)
             cache = cache[:pos]   # a view: the unused tail is only the skipped files' bytes
         return cache, torch.from_numpy(self.source.labels[self.kept])
 
@@ -481,31 +477,3 @@ class MemoryLoader(Loader):
         self.cache = self.ready = self._shifted = self._pixel = None
         self.footprint = 0
         _LIVE.discard(self)
-
-
-class _Tolerant(torch.utils.data.Dataset):
-    """Decode a chunk; with on_error='skip' report the ids that failed instead of raising."""
-
-    def __init__(self, fetcher, on_error):
-        self.fetcher, self.on_error = fetcher, on_error
-
-    def __len__(self):
-        return len(self.fetcher)
-
-    def __getitem__(self, job):
-        ids, seed = job
-        if self.on_error == "raise":
-            images, _, _ = self.fetcher[job]
-            return images, np.empty(0, dtype=np.int64)
-        from ..transforms import load_photo
-
-        s = self.fetcher.augment.size
-        out, bad = [], []
-        rng = np.random.default_rng(seed)
-        for i in ids:
-            try:
-                out.append(load_photo(self.fetcher.source.paths[i], self.fetcher.augment, rng))
-            except DecodeError:
-                bad.append(i)
-        images = np.stack(out) if out else np.empty((0, s, s, 3), np.uint8)
-        return torch.from_numpy(images), np.asarray(bad, dtype=np.int64)

@@ -13,96 +13,12 @@ import contextlib
 import signal
 import time
 
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
-from ..config import Crop
 from ..datasets import SourceKind
-from ..errors import DecodeError
-from ..transforms import augment_array, augment_batch, load_photo, require_fixed_size
+from ..decode import BatchDecoder, collect_before_fork
 from .base import Loader
-
-
-def collect_before_fork() -> None:
-    """Collect the parent's cyclic garbage right before DataLoader forks its workers.
-
-    Why: a forked worker inherits the parent's unreachable-but-uncollected objects, and its own garbage
-    collector may finalize them there. For a DALI pipeline (e.g. a failed DaliLoader kept in a cycle by
-    its exception's traceback) that deadlocks the worker forever in the pipeline's destructor (its
-    executor threads do not exist in the child), and the main process waits for the batch forever;
-    a DataLoader iterator finalized in a child fails with "can only test a child process". Collected
-    here, in the parent, they are destroyed where they were made. Costs one GC pass per worker start
-    (once per loader with persistent workers).
-    """
-    import gc
-
-    gc.collect()
-
-
-class BatchFetcher(Dataset):
-    """Maps a job ``(ids, seed)`` to ``(uint8 images (N,H,W,C), int64 labels (N,), skipped)``.
-
-    Stateless, so persistent workers serve every epoch. Also used by the memory backend to decode its
-    cache in parallel.
-    """
-
-    def __init__(self, source, augment, on_error: str = "raise"):
-        self.source = source
-        self.augment = augment
-        self.on_error = on_error
-        require_fixed_size(source, augment)
-
-    def __len__(self):  # jobs come from the sampler; a length keeps DataLoader's bookkeeping happy
-        return len(self.source)
-
-    def __getitem__(self, job):
-        ids, seed = job
-        rng = np.random.default_rng(seed)
-        src = self.source
-        if src.kind is SourceKind.ARRAY:
-            images = augment_batch(src.images[ids], self.augment, rng)
-            return torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(src.labels[ids]), 0
-        if src.kind is SourceKind.FILES:
-            return self._files(ids, rng)
-        return self._dataset(ids, rng)
-
-    def _files(self, ids, rng):
-        size = self.augment.size
-        out = np.empty((len(ids), size, size, 3), dtype=np.uint8)
-        keep = []
-        for j, i in enumerate(ids):
-            try:
-                out[len(keep)] = load_photo(self.source.paths[i], self.augment, rng)
-            except DecodeError:
-                if self.on_error == "raise":
-                    raise
-                continue
-            keep.append(j)
-        labels = self.source.labels[ids[keep]]
-        return torch.from_numpy(out[: len(keep)]), torch.from_numpy(labels), len(ids) - len(keep)
-
-    def _dataset(self, ids, rng):
-        ds = self.source.dataset
-        ids_list = [int(i) for i in ids]
-        # Batched fetching where the dataset offers it (one call, one lock, one seek pattern).
-        samples = ds.__getitems__(ids_list) if hasattr(ds, "__getitems__") else [ds[i] for i in ids_list]
-        images, labels = [], []
-        for k, (image, label) in enumerate(samples):
-            arr = self.source.as_array(image)  # every sample converted to source.channels the same way
-            images.append(augment_array(arr, self.augment, rng) if self.augment.crop is not Crop.TRANSLATE else arr)
-            labels.append(self.source.as_label(label, ids_list[k]))
-        if not self.augment.crop.fixes_size:
-            shapes = {a.shape for a in images}
-            if len(shapes) > 1:
-                raise ValueError(f"{self.source.name} returned images of different sizes {sorted(shapes)[:3]}; "
-                                 f"use a recipe with a resizing crop (Augmentation.imagenet_eval())")
-            batch = np.stack(images)
-            if self.augment.crop is Crop.TRANSLATE:
-                batch = augment_batch(batch, self.augment, rng)
-        else:
-            batch = np.stack(images)
-        return torch.from_numpy(np.ascontiguousarray(batch)), torch.tensor(labels, dtype=torch.int64), 0
 
 
 class JobSampler(Sampler):
@@ -201,7 +117,7 @@ class TorchLoader(Loader):
 
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
-        self.fetcher = BatchFetcher(source, self.augment, config.on_error)
+        self.fetcher = BatchDecoder(source, self.augment, config.on_error)
         self._sampler = JobSampler()
         workers = config.num_workers
         pf = self.opts["prefetch_factor"]
@@ -212,21 +128,21 @@ class TorchLoader(Loader):
 
     def host_batches(self, epoch, batches, start):
         """uint8 (images, labels) batches in host memory (pinned on CUDA), in order; counts skips."""
-        self._sampler.jobs = [(ids, self.plan.batch_seed(epoch, start + k)) for k, ids in enumerate(batches)]
+        jobs = [(ids, self.plan.batch_seed(epoch, start + k)) for k, ids in enumerate(batches)]
+        self._sampler.jobs = jobs
         if self._loader.num_workers and getattr(self._loader, "_iterator", None) is None:
             collect_before_fork()
         it = None
         try:
             with device_scope(self.device, self.pin):
                 it = iter(self._loader)
-            while True:
+            for ids, _ in jobs:   # the DataLoader returns the jobs' batches in order
                 with device_scope(self.device, self.pin):
-                    try:
-                        images, labels, skipped = next(it)
-                    except StopIteration:
-                        return
-                self.skipped += skipped
+                    images, labels, kept = next(it)
+                self.skipped += len(ids) - len(kept)
                 yield images, labels
+            with device_scope(self.device, self.pin):
+                next(it, None)  # the end of the epoch, as a plain loop over the DataLoader reaches it
         except _WORKER_DEATH_SYMPTOMS as e:
             # A worker killed mid-batch (SIGKILL, the OOM killer) sometimes surfaces as a broken
             # connection instead of DataLoader's RuntimeError: name the dead worker, as the README promises.

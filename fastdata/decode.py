@@ -1,0 +1,140 @@
+"""The decode-and-skip layer below the backends: sample ids → uint8 images, and the ids kept.
+
+Every backend that decodes on the host goes through here (the torch backend's workers per batch, the
+memory backend once for its cache), so there is one definition of what is decoded how, which files
+``on_error="skip"`` drops, and one warning for them (``warn_skipped``) about one counter,
+``loader.skipped``. DALI decodes in its own pipeline but refuses the same files (it validates them with
+the same PIL decode) and counts into the same counter.
+
+- arrays: a gather, then the recipe with vectorized numpy (``transforms.augment_batch``);
+- files: PIL per file (``transforms.load_photo``: ``Image.draft`` shrinks the JPEG decode);
+- torch Datasets: each sample through the source's one conversion (``DatasetSource.as_array``).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .config import ON_ERROR, Crop
+from .datasets import SourceKind
+from .errors import DecodeError
+from .transforms import augment_array, augment_batch, load_photo, require_fixed_size
+
+
+
+
+class Decoded(NamedTuple):
+    """One batch decoded: the images and labels of the samples kept, and their ids."""
+
+    images: np.ndarray   # uint8 (kept, H, W, C)
+    labels: np.ndarray   # int64 (kept,)
+    kept: np.ndarray     # int64 sample ids, in the order asked for; fewer only with on_error="skip"
+
+
+def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str = "raise") -> Decoded:
+    """Samples ``ids`` of ``source`` with the recipe ``aug`` applied (random parameters from ``rng``).
+
+    ``on_error="skip"`` drops files that do not decode (DecodeError) instead of raising; the ids that
+    remain are returned. A skipped file still consumes the draws it made before failing, exactly as
+    it would have had it decoded, so the other samples' augmentation does not depend on it.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if source.kind is SourceKind.ARRAY:
+        images = np.ascontiguousarray(augment_batch(source.images[ids], aug, rng))
+        return Decoded(images, source.labels[ids], ids)
+    if source.kind is SourceKind.FILES:
+        return _files(source, ids, aug, rng, on_error)
+    if source.kind is SourceKind.DATASET:
+        return _dataset(source, ids, aug, rng)
+    raise TypeError(f"cannot decode a {type(source).__name__} (kind {source.kind!r}); sources are of kind "
+                    f"{[k.value for k in SourceKind if k is not SourceKind.ABSTRACT]}")
+
+
+def _files(source, ids, aug, rng, on_error) -> Decoded:
+    size = aug.size
+    # Written in place, kept ones contiguous: no list of arrays and no second copy in np.stack.
+    out = np.empty((len(ids), size, size, 3), dtype=np.uint8)
+    keep = []
+    for j, i in enumerate(ids):
+        try:
+            out[len(keep)] = load_photo(source.paths[i], aug, rng)
+        except DecodeError:
+            if on_error == "raise":
+                raise
+            continue
+        keep.append(j)
+    kept = ids[keep]
+    return Decoded(out[: len(keep)], source.labels[kept], kept)
+
+
+def _dataset(source, ids, aug, rng) -> Decoded:
+    ds = source.dataset
+    ids_list = [int(i) for i in ids]
+    # Batched fetching where the dataset offers it (one call, one lock, one seek pattern).
+    samples = ds.__getitems__(ids_list) if hasattr(ds, "__getitems__") else [ds[i] for i in ids_list]
+    images, labels = [], []
+    for k, (image, label) in enumerate(samples):
+        arr = source.as_array(image)  # every sample converted to source.channels the same way
+        # Translation needs one size for the batch: drawn for the stacked batch below (all offsets,
+        # then all flips); the other recipes are drawn per sample, in order.
+        images.append(arr if aug.crop is Crop.TRANSLATE else augment_array(arr, aug, rng))
+        labels.append(source.as_label(label, ids_list[k]))
+    if not aug.crop.fixes_size:
+        shapes = {a.shape for a in images}
+        if len(shapes) > 1:
+            raise ValueError(f"{source.name} returned images of different sizes {sorted(shapes)[:3]}; "
+                             f"use a recipe with a resizing crop (Augmentation.imagenet_eval())")
+    batch = np.stack(images) if images else np.empty((0, 0, 0, source.channels), np.uint8)
+    if aug.crop is Crop.TRANSLATE:
+        batch = augment_batch(batch, aug, rng)
+    return Decoded(np.ascontiguousarray(batch), np.asarray(labels, dtype=np.int64), ids)
+
+
+class BatchDecoder(Dataset):
+    """A DataLoader "dataset" of whole batches: job ``(ids, seed)`` → ``(uint8 images (N, H, W, C),
+    int64 labels (N,), int64 kept ids)`` as tensors.
+
+    Stateless, so persistent workers serve every epoch. Why batches, not samples: one job message and
+    one shared-memory tensor per batch instead of per image, and no Python collate.
+    """
+
+    def __init__(self, source, augment, on_error: str = "raise"):
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+        require_fixed_size(source, augment)
+        self.source, self.augment, self.on_error = source, augment, on_error
+
+    def __len__(self):  # jobs come from the sampler; a length keeps DataLoader's bookkeeping happy
+        return len(self.source)
+
+    def __getitem__(self, job):
+        ids, seed = job
+        d = decode(self.source, ids, self.augment, np.random.default_rng(seed), self.on_error)
+        return torch.from_numpy(d.images), torch.from_numpy(d.labels), torch.from_numpy(d.kept)
+
+
+def warn_skipped(backend: str, count: int, epoch: int) -> None:
+    """The one warning for samples dropped with on_error='skip' (every backend, once per epoch)."""
+    if count:
+        warnings.warn(f"{backend}: skipped {count} undecodable sample(s) in epoch {epoch} "
+                      f"(on_error='skip')", RuntimeWarning, stacklevel=3)
+
+
+def collect_before_fork() -> None:
+    """Collect the parent's cyclic garbage right before DataLoader forks its workers.
+
+    Why: a forked worker inherits the parent's unreachable-but-uncollected objects, and its own garbage
+    collector may finalize them there. For a DALI pipeline (e.g. a failed DaliLoader kept in a cycle by
+    its exception's traceback) that deadlocks the worker forever in the pipeline's destructor (its
+    executor threads do not exist in the child), and the main process waits for the batch forever;
+    a DataLoader iterator finalized in a child fails with "can only test a child process". Collected
+    here, in the parent, they are destroyed where they were made. Costs one GC pass per worker start
+    (once per loader with persistent workers).
+    """
+    import gc
+
+    gc.collect()
