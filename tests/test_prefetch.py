@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import decode_ids, indexed_source
+from conftest import DEVICES, decode_ids, indexed_source
 from procs import wait_until
 
 from fastdata import make_loader
@@ -165,7 +165,7 @@ def _slow_side_stream(loader, cycles):
 
     def slowed(*args):
         for images, labels in orig(*args):
-            with torch.cuda.stream(loader._stream):
+            with torch.cuda.stream(loader.stage.stream):
                 torch.cuda._sleep(cycles)
             yield images, labels
 
@@ -228,3 +228,40 @@ def test_cuda_prefetch_memory_is_flat_over_epochs_and_after_a_break():
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base, "a break left prefetched batches allocated"
     loader.close()
+
+
+def _host_batches(n_batches, pulled, pin=False):
+    """Any source of host uint8 batches: here a plain generator (what the stage must accept)."""
+    for k in range(n_batches):
+        pulled.append(k)
+        images = torch.full((4, 6, 6, 3), k, dtype=torch.uint8)
+        labels = torch.full((4,), k, dtype=torch.int64)
+        yield (images.pin_memory(), labels.pin_memory()) if pin else (images, labels)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_stage_wraps_any_iterator_of_host_batches(device):
+    from fastdata.backends.prefetch import PrefetchStage
+    from fastdata.normalize import Normalizer
+
+    dev = torch.device(device)
+    norm = Normalizer((0.5,) * 3, (0.25,) * 3, dev)
+    stage = PrefetchStage(dev, depth=2)
+    pulled = []
+    out = []
+    for x, y in stage(_host_batches(5, pulled, pin=dev.type == "cuda"), norm):
+        assert x.device.type == dev.type and x.shape == (4, 3, 6, 6) and x.dtype == torch.float32
+        out.append((x.cpu(), y.cpu()))
+    assert pulled == list(range(5))
+    for k, (x, y) in enumerate(out):
+        assert torch.equal(y, torch.full((4,), k))
+        assert torch.allclose(x, torch.full_like(x, (k / 255 - 0.5) / 0.25))
+    stage.close()
+
+
+def test_the_stage_refuses_a_depth_below_one():
+    from fastdata.backends.prefetch import PrefetchStage
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="depth must be an integer >= 1"):
+            PrefetchStage(torch.device("cpu"), depth=bad)

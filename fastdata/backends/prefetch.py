@@ -1,4 +1,6 @@
-"""``prefetch`` backend: the torch backend plus prefetching of batches k+1 … k+depth.
+"""Prefetching as a stage: ``PrefetchStage`` wraps any iterator of host uint8 batches (pinned on CUDA)
+and yields them normalized on the device, batches k+1 … k+depth prepared ahead of the consumer.
+``prefetch`` backend = the torch backend's ``host_batches`` + this stage.
 
 On CUDA the host-to-device copy and the normalization of upcoming batches run on a side stream, so
 they overlap the model's kernels on the default stream (timm's PrefetchLoader, DALI's
@@ -14,42 +16,47 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from typing import Callable, Iterator
 
 import torch
 
 from .torch_loader import TorchLoader
 
 _DONE = object()
+Normalize = Callable[[torch.Tensor], torch.Tensor]
 
 
-class PrefetchLoader(TorchLoader):
-    """Torch backend with side-stream (CUDA) or background-thread (CPU) prefetching.
+class PrefetchStage:
+    """Side-stream (CUDA) or background-thread (CPU) prefetching of host batches.
 
-    Options (besides the torch backend's):
-        depth: batches prepared ahead of the consumer (default 2).
+    Args:
+        device: where the batches go.
+        depth: batches prepared ahead of the consumer (>= 1).
+
+    ``stage(host, normalize)``: ``host`` is an epoch's iterator of host ``(uint8 images (N, H, W, C),
+    labels)``, pinned for CUDA; ``normalize`` maps uint8 images on ``device`` to the output batch (e.g.
+    ``Loader.normalize``). Returns that epoch's iterator of device batches.
+
+    One stage serves all epochs of its loader: it owns one CUDA stream (one per loader, not per epoch:
+    streams are never freed by torch) and, on the CPU, waits for the previous epoch's producer thread
+    before starting another.
     """
 
-    name = "prefetch"
-    options = {**TorchLoader.options, "depth": 2}
-
-    def __init__(self, source, config, **options):
-        super().__init__(source, config, **options)
-        depth = self.opts["depth"]
-        if not isinstance(depth, int) or depth < 1:
+    def __init__(self, device: torch.device, depth: int = 2):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
-        self.depth = depth
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.device, self.depth = torch.device(device), depth
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # The CPU path's latest producer thread and its stop flag (see _finish_producer).
         self._producer: tuple[threading.Thread, threading.Event] | None = None
 
-    def _epoch(self, epoch, batches, start):
-        host = self.host_batches(epoch, batches, start)
-        if self._stream is not None:
-            return self._cuda_epoch(host)
-        return self._thread_epoch(host)
+    def __call__(self, host: Iterator, normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.stream is not None:
+            return self._cuda_epoch(host, normalize)
+        return self._thread_epoch(host, normalize)
 
-    def _cuda_epoch(self, host):
-        stream = self._stream
+    def _cuda_epoch(self, host, normalize):
+        stream = self.stream
         pending = deque()
 
         def launch():
@@ -61,7 +68,7 @@ class PrefetchLoader(TorchLoader):
             # step and remove the overlap. The pinned source buffer is safe without it (the caching
             # host allocator keeps it until the copy's event completes).
             with torch.cuda.stream(stream):
-                x = self.normalize(images.to(self.device, non_blocking=True))
+                x = normalize(images.to(self.device, non_blocking=True))
                 y = labels.to(self.device, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
@@ -99,7 +106,7 @@ class PrefetchLoader(TorchLoader):
         while thread.is_alive():
             thread.join(timeout=0.1)
 
-    def _thread_epoch(self, host):
+    def _thread_epoch(self, host, normalize):
         self._finish_producer()
         q: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
@@ -116,7 +123,7 @@ class PrefetchLoader(TorchLoader):
         def produce():
             try:
                 for images, labels in host:
-                    if not put((self.normalize(images), labels)):
+                    if not put((normalize(images), labels)):
                         return
                 put(_DONE)
             except BaseException as e:  # handed to the consumer, never swallowed
@@ -151,7 +158,33 @@ class PrefetchLoader(TorchLoader):
             if ended:
                 worker.join()
 
+    def close(self) -> None:
+        """Wait for the CPU producer to leave its source (the DataLoader iterator) before the source is
+        shut down (see _finish_producer)."""
+        self._finish_producer()
+
+
+class PrefetchLoader(TorchLoader):
+    """The torch backend plus a PrefetchStage (side-stream copies on CUDA, a bounded thread on the CPU).
+
+    Options (besides the torch backend's):
+        depth: batches prepared ahead of the consumer (default 2).
+    """
+
+    name = "prefetch"
+    options = {**TorchLoader.options, "depth": 2}
+
+    def __init__(self, source, config, **options):
+        super().__init__(source, config, **options)
+        self.stage = PrefetchStage(self.device, self.opts["depth"])
+        self.depth = self.stage.depth
+
+    def _epoch(self, epoch, batches, start):
+        # The normalize is passed per epoch, not kept by the stage: a stage holding the loader's bound
+        # method would form a cycle, and a dropped loader's workers would wait for the cyclic GC.
+        return self.stage(self.host_batches(epoch, batches, start), self.normalize)
+
     def close(self):
         # The producer must be out of the DataLoader iterator before its workers are shut down.
-        self._finish_producer()
+        self.stage.close()
         super().close()
