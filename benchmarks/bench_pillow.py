@@ -188,11 +188,17 @@ def main(args) -> dict:
     lines = []
     for op in OPS:
         us = [r["ops"][op]["us"] for r in ok]
-        line = [op] + [f"{u:,.0f}" for u in us] + [common.fmt_num(1e6 / u) for u in us]
-        line += [common.fmt_ratio(u / us[0]) for u in us[1:]]
+        rounds = [common.spread(r["ops"][op]["rounds_us"]) for r in ok]   # (fastest, slowest) round
+        line = [op] + [f"{u:,.0f}" + (f" ({common.fmt_spread(rng, lambda x: f'{x:,.0f}')})" if rng else "")
+                       for u, rng in zip(us, rounds, strict=True)]
+        line += [common.fmt_num(1e6 / u) for u in us]
+        # Speed-up of the first PIL over another: their µs ratio, with the range the rounds allow.
+        line += [common.fmt_vs(u / us[0], common.ratio_range(rng, rounds[0])) for u, rng in zip(us[1:], rounds[1:],
+                                                                                                  strict=True)]
         lines.append(line)
     draft = ok[0]["ops"]["decode+rrc"]["us"] / ok[0]["ops"]["decode+rrc (draft)"]["us"]
-    body = (f"Per-sample cost on one core, median of {args.rounds} rounds of {args.round_s}s; "
+    body = (f"Per-sample cost on one core, median of {args.rounds} rounds of {args.round_s}s (fastest–slowest "
+            f"round in brackets; a speed-up whose range covers 1 is {common.NOISE}); "
             f"{len(job['paths'])} ImageNet-sized JPEGs (~450x350, RandomResizedCrop boxes fixed by seed).\n\n"
             + common.markdown_table(header, lines)
             + f"\n\nReduced-scale decoding (`Image.draft`, used by the torch backend): decode+RRC "
