@@ -39,6 +39,7 @@ class Measurement:
     backend: str
     status: str = "ok"              # "ok", or why it was not measured
     images_per_second: float | None = None
+    spread: tuple[float, float] | None = None   # slowest and fastest stretch of the timed batches
     overlap: str = "serial"
     predicted_wait: float | None = None
     predicted_images_per_second: float | None = None
@@ -124,24 +125,39 @@ def _sync(device) -> None:
 
 def measure_loader(loader, batches: int, warmup: int, progress: bool) -> float:
     """Images/s over ``batches`` batches after ``warmup`` (epochs restart as needed)."""
+    return measure_loader_spread(loader, batches, warmup, progress)[0]
+
+
+def measure_loader_spread(loader, batches: int, warmup: int, progress: bool,
+                          pieces: int = 5) -> tuple[float, list[float]]:
+    """(images/s over ``batches`` batches after ``warmup``, the rate of each of ``pieces`` consecutive
+    stretches of them). The stretches are the same run read at a few points, so the report can show how
+    much the rate moved without measuring anything else; on CUDA each reading synchronizes first."""
     bar = _bar(warmup + batches, f"{loader.name:>8}", progress)
-    done, images, t0 = 0, 0, None
+    marks = {warmup + round(batches * k / pieces) for k in range(1, pieces + 1)}
+    done, images, t0, stamps = 0, 0, None, []
     while done < warmup + batches:
         for x, _ in loader:
             if done == warmup:
                 _sync(loader.device)
                 t0 = time.perf_counter()
+                stamps.append((t0, 0))
             done += 1
             if done > warmup:
                 images += x.shape[0]
             if bar is not None:
                 bar.update(1)
+            if done in marks and done < warmup + batches:
+                _sync(loader.device)
+                stamps.append((time.perf_counter(), images))
             if done == warmup + batches:
                 break
     _sync(loader.device)
+    stamps.append((time.perf_counter(), images))
     if bar is not None:
         bar.close()
-    return images / (time.perf_counter() - t0)
+    rates = [(n1 - n0) / (t1 - s0) for (s0, n0), (t1, n1) in zip(stamps, stamps[1:]) if t1 > s0 and n1 > n0]
+    return images / (stamps[-1][0] - t0), rates
 
 
 def measure_step(model, sample_batch, steps: int, warmup: int, amp: str = "auto") -> float:
@@ -191,7 +207,8 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
             kw = {} if num_workers is None else {"num_workers": num_workers}
             loader = make_loader(source, name, batch_size=batch_size, device=device, train=True, **kw)
             try:
-                row.images_per_second = measure_loader(loader, batches, warmup, progress)
+                row.images_per_second, pieces = measure_loader_spread(loader, batches, warmup, progress)
+                row.spread = (min(pieces), max(pieces)) if len(pieces) > 1 else None
                 if sample is None:
                     sample = next(iter(loader))
             finally:
@@ -229,11 +246,13 @@ def report_markdown(payload: dict) -> str:
             lines.append([r["backend"], "-", "-", "-", "-", r["status"]])
             continue
         mark = " (recommended)" if r["backend"] == payload["recommended"] else ""
-        lines.append([r["backend"] + mark, fmt_num(r["images_per_second"]), r["overlap"],
+        spread = f" ({fmt_num(r['spread'][0])}–{fmt_num(r['spread'][1])})" if r.get("spread") else ""
+        lines.append([r["backend"] + mark, fmt_num(r["images_per_second"]) + spread, r["overlap"],
                       fmt_pct(r["predicted_wait"]), fmt_num(r["predicted_images_per_second"]), ""])
     table = markdown_table(["backend", "delivers images/s", "overlap", "predicted data wait",
                             "predicted training images/s", "note"], lines)
-    return (f"Source {payload['source']}, batch {payload['batch_size']}, device `{payload['device']}`. "
+    return (f"Source {payload['source']}, batch {payload['batch_size']}, device `{payload['device']}`; "
+            f"delivery rates with the slowest–fastest fifth of the timed batches in brackets. "
             f"The model ({payload['model']}) trains at {fmt_num(payload['model_images_per_second'])} "
             f"images/s on ready tensors.\n\n{table}\n\nUse `backend=\"{payload['recommended']}\"`.")
 

@@ -92,3 +92,28 @@ def test_a_near_tie_goes_to_the_backend_that_costs_the_host_least():
     assert recommend([row("torch", 1000.0), row("memory", 980.0)]).backend == "memory"   # within 5%
     assert recommend([row("torch", 1000.0), row("memory", 900.0)]).backend == "torch"    # clearly faster
     assert recommend([row("prefetch", 500.0), row("dali", 499.0), row("torch", 501.0)]).backend == "dali"
+
+
+def test_the_delivery_rate_comes_with_the_spread_of_its_stretches():
+    from fastdata.bench import measure_loader_spread
+
+    class Fake:
+        """20 batches of 4 per epoch; every fifth batch of the run stalls (a noisy neighbour)."""
+
+        name, device = "fake", torch.device("cpu")
+
+        def __init__(self):
+            self.calls = 0
+
+        def __iter__(self):
+            for _ in range(20):
+                self.calls += 1
+                if self.calls > 3 and self.calls % 5 == 0:
+                    import time
+
+                    time.sleep(0.002 * (self.calls % 3))
+                yield torch.zeros(4, 1, 2, 2), torch.zeros(4)
+
+    rate, pieces = measure_loader_spread(Fake(), batches=30, warmup=3, progress=False, pieces=5)
+    assert len(pieces) == 5 and all(p > 0 for p in pieces)
+    assert min(pieces) <= rate <= max(pieces)           # the whole run's rate lies inside its stretches'
