@@ -113,3 +113,18 @@ def test_a_torch_dataset_goes_to_the_first_row_that_reads_it(gpu_16g):
     cpu_name, why = registry.choose(src, config("cpu"))
     assert cpu_name == "torch" and "not memory: backend 'memory' cannot read" in why
     assert registry.choose(src, config("cuda:0"))[0] == "prefetch"
+
+
+@pytest.mark.cuda
+def test_on_a_real_gpu_the_cache_decides_between_memory_and_the_next_cuda_row():
+    from fastdata import registry
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    src = indexed_source(1000)                      # a few MB of uint8: fits any GPU's budget
+    name, why = registry.choose(src, config(device))
+    assert name == "memory" and f"fits in the free GPU {device}" in why
+    # A reserve of the whole GPU (in bytes): the next row on CUDA (dali if it imports, else prefetch).
+    whole = torch.cuda.get_device_properties(device).total_memory
+    name, why = registry.choose(src, config(device), {"memory_reserve": whole})
+    assert name == ("dali" if registry.spec("dali").available else "prefetch")
+    assert "not memory: the cache" in why and "does not fit" in why
