@@ -1,5 +1,11 @@
 """The training loop: ``fit`` and ``evaluate``, with AMP, per-epoch figures, progress and checkpoints.
 
+``fit`` is split the way torchvision's references split ``train.py``: ``train_one_epoch`` runs the
+steps into an ``EpochMeter`` (device-side sums, data wait, CUDA event pairs), which yields the
+``epoch_record``; a ``TrainingState`` saves and restores everything a resume needs, with the loader's
+``state_dict`` as the one record of the position. ``run_result``/``write_json`` are the examples'
+shared tail.
+
 The loop says ``for images, labels in loader`` and nothing else about data: batches arrive on
 ``loader.device`` already normalized, so any backend (or any object honouring the loader contract:
 ``len``, ``set_epoch``, ``state_dict``/``load_state_dict``, ``device``) plugs in unchanged.
@@ -9,7 +15,9 @@ What keeps the GPU busy here:
   epoch (and once per progress refresh, at most about once a second, only when a bar is shown);
 - ``zero_grad(set_to_none=True)``: no kernel writes zeros into every gradient, and the next backward
   writes the gradients instead of accumulating into them;
-- ``cudnn.benchmark``: the fastest convolution algorithm is picked once per input shape;
+- ``cudnn.benchmark`` (the fastest convolution algorithm picked once per input shape) and TF32, on
+  CUDA, for the run only: ``fit(cudnn_benchmark=True, tf32=True)`` turns them on and restores the
+  caller's process-wide values on the way out (``cuda_switches``);
 - bf16 autocast where the GPU has it (no loss scaling, so no per-step check for infs), else fp16 with
   a GradScaler; optional ``torch.compile`` and channels-last;
 - the default AdamW is fused on CUDA: GradScaler leaves its fp16 inf check on the device for a fused
@@ -34,7 +42,8 @@ from . import distributed as fdist
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-CHECKPOINT_FORMAT = "fastdata-checkpoint-1"
+# Format 2 dropped format 1's ``global_step``: the loader's state is the one record of the position.
+CHECKPOINT_FORMAT = "fastdata-checkpoint-2"
 
 
 # ------------------------------------------------------------------------------------------ AMP
@@ -133,7 +142,7 @@ def wants_fused(params, device) -> bool:
 def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, scheduler=None, eval_loader=None,
         amp: str = "auto", compile: bool = False, channels_last: bool = False, checkpoint=None,
         resume: bool = False, progress: bool = True, checkpoint_every: int | None = None,
-        loss_fn=None) -> list[dict]:
+        loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True) -> list[dict]:
     """Train ``model`` for ``epochs`` passes over ``train_loader``; return one record per epoch.
 
     Args:
@@ -153,44 +162,32 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             start: casting every batch would throw away what the bf16 loader saves.
         compile: ``torch.compile`` the model.
         channels_last: convert the model to channels-last (give the loaders ``channels_last=True`` too).
-        checkpoint: a path; saved at the end of every epoch and every ``checkpoint_every`` batches.
-            Checked before training starts: not a folder, and its folder writable (created if missing).
+        checkpoint: a path; saved at the end of every epoch and every ``checkpoint_every`` batches
+            (see ``TrainingState``). Checked before training starts: not a folder, and its folder
+            writable (created if missing).
         resume: continue from ``checkpoint`` when it exists (mid-epoch included: the remaining batches
             are exactly those an uninterrupted run sees); start fresh when it does not.
         progress: a tqdm bar with live images/s and data-wait %, shown only when stderr is a terminal.
         checkpoint_every: also save every this many batches (None: only at epoch ends).
         loss_fn: default ``nn.CrossEntropyLoss()``.
+        cudnn_benchmark: on CUDA, turn ``torch.backends.cudnn.benchmark`` on while fit runs (cuDNN
+            times its algorithms once per input shape and keeps the fastest). ``False``: fit leaves
+            the flag as the caller set it.
+        tf32: on CUDA, let fp32 matmuls and convolutions use TF32 tensor cores while fit runs (only
+            what autocast leaves in fp32 is affected). ``False``: fit leaves the flags as they are.
+            Both switches are process-wide, so fit sets them for the run only and restores the
+            caller's values on the way out (``cuda_switches``); on the CPU it touches neither.
 
-    Each record: ``epoch`` (1-based), ``train_loss``, ``train_accuracy``, ``eval_loss``,
-    ``eval_accuracy`` (None without eval_loader), ``images_per_second``, ``data_wait_fraction`` (host
-    time blocked waiting for the next batch ÷ epoch wall time), ``gpu_idle_fraction`` (None on CPU; see
-    below), ``peak_memory_mb`` (device memory on CUDA, the process's peak resident memory on CPU) and
-    ``seconds`` (training wall time of the epoch).
-
-    ``gpu_idle_fraction``: CUDA events are recorded on the loader device's current stream (the
-    training stream) right before and right after each step; the figure is the sum of the gaps from
-    one step's end event to the next step's start event ÷ the time from the first start to the last
-    end. A gap is time the training stream spent on anything but training steps: waiting for the host
-    to hand it the next batch, plus any loader work queued on that same stream between steps (the
-    ``torch`` backend's copy and normalization, the ``memory`` backend's gather and augmentation, a
-    wait for a side stream's batch that is not ready yet). Work on other streams that overlaps the
-    steps (``prefetch``'s side-stream copies, DALI's GPU decoding) is not counted. Under DDP it is the
-    mean over ranks.
-
-    Empty batches (``on_error="skip"`` emptied one; a rank's share of the last batch under DDP with
-    ``drop_last=False``) are left out of every figure. In a single process they are skipped without an
-    optimizer step, so weights, momentum and the fp16 loss scale do not move on no data. Under DDP the
-    rank runs a zero-loss step through the DDP module instead (its peers' gradient all-reduce needs it),
-    and steps the optimizer with the averaged gradients like every other rank, so replicas stay equal;
-    BatchNorm running statistics do not move on an empty batch. Under DDP the model must therefore
-    accept an empty batch (``x.flatten(1)``, not ``x.view(x.shape[0], -1)``).
+    Each record is an ``epoch_record``. Empty batches (``on_error="skip"`` emptied one; a rank's share
+    of the last batch under DDP with ``drop_last=False``) are left out of every figure. In a single
+    process they are skipped without an optimizer step, so weights, momentum and the fp16 loss scale do
+    not move on no data. Under DDP the rank runs a zero-loss step through the DDP module instead (its
+    peers' gradient all-reduce needs it), and steps the optimizer with the averaged gradients like
+    every other rank, so replicas stay equal; BatchNorm running statistics do not move on an empty
+    batch. Under DDP the model must therefore accept an empty batch (``x.flatten(1)``, not
+    ``x.view(x.shape[0], -1)``).
     """
-    if not isinstance(epochs, int) or epochs < 0:
-        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
-    if (resume or checkpoint_every) and checkpoint is None:
-        raise ValueError("resume and checkpoint_every need a checkpoint path")
+    _check_fit_arguments(epochs, checkpoint, resume, checkpoint_every)
     device = _loader_device(train_loader)
     if eval_loader is not None and _loader_device(eval_loader) != device:
         raise ValueError(f"eval_loader is on {eval_loader.device} but train_loader is on {device}: the "
@@ -201,181 +198,359 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
     if fdist.env_world_size() > 1 and not fdist.is_distributed():
         # Before the device scope below: init_distributed makes cuda:LOCAL_RANK current for good.
         fdist.init_distributed(device.type)
-    with _device_scope(device):
-        return _fit(raw, train_loader, device, epochs=epochs, optimizer=optimizer, scheduler=scheduler,
-                    eval_loader=eval_loader, amp=amp, compile=compile, channels_last=channels_last,
-                    checkpoint=checkpoint, resume=resume, progress=progress,
-                    checkpoint_every=checkpoint_every, loss_fn=loss_fn)
-
-
-def _fit(raw, train_loader, device, *, epochs, optimizer, scheduler, eval_loader, amp, compile,
-         channels_last, checkpoint, resume, progress, checkpoint_every, loss_fn) -> list[dict]:
-    """``fit``'s body, run with ``device`` current; the arguments are checked."""
-    mode = resolve_amp(amp, device)
-    main = fdist.is_main()
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (bf16-safe nets)
-        torch.backends.cudnn.allow_tf32 = True
-
-    raw.to(device)
-    if channels_last:
-        raw.to(memory_format=torch.channels_last)
-    model_dtype = next((p.dtype for p in raw.parameters() if p.is_floating_point()), None)
-    for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
-        if loader is not None:
-            _check_input_dtype(_loader_dtype(loader), model_dtype, mode, name)
-    if optimizer is None:
-        optimizer = default_optimizer(raw.parameters(), device)
-    # A disabled scaler passes the loss and the step straight through: one step path for all modes.
-    scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
-    loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-
-    history: list[dict] = []
-    start_epoch, start_batch, global_step, partial = 0, 0, 0, [0.0, 0.0, 0.0]
-    if checkpoint is not None:
-        if main:  # an unusable path fails now, not after an epoch of training
-            ckpt.prepare(checkpoint)
-        if resume and os.path.isfile(checkpoint):
-            state = ckpt.load(checkpoint)
-            if state.get("format") != CHECKPOINT_FORMAT:
-                raise ValueError(f"'{checkpoint}' is not a fastdata checkpoint (format "
-                                 f"{state.get('format')!r}, expected {CHECKPOINT_FORMAT!r})")
-            raw.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            if state["amp"] != mode:
-                warnings.warn(f"checkpoint was trained with amp={state['amp']!r}, resuming with {mode!r}")
-            if state["scaler"]:
-                scaler.load_state_dict(state["scaler"])
-            if scheduler is not None and state["scheduler"] is not None:
-                scheduler.load_state_dict(state["scheduler"])
-            # The loader's state is the one record of the position: fit reads it back from the loader.
-            train_loader.load_state_dict(state["loader"])
-            ckpt.set_rng_state(state["rng"])
+    with _device_scope(device), cuda_switches(device, cudnn_benchmark=cudnn_benchmark, tf32=tf32):
+        mode = resolve_amp(amp, device)
+        step = TrainStep.build(raw, optimizer, scheduler, loss_fn, device, mode, channels_last=channels_last)
+        for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
+            if loader is not None:
+                step.check_dtype(_loader_dtype(loader), name)
+        state = TrainingState(step, train_loader)
+        if checkpoint is not None:
+            state.start(checkpoint, resume)
+        step.wrap(compile=compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
+        for epoch in range(state.epoch, epochs):
+            meter = EpochMeter(device, state.carried(epoch))
+            first = state.first_batch(epoch)
+            saver = _PeriodicSave(state, checkpoint, checkpoint_every, epoch, meter)
+            bar = _Progress.open(progress and fdist.is_main(), len(train_loader), first, epoch, epochs)
+            train_one_epoch(step, train_loader, meter, first_batch=first, after_batch=saver, progress=bar)
+            # The position, taken before evaluation: eval_loader may be this very loader, and iterating
+            # it again would move the position a whole epoch on (a resume would skip an epoch).
             position = train_loader.state_dict()
-            start_epoch, start_batch = position["epoch"], position["batch"]
-            global_step, history = state["global_step"], list(state["history"])
-            # The figures of a half-done epoch are global sums; one rank carries them on.
-            partial = list(state["partial"]) if main else [0.0, 0.0, 0.0]
-            if main:
-                print(f"resumed from '{checkpoint}': epoch {start_epoch + 1}, batch {start_batch}/"
-                      f"{len(train_loader)}", flush=True)
-        elif resume and main:
-            print(f"no checkpoint at '{checkpoint}' yet: starting from scratch", flush=True)
+            record = meter.record(epoch + 1)
+            if eval_loader is not None:
+                result = evaluate(step.eval_net, eval_loader, amp=mode, loss_fn=step.loss_fn)
+                record["eval_loss"], record["eval_accuracy"] = result["loss"], result["accuracy"]
+            state.history.append(record)
+            if fdist.is_main():
+                print(format_record(record, epochs), flush=True)
+            if checkpoint is not None:
+                state.save(checkpoint, position)
+        return state.history
 
-    net = fdist.wrap_ddp(raw, device)
-    ddp = net is not raw
-    if compile:
-        net = torch.compile(net)
-    # DDP's forward takes part in collectives; evaluation goes around it (each rank evaluates its shard
-    # and the sums are reduced), so uneven eval batches cannot deadlock.
-    eval_net = raw if fdist.is_distributed() else net
-    step = _Step(net, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp)
 
-    def save(position: dict, sums: list[float]):
-        state = {
-            "format": CHECKPOINT_FORMAT, "model": raw.state_dict(), "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(), "scheduler": scheduler.state_dict() if scheduler else None,
-            "global_step": global_step, "loader": position, "rng": ckpt.rng_state(), "partial": sums,
-            "history": history, "amp": mode, "world_size": fdist.world_size(),
-        }
-        if main:
-            ckpt.save(state, checkpoint)
+def _check_fit_arguments(epochs, checkpoint, resume, checkpoint_every) -> None:
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+    if (resume or checkpoint_every) and checkpoint is None:
+        raise ValueError("resume and checkpoint_every need a checkpoint path")
 
-    for epoch in range(start_epoch, epochs):
-        mid_epoch = epoch == start_epoch and start_batch > 0
-        if not mid_epoch:
-            train_loader.set_epoch(epoch)
-        first = start_batch if mid_epoch else 0
-        net.train()
-        sums = torch.tensor(partial if mid_epoch else [0.0, 0.0, 0.0], dtype=torch.float64, device=device)
-        images_now, wait = 0, 0.0
-        timer = _StepTimer(device)
+
+@contextlib.contextmanager
+def cuda_switches(device: torch.device, *, cudnn_benchmark: bool, tf32: bool):
+    """Turn cuDNN autotuning and TF32 on for the block when ``device`` is CUDA; restore them after.
+
+    These flags are process-wide: a library call that flipped them for good would change the numerics
+    and the speed of everything else the process runs. A switch passed as False is not touched, so a
+    caller who set it keeps their value; on the CPU nothing is touched.
+
+    TF32 goes through ``fp32_precision`` where torch has it (2.9+): torch raises when one process
+    mixes that API with the legacy ``allow_tf32`` flags, and restoring a legacy flag would not give
+    back the caller's ``"none"`` (inherit) setting. Older torch gets the legacy flags.
+    """
+    if torch.device(device).type != "cuda" or not (cudnn_benchmark or tf32):
+        yield
+        return
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    new_api = hasattr(cudnn, "conv") and hasattr(cudnn.conv, "fp32_precision")
+    tf32_flags = [(cudnn.conv, "fp32_precision", "tf32"), (matmul, "fp32_precision", "tf32")] if new_api \
+        else [(cudnn, "allow_tf32", True), (matmul, "allow_tf32", True)]
+    wanted = ([(cudnn, "benchmark", True)] if cudnn_benchmark else []) + (tf32_flags if tf32 else [])
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in wanted]
+    try:
+        for owner, name, value in wanted:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: int = 0, after_batch=None,
+                    progress: _Progress | None = None) -> None:
+    """One pass over ``loader``: a training ``step`` per batch, its figures added to ``meter``.
+
+    ``first_batch`` is where a resumed epoch starts (the loader already skips the batches before it).
+    ``after_batch(batch)`` runs after each batch with the count of batches done in the epoch (``fit``
+    saves periodic checkpoints there). An empty batch takes no step in a single process; under DDP it
+    takes a zero-loss one, which keeps this rank in its peers' gradient all-reduce.
+    """
+    batch = first_batch
+    try:
+        for images, labels in meter.timed(loader):
+            if batch == first_batch:  # metadata only: no sync
+                step.check_dtype(images.dtype, "train_loader")
+            n = images.shape[0]
+            if n or step.ddp:
+                meter.timer.start()
+                step(images, labels, meter.sums)
+                meter.timer.end()
+            meter.images += n
+            batch += 1
+            if progress is not None:
+                progress.update(meter)
+            if after_batch is not None:
+                after_batch(batch)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+# ----------------------------------------------------------------------------- the epoch record
+def epoch_record(epoch: int, *, loss_sum: float, correct: float, seen: float, images: float, seconds: float,
+                 data_wait_fraction: float, gpu_idle_fraction: float | None, peak_memory_mb: float) -> dict:
+    """One epoch's figures, as ``fit`` returns them (a plain dict: it goes into checkpoints and JSON).
+
+    Keys: ``epoch`` (1-based), ``train_loss`` and ``train_accuracy`` (NaN when no sample was seen),
+    ``eval_loss`` and ``eval_accuracy`` (None until an eval_loader fills them), ``images_per_second``,
+    ``data_wait_fraction`` (host time blocked waiting for the next batch ÷ epoch wall time),
+    ``gpu_idle_fraction`` (None on CPU; see ``EpochMeter``), ``peak_memory_mb`` (device memory on
+    CUDA, the process's peak resident memory on CPU) and ``seconds`` (training wall time).
+    """
+    return {
+        "epoch": epoch,
+        "train_loss": loss_sum / seen if seen else math.nan,
+        "train_accuracy": correct / seen if seen else math.nan,
+        "eval_loss": None,
+        "eval_accuracy": None,
+        "images_per_second": images / seconds if seconds > 0 else math.nan,
+        "data_wait_fraction": data_wait_fraction,
+        "gpu_idle_fraction": gpu_idle_fraction,
+        "peak_memory_mb": peak_memory_mb,
+        "seconds": seconds,
+    }
+
+
+class EpochMeter:
+    """The running figures of one epoch: device-side sums, host-side data wait, CUDA event pairs.
+
+    ``sums`` (loss × samples, correct, samples) stay on the device and are added to inside each step,
+    so no step reads a device value on the host; ``record`` reads them once, at the epoch's end.
+    ``wait`` is host time blocked in the loader (``timed``). ``timer`` records CUDA events right
+    before and after each step on the loader device's current stream (the training stream);
+    ``gpu_idle_fraction`` is the sum of the gaps from one step's end event to the next step's start
+    event ÷ the time from the first start to the last end. A gap is time the training stream spent on
+    anything but training steps: waiting for the host to hand it the next batch, plus any loader work
+    queued on that same stream between steps (the ``torch`` backend's copy and normalization, the
+    ``memory`` backend's gather and augmentation, a wait for a side stream's batch that is not ready
+    yet). Work on other streams that overlaps the steps (``prefetch``'s side-stream copies, DALI's GPU
+    decoding) is not counted. Under DDP every figure is reduced over ranks (idle and wait: the mean).
+
+    Args:
+        device: the loader's device.
+        carried: sums a resumed half-done epoch carries over (global sums, held by one rank).
+    """
+
+    def __init__(self, device: torch.device, carried: list[float] | None = None):
+        self.device = device
+        self.sums = torch.tensor(carried or [0.0, 0.0, 0.0], dtype=torch.float64, device=device)
+        self.images, self.wait = 0, 0.0
+        self.timer = _StepTimer(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        bar = _progress_bar(progress and main, len(train_loader), first, epoch, epochs)
-        last_refresh = t0 = time.perf_counter()
-        it = iter(train_loader)
-        wait += time.perf_counter() - t0  # starting workers / pipelines is waiting for data too
-        batch = first
+        self.t0 = time.perf_counter()
+
+    def timed(self, loader):
+        """Iterate ``loader``, adding the host time spent blocked in it to ``wait``."""
+        t = time.perf_counter()
+        it = iter(loader)
+        self.wait += time.perf_counter() - t  # starting workers / pipelines is waiting for data too
         while True:
             t = time.perf_counter()
             try:
-                images, labels = next(it)
+                batch = next(it)
             except StopIteration:
-                break
-            wait += time.perf_counter() - t
-            if batch == first:  # metadata only: no sync
-                _check_input_dtype(images.dtype, model_dtype, mode, "train_loader")
-            n = images.shape[0]
-            if n or ddp:
-                timer.start()
-                step(images, labels, sums)
-                timer.end()
-            images_now += n
-            batch += 1
-            global_step += 1  # counts batches, empty ones included: checkpoint positions stay regular
-            if bar is not None:
-                bar.update(1)
-                now = time.perf_counter()
-                if now - last_refresh >= 1.0:  # one host sync per refresh, not per step
-                    last_refresh = now
-                    loss_sum, correct, seen = sums.tolist()
-                    bar.set_postfix_str(f"loss {loss_sum / max(seen, 1):.4f}  "
-                                        f"{images_now / (now - t0):,.0f} img/s  data wait {wait / (now - t0):.0%}")
-            if checkpoint is not None and checkpoint_every and global_step % checkpoint_every == 0 \
-                    and batch < len(train_loader):
-                save(train_loader.state_dict(), fdist.all_sum(sums).tolist())
-        # The training position, taken before evaluation: eval_loader may be this very loader, and
-        # iterating it again would move the position a whole epoch on (a resume would skip an epoch).
-        position = train_loader.state_dict()
+                return
+            self.wait += time.perf_counter() - t
+            yield batch
+
+    def global_sums(self) -> list[float]:
+        """The sums over every rank (a collective: every rank calls it at the same step)."""
+        return fdist.all_sum(self.sums).tolist()
+
+    def record(self, epoch: int) -> dict:
+        """The ``epoch_record``, reduced over ranks. Synchronizes the device once: the events and the
+        sums are read here, not during the steps."""
+        device = self.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
-        idle = timer.idle_fraction()
-        peak = _peak_memory_mb(device)
-        summed = fdist.all_sum(torch.tensor(
-            [*sums.tolist(), images_now, wait / wall if wall > 0 else 0.0, idle or 0.0],
-            dtype=torch.float64, device=device)).tolist()
-        wall_max, peak_max = fdist.all_max(torch.tensor([wall, peak], dtype=torch.float64, device=device)).tolist()
+        wall = time.perf_counter() - self.t0
+        idle = self.timer.idle_fraction()
+        local = torch.tensor([*self.sums.tolist(), self.images, self.wait / wall if wall > 0 else 0.0, idle or 0.0],
+                             dtype=torch.float64, device=device)
+        loss_sum, correct, seen, images, wait, idle_sum = fdist.all_sum(local).tolist()
+        wall_max, peak_max = fdist.all_max(torch.tensor([wall, _peak_memory_mb(device)], dtype=torch.float64,
+                                                        device=device)).tolist()
         world = fdist.world_size()
-        loss_sum, correct, seen, images_all, wait_frac, idle_frac = summed
-        record = {
-            "epoch": epoch + 1,
-            "train_loss": loss_sum / seen if seen else math.nan,
-            "train_accuracy": correct / seen if seen else math.nan,
-            "eval_loss": None,
-            "eval_accuracy": None,
-            "images_per_second": images_all / wall_max if wall_max > 0 else math.nan,
-            "data_wait_fraction": wait_frac / world,
-            "gpu_idle_fraction": idle_frac / world if idle is not None else None,
-            "peak_memory_mb": peak_max,
-            "seconds": wall_max,
-        }
-        if eval_loader is not None:
-            result = evaluate(eval_net, eval_loader, amp=mode, loss_fn=loss_fn)
-            record["eval_loss"], record["eval_accuracy"] = result["loss"], result["accuracy"]
-        history.append(record)
+        return epoch_record(epoch, loss_sum=loss_sum, correct=correct, seen=seen, images=images, seconds=wall_max,
+                            data_wait_fraction=wait / world,
+                            gpu_idle_fraction=idle_sum / world if idle is not None else None,
+                            peak_memory_mb=peak_max)
+
+
+# ---------------------------------------------------------------------------- the training state
+class TrainingState:
+    """Everything a resumed run needs, saved to and restored from one checkpoint.
+
+    The position has ONE record: the loader's ``state_dict()`` (epoch and batches done, plus what the
+    position is valid for: world size, batch size, seed, dataset), checked by the loader when it is
+    restored. Format 1 also kept a ``global_step`` beside it, which restore no longer needs: the
+    periodic-save count is ``epoch × len(loader) + batch``. Format 1 files still load (that key is
+    ignored); any other format is refused with the formats this version reads.
+
+    A checkpoint also holds the model, optimizer, GradScaler and scheduler states, the RNG states,
+    the finished epochs' records (``history``), a half-done epoch's global sums (``partial``), the
+    precision and the world size. Rank 0 writes it (atomically: ``checkpoint.save``).
+    """
+
+    FORMAT = CHECKPOINT_FORMAT
+    READS = ("fastdata-checkpoint-1", CHECKPOINT_FORMAT)
+
+    def __init__(self, step: TrainStep, loader):
+        self.step, self.loader = step, loader
+        self.history: list[dict] = []
+        self.epoch, self.batch = 0, 0         # where training starts
+        self.partial = [0.0, 0.0, 0.0]        # the sums the half-done start epoch carries
+
+    def start(self, path, resume: bool) -> None:
+        """Check ``path`` before any training (rank 0), then restore from it when ``resume`` and it
+        exists."""
+        main = fdist.is_main()
+        if main:  # an unusable path fails now, not after an epoch of training
+            ckpt.prepare(path)
+        if not resume:
+            return
+        if not os.path.isfile(path):
+            if main:
+                print(f"no checkpoint at '{path}' yet: starting from scratch", flush=True)
+            return
+        self.load_state_dict(ckpt.load(path), path)
         if main:
-            print(format_record(record, epochs), flush=True)
-        if checkpoint is not None:
-            save(position, [0.0, 0.0, 0.0])
-    return history
+            print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}",
+                  flush=True)
+
+    def state_dict(self, position: dict, partial: list[float]) -> dict:
+        """The checkpoint's contents at ``position`` (the loader's state_dict) with ``partial`` sums."""
+        step = self.step
+        return {
+            "format": self.FORMAT, "model": step.raw.state_dict(), "optimizer": step.optimizer.state_dict(),
+            "scaler": step.scaler.state_dict(),
+            "scheduler": step.scheduler.state_dict() if step.scheduler is not None else None,
+            "loader": position, "rng": ckpt.rng_state(), "partial": list(partial),
+            "history": list(self.history), "amp": step.mode, "world_size": fdist.world_size(),
+        }
+
+    def load_state_dict(self, state: dict, path="checkpoint") -> None:
+        """Restore a checkpoint's contents; the loader checks and takes the position."""
+        if state.get("format") not in self.READS:
+            raise ValueError(f"'{path}' is not a fastdata checkpoint this version reads (format "
+                             f"{state.get('format')!r}; reads {list(self.READS)})")
+        step = self.step
+        step.raw.load_state_dict(state["model"])
+        step.optimizer.load_state_dict(state["optimizer"])
+        if state["amp"] != step.mode:
+            warnings.warn(f"checkpoint was trained with amp={state['amp']!r}, resuming with {step.mode!r}",
+                          stacklevel=2)
+        if state["scaler"]:
+            step.scaler.load_state_dict(state["scaler"])
+        if step.scheduler is not None and state["scheduler"] is not None:
+            step.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        # Read back from the loader, which has validated it: the one record of the position.
+        position = self.loader.state_dict()
+        self.epoch, self.batch = position["epoch"], position["batch"]
+        self.history = list(state["history"])
+        # The figures of a half-done epoch are global sums; one rank carries them on.
+        self.partial = list(state["partial"]) if fdist.is_main() else [0.0, 0.0, 0.0]
+
+    def save(self, path, position: dict, partial: list[float] | None = None) -> None:
+        """Save at ``position`` (rank 0 only: one file for the run)."""
+        if fdist.is_main():
+            ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0]), path)
+
+    def first_batch(self, epoch: int) -> int:
+        """The batch ``epoch`` starts at: the saved one for the resumed epoch, else 0."""
+        return self.batch if epoch == self.epoch else 0
+
+    def carried(self, epoch: int) -> list[float] | None:
+        """The sums ``epoch`` starts from: a resumed half-done epoch's, else None (zeros)."""
+        return self.partial if epoch == self.epoch and self.batch > 0 else None
 
 
-class _Step:
+class _PeriodicSave:
+    """``train_one_epoch``'s ``after_batch`` in ``fit``: saves every ``every`` batches of the run.
+
+    The batch count of the run is ``epoch × len(loader) + batch``, computed from the position, so a
+    resumed run saves at the same batches as an uninterrupted one. No save at the epoch's last batch:
+    the end-of-epoch save follows. A mid-epoch save carries the sums so far (a collective under DDP:
+    every rank reaches the same batch)."""
+
+    def __init__(self, state: TrainingState, path, every: int | None, epoch: int, meter: EpochMeter):
+        self.state, self.path, self.every, self.meter = state, path, every, meter
+        self.length = len(state.loader)
+        self.offset = epoch * self.length
+
+    def __call__(self, batch: int) -> None:
+        if self.path is None or not self.every or (self.offset + batch) % self.every or batch >= self.length:
+            return
+        self.state.save(self.path, self.state.loader.state_dict(), self.meter.global_sums())
+
+
+# ------------------------------------------------------------------------------------- the step
+class TrainStep:
     """One training step: forward, backward, optimizer (and scaler, scheduler) step, device-side sums.
 
     Nothing in it reads a device value on the host: with a fused optimizer (the default on CUDA) or
     bf16, a step never waits for the GPU (a GPU test runs steps under ``set_sync_debug_mode("error")``).
+    ``fit`` makes one with ``build`` and ``wrap``; ``train_one_epoch`` calls it once per batch.
+
+    Args:
+        net: the module the step runs (``raw``, or its DDP / compiled wrapper).
+        raw: the unwrapped model: its parameters, state_dict and dtype.
+        optimizer, scaler, scheduler, loss_fn: as in ``fit`` (scaler: a GradScaler, disabled unless fp16).
+        device: the loader's device. mode: the resolved precision (``"bf16"``, ``"fp16"``, ``"off"``).
+        ddp: whether ``net`` is DDP: an empty batch then still takes a (zero-loss) step.
     """
 
     def __init__(self, net, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp):
-        self.net, self.optimizer, self.scaler, self.scheduler = net, optimizer, scaler, scheduler
+        self.net, self.raw, self.optimizer, self.scaler, self.scheduler = net, raw, optimizer, scaler, scheduler
         self.loss_fn, self.device, self.mode, self.ddp = loss_fn, device, mode, ddp
         self.params = [p for p in raw.parameters() if p.requires_grad]
+        self.model_dtype = next((p.dtype for p in raw.parameters() if p.is_floating_point()), None)
+
+    @classmethod
+    def build(cls, raw, optimizer, scheduler, loss_fn, device, mode, *, channels_last: bool) -> TrainStep:
+        """Put ``raw`` on ``device`` (channels-last if asked) and fill in the defaults: the optimizer, a
+        GradScaler and the loss. The step runs ``raw`` itself until ``wrap``."""
+        raw.to(device)
+        if channels_last:
+            raw.to(memory_format=torch.channels_last)
+        if optimizer is None:
+            optimizer = default_optimizer(raw.parameters(), device)
+        # A disabled scaler passes the loss and the step straight through: one step path for all modes.
+        scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
+        loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+        return cls(raw, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp=False)
+
+    def wrap(self, *, compile: bool) -> None:
+        """DistributedDataParallel under torchrun (on the loader's GPU), then ``torch.compile`` if asked."""
+        net = fdist.wrap_ddp(self.raw, self.device)
+        self.ddp = net is not self.raw
+        self.net = torch.compile(net) if compile else net
+
+    @property
+    def eval_net(self) -> nn.Module:
+        """The module ``evaluate`` runs: DDP's forward takes part in collectives, so evaluation goes
+        around it (each rank evaluates its shard and the sums are reduced) and uneven eval batches
+        cannot deadlock."""
+        return self.raw if fdist.is_distributed() else self.net
+
+    def check_dtype(self, dtype, name: str) -> None:
+        """Refuse batches of ``dtype`` from loader ``name`` when amp is off and the model differs."""
+        _check_input_dtype(dtype, self.model_dtype, self.mode, name)
 
     def __call__(self, images, labels, sums):
         n = images.shape[0]
@@ -557,11 +732,35 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _progress_bar(enabled: bool, total: int, initial: int, epoch: int, epochs: int):
-    # A bar redrawn into a log file or a pipe is noise: only for a terminal.
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
+class _Progress:
+    """A tqdm bar over an epoch's batches with live loss, images/s and data-wait %.
 
-    return tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{epochs}", unit="batch",
-                leave=False, dynamic_ncols=True)
+    Refreshed at most about once a second: each refresh reads the device-side sums on the host (one
+    sync), which per step would stall the GPU."""
+
+    @classmethod
+    def open(cls, enabled: bool, total: int, initial: int, epoch: int, epochs: int) -> _Progress | None:
+        """A bar, or None when not ``enabled`` or stderr is not a terminal (a bar redrawn into a log
+        file or a pipe is noise)."""
+        if not enabled or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return cls(tqdm(total=total, initial=initial, desc=f"epoch {epoch + 1}/{epochs}", unit="batch",
+                        leave=False, dynamic_ncols=True))
+
+    def __init__(self, bar):
+        self.bar, self.last = bar, time.perf_counter()
+
+    def update(self, meter: EpochMeter) -> None:
+        self.bar.update(1)
+        now = time.perf_counter()
+        if now - self.last < 1.0:
+            return
+        self.last, elapsed = now, now - meter.t0
+        loss_sum, _, seen = meter.sums.tolist()
+        self.bar.set_postfix_str(f"loss {loss_sum / max(seen, 1):.4f}  {meter.images / elapsed:,.0f} img/s  "
+                                 f"data wait {meter.wait / elapsed:.0%}")
+
+    def close(self) -> None:
+        self.bar.close()

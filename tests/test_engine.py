@@ -664,7 +664,7 @@ def test_fit_on_the_second_gpu_times_the_second_gpu(monkeypatch):
 def test_a_model_that_cannot_take_an_empty_batch_under_ddp_gets_a_clear_error():
     """Under DDP an empty rank still runs a (zero-loss) step through the model; a model whose forward
     fails on N=0 must be told why it met an empty batch and what to do."""
-    from fastdata.engine import _Step
+    from fastdata.engine import TrainStep
 
     class ViewFlatten(nn.Module):
         def __init__(self):
@@ -676,7 +676,7 @@ def test_a_model_that_cannot_take_an_empty_batch_under_ddp_gets_a_clear_error():
 
     model = ViewFlatten()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = _Step(model, model, opt, torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(),
+    step = TrainStep(model, model, opt, torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(),
                  torch.device("cpu"), "off", ddp=True)
     sums = torch.zeros(3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=r"this rank's batch is empty.*x.flatten\(1\).*drop_last=True"):
