@@ -7,7 +7,7 @@ import torch
 
 from conftest import indexed_source
 from fastdata import Augmentation, registry
-from fastdata.backends import memory
+from fastdata.backends import auto, memory
 
 
 def config(device, rank=None, world_size=None):
@@ -128,3 +128,13 @@ def test_on_a_real_gpu_the_cache_decides_between_memory_and_the_next_cuda_row():
     name, why = registry.choose(src, config(device), {"memory_reserve": whole})
     assert name == ("dali" if registry.spec("dali").available else "prefetch")
     assert "not memory: the cache" in why and "does not fit" in why
+
+
+def test_when_no_row_fits_the_error_names_each_reason(monkeypatch):
+    from fastdata import registry
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+    specs = [registry.spec("memory"), registry.spec("prefetch")]          # prefetch is CUDA-only
+    with pytest.raises(ValueError, match=r"no backend fits .* not memory: the cache .* does not fit.*"
+                                         r"backends allowed on cpu: \['memory'\]"):
+        auto.choose_locally(indexed_source(1000), config("cpu"), None, specs)
