@@ -25,8 +25,6 @@ from .errors import DecodeError
 from .transforms import augment_array, augment_batch, load_photo, require_fixed_size
 
 
-
-
 class Decoded(NamedTuple):
     """One batch decoded: the images and labels of the samples kept, and their ids."""
 
@@ -47,6 +45,7 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
         images = np.ascontiguousarray(augment_batch(source.images[ids], aug, rng))
         return Decoded(images, source.labels[ids], ids)
     if source.kind is SourceKind.FILES:
+        require_fixed_size(source, aug)   # photos of mixed sizes only stack after a size-fixing crop
         return _files(source, ids, aug, rng, on_error)
     if source.kind is SourceKind.DATASET:
         return _dataset(source, ids, aug, rng)

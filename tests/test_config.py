@@ -1,4 +1,6 @@
 """LoaderConfig and Augmentation check their values once, with errors that name them."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def test_defaults_follow_train():
 
 def test_config_is_frozen():
     cfg = LoaderConfig(device="cpu")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.batch_size = 3
 
 

@@ -1,15 +1,33 @@
 """The batch contract, held against every backend by the same tests."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import BACKENDS, DEVICES, decode_ids, indexed_source, label_of
-from fastdata import Augmentation, make_loader
+from conftest import BACKENDS as INSTALLED
+from conftest import DEVICES, decode_ids, indexed_source, label_of
+from fastdata import Augmentation, make_loader, registry
 from fastdata.datasets import ImageFolder, SyntheticDigits
 
 NONE = Augmentation.none()
+# The built-in backends plus the "Writing a backend" example, held to the same contract.
+BACKENDS = INSTALLED + ["simple"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example_backend():
+    """examples/custom_backend.py's SimpleLoader, registered for this module's tests only."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_backend.py"
+    spec = importlib.util.spec_from_file_location("custom_backend", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.register()
+    yield module.SimpleLoader
+    registry.unregister("simple")
 
 
 def epoch_ids(loader):

@@ -12,13 +12,12 @@ import torch
 
 pytest.importorskip("nvidia.dali.plugin.pytorch", reason="the dali backend needs nvidia-dali-cuda120")
 
+from conftest import MEAN, STD, decode_ids, indexed_source, label_of  # noqa: E402
 from fastdata import make_loader  # noqa: E402
 from fastdata.config import Augmentation  # noqa: E402
 from fastdata.datasets import ArraySource, ImageFolder  # noqa: E402
 from fastdata.errors import DecodeError  # noqa: E402
 from fastdata.sampling import EpochPlan  # noqa: E402
-
-from conftest import MEAN, STD, decode_ids, indexed_source, label_of  # noqa: E402
 
 NONE = Augmentation.none()
 

@@ -134,7 +134,8 @@ def test_zero_pixel_images_are_refused():
         ArraySource(np.zeros((4, 5, 0, 1), np.uint8), np.arange(4))
 
 
-def _mnist_files(tmp_path, images_bytes: bytes, labels=np.arange(3, dtype=np.uint8)):
+def _mnist_files(tmp_path, images_bytes: bytes, labels=None):
+    labels = np.arange(3, dtype=np.uint8) if labels is None else labels
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     (raw / "t10k-images-idx3-ubyte").write_bytes(images_bytes)
@@ -243,6 +244,7 @@ def _rgb(seed=0):
 
 def test_a_colour_first_sample_makes_every_sample_rgb():
     import torch
+
     from fastdata.datasets import DatasetSource
 
     rgb = _rgb()
@@ -262,6 +264,7 @@ def test_a_colour_first_sample_makes_every_sample_rgb():
 
 def test_a_grey_first_sample_refuses_later_colour_unless_told():
     import torch
+
     from fastdata.datasets import DatasetSource
 
     rgb, grey = _rgb(), _rgb()[..., 0]
@@ -280,6 +283,7 @@ def test_a_grey_first_sample_refuses_later_colour_unless_told():
 
 def test_as_array_refuses_what_it_cannot_convert():
     import torch
+
     from fastdata.datasets import DatasetSource
 
     src = DatasetSource(_Samples([torch.zeros(3, 4, 4, dtype=torch.uint8)]))
@@ -293,6 +297,7 @@ def test_as_array_refuses_what_it_cannot_convert():
 
 def test_as_label_refuses_what_int_would_change():
     import torch
+
     from fastdata.datasets import DatasetSource
 
     src = DatasetSource(_Samples([torch.zeros(1, 4, 4, dtype=torch.uint8)]))
@@ -305,6 +310,7 @@ def test_as_label_refuses_what_int_would_change():
 
 def test_the_torch_backend_converts_mixed_channel_samples_as_the_source_decides():
     import torch
+
     from fastdata import Augmentation, make_loader
 
     rgb, grey = _rgb(), _rgb()[..., 0]

@@ -183,7 +183,6 @@ def test_prepared_epoch_gives_the_same_batches_as_the_torch_backend():
 def test_an_empty_last_share_is_an_empty_batch(backend, train, photo_folder, monkeypatch):
     """drop_last=False with fewer samples left than ranks: some ranks' last batch is empty, not a crash."""
     from conftest import decode_ids, indexed_source
-
     from fastdata.backends import memory
 
     arrays = indexed_source(7)                           # 7 = 3 ranks x 2 + 1: ranks 1, 2 get nothing

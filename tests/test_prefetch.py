@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICES, decode_ids, indexed_source
-from procs import wait_until
 
+from conftest import DEVICES, decode_ids, indexed_source
 from fastdata import make_loader
+from procs import wait_until
 
 
 def test_same_batches_as_the_torch_backend():

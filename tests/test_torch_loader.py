@@ -78,7 +78,6 @@ def test_the_dataloader_gets_no_pin_memory_device():
     import warnings
 
     from conftest import indexed_source
-
     from fastdata.backends import torch_loader as tl
     from fastdata.decode import BatchDecoder
 
@@ -103,11 +102,10 @@ def test_the_iterator_is_created_and_advanced_inside_the_device_scope(monkeypatc
     runs at each next(): both inside the scope. No batch is handed over inside it."""
     import contextlib
 
-    from conftest import indexed_source
     from torch.utils.data import dataloader as dlmod
 
+    from conftest import indexed_source
     from fastdata.backends import torch_loader as tl
-    from fastdata.decode import BatchDecoder
 
     active = []
 
@@ -187,8 +185,9 @@ def test_a_broken_connection_from_a_killed_worker_names_the_worker(kill, monkeyp
     import signal
     import types
 
-    from conftest import indexed_source
     from torch.utils.data._utils import signal_handling
+
+    from conftest import indexed_source
 
     monkeypatch.setattr(signal_handling, "_error_if_any_worker_fails", lambda: None)
     loader = make_loader(indexed_source(400), "torch", batch_size=8, device="cpu", num_workers=2, train=False)

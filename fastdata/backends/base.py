@@ -26,7 +26,6 @@ from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info
 
-
 _SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loader: each iter() starts "
                "the next epoch and closes the previous one (two epochs of one loader cannot run "
                "interleaved, they share its workers). Keep one iterator per epoch; to look at a batch "
