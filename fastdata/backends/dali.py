@@ -261,7 +261,11 @@ class DaliLoader(Loader):
 
     # ------------------------------------------------------------------ the pipeline
     def _build(self):
-        """A fresh pipeline and DALIGenericIterator; the feeder must hold the epoch's jobs already."""
+        """A fresh pipeline and DALIGenericIterator; the feeder must hold the epoch's jobs already.
+
+        Over 60 lines on purpose: the pipeline graph is one DALI function and reads top to bottom as
+        the data flows (inputs, decode, crop, normalize); split, its branches would be harder to follow.
+        """
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
