@@ -9,14 +9,18 @@ from fastdata import available_backends, make_loader
 from fastdata import checkpoint as ckpt
 from fastdata.datasets import ArraySource, SyntheticDigits
 from fastdata.engine import (
+    CHECKPOINT_FORMAT,
+    EpochMeter,
     _idle_fraction,
     _StepTimer,
     choose_amp,
+    cuda_switches,
     default_optimizer,
     evaluate,
     fit,
     resolve_amp,
     summarize,
+    train_one_epoch,
     wants_fused,
 )
 from fastdata.models import SmallCNN
@@ -162,8 +166,8 @@ def test_no_host_sync_per_step(digits, monkeypatch):
         for name in ("item", "tolist"):
             real = getattr(torch.Tensor, name)
 
-            def counted(self, *a, _real=real, **k):
-                calls[0] += 1
+            def counted(self, *a, _real=real, _calls=calls, **k):
+                _calls[0] += 1
                 return _real(self, *a, **k)
 
             monkeypatch.setattr(torch.Tensor, name, counted)
@@ -237,7 +241,8 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, backend, wo
         _run(train, backend, workers, tmp_path / "c.pt", crash_after=k + 2, every=k)
     state = ckpt.load(tmp_path / "c.pt")
     # One record of the position: the loader's.
-    assert "epoch" not in state and "step" not in state
+    assert "epoch" not in state and "step" not in state and "global_step" not in state
+    assert state["format"] == CHECKPOINT_FORMAT
     assert (state["loader"]["epoch"], state["loader"]["batch"]) == divmod(k, 10)
     model, loader, hist = _run(train, backend, workers, tmp_path / "c.pt", resume=True, init_seed=99, every=k)
     assert len(loader.seen) == 20 - k
@@ -683,3 +688,146 @@ def test_a_model_that_cannot_take_an_empty_batch_under_ddp_gets_a_clear_error():
         step(torch.zeros(0, 1, 16, 16), torch.zeros(0, dtype=torch.long), sums)
     step(torch.zeros(4, 1, 16, 16), torch.zeros(4, dtype=torch.long), sums)   # a real batch trains
     assert sums[2].item() == 4
+
+
+# ------------------------------------------------------------------------- the parts of fit
+class CountingStep:
+    """A stand-in training step: records the size of every batch it is given."""
+
+    ddp = False
+
+    def __init__(self):
+        self.sizes = []
+
+    def check_dtype(self, dtype, name):
+        pass
+
+    def __call__(self, images, labels, sums):
+        self.sizes.append(images.shape[0])
+        sums += torch.tensor([float(images.shape[0]), 1.0, float(images.shape[0])], dtype=torch.float64)
+
+
+def test_train_one_epoch_steps_real_batches_and_fills_the_meter():
+    batches = _batches(4, size=8)
+    batches[2] = (batches[2][0][:0], batches[2][1][:0])     # an emptied batch takes no step
+    step, meter, after = CountingStep(), EpochMeter(torch.device("cpu"), [10.0, 2.0, 10.0]), []
+    train_one_epoch(step, ListLoader(batches), meter, first_batch=0, after_batch=after.append)
+    assert step.sizes == [8, 8, 8]
+    assert after == [1, 2, 3, 4]                              # batches done in the epoch, empty one included
+    assert meter.images == 24 and meter.wait >= 0.0
+    record = meter.record(3)
+    assert set(record) == RECORD_KEYS and record["epoch"] == 3
+    # The carried sums of a resumed half epoch count: (10 + 3 * 8) / (10 + 24).
+    assert record["train_loss"] == pytest.approx(34 / 34) and record["train_accuracy"] == pytest.approx(5 / 34)
+    assert record["gpu_idle_fraction"] is None and record["images_per_second"] > 0
+
+
+def _tf32_state():
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    if hasattr(cudnn, "conv") and hasattr(cudnn.conv, "fp32_precision"):
+        return cudnn.benchmark, cudnn.conv.fp32_precision, matmul.fp32_precision
+    return cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
+
+
+@pytest.fixture
+def switches_restored():
+    """The process-wide switches as they were before the test, put back after it whatever happens."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    names = [(cudnn, "benchmark")] + ([(cudnn.conv, "fp32_precision"), (matmul, "fp32_precision")]
+                                      if hasattr(cudnn, "conv") and hasattr(cudnn.conv, "fp32_precision")
+                                      else [(cudnn, "allow_tf32"), (matmul, "allow_tf32")])
+    saved = [(owner, name, getattr(owner, name)) for owner, name in names]
+    yield
+    for owner, name, value in saved:
+        setattr(owner, name, value)
+
+
+def test_cuda_switches_are_on_for_the_block_only(switches_restored):
+    """The flags are process-wide: fit turns them on for its run and gives the caller's values back.
+    (Setting them needs no GPU, so this runs anywhere.)"""
+    torch.backends.cudnn.benchmark = False
+    before = _tf32_state()
+    with cuda_switches(torch.device("cuda", 0), cudnn_benchmark=True, tf32=True):
+        inside = _tf32_state()
+    assert inside[0] is True and inside[1:] in (("tf32", "tf32"), (True, True))
+    assert _tf32_state() == before
+
+
+def test_cuda_switches_told_not_to_touch_leave_the_callers_values(switches_restored):
+    torch.backends.cudnn.benchmark = True                   # the caller's own choice
+    before = _tf32_state()
+    with cuda_switches(torch.device("cuda", 0), cudnn_benchmark=False, tf32=False):
+        assert _tf32_state() == before
+    torch.backends.cudnn.benchmark = False
+    with cuda_switches(torch.device("cuda", 0), cudnn_benchmark=False, tf32=True):
+        assert torch.backends.cudnn.benchmark is False      # not switched on when told not to
+    with cuda_switches(torch.device("cpu"), cudnn_benchmark=True, tf32=True):
+        assert torch.backends.cudnn.benchmark is False      # the CPU touches nothing
+    assert _tf32_state()[0] is False
+
+
+class SwitchProbe(nn.Module):
+    """Records the process-wide switches each time forward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = SmallCNN(width=4)
+        self.seen = set()
+
+    def forward(self, x):
+        self.seen.add(_tf32_state())
+        return self.net(x)
+
+
+def test_fit_on_the_cpu_leaves_the_process_wide_switches_alone(switches_restored):
+    torch.backends.cudnn.benchmark = False
+    before = _tf32_state()
+    model = SwitchProbe()
+    fit(model, ListLoader(_batches(2)), epochs=1, progress=False)
+    assert model.seen == {before} and _tf32_state() == before
+
+
+@pytest.mark.cuda
+def test_fit_on_cuda_switches_cudnn_benchmark_and_tf32_for_the_run_only(switches_restored):
+    torch.backends.cudnn.benchmark = False
+    before = _tf32_state()
+    model = SwitchProbe()
+    fit(model, ListLoader(_batches(2, device="cuda"), device="cuda"), epochs=1, progress=False)
+    (inside,) = model.seen
+    assert inside[0] is True and inside[1:] in (("tf32", "tf32"), (True, True))
+    assert _tf32_state() == before
+    model = SwitchProbe()
+    fit(model, ListLoader(_batches(2, device="cuda"), device="cuda"), epochs=1, progress=False,
+        cudnn_benchmark=False, tf32=False)
+    assert model.seen == {before} and _tf32_state() == before
+
+
+def test_a_format_1_checkpoint_still_resumes(tmp_path):
+    """Format 1 kept the position twice (``global_step`` beside the loader's); it must still resume,
+    from the loader's record, to the same weights as an uninterrupted run."""
+    batches = _batches(3)
+    torch.manual_seed(0)
+    ref = SmallCNN(width=4)
+    fit(ref, ListLoader(batches), epochs=2, progress=False)
+    path = tmp_path / "c.pt"
+    torch.manual_seed(0)
+    fit(SmallCNN(width=4), ListLoader(batches), epochs=1, checkpoint=path, progress=False)
+    state = ckpt.load(path)
+    ckpt.save({**state, "format": "fastdata-checkpoint-1", "global_step": 3}, path)
+    torch.manual_seed(5)
+    model, loader = SmallCNN(width=4), ListLoader(batches)
+    hist = fit(model, loader, epochs=2, checkpoint=path, resume=True, progress=False)
+    assert [r["epoch"] for r in hist] == [1, 2] and loader.iters == 1
+    assert torch.equal(_params(model), _params(ref))
+
+
+def test_a_checkpoint_of_an_unknown_format_is_refused_with_the_formats_read(tmp_path):
+    path = tmp_path / "c.pt"
+    fit(SmallCNN(width=4), ListLoader(_batches(1)), epochs=1, checkpoint=path, progress=False)
+    ckpt.save({**ckpt.load(path), "format": "fastdata-checkpoint-9"}, path)
+    loader = ListLoader(_batches(1))
+    with pytest.raises(ValueError, match=r"c.pt' is not a fastdata checkpoint this version reads \(format "
+                                         r"'fastdata-checkpoint-9'; reads \['fastdata-checkpoint-1', "
+                                         r"'fastdata-checkpoint-2'\]\)"):
+        fit(SmallCNN(width=4), loader, epochs=2, checkpoint=path, resume=True, progress=False)
+    assert loader.iters == 0
