@@ -412,7 +412,8 @@ def main(args) -> dict:
                "rows": [vars(r) for r in rows], "targets": [vars(t) | {"label": t.describe()} for t in targets]}
     batch = {"digits": args.digits_batch, "jpeg": args.jpeg_batch}
     chart = {f"{w} ({sources[w].split()[0]}), batch {batch[w]}":
-             [(r.name, r.rate, r.role) for r in rows if r.workload == w and r.status == "ok"] for w in sources}
+             [(r.name, r.rate, r.role, common.spread(r.passes)) for r in rows if r.workload == w and r.status == "ok"]
+             for w in sources}
     payload["paths"] = common.write_reports(
         args.out, f"loaders-{tag}", title="Loader throughput", machine=machine,
         command=common.command_line("bench_loaders.py", args.argv), body_md=body,

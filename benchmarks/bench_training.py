@@ -229,7 +229,8 @@ def main(args) -> dict:
                "epochs": args.epochs, "amp": args.amp, "quick": args.quick, "sources": sources,
                "unit": "training images/s", "rows": [vars(r) for r in rows],
                "targets": [vars(t) | {"label": t.describe()} for t in targets]}
-    chart = {f"{w}: training images/s": [(r.name, r.rate, r.role) for r in rows if r.workload == w and r.status == "ok"]
+    chart = {f"{w}: training images/s": [(r.name, r.rate, r.role, common.spread(r.passes))
+                                          for r in rows if r.workload == w and r.status == "ok"]
              for w in sources}
     payload["paths"] = common.write_reports(
         args.out, f"training-{tag}", title="Training throughput", machine=machine,

@@ -179,11 +179,13 @@ def write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def bar_chart(path: Path, groups: dict[str, list[tuple[str, float, str]]], *, xlabel: str, title: str,
+def bar_chart(path: Path, groups: dict[str, list[tuple]], *, xlabel: str, title: str,
               log: bool = True) -> None:
-    """One horizontal bar panel per group: ``{group: [(label, value, role), ...]}`` → PNG.
+    """One horizontal bar panel per group: ``{group: [(label, value, role[, (low, high)]), ...]}`` → PNG.
 
-    Log scale by default: contenders differ by two orders of magnitude on the digits workload.
+    The optional ``(low, high)`` (slowest and fastest pass) is drawn as an error bar, so two bars whose
+    whiskers overlap read as what they are: not told apart by this run. Log scale by default:
+    contenders differ by two orders of magnitude on the digits workload.
     """
     import matplotlib
 
@@ -201,17 +203,26 @@ def bar_chart(path: Path, groups: dict[str, list[tuple[str, float, str]]], *, xl
         labels = [b[0] for b in bars]
         values = [b[1] for b in bars]
         ax.barh(range(len(bars)), values, color=[colors.get(b[2], "#2ca02c") for b in bars])
+        spreads = [b[3] if len(b) > 3 and b[3] else (b[1], b[1]) for b in bars]
+        ranged = [i for i, (lo, hi) in enumerate(spreads) if lo != hi]
+        if ranged:
+            err = [[max(0.0, values[i] - spreads[i][0]) for i in ranged],
+                   [max(0.0, spreads[i][1] - values[i]) for i in ranged]]
+            ax.errorbar([values[i] for i in ranged], ranged, xerr=err, fmt="none", ecolor="black", capsize=3,
+                        linewidth=1)
         ax.set_yticks(range(len(bars)))
         ax.set_yticklabels(labels)
         ax.invert_yaxis()
         if log and values:
             ax.set_xscale("log")
         for i, v in enumerate(values):
-            ax.text(v, i, f" {fmt_num(v)}", va="center", fontsize=8)
+            ax.text(max(v, spreads[i][1]), i, f" {fmt_num(v)}", va="center", fontsize=8)  # past the whisker
+        low = min(values + [lo for lo, _ in spreads if lo > 0]) if values else None
+        high = max(values + [hi for _, hi in spreads]) if values else None
         if values and log:  # whole decades, so that bar lengths are not cut off at an arbitrary left edge
-            ax.set_xlim(10 ** math.floor(math.log10(min(values) / 2)), max(values) * 4)
+            ax.set_xlim(10 ** math.floor(math.log10(low / 2)), high * 4)
         elif values:
-            ax.set_xlim(0, max(values) * 1.25)
+            ax.set_xlim(0, high * 1.25)
         ax.set_title(group, fontsize=10, loc="left")
         ax.set_xlabel(xlabel)
     fig.suptitle(title, fontsize=10)

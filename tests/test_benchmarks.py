@@ -270,3 +270,21 @@ def torch_cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_the_chart_draws_each_contenders_spread(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from fastdata.report import bar_chart
+
+    drawn = []
+    real = matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", lambda self, x, y, **kw: drawn.append((x, y, kw["xerr"]))
+                        or real(self, x, y, **kw))
+    path = tmp_path / "c.png"
+    bar_chart(path, {"w": [("memory", 1700.0, "fastdata", (1526.0, 1895.0)), ("torch", 1360.0, "fastdata", None)]},
+              xlabel="images/s", title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (x, y, xerr), = drawn                                   # one whisker: the row without a spread has none
+    assert list(x) == [1700.0] and list(y) == [0]
+    assert xerr == [[pytest.approx(174.0)], [pytest.approx(195.0)]]
