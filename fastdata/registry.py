@@ -83,6 +83,18 @@ class BackendSpec:
                 raise MissingDependency(f"backend {self.name!r} needs {self.needs}, which does not import "
                                         f"here ({type(e).__name__}: {e}); install it with: "
                                         f"{self.install or 'its package'}") from e
+        return self._class()
+
+    def option_names(self) -> frozenset[str] | None:
+        """The backend's own options, read off its class even where ``needs`` does not import (a module
+        that imports its package lazily, like DALI's, still declares them); None when the class itself
+        cannot be imported here."""
+        try:
+            return frozenset(self._class().options)
+        except Exception:  # a third-party module that imports its missing package at the top
+            return None
+
+    def _class(self) -> type:
         if not isinstance(self.target, str):
             return self.target
         module, cls = self.target.split(":")
@@ -176,11 +188,11 @@ def backend_class(name: str) -> type:
 
 
 def all_options() -> set[str]:
-    """The union of the available backends' options: what ``auto`` accepts."""
+    """The union of every row's options, installed or not: what ``auto`` accepts. A DALI option passed
+    to ``auto`` where DALI is missing is not a typo; auto simply does not pass it to the backend it picks."""
     known: set[str] = set()
     for s in BACKENDS.values():
-        if s.available:
-            known |= set(s.load().options)
+        known |= s.option_names() or set()
     return known
 
 

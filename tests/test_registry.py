@@ -150,3 +150,17 @@ def test_the_built_in_rows_keep_autos_measured_order():
     order = [s.name for s in registry.by_preference()]
     assert [n for n in order if n in ("memory", "dali", "prefetch", "torch")] == ["memory", "dali", "prefetch", "torch"]
     assert registry.spec("dali").devices == registry.spec("prefetch").devices == ("cuda",)
+
+
+def test_auto_accepts_an_option_of_a_backend_not_installed_here(monkeypatch):
+    # DALI missing: its read_threads is still a real option (not a typo), so auto takes it and drops it.
+    monkeypatch.setitem(registry.BACKENDS, "dali", registry.BackendSpec(
+        "dali", "fastdata.backends.dali:DaliLoader", needs="nvidia_dali_not_here.plugin", devices=("cuda",)))
+    registry.clear_import_cache()
+    try:
+        loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", read_threads=2)
+        assert loader.name == "memory"
+        with pytest.raises(TypeError, match=r"unknown option\(s\) \['read_thread'\].*'read_threads'"):
+            make_loader(SyntheticDigits(200), batch_size=50, device="cpu", read_thread=2)
+    finally:
+        registry.clear_import_cache()
