@@ -28,11 +28,13 @@ What keeps the GPU busy here:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -706,6 +708,52 @@ def summarize(history: list[dict]) -> dict:
         "final_train_loss": history[-1]["train_loss"] if history else None,
         "test_accuracy": history[-1]["eval_accuracy"] if history else None,
     }
+
+
+# ------------------------------------------------------------------------------ examples' tail
+def run_result(history: list[dict], *, train_loader, backend: str, device, amp: str, wall_seconds: float,
+               **details) -> dict:
+    """A training script's result as one JSON-ready dict: what ran, the whole-run figures, the epochs.
+
+    Keys: ``backend`` (the one that ran: ``auto`` names its choice), ``backend_requested``,
+    ``device``, ``world_size``, then ``details`` in the caller's order (dataset, epochs, batch size,
+    ...), ``amp`` (the precision used), ``summarize(history)``'s figures, ``wall_seconds`` and
+    ``history`` (``fit``'s records).
+    """
+    device = torch.device(device)
+    return {
+        # A contract object that is not a fastdata loader may have no name: the requested one stands.
+        "backend": getattr(train_loader, "name", backend),
+        "backend_requested": backend,
+        "device": str(device),
+        "world_size": fdist.world_size(),
+        **details,
+        "amp": resolve_amp(amp, device),
+        **summarize(history),
+        "wall_seconds": wall_seconds,
+        "history": history,
+    }
+
+
+def write_json(result: dict, path) -> Path:
+    """Write ``result`` to ``path`` as indented JSON, creating its folder; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    return path
+
+
+def report_run(result: dict, *, accuracy_name: str, json_out=None) -> None:
+    """Rank 0 prints the run's one line (final accuracy, training time, backend) and writes
+    ``json_out`` when given; the other ranks stay silent, so a torchrun log holds one copy."""
+    if not fdist.is_main():
+        return
+    acc = result["test_accuracy"]
+    print(f"{accuracy_name} {acc:.2%}" if acc is not None else f"{accuracy_name}: none (nothing was evaluated)",
+          f"| {result['train_seconds']:.1f} s training, backend {result['backend']}", flush=True)
+    if json_out:
+        write_json(result, json_out)
 
 
 # -------------------------------------------------------------------------------------- helpers

@@ -1,3 +1,4 @@
+import json
 import math
 from types import SimpleNamespace
 
@@ -18,7 +19,9 @@ from fastdata.engine import (
     default_optimizer,
     evaluate,
     fit,
+    report_run,
     resolve_amp,
+    run_result,
     summarize,
     train_one_epoch,
     wants_fused,
@@ -831,3 +834,21 @@ def test_a_checkpoint_of_an_unknown_format_is_refused_with_the_formats_read(tmp_
                                          r"'fastdata-checkpoint-2'\]\)"):
         fit(SmallCNN(width=4), loader, epochs=2, checkpoint=path, resume=True, progress=False)
     assert loader.iters == 0
+
+
+# ------------------------------------------------------------------------------ examples' tail
+def test_run_result_and_report_run_are_the_examples_shared_tail(tmp_path, capsys):
+    history = [{"seconds": 2.0, "images_per_second": 100.0, "data_wait_fraction": 0.25, "gpu_idle_fraction": None,
+                "peak_memory_mb": 5.0, "train_loss": 0.5, "eval_accuracy": 0.75}]
+    loader = SimpleNamespace(name="memory")
+    result = run_result(history, train_loader=loader, backend="auto", device="cpu", amp="auto", wall_seconds=3.0,
+                        dataset="synthetic", epochs=1)
+    assert list(result)[:6] == ["backend", "backend_requested", "device", "world_size", "dataset", "epochs"]
+    assert (result["backend"], result["backend_requested"], result["device"]) == ("memory", "auto", "cpu")
+    assert result["amp"] == "off" and result["test_accuracy"] == 0.75 and result["history"] == history
+    out = tmp_path / "new" / "r.json"
+    report_run(result, accuracy_name="synthetic test accuracy", json_out=out)
+    assert capsys.readouterr().out.strip() == "synthetic test accuracy 75.00% | 2.0 s training, backend memory"
+    assert json.loads(out.read_text()) == result
+    report_run({**result, "test_accuracy": None}, accuracy_name="validation accuracy")
+    assert "validation accuracy: none" in capsys.readouterr().out
