@@ -10,8 +10,6 @@ Training uses RandomResizedCrop + flip at ``--image-size``; evaluation resizes t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
@@ -19,10 +17,11 @@ import torch
 from fastdata import Augmentation, available_backends, make_loader
 from fastdata import distributed as fdist
 from fastdata.datasets import ImageFolder
-from fastdata.engine import AMP_CHOICES, fit, resolve_amp, summarize
+from fastdata.engine import AMP_CHOICES, fit, report_run, run_result
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The command line, as a parser other scripts and the tests reuse."""
     p = argparse.ArgumentParser(description="Train ResNet-18 on an ImageFolder of JPEGs with a fastdata backend",
                                 add_help=add_help)
     p.add_argument("--data-root", required=True, help="training folder: one sub-folder per class")
@@ -49,7 +48,19 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
+def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum; weight decay on weights only, fused on CUDA."""
+    # No weight decay on BatchNorm parameters and biases: decaying them only hurts (Goyal et al. 2017).
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.ndim <= 1]
+    return torch.optim.SGD([{"params": decay, "weight_decay": 5e-5}, {"params": no_decay, "weight_decay": 0.0}],
+                           lr=lr, momentum=0.9, nesterov=True,
+                           # fused on CUDA: no host sync per fp16 step (see train_mnist.py)
+                           fused=True if device.type == "cuda" else None)
+
+
 def main(args) -> dict:
+    """Train (and validate) as ``args`` says; return the run's result (``fastdata.engine.run_result``)."""
     import torchvision
 
     device = fdist.init_distributed(args.device)
@@ -72,14 +83,7 @@ def main(args) -> dict:
                                      **common)
         model = torchvision.models.resnet18(num_classes=train_src.num_classes)
         lr = args.lr * args.batch_size * fdist.world_size() / 256
-        # No weight decay on BatchNorm parameters and biases: decaying them only hurts (Goyal et al. 2017).
-        decay = [p for p in model.parameters() if p.ndim > 1]
-        no_decay = [p for p in model.parameters() if p.ndim <= 1]
-        optimizer = torch.optim.SGD([{"params": decay, "weight_decay": 5e-5},
-                                     {"params": no_decay, "weight_decay": 0.0}],
-                                    lr=lr, momentum=0.9, nesterov=True,
-                                    # fused on CUDA: no host sync per fp16 step (see train_mnist.py)
-                                    fused=True if device.type == "cuda" else None)
+        optimizer = make_optimizer(model, lr, device)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, epochs=max(args.epochs, 1),
                                                         steps_per_epoch=len(train_loader), pct_start=0.25)
         start = time.perf_counter()
@@ -87,29 +91,11 @@ def main(args) -> dict:
                       eval_loader=val_loader, amp=args.amp, compile=args.compile,
                       channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
                       checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
-        result = {
-            "backend": getattr(train_loader, "name", args.backend),
-            "backend_requested": args.backend,
-            "device": str(device),
-            "world_size": fdist.world_size(),
-            "dataset": str(args.data_root),
-            "classes": train_src.num_classes,
-            "epochs": args.epochs,
-            "batch_size": args.batch_size,
-            "image_size": size,
-            "amp": resolve_amp(args.amp, device),
-            **summarize(history),
-            "wall_seconds": time.perf_counter() - start,
-            "history": history,
-        }
-        if fdist.is_main():
-            acc = result["test_accuracy"]
-            print((f"validation accuracy {acc:.2%}" if acc is not None else "no validation folder"),
-                  f"| {result['train_seconds']:.1f} s training, backend {result['backend']}", flush=True)
-            if args.json_out:
-                os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-                with open(args.json_out, "w") as f:
-                    json.dump(result, f, indent=2)
+        result = run_result(history, train_loader=train_loader, backend=args.backend, device=device, amp=args.amp,
+                            wall_seconds=time.perf_counter() - start, dataset=str(args.data_root),
+                            classes=train_src.num_classes, epochs=args.epochs, batch_size=args.batch_size,
+                            image_size=size)
+        report_run(result, accuracy_name="validation accuracy", json_out=args.json_out)
         for loader in (train_loader, val_loader):
             if loader is not None:
                 loader.close()

@@ -1,18 +1,19 @@
 """Train fastdata's SmallCNN on MNIST (or synthetic digits when MNIST is not there) with any backend.
 
     python examples/train_mnist.py --backend memory --epochs 3
+    python examples/train_mnist.py --data synthetic                            # no MNIST, no network
     torchrun --nproc-per-node 2 examples/train_mnist.py --backend torch      # DDP, one shard per rank
 
 Defaults (SGD with Nesterov momentum, a one-cycle schedule peaking at lr 0.1, batch 256, 3 epochs)
 reach ≥99% test accuracy on MNIST. ``--batch-size`` is per process, as in torchvision's references.
+``--data auto`` (the default) uses MNIST from ``--data-root``, downloading it unless ``--no-download``,
+and falls back to synthetic digits when it cannot be had.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
-import json
-import os
 import time
 
 import torch
@@ -20,11 +21,12 @@ import torch
 from fastdata import available_backends, make_loader
 from fastdata import distributed as fdist
 from fastdata.datasets import MNIST, SyntheticDigits
-from fastdata.engine import AMP_CHOICES, fit, resolve_amp, summarize
+from fastdata.engine import AMP_CHOICES, fit, report_run, run_result
 from fastdata.models import SmallCNN
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The command line, as a parser other scripts and the tests reuse."""
     p = argparse.ArgumentParser(description="Train a small CNN on MNIST digits with a fastdata backend",
                                 add_help=add_help)
     p.add_argument("--backend", default="auto", choices=available_backends(), help="data-loading backend")
@@ -41,6 +43,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
                    help="auto: MNIST from --data-root (downloaded if possible), else synthetic digits")
     p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
+    p.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
+                   help="fetch MNIST through torchvision when it is not in --data-root "
+                        "(--no-download: never touch the network, e.g. in tests)")
     p.add_argument("--train-size", type=int, default=None, help="use the first N training images")
     p.add_argument("--test-size", type=int, default=None, help="use the first N test images")
     p.add_argument("--workers", type=int, default=None, help="loader workers (default: the usable cores)")
@@ -64,13 +69,14 @@ def load_digits(args) -> tuple[object, object, str]:
         try:
             # torchvision's download chatter would bury the one line that matters below.
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                train = MNIST(args.data_root, train=True, download=True)
-                test = MNIST(args.data_root, train=False, download=True)
+                train = MNIST(args.data_root, train=True, download=args.download)
+                test = MNIST(args.data_root, train=False, download=args.download)
         except FileNotFoundError as e:
             if args.data == "mnist":
                 raise SystemExit(f"--data mnist: {e}") from None
             if fdist.is_main():
-                print(f"MNIST is not in '{args.data_root}' and could not be downloaded: "
+                how = "could not be downloaded" if args.download else "--no-download was given"
+                print(f"MNIST is not in '{args.data_root}' and {how}: "
                       f"training on synthetic digits instead ({args.train_size or 60_000:,} train / "
                       f"{args.test_size or 10_000:,} test)", flush=True)
         else:
@@ -93,6 +99,7 @@ def _first(source, n):
 
 
 def main(args) -> dict:
+    """Train and evaluate as ``args`` says; return the run's result (``fastdata.engine.run_result``)."""
     device = fdist.init_distributed(args.device)
     ok = False  # a failed rank must not wait at a barrier its peers may never reach
     try:
@@ -115,28 +122,10 @@ def main(args) -> dict:
                       eval_loader=test_loader, amp=args.amp, compile=args.compile,
                       channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
                       checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
-        result = {
-            "backend": getattr(train_loader, "name", args.backend),
-            "backend_requested": args.backend,
-            "device": str(device),
-            "world_size": fdist.world_size(),
-            "dataset": dataset,
-            "epochs": args.epochs,
-            "batch_size": args.batch_size,
-            "amp": resolve_amp(args.amp, device),
-            **summarize(history),
-            "wall_seconds": time.perf_counter() - start,
-            "history": history,
-        }
-        if fdist.is_main():
-            acc = result["test_accuracy"]
-            print(f"{dataset} test accuracy {acc:.2%}" if acc is not None else "no epoch was trained",
-                  f"| {result['train_seconds']:.1f} s training, backend {result['backend']}", flush=True)
-            if args.json_out:
-                folder = os.path.dirname(os.path.abspath(args.json_out))
-                os.makedirs(folder, exist_ok=True)
-                with open(args.json_out, "w") as f:
-                    json.dump(result, f, indent=2)
+        result = run_result(history, train_loader=train_loader, backend=args.backend, device=device, amp=args.amp,
+                            wall_seconds=time.perf_counter() - start, dataset=dataset, epochs=args.epochs,
+                            batch_size=args.batch_size)
+        report_run(result, accuracy_name=f"{dataset} test accuracy", json_out=args.json_out)
         for loader in (train_loader, test_loader):
             loader.close()
         ok = True

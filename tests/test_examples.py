@@ -47,14 +47,34 @@ def test_parsers_take_choices_from_the_registry_and_no_type_bool(name):
         parser.parse_args(["--data-root", "x", "--backend", "nope"])
 
 
-def test_mnist_defaults(mnist_example):
+def test_mnist_parser_defaults(mnist_example):
     args = mnist_example.get_args_parser().parse_args([])
     assert (args.epochs, args.data, args.data_root, args.backend, args.amp) == (3, "auto", "./data", "auto", "auto")
-    assert not args.resume and not args.no_progress and args.json_out is None
+    assert args.download and not args.resume and not args.no_progress and args.json_out is None
+    assert not mnist_example.get_args_parser().parse_args(["--no-download"]).download
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """torchvision's MNIST download fails the test if anything calls it: the tests below must pass the
+    same with and without a network, so none of them may fetch MNIST."""
+    import torchvision
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        # fastdata.datasets.MNIST turns any download error into "files not found", so raising here
+        # alone would go unnoticed: the call is recorded and the teardown fails the test.
+        calls.append((args, kwargs))
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", refuse)
+    yield calls
+    assert not calls, f"the test tried to download MNIST: {calls}"
 
 
 @pytest.mark.parametrize("backend", [b for b in available_backends() if b != "auto"])
-def test_mnist_example_json_out(mnist_example, tmp_path, backend):
+def test_mnist_example_writes_its_result_as_json(mnist_example, tmp_path, backend, no_network):
     out = tmp_path / "result.json"
     args = mnist_example.get_args_parser().parse_args(
         ["--backend", backend, "--data", "synthetic", "--train-size", "1536", "--test-size", "256", "--epochs", "2",
@@ -71,25 +91,28 @@ def test_mnist_example_json_out(mnist_example, tmp_path, backend):
     assert result["train_seconds"] > 0
 
 
-def test_mnist_auto_falls_back_to_synthetic_with_one_line(mnist_example, tmp_path, capsys):
+def test_mnist_auto_without_mnist_trains_on_synthetic_digits_and_says_so_once(mnist_example, tmp_path, capsys,
+                                                                              no_network):
     args = mnist_example.get_args_parser().parse_args(
-        ["--data-root", str(tmp_path / "empty"), "--train-size", "256", "--test-size", "128", "--epochs", "1",
-         "--batch-size", "64", "--workers", "0", "--device", "cpu", "--backend", "memory", "--no-progress"])
+        ["--data-root", str(tmp_path / "empty"), "--no-download", "--train-size", "256", "--test-size", "128",
+         "--epochs", "1", "--batch-size", "64", "--workers", "0", "--device", "cpu", "--backend", "memory",
+         "--no-progress"])
     result = mnist_example.main(args)
     assert result["dataset"] == "synthetic"
     out = capsys.readouterr().out
-    assert len([line for line in out.splitlines() if "synthetic digits instead" in line]) == 1
-    assert "MNIST" in out
+    lines = [line for line in out.splitlines() if "synthetic digits instead" in line]
+    assert len(lines) == 1 and "--no-download was given" in lines[0]
+    assert "synthetic test accuracy" in out
 
 
-def test_mnist_required_fails_clearly(mnist_example, tmp_path):
-    args = mnist_example.get_args_parser().parse_args(["--data", "mnist", "--data-root", str(tmp_path), "--device",
-                                                       "cpu"])
+def test_mnist_required_but_missing_fails_naming_the_files(mnist_example, tmp_path, no_network):
+    args = mnist_example.get_args_parser().parse_args(["--data", "mnist", "--data-root", str(tmp_path),
+                                                       "--no-download", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--data mnist: MNIST files not found"):
         mnist_example.main(args)
 
 
-def test_imagefolder_example(folder_example, tmp_path):
+def test_imagefolder_example_trains_validates_checkpoints_and_writes_json(folder_example, tmp_path):
     make_image_folder(tmp_path / "train", classes=2, per_class=6, seed=0)
     make_image_folder(tmp_path / "val", classes=2, per_class=2, seed=1)
     out = tmp_path / "r.json"
@@ -102,6 +125,7 @@ def test_imagefolder_example(folder_example, tmp_path):
     assert JSON_FIELDS <= set(result)
     assert result["classes"] == 2 and len(result["history"]) == 1
     assert 0.0 <= result["test_accuracy"] <= 1.0
+    assert result["image_size"] == 64 and result["backend_requested"] == "torch"
     assert (tmp_path / "ck.pt").exists()
 
 
@@ -176,8 +200,10 @@ def test_ddp_two_ranks_read_disjoint_shards_and_agree(tmp_path):
 
 def test_mnist_example_under_torchrun(tmp_path):
     out = tmp_path / "ddp.json"
-    # --data auto with no MNIST: rank 0 tries the download, the other rank waits, both fall back.
-    proc = _torchrun([str(EXAMPLES / "train_mnist.py"), "--data-root", str(tmp_path / "none"), "--train-size", "1024",
+    # --data auto with no MNIST (and no download, so the test is the same with a network): rank 0
+    # looks first, the other rank waits at the barrier, both fall back.
+    proc = _torchrun([str(EXAMPLES / "train_mnist.py"), "--data-root", str(tmp_path / "none"), "--no-download",
+                      "--train-size", "1024",
                       "--test-size", "256", "--epochs", "1", "--batch-size", "64", "--workers", "0",
                       "--backend", "memory", "--device", "cpu", "--no-progress", "--json-out", str(out)],
                      cwd=tmp_path)
