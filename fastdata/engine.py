@@ -213,6 +213,8 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         for epoch in range(state.epoch, epochs):
             meter = EpochMeter(device, state.carried(epoch))
             first = state.first_batch(epoch)
+            if first == 0:  # a resumed half epoch keeps the order its loader state restored
+                train_loader.set_epoch(epoch)
             saver = _PeriodicSave(state, checkpoint, checkpoint_every, epoch, meter)
             bar = _Progress.open(progress and fdist.is_main(), len(train_loader), first, epoch, epochs)
             train_one_epoch(step, train_loader, meter, first_batch=first, after_batch=saver, progress=bar)

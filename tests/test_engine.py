@@ -852,3 +852,27 @@ def test_run_result_and_report_run_are_the_examples_shared_tail(tmp_path, capsys
     assert json.loads(out.read_text()) == result
     report_run({**result, "test_accuracy": None}, accuracy_name="validation accuracy")
     assert "validation accuracy: none" in capsys.readouterr().out
+
+
+def test_fit_sets_each_epoch_on_the_loader_except_a_resumed_half_epoch(tmp_path):
+    """set_epoch reshuffles (a DistributedSampler-style loader depends on it); a resumed half epoch
+    must keep the order that load_state_dict restored."""
+    class EpochLog(ListLoader):
+        def __init__(self, batches):
+            super().__init__(batches)
+            self.epochs = []
+
+        def set_epoch(self, epoch):
+            self.epochs.append(epoch)
+            super().set_epoch(epoch)
+
+    loader = EpochLog(_batches(4))
+    fit(SmallCNN(width=4), loader, epochs=2, progress=False)
+    assert loader.epochs == [0, 1]
+    path = tmp_path / "c.pt"
+    with pytest.raises(Crash):
+        fit(SmallCNN(width=4), Recording(EpochLog(_batches(4)), crash_after=3), epochs=2, checkpoint=path,
+            checkpoint_every=2, progress=False)
+    loader = EpochLog(_batches(4))
+    fit(SmallCNN(width=4), loader, epochs=3, checkpoint=path, resume=True, progress=False)
+    assert loader.epochs == [1, 2] and loader.iters == 3   # epoch 0 resumed at batch 2, not re-set
