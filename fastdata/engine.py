@@ -211,12 +211,12 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             state.start(checkpoint, resume)
         step.wrap(compile=compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
         for epoch in range(state.epoch, epochs):
-            meter = EpochMeter(device, state.carried(epoch))
             first = state.first_batch(epoch)
             if first == 0:  # a resumed half epoch keeps the order its loader state restored
                 train_loader.set_epoch(epoch)
-            saver = _PeriodicSave(state, checkpoint, checkpoint_every, epoch, meter)
             bar = _Progress.open(progress and fdist.is_main(), len(train_loader), first, epoch, epochs)
+            meter = EpochMeter(device, state.carried(epoch))
+            saver = _PeriodicSave(state, checkpoint, checkpoint_every, epoch, meter)
             train_one_epoch(step, train_loader, meter, first_batch=first, after_batch=saver, progress=bar)
             # The position, taken before evaluation: eval_loader may be this very loader, and iterating
             # it again would move the position a whole epoch on (a resume would skip an epoch).
@@ -281,6 +281,7 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
     saves periodic checkpoints there). An empty batch takes no step in a single process; under DDP it
     takes a zero-loss one, which keeps this rank in its peers' gradient all-reduce.
     """
+    step.net.train()  # evaluation (or the caller) may have left the model in eval mode
     batch = first_batch
     try:
         for images, labels in meter.timed(loader):

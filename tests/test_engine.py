@@ -701,6 +701,7 @@ class CountingStep:
 
     def __init__(self):
         self.sizes = []
+        self.net = nn.Linear(1, 1).eval()
 
     def check_dtype(self, dtype, name):
         pass
@@ -715,7 +716,7 @@ def test_train_one_epoch_steps_real_batches_and_fills_the_meter():
     batches[2] = (batches[2][0][:0], batches[2][1][:0])     # an emptied batch takes no step
     step, meter, after = CountingStep(), EpochMeter(torch.device("cpu"), [10.0, 2.0, 10.0]), []
     train_one_epoch(step, ListLoader(batches), meter, first_batch=0, after_batch=after.append)
-    assert step.sizes == [8, 8, 8]
+    assert step.sizes == [8, 8, 8] and step.net.training      # the step's module trains in train mode
     assert after == [1, 2, 3, 4]                              # batches done in the epoch, empty one included
     assert meter.images == 24 and meter.wait >= 0.0
     record = meter.record(3)
