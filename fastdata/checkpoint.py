@@ -160,6 +160,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore the generators ``rng_state`` saved (the CUDA ones that this machine has)."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
     n = state["numpy"]

@@ -12,18 +12,23 @@ import torch.distributed as dist
 
 
 def env_world_size() -> int:
+    """The world size torchrun announced (``WORLD_SIZE``), before or without a process group; 1 alone."""
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def is_distributed() -> bool:
+    """Whether a process group of more than one rank is running (what DDP and the reductions need)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
+    """This process's global rank: the process group's, else ``RANK`` (torchrun sets it before the
+    group starts, so rank 0 alone prints even then), else 0."""
     return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", 0))
 
 
 def world_size() -> int:
+    """Ranks in the running process group; 1 without one."""
     return dist.get_world_size() if is_distributed() else 1
 
 
@@ -86,6 +91,7 @@ def cleanup(barrier: bool = True) -> None:
 
 
 def barrier() -> None:
+    """Wait for every rank; a no-op in a single process."""
     if is_distributed():
         dist.barrier()
 
@@ -141,6 +147,7 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
 
 
 def all_max(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of a tensor over ranks (on a copy); identity in a single process."""
     if is_distributed():
         values = values.clone()
         dist.all_reduce(values, op=dist.ReduceOp.MAX)

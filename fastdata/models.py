@@ -5,6 +5,7 @@ from torch import nn
 
 
 def conv_bn(cin: int, cout: int) -> nn.Sequential:
+    """A 3x3 convolution (same size), BatchNorm and ReLU."""
     # No conv bias: the BatchNorm right after it has its own shift, so a bias would be dead weight.
     return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
                          nn.ReLU(inplace=True))
@@ -44,4 +45,5 @@ class SmallCNN(nn.Module):
         self.classifier = nn.Linear(4 * w, num_classes)
 
     def forward(self, x):
+        """Logits ``(N, num_classes)`` for images ``(N, in_channels, H, W)``; N may be 0 (DDP's empty ranks)."""
         return self.classifier(self.features(x).flatten(1))
