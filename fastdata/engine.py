@@ -249,27 +249,59 @@ def cuda_switches(device: torch.device, *, cudnn_benchmark: bool, tf32: bool):
     These flags are process-wide: a library call that flipped them for good would change the numerics
     and the speed of everything else the process runs. A switch passed as False is not touched, so a
     caller who set it keeps their value; on the CPU nothing is touched.
-
-    TF32 goes through ``fp32_precision`` where torch has it (2.9+): torch raises when one process
-    mixes that API with the legacy ``allow_tf32`` flags, and restoring a legacy flag would not give
-    back the caller's ``"none"`` (inherit) setting. Older torch gets the legacy flags.
     """
     if torch.device(device).type != "cuda" or not (cudnn_benchmark or tf32):
         yield
         return
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    new_api = hasattr(cudnn, "conv") and hasattr(cudnn.conv, "fp32_precision")
-    tf32_flags = [(cudnn.conv, "fp32_precision", "tf32"), (matmul, "fp32_precision", "tf32")] if new_api \
-        else [(cudnn, "allow_tf32", True), (matmul, "allow_tf32", True)]
-    wanted = ([(cudnn, "benchmark", True)] if cudnn_benchmark else []) + (tf32_flags if tf32 else [])
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in wanted]
+    cudnn = torch.backends.cudnn
+    saved_benchmark = cudnn.benchmark
+    restore_tf32 = _enable_tf32() if tf32 else None
+    if cudnn_benchmark:
+        cudnn.benchmark = True
     try:
-        for owner, name, value in wanted:
-            setattr(owner, name, value)
         yield
     finally:
-        for owner, name, value in reversed(saved):
+        cudnn.benchmark = saved_benchmark
+        if restore_tf32 is not None:
+            restore_tf32()
+
+
+def _enable_tf32():
+    """Allow TF32 for fp32 matmuls and cuDNN; return a function that puts the caller's flags back.
+
+    torch 2.9+ has two APIs for this: the legacy ``allow_tf32`` booleans and the ``fp32_precision``
+    strings. Its legacy getters raise ("mix of the legacy and new APIs") when the two disagree, and
+    torch reads both inside a run (inductor's conv template reads ``cudnn.allow_tf32``, its matmul
+    code ``matmul.fp32_precision``). So TF32 is turned on through the legacy setters, which keep the
+    two in agreement (cuDNN's covers conv and RNN alike), and the restore writes the legacy booleans
+    first (where the caller's state let them be read) and then the exact ``fp32_precision`` strings:
+    a legacy write alone would leave ``"ieee"`` where the caller had ``"none"`` (inherit).
+    """
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    legacy = [(cudnn, "allow_tf32"), (matmul, "allow_tf32")]
+    strings = [(cudnn.conv, "fp32_precision"), (cudnn.rnn, "fp32_precision"), (matmul, "fp32_precision")] \
+        if hasattr(cudnn, "rnn") and hasattr(cudnn.rnn, "fp32_precision") else []  # torch < 2.9: none
+    saved_legacy = [(owner, name, _read_flag(owner, name)) for owner, name in legacy]
+    saved_strings = [(owner, name, getattr(owner, name)) for owner, name in strings]
+    for owner, name in legacy:
+        setattr(owner, name, True)
+
+    def restore():
+        for owner, name, value in saved_legacy:
+            if value is not None:
+                setattr(owner, name, value)
+        for owner, name, value in saved_strings:
             setattr(owner, name, value)
+
+    return restore
+
+
+def _read_flag(owner, name):
+    # A legacy TF32 getter raises when the caller mixed the two APIs: there is no boolean to restore.
+    try:
+        return getattr(owner, name)
+    except RuntimeError:
+        return None
 
 
 def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: int = 0, after_batch=None,

@@ -726,23 +726,34 @@ def test_train_one_epoch_steps_real_batches_and_fills_the_meter():
     assert record["gpu_idle_fraction"] is None and record["images_per_second"] > 0
 
 
+def _read(owner, name):
+    try:
+        return getattr(owner, name)
+    except RuntimeError:   # torch's legacy TF32 getters raise when the two APIs disagree
+        return "raises"
+
+
 def _tf32_state():
+    """cudnn.benchmark, the legacy TF32 booleans and (torch 2.9+) the fp32_precision strings."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    if hasattr(cudnn, "conv") and hasattr(cudnn.conv, "fp32_precision"):
-        return cudnn.benchmark, cudnn.conv.fp32_precision, matmul.fp32_precision
-    return cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
+    strings = (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, matmul.fp32_precision) \
+        if hasattr(cudnn, "rnn") and hasattr(cudnn.rnn, "fp32_precision") else ()
+    return (cudnn.benchmark, _read(cudnn, "allow_tf32"), _read(matmul, "allow_tf32"), *strings)
+
+
+TF32_ON = (True, True, True, "tf32", "tf32", "tf32")
 
 
 @pytest.fixture
 def switches_restored():
     """The process-wide switches as they were before the test, put back after it whatever happens."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    names = [(cudnn, "benchmark")] + ([(cudnn.conv, "fp32_precision"), (matmul, "fp32_precision")]
-                                      if hasattr(cudnn, "conv") and hasattr(cudnn.conv, "fp32_precision")
-                                      else [(cudnn, "allow_tf32"), (matmul, "allow_tf32")])
-    saved = [(owner, name, getattr(owner, name)) for owner, name in names]
+    benchmark = cudnn.benchmark
+    strings = [(o, "fp32_precision", o.fp32_precision) for o in (cudnn.conv, cudnn.rnn, matmul, cudnn)]
     yield
-    for owner, name, value in saved:
+    cudnn.benchmark = benchmark
+    cudnn.allow_tf32, matmul.allow_tf32 = True, False     # torch's defaults, then the exact strings
+    for owner, name, value in strings:
         setattr(owner, name, value)
 
 
@@ -753,7 +764,23 @@ def test_cuda_switches_are_on_for_the_block_only(switches_restored):
     before = _tf32_state()
     with cuda_switches(torch.device("cuda", 0), cudnn_benchmark=True, tf32=True):
         inside = _tf32_state()
-    assert inside[0] is True and inside[1:] in (("tf32", "tf32"), (True, True))
+    assert inside == TF32_ON[:len(inside)]
+    assert _tf32_state() == before
+
+
+@pytest.mark.parametrize("callers_way", ["legacy", "new"])
+def test_tf32_reads_back_through_both_apis_inside_and_the_callers_flags_return(switches_restored, callers_way):
+    """torch raises on a legacy TF32 read when the legacy and fp32_precision settings disagree, and
+    torch.compile reads both: inside the block both must read back, whichever API the caller used."""
+    if callers_way == "legacy":
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
+    before = _tf32_state()
+    with cuda_switches(torch.device("cuda", 0), cudnn_benchmark=False, tf32=True):
+        inside = _tf32_state()
+    assert inside[1:] == TF32_ON[1:len(inside)]
     assert _tf32_state() == before
 
 
@@ -798,7 +825,7 @@ def test_fit_on_cuda_switches_cudnn_benchmark_and_tf32_for_the_run_only(switches
     model = SwitchProbe()
     fit(model, ListLoader(_batches(2, device="cuda"), device="cuda"), epochs=1, progress=False)
     (inside,) = model.seen
-    assert inside[0] is True and inside[1:] in (("tf32", "tf32"), (True, True))
+    assert inside == TF32_ON[:len(inside)]
     assert _tf32_state() == before
     model = SwitchProbe()
     fit(model, ListLoader(_batches(2, device="cuda"), device="cuda"), epochs=1, progress=False,
