@@ -70,17 +70,27 @@ class Tiny(nn.Module):
 
 def test_the_serial_prediction_matches_the_data_wait_fit_measures_on_the_cpu():
     """Stated tolerance: 0.15 absolute. The prediction comes from two measurements taken apart (the
-    loader alone, the model alone); fit measures the same work interleaved."""
+    loader alone, the model alone); fit measures the same work interleaved, seconds later.
+
+    On busy cores the speed of everything drifts between those moments (it failed once in a loaded
+    full-suite run), so the experiment gets three tries. What it must catch is a wrong model of the
+    overlap: the tiny model is tuned so that the data's share is large, and an "overlapped" formula, or
+    one that ignores the load, misses by far more than 0.15 in every try."""
     torch.manual_seed(0)
     src = SyntheticDigits(4096)
     loader = make_loader(src, "memory", batch_size=64, device="cpu", num_workers=0, seed=1)
-    load_rate = measure_loader(loader, batches=40, warmup=5, progress=False)
-    step_rate = measure_step(Tiny(), next(iter(loader)), steps=40, warmup=5, amp="off")
-    predicted, _ = predict(load_rate, step_rate, overlapped=False)
-    history = fit(Tiny(), loader, epochs=2, amp="off", progress=False)
-    measured = history[-1]["data_wait_fraction"]
-    assert abs(predicted - measured) <= 0.15, (predicted, measured, load_rate, step_rate)
-    assert predicted > 0.02, "the tiny model should make the data's share visible"
+    tries = []
+    for _ in range(3):
+        load_rate = measure_loader(loader, batches=40, warmup=5, progress=False)
+        step_rate = measure_step(Tiny(), next(iter(loader)), steps=40, warmup=5, amp="off")
+        predicted, _ = predict(load_rate, step_rate, overlapped=False)
+        history = fit(Tiny(), loader, epochs=2, amp="off", progress=False)
+        measured = history[-1]["data_wait_fraction"]
+        tries.append((round(predicted, 3), round(measured, 3), round(load_rate), round(step_rate)))
+        assert predicted > 0.02, "the tiny model should make the data's share visible"
+        if abs(predicted - measured) <= 0.15:
+            return
+    raise AssertionError(f"(predicted, measured, load img/s, step img/s) per try: {tries}")
 
 
 def test_a_near_tie_goes_to_the_backend_that_costs_the_host_least():
