@@ -40,6 +40,7 @@ def register() -> None:
 
 
 def main() -> None:
+    """Register the backend and read an epoch of synthetic digits with it."""
     register()
     loader = make_loader(SyntheticDigits(2000), "simple", batch_size=250, device="cpu")
     batches = [(images.shape, labels[:8].tolist()) for images, labels in loader]

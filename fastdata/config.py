@@ -63,6 +63,7 @@ class Crop(StrChoice):
 
     @property
     def is_random(self) -> bool:
+        """Whether the recipe draws random numbers (a random crop or a flip)."""
         """The crop itself draws random numbers (flips aside)."""
         return self in (Crop.TRANSLATE, Crop.RANDOM_RESIZED)
 
@@ -184,23 +185,29 @@ class Augmentation:
     # Presets: keyword-only factories, as in torchvision's references/classification/presets.py.
     @classmethod
     def none(cls) -> "Augmentation":
+        """No augmentation: the source's pixels as they are."""
         return cls()
 
     @classmethod
     def digits_train(cls, *, pad: int = 2) -> "Augmentation":
+        """Training recipe for small digits: random shifts of up to ``pad`` px."""
         # Random translation of up to ±2 px and no flip: a flipped digit is another symbol.
         return cls(crop="translate", pad=pad)
 
     @classmethod
     def imagenet_train(cls, *, size: int = 224) -> "Augmentation":
+        """Training recipe for photos: RandomResizedCrop to ``size`` and a horizontal flip half the time."""
         return cls(crop="random_resized", size=size, hflip=0.5)
 
     @classmethod
     def imagenet_eval(cls, *, size: int = 224, resize: int = 256) -> "Augmentation":
+        """Evaluation recipe for photos: shorter side to ``resize``, center crop ``size``."""
         return cls(crop="center", size=size, resize=resize)
 
 
 def resolve_dtype(dtype) -> torch.dtype:
+    """A torch dtype or its name (float32/bfloat16/float16 and aliases) as the torch dtype; an unknown
+    one is a ValueError listing the choices."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported; choose from float32, bfloat16, float16")

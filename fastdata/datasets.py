@@ -48,6 +48,7 @@ class Source:
         return len(self.labels)
 
     def default_augmentation(self, train: bool) -> Augmentation:
+        """The recipe a loader uses when ``LoaderConfig.augment`` is None (``train``: the training one)."""
         return Augmentation.none()
 
     def fingerprint(self) -> str:

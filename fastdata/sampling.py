@@ -67,6 +67,7 @@ class EpochPlan:
 
     @property
     def global_batch(self) -> int:
+        """Samples per step over all ranks."""
         return self.batch_size * self.world_size
 
     def __len__(self) -> int:
@@ -75,6 +76,7 @@ class EpochPlan:
         return -(-self.num_samples // self.global_batch)
 
     def order(self, epoch: int) -> np.ndarray:
+        """Every sample id in epoch ``epoch``'s order (shuffled from ``(seed, epoch)`` when shuffle is on)."""
         if not self.shuffle:
             return np.arange(self.num_samples, dtype=np.int64)
         return np.random.default_rng(seed_for(self.seed, epoch)).permutation(self.num_samples).astype(np.int64)

@@ -78,6 +78,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 def exif_orientation(img: Image.Image) -> int:
+    """The EXIF orientation tag (1..8; 1 = as stored), 1 when absent or unreadable."""
     try:
         return int(img.getexif().get(_EXIF_ORIENTATION, 1) or 1)
     except Exception:  # a broken EXIF block does not make the pixels unreadable

@@ -255,4 +255,5 @@ class Loader:
         return self.normalizer(images)
 
     def batch_rng(self, epoch: int, batch: int) -> np.random.Generator:
+        """The generator of batch ``batch``'s augmentation draws, seeded from ``(seed, epoch, batch)``."""
         return np.random.default_rng(self.plan.batch_seed(epoch, batch))

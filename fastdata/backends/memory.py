@@ -116,11 +116,13 @@ class Budget(NamedTuple):
 
     @property
     def limit(self) -> int:
+        """What the cache may use now."""
         # On a GPU the cache must also be allocatable now: free memory caps the stable budget (other
         # processes, the model already loaded). On the host "total" is derived from the free RAM already.
         return min(self.stable, self.free) if self.device.type == "cuda" else self.stable
 
     def explain(self) -> str:
+        """Where ``limit`` comes from, for the CacheDoesNotFit message."""
         if self.device.type == "cuda":
             pool = f"GPU {self.device} allows {self.limit} bytes ({_fmt(self.limit)}): {self.total} bytes " \
                    f"({_fmt(self.total)}) in total"
@@ -137,6 +139,7 @@ class Budget(NamedTuple):
 
 
 def budget(device: torch.device, reserve=None, exclude=None) -> Budget:
+    """What a new cache may use on ``device`` (``exclude``: a loader whose own cache is not counted)."""
     total, free = total_bytes(device), free_bytes(device)
     return Budget(device, total, reserve_bytes(reserve, device, total), live_cache_bytes(device, exclude), free)
 
