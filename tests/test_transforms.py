@@ -9,7 +9,7 @@ import pytest
 from fastdata import Augmentation
 from fastdata.config import Crop
 from fastdata.datasets import SourceKind, SyntheticDigits
-from fastdata.transforms import apply_params, augment_batch, draw_params, require_fixed_size, sample_box
+from fastdata.transforms import apply_params, augment_batch, draw_params, require_fixed_size, rrc_params, sample_box
 
 RRC = Augmentation(crop="random_resized", size=8, hflip=0.5)
 SHIFT = Augmentation(crop="translate", pad=2, hflip=0.5)
@@ -37,9 +37,13 @@ def test_resizing_crops_draw_box_then_flip_per_sample_so_one_by_one_equals_the_b
     sizes = np.array([[20, 30], [40, 25], [33, 33], [64, 48]])
     batch = draw_params(RRC, np.random.default_rng(5), 4, sizes)
     rng = np.random.default_rng(5)
+    for i, (h, w) in enumerate(sizes):     # torchvision's box, then the flip, sample after sample
+        box = rrc_params(rng, int(h), int(w), RRC.scale, RRC.ratio)
+        assert np.array_equal(batch.boxes[i], box) and batch.flips[i] == (rng.random() < RRC.hflip)
+    rng = np.random.default_rng(5)
     for i, (h, w) in enumerate(sizes):     # how files are decoded: opened and drawn one at a time
         box, flip = sample_box(RRC, rng, int(h), int(w))
-        assert np.allclose(batch.boxes[i], box) and batch.flips[i] == flip
+        assert np.array_equal(batch.boxes[i], box) and batch.flips[i] == flip
     # Per-sample sizes matter: the same seed with one size for all gives other boxes.
     same = draw_params(RRC, np.random.default_rng(5), 4, (20, 30))
     assert not np.allclose(same.boxes, batch.boxes)
@@ -91,3 +95,16 @@ def test_photos_need_a_size_fixing_crop_in_one_check(tmp_path):
     require_fixed_size(SyntheticDigits(4), SHIFT)    # arrays have one size: any crop
     with pytest.raises(ValueError, match="crop that fixes the output size.*got crop='translate'"):
         require_fixed_size(folder, SHIFT)
+
+
+def test_the_backends_draw_no_random_numbers_themselves():
+    """Every draw goes through draw_params: a backend that drew its own would drift from the others."""
+    import re
+    from pathlib import Path
+
+    import fastdata.backends
+
+    for path in sorted(Path(fastdata.backends.__file__).parent.glob("*.py")):
+        text = path.read_text()
+        draws = re.findall(r".*(?:\brng\.|random\(|\.integers\(|\.uniform\().*", text)
+        assert not draws, f"{path.name} draws random numbers itself: {draws}"
