@@ -265,3 +265,14 @@ def test_the_stage_refuses_a_depth_below_one():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="depth must be an integer >= 1"):
             PrefetchStage(torch.device("cpu"), depth=bad)
+
+
+def test_the_stage_takes_a_plain_iterator_without_close():
+    from fastdata.backends.prefetch import PrefetchStage
+    from fastdata.normalize import Normalizer
+
+    batches = [(torch.zeros((2, 3, 3, 1), dtype=torch.uint8), torch.arange(2))] * 3
+    stage = PrefetchStage(torch.device("cpu"), depth=1)
+    out = list(stage(iter(batches), Normalizer((0.0,), (1.0,), torch.device("cpu"))))
+    assert len(out) == 3 and all(x.shape == (2, 1, 3, 3) for x, _ in out)
+    stage.close()

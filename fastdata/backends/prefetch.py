@@ -26,6 +26,14 @@ _DONE = object()
 Normalize = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _close(host) -> None:
+    """End the source's epoch now (a generator's finally blocks release its workers); a plain iterator
+    without close() has nothing to release."""
+    close = getattr(host, "close", None)
+    if close is not None:
+        close()
+
+
 class PrefetchStage:
     """Side-stream (CUDA) or background-thread (CPU) prefetching of host batches.
 
@@ -87,7 +95,7 @@ class PrefetchStage:
                 launch()  # queue the next copy before handing this batch over: it overlaps the step
                 yield x, y
         finally:
-            host.close()
+            _close(host)
 
     def _finish_producer(self) -> None:
         """Wait until the previous epoch's producer thread has left the DataLoader iterator.
@@ -129,7 +137,7 @@ class PrefetchStage:
             except BaseException as e:  # handed to the consumer, never swallowed
                 put(e)
             finally:
-                host.close()
+                _close(host)
 
         worker = threading.Thread(target=produce, name="fastdata-prefetch", daemon=True)
         self._producer = (worker, stop)
