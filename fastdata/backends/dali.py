@@ -208,6 +208,7 @@ class DaliLoader(Loader):
     """
 
     name = "dali"
+    reads = frozenset({SourceKind.ARRAY, SourceKind.FILES})   # DALI cannot call a Python __getitem__
     options = {"num_threads": None, "prefetch_queue_depth": 2, "read_threads": None, "validate": True}
 
     def __init__(self, source, config, **options):

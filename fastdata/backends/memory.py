@@ -197,6 +197,7 @@ class MemoryLoader(Loader):
     """
 
     name = "memory"
+    reads = frozenset({SourceKind.ARRAY, SourceKind.FILES})   # a torch Dataset is not cached (yet)
     options = {"cache_workers": None, "memory_reserve": None}
 
     @classmethod
