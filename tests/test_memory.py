@@ -288,3 +288,15 @@ def test_a_loader_leaves_the_budget_when_closed_or_collected(monkeypatch):
     del b
     gc.collect()
     assert memory.live_cache_bytes(cpu) == base
+
+
+def test_memory_imports_no_sibling_backend():
+    """Its decoding goes through the shared decode layer (fastdata/decode.py), not another backend."""
+    import ast
+    from pathlib import Path
+
+    import fastdata.backends.memory as memory
+
+    tree = ast.parse(Path(memory.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+    assert imported <= {"base"}, f"memory imports sibling backend module(s) {sorted(imported - {'base'})}"
