@@ -16,11 +16,21 @@ import numpy as np
 import pytest
 import torch
 
-from fastdata import available_backends
+from fastdata import available_backends, registry
 from fastdata.datasets import ArraySource, make_image_folder
 
 BACKENDS = [b for b in available_backends()]
 CONCRETE = [b for b in BACKENDS if b != "auto"]
+
+
+def backend_params(*, auto: bool = False) -> list:
+    """Every backend in the registry's table, for ``parametrize``: one whose package does not import here
+    shows as skipped with its install hint, instead of silently dropping out of the run."""
+    params = [pytest.param("auto", id="auto")] if auto else []
+    for spec in registry.specs():
+        marks = [] if spec.available else [pytest.mark.skip(reason=spec.unavailable_reason)]
+        params.append(pytest.param(spec.name, marks=marks, id=spec.name))
+    return params
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 MEAN, STD = (0.5,), (0.25,)

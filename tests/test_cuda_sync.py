@@ -16,7 +16,7 @@ import contextlib
 import pytest
 import torch
 
-from conftest import CONCRETE, indexed_source
+from conftest import backend_params, indexed_source
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder
 
@@ -41,7 +41,7 @@ def sync_debug_error():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("recipe", list(RECIPES))
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_an_epoch_makes_no_synchronizing_call(backend, recipe, photo_folder):
     kind, aug = RECIPES[recipe]
     src = indexed_source(2048, size=28, channels=3) if kind == "arrays" else ImageFolder(photo_folder)

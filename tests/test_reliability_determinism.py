@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import CONCRETE, label_of
+from conftest import backend_params, label_of
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder, SyntheticDigits
 
@@ -55,7 +55,7 @@ def read_all(loader):
 
 # ------------------------------------------------------------------------------------------ item 18
 @pytest.mark.parametrize("train", [False, True])
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_ids_and_labels_survive_every_backend_shuffled_and_augmented(backend, train, id_folder):
     src = ImageFolder(id_folder)
     assert len(src) == N_IDS and len(src.classes) == CLASSES
@@ -75,7 +75,7 @@ def test_ids_and_labels_survive_every_backend_shuffled_and_augmented(backend, tr
 # ------------------------------------------------------------------------------------------ item 17
 @pytest.mark.parametrize("drop_last", [True, False])
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_image_folder_shards_are_disjoint_covering_and_equal(backend, world, drop_last, id_folder):
     src = ImageFolder(id_folder)
     per_rank = []
@@ -99,7 +99,7 @@ def test_image_folder_shards_are_disjoint_covering_and_equal(backend, world, dro
 
 
 # ------------------------------------------------------------------------------------------ item 16
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_same_seed_same_pixels_with_training_augmentation(backend, photo_folder):
     src = ImageFolder(photo_folder)
     kw = dict(batch_size=6, device="cpu", num_workers=2, train=True, seed=11,
@@ -121,7 +121,7 @@ def test_same_seed_same_pixels_with_training_augmentation(backend, photo_folder)
     assert not torch.equal(next(iter(other))[0], a[0][0][0]), "another seed must give other crops"
 
 
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_same_seed_same_order_and_epochs_differ(backend, id_folder):
     src = ImageFolder(id_folder)
     kw = dict(batch_size=10, device="cpu", num_workers=2, train=True, augment=TRAIN_AUG, seed=5,
@@ -133,7 +133,7 @@ def test_same_seed_same_order_and_epochs_differ(backend, id_folder):
     assert not np.array_equal(a0, a1), "a new epoch must be a new order"
 
 
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_digits_with_translation_are_reproducible(backend):
     src = SyntheticDigits(600, seed=3)
     kw = dict(batch_size=100, device="cpu", num_workers=2, train=True, seed=9)

@@ -11,10 +11,11 @@ import gc
 import pytest
 import torch
 
-from conftest import CONCRETE, DEVICES, indexed_source
-from procs import usage
+from conftest import DEVICES, backend_params, indexed_source
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder, make_image_folder
+from procs import usage
+
 
 @pytest.fixture(scope="module")
 def endurance_photos(tmp_path_factory):
@@ -46,7 +47,7 @@ def assert_flat(history, what):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_array_epochs_are_flat(backend, device):
     src = indexed_source(6000, size=28)
     loader = make_loader(src, backend, batch_size=100, device=device, num_workers=2, seed=1,
@@ -58,7 +59,7 @@ def test_array_epochs_are_flat(backend, device):
     loader.close()
 
 
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_photo_epochs_are_flat(backend, endurance_photos):
     src = ImageFolder(endurance_photos)
     kw = dict(batch_size=8, device="cpu", num_workers=2, seed=1, augment=Augmentation.imagenet_train(size=64),

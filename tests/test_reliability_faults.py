@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BACKENDS, CONCRETE, decode_ids, indexed_source
-from procs import children, wait_until
+from conftest import BACKENDS, backend_params, decode_ids, indexed_source
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import DatasetSource
+from procs import children, wait_until
 
 NONE = Augmentation.none()
 WORKER_BACKENDS = ["torch", "prefetch"]
@@ -207,7 +207,7 @@ def test_a_decode_error_from_the_prefetch_threads_source_is_not_a_deadlock():
 
 
 # ------------------------------------------------------------------------------------------ item 11
-@pytest.mark.parametrize("backend", CONCRETE)
+@pytest.mark.parametrize("backend", backend_params())
 def test_batches_handed_out_are_never_overwritten_later(backend):
     """Keep every batch of two epochs and check that none changes after it was handed out: a backend
     that reuses an output buffer (a ring of pinned/pipeline buffers) would overwrite old batches."""

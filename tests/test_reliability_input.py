@@ -14,12 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import BACKENDS, CONCRETE, indexed_source
-from procs import children, wait_until
+from conftest import backend_params, indexed_source
 from fastdata import Augmentation, CacheDoesNotFit, DecodeError, make_loader
 from fastdata.datasets import MNIST, ImageFolder, make_image_folder
+from procs import children, wait_until
 
-FILE_BACKENDS = [b for b in CONCRETE]          # torch, memory, prefetch (+ dali when it imports)
+FILE_BACKENDS = backend_params()   # every row of the registry; one not installed shows as skipped
 EVAL = Augmentation(crop="center", size=32, resize=32)
 PLAIN = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))  # images come out as pixel / 255
 
@@ -150,7 +150,7 @@ def test_skip_drops_the_file_counts_it_and_warns(backend, kind, small_photos, tm
             assert sum(len(y) for _, y in loader) == 6 and loader.skipped == 1
 
 
-@pytest.mark.parametrize("backend", [b for b in FILE_BACKENDS if b != "memory"])
+@pytest.mark.parametrize("backend", [p for p in FILE_BACKENDS if p.values[0] != "memory"])
 def test_a_batch_of_only_broken_files_comes_out_empty_not_missing(backend, small_photos, tmp_path):
     """The length rule holds even when every file of a batch is skipped: that batch has 0 samples."""
     root = tmp_path / "folder"
@@ -337,7 +337,7 @@ def test_mnist_idx_files_good_wrong_magic_and_truncated(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- item 5
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(auto=True))
 def test_bad_sizes_are_refused_at_construction(backend):
     src = indexed_source(100)
     for bs in (0, -4):
