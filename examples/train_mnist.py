@@ -41,7 +41,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False,
                    help="channels-last model and batches")
     p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
-                   help="auto: MNIST from --data-root (downloaded if possible), else synthetic digits")
+                   help="auto: MNIST from --data-root (downloaded unless --no-download), else synthetic digits")
     p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
     p.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
                    help="fetch MNIST through torchvision when it is not in --data-root "
