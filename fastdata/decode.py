@@ -95,7 +95,7 @@ def _dataset(source, ids, aug, rng) -> Decoded:
 
 class BatchDecoder(Dataset):
     """A DataLoader "dataset" of whole batches: job ``(ids, seed)`` → ``(uint8 images (N, H, W, C),
-    int64 labels (N,), int64 kept ids)`` as tensors.
+    int64 labels (N,), kept ids)``: two tensors and a list of ints.
 
     Stateless, so persistent workers serve every epoch. Why batches, not samples: one job message and
     one shared-memory tensor per batch instead of per image, and no Python collate.
@@ -113,7 +113,9 @@ class BatchDecoder(Dataset):
     def __getitem__(self, job):
         ids, seed = job
         d = decode(self.source, ids, self.augment, np.random.default_rng(seed), self.on_error)
-        return torch.from_numpy(d.images), torch.from_numpy(d.labels), torch.from_numpy(d.kept)
+        # The kept ids as a list: a worker sends each tensor through its own shared-memory segment and
+        # file descriptor, while a few ints travel pickled inside the reply at no extra cost.
+        return torch.from_numpy(d.images), torch.from_numpy(d.labels), d.kept.tolist()
 
 
 def warn_skipped(backend: str, count: int, epoch: int) -> None:

@@ -335,7 +335,7 @@ class MemoryLoader(Loader):
             for images, _, good in it:   # good: the chunk's ids that decoded, in the images' order
                 cache[pos:pos + len(good)] = images    # a pageable copy; synchronous, at cache time only
                 pos += len(good)
-                kept.append(good.numpy())
+                kept.append(np.asarray(good, dtype=np.int64))
         finally:
             # Shut the decoding workers down now, also after a DecodeError: left to the cyclic GC
             # (the exception's traceback holds the iterator), they stall a later loader for seconds.
