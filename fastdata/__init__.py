@@ -1,7 +1,7 @@
 """fastdata: keep the GPU busy. ``make_loader(source, backend=...)`` → (images, labels) on the device."""
 from .config import Augmentation, LoaderConfig
-from .errors import CacheDoesNotFit, DecodeError, MissingDependency
 from .engine import evaluate, fit
+from .errors import CacheDoesNotFit, DecodeError, MissingDependency
 from .models import SmallCNN
 from .registry import available_backends, make_loader
 
