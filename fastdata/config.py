@@ -48,6 +48,16 @@ class StrChoice(str, Enum):
             raise ValueError(f"unknown {name} {value!r}; choose from {[m.value for m in cls]}") from None
 
 
+class SourceKind(StrChoice):
+    """What a source holds, which decides how a backend reads it (each backend declares the kinds it
+    ``reads``)."""
+
+    ARRAY = "array"        # decoded uint8 pixels in memory
+    FILES = "files"        # encoded photos on disk, of mixed sizes
+    DATASET = "dataset"    # an arbitrary map-style torch Dataset (Python __getitem__)
+    ABSTRACT = "abstract"  # the Source base class itself: no backend reads it
+
+
 class Crop(StrChoice):
     """The crop of an Augmentation. See Augmentation for what each does."""
 
@@ -80,7 +90,7 @@ ON_ERROR = ("raise", "skip")
 # Type checks shared by both dataclasses. bool is an int subclass, and a string or a float where an
 # integer belongs would otherwise be coerced somewhere deep in a backend (or fail at the first batch),
 # so each is refused here with the field's name.
-def _integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+def check_integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     value = int(value)
@@ -113,7 +123,7 @@ def _pair(name: str, value) -> tuple[float, float]:
     return _real(f"{name}[0]", value[0]), _real(f"{name}[1]", value[1])
 
 
-def _reals(name: str, value) -> tuple[float, ...]:
+def check_reals(name: str, value) -> tuple[float, ...]:
     values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if not values:
         raise ValueError(f"{name} must hold one value per channel, got {value!r}")
@@ -153,8 +163,8 @@ class Augmentation:
         fix("crop", Crop.parse(self.crop, "crop"))  # users pass strings; the code reads the enum
         for name in ("size", "resize"):
             if getattr(self, name) is not None:
-                fix(name, _integer(name, getattr(self, name), minimum=1))
-        fix("pad", _integer("pad", self.pad, minimum=0))
+                fix(name, check_integer(name, getattr(self, name), minimum=1))
+        fix("pad", check_integer("pad", self.pad, minimum=0))
         fix("hflip", _real("hflip", self.hflip))
         fix("scale", _pair("scale", self.scale))
         fix("ratio", _pair("ratio", self.ratio))
@@ -362,15 +372,15 @@ class LoaderConfig:
         fix("drop_last", _flag("drop_last", self.drop_last, optional=True))
         fix("channels_last", _flag("channels_last", self.channels_last))
         # seed_for() mixes 32-bit words: seeds 2**32 apart would give identical orders.
-        fix("seed", _integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1))
+        fix("seed", check_integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1))
         if not isinstance(self.on_error, str) or self.on_error not in ON_ERROR:
             raise ValueError(f"unknown on_error {self.on_error!r}; choose from {list(ON_ERROR)}")
         if self.augment is not None and not isinstance(self.augment, Augmentation):
             raise TypeError(f"augment must be a fastdata.Augmentation, got {type(self.augment).__name__}")
-        fix("cache_size", _integer("cache_size", self.cache_size, minimum=1))
+        fix("cache_size", check_integer("cache_size", self.cache_size, minimum=1))
         for name in ("mean", "std"):
             if getattr(self, name) is not None:
-                fix(name, _reals(name, getattr(self, name)))
+                fix(name, check_reals(name, getattr(self, name)))
         if self.std is not None and any(s <= 0 for s in self.std):
             raise ValueError(f"std must be positive, got {self.std}")
         if self.mean is not None and self.std is not None and len(self.mean) != len(self.std) \
@@ -378,9 +388,9 @@ class LoaderConfig:
             raise ValueError(f"mean and std must have one value per channel, got {len(self.mean)} and "
                              f"{len(self.std)} values")
         if self.world_size is not None:
-            fix("world_size", _integer("world_size", self.world_size, minimum=1))
+            fix("world_size", check_integer("world_size", self.world_size, minimum=1))
         if self.rank is not None:
-            fix("rank", _integer("rank", self.rank, minimum=0))
+            fix("rank", check_integer("rank", self.rank, minimum=0))
         if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
         fix("shuffle", self.train if self.shuffle is None else self.shuffle)

@@ -16,21 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Augmentation, StrChoice
+from .config import Augmentation, SourceKind  # noqa: F401  (SourceKind: re-exported, it is public here)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
-
-
-class SourceKind(StrChoice):
-    """What a source holds, which decides how a backend reads it (each backend declares the kinds it
-    ``reads``)."""
-
-    ARRAY = "array"        # decoded uint8 pixels in memory
-    FILES = "files"        # encoded photos on disk, of mixed sizes
-    DATASET = "dataset"    # an arbitrary map-style torch Dataset (Python __getitem__)
-    ABSTRACT = "abstract"  # the Source base class itself: no backend reads it
 
 
 class Source:

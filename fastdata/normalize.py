@@ -23,7 +23,8 @@ class Normalizer:
     # copy, multiply, add: 38 MB each for 64 photos of 224²). Pieces of at most 32,768 elements (torch's
     # intra-op grain size) stay in the core's cache and run on the calling thread: a larger op starts an
     # OpenMP region whose threads spin against the DataLoader workers on the same cores (measured on
-    # 2 cores with 2 workers: 790 → 1,225 JPEG images/s).
+    # 2 cores with 2 workers, the JPEG workload's torch backend went from 790 images/s to the rate in
+    # benchmarks/results/loaders-cpu-2c.md).
     GRAIN = 32768
 
     def __init__(self, mean, std, device: torch.device, dtype: torch.dtype = torch.float32,

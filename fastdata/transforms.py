@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageOps
 
-from .config import Augmentation, Crop
+from .config import Augmentation, Crop, SourceKind
 from .errors import DecodeError
 
 _FORMAT_OF_EXT = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG"}
@@ -198,8 +198,6 @@ def sample_box(aug: Augmentation, rng: np.random.Generator, height: int, width: 
 def require_fixed_size(source, aug: Augmentation) -> None:
     """Photos of mixed sizes cannot be stacked into a batch unless the crop fixes the output size.
     Raises ValueError naming the source, the crop and the crops that work."""
-    from .datasets import SourceKind
-
     if source.kind is SourceKind.FILES and not aug.crop.fixes_size:
         raise ValueError(f"{source!r} holds photos of different sizes: its augmentation needs a crop "
                          f"that fixes the output size ('random_resized' or 'center'), got "

@@ -262,7 +262,8 @@ FORK_AFTER_DALI = textwrap.dedent("""
 def test_workers_forked_while_a_dead_dali_pipeline_awaits_collection_do_not_hang(tmp_path):
     """Found here: a dead DALI pipeline collected inside a forked DataLoader worker deadlocks that worker
     in the pipeline's destructor (pthread_cond_destroy) and the main process waits for its batch forever;
-    the torch backend now collects such garbage in the parent before it forks (collect_before_fork)."""
+    the decode layer now collects such garbage in the parent before it forks
+    (fastdata.decode.collect_before_fork)."""
     script = tmp_path / "fork_after_dali.py"
     script.write_text(FORK_AFTER_DALI.format(tests=str(ROOT / "tests"), root=str(tmp_path / "photos")))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

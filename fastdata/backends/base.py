@@ -20,7 +20,7 @@ from typing import ClassVar, Iterator
 import numpy as np
 import torch
 
-from ..config import LoaderConfig, _integer, _reals
+from ..config import LoaderConfig, check_integer, check_reals
 from ..datasets import Source, SourceKind
 from ..decode import warn_skipped
 from ..normalize import Normalizer
@@ -91,8 +91,8 @@ class Loader:
         self.augment = config.augment if config.augment is not None else source.default_augmentation(config.train)
         # A source's own statistics (ArraySource(mean=...), ImageFolder(std=...)) get the checks that
         # LoaderConfig gives its mean/std: a NaN or a zero here makes every batch NaN or inf.
-        mean = config.mean if config.mean is not None else _reals("mean", source.mean)
-        std = config.std if config.std is not None else _reals("std", source.std)
+        mean = config.mean if config.mean is not None else check_reals("mean", source.mean)
+        std = config.std if config.std is not None else check_reals("std", source.std)
         if any(s <= 0 for s in std):
             raise ValueError(f"std must be positive, got {std} (from {source!r})")
         if len(mean) == 1 and source.channels > 1:
@@ -180,7 +180,7 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` reads epoch ``epoch`` from its start (resume, DDP)."""
-        epoch = _integer("epoch", epoch, minimum=0)
+        epoch = check_integer("epoch", epoch, minimum=0)
         self._next = (epoch, 0)
         # The position too: a checkpoint taken right after set_epoch() (at an epoch boundary) must
         # resume in this epoch, not in the one the loader last ran.
