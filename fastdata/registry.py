@@ -132,7 +132,7 @@ def unregister(name: str) -> None:
 
 register("torch", "fastdata.backends.torch_loader:TorchLoader", order=40, overlaps_on_cuda=True)
 register("memory", "fastdata.backends.memory:MemoryLoader", order=10)
-register("prefetch", "fastdata.backends.prefetch:PrefetchLoader", order=30, devices=("cuda",),
+register("prefetch", "fastdata.backends.torch_loader:PrefetchLoader", order=30, devices=("cuda",),
          overlaps_on_cuda=True)
 register("dali", "fastdata.backends.dali:DaliLoader", needs="nvidia.dali.plugin.pytorch", install=_DALI_INSTALL,
          order=20, devices=("cuda",), overlaps_on_cuda=True)

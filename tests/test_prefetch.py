@@ -241,8 +241,8 @@ def _host_batches(n_batches, pulled, pin=False):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_stage_wraps_any_iterator_of_host_batches(device):
-    from fastdata.backends.prefetch import PrefetchStage
     from fastdata.normalize import Normalizer
+    from fastdata.prefetch import PrefetchStage
 
     dev = torch.device(device)
     norm = Normalizer((0.5,) * 3, (0.25,) * 3, dev)
@@ -260,7 +260,7 @@ def test_the_stage_wraps_any_iterator_of_host_batches(device):
 
 
 def test_the_stage_refuses_a_depth_below_one():
-    from fastdata.backends.prefetch import PrefetchStage
+    from fastdata.prefetch import PrefetchStage
 
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="depth must be an integer >= 1"):
@@ -268,8 +268,8 @@ def test_the_stage_refuses_a_depth_below_one():
 
 
 def test_the_stage_takes_a_plain_iterator_without_close():
-    from fastdata.backends.prefetch import PrefetchStage
     from fastdata.normalize import Normalizer
+    from fastdata.prefetch import PrefetchStage
 
     batches = [(torch.zeros((2, 3, 3, 1), dtype=torch.uint8), torch.arange(2))] * 3
     stage = PrefetchStage(torch.device("cpu"), depth=1)

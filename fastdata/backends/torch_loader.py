@@ -6,6 +6,10 @@ DataLoader traffic (one queue message and one tensor per image, then a Python co
 than decoding a 28x28 digit. Array sources are gathered and translated with vectorized numpy; files
 go through PIL per sample (Pillow-SIMD accelerates the resize, ``Image.draft`` shrinks the decode).
 Normalization to float happens once per batch on the device.
+
+The ``prefetch`` backend is this one plus a stage (``fastdata.prefetch.PrefetchStage``: side-stream copies
+on CUDA, a bounded thread on the CPU) over the same host batches, so it is defined here, at the end,
+as that composition rather than in a file that would import this one.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
+from ..prefetch import PrefetchStage
 from .base import Loader
 
 
@@ -180,3 +185,29 @@ class TorchLoader(Loader):
             self.close()
         except Exception:
             pass
+
+
+class PrefetchLoader(TorchLoader):
+    """The torch backend plus a PrefetchStage (side-stream copies on CUDA, a bounded thread on the CPU).
+
+    Options (besides the torch backend's):
+        depth: batches prepared ahead of the consumer (default 2).
+    """
+
+    name = "prefetch"
+    options = {**TorchLoader.options, "depth": 2}
+
+    def __init__(self, source, config, **options):
+        super().__init__(source, config, **options)
+        self.stage = PrefetchStage(self.device, self.opts["depth"])
+        self.depth = self.stage.depth
+
+    def _epoch(self, epoch, batches, start):
+        # The normalize is passed per epoch, not kept by the stage: a stage holding the loader's bound
+        # method would form a cycle, and a dropped loader's workers would wait for the cyclic GC.
+        return self.stage(self.host_batches(epoch, batches, start), self.normalize)
+
+    def close(self):
+        # The producer must be out of the DataLoader iterator before its workers are shut down.
+        self.stage.close()
+        super().close()

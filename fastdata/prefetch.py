@@ -1,6 +1,7 @@
 """Prefetching as a stage: ``PrefetchStage`` wraps any iterator of host uint8 batches (pinned on CUDA)
 and yields them normalized on the device, batches k+1 … k+depth prepared ahead of the consumer.
-``prefetch`` backend = the torch backend's ``host_batches`` + this stage.
+It belongs to no backend: the ``prefetch`` backend (``backends/torch_loader.py``) is the torch backend's
+``host_batches`` + this stage, and any backend that produces host batches can add it the same way.
 
 On CUDA the host-to-device copy and the normalization of upcoming batches run on a side stream, so
 they overlap the model's kernels on the default stream (timm's PrefetchLoader, DALI's
@@ -19,8 +20,6 @@ from collections import deque
 from typing import Callable, Iterator
 
 import torch
-
-from .torch_loader import TorchLoader
 
 _DONE = object()
 Normalize = Callable[[torch.Tensor], torch.Tensor]
@@ -170,29 +169,3 @@ class PrefetchStage:
         """Wait for the CPU producer to leave its source (the DataLoader iterator) before the source is
         shut down (see _finish_producer)."""
         self._finish_producer()
-
-
-class PrefetchLoader(TorchLoader):
-    """The torch backend plus a PrefetchStage (side-stream copies on CUDA, a bounded thread on the CPU).
-
-    Options (besides the torch backend's):
-        depth: batches prepared ahead of the consumer (default 2).
-    """
-
-    name = "prefetch"
-    options = {**TorchLoader.options, "depth": 2}
-
-    def __init__(self, source, config, **options):
-        super().__init__(source, config, **options)
-        self.stage = PrefetchStage(self.device, self.opts["depth"])
-        self.depth = self.stage.depth
-
-    def _epoch(self, epoch, batches, start):
-        # The normalize is passed per epoch, not kept by the stage: a stage holding the loader's bound
-        # method would form a cycle, and a dropped loader's workers would wait for the cyclic GC.
-        return self.stage(self.host_batches(epoch, batches, start), self.normalize)
-
-    def close(self):
-        # The producer must be out of the DataLoader iterator before its workers are shut down.
-        self.stage.close()
-        super().close()
