@@ -1,4 +1,4 @@
-"""Reliability, determinism and sharding (issue 6, items 16-18), through photos as well as arrays.
+"""Reliability, determinism and sharding, through photos as well as arrays.
 
 Photos that encode their id: each JPEG is one flat colour whose three channels are the id's three
 base-6 digits. A flat colour survives JPEG, any crop, any resize and a flip, so ids can be read back
@@ -53,7 +53,7 @@ def read_all(loader):
     return [(ids_of(x), y.cpu().numpy()) for x, y in loader]
 
 
-# ------------------------------------------------------------------------------------------ item 18
+# ------------------------------------------------------------ ids and labels survive every backend
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("backend", backend_params())
 def test_ids_and_labels_survive_every_backend_shuffled_and_augmented(backend, train, id_folder):
@@ -72,7 +72,7 @@ def test_ids_and_labels_survive_every_backend_shuffled_and_augmented(backend, tr
         assert not np.array_equal(ids, np.sort(ids)), "shuffle=True must shuffle"
 
 
-# ------------------------------------------------------------------------------------------ item 17
+# --------------------------------------------------------------- shards: disjoint, covering, equal
 @pytest.mark.parametrize("drop_last", [True, False])
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("backend", backend_params())
@@ -98,7 +98,7 @@ def test_image_folder_shards_are_disjoint_covering_and_equal(backend, world, dro
         np.testing.assert_array_equal(np.sort(ids), np.arange(N_IDS))
 
 
-# ------------------------------------------------------------------------------------------ item 16
+# -------------------------------------------------------------------------- same seed, same pixels
 @pytest.mark.parametrize("backend", backend_params())
 def test_same_seed_same_pixels_with_training_augmentation(backend, photo_folder):
     src = ImageFolder(photo_folder)

@@ -1,4 +1,4 @@
-"""Reliability, endurance (issue 6, item 19): epochs with persistent workers leak nothing.
+"""Reliability, endurance: epochs with persistent workers leak nothing.
 
 Memory (RSS), open file descriptors and threads of the main process and its workers, read from /proc,
 must stay flat after the first epoch (which pays for warm-up: worker start, allocator pools, DALI's

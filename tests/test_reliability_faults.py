@@ -1,4 +1,4 @@
-"""Reliability, faults (issue 6, items 7-11): errors in workers and in the prefetch thread, a killed
+"""Reliability, faults: errors in workers and in the prefetch thread, a killed
 worker, leaving an epoch early, and buffers reused under the consumer. Each must end in an error that
 reaches the caller or a clean exit — never a hang or an orphan process."""
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Flaky(torch.utils.data.Dataset):
         return self.transform(i), i % 5
 
 
-# ------------------------------------------------------------------------------------------- item 7
+# --------------------------------------------------------------------------- exceptions in workers
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("exc", [KeyError, ValueError, Boom])
 @pytest.mark.parametrize("backend", WORKER_BACKENDS)
@@ -77,7 +77,7 @@ def test_an_exception_in_a_worker_reaches_the_caller_with_its_type_and_traceback
     loader.close()
 
 
-# ------------------------------------------------------------------------------------------- item 8
+# --------------------------------------------------------------------------------- a killed worker
 @pytest.mark.parametrize("backend", WORKER_BACKENDS)
 def test_a_worker_killed_mid_epoch_is_a_runtime_error_and_leaves_no_orphans(backend):
     before = children()
@@ -100,7 +100,7 @@ def test_a_worker_killed_mid_epoch_is_a_runtime_error_and_leaves_no_orphans(back
     assert wait_until(lambda: not (children() & workers), 10), f"orphans: {children() & workers}"
 
 
-# ------------------------------------------------------------------------------------------- item 9
+# -------------------------------------------------------------------------- leaving an epoch early
 EXIT_SCRIPT = textwrap.dedent("""
     import os, sys, threading, time
     from pathlib import Path
@@ -157,7 +157,7 @@ def test_leaving_an_epoch_early_ends_threads_and_workers_and_the_interpreter_exi
     assert took < 60, f"took {took:.1f} s"
 
 
-# ------------------------------------------------------------------------------------------ item 10
+# ------------------------------------------------------------------- errors in the prefetch thread
 def test_an_error_in_the_prefetch_thread_reaches_the_caller():
     loader = make_loader(indexed_source(640), "prefetch", batch_size=64, device="cpu", num_workers=0,
                          augment=NONE, train=False, depth=2)
@@ -206,7 +206,7 @@ def test_a_decode_error_from_the_prefetch_threads_source_is_not_a_deadlock():
     assert done and "sample 100 is cursed" in str(done[0])
 
 
-# ------------------------------------------------------------------------------------------ item 11
+# ------------------------------------------------------------- no buffer reused under the consumer
 @pytest.mark.parametrize("backend", backend_params())
 def test_batches_handed_out_are_never_overwritten_later(backend):
     """Keep every batch of two epochs and check that none changes after it was handed out: a backend

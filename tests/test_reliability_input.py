@@ -1,4 +1,4 @@
-"""Reliability, bad input (issue 6, items 1-6): broken files, odd formats, bombs, bad folders and
+"""Reliability, bad input: broken files, odd formats, bombs, bad folders and
 arguments, a cache that does not fit. Every case must end in a clear, named error or a documented,
 counted skip — never a hang, an out-of-memory or a silently wrong batch."""
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _loader(root, backend, **kw):
                        augment=EVAL, **kw)
 
 
-# ------------------------------------------------------------------------------------------- item 1
+# ------------------------------------------------------------------------------------ broken files
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))
 @pytest.mark.parametrize("backend", FILE_BACKENDS)
 def test_a_broken_file_raises_a_decode_error_naming_it(backend, kind, small_photos, tmp_path):
@@ -168,7 +168,7 @@ def test_a_batch_of_only_broken_files_comes_out_empty_not_missing(backend, small
     assert loader.skipped == 4
 
 
-# ------------------------------------------------------------------------------------------- item 2
+# ------------------------------------------------------------------------------- odd image formats
 def _scene(h=48, w=64) -> np.ndarray:
     """An asymmetric picture (a rotation or a flip changes it): gradients plus a bright top-left block."""
     yy, xx = np.mgrid[0:h, 0:w]
@@ -255,7 +255,7 @@ def _reference_scene():
     return np.asarray(img.crop((left, 0, left + 32, 32))).astype(np.float32)
 
 
-# ------------------------------------------------------------------------------------------- item 3
+# ----------------------------------------------------------------------------- decompression bombs
 @pytest.fixture(scope="module")
 def bomb_folder(tmp_path_factory):
     """A real decompression bomb: a 12000 x 12000 1-bit PNG (144 Mpx, tens of KB on disk)."""
@@ -281,7 +281,7 @@ def test_a_decompression_bomb_is_a_named_error(backend, bomb_folder):
     assert time.monotonic() - t0 < 30, "refused at once, never decoded (a decode would take minutes)"
 
 
-# ------------------------------------------------------------------------------------------- item 4
+# ----------------------------------------------------------------------- bad folders and IDX files
 def test_folder_errors_name_the_path(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(FileNotFoundError, match="nope"):
@@ -337,7 +337,7 @@ def test_mnist_idx_files_good_wrong_magic_and_truncated(tmp_path):
         MNIST(tmp_path / "absent", train=False, download=False)
 
 
-# ------------------------------------------------------------------------------------------- item 5
+# ----------------------------------------------------------------------------------- bad arguments
 @pytest.mark.parametrize("backend", backend_params(auto=True))
 def test_bad_sizes_are_refused_at_construction(backend):
     src = indexed_source(100)
@@ -355,7 +355,7 @@ def test_bad_sizes_are_refused_at_construction(backend):
     assert sizes == [100] and len(loader) == 1
 
 
-# ------------------------------------------------------------------------------------------- item 6
+# ----------------------------------------------------------------------- a cache that does not fit
 def test_a_memory_cache_that_does_not_fit_is_refused_before_allocating(monkeypatch, small_photos):
     import fastdata.backends.memory as memory
 
