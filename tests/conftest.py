@@ -130,3 +130,15 @@ def decode_ids(images: torch.Tensor, mean=MEAN[0], std=STD[0]) -> np.ndarray:
 def photo_folder(tmp_path_factory):
     """A small ImageNet-like JPEG folder: 3 classes x 6 photos of ~450x350 px."""
     return make_image_folder(tmp_path_factory.mktemp("photos"), classes=3, per_class=6, seed=1)
+
+
+@pytest.fixture
+def gpu_16g(monkeypatch):
+    """torch.cuda's memory queries answering for a 16 GiB GPU; a test sets ``state["free"]`` (15 GiB at
+    first), which differs between the ranks of a real job."""
+    from types import SimpleNamespace
+
+    state = {"free": 15 * 2**30}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=16 * 2**30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (state["free"], 16 * 2**30))
+    return state

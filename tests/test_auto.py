@@ -16,15 +16,6 @@ def config(device, rank=None, world_size=None):
                            train=True, cache_size=256, rank=rank, world_size=world_size)
 
 
-@pytest.fixture
-def gpu_16g(monkeypatch):
-    """A 16 GiB GPU whose free memory each test sets (it differs between ranks in a real job)."""
-    state = {"free": 15 * 2**30}
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=16 * 2**30))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (state["free"], 16 * 2**30))
-    return state
-
-
 def test_ranks_without_a_process_group_decide_on_equal_quantities(gpu_16g):
     src = indexed_source(1000)
     picks = []

@@ -42,12 +42,9 @@ class Crash(Exception):
     pass
 
 
-class Recording:
-    """Passes the loader contract through, records the labels of every batch handed out, and raises
-    Crash instead of handing out batch number ``crash_after`` + 1 (counted over the whole run)."""
-
-    def __init__(self, loader, crash_after=None):
-        self.loader, self.device, self.crash_after, self.seen = loader, loader.device, crash_after, []
+class Wrapper:
+    """Passes the loader contract (len, set_epoch, state_dict, load_state_dict) through to
+    ``self.loader``; subclasses change only what iterating does."""
 
     def __len__(self):
         return len(self.loader)
@@ -60,6 +57,14 @@ class Recording:
 
     def load_state_dict(self, state):
         self.loader.load_state_dict(state)
+
+
+class Recording(Wrapper):
+    """Passes the loader contract through, records the labels of every batch handed out, and raises
+    Crash instead of handing out batch number ``crash_after`` + 1 (counted over the whole run)."""
+
+    def __init__(self, loader, crash_after=None):
+        self.loader, self.device, self.crash_after, self.seen = loader, loader.device, crash_after, []
 
     def __iter__(self):
         it = iter(self.loader)
@@ -509,7 +514,7 @@ def test_default_optimizer_is_fused_on_cuda_only():
 
 
 # ------------------------------------------------------------------------------------------ GPU
-class SyncFreeSteps:
+class SyncFreeSteps(Wrapper):
     """Passes a loader through and runs fit's steps, from the second on (the first one initializes
     cuDNN's algorithm choice and the optimizer state), under set_sync_debug_mode('error'): any
     synchronizing call inside a step raises. The mode is off while the wrapped loader works and after
@@ -517,18 +522,6 @@ class SyncFreeSteps:
 
     def __init__(self, loader):
         self.loader, self.device, self.steps = loader, loader.device, 0
-
-    def __len__(self):
-        return len(self.loader)
-
-    def set_epoch(self, epoch):
-        self.loader.set_epoch(epoch)
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state):
-        self.loader.load_state_dict(state)
 
     def __iter__(self):
         it = iter(self.loader)
@@ -604,23 +597,11 @@ def test_a_gpu_checkpoint_loads_and_resumes_on_the_cpu(tmp_path):
     assert all(p.device.type == "cpu" for p in model.parameters()) and math.isfinite(hist[-1]["train_loss"])
 
 
-class SlowHost:
+class SlowHost(Wrapper):
     """Sleeps on the host before handing out each batch: the GPU has nothing to do meanwhile."""
 
     def __init__(self, loader, seconds):
         self.loader, self.device, self.seconds = loader, loader.device, seconds
-
-    def __len__(self):
-        return len(self.loader)
-
-    def set_epoch(self, epoch):
-        self.loader.set_epoch(epoch)
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state):
-        self.loader.load_state_dict(state)
 
     def __iter__(self):
         import time

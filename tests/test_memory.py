@@ -220,17 +220,6 @@ class _FakeCache:
         self.device, self.footprint = torch.device(device), footprint
 
 
-@pytest.fixture
-def gpu_16g(monkeypatch):
-    """torch.cuda's memory queries answering for a 16 GiB GPU with 15 GiB free."""
-    from types import SimpleNamespace
-
-    state = {"free": 15 * 2**30}
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=16 * 2**30))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (state["free"], 16 * 2**30))
-    return state
-
-
 def test_the_budget_is_total_memory_minus_a_reserve(gpu_16g):
     from fastdata.backends import memory
 
