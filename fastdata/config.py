@@ -83,7 +83,16 @@ class Crop(StrChoice):
         return self.fixes_size
 
 
+class Padding(StrChoice):
+    """What ``translate`` shifts in at the border. See Augmentation."""
+
+    CONSTANT = "constant"  # zeros (black), as torchvision's RandomCrop(padding=p) by default
+    REFLECT = "reflect"    # mirrored without repeating the edge pixel (numpy/torch "reflect")
+    EDGE = "edge"          # the edge pixel repeated (torchvision's "edge", torch's "replicate")
+
+
 CROPS = tuple(c.value for c in Crop)
+PADDINGS = tuple(p.value for p in Padding)
 ON_ERROR = ("raise", "skip")
 
 
@@ -123,6 +132,15 @@ def _pair(name: str, value) -> tuple[float, float]:
     return _real(f"{name}[0]", value[0]), _real(f"{name}[1]", value[1])
 
 
+def check_unit_stats(name: str, values, where: str = "") -> None:
+    """Refuse a mean/std in 0-255 units where [0, 1] units are expected: every batch would be garbage
+    (a mean of 125 shifts each pixel by -125 standard deviations), and nothing else would say so."""
+    if any(v > 1 for v in values):
+        raise ValueError(f"{name}={tuple(values)}{where} is above 1: mean/std are in [0, 1] units (pixel/255, "
+                         f"torchvision's convention); for 0-255 units (FFCV's, DALI's) pass scale=255, or "
+                         f"divide by 255")
+
+
 def check_reals(name: str, value) -> tuple[float, ...]:
     values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if not values:
@@ -141,6 +159,8 @@ class Augmentation:
             side to ``resize``, then center-crop ``size``; the evaluation path for photos).
         size: output side length for ``random_resized`` and ``center``.
         pad: maximum shift in pixels for ``translate``.
+        padding: what ``translate`` shifts in at the border: ``"constant"`` (zeros), ``"reflect"``
+            (mirrored, as CIFAR recipes use) or ``"edge"`` (the edge pixel repeated).
         scale, ratio: RandomResizedCrop's area fraction and aspect-ratio ranges.
         resize: shorter side before the center crop.
         hflip: probability of a horizontal flip.
@@ -149,6 +169,7 @@ class Augmentation:
     crop: Crop = Crop.NONE
     size: int | None = None
     pad: int = 0
+    padding: Padding = Padding.CONSTANT
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     resize: int | None = None
@@ -165,6 +186,9 @@ class Augmentation:
             if getattr(self, name) is not None:
                 fix(name, check_integer(name, getattr(self, name), minimum=1))
         fix("pad", check_integer("pad", self.pad, minimum=0))
+        if not isinstance(self.padding, str):
+            raise ValueError(f"unknown padding {self.padding!r}; choose from {list(PADDINGS)}")
+        fix("padding", Padding.parse(self.padding, "padding"))
         fix("hflip", _real("hflip", self.hflip))
         fix("scale", _pair("scale", self.scale))
         fix("ratio", _pair("ratio", self.ratio))
@@ -174,6 +198,9 @@ class Augmentation:
             raise ValueError(f"resize={self.resize} is smaller than the center crop size={self.size}")
         if self.crop is Crop.TRANSLATE and self.pad <= 0:
             raise ValueError(f"crop='translate' needs pad > 0, got pad={self.pad}")
+        if self.padding is not Padding.CONSTANT and self.crop is not Crop.TRANSLATE:
+            raise ValueError(f"padding={self.padding!r} only applies to crop='translate', got "
+                             f"crop={self.crop!r}")
         if not 0.0 <= self.hflip <= 1.0:
             raise ValueError(f"hflip is a probability in [0, 1], got {self.hflip}")
         lo, hi = self.scale
@@ -203,6 +230,12 @@ class Augmentation:
         """Training recipe for small digits: random shifts of up to ``pad`` px."""
         # Random translation of up to ±2 px and no flip: a flipped digit is another symbol.
         return cls(crop="translate", pad=pad)
+
+    @classmethod
+    def cifar_train(cls, *, pad: int = 4, padding: str = "reflect", hflip: float = 0.5) -> "Augmentation":
+        """Training recipe for small colour images (CIFAR-10/100, 32x32): pad ``pad`` px by ``padding``,
+        take a random crop of the original size, flip horizontally with probability ``hflip``."""
+        return cls(crop="translate", pad=pad, padding=padding, hflip=hflip)
 
     @classmethod
     def imagenet_train(cls, *, size: int = 224) -> "Augmentation":
@@ -324,7 +357,14 @@ class LoaderConfig:
         channels_last: images in channels-last memory format.
         augment: the recipe; None → the source's default for ``train``.
         num_workers: worker processes (threads for DALI); None → the usable cores.
-        mean, std: per-channel normalization in [0, 1] units; None → the source's statistics.
+        mean, std: per-channel normalization in [0, 1] units (``scale=255``: in 0-255 pixel units, FFCV's
+            and DALI's convention); None → the source's statistics.
+        scale: the units of ``mean``/``std``: 1 (fractions, torchvision's convention) or 255. A mean or
+            std above 1 with ``scale=1`` is refused: it is 0-255 units by mistake, and would give garbage.
+        batch_transforms: callables applied to every normalized batch on the device, after the recipe,
+            by every backend (``fastdata.batch_transforms``: Cutout, ColorJitter, MixUp, ...; or a
+            torchvision v2 transform that takes batched tensors). Their random draws derive from
+            ``(seed, epoch, batch)``, so runs and resumes repeat exactly.
         rank, world_size: the shard to read; None → from torch.distributed or the torchrun variables.
         on_error: ``"raise"`` an error naming a file that cannot be decoded, or ``"skip"`` it (counted).
         cache_size: side of the square that ``memory`` caches photos at (shorter side resized to it,
@@ -347,6 +387,8 @@ class LoaderConfig:
     world_size: int | None = None
     on_error: str = "raise"
     cache_size: int = 256
+    scale: float = 1
+    batch_transforms: tuple = ()
 
     def __post_init__(self):
         def fix(name, value):  # frozen: normalized values are written once, here
@@ -376,11 +418,29 @@ class LoaderConfig:
         if not isinstance(self.on_error, str) or self.on_error not in ON_ERROR:
             raise ValueError(f"unknown on_error {self.on_error!r}; choose from {list(ON_ERROR)}")
         if self.augment is not None and not isinstance(self.augment, Augmentation):
-            raise TypeError(f"augment must be a fastdata.Augmentation, got {type(self.augment).__name__}")
+            raise TypeError(
+                f"augment must be a fastdata.Augmentation (crop/pad/flip recipes every backend runs), got "
+                f"{type(self.augment).__name__}. Other augmentation: batch_transforms=[...] runs batched "
+                f"tensor transforms on the device for every backend (fastdata.batch_transforms, or "
+                f"torchvision v2 transforms that take batches); per-sample PIL transforms go on the "
+                f"source, ImageFolder(root, transform=...), and run on the torch/prefetch backends")
+        from .batch_transforms import check_batch_transforms  # noqa: PLC0415  (it imports torch only)
+
+        fix("batch_transforms", check_batch_transforms(self.batch_transforms))
+        if isinstance(self.scale, bool) or self.scale not in (1, 255):
+            raise ValueError(f"scale (the units of mean/std) must be 1 or 255, got {self.scale!r}")
+        fix("scale", int(self.scale))
         fix("cache_size", check_integer("cache_size", self.cache_size, minimum=1))
         for name in ("mean", "std"):
             if getattr(self, name) is not None:
                 fix(name, check_reals(name, getattr(self, name)))
+        for name in ("mean", "std"):
+            values = getattr(self, name)
+            if values is not None:
+                if self.scale == 1:
+                    check_unit_stats(name, values)
+                else:
+                    fix(name, tuple(v / 255.0 for v in values))
         if self.std is not None and any(s <= 0 for s in self.std):
             raise ValueError(f"std must be positive, got {self.std}")
         if self.mean is not None and self.std is not None and len(self.mean) != len(self.std) \
