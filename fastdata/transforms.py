@@ -13,10 +13,13 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageOps
 
-from .config import Augmentation, Crop, SourceKind
+from .config import Augmentation, Crop, Padding, SourceKind
 from .errors import DecodeError
 
 _FORMAT_OF_EXT = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG"}
+#: ``Augmentation.padding`` → ``np.pad``'s mode. numpy's "reflect" is torch's "reflect" and torchvision's
+#: padding_mode="reflect" (the edge pixel is not repeated); numpy's "edge" is torch's "replicate".
+NUMPY_PAD_MODE = {Padding.CONSTANT: "constant", Padding.REFLECT: "reflect", Padding.EDGE: "edge"}
 _EXIF_ORIENTATION = 0x0112
 
 
@@ -204,6 +207,32 @@ def require_fixed_size(source, aug: Augmentation) -> None:
                          f"crop={aug.crop!r}")
 
 
+def require_padding_fits(source_or_shape, aug: Augmentation) -> None:
+    """Refuse a reflect-padded translation whose ``pad`` is not smaller than the image: a mirror of
+    ``pad`` pixels needs ``pad + 1`` rows and columns to mirror. torch's reflect pad refuses it, and
+    numpy's and DALI's would reflect again off the far edge, so the backends could not agree.
+
+    ``source_or_shape``: a source (arrays are checked; files always go through a resizing crop, and a
+    torch Dataset's size is known only per batch, where ``apply_params`` checks it) or an image shape
+    (H, W) / (H, W, C). Raises ValueError naming the image size, the pad, the padding and the ways out.
+    Constant and edge padding fit any size.
+    """
+    if aug.crop is not Crop.TRANSLATE or aug.padding is not Padding.REFLECT:
+        return
+    if isinstance(source_or_shape, (tuple, list)):
+        shape, where = tuple(source_or_shape), "images"
+    elif getattr(source_or_shape, "kind", None) is SourceKind.ARRAY:
+        shape, where = tuple(source_or_shape.image_shape), repr(source_or_shape)
+    else:
+        return
+    height, width = int(shape[0]), int(shape[1])
+    if aug.pad >= min(height, width):
+        raise ValueError(f"{where} of {height}x{width} px cannot be padded by pad={aug.pad} with "
+                         f"padding='reflect': a reflection needs pad < height and pad < width (at most "
+                         f"{min(height, width) - 1} here); lower pad, or use padding='edge' or "
+                         f"'constant'")
+
+
 def load_photo(path, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
     """Decode one file and apply the recipe; returns uint8 (H, W, 3).
 
@@ -261,16 +290,22 @@ def resize_box(image: np.ndarray, aug: Augmentation, box, flip: bool) -> np.ndar
 
 def apply_params(images: np.ndarray, aug: Augmentation, params: Params) -> np.ndarray:
     """The recipe on a (N, H, W, C) uint8 batch with drawn ``params``: translate and flip with array
-    ops (no per-sample Python), resizing crops through PIL per sample."""
+    ops (no per-sample Python), resizing crops through PIL per sample.
+
+    Translation pads by ``aug.pad`` with ``aug.padding`` (``NUMPY_PAD_MODE``) and crops the original
+    size at each sample's offset (dy, dx): output pixel (y, x) is padded pixel (y + dy, x + dx), as in
+    torchvision's ``RandomCrop(size, padding=pad, padding_mode=...)`` with top=dy, left=dx.
+    """
     if params.boxes is not None:
         if not len(images):
             return np.empty((0, aug.size, aug.size, images.shape[3]), dtype=np.uint8)
         return np.stack([resize_box(im, aug, box, flip) for im, box, flip in
                          zip(images, params.boxes, params.flips)])
     n, h, w, _ = images.shape
-    if params.offsets is not None:
+    if params.offsets is not None and n:   # an empty batch has nothing to pad (np.pad refuses reflect on it)
         p, off = aug.pad, params.offsets
-        padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)))
+        require_padding_fits((h, w), aug)   # a torch Dataset's images are first seen here
+        padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)), mode=NUMPY_PAD_MODE[aug.padding])
         rows = off[:, 0, None] + np.arange(h)            # (n, h)
         cols = off[:, 1, None] + np.arange(w)            # (n, w)
         images = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]

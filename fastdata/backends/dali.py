@@ -37,7 +37,11 @@ decoding: a small RandomResizedCrop box skips most of the IDCT), ``fn.resize`` m
 (fractional) box to ``size`` x ``size`` with an antialiased linear filter (PIL's BILINEAR with ``box`` in
 the torch backend), and ``fn.crop_mirror_normalize`` flips, normalizes, converts the layout and the
 dtype in one pass. Arrays: the batch goes in as one dense array; translation is ``fn.slice`` with a
-per-sample anchor and zero fill outside the image (pad + crop in one op).
+per-sample anchor whose window leaves the image by up to ``pad`` pixels, filled by the slice's
+``out_of_bounds_policy`` (pad + crop in one op, no padded copy): zeros (``"pad"``), the edge pixel
+(``"edge"``) or the mirror without the edge pixel (``"reflect_101"``: numpy's and torch's "reflect";
+DALI's own "reflect" repeats the edge pixel). A DALI without those border modes (they came with 2.4's
+slice) gets the batch padded on the host with ``np.pad`` and a slice inside it instead: the same pixels.
 
 Errors: a file whose header PIL cannot read (empty, not an image, wrong extension, decompression bomb)
 or that fails the integrity check raises ``DecodeError`` naming it when its batch is fed
@@ -69,10 +73,18 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..config import Crop
+from ..config import Crop, Padding
 from ..datasets import SourceKind
 from ..errors import DecodeError
-from ..transforms import check_pixels, draw_params, exif_orientation, open_image, require_fixed_size
+from ..transforms import (
+    NUMPY_PAD_MODE,
+    check_pixels,
+    draw_params,
+    exif_orientation,
+    open_image,
+    require_fixed_size,
+    require_padding_fits,
+)
 from .base import Loader
 
 # Pipelines inherited by forked children, kept alive there on purpose (see DaliLoader.__del__).
@@ -85,6 +97,22 @@ _UNSEEN, _OK, _NO_HEADER, _BROKEN = 0, 1, 2, 3
 # RuntimeError (pybind11's translation of std::runtime_error) whose text starts with one of these.
 _DALI_PREFIXES = ("Critical error in pipeline", "Critical error when building pipeline",
                   "Unknown critical error")
+
+
+#: ``Augmentation.padding`` → ``fn.slice``'s out_of_bounds_policy for a translation. Not DALI's "reflect":
+#: that one repeats the edge pixel (numpy's "symmetric"); numpy's, torch's and torchvision's "reflect"
+#: does not, which is DALI's "reflect_101".
+SLICE_POLICY = {Padding.CONSTANT: "pad", Padding.REFLECT: "reflect_101", Padding.EDGE: "edge"}
+
+
+def slice_has_policy(policy: str) -> bool:
+    """Whether the installed DALI's ``fn.slice`` knows ``out_of_bounds_policy=policy``. "edge" and
+    "reflect_101" came with DALI's slice border modes (2.4 has them); older releases know only
+    error/pad/trim_to_shape and would refuse the pipeline. Read from the operator's schema, which lists
+    the values it parses."""
+    from nvidia.dali import backend
+
+    return f'"{policy}"' in backend.GetSchema("Slice").GetArgumentDox("out_of_bounds_policy")
 
 
 def _dali_dir() -> str:
@@ -230,6 +258,10 @@ class DaliLoader(Loader):
         self.read_threads, self.validate = readers, self.opts["validate"]
         aug = self.augment
         require_fixed_size(source, aug)
+        require_padding_fits(source, aug)
+        # Reflect/edge translation where this DALI's slice lacks the border mode: pad on the host.
+        self._host_pad = (aug.crop is Crop.TRANSLATE and aug.padding is not Padding.CONSTANT
+                          and not slice_has_policy(SLICE_POLICY[aug.padding]))
         self.gpu = self.device.type == "cuda"
         if source.kind is SourceKind.FILES:
             self.out_shape = (3, aug.size, aug.size)
@@ -307,9 +339,11 @@ class DaliLoader(Loader):
                 p0, p1 = (ins[2], ins[3]) if n_in == 5 else (None, None)
                 img = img.gpu() if gpu else img
                 if aug.crop is Crop.TRANSLATE:
-                    # pad + random crop as one slice whose window may leave the image: zeros there.
+                    # pad + random crop as one slice whose window may leave the image by up to pad px,
+                    # filled by the recipe's padding (host-padded batches: the window stays inside).
+                    policy = "pad" if self._host_pad else SLICE_POLICY[aug.padding]
                     img = fn.slice(img, p0, p1, axis_names="HW", normalized_anchor=False,
-                                   normalized_shape=False, out_of_bounds_policy="pad", fill_values=0)
+                                   normalized_shape=False, out_of_bounds_policy=policy, fill_values=0)
                 elif aug.crop.resamples:
                     img = fn.resize(img, size=[aug.size, aug.size], roi_start=p0, roi_end=p1,
                                     roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
@@ -350,7 +384,12 @@ class DaliLoader(Loader):
         params = draw_params(aug, rng, n, (h, w))   # the recipe's one source of random numbers
         flips = params.flips.astype(np.int32)
         if params.offsets is not None:
-            p0 = (params.offsets - aug.pad).astype(np.float32)                 # slice anchor
+            if self._host_pad:   # the window inside the padded images: anchor = offset
+                p = aug.pad
+                images = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)), mode=NUMPY_PAD_MODE[aug.padding])
+                p0 = params.offsets.astype(np.float32)
+            else:                # the window shifted by offset - pad: out of bounds by up to pad px
+                p0 = (params.offsets - aug.pad).astype(np.float32)             # slice anchor
             p1 = np.tile(np.array([h, w], np.float32), (n, 1))                 # slice shape
         elif params.boxes is not None:
             boxes = params.boxes.astype(np.float32)                            # (top, left, h, w)
