@@ -424,7 +424,7 @@ class LoaderConfig:
                 f"tensor transforms on the device for every backend (fastdata.batch_transforms, or "
                 f"torchvision v2 transforms that take batches); per-sample PIL transforms go on the "
                 f"source, ImageFolder(root, transform=...), and run on the torch/prefetch backends")
-        from .batch_transforms import check_batch_transforms  # noqa: PLC0415  (it imports torch only)
+        from .batch_transforms import check_batch_transforms  # here: it imports torch only, not config
 
         fix("batch_transforms", check_batch_transforms(self.batch_transforms))
         if isinstance(self.scale, bool) or self.scale not in (1, 255):

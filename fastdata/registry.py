@@ -21,6 +21,7 @@ from functools import lru_cache
 from .config import LoaderConfig
 from .datasets import as_source
 from .errors import MissingDependency
+from .sampling import distributed_info
 
 log = logging.getLogger("fastdata")
 
@@ -203,20 +204,35 @@ def choose(source, config, options: dict | None = None) -> tuple[str, str]:
     return choose_from(source, config, options, by_preference())
 
 
-def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = None, **kwargs):
+def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = None, indices=None,
+                like=None, quiet: bool = False, **kwargs):
     """Build a loader of ``(images, labels)`` batches on the device.
 
     Args:
-        source: a fastdata source (MNIST, ImageFolder, SyntheticDigits, ArraySource), a map-style torch
-            Dataset (torch/prefetch backends), or an ``(images, labels)`` pair of uint8 arrays.
-        backend: one of ``available_backends()``; ``auto`` picks the fastest that fits and logs why.
+        source: a fastdata source (MNIST, ImageFolder, SyntheticDigits, ArraySource), a torchvision
+            dataset (ImageFolder/DatasetFolder → its files; CIFAR10/100, MNIST-like → its arrays), a
+            ``Subset`` of one, any other map-style torch Dataset (torch/prefetch backends), or an
+            ``(images, labels)`` pair of uint8 arrays.
+        backend: one of ``available_backends()``; ``auto`` picks the fastest that fits and says which
+            in one line (logger ``fastdata``, WARNING) unless ``quiet``.
         config: a LoaderConfig; keyword arguments that name its fields override it.
+        indices: read only these samples of ``source`` (``source.subset(indices)``); sharding, order
+            and resume then apply to the subset.
+        like: a training loader this one evaluates against: its device, dtype, layout, batch size,
+            seed and, above all, its normalization statistics (a test set must be normalized with
+            the training set's mean/std, not its own), with ``train=False``. Keyword arguments and
+            ``config`` fields still override.
+        quiet: do not report ``auto``'s choice.
         **kwargs: LoaderConfig fields (batch_size, device, train, ...) and backend-specific options.
     """
     if not isinstance(backend, str) or backend not in choices():
         raise ValueError(f"unknown backend {backend!r}; choose from {choices()}")
-    cfg, options = LoaderConfig.from_kwargs(config, kwargs)
     src = as_source(source)
+    if indices is not None:
+        src = src.subset(indices)
+    if like is not None:
+        config, kwargs = _like(like, src, config, kwargs)
+    cfg, options = LoaderConfig.from_kwargs(config, kwargs)
     if backend == "auto":
         # auto passes each backend only the options it knows, so a misspelt one (prefetch_factr=4) must
         # be refused here, against every backend's options, or it would vanish without a word.
@@ -226,6 +242,38 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
             raise TypeError(f"backend 'auto' got unknown option(s) {unknown}; the backends' options are "
                             f"{sorted(known)} and the shared ones are LoaderConfig's fields")
         backend, reason = choose(src, cfg, options)
-        log.info("fastdata: backend 'auto' picked %r: %s", backend, reason)
+        # WARNING, so it shows without any logging set up (Python's last-resort handler prints it):
+        # which backend ran decides the speed, and an INFO line nobody saw explained nothing. One
+        # line per job: rank 0 speaks.
+        if not quiet and distributed_info(cfg.rank, cfg.world_size)[0] == 0:
+            log.warning("fastdata: backend 'auto' picked %r: %s (make_loader(..., quiet=True) hides this)",
+                        backend, reason)
         options = {k: v for k, v in options.items() if k in backend_class(backend).options}
     return backend_class(backend)(src, cfg, **options)
+
+
+def _like(train_loader, source, config, kwargs) -> tuple:
+    """(config, kwargs) for an evaluation loader built ``like=train_loader`` (see ``make_loader``)."""
+    base = getattr(train_loader, "config", None)
+    if not isinstance(base, LoaderConfig):
+        raise TypeError(f"like= takes a fastdata loader (the training loader), got {type(train_loader).__name__}")
+    theirs = list(getattr(train_loader, "classes", []) or [])
+    mine = list(getattr(source, "classes", None) or [])
+    if theirs and mine and any(isinstance(c, str) for c in theirs + mine) and mine != theirs[:len(mine)]:
+        first = next(i for i, (a, b) in enumerate(zip(mine, theirs + [None] * len(mine))) if a != b)
+        raise ValueError(f"the classes of {source!r} differ from the training loader's: class {first} is "
+                         f"{mine[first]!r} here and {theirs[first] if first < len(theirs) else None!r} there; "
+                         f"label {first} would mean two different things (give both folders the same "
+                         f"class sub-folders)")
+    # The training loader's resolved statistics (its config's, or its source's), not this source's.
+    inherited = {"device": train_loader.device, "dtype": base.dtype, "channels_last": base.channels_last,
+                 "batch_size": base.batch_size, "seed": base.seed, "num_workers": base.num_workers,
+                 "mean": tuple(train_loader.mean), "std": tuple(train_loader.std), "train": False,
+                 "rank": base.rank, "world_size": base.world_size, "on_error": base.on_error}
+    if config is not None:
+        # An explicit config is the caller's choice of everything it sets; it still takes the training
+        # statistics (unless it names its own) and the training loader's device.
+        given = getattr(config, "_given", {})
+        extra = {k: inherited[k] for k in ("mean", "std", "device") if given.get(k) is None}
+        return config, {**extra, **kwargs}
+    return None, {**inherited, **kwargs}

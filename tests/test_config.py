@@ -1,10 +1,12 @@
 """LoaderConfig and Augmentation check their values once, with errors that name them."""
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
-from fastdata import Augmentation, LoaderConfig
+from fastdata import Augmentation, LoaderConfig, make_loader
+from fastdata.datasets import ArraySource
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "64"])
@@ -184,3 +186,36 @@ def test_under_torchrun_each_rank_gets_its_share_of_the_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
         LoaderConfig(device="cpu")
+
+
+# ---------------------------------------------------------------- mean/std units; augment's hint
+def test_mean_std_in_pixel_units_are_refused_unless_scale_255_is_said():
+    with pytest.raises(ValueError, match=r"mean=\(125.3, 123.0, 113.9\) is above 1.*pass scale=255"):
+        LoaderConfig(mean=(125.3, 123.0, 113.9), std=(0.25,), device="cpu")
+    with pytest.raises(ValueError, match="std=.*is above 1"):
+        LoaderConfig(std=(63.0,), device="cpu")
+    cfg = LoaderConfig(mean=(127.5,), std=(51.0,), scale=255, device="cpu")
+    assert cfg.mean == (0.5,) and cfg.std == (0.2,)
+    with pytest.raises(ValueError, match="scale .* must be 1 or 255"):
+        LoaderConfig(scale=100, device="cpu")
+
+
+def test_a_sources_own_statistics_in_pixel_units_are_refused_by_the_loader():
+    src = ArraySource(np.zeros((16, 4, 4), np.uint8), np.arange(16) % 2, mean=(33.3,), std=(78.0,))
+    with pytest.raises(ValueError, match=r"mean=\(33.3,\) \(the statistics of ArraySource.*is above 1"):
+        make_loader(src, "memory", batch_size=4, device="cpu")
+
+
+def test_a_torchvision_transform_as_augment_says_where_transforms_go():
+    from torchvision.transforms import v2
+
+    with pytest.raises(TypeError, match=r"got Compose.*batch_transforms=\[\.\.\.\].*transform=\.\.\."):
+        LoaderConfig(augment=v2.Compose([v2.RandomHorizontalFlip()]), device="cpu")
+
+
+def test_padding_applies_to_translate_only_and_names_the_choices():
+    assert Augmentation.cifar_train() == Augmentation(crop="translate", pad=4, padding="reflect", hflip=0.5)
+    with pytest.raises(ValueError, match=r"unknown padding 'mirror'; choose from \['constant', 'reflect', 'edge'\]"):
+        Augmentation(crop="translate", pad=2, padding="mirror")
+    with pytest.raises(ValueError, match="only applies to crop='translate'"):
+        Augmentation(crop="center", size=8, padding="reflect")

@@ -2,12 +2,13 @@
 import logging
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import indexed_source
 from fastdata import MissingDependency, available_backends, make_loader, registry
-from fastdata.datasets import ImageFolder, SyntheticDigits
+from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits
 
 
 def test_unknown_backend_lists_the_choices():
@@ -164,3 +165,53 @@ def test_auto_accepts_an_option_of_a_backend_not_installed_here(monkeypatch):
             make_loader(SyntheticDigits(200), batch_size=50, device="cpu", read_thread=2)
     finally:
         registry.clear_import_cache()
+
+
+# ---------------------------------------------------------------- auto says its choice; like=; indices=
+def test_auto_reports_its_choice_in_one_line_without_any_logging_setup():
+    # A fresh interpreter: no handler configured, as in a user's script. The line reaches stderr.
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from fastdata import make_loader\n"
+            "x = np.zeros((64, 8, 8), np.uint8); y = np.arange(64) % 4\n"
+            "make_loader((x, y), batch_size=16, device='cpu', num_workers=0)\n"
+            "make_loader((x, y), batch_size=16, device='cpu', num_workers=0, quiet=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "picked" in line]
+    assert len(lines) == 1 and "backend 'auto' picked 'memory'" in lines[0]  # quiet=True said nothing
+
+
+def test_an_eval_loader_like_the_training_loader_takes_its_statistics():
+    rng = np.random.default_rng(0)
+    train = ArraySource(rng.integers(0, 100, (64, 8, 8, 3), dtype=np.uint8), np.arange(64) % 4)
+    test = ArraySource(rng.integers(150, 256, (32, 8, 8, 3), dtype=np.uint8), np.arange(32) % 4)
+    tl = make_loader(train, "memory", batch_size=16, device="cpu", num_workers=0, quiet=True)
+    el = make_loader(test, "memory", like=tl)
+    assert el.mean == tl.mean and el.std == tl.std and el.mean != tuple(test.mean)
+    assert not el.config.train and not el.config.shuffle and not el.config.drop_last
+    assert el.config.batch_size == 16 and el.device == tl.device
+    # The batch is the test pixels normalized with the TRAINING statistics.
+    images, _ = next(iter(el))
+    mean, std = torch.tensor(tl.mean).view(1, 3, 1, 1), torch.tensor(tl.std).view(1, 3, 1, 1)
+    want = torch.from_numpy(test.images[:16]).permute(0, 3, 1, 2).float() / 255
+    torch.testing.assert_close(images, (want - mean) / std)
+    # keyword arguments still override
+    assert make_loader(test, "memory", like=tl, batch_size=8).config.batch_size == 8
+
+
+def test_like_refuses_a_test_folder_whose_classes_differ(tmp_path):
+    from fastdata.datasets import make_image_folder
+
+    make_image_folder(tmp_path / "train", classes=3, per_class=2, size_range=((40, 48), (40, 48)))
+    make_image_folder(tmp_path / "test", classes=3, per_class=1, size_range=((40, 48), (40, 48)))
+    (tmp_path / "test" / "class_000").rename(tmp_path / "test" / "class_00x")
+    tl = make_loader(ImageFolder(tmp_path / "train"), "torch", batch_size=2, device="cpu", num_workers=0)
+    with pytest.raises(ValueError, match="classes of .* differ from the training loader's: class 0"):
+        make_loader(ImageFolder(tmp_path / "test"), "torch", like=tl)
+
+
+def test_like_takes_a_fastdata_loader():
+    with pytest.raises(TypeError, match="like= takes a fastdata loader"):
+        make_loader(indexed_source(64), "memory", like=object(), device="cpu")

@@ -2,11 +2,16 @@
 
 - ``for images, labels in loader``: images float (N, C, H, W) normalized on ``loader.device``,
   labels int64 (N,) on the same device.
-- ``len(loader)`` equals the batches one pass yields; each ``iter()`` is the next epoch.
+  With ``batch_transforms`` that mix samples (MixUp, CutMix), labels are soft: float (N, classes).
+- ``len(loader)`` equals the batches one pass yields. The epoch advances when a pass runs to its end
+  (or ``set_epoch`` is called), not on ``iter()``: so ``next(iter(loader))`` peeks at the first batch
+  of the coming epoch without changing the run, and a pass left early (``break``) is read again from
+  its start by the next ``iter()``, as a DataLoader does.
 - A new ``iter()`` supersedes the previous one: the older epoch is closed first (its workers, threads
-  and pipelines released), and using the older iterator afterwards raises RuntimeError. So a
-  ``next(iter(loader))`` peek works, and two interleaved epochs are an error, never wrong data.
-- The order and the random augmentation of epoch ``e`` derive from ``(seed, e)`` (see sampling.py).
+  and pipelines released), and using the older iterator afterwards raises RuntimeError. Two
+  interleaved epochs are an error, never wrong data.
+- The order and the random augmentation of epoch ``e`` derive from ``(seed, e)`` (see sampling.py);
+  so do the ``batch_transforms``' draws, from ``(seed, e, batch)``.
 - ``state_dict()`` records the consumer's position (epoch, batches handed out); ``load_state_dict()``
   makes the next ``iter()`` continue from there, with exactly the batches an uninterrupted run sees.
 
@@ -20,16 +25,16 @@ from typing import ClassVar, Iterator
 import numpy as np
 import torch
 
-from ..config import LoaderConfig, check_integer, check_reals
+from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats
 from ..datasets import Source, SourceKind
 from ..decode import warn_skipped
 from ..normalize import Normalizer
-from ..sampling import EpochPlan, distributed_info
+from ..sampling import EpochPlan, distributed_info, seed_for
 
-_SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loader: each iter() starts "
-               "the next epoch and closes the previous one (two epochs of one loader cannot run "
-               "interleaved, they share its workers). Keep one iterator per epoch; to look at a batch "
-               "outside the loop use next(iter(loader)) before it, or a second loader")
+_SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loader: each iter() closes "
+               "the previous pass (two passes of one loader cannot run interleaved, they share its "
+               "workers). Keep one iterator per pass; to look at a batch outside the loop use "
+               "next(iter(loader)) before it (a peek does not advance the epoch), or a second loader")
 
 
 class EpochIterator:
@@ -76,14 +81,18 @@ class Loader:
     options: ClassVar[dict] = {}
     #: source kinds the backend can read (auto and the registry read this; __init__ enforces it).
     reads: ClassVar[frozenset] = frozenset({SourceKind.ARRAY, SourceKind.FILES})
+    #: whether the backend runs a source's per-sample callable (``ImageFolder(transform=...)``): only
+    #: backends that decode each sample on the CPU with PIL can (torch, prefetch).
+    runs_sample_transforms: ClassVar[bool] = False
 
     def __init__(self, source: Source, config: LoaderConfig, **options):
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             raise TypeError(f"backend {self.name!r} got unknown option(s) {unknown}; its options are "
                             f"{sorted(self.options)} and the shared ones are LoaderConfig's fields")
-        if source.kind not in self.reads:
-            raise TypeError(self._cannot_read(source))
+        fits_kind, why = type(self)._reads(source)
+        if not fits_kind:
+            raise TypeError(why)
         self.opts = {**self.options, **options}
         self.source = source
         self.config = config
@@ -93,6 +102,9 @@ class Loader:
         # LoaderConfig gives its mean/std: a NaN or a zero here makes every batch NaN or inf.
         mean = config.mean if config.mean is not None else check_reals("mean", source.mean)
         std = config.std if config.std is not None else check_reals("std", source.std)
+        for name, values, given in (("mean", mean, config.mean), ("std", std, config.std)):
+            if given is None:
+                check_unit_stats(name, values, f" (the statistics of {source!r})")
         if any(s <= 0 for s in std):
             raise ValueError(f"std must be positive, got {std} (from {source!r})")
         if len(mean) == 1 and source.channels > 1:
@@ -122,6 +134,35 @@ class Loader:
         self.skipped = 0
         #: uint8 NHWC batches → normalized NCHW floats on the device (see fastdata/normalize.py).
         self.normalizer = Normalizer(self.mean, self.std, self.device, config.dtype, config.channels_last)
+        #: ``config.batch_transforms`` applied to every batch a backend yields (see ``_count``).
+        self.batch_pipeline = None
+        if config.batch_transforms:
+            from ..batch_transforms import BatchPipeline
+
+            self.batch_pipeline = BatchPipeline(config.batch_transforms, num_classes=source.num_classes,
+                                                device=self.device, mean=self.mean, std=self.std)
+
+    # ------------------------------------------------------------------ DataLoader-shaped surface
+    @property
+    def dataset(self) -> Source:
+        """The source read (``len(loader.dataset)``, ``loader.dataset.classes``), as a DataLoader's."""
+        return self.source
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank, as ``DataLoader.batch_size``."""
+        return self.config.batch_size
+
+    @property
+    def classes(self) -> list:
+        """The class names (an ImageFolder's folder names; ``0 .. num_classes-1`` for arrays)."""
+        classes = getattr(self.source, "classes", None)
+        return list(classes) if classes is not None else list(range(self.source.num_classes))
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes: the width of soft labels (MixUp, CutMix) and of a model's output."""
+        return self.source.num_classes
 
     # ------------------------------------------------------------------ selection
     @classmethod
@@ -134,14 +175,34 @@ class Loader:
         it fits when the backend reads the source's kind. A backend with a resource limit (memory's
         cache budget) overrides this.
         """
-        if source.kind in cls.reads:
-            return True, f"{cls.name} reads {source.kind} sources"
-        return False, cls._cannot_read(source)
+        return cls._reads(source)
+
+    @classmethod
+    def _reads(cls, source) -> tuple[bool, str]:
+        """(whether this backend reads ``source`` at all: its kind, and its per-sample transform)."""
+        if source.kind not in cls.reads:
+            return False, cls._cannot_read(source)
+        transform = getattr(source, "sample_transform", None)
+        if transform is not None and not cls.runs_sample_transforms:
+            return False, (
+                f"backend {cls.name!r} cannot run the per-sample transform of {source!r} "
+                f"({type(transform).__name__}): it decodes and augments whole batches, not PIL images "
+                f"one by one. Drop the transform and express it as augment=Augmentation(...) plus "
+                f"batch_transforms=[...] (batched tensor ops on the device, every backend; see "
+                f"fastdata.batch_transforms), or use backend 'torch' or 'prefetch', which run it")
+        return True, f"{cls.name} reads {source.kind} sources"
 
     @classmethod
     def _cannot_read(cls, source) -> str:
-        return (f"backend {cls.name!r} cannot read a {type(source).__name__} (kind {source.kind!r}); "
-                f"it reads {sorted(k.value for k in cls.reads)}")
+        hint = getattr(source, "refusal_hint", None)
+        if not hint:
+            hint = (f"{cls.name!r} reads in-memory arrays (ArraySource, (images, labels) arrays, "
+                    f"torchvision's CIFAR/MNIST) and image folders (ImageFolder, torchvision's ImageFolder)")
+            if source.kind is SourceKind.DATASET:
+                hint += "; or use backend 'torch' or 'prefetch', which read any map-style Dataset"
+        what = "a map-style Dataset, whose samples only its own __getitem__ can produce" \
+            if source.kind is SourceKind.DATASET else f"kind {source.kind!r}"
+        return f"backend {cls.name!r} cannot read {source!r} ({what}): {hint}"
 
     # ------------------------------------------------------------------ the contract
     def __len__(self) -> int:
@@ -152,7 +213,8 @@ class Loader:
         if previous is not None:
             previous._supersede()
         epoch, start = self._next
-        self._next = (epoch + 1, 0)
+        # _next stays until the pass runs to its end (_count): a peek or a pass left early does not
+        # move the run on.
         self._position = (epoch, start)
         self.skipped = self._dropped
         it = EpochIterator(self._count(epoch, start))
@@ -162,8 +224,13 @@ class Loader:
     def _count(self, epoch: int, start: int):
         it = self._epoch(epoch, self.plan.batches(epoch, start), start)
         done = start
+        pipeline = self.batch_pipeline
         try:
             for batch in it:
+                if pipeline is not None:
+                    # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do
+                    # not depend on the backend, on workers, or on where a resumed run starts.
+                    batch = pipeline(*batch, seed_for(self.plan.batch_seed(epoch, done), 0xBA7C))
                 done += 1
                 self._position = (epoch, done)
                 yield batch
@@ -171,6 +238,10 @@ class Loader:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
+        # The pass ran to its end: the next iter() starts the next epoch (unless set_epoch or
+        # load_state_dict said otherwise meanwhile, which set _next themselves).
+        if self._next == (epoch, start):
+            self._next = (epoch + 1, 0)
         warn_skipped(self.name, self.skipped, epoch)
 
     @property

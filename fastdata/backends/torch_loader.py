@@ -117,6 +117,7 @@ class TorchLoader(Loader):
 
     name = "torch"
     reads = frozenset({SourceKind.ARRAY, SourceKind.FILES, SourceKind.DATASET})
+    runs_sample_transforms = True  # its workers decode each sample with PIL: a per-sample callable fits there
     options = {"prefetch_factor": 2, "persistent_workers": True, "timeout": 0,
                "multiprocessing_context": None}
 
