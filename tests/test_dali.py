@@ -97,13 +97,14 @@ def test_seed_epoch_and_set_epoch():
 
 
 def test_abandoned_epoch_then_fresh_epochs():
-    # Breaking out leaves prefetched batches inside DALI; the next iter() must not see them.
+    # Breaking out leaves prefetched batches inside DALI; the next iter() must not see them. A pass
+    # left early does not advance the epoch (base.py): the next iter() reads epoch 0 from its start.
     src = indexed_source(640)
     loader = dali(src, batch_size=64, train=True, augment=NONE, seed=2, prefetch_queue_depth=3)
     for _ in zip(range(2), loader):
         pass
     plan = EpochPlan(640, 64, True, True, 2)
-    for epoch in (1, 2):
+    for epoch in (0, 1):
         got = epoch_ids(loader)
         assert len(got) == 10
         for g, want in zip(got, plan.batches(epoch)):
@@ -186,6 +187,53 @@ def test_translation_fills_with_zeros():
     zeros_per_image = (x[:, 0] == 0).sum((1, 2))
     assert (x[:, 0] > 0.99).sum() > 0 and (zeros_per_image > 0).float().mean() > 0.5
     assert set(torch.unique(x).tolist()) <= {0.0, 1.0}
+
+
+def _colour_arrays(n=600, h=12, w=10):
+    """Random RGB arrays with no black pixel (so only zero padding shows 0), not square (so a
+    transposed window shows), normalized as pixel / 255."""
+    images = np.random.default_rng(2).integers(1, 256, (n, h, w, 3), dtype=np.uint8)
+    return ArraySource(images, np.arange(n) % 10, mean=(0.0,) * 3, std=(1.0,) * 3)
+
+
+@pytest.mark.parametrize("host_pad", [False, True], ids=["slice-border-mode", "host-np.pad"])
+@pytest.mark.parametrize("padding", ["reflect", "edge", "constant"])
+def test_padded_translation_equals_torch_backend_pixel_for_pixel(padding, host_pad, monkeypatch):
+    """cifar_train's reflect (and edge) translation: DALI's slice border mode ("reflect_101", "edge"),
+    or a DALI without those (host_pad: np.pad on the host, a slice inside), gives the torch backend's
+    pixels exactly for the same seed, flips included."""
+    import fastdata.backends.dali as dali_mod
+
+    if host_pad:
+        monkeypatch.setattr(dali_mod, "slice_has_policy", lambda policy: False)
+    src = _colour_arrays()
+    kw = dict(batch_size=100, train=True, seed=5, augment=Augmentation.cifar_train(pad=4, padding=padding))
+    loader = dali(src, **kw)
+    assert loader._host_pad == (host_pad and padding != "constant")
+    d = torch.cat([x for x, _ in loader])
+    t = torch.cat([x for x, _ in torch_loader(src, **kw)])
+    assert d.shape == t.shape == (600, 3, 12, 10)
+    assert torch.equal(d, t), f"{padding}: {(d != t).sum().item()} pixels differ"
+    assert bool((d == 0).any()) == (padding == "constant")   # only zero padding shifts black in
+    again = torch.cat([x for x, _ in dali(src, **{**kw, "seed": 6})])
+    assert not torch.equal(d, again), "another seed must shift differently"
+
+
+def test_dali_reflect_is_not_dalis_own_reflect():
+    """DALI's "reflect" repeats the edge pixel; numpy/torch/torchvision "reflect" is its "reflect_101".
+    The installed DALI lists both, so the mapping is checked against its schema, not assumed."""
+    from fastdata.backends.dali import SLICE_POLICY, slice_has_policy
+
+    assert SLICE_POLICY == {"constant": "pad", "reflect": "reflect_101", "edge": "edge"}
+    assert all(slice_has_policy(v) for v in SLICE_POLICY.values())   # DALI 2.4: native border modes
+    assert not slice_has_policy("no_such_policy")
+
+
+def test_reflect_pad_not_smaller_than_the_image_is_refused_at_construction():
+    src = ArraySource(np.zeros((64, 4, 6, 3), np.uint8), np.zeros(64, np.int64))
+    with pytest.raises(ValueError, match=r"of 4x6 px cannot be padded by pad=4 with padding='reflect'"):
+        dali(src, batch_size=8, augment=Augmentation.cifar_train(pad=4))
+    dali(src, batch_size=8, augment=Augmentation.cifar_train(pad=4, padding="edge"))   # edge fits any size
 
 
 # ------------------------------------------------------------------------------------ image folders
@@ -446,7 +494,8 @@ def test_one_probe_pipeline_finds_every_bad_file(tmp_path, photo_folder):
 @pytest.mark.parametrize("kind", ["arrays", "files"])
 def test_epoch_closed_or_superseded_mid_epoch_then_a_whole_epoch(kind, how, photo_folder):
     # A second iter() while an epoch runs closes the running one first (base.py): the pipeline and the
-    # batches read ahead must go with it (it used to fail with a TypeError).
+    # batches read ahead must go with it (it used to fail with a TypeError). No pass ran to its end,
+    # so the whole one is epoch 0, read from its start.
     if kind == "arrays":
         src = indexed_source(640)
         loader = dali(src, batch_size=64, train=True, augment=NONE, seed=2, prefetch_queue_depth=3)
@@ -470,13 +519,13 @@ def test_epoch_closed_or_superseded_mid_epoch_then_a_whole_epoch(kind, how, phot
     assert len(full) == len(loader)
     if kind == "arrays":
         plan = EpochPlan(640, 64, True, True, 2)
-        for (x, _), want in zip(full, plan.batches(2)):
+        for (x, _), want in zip(full, plan.batches(0)):
             np.testing.assert_array_equal(decode_ids(x), want)
     else:
         ys = torch.cat([y for _, y in full])
         assert len(ys) == 18
         plan = EpochPlan(18, 4, True, False, 2)
-        want = np.concatenate(plan.batches(2))
+        want = np.concatenate(plan.batches(0))
         np.testing.assert_array_equal(ys.numpy(), src.labels[want])
 
 
@@ -524,6 +573,19 @@ def test_gpu_eval_pixels_close_to_torch_backend(photo_folder):
     digits = indexed_source(300)
     got = [decode_ids(x) for x, _ in gpu(digits, batch_size=64, train=False, augment=NONE)]
     assert sorted(np.concatenate(got).tolist()) == list(range(300))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("padding", ["reflect", "edge"])
+def test_gpu_padded_translation_equals_torch_backend(padding):
+    """The slice border modes on DALI's GPU kernel: the torch backend's (CPU) pixels, up to the float
+    rounding of the normalization on another device."""
+    src = _colour_arrays()
+    kw = dict(batch_size=100, train=True, seed=5, augment=Augmentation.cifar_train(pad=4, padding=padding))
+    g = torch.cat([x for x, _ in gpu(src, **kw)])
+    t = torch.cat([x for x, _ in torch_loader(src, **kw)])
+    assert g.is_cuda and g.shape == t.shape
+    assert _levels(g, t, src.std).max() < 0.01
 
 
 @pytest.mark.cuda

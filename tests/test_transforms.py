@@ -9,7 +9,16 @@ import pytest
 from fastdata import Augmentation
 from fastdata.config import Crop
 from fastdata.datasets import SourceKind, SyntheticDigits
-from fastdata.transforms import apply_params, augment_batch, draw_params, require_fixed_size, rrc_params, sample_box
+from fastdata.transforms import (
+    Params,
+    apply_params,
+    augment_batch,
+    draw_params,
+    require_fixed_size,
+    require_padding_fits,
+    rrc_params,
+    sample_box,
+)
 
 RRC = Augmentation(crop="random_resized", size=8, hflip=0.5)
 SHIFT = Augmentation(crop="translate", pad=2, hflip=0.5)
@@ -108,3 +117,107 @@ def test_the_backends_draw_no_random_numbers_themselves():
         text = path.read_text()
         draws = re.findall(r".*(?:\brng\.|random\(|\.integers\(|\.uniform\().*", text)
         assert not draws, f"{path.name} draws random numbers itself: {draws}"
+
+
+# ------------------------------------------------------------------------ padding: reflect and edge
+TORCH_MODE = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}
+
+
+def _random_batch(n=16, h=7, w=9, c=3, seed=0):
+    return np.random.default_rng(seed).integers(1, 256, (n, h, w, c), dtype=np.uint8)   # no black pixel
+
+
+@pytest.mark.parametrize("padding", ["constant", "reflect", "edge"])
+def test_translate_pads_like_torch_pad_then_crops_at_the_drawn_offsets(padding):
+    """The reference is torch's own pad (mode reflect/replicate/constant) and a crop at each drawn
+    (dy, dx): an implementation that padded with zeros, repeated the edge pixel in a reflection or
+    shifted the window the other way fails on the border pixels."""
+    import torch
+    import torch.nn.functional as F
+
+    pad = 4
+    aug = Augmentation(crop="translate", pad=pad, padding=padding, hflip=0.5)
+    images = _random_batch(n=64, h=7, w=9)          # pad < 7: reflection fits, and not square
+    p = draw_params(aug, np.random.default_rng(11), len(images), (7, 9))
+    out = apply_params(images, aug, p)
+    nchw = torch.from_numpy(images).permute(0, 3, 1, 2).float()
+    padded = F.pad(nchw, (pad, pad, pad, pad), mode=TORCH_MODE[padding])
+    for i, ((dy, dx), flip) in enumerate(zip(p.offsets, p.flips)):
+        ref = padded[i, :, dy:dy + 7, dx:dx + 9]
+        ref = ref.flip(-1) if flip else ref
+        assert np.array_equal(out[i], ref.permute(1, 2, 0).byte().numpy()), (padding, i, dy, dx, flip)
+    # Both extreme shifts on both axes were drawn: every border of the padding was compared.
+    assert (p.offsets.min(0) == 0).all() and (p.offsets.max(0) == 2 * pad).all()
+    # The images hold no 0: only constant padding shifts black in.
+    assert (out == 0).any() == (padding == "constant")
+
+
+@pytest.mark.parametrize("padding", ["constant", "reflect", "edge"])
+def test_translate_matches_torchvision_random_crop_with_padding_mode(padding):
+    """torchvision v2 ``RandomCrop(size, padding=p, padding_mode=...)`` at every offset (its top/left
+    pinned): the convention (which pixel a reflection starts from, which way a shift goes) is theirs."""
+    import torch
+    from torchvision.transforms import v2
+
+    pad, h, w = 3, 6, 8
+    image = _random_batch(n=1, h=h, w=w, seed=4)
+    aug = Augmentation(crop="translate", pad=pad, padding=padding)
+
+    class PinnedCrop(v2.RandomCrop):
+        def __init__(self, top, left, **kw):
+            super().__init__(**kw)
+            self.top, self.left = top, left
+
+        def make_params(self, flat_inputs):
+            params = super().make_params(flat_inputs)
+            return {**params, "top": self.top, "left": self.left, "needs_crop": True}
+
+    chw = torch.from_numpy(image[0]).permute(2, 0, 1).contiguous()
+    for dy in range(2 * pad + 1):
+        for dx in range(2 * pad + 1):
+            tv = PinnedCrop(dy, dx, size=(h, w), padding=pad, padding_mode=padding)(chw)
+            ours = apply_params(image, aug, Params(np.array([[dy, dx]]), None, np.zeros(1, bool)))[0]
+            assert np.array_equal(ours, tv.permute(1, 2, 0).numpy()), (padding, dy, dx)
+
+
+def test_padding_draws_nothing_more_and_changes_no_parameter():
+    shapes = (20, 30)
+    plain = draw_params(SHIFT, np.random.default_rng(9), 12, shapes)
+    for padding in ("reflect", "edge"):
+        rng = np.random.default_rng(9)
+        p = draw_params(Augmentation(crop="translate", pad=2, hflip=0.5, padding=padding), rng, 12, shapes)
+        assert np.array_equal(p.offsets, plain.offsets) and np.array_equal(p.flips, plain.flips)
+        again = np.random.default_rng(9)
+        draw_params(SHIFT, again, 12, shapes)
+        assert rng.bit_generator.state == again.bit_generator.state
+
+
+def test_reflect_pad_must_be_smaller_than_the_image():
+    from fastdata.datasets import ArraySource
+
+    aug = Augmentation.cifar_train(pad=4)
+    assert aug.padding == "reflect" and aug.crop == "translate" and aug.pad == 4 and aug.hflip == 0.5
+    require_padding_fits((5, 5), aug)                      # pad 4 < 5: fits
+    require_padding_fits((4, 4), Augmentation.cifar_train(pad=4, padding="edge"))    # edge fits any size
+    require_padding_fits((4, 4), Augmentation.cifar_train(pad=4, padding="constant"))
+    with pytest.raises(ValueError, match=r"images of 4x9 px cannot be padded by pad=4 with "
+                                         r"padding='reflect'.*at most 3 here.*'edge' or 'constant'"):
+        require_padding_fits((4, 9), aug)
+    src = ArraySource(np.zeros((3, 9, 4), np.uint8), np.zeros(3, np.int64), mean=(0.5,), std=(0.5,))
+    with pytest.raises(ValueError, match=r"ArraySource.*of 9x4 px cannot be padded by pad=4"):
+        require_padding_fits(src, aug)
+    # Where the size is first seen per batch (a torch Dataset's samples), apply_params checks it.
+    with pytest.raises(ValueError, match="cannot be padded by pad=4"):
+        augment_batch(np.zeros((2, 4, 4, 1), np.uint8), aug, np.random.default_rng(0))
+    empty = augment_batch(np.zeros((0, 4, 4, 1), np.uint8), aug, np.random.default_rng(0))
+    assert empty.shape == (0, 4, 4, 1)
+
+
+def test_torch_reflect_pad_refuses_what_require_padding_fits_refuses():
+    """The limit is torch's (the memory backend pads with it on the device), not an invention."""
+    import torch
+    import torch.nn.functional as F
+
+    F.pad(torch.zeros(1, 1, 5, 5), (4, 4, 4, 4), mode="reflect")
+    with pytest.raises(RuntimeError):
+        F.pad(torch.zeros(1, 1, 4, 4), (4, 4, 4, 4), mode="reflect")
