@@ -239,7 +239,7 @@ def test_each_backend_declares_the_source_kinds_it_reads_and_fits_says_why():
     assert TorchLoader.fits(dataset, cfg)[0]
     ok, why = MemoryLoader.fits(dataset, cfg)
     # Said in the user's words (the "internal words" were "kind 'dataset'"), with the way out.
-    assert not ok and "cannot read" in why and "map-style Dataset" in why and "'torch'" in why
+    assert not ok and "cannot read" in why and "map-style Dataset" in why and "torch" in why
     with pytest.raises(TypeError, match="cannot read"):   # __init__ enforces the same declaration
         MemoryLoader(dataset, cfg)
 

@@ -30,6 +30,7 @@ from ..datasets import Source, SourceKind
 from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
+from ..transforms import require_padding_fits
 
 _SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loader: each iter() closes "
                "the previous pass (two passes of one loader cannot run interleaved, they share its "
@@ -98,6 +99,7 @@ class Loader:
         self.config = config
         self.device: torch.device = config.device
         self.augment = config.augment if config.augment is not None else source.default_augmentation(config.train)
+        require_padding_fits(source, self.augment)  # every backend refuses the same recipes, up front
         # A source's own statistics (ArraySource(mean=...), ImageFolder(std=...)) get the checks that
         # LoaderConfig gives its mean/std: a NaN or a zero here makes every batch NaN or inf.
         mean = config.mean if config.mean is not None else check_reals("mean", source.mean)
