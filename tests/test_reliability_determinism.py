@@ -141,3 +141,45 @@ def test_digits_with_translation_are_reproducible(backend):
     assert len(runs[0]) == 6
     for xa, xb in zip(*runs):
         assert torch.equal(xa, xb), backend
+
+
+# ------------------------------------------------------- the CIFAR recipe: same pixels on every backend
+CIFAR_AUG = Augmentation.cifar_train(pad=4)       # reflect padding, random crop, flip half the time
+
+
+def _cifar_backends() -> list:
+    """Every backend; memory's reflect/edge padding on the device is another change in flight: until
+    it lands, its cross-backend comparison may fail (xfail, not strict: it passes once it has)."""
+    params = []
+    for p in backend_params():
+        if p.id == "memory":
+            p = pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.xfail(
+                strict=False, reason="memory's reflect/edge translation on the device is not landed yet")])
+        params.append(p)
+    return params
+
+
+@pytest.mark.parametrize("backend", _cifar_backends())
+def test_cifar_recipe_gives_every_backend_the_torch_backends_pixels(backend):
+    """cifar_train on CIFAR-like arrays: for one seed, every backend yields the torch backend's pixels
+    (reflect-padded shifts and flips drawn once, by draw_params), run after run, and epochs differ."""
+    from fastdata.datasets import ArraySource
+
+    images = np.random.default_rng(8).integers(1, 256, (240, 14, 12, 3), dtype=np.uint8)   # no 0
+    src = ArraySource(images, label_of(np.arange(240)), **PLAIN)
+    kw = dict(batch_size=48, device="cpu", train=True, seed=13, augment=CIFAR_AUG, cache_size=16)
+
+    def two_epochs(name, workers):
+        loader = make_loader(src, name, num_workers=workers, **kw)
+        return [torch.cat([x.clone() for x, _ in loader]) for _ in range(2)]
+
+    ref = two_epochs("torch", 0)
+    got, again = two_epochs(backend, 2), two_epochs(backend, 2)
+    for epoch in range(2):
+        assert torch.equal(got[epoch], again[epoch]), f"{backend}: same seed, different pixels"
+        assert got[epoch].shape == (240, 3, 14, 12)
+        # Reflection never shifts black in (the images hold no 0); zero padding would, at ±4 px.
+        assert not (got[epoch] == 0).any(), f"{backend}: zeros at the border: not reflect padding"
+        torch.testing.assert_close(got[epoch], ref[epoch], rtol=0, atol=1e-6,
+                                   msg=lambda m: f"{backend} differs from the torch backend: {m}")
+    assert not torch.equal(got[0], got[1]), "epoch 1 must shift and flip differently from epoch 0"
