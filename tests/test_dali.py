@@ -234,6 +234,12 @@ def test_reflect_pad_not_smaller_than_the_image_is_refused_at_construction():
     with pytest.raises(ValueError, match=r"of 4x6 px cannot be padded by pad=4 with padding='reflect'"):
         dali(src, batch_size=8, augment=Augmentation.cifar_train(pad=4))
     dali(src, batch_size=8, augment=Augmentation.cifar_train(pad=4, padding="edge"))   # edge fits any size
+    # The largest pad that fits (height - 1) mirrors all but the edge row: still the torch backend's.
+    fits = ArraySource(np.random.default_rng(1).integers(0, 256, (64, 5, 6, 3), dtype=np.uint8),
+                       np.zeros(64, np.int64), mean=(0.0,) * 3, std=(1.0,) * 3)
+    kw = dict(batch_size=32, train=True, seed=1, augment=Augmentation.cifar_train(pad=4))
+    assert torch.equal(torch.cat([x for x, _ in dali(fits, **kw)]),
+                       torch.cat([x for x, _ in torch_loader(fits, **kw)]))
 
 
 # ------------------------------------------------------------------------------------ image folders
