@@ -1,12 +1,18 @@
 """Data sources. A source says what the samples are; backends decide how to load them fast.
 
 Three kinds, which backends treat differently:
-- ``ArraySource`` (MNIST, SyntheticDigits, any uint8 array): pixels already in memory.
-- ``ImageFolder``: encoded files on disk (JPEG/PNG), one sub-folder per class.
+- ``ArraySource`` (MNIST, SyntheticDigits, CIFAR-like arrays, any uint8 array): pixels already in memory.
+- ``ImageFolder``: encoded files on disk (JPEG/PNG), one sub-folder per class, or a given file list.
 - ``DatasetSource``: any map-style torch Dataset returning (PIL image or uint8 tensor, int).
+
+``as_source`` turns what people already have into one of these: torchvision's ImageFolder/DatasetFolder
+become an ``ImageFolder`` over their file list, CIFAR10/100 and the MNIST family become an ``ArraySource``
+over their arrays (so every backend reads them), a ``torch.utils.data.Subset`` becomes ``subset()`` of its
+dataset's source. Every source has ``len``, ``classes``, ``num_classes``, ``__getitem__`` and ``subset``.
 """
 from __future__ import annotations
 
+import copy
 import gzip
 import math
 import os
@@ -22,32 +28,148 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
+_FLOAT_FIX = ("drop ToDtype/Normalize/ToTensor from the transform and pass mean=/std= to make_loader: "
+              "fastdata keeps batches uint8 until the device and normalizes there")
+
 
 class Source:
-    """Common attributes: ``labels`` (int64 array), ``num_classes``, ``channels``, ``mean``/``std``."""
+    """What every source has: ``labels`` (int64 array), ``num_classes``, ``classes`` (names), ``channels``,
+    ``mean``/``std`` (in [0, 1] units), ``len()``, ``subset()`` and the hooks backends read.
+
+    ``indices``: for a subset, the sample ids of the source it was taken from (composed through nested
+    subsets, so always into the first, full source); None for a full source.
+    ``refusal_hint``: None, or a sentence a backend that cannot read this source appends to its error
+    (set by ``as_source`` when it keeps a dataset it could not convert, saying why and what to do).
+    """
 
     kind = SourceKind.ABSTRACT
     name = "source"
+    refusal_hint: str | None = None
+    indices: np.ndarray | None = None
     labels: np.ndarray
     mean: tuple[float, ...]
     std: tuple[float, ...]
     channels: int
     num_classes: int
+    _classes: list | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def classes(self) -> list:
+        """Class names, index = label: folder names, a dataset's ``classes``, or ``0 .. num_classes-1``."""
+        return list(self._classes) if self._classes is not None else list(range(self.num_classes))
+
+    @classes.setter
+    def classes(self, value) -> None:
+        self._classes = None if value is None else list(value)
+
+    @property
+    def sample_transform(self):
+        """The per-sample callable applied after decoding (``ImageFolder(transform=...)``, a torchvision
+        dataset's own ``transform``), or None. Only backends that decode per sample on the CPU run it."""
+        return None
+
     def default_augmentation(self, train: bool) -> Augmentation:
-        """The recipe a loader uses when ``LoaderConfig.augment`` is None (``train``: the training one)."""
+        """The recipe a loader uses when ``LoaderConfig.augment`` is None.
+
+        Args:
+            train: the training recipe (else the evaluation one).
+        """
         return Augmentation.none()
 
     def fingerprint(self) -> str:
         """A short, readable identity of the data, stored with a loader's position: resuming on other
         data of the same size would silently read different samples. Cheap, so not a full hash."""
-        return f"{type(self).__name__} n={len(self)}"
+        return f"{type(self).__name__} n={len(self)}{self._subset_tag()}"
+
+    def _subset_tag(self) -> str:
+        # Resuming on another subset of the same data (another validation split) is refused by this.
+        return "" if self.indices is None else f" subset={_crc(self.indices)}"
+
+    def subset(self, indices) -> "Source":
+        """A source of the same kind over the samples ``indices`` (in that order).
+
+        The subset keeps this source's ``classes``, ``num_classes``, ``channels``, ``name`` and its
+        ``mean``/``std``: a validation split must be normalized like its training split, not with its
+        own statistics. Sharding, order and resume then apply to the subset; its fingerprint includes
+        the indices, so a position saved on one subset is refused on another.
+
+        Args:
+            indices: 1-D integers in ``[0, len(self))`` (list, range, numpy array or tensor), each at most
+                once, or a boolean mask of length ``len(self)``. A duplicate or an index out of range is
+                an error naming the first one.
+        """
+        idx = check_indices(indices, len(self), f"{type(self).__name__}.subset")
+        sub = copy.copy(self)
+        sub._take(idx)
+        sub.indices = idx if self.indices is None else self.indices[idx]
+        return sub
+
+    def _take(self, idx: np.ndarray) -> None:
+        """Restrict this (copied) source to samples ``idx``; each kind keeps what its backends read."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement subset()")
+
+    def __getitem__(self, i):
+        raise NotImplementedError(f"{type(self).__name__} does not implement __getitem__")
+
+    def _index(self, i) -> int:
+        import numbers
+
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{type(self).__name__} indices must be integers, got {i!r} ({type(i).__name__}); "
+                            f"for several samples use subset()")
+        n = len(self)
+        j = int(i) + n if i < 0 else int(i)
+        if not 0 <= j < n:
+            raise IndexError(f"index {i} is out of range for {type(self).__name__} with {n} samples")
+        return j
 
     def __repr__(self):
         return f"{type(self).__name__}(n={len(self)}, classes={self.num_classes}, name={self.name!r})"
+
+
+def check_indices(indices, n: int, what: str = "indices") -> np.ndarray:
+    """Sample ids as an int64 array: 1-D integers in [0, n), each at most once, or a boolean mask of
+    length n. Why no duplicates: a subset promises every selected sample once per epoch, and a repeated
+    id is far more often a bug (two overlapping splits concatenated) than an intended oversampling.
+
+    Args:
+        indices: list, range, numpy array or torch tensor of integers, or a boolean mask.
+        n: the number of samples of the source being indexed.
+        what: how errors name the argument.
+    """
+    if isinstance(indices, (set, frozenset, dict)):
+        raise TypeError(f"{what}: indices must be ordered (a list, range, array or tensor), got a "
+                        f"{type(indices).__name__}")
+    if hasattr(indices, "detach"):  # a torch tensor, possibly on a GPU
+        indices = indices.detach().cpu().numpy()
+    idx = np.asarray(indices)
+    if idx.dtype == np.bool_:
+        if idx.shape != (n,):
+            raise ValueError(f"{what}: a boolean mask must have one entry per sample ({n}), got shape {idx.shape}")
+        idx = np.flatnonzero(idx)
+    elif idx.size == 0 and idx.dtype == np.float64:
+        idx = idx.astype(np.int64)  # np.asarray([]) is float64: an empty list is not a float index
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"{what}: indices must be integers (or a boolean mask), got dtype {idx.dtype}")
+    if idx.ndim != 1:
+        raise ValueError(f"{what}: indices must be 1-D, got shape {idx.shape}")
+    if idx.size == 0:
+        raise ValueError(f"{what}: indices select no samples; a source needs at least one")
+    idx = idx.astype(np.int64)
+    bad = (idx < 0) | (idx >= n)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise IndexError(f"{what}: indices[{i}] is {idx[i]}, outside [0, {n}) (the source has {n} samples)")
+    _, first, inverse = np.unique(idx, return_index=True, return_inverse=True)
+    repeated = np.flatnonzero(first[inverse] != np.arange(len(idx)))
+    if repeated.size:
+        at = int(repeated[0])
+        raise ValueError(f"{what}: index {idx[at]} appears more than once (indices[{int(first[inverse[at]])}] "
+                         f"and indices[{at}]); a subset holds each sample once")
+    return idx
 
 
 class ArraySource(Source):
@@ -55,14 +177,19 @@ class ArraySource(Source):
 
     Args:
         images: uint8 array (numpy or torch).
-        labels: integer labels, one per image.
+        labels: integer labels, one per image, in ``[0, num_classes)``.
         mean, std: per-channel statistics in [0, 1] units; None → measured on the images.
+        name: how messages and ``repr`` name the source.
         digits: small grey digits (use the digits augmentation recipe: translation, no flip).
+        classes: class names, index = label; None → ``0 .. num_classes-1``.
+        num_classes: None → ``len(classes)`` if given, else the largest label + 1. When known, a label
+            outside ``[0, num_classes)`` is an error naming it.
     """
 
     kind = SourceKind.ARRAY
 
-    def __init__(self, images, labels, *, mean=None, std=None, name: str = "array", digits: bool = False):
+    def __init__(self, images, labels, *, mean=None, std=None, name: str = "array", digits: bool = False,
+                 classes=None, num_classes: int | None = None):
         images = images.numpy() if hasattr(images, "numpy") else np.asarray(images)
         labels = labels.numpy() if hasattr(labels, "numpy") else np.asarray(labels)
         if images.dtype != np.uint8:
@@ -78,7 +205,8 @@ class ArraySource(Source):
         if images.shape[1] == 0 or images.shape[2] == 0:
             raise ValueError(f"images must have at least one pixel, got {images.shape[1]}x{images.shape[2]} "
                              f"images {images.shape}")
-        labels = check_labels(labels)
+        num_classes = _num_classes(classes, num_classes)
+        labels = check_labels(labels, num_classes=num_classes)
         # Writable and contiguous: torch.from_numpy shares it without a copy, and warns on read-only
         # buffers (read_idx's frombuffer is one).
         images = np.ascontiguousarray(images)
@@ -87,7 +215,8 @@ class ArraySource(Source):
         self.name = name
         self.digits = digits
         self.channels = images.shape[-1]
-        self.num_classes = int(self.labels.max()) + 1
+        self.num_classes = num_classes if num_classes is not None else int(self.labels.max()) + 1
+        self.classes = classes
         if mean is None or std is None:
             # A strided subset gives the statistics to 3 digits without a pass over a large array.
             sub = self.images[:: max(1, len(self.images) // 10_000)].astype(np.float32) / 255.0
@@ -100,7 +229,7 @@ class ArraySource(Source):
         # a few MB for a cached photo set, so it is cheap to compute at every checkpoint.
         picks = np.linspace(0, len(self.images) - 1, min(64, len(self.images))).astype(np.int64)
         return (f"{type(self).__name__} n={len(self)} image={'x'.join(map(str, self.image_shape))} "
-                f"crc={_crc(self.labels, self.images[picks])}")
+                f"crc={_crc(self.labels, self.images[picks])}{self._subset_tag()}")
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -108,17 +237,66 @@ class ArraySource(Source):
         return self.images.shape[1:]
 
     def default_augmentation(self, train: bool) -> Augmentation:
-        return Augmentation.digits_train() if (train and self.digits) else Augmentation.none()
+        """Training: digits (``digits=True``) → ``Augmentation.digits_train()`` (shifts of ±2 px, no flip);
+        RGB images → ``Augmentation.cifar_train()`` (reflect-pad 4, random crop, flip), unless a side
+        is 4 px or less, too small to reflect-pad by 4 (then none); grey images that are not digits →
+        none (a flip or shift may change what a grey image means: give ``augment=`` to choose).
+        Evaluation: none.
+
+        Args:
+            train: the training recipe (else the evaluation one).
+        """
+        if not train:
+            return Augmentation.none()
+        if self.digits:
+            return Augmentation.digits_train()
+        h, w, c = self.image_shape
+        if c == 3 and min(h, w) > 4:
+            return Augmentation.cifar_train()
+        return Augmentation.none()
+
+    def _take(self, idx: np.ndarray) -> None:
+        contiguous = len(idx) > 0 and idx[-1] - idx[0] == len(idx) - 1 and (np.diff(idx) == 1).all()
+        # A run of consecutive ids is a view (no copy of a large array); anything else is a gather.
+        self.images = self.images[idx[0]: idx[-1] + 1] if contiguous else self.images[idx]
+        self.labels = self.labels[idx]
 
     def __getitem__(self, i):
+        """(uint8 tensor (H, W, C), int label) of sample ``i``: the stored pixels, no augmentation."""
         import torch
 
+        i = self._index(i)
         return torch.from_numpy(self.images[i]), int(self.labels[i])
 
 
-def check_labels(labels, what: str = "labels") -> np.ndarray:
+def _num_classes(classes, num_classes) -> int | None:
+    """``num_classes`` checked, or ``len(classes)``; the two must agree when both are given."""
+    if num_classes is not None:
+        import numbers
+
+        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
+            raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
+        num_classes = int(num_classes)
+    if classes is not None:
+        if isinstance(classes, (str, bytes)) or not hasattr(classes, "__len__"):
+            raise TypeError(f"classes must be a list of class names, got {type(classes).__name__}")
+        if num_classes is not None and num_classes != len(classes):
+            raise ValueError(f"num_classes={num_classes} but classes has {len(classes)} names")
+        return len(classes)
+    return num_classes
+
+
+def check_labels(labels, what: str = "labels", num_classes: int | None = None) -> np.ndarray:
     """Labels as int64, refusing what a cast would silently change: fractions (1.7 → 1), NaN (→ INT64_MIN),
-    negatives (a negative class count), non-numbers. The error names the first bad one and its index."""
+    negatives (a negative class count), non-numbers, and, with ``num_classes``, labels past the last
+    class (a loss would index out of range, or a model silently get too few outputs). The error names
+    the first bad one and its index.
+
+    Args:
+        labels: array-like of numbers.
+        what: how errors name the labels.
+        num_classes: when given, labels must lie in ``[0, num_classes)``.
+    """
     labels = np.asarray(labels)
     if labels.dtype == np.bool_ or not (np.issubdtype(labels.dtype, np.integer)
                                          or np.issubdtype(labels.dtype, np.floating)):
@@ -133,6 +311,12 @@ def check_labels(labels, what: str = "labels") -> np.ndarray:
     if negative.any():
         i = int(np.flatnonzero(negative)[0])
         raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i].item()!r}")
+    if num_classes is not None:
+        over = labels >= num_classes
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ValueError(f"{what} must be integers in [0, {num_classes}) (num_classes={num_classes}); "
+                             f"{what}[{i}] is {labels[i].item()!r}")
     return labels.astype(np.int64)
 
 
@@ -228,7 +412,8 @@ class MNIST(ArraySource):
             raise ValueError(f"'{paths[1]}' holds label {labels[i]} at index {i}; MNIST labels are 0-9")
         self.root = Path(root)
         self.train = bool(train)
-        super().__init__(images, labels, mean=(0.1307,), std=(0.3081,), name="mnist", digits=True)
+        super().__init__(images, labels, mean=(0.1307,), std=(0.3081,), name="mnist", digits=True,
+                         num_classes=10)
 
 
 # ----------------------------------------------------------------------------------- synthetic digits
@@ -340,7 +525,7 @@ class SyntheticDigits(ArraySource):
         images = render_digits(labels, rng)
         self.seed, self.train = seed, train
         # MNIST's statistics differ; measuring keeps normalized inputs near zero mean, unit variance.
-        super().__init__(images, labels, name="synthetic", digits=True)
+        super().__init__(images, labels, name="synthetic", digits=True, num_classes=10)
 
 
 # ------------------------------------------------------------------------------------ image folders
@@ -375,14 +560,29 @@ def _walk_images(folder, exts, visited: set, real_root: str):
 class ImageFolder(Source):
     """One sub-folder per class of JPEG/PNG files (ImageNet's layout); classes sorted by name.
 
+    ``ImageFolder.from_samples`` builds one over a given file list instead (what torchvision's
+    ImageFolder/DatasetFolder hold in ``.samples``). ``source[i]`` is ``(uint8 tensor (H, W, 3), label)``:
+    the file decoded at full size (EXIF orientation applied, converted to RGB), then ``transform``.
+
     Args:
         root: the folder whose sub-folders are the classes.
         extensions: file endings that count as images (case-insensitive).
+        mean, std: normalization statistics in [0, 1] units (ImageNet's by default).
+        transform: a per-sample callable applied to each decoded RGB PIL image (after EXIF orientation
+            and RGB conversion) by the backends that decode per sample on the CPU (torch, prefetch). It
+            returns a PIL image, a uint8 tensor (C, H, W) or a uint8 array (H, W, C), of one size for
+            every sample (end it with a fixed-size crop or resize). A float output (ToTensor, ToDtype,
+            Normalize at the end) is refused: normalization happens on the device (pass mean=/std=).
+            With a transform the source's default augmentation is none (the transform is the
+            augmentation) and a loader's ``augment`` other than none is refused. Its random draws use
+            torch's, Python's and numpy's global generators, seeded per sample from the batch's seed,
+            so runs repeat whatever the number of workers (the caller's generators are restored).
     """
 
     kind = SourceKind.FILES
 
-    def __init__(self, root, extensions=IMAGE_EXTENSIONS, *, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    def __init__(self, root, extensions=IMAGE_EXTENSIONS, *, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                 transform=None):
         root = Path(root)
         if not root.exists():
             raise FileNotFoundError(f"image folder '{root}' does not exist")
@@ -405,16 +605,59 @@ class ImageFolder(Source):
                 raise FileNotFoundError(f"class folder '{root / cls}' has no images with endings {list(exts)}")
             paths += files
             labels += [label] * len(files)
+        self._init(root, classes, paths, np.asarray(labels, dtype=np.int64), mean, std, transform,
+                   f"imagefolder:{root.name}")
+
+    @classmethod
+    def from_samples(cls, samples, classes, *, root=None, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                     transform=None, name: str | None = None) -> "ImageFolder":
+        """An image-folder source over a given file list: torchvision's ``DatasetFolder.samples``, or
+        any list of ``(path, class index)``. Read by every backend, as a walked folder is.
+
+        Args:
+            samples: ``(path, label)`` pairs; labels are integers in ``[0, len(classes))``.
+            classes: the class names, index = label (classes with no file are allowed).
+            root: the folder paths are relative to in the fingerprint (a copy of the data elsewhere
+                still resumes); None → the paths' common folder.
+            mean, std, transform: as for ``ImageFolder``.
+            name: how messages name the source; None → ``imagefolder:<root's name>``.
+        """
+        samples = list(samples)
+        if not samples:
+            raise ValueError("samples is empty: an image-folder source needs at least one (path, label)")
+        for i, s in enumerate(samples):
+            if not isinstance(s, (tuple, list)) or len(s) != 2 or not isinstance(s[0], (str, os.PathLike)):
+                raise TypeError(f"samples[{i}] must be a (path, label) pair, got {s!r}")
+        classes = list(classes)
+        if not classes:
+            raise ValueError("classes is empty: name at least one class")
+        paths = [os.fspath(p) for p, _ in samples]
+        labels = check_labels([lab for _, lab in samples], "samples' labels", num_classes=len(classes))
+        root = Path(root) if root is not None else Path(os.path.commonpath([os.path.dirname(p) or "."
+                                                                            for p in paths]))
+        self = cls.__new__(cls)
+        self._init(root, classes, paths, labels, mean, std, transform, name or f"imagefolder:{root.name}")
+        return self
+
+    def _init(self, root, classes, paths, labels, mean, std, transform, name) -> None:
+        if transform is not None:
+            check_sample_transform(transform, f"ImageFolder '{root}'")
         self.root = root
         self.classes = classes
         self.class_to_idx = {c: i for i, c in enumerate(classes)}
         self.paths = paths
-        self.labels = np.asarray(labels, dtype=np.int64)
+        self.labels = labels
         self.channels = 3
         self.num_classes = len(classes)
         self.mean, self.std = tuple(mean), tuple(std)
-        self.name = f"imagefolder:{root.name}"
+        self.name = name
+        self.transform = transform
         self._fingerprint = None
+
+    @property
+    def sample_transform(self):
+        """The ``transform`` given, or None."""
+        return self.transform
 
     def fingerprint(self) -> str:
         # The file list (relative paths and labels) and the file sizes. Not the mtimes: copying a data
@@ -429,11 +672,153 @@ class ImageFolder(Source):
                 rel = os.path.relpath(path, self.root)
                 crc = zlib.crc32(f"{rel}\0{label}\0{size}\n".encode(), crc)
             self._fingerprint = (f"{type(self).__name__} n={len(self)} classes={self.num_classes} "
-                                 f"files={crc:08x}")
+                                 f"files={crc:08x}{self._subset_tag()}")
         return self._fingerprint
 
     def default_augmentation(self, train: bool) -> Augmentation:
+        """Training: ``Augmentation.imagenet_train()``; evaluation: ``imagenet_eval()``. With a
+        ``transform``: none (the transform is the augmentation).
+
+        Args:
+            train: the training recipe (else the evaluation one).
+        """
+        if self.transform is not None:
+            return Augmentation.none()
         return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
+
+    def _take(self, idx: np.ndarray) -> None:
+        self.paths = [self.paths[i] for i in idx]
+        self.labels = self.labels[idx]
+        self._fingerprint = None
+
+    def __getitem__(self, i):
+        """(uint8 tensor (H, W, 3), int label) of sample ``i``: decoded at full size, then ``transform``."""
+        import torch
+
+        from .transforms import load_photo
+
+        i = self._index(i)
+        image = load_photo(self.paths[i], Augmentation.none(), np.random.default_rng(0))
+        if self.transform is not None:
+            from PIL import Image
+
+            image = transform_output(self.transform(Image.fromarray(image)), self, self.paths[i])
+        return torch.from_numpy(np.ascontiguousarray(image)), int(self.labels[i])
+
+
+# ------------------------------------------------------------------------------ per-sample transforms
+_FLOAT_MAKERS = {"ToTensor", "Normalize"}        # always float out
+_DTYPE_SETTERS = {"ToDtype", "ConvertImageDtype"}  # float or uint8 out, by their dtype
+
+
+def _flat_transforms(transform) -> list:
+    """A (possibly nested) torchvision Compose as the flat list of its steps; anything else as itself."""
+    steps = getattr(transform, "transforms", None)
+    if isinstance(steps, (list, tuple)) and type(transform).__name__ in ("Compose", "Sequential"):
+        return [s for t in steps for s in _flat_transforms(t)]
+    return [transform]
+
+
+def _makes_float(step) -> bool | None:
+    """True: this torchvision step outputs floats; False: uint8; None: it keeps the dtype or is unknown."""
+    if not type(step).__module__.startswith("torchvision."):
+        return None  # a user's own class of the same name may do anything; the first batch checks it
+    name = type(step).__name__
+    if name in _FLOAT_MAKERS:
+        return True
+    if name in _DTYPE_SETTERS:
+        dtype = getattr(step, "dtype", None)
+        dtypes = list(dtype.values()) if isinstance(dtype, dict) else [dtype]
+        return any(getattr(d, "is_floating_point", False) for d in dtypes if d is not None)
+    return None
+
+
+def check_sample_transform(transform, where: str = "the source"):
+    """Refuse, before any batch, a per-sample transform that cannot work here: not callable, or a
+    torchvision Compose whose steps leave the images float (ToTensor, Normalize or ToDtype(float) with
+    no later conversion back to uint8). Returns the transform.
+
+    Args:
+        transform: the callable.
+        where: how the error names the source holding it.
+    """
+    if not callable(transform):
+        raise TypeError(f"transform of {where} must be callable, got {transform!r}")
+    floating = False
+    for step in _flat_transforms(transform):
+        made = _makes_float(step)
+        if made is not None:
+            floating, last = made, step
+    if floating:
+        raise TypeError(f"the transform of {where} ends with float images ({type(last).__name__}): {_FLOAT_FIX}")
+    return transform
+
+
+def transform_output(out, source, where) -> np.ndarray:
+    """A per-sample transform's output as uint8 (H, W, 3): a PIL image (any mode, as ImageFolder
+    converts), a uint8 tensor (C, H, W) or (H, W), or a uint8 array (H, W, C) or (H, W). Grey is
+    replicated, alpha dropped; a float output is the error that names the fix.
+
+    Args:
+        out: what the transform returned.
+        source: the source, named in errors.
+        where: the sample (its path or index), named in errors.
+    """
+    if hasattr(out, "getbands"):  # PIL image
+        from .transforms import to_rgb
+
+        return np.asarray(to_rgb(out))
+    if hasattr(out, "detach"):  # torch tensor (tv_tensors.Image included)
+        import torch
+
+        if out.dtype != torch.uint8:
+            raise TypeError(f"the transform of {source!r} returned a {out.dtype} tensor for {where!r}: "
+                            f"{_FLOAT_FIX}")
+        t = out.detach().cpu()
+        t = t[None] if t.dim() == 2 else t
+        if t.dim() != 3 or t.shape[0] not in (1, 3, 4):
+            raise ValueError(f"the transform of {source!r} returned a tensor of shape {tuple(out.shape)} for "
+                             f"{where!r}; expected uint8 (C, H, W) with C in (1, 3, 4)")
+        arr = t.permute(1, 2, 0).numpy()
+    elif isinstance(out, np.ndarray):
+        if out.dtype != np.uint8:
+            raise TypeError(f"the transform of {source!r} returned a {out.dtype} array for {where!r}: "
+                            f"{_FLOAT_FIX}")
+        arr = out[..., None] if out.ndim == 2 else out
+        if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
+            raise ValueError(f"the transform of {source!r} returned an array of shape {out.shape} for "
+                             f"{where!r}; expected uint8 (H, W, C) with C in (1, 3, 4)")
+    else:
+        raise TypeError(f"the transform of {source!r} returned a {type(out).__name__} for {where!r}; expected "
+                        f"a PIL image, a uint8 tensor (C, H, W) or a uint8 array (H, W, C)")
+    if arr.shape[-1] == 1:
+        arr = np.repeat(arr, 3, axis=-1)
+    return np.ascontiguousarray(arr[..., :3])
+
+
+def check_transform_and_augment(source, aug) -> None:
+    """Refuse a loader recipe on top of a source's per-sample transform: the transform is the
+    augmentation, and applying a second one (two crops, two flips) is never what was meant.
+
+    Args:
+        source: the source (its ``sample_transform`` is read).
+        aug: the loader's ``Augmentation`` (None or ``Augmentation.none()`` pass).
+    """
+    transform = getattr(source, "sample_transform", None)
+    if transform is None or aug is None or aug == Augmentation.none():
+        return
+    raise ValueError(f"{source!r} has its own per-sample transform ({_describe(transform)}), which is its "
+                     f"augmentation; augment={aug} would apply a second recipe after it. Pass augment=None "
+                     f"(the default), or drop the transform and express it as augment=Augmentation(...) plus "
+                     f"batch_transforms=[...]")
+
+
+def _describe(transform, limit: int = 120) -> str:
+    """A one-line, bounded repr of a transform (Compose's repr spans lines)."""
+    import re
+
+    text = re.sub(r"\(\s+", "(", re.sub(r"\s+\)", ")", " ".join(repr(transform).split())))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class DatasetSource(Source):
@@ -444,12 +829,14 @@ class DatasetSource(Source):
     sample decides: colour → 3, and later grey samples are replicated to RGB (lossless, as ImageFolder
     does); grey → 1, and a later colour sample is an error rather than silently turned grey. Pass
     ``channels=1`` to convert colour samples to grey (Pillow's luma) on purpose, or ``channels=3``.
+    A first sample that is a float tensor (a transform ending in ToTensor/Normalize) is refused here,
+    naming the fix. ``source[i]`` is the dataset's own sample.
 
     Args:
         dataset: the Dataset; ``__getitems__`` is used for batched fetching when it exists.
         mean, std: normalization; None → ImageNet's for 3 channels, 0.5/0.5 otherwise.
         channels: 1 or 3; None → from the first sample (see above).
-        num_classes: None → from ``dataset.targets`` when it has them.
+        num_classes: None → ``len(dataset.classes)`` when it has them, else from ``dataset.targets``.
     """
 
     kind = SourceKind.DATASET
@@ -462,27 +849,65 @@ class DatasetSource(Source):
             raise ValueError(f"dataset {type(dataset).__name__} is empty")
         self._convert_colour = channels is not None  # RGB → grey only when asked for
         if channels is None:
-            channels = 3 if self._channels_of(dataset[0][0]) >= 3 else 1
+            first = dataset[0][0]
+            self._refuse_float(first, 0)
+            channels = 3 if self._channels_of(first) >= 3 else 1
         elif isinstance(channels, bool) or channels not in (1, 3):
             raise ValueError(f"channels must be 1, 3 or None (from the first sample), got {channels!r}")
         self.channels = channels
+        names = getattr(dataset, "classes", None)
+        names = list(names) if isinstance(names, (list, tuple)) and names else None
+        num_classes = _num_classes(names if num_classes is None else None, num_classes)
+        self._classes_known = num_classes is not None  # as_label then checks labels against it
         targets = getattr(dataset, "targets", None)
         known = targets is not None and len(targets) == n
-        self.labels = check_labels(targets, f"{self.name}.targets") if known \
+        self.labels = check_labels(targets, f"{self.name}.targets", num_classes) if known \
             else np.full(n, -1, dtype=np.int64)  # unknown until loaded
         self.num_classes = num_classes or (int(self.labels.max()) + 1 if known else 0)
+        if names is not None and len(names) == self.num_classes:
+            self.classes = names
         self.mean = tuple(mean) if mean else (IMAGENET_MEAN if channels == 3 else (0.5,))
         self.std = tuple(std) if std else (IMAGENET_STD if channels == 3 else (0.5,))
+        self.refusal_hint = ("memory and dali read arrays or files, not a Dataset's __getitem__: pass "
+                             "ArraySource(images, labels) or an image folder (ImageFolder(root), or "
+                             "ImageFolder.from_samples), or use the torch backend")
 
-    def __len__(self):
-        return len(self.dataset)
+    @property
+    def sample_transform(self):
+        """The dataset's own per-sample transform (torchvision's ``transform``/``transforms``), or None."""
+        ds = self.dataset
+        transform = getattr(ds, "transform", None)
+        if transform is not None:
+            return transform
+        joint = getattr(ds, "transforms", None)  # torchvision wraps transform/target_transform in one
+        if joint is not None and type(joint).__name__ == "StandardTransform":
+            return getattr(joint, "transform", None)   # a target_transform alone is not an image transform
+        return joint
 
     def fingerprint(self) -> str:
         # A Dataset's data cannot be read cheaply from here: its type, length and targets.
         t = type(self.dataset)
         known = bool(len(self.labels)) and self.labels[0] >= 0
         return (f"{t.__module__}.{t.__qualname__} n={len(self)}"
-                + (f" targets={_crc(self.labels)}" if known else ""))
+                + (f" targets={_crc(self.labels)}" if known else "") + self._subset_tag())
+
+    def _take(self, idx: np.ndarray) -> None:
+        self.labels = self.labels[idx]
+
+    def dataset_index(self, i: int) -> int:
+        """The index in ``dataset`` of this source's sample ``i`` (they differ for a subset)."""
+        return int(self.indices[i]) if self.indices is not None else int(i)
+
+    def fetch(self, ids) -> tuple[list, list[int]]:
+        """(the dataset's samples for this source's ``ids``, their indices in ``dataset``), batched
+        through ``__getitems__`` where the dataset offers it (one call, one lock, one seek pattern)."""
+        ds_ids = [self.dataset_index(i) for i in ids]
+        ds = self.dataset
+        return (ds.__getitems__(ds_ids) if hasattr(ds, "__getitems__") else [ds[i] for i in ds_ids]), ds_ids
+
+    def __getitem__(self, i):
+        """The dataset's own sample for this source's sample ``i``."""
+        return self.dataset[self.dataset_index(self._index(i))]
 
     def _channels_of(self, image) -> int:
         if hasattr(image, "getbands"):
@@ -492,12 +917,25 @@ class DatasetSource(Source):
         t = torch.as_tensor(image)
         return int(t.shape[0]) if t.dim() == 3 else 1
 
+    def _refuse_float(self, image, index) -> None:
+        dtype = getattr(image, "dtype", None)
+        if dtype is not None and not hasattr(image, "getbands") and \
+                (getattr(dtype, "is_floating_point", False) or
+                 (isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating))):
+            raise TypeError(f"{self.name}[{index}] returned a {dtype} image; the torch backend expects PIL "
+                            f"images or uint8 (C, H, W) tensors. If the dataset's transform ends in ToTensor, "
+                            f"ToDtype or Normalize: {_FLOAT_FIX}")
+
     def as_array(self, image) -> np.ndarray:
         """One sample's image → uint8 (H, W, ``self.channels``), converted the same way for every sample.
 
         PIL images: any mode → RGB as ImageFolder does (grey replicated, alpha dropped, 16-bit scaled),
         or → L with Pillow's luma. Tensors: uint8 (C, H, W) or (H, W); grey is replicated to RGB, RGB(A)
-        becomes grey exactly as Pillow's convert("L") computes it.
+        becomes grey exactly as Pillow's convert("L") computes it. A float tensor is refused, naming the
+        fix (drop ToTensor/ToDtype/Normalize from the transform, pass mean=/std=).
+
+        Args:
+            image: the dataset's sample image.
         """
         if hasattr(image, "getbands"):  # PIL image
             from .transforms import to_rgb
@@ -512,7 +950,8 @@ class DatasetSource(Source):
         t = torch.as_tensor(image)
         if t.dtype != torch.uint8:
             raise TypeError(f"{self.name} returned a {t.dtype} tensor; the torch backend expects PIL images "
-                            f"or uint8 (C, H, W) tensors")
+                            f"or uint8 (C, H, W) tensors. If the dataset's transform ends in ToTensor, ToDtype "
+                            f"or Normalize: {_FLOAT_FIX}")
         if t.dim() == 2:
             t = t[None]
         if t.dim() != 3 or t.shape[0] not in (1, 3, 4):
@@ -533,7 +972,13 @@ class DatasetSource(Source):
         return luma.astype(np.uint8)[..., None]
 
     def as_label(self, label, index: int) -> int:
-        """One sample's label → int, refusing what int() would silently change (1.7, NaN, -3, "2")."""
+        """One sample's label → int, refusing what int() would silently change (1.7, NaN, -3, "2") and,
+        when ``num_classes`` is known from the dataset, a label past the last class.
+
+        Args:
+            label: the dataset's sample label.
+            index: the sample's index in the dataset, named in errors.
+        """
         import torch
 
         if isinstance(label, torch.Tensor) and label.numel() == 1:
@@ -544,6 +989,9 @@ class DatasetSource(Source):
             label = int(label)
         if isinstance(label, bool) or not isinstance(label, int) or label < 0:
             raise ValueError(f"{self.name}[{index}] returned label {label!r}; labels must be integers >= 0")
+        if self._classes_known and label >= self.num_classes:
+            raise ValueError(f"{self.name}[{index}] returned label {label}; labels must be integers in "
+                             f"[0, {self.num_classes}) ({self.name} has {self.num_classes} classes)")
         return label
 
     def _refuse_colour(self, what) -> None:
@@ -552,16 +1000,176 @@ class DatasetSource(Source):
                          f"(grey samples are replicated), or channels=1 to convert colour samples to grey")
 
 
+# --------------------------------------------------------------------- what people already have
+_TV_FOLDERS = ("ImageFolder", "DatasetFolder")
+_TV_CIFAR = ("CIFAR10", "CIFAR100")
+_TV_MNIST = ("MNIST", "FashionMNIST", "KMNIST", "EMNIST")
+_TV_LOADERS = ("default_loader", "pil_loader", "accimage_loader")
+
+
+def _torchvision_names(obj) -> list[str]:
+    """Names of the torchvision.datasets classes ``obj`` is an instance of, nearest first. Read from the
+    class's MRO, so torchvision is never imported here and a user's subclass counts as its base."""
+    return [c.__name__ for c in type(obj).__mro__ if c.__module__.startswith("torchvision.datasets")]
+
+
+def _own_transforms(obj) -> list[str]:
+    """``name=value`` for each per-sample transform a torchvision dataset carries."""
+    found = [f"{a}={_describe(getattr(obj, a))}" for a in ("transform", "target_transform")
+             if getattr(obj, a, None) is not None]
+    if not found and getattr(obj, "transforms", None) is not None:
+        found.append(f"transforms={_describe(obj.transforms)}")
+    return found
+
+
+def from_torchvision(obj) -> Source | None:
+    """A fastdata source for a torchvision dataset every backend can read, or None (not one, or one
+    that cannot be converted without changing what it returns; ``as_source`` then keeps it as a
+    ``DatasetSource`` with a ``refusal_hint`` saying why).
+
+    - ``ImageFolder``/``DatasetFolder`` (and subclasses, e.g. ImageNet) with PIL's loader →
+      ``ImageFolder.from_samples`` over ``.samples`` with its ``.classes``.
+    - ``CIFAR10``/``CIFAR100`` → ``ArraySource`` over ``.data`` (N, 32, 32, 3) and ``.targets``.
+    - ``MNIST``/``FashionMNIST``/``KMNIST``/``EMNIST`` → ``ArraySource`` over ``.data`` (N, 28, 28)
+      and ``.targets`` (digit recipe for MNIST itself only: the others are not digits).
+
+    Class names are kept, statistics are measured (arrays) or ImageNet's (files). A dataset with its own
+    ``transform``, ``target_transform`` or ``transforms`` is not converted: the transform would be
+    silently dropped.
+
+    Args:
+        obj: any object.
+    """
+    names = _torchvision_names(obj)
+    if not names:
+        return None
+    kind = next((n for n in names if n in _TV_FOLDERS + _TV_CIFAR + _TV_MNIST), None)
+    if kind is None or "QMNIST" in names:  # QMNIST's targets are rows of 8 fields, not class indices
+        return None
+    if _own_transforms(obj):
+        return None
+    classes = list(getattr(obj, "classes", None) or [])
+    label = type(obj).__name__
+    if kind in _TV_FOLDERS:
+        loader = getattr(obj, "loader", None)
+        if getattr(loader, "__module__", "") != "torchvision.datasets.folder" or \
+                getattr(loader, "__name__", "") not in _TV_LOADERS:
+            return None  # a loader of its own (npy files, ...): only its __getitem__ knows the pixels
+        root = getattr(obj, "root", None)
+        return ImageFolder.from_samples(obj.samples, classes, root=root,
+                                        name=f"{label.lower()}:{Path(root).name if root else ''}")
+    data, targets = getattr(obj, "data", None), getattr(obj, "targets", None)
+    if data is None or targets is None:
+        return None
+    digits = kind == "MNIST"  # the nearest known class: FashionMNIST, KMNIST, EMNIST are not digits
+    return ArraySource(data, np.asarray(targets), classes=classes or None, name=label.lower(), digits=digits)
+
+
+def _refusal_hint(obj) -> str | None:
+    """Why ``obj`` (a torchvision dataset kept as a DatasetSource) is not read by memory/dali, and what
+    to pass instead; None when there is nothing specific to say."""
+    names = _torchvision_names(obj)
+    label = type(obj).__name__
+    own = _own_transforms(obj)
+    if names and own:
+        return (f"{label} has its own {', '.join(own)}, which only the torch and prefetch backends run per "
+                f"sample; for memory/dali pass {label}(..., transform=None) and express the augmentation "
+                f"as augment=/batch_transforms=")
+    if any(n in _TV_FOLDERS for n in names):
+        return (f"{label} has its own loader={_describe(getattr(obj, 'loader', None))}, which only the torch "
+                f"and prefetch backends call; memory and dali read image files with PIL: use its default "
+                f"loader, or the torch backend")
+    return None
+
+
 def as_source(obj) -> Source:
-    """Accept a Source, a map-style torch Dataset, or an ``(images, labels)`` pair of uint8 arrays."""
+    """The fastdata source for what a user passes to ``make_loader``.
+
+    - a fastdata ``Source``: itself;
+    - an ``(images, labels)`` pair of uint8 arrays: an ``ArraySource``;
+    - a torchvision dataset: its files or arrays (``from_torchvision``), so every backend reads it;
+    - a ``torch.utils.data.Subset`` (what ``random_split`` returns): ``as_source(subset.dataset)
+      .subset(subset.indices)`` (nested Subsets compose);
+    - any other map-style Dataset (``__getitem__`` and ``__len__``): a ``DatasetSource`` (torch and
+      prefetch backends), whose ``refusal_hint`` tells the others' error what to do.
+
+    Args:
+        obj: the data.
+    """
     if isinstance(obj, Source):
         return obj
     if isinstance(obj, tuple) and len(obj) == 2:
         return ArraySource(*obj)
+    if _is_subset(obj):
+        return as_source(obj.dataset).subset(obj.indices)
+    converted = from_torchvision(obj)
+    if converted is not None:
+        return converted
     if hasattr(obj, "__getitem__") and hasattr(obj, "__len__"):
-        return DatasetSource(obj)
+        src = DatasetSource(obj)
+        hint = _refusal_hint(obj)
+        if hint:
+            src.refusal_hint = hint
+        return src
     raise TypeError(f"cannot load from {type(obj).__name__}: pass a fastdata source (MNIST, ImageFolder, "
-                    f"SyntheticDigits, ArraySource), a map-style torch Dataset, or (images, labels) arrays")
+                    f"SyntheticDigits, ArraySource), a torchvision dataset, a map-style torch Dataset, or "
+                    f"(images, labels) arrays")
+
+
+def _is_subset(obj) -> bool:
+    import sys
+
+    data = sys.modules.get("torch.utils.data")  # a Subset exists only once torch is imported
+    return data is not None and isinstance(obj, data.Subset)
+
+
+def split(source, fractions, seed: int = 0) -> tuple[Source, ...]:
+    """Split ``source`` into disjoint subsets that together cover it, at random but deterministically by
+    ``seed``: e.g. ``train, val = split(CIFAR10(...), [0.9, 0.1])``.
+
+    Each part is ``source.subset(ids)`` (ids in ascending order, so files are read in folder order): it
+    keeps the source's classes and its mean/std, so a validation part is normalized like the training
+    part. Not stratified: class proportions vary by chance.
+
+    Args:
+        source: anything ``as_source`` accepts.
+        fractions: fractions that sum to 1 (each part gets ``floor(f * n)`` samples, and the samples left
+            over go one each to the first parts, as ``torch.utils.data.random_split`` does), or integer
+            counts that sum to ``len(source)``. Every part must get at least one sample.
+        seed: the same seed always gives the same parts.
+    """
+    import numbers
+
+    src = as_source(source)
+    n = len(src)
+    if isinstance(fractions, (str, bytes)) or not hasattr(fractions, "__len__") or len(fractions) == 0:
+        raise TypeError(f"fractions must be a non-empty list of fractions or counts, got {fractions!r}")
+    values = list(fractions)
+    for i, f in enumerate(values):
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or f < 0:
+            raise ValueError(f"fractions[{i}] is {f!r}; fractions and counts must be finite numbers >= 0")
+    if all(isinstance(f, numbers.Integral) for f in values) and sum(values) == n:
+        counts = [int(f) for f in values]
+    elif any(isinstance(f, numbers.Integral) and f > 1 for f in values):
+        raise ValueError(f"counts {values} sum to {sum(values)}, but {src!r} has {n} samples")
+    else:
+        total = math.fsum(values)
+        if abs(total - 1) > 1e-6:
+            raise ValueError(f"fractions {values} sum to {total:g}, not 1 (or give integer counts that sum to "
+                             f"{n})")
+        counts = [int(math.floor(f * n)) for f in values]
+        for i in range(n - sum(counts)):  # the remainder, round-robin, as random_split does
+            counts[i % len(counts)] += 1
+    empty = [i for i, c in enumerate(counts) if c == 0]
+    if empty:
+        raise ValueError(f"part {empty[0]} of split {values} gets no sample of the {n} in {src!r}; "
+                         f"make it larger")
+    from .config import check_integer
+
+    seed = check_integer("seed", seed, minimum=0)
+    order = np.random.default_rng([seed, 0x5B1D]).permutation(n)
+    bounds = np.cumsum([0] + counts)
+    return tuple(src.subset(np.sort(order[a:b])) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 # ---------------------------------------------------------------------------- test/benchmark photos

@@ -7,20 +7,29 @@ memory backend once for its cache), so there is one definition of what is decode
 the same PIL decode) and counts into the same counter.
 
 - arrays: a gather, then the recipe with vectorized numpy (``transforms.augment_batch``);
-- files: PIL per file (``transforms.load_photo``: ``Image.draft`` shrinks the JPEG decode);
+- files: PIL per file (``transforms.load_photo``: ``Image.draft`` shrinks the JPEG decode), or, with a
+  per-sample ``transform`` (``ImageFolder(root, transform=...)``), the full decode through it;
 - torch Datasets: each sample through the source's one conversion (``DatasetSource.as_array``).
+
+Per-sample transforms (an ImageFolder's, a torch Dataset's own) draw from torch's, Python's and numpy's
+global generators. Each sample's are seeded from the batch's generator first (one seed per sample,
+drawn up front), so a run repeats exactly whatever the workers, and a skipped file does not change the
+other samples' draws; the caller's generator states are restored afterwards (with ``num_workers=0``
+this runs in the training process, whose dropout and initialization must not be reseeded).
 """
 from __future__ import annotations
 
+import random
 import warnings
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .config import ON_ERROR, Crop
-from .datasets import SourceKind
+from .config import ON_ERROR, Augmentation, Crop
+from .datasets import SourceKind, check_transform_and_augment, transform_output
 from .errors import DecodeError
 from .transforms import augment_array, augment_batch, load_photo, require_fixed_size
 
@@ -41,10 +50,13 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
     it would have had it decoded, so the other samples' augmentation does not depend on it.
     """
     ids = np.asarray(ids, dtype=np.int64)
+    check_transform_and_augment(source, aug)
     if source.kind is SourceKind.ARRAY:
         images = np.ascontiguousarray(augment_batch(source.images[ids], aug, rng))
         return Decoded(images, source.labels[ids], ids)
     if source.kind is SourceKind.FILES:
+        if source.sample_transform is not None:
+            return _files_transformed(source, ids, rng, on_error)
         require_fixed_size(source, aug)   # photos of mixed sizes only stack after a size-fixing crop
         return _files(source, ids, aug, rng, on_error)
     if source.kind is SourceKind.DATASET:
@@ -70,23 +82,94 @@ def _files(source, ids, aug, rng, on_error) -> Decoded:
     return Decoded(out[: len(keep)], source.labels[kept], kept)
 
 
+_NO_RECIPE = Augmentation()
+
+
+@contextmanager
+def seeded_globals():
+    """Yields ``seed(s)``, which seeds the global generators per-sample transforms draw from (torch's
+    CPU generator, ``random``, ``numpy.random``); their states are restored on exit. Only the CPU
+    generator: ``torch.manual_seed`` would also reseed every CUDA generator of the caller."""
+    gen = torch.default_generator
+    saved = gen.get_state(), random.getstate(), np.random.get_state()
+
+    def seed(s: int) -> None:
+        gen.manual_seed(s)
+        random.seed(s)
+        np.random.seed(s % 2 ** 32)
+
+    try:
+        yield seed
+    finally:
+        gen.set_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+
+
+def _same_size(source, images: list, where: list) -> None:
+    """A per-sample transform's outputs must stack: refuse mixed sizes, naming two of them."""
+    shapes = [a.shape[:2] for a in images]
+    if len(set(shapes)) > 1:
+        j = next(k for k, s in enumerate(shapes) if s != shapes[0])
+        (h0, w0), (h1, w1) = shapes[0], shapes[j]
+        raise ValueError(f"the transform of {source!r} returned images of different sizes in one batch: "
+                         f"{h0}x{w0} for {where[0]!r} and {h1}x{w1} for {where[j]!r}; end the transform with "
+                         f"a fixed-size crop or resize (RandomResizedCrop(224), or Resize(256) then "
+                         f"CenterCrop(224))")
+
+
+def _files_transformed(source, ids, rng, on_error) -> Decoded:
+    """Files through the source's per-sample transform: the full decode (EXIF orientation applied,
+    RGB) as a PIL image → the transform → uint8 (H, W, 3). No recipe (the transform is the recipe)."""
+    from PIL import Image
+
+    transform = source.sample_transform
+    seeds = rng.integers(0, 2 ** 63, size=len(ids))   # up front: a skip does not shift the others
+    images, keep = [], []
+    with seeded_globals() as seed:
+        for j, i in enumerate(ids):
+            path = source.paths[i]
+            try:
+                photo = load_photo(path, _NO_RECIPE, rng)   # the empty recipe draws nothing
+            except DecodeError:
+                if on_error == "raise":
+                    raise
+                continue
+            seed(int(seeds[j]))
+            images.append(transform_output(transform(Image.fromarray(photo)), source, path))
+            keep.append(j)
+    kept = ids[keep]
+    _same_size(source, images, [source.paths[i] for i in kept])
+    batch = np.stack(images) if images else np.empty((0, 0, 0, 3), np.uint8)
+    return Decoded(batch, source.labels[kept], kept)
+
+
 def _dataset(source, ids, aug, rng) -> Decoded:
-    ds = source.dataset
-    ids_list = [int(i) for i in ids]
-    # Batched fetching where the dataset offers it (one call, one lock, one seek pattern).
-    samples = ds.__getitems__(ids_list) if hasattr(ds, "__getitems__") else [ds[i] for i in ids_list]
+    if source.sample_transform is not None:
+        # The dataset's own transform runs inside its __getitem__: one seeded call per sample.
+        seeds = rng.integers(0, 2 ** 63, size=len(ids))
+        ds_ids = [source.dataset_index(i) for i in ids]
+        samples = []
+        with seeded_globals() as seed:
+            for s, i in zip(seeds, ds_ids):
+                seed(int(s))
+                samples.append(source.dataset[i])
+    else:
+        samples, ds_ids = source.fetch(ids)
     images, labels = [], []
     for k, (image, label) in enumerate(samples):
         arr = source.as_array(image)  # every sample converted to source.channels the same way
         # Translation needs one size for the batch: drawn for the stacked batch below (all offsets,
         # then all flips); the other recipes are drawn per sample, in order.
         images.append(arr if aug.crop is Crop.TRANSLATE else augment_array(arr, aug, rng))
-        labels.append(source.as_label(label, ids_list[k]))
+        labels.append(source.as_label(label, ds_ids[k]))
     if not aug.crop.fixes_size:
         shapes = {a.shape for a in images}
         if len(shapes) > 1:
-            raise ValueError(f"{source.name} returned images of different sizes {sorted(shapes)[:3]}; "
-                             f"use a recipe with a resizing crop (Augmentation.imagenet_eval())")
+            fix = ("end the dataset's transform with a fixed-size crop or resize (CenterCrop(224), ...)"
+                   if source.sample_transform is not None else
+                   "use a recipe with a resizing crop (Augmentation.imagenet_eval())")
+            raise ValueError(f"{source.name} returned images of different sizes {sorted(shapes)[:3]}; {fix}")
     batch = np.stack(images) if images else np.empty((0, 0, 0, source.channels), np.uint8)
     if aug.crop is Crop.TRANSLATE:
         batch = augment_batch(batch, aug, rng)
@@ -104,7 +187,9 @@ class BatchDecoder(Dataset):
     def __init__(self, source, augment, on_error: str = "raise"):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
-        require_fixed_size(source, augment)
+        if source.sample_transform is None:   # with one, each batch checks that its outputs stack
+            require_fixed_size(source, augment)
+        check_transform_and_augment(source, augment)
         self.source, self.augment, self.on_error = source, augment, on_error
 
     def __len__(self):  # jobs come from the sampler; a length keeps DataLoader's bookkeeping happy
