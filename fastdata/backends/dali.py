@@ -83,7 +83,6 @@ from ..transforms import (
     exif_orientation,
     open_image,
     require_fixed_size,
-    require_padding_fits,
 )
 from .base import Loader
 
@@ -257,8 +256,7 @@ class DaliLoader(Loader):
             raise ValueError(f"validate must be True or False, got {self.opts['validate']!r}")
         self.read_threads, self.validate = readers, self.opts["validate"]
         aug = self.augment
-        require_fixed_size(source, aug)
-        require_padding_fits(source, aug)
+        require_fixed_size(source, aug)   # (base.py has refused a reflect pad the images cannot mirror)
         # Reflect/edge translation where this DALI's slice lacks the border mode: pad on the host.
         self._host_pad = (aug.crop is Crop.TRANSLATE and aug.padding is not Padding.CONSTANT
                           and not slice_has_policy(SLICE_POLICY[aug.padding]))
