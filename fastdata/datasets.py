@@ -703,7 +703,7 @@ class ImageFolder(Source):
             from PIL import Image
 
             image = transform_output(self.transform(Image.fromarray(image)), self, self.paths[i])
-        return torch.from_numpy(np.ascontiguousarray(image)), int(self.labels[i])
+        return torch.from_numpy(np.array(image)), int(self.labels[i])  # a writable copy: PIL's is read-only
 
 
 # ------------------------------------------------------------------------------ per-sample transforms

@@ -5,9 +5,12 @@ import struct
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from fastdata.datasets import MNIST, ArraySource, ImageFolder, SyntheticDigits, as_source, make_image_folder
+from conftest import decode_ids, indexed_source
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import MNIST, ArraySource, ImageFolder, SyntheticDigits, as_source, make_image_folder, split
 
 
 def write_idx(path, array, compress=False):
@@ -325,3 +328,221 @@ def test_the_torch_backend_converts_mixed_channel_samples_as_the_source_decides(
                              num_workers=0, train=False, device="cpu", augment=Augmentation.none())
     with pytest.raises(ValueError, match="colour sample"):
         list(grey_first)
+
+
+# ---------------------------------------------------------------- classes, num_classes, labels in range
+def test_array_source_classes_and_num_classes():
+    images = np.zeros((4, 5, 5), np.uint8)
+    src = ArraySource(images, [0, 1, 1, 0])
+    assert src.classes == [0, 1] and src.num_classes == 2
+    named = ArraySource(images, [0, 1, 1, 0], classes=["cat", "dog", "emu"])
+    assert named.classes == ["cat", "dog", "emu"] and named.num_classes == 3   # a class may have no sample
+    assert ArraySource(images, [0, 1, 1, 0], num_classes=10).classes == list(range(10))
+    with pytest.raises(ValueError, match=r"labels must be integers in \[0, 2\) \(num_classes=2\); labels\[2\] is 5"):
+        ArraySource(images, [0, 1, 5, 7], num_classes=2)
+    with pytest.raises(ValueError, match=r"labels\[1\] is 2"):
+        ArraySource(images, [0, 2, 1, 0], classes=["a", "b"])
+    with pytest.raises(ValueError, match="num_classes=3 but classes has 2 names"):
+        ArraySource(images, [0, 1, 1, 0], classes=["a", "b"], num_classes=3)
+    with pytest.raises(ValueError, match="num_classes must be a positive integer"):
+        ArraySource(images, [0, 1, 1, 0], num_classes=0)
+
+
+def test_a_dataset_with_class_names_refuses_a_label_past_them():
+    from fastdata.datasets import DatasetSource
+
+    class Named(_Samples):
+        classes = ["a", "b"]
+        targets = [0, 1, 2]
+
+    with pytest.raises(ValueError, match=r"Named.targets must be integers in \[0, 2\).*Named.targets\[2\] is 2"):
+        DatasetSource(Named([np.zeros((4, 4), np.uint8)] * 3))
+
+    class Untargeted(_Samples):
+        classes = ["a", "b"]
+
+    src = DatasetSource(Untargeted([np.zeros((4, 4), np.uint8)] * 3))
+    assert src.classes == ["a", "b"] and src.num_classes == 2
+    with pytest.raises(ValueError, match=r"Untargeted\[5\] returned label 2; labels must be integers in \[0, 2\)"):
+        src.as_label(2, 5)
+
+
+@pytest.mark.parametrize("shape, digits, expected", [
+    ((32, 32, 3), False, Augmentation.cifar_train()),
+    ((5, 9, 3), False, Augmentation.cifar_train()),
+    ((4, 9, 3), False, Augmentation.none()),       # a side of 4: too small to reflect-pad by 4
+    ((32, 32, 1), False, Augmentation.none()),     # grey, not digits: no flip or shift by default
+    ((28, 28, 1), True, Augmentation.digits_train()),
+])
+def test_array_default_recipes(shape, digits, expected):
+    src = ArraySource(np.zeros((2,) + shape, np.uint8), [0, 1], digits=digits)
+    assert src.default_augmentation(True) == expected
+    assert src.default_augmentation(False) == Augmentation.none()
+
+
+# ---------------------------------------------------------------- subsets
+def test_an_array_subset_keeps_the_parents_statistics_and_classes():
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (50, 6, 6, 3), dtype=np.uint8)
+    images[:10] = 255                                   # the first ten are white: statistics differ
+    src = ArraySource(images, np.arange(50) % 5, classes=list("abcde"))
+    sub = src.subset([12, 3, 40])
+    assert type(sub) is ArraySource and len(sub) == 3 and sub.indices.tolist() == [12, 3, 40]
+    np.testing.assert_array_equal(sub.images, images[[12, 3, 40]])
+    assert sub.labels.tolist() == [2, 3, 0]
+    white = src.subset(range(10))
+    assert white.mean == src.mean and white.std == src.std       # the parent's, not its own (1.0)
+    assert white.classes == list("abcde") and white.num_classes == 5 and white.channels == 3
+    assert np.shares_memory(white.images, src.images)           # a run of ids is a view, not a copy
+    nested = sub.subset([2, 0])
+    assert nested.indices.tolist() == [40, 12]                  # into the full source
+    np.testing.assert_array_equal(nested.images, images[[40, 12]])
+    src[49], sub[0]                                             # every source is indexable
+    with pytest.raises(IndexError, match="index 3 is out of range for ArraySource with 3 samples"):
+        sub[3]
+
+
+@pytest.mark.parametrize("indices", [
+    [1, 4, 2], np.array([1, 4, 2]), np.array([1, 4, 2], np.uint8), torch.tensor([1, 4, 2]),
+    np.isin(np.arange(6), [1, 2, 4]), torch.tensor([False, True, True, False, True, False]),
+])
+def test_subset_takes_lists_arrays_tensors_and_masks(indices):
+    src = ArraySource(np.arange(6, dtype=np.uint8).reshape(6, 1, 1), np.arange(6))
+    sub = src.subset(indices)
+    assert sorted(sub.labels.tolist()) == [1, 2, 4] and sub.labels.tolist() == sub.indices.tolist()
+
+
+@pytest.mark.parametrize("indices, error, match", [
+    ([1, 6, 7], IndexError, r"indices\[1\] is 6, outside \[0, 6\)"),
+    ([0, -1], IndexError, r"indices\[1\] is -1, outside \[0, 6\)"),
+    ([3, 1, 3, 1], ValueError, r"index 3 appears more than once \(indices\[0\] and indices\[2\]\)"),
+    ([], ValueError, "select no samples"),
+    ([0.0, 1.0], TypeError, "must be integers"),
+    ([[0, 1]], ValueError, "must be 1-D"),
+    (np.ones(5, bool), ValueError, r"boolean mask must have one entry per sample \(6\)"),
+    ({0, 1}, TypeError, "must be ordered"),
+])
+def test_subset_refuses_bad_indices_naming_the_first(indices, error, match):
+    src = ArraySource(np.zeros((6, 2, 2), np.uint8), np.arange(6))
+    with pytest.raises(error, match=match):
+        src.subset(indices)
+
+
+def test_a_subset_fingerprint_names_its_indices():
+    src = ArraySource(np.arange(40, dtype=np.uint8).reshape(10, 2, 2), np.arange(10) % 2)
+    a, b = src.subset([0, 1, 2, 3]), src.subset([0, 1, 2, 5])
+    assert a.fingerprint() != b.fingerprint() and a.fingerprint() != src.fingerprint()
+    assert a.fingerprint() == src.subset([0, 1, 2, 3]).fingerprint()
+
+
+def test_an_image_folder_subset_lists_its_files_and_decodes_them(tmp_path):
+    root = _tiny_folder(tmp_path / "data")
+    src = ImageFolder(root)
+    sub = src.subset([4, 0])
+    assert type(sub) is ImageFolder and sub.paths == [src.paths[4], src.paths[0]]
+    assert sub.labels.tolist() == [1, 0] and sub.classes == ["a", "b"] and sub.mean == src.mean
+    assert sub.fingerprint() != src.subset([0, 4]).fingerprint()
+    image, label = sub[1]                               # the file at full size, RGB, no recipe
+    assert image.dtype == torch.uint8 and tuple(image.shape) == (8, 8, 3) and label == 0
+    assert image[0, 0].tolist() == [0, 0, 0]
+
+
+def test_image_folder_from_samples(tmp_path):
+    root = _tiny_folder(tmp_path / "data")
+    walked = ImageFolder(root)
+    given = ImageFolder.from_samples(list(zip(walked.paths, walked.labels.tolist())), ["a", "b"], root=root)
+    assert given.paths == walked.paths and given.fingerprint() == walked.fingerprint()
+    assert ImageFolder.from_samples([(walked.paths[0], 0)], ["a", "b", "c"]).num_classes == 3
+    assert ImageFolder.from_samples([(walked.paths[0], 0)], ["a"]).root == root / "a"   # the common folder
+    with pytest.raises(ValueError, match=r"samples' labels must be integers in \[0, 2\).*labels\[1\] is 2"):
+        ImageFolder.from_samples([(walked.paths[0], 0), (walked.paths[1], 2)], ["a", "b"])
+    with pytest.raises(TypeError, match=r"samples\[0\] must be a \(path, label\) pair"):
+        ImageFolder.from_samples([walked.paths[0]], ["a"])
+    with pytest.raises(ValueError, match="samples is empty"):
+        ImageFolder.from_samples([], ["a"])
+
+
+def test_a_dataset_subset_reads_the_datasets_samples_through_its_indices():
+    from fastdata.datasets import DatasetSource
+    from fastdata.decode import decode
+
+    chw = torch.arange(10, dtype=torch.uint8).reshape(10, 1, 1, 1).expand(10, 1, 2, 2)
+    ds = torch.utils.data.TensorDataset(chw, torch.arange(10) % 3)
+    sub = DatasetSource(ds).subset([7, 2, 9])
+    assert len(sub) == 3 and sub[0][1] == 7 % 3
+    d = decode(sub, np.array([2, 0]), Augmentation(), np.random.default_rng(0))
+    assert d.images[:, 0, 0, 0].tolist() == [9, 7] and d.labels.tolist() == [0, 1]
+    assert d.kept.tolist() == [2, 0]                    # ids of the subset, as the loader asked
+
+
+def test_torch_subset_and_random_split_become_subsets():
+    src = indexed_source(100)
+    sub = as_source(torch.utils.data.Subset(src, [9, 3]))
+    assert isinstance(sub, ArraySource) and sub.indices.tolist() == [9, 3]
+    parts = torch.utils.data.random_split(src, [0.7, 0.3], generator=torch.Generator().manual_seed(1))
+    a, b = as_source(parts[0]), as_source(parts[1])
+    assert (len(a), len(b)) == (70, 30)
+    assert sorted(a.indices.tolist() + b.indices.tolist()) == list(range(100))
+    assert torch.equal(parts[0][0][0], a[0][0])           # Subset's own __getitem__ reads the source
+
+
+# ---------------------------------------------------------------- split
+def test_split_is_disjoint_covering_deterministic_and_keeps_statistics():
+    src = indexed_source(103)
+    train, val, test = split(src, [0.8, 0.1, 0.1], seed=3)
+    assert (len(train), len(val), len(test)) == (83, 10, 10)   # floor, then the rest to the first parts
+    ids = np.concatenate([p.indices for p in (train, val, test)])
+    assert sorted(ids.tolist()) == list(range(103))
+    assert all(np.all(np.diff(p.indices) > 0) for p in (train, val, test))   # folder order kept
+    assert val.mean == src.mean and val.std == src.std
+    again = split(src, [0.8, 0.1, 0.1], seed=3)
+    assert all(np.array_equal(p.indices, q.indices) for p, q in zip((train, val, test), again))
+    assert not np.array_equal(split(src, [0.8, 0.1, 0.1], seed=4)[1].indices, val.indices)
+    assert [len(p) for p in split(src, [100, 3])] == [100, 3]
+
+
+@pytest.mark.parametrize("fractions, match", [
+    ([0.8, 0.3], r"sum to 1\.1, not 1"),
+    ([0.5, -0.5, 1.0], r"fractions\[1\] is -0\.5"),
+    ([0.5, float("nan"), 0.5], r"fractions\[1\] is nan"),
+    ([90, 5], r"counts \[90, 5\] sum to 95, but .* has 100 samples"),
+    ([0.999, 0.001], "part 1 of split .* gets no sample"),
+    ([], "non-empty list"),
+])
+def test_split_errors_name_the_bad_fractions(fractions, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        split(indexed_source(100), fractions)
+
+
+# ---------------------------------------------------------------- loaders over a subset: shards and resume
+def _subset_ids(loader):
+    return np.concatenate([decode_ids(x) for x, _ in loader])
+
+
+def test_two_ranks_over_a_subset_are_disjoint_and_cover_it():
+    src = indexed_source(300)
+    idx = np.random.default_rng(0).permutation(300)[:101]
+    seen = [_subset_ids(make_loader(src, "memory", indices=idx, batch_size=16, rank=r, world_size=2,
+                                    drop_last=False, device="cpu", augment=Augmentation.none()))
+            for r in (0, 1)]
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(np.concatenate(seen).tolist()) == sorted(idx.tolist())
+
+
+@pytest.mark.parametrize("backend", ["memory", "torch"])
+def test_a_subset_loader_resumes_mid_epoch_and_refuses_another_subset(backend):
+    src = indexed_source(300)
+    sub = src.subset(np.arange(0, 300, 3))
+    kw = dict(batch_size=10, device="cpu", num_workers=0, seed=7, augment=Augmentation.none())
+    whole = [decode_ids(x) for x, _ in make_loader(sub, backend, **kw)]
+    a = make_loader(sub, backend, **kw)
+    it = iter(a)
+    first = [decode_ids(next(it)[0]) for _ in range(4)]
+    state = a.state_dict()
+    b = make_loader(src, backend, indices=np.arange(0, 300, 3), **kw)
+    b.load_state_dict(state)
+    rest = [decode_ids(x) for x, _ in b]
+    assert all(np.array_equal(p, q) for p, q in zip(first + rest, whole, strict=True))
+    other = make_loader(src.subset(np.arange(1, 300, 3)), backend, **kw)
+    with pytest.raises(ValueError, match=r"source was '.* subset=[0-9a-f]{8}' and is now '.* subset="):
+        other.load_state_dict(state)
