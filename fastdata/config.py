@@ -73,7 +73,6 @@ class Crop(StrChoice):
 
     @property
     def is_random(self) -> bool:
-        """Whether the recipe draws random numbers (a random crop or a flip)."""
         """The crop itself draws random numbers (flips aside)."""
         return self in (Crop.TRANSLATE, Crop.RANDOM_RESIZED)
 
@@ -153,14 +152,15 @@ class Augmentation:
     """One augmentation recipe, applied identically by every backend.
 
     Args:
-        crop: ``"none"`` (keep the source size), ``"translate"`` (zero-pad by ``pad`` pixels and take a
-            random crop of the original size: shifts of up to ±pad px), ``"random_resized"`` (torchvision's
+        crop: ``"none"`` (keep the source size), ``"translate"`` (pad by ``pad`` pixels as ``padding`` says and
+            take a random crop of the original size: shifts of up to ±pad px), ``"random_resized"`` (torchvision's
             RandomResizedCrop with ``scale``/``ratio`` to ``size``), or ``"center"`` (resize the shorter
             side to ``resize``, then center-crop ``size``; the evaluation path for photos).
         size: output side length for ``random_resized`` and ``center``.
         pad: maximum shift in pixels for ``translate``.
         padding: what ``translate`` shifts in at the border: ``"constant"`` (zeros), ``"reflect"``
-            (mirrored, as CIFAR recipes use) or ``"edge"`` (the edge pixel repeated).
+            (mirrored, as CIFAR recipes use; needs pad < the image's height and width) or ``"edge"``
+            (the edge pixel repeated).
         scale, ratio: RandomResizedCrop's area fraction and aspect-ratio ranges.
         resize: shorter side before the center crop.
         hflip: probability of a horizontal flip.
@@ -211,6 +211,7 @@ class Augmentation:
 
     @property
     def is_random(self) -> bool:
+        """Whether the recipe draws random numbers (a random crop or a flip)."""
         return self.crop.is_random or self.hflip > 0
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
