@@ -63,6 +63,7 @@ class Source:
 
     @classes.setter
     def classes(self, value) -> None:
+        """Set the class names (None: ``0 .. num_classes-1``)."""
         self._classes = None if value is None else list(value)
 
     @property
@@ -112,6 +113,12 @@ class Source:
         raise NotImplementedError(f"{type(self).__name__} does not implement subset()")
 
     def __getitem__(self, i):
+        """Sample ``i`` as ``(image, label)`` (each kind says what its image is). ``torch.utils.data.Subset``
+        and ``random_split`` need only ``len``; ``as_source`` turns their result into ``subset()``.
+
+        Args:
+            i: an integer in ``[-len, len)``.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not implement __getitem__")
 
     def _index(self, i) -> int:
@@ -262,7 +269,11 @@ class ArraySource(Source):
         self.labels = self.labels[idx]
 
     def __getitem__(self, i):
-        """(uint8 tensor (H, W, C), int label) of sample ``i``: the stored pixels, no augmentation."""
+        """(uint8 tensor (H, W, C), int label) of sample ``i``: the stored pixels, no augmentation.
+
+        Args:
+            i: an integer in ``[-len, len)``.
+        """
         import torch
 
         i = self._index(i)
@@ -335,7 +346,11 @@ MNIST_FILES = {
 
 
 def read_idx(path) -> np.ndarray:
-    """Read an IDX file (gzipped or not); a wrong magic number or a short body names the file."""
+    """Read an IDX file (gzipped or not); a wrong magic number or a short body names the file.
+
+    Args:
+        path: the file (``.gz``: gzipped).
+    """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -458,6 +473,11 @@ def render_digits(labels: np.ndarray, rng: np.random.Generator, size: int = 28) 
     (multi-threaded float32), one digit class at a time so no work goes to padding segments: 60,000
     digits take a few seconds on two cores. Half the images carry a distractor stroke and a fifth an
     occluding patch, so some digits are genuinely ambiguous: a small CNN learns them well, not perfectly.
+
+    Args:
+        labels: the digit (0-9) of each image.
+        rng: all random draws come from it, in a fixed order.
+        size: side of the square images.
     """
     import torch
 
@@ -692,7 +712,11 @@ class ImageFolder(Source):
         self._fingerprint = None
 
     def __getitem__(self, i):
-        """(uint8 tensor (H, W, 3), int label) of sample ``i``: decoded at full size, then ``transform``."""
+        """(uint8 tensor (H, W, 3), int label) of sample ``i``: decoded at full size, then ``transform``.
+
+        Args:
+            i: an integer in ``[-len, len)``.
+        """
         import torch
 
         from .transforms import load_photo
@@ -895,18 +919,30 @@ class DatasetSource(Source):
         self.labels = self.labels[idx]
 
     def dataset_index(self, i: int) -> int:
-        """The index in ``dataset`` of this source's sample ``i`` (they differ for a subset)."""
+        """The index in ``dataset`` of this source's sample ``i`` (they differ for a subset).
+
+        Args:
+            i: an index of this source.
+        """
         return int(self.indices[i]) if self.indices is not None else int(i)
 
     def fetch(self, ids) -> tuple[list, list[int]]:
         """(the dataset's samples for this source's ``ids``, their indices in ``dataset``), batched
-        through ``__getitems__`` where the dataset offers it (one call, one lock, one seek pattern)."""
+        through ``__getitems__`` where the dataset offers it (one call, one lock, one seek pattern).
+
+        Args:
+            ids: indices of this source.
+        """
         ds_ids = [self.dataset_index(i) for i in ids]
         ds = self.dataset
         return (ds.__getitems__(ds_ids) if hasattr(ds, "__getitems__") else [ds[i] for i in ds_ids]), ds_ids
 
     def __getitem__(self, i):
-        """The dataset's own sample for this source's sample ``i``."""
+        """The dataset's own sample for this source's sample ``i``.
+
+        Args:
+            i: an integer in ``[-len, len)``.
+        """
         return self.dataset[self.dataset_index(self._index(i))]
 
     def _channels_of(self, image) -> int:
@@ -1204,6 +1240,15 @@ def make_image_folder(root, classes: int = 10, per_class: int = 20, seed: int = 
     """Write a JPEG folder that looks like ImageNet's: 400-500 x 300-400 px, quality 90, ~80-120 KB.
 
     Deterministic by seed; existing files of the same name are overwritten. Returns ``root``.
+
+    Args:
+        root: the folder to write (created if missing).
+        classes: number of class sub-folders.
+        per_class: photos per class.
+        seed: the same seed writes the same photos.
+        size_range: ((min width, max width), (min height, max height)) in pixels; half the photos are
+            then turned to portrait.
+        quality: JPEG quality.
     """
     from PIL import Image
 

@@ -48,6 +48,14 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
     ``on_error="skip"`` drops files that do not decode (DecodeError) instead of raising; the ids that
     remain are returned. A skipped file still consumes the draws it made before failing, exactly as
     it would have had it decoded, so the other samples' augmentation does not depend on it.
+
+    Args:
+        source: a fastdata source (``datasets.as_source`` applied).
+        ids: sample ids of ``source``.
+        aug: the recipe; None or ``Augmentation()`` for a source with a per-sample transform (a recipe
+            on top of one is refused: ``datasets.check_transform_and_augment``).
+        rng: the batch's generator; every random draw comes from it.
+        on_error: ``"raise"`` or ``"skip"`` for files that do not decode.
     """
     ids = np.asarray(ids, dtype=np.int64)
     check_transform_and_augment(source, aug)
@@ -182,6 +190,11 @@ class BatchDecoder(Dataset):
 
     Stateless, so persistent workers serve every epoch. Why batches, not samples: one job message and
     one shared-memory tensor per batch instead of per image, and no Python collate.
+
+    Args:
+        source: the fastdata source.
+        augment: the recipe (see ``decode``).
+        on_error: ``"raise"`` or ``"skip"``.
     """
 
     def __init__(self, source, augment, on_error: str = "raise"):
@@ -196,6 +209,11 @@ class BatchDecoder(Dataset):
         return len(self.source)
 
     def __getitem__(self, job):
+        """Decode one batch.
+
+        Args:
+            job: ``(ids, seed)``: the sample ids and the seed of the batch's generator.
+        """
         ids, seed = job
         d = decode(self.source, ids, self.augment, np.random.default_rng(seed), self.on_error)
         # The kept ids as a list: a worker sends each tensor through its own shared-memory segment and
@@ -204,7 +222,13 @@ class BatchDecoder(Dataset):
 
 
 def warn_skipped(backend: str, count: int, epoch: int) -> None:
-    """The one warning for samples dropped with on_error='skip' (every backend, once per epoch)."""
+    """The one warning for samples dropped with on_error='skip' (every backend, once per epoch).
+
+    Args:
+        backend: the backend's name, first in the message.
+        count: samples skipped (0: no warning).
+        epoch: the epoch they were skipped in.
+    """
     if count:
         warnings.warn(f"{backend}: skipped {count} undecodable sample(s) in epoch {epoch} "
                       f"(on_error='skip')", RuntimeWarning, stacklevel=3)

@@ -19,7 +19,7 @@ import torch
 torchvision = pytest.importorskip("torchvision")
 from torchvision import transforms as T  # noqa: E402
 
-from conftest import backend_params  # noqa: E402
+from conftest import DEVICES, backend_params  # noqa: E402
 from fastdata import Augmentation, make_loader  # noqa: E402
 from fastdata.datasets import ArraySource, DatasetSource, ImageFolder, as_source, split  # noqa: E402
 
@@ -217,22 +217,25 @@ def test_a_transform_ending_in_float_is_refused_naming_the_fix(cifar):
 
 
 # ---------------------------------------------------------------- every backend reads them
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", backend_params())
-def test_every_backend_reads_a_cifar_dataset_with_the_same_batches(cifar, backend):
+def test_every_backend_reads_a_cifar_dataset_with_the_same_batches(cifar, backend, device):
     ref = [(x, y) for x, y in make_loader(as_source(cifar), "torch", batch_size=16, train=False,
                                           device="cpu", num_workers=0)]
-    got = list(make_loader(cifar, backend, batch_size=16, train=False, device="cpu", num_workers=0))
+    got = list(make_loader(cifar, backend, batch_size=16, train=False, device=device, num_workers=0))
     assert len(got) == len(ref) == 3
     for (x, y), (rx, ry) in zip(got, ref):
-        torch.testing.assert_close(x, rx, rtol=0, atol=1e-6)
+        assert x.device.type == device
+        torch.testing.assert_close(x.cpu(), rx, rtol=0, atol=1e-5)
         assert torch.equal(y.cpu(), ry)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", backend_params())
-def test_every_backend_reads_a_torchvision_imagefolder(photo_folder, backend):
+def test_every_backend_reads_a_torchvision_imagefolder(photo_folder, backend, device):
     tv = torchvision.datasets.ImageFolder(str(photo_folder))
     aug = Augmentation.imagenet_eval(size=32, resize=40)
-    ys = torch.cat([y.cpu() for _, y in make_loader(tv, backend, batch_size=6, train=False, device="cpu",
+    ys = torch.cat([y.cpu() for _, y in make_loader(tv, backend, batch_size=6, train=False, device=device,
                                                      num_workers=0, augment=aug, cache_size=40)])
     assert ys.tolist() == tv.targets
 
