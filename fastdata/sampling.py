@@ -81,20 +81,49 @@ class EpochPlan:
             return np.arange(self.num_samples, dtype=np.int64)
         return np.random.default_rng(seed_for(self.seed, epoch)).permutation(self.num_samples).astype(np.int64)
 
+    def samples_read(self) -> int:
+        """Samples one epoch reads over all ranks: all of them, or with ``drop_last`` the full steps."""
+        return len(self) * self.global_batch if self.drop_last else self.num_samples
+
+    def offset_of(self, batch: int) -> int:
+        """The global sample offset (into the epoch's order) at which this plan's batch ``batch`` starts."""
+        return min(batch * self.global_batch, self.samples_read())
+
     def batches(self, epoch: int, start: int = 0) -> list[np.ndarray]:
         """This rank's batches of epoch ``epoch``, from batch ``start`` on (resume skips, never decodes)."""
         n_batches = len(self)
         if not 0 <= start <= n_batches:
             raise ValueError(f"start batch {start} is outside [0, {n_batches}]")
-        perm = self.order(epoch)
+        return self.batches_from(epoch, self.offset_of(start))
+
+    def batches_from(self, epoch: int, offset: int) -> list[np.ndarray]:
+        """This rank's batches of the rest of epoch ``epoch`` after its first ``offset`` samples (over all
+        ranks, in the epoch's order).
+
+        This is how a position saved under another world size or batch size resumes (elastic resume):
+        the order is one global permutation per (seed, epoch), so the samples not yet read are
+        ``order[offset:]`` whatever the layout that read the first ``offset``; they are re-split into
+        this plan's steps. With ``drop_last=False`` every one of them is read exactly once and every rank
+        gets the same number of batches (the last step split evenly); with ``drop_last=True`` only full
+        steps are read, as in any epoch.
+        """
+        if not 0 <= offset <= self.num_samples:
+            raise ValueError(f"sample offset {offset} is outside [0, {self.num_samples}]")
+        rest = self.order(epoch)[offset:]
+        gb = self.global_batch
+        steps = len(rest) // gb if self.drop_last else -(-len(rest) // gb)
         out = []
-        for b in range(start, n_batches):
-            step = perm[b * self.global_batch:(b + 1) * self.global_batch]
-            if len(step) == self.global_batch:
+        for b in range(steps):
+            step = rest[b * gb:(b + 1) * gb]
+            if len(step) == gb:
                 out.append(step[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
             else:  # the partial last step (drop_last=False): split evenly over the ranks
                 out.append(np.array_split(step, self.world_size)[self.rank])
         return out
+
+    def consumed(self, offset: int, batches: int) -> int:
+        """The global sample offset after ``batches`` more steps of this plan from ``offset``."""
+        return min(offset + batches * self.global_batch, self.num_samples)
 
     def batch_seed(self, epoch: int, batch: int) -> int:
         """Seed of the random augmentation of one batch: independent of workers, threads and resume."""

@@ -115,7 +115,7 @@ KEYS = ["epoch", "batch", "seed", "batch_size", "world_size", "num_samples", "sh
 def test_a_state_without_a_key_is_refused_naming_it(key):
     loader = _loader("memory", num_workers=0)
     state = loader.state_dict()
-    assert set(state) == set(KEYS)
+    assert set(state) == {*KEYS, "samples"}
     del state[key]
     with pytest.raises(ValueError, match=f"no '{key}' key"):
         loader.load_state_dict(state)
@@ -126,6 +126,7 @@ def test_a_state_without_a_key_is_refused_naming_it(key):
     ("batch", 2.5), ("batch", -1), ("batch", 11), ("batch", "3"), ("batch", False),
     ("seed", 0.0), ("batch_size", "20"), ("world_size", 1.0), ("num_samples", 200.0),
     ("shuffle", 0), ("drop_last", "False"), ("source", 123),
+    ("samples", -1), ("samples", 201), ("samples", 2.5), ("batch_size", 0),
 ])
 def test_a_state_value_of_the_wrong_type_or_range_is_refused_naming_the_key(key, bad):
     loader = _loader("memory", num_workers=0)
@@ -133,6 +134,21 @@ def test_a_state_value_of_the_wrong_type_or_range_is_refused_naming_the_key(key,
     with pytest.raises((TypeError, ValueError), match=f"'{key}'"):
         loader.load_state_dict(state)
     assert loader.state_dict()["epoch"] == 0  # nothing was applied
+
+
+def test_a_state_written_before_elastic_resume_still_resumes_at_its_batch():
+    a = _loader("memory", num_workers=0, augment=NONE, seed=3)
+    it = iter(a)
+    want = [decode_ids(x) for x, _ in it]
+    state = {**a.state_dict(), "epoch": 0, "batch": 4}
+    del state["samples"]  # the format of earlier versions
+    b = _loader("memory", num_workers=0, augment=NONE, seed=3)
+    b.load_state_dict(state)
+    assert b.state_dict()["samples"] == 4 * 20
+    got = [decode_ids(x) for x, _ in b]
+    assert len(got) == len(want) - 4
+    for g, w in zip(got, want[4:]):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_a_state_that_is_not_a_dict_is_refused():

@@ -63,3 +63,25 @@ def test_torchrun_variables_that_are_not_integers_are_named(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "four")
     with pytest.raises(ValueError, match="the WORLD_SIZE environment variable must be an integer, got 'four'"):
         distributed_info()
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("world", [1, 3])
+def test_batches_from_an_aligned_offset_are_the_plans_own_batches(drop_last, world):
+    for rank in range(world):
+        plan = EpochPlan(101, 8, True, drop_last, seed=2, rank=rank, world_size=world)
+        for start in range(len(plan) + 1):
+            a, b = plan.batches(3, start), plan.batches_from(3, plan.offset_of(start))
+            assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_batches_from_any_offset_re_split_the_rest_once_over_the_ranks():
+    order = EpochPlan(101, 8, True, False, seed=2).order(3)
+    for offset in (0, 5, 37, 100, 101):
+        shards = [EpochPlan(101, 5, True, False, seed=2, rank=r, world_size=4).batches_from(3, offset)
+                  for r in range(4)]
+        assert len({len(s) for s in shards}) == 1
+        got = np.concatenate([b for s in shards for b in s]) if offset < 101 else np.empty(0, np.int64)
+        assert np.array_equal(np.sort(got), np.sort(order[offset:]))
+    with pytest.raises(ValueError, match="sample offset 102 is outside"):
+        EpochPlan(101, 5, True, False, seed=2).batches_from(0, 102)

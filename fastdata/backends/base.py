@@ -123,8 +123,9 @@ class Loader:
                 f"{source!r} has {len(source)} samples, fewer than one batch of {config.batch_size}"
                 f"{f' x {world} ranks' if world > 1 else ''} with drop_last=True: the loader would "
                 f"yield nothing; lower batch_size or pass drop_last=False")
-        self._next = (0, 0)           # (epoch, first batch) of the next iter()
-        self._position = (0, 0)       # (epoch, batches handed to the consumer)
+        self._next = (0, 0)           # (epoch, global sample offset) where the next iter() starts
+        # (epoch, the pass's start offset, batches handed to the consumer, batches in the pass or None)
+        self._position = (0, 0, 0, None)
         # The running epoch's iterator, weakly: a dropped peek (next(iter(loader))) is finalized at
         # once, releasing its prefetch thread, instead of living until the next iter().
         self._current = None
@@ -214,27 +215,32 @@ class Loader:
         previous = self._current() if self._current is not None else None
         if previous is not None:
             previous._supersede()
-        epoch, start = self._next
+        epoch, offset = self._next
         # _next stays until the pass runs to its end (_count): a peek or a pass left early does not
         # move the run on.
-        self._position = (epoch, start)
+        batches = self.plan.batches_from(epoch, offset)
+        self._position = (epoch, offset, 0, len(batches))
         self.skipped = self._dropped
-        it = EpochIterator(self._count(epoch, start))
+        it = EpochIterator(self._count(epoch, offset, batches))
         self._current = weakref.ref(it)
         return it
 
-    def _count(self, epoch: int, start: int):
-        it = self._epoch(epoch, self.plan.batches(epoch, start), start)
-        done = start
+    def _count(self, epoch: int, offset: int, batches: list):
+        # Batch numbers (the augmentation seeds' index) continue from the offset: a resume under the
+        # same layout gets exactly the uninterrupted run's numbers; a re-split one (elastic resume)
+        # numbers its steps by where they start in the new layout.
+        start = offset // self.plan.global_batch
+        it = self._epoch(epoch, batches, start)
+        done = 0
         pipeline = self.batch_pipeline
         try:
             for batch in it:
                 if pipeline is not None:
                     # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do
                     # not depend on the backend, on workers, or on where a resumed run starts.
-                    batch = pipeline(*batch, seed_for(self.plan.batch_seed(epoch, done), 0xBA7C))
+                    batch = pipeline(*batch, seed_for(self.plan.batch_seed(epoch, start + done), 0xBA7C))
                 done += 1
-                self._position = (epoch, done)
+                self._position = (epoch, offset, done, len(batches))
                 yield batch
         finally:
             close = getattr(it, "close", None)
@@ -242,7 +248,7 @@ class Loader:
                 close()
         # The pass ran to its end: the next iter() starts the next epoch (unless set_epoch or
         # load_state_dict said otherwise meanwhile, which set _next themselves).
-        if self._next == (epoch, start):
+        if self._next == (epoch, offset):
             self._next = (epoch + 1, 0)
         warn_skipped(self.name, self.skipped, epoch)
 
@@ -257,26 +263,43 @@ class Loader:
         self._next = (epoch, 0)
         # The position too: a checkpoint taken right after set_epoch() (at an epoch boundary) must
         # resume in this epoch, not in the one the loader last ran.
-        self._position = (epoch, 0)
+        self._position = (epoch, 0, 0, None)
+
+    #: What a saved position must agree on to be resumed: the same order over the same data. The world
+    #: size and batch size may differ (elastic resume: the rest of the epoch is re-split).
+    _SAME = ("seed", "num_samples", "shuffle", "drop_last", "source")
 
     def _identity(self) -> dict:
-        """What a saved position is only valid for: the same plan over the same data."""
+        """What a saved position was taken under (``_SAME`` must match on load; the layout may not)."""
         p = self.plan
         return {"seed": p.seed, "batch_size": p.batch_size, "world_size": p.world_size,
                 "num_samples": p.num_samples, "shuffle": p.shuffle, "drop_last": p.drop_last,
                 "source": self.source.fingerprint()}
 
     def state_dict(self) -> dict:
-        """The consumer's position (epoch, batches handed out) and what it is valid for."""
-        epoch, done = self._position
-        if done >= len(self):
-            epoch, done = epoch + 1, 0
-        return {"epoch": epoch, "batch": done, **self._identity()}
+        """The consumer's position and what it is valid for.
+
+        ``samples``: the global offset into epoch ``epoch``'s order that every rank has read up to (the
+        batches handed out, over all ranks); ``batch``: the same position in batches of this layout.
+        """
+        epoch, offset, done, total = self._position
+        if total is not None and done >= total:
+            epoch, samples = epoch + 1, 0
+        else:
+            samples = self.plan.consumed(offset, done)
+        return {"epoch": epoch, "batch": -(-samples // self.plan.global_batch), "samples": samples,
+                **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue at ``state``'s position. A different world size, batch size, seed or dataset would
-        make the remaining batches differ from the interrupted run's, so it is refused, as is a state
-        with a missing key or a value of the wrong type or range (each error names the key)."""
+        """Continue at ``state``'s position.
+
+        Under the same world size and batch size the remaining batches are exactly the interrupted
+        run's. Under another (elastic resume: the job restarts on more or fewer GPUs, or with another
+        batch size) the samples not yet read in that epoch are re-split over the new ranks: each is
+        read exactly once (``drop_last=False``), with equal batch counts per rank. A different seed,
+        dataset, shuffle or drop_last would change which samples remain, so it is refused, as is a
+        state with a missing key or a value of the wrong type or range (each error names the key).
+        """
         if not isinstance(state, dict):
             raise TypeError(f"state must be the dict that state_dict() returned, got {type(state).__name__}")
         mine = self._identity()
@@ -284,25 +307,35 @@ class Loader:
         if missing:
             raise ValueError(f"loader state has no {missing[0]!r} key (missing: {missing}); it was not "
                              f"written by state_dict() of this version, so the position cannot be trusted")
-        for key in ("epoch", "batch", *mine):
+        optional = ("samples",) if "samples" in state else ()  # states written before elastic resume
+        for key in ("epoch", "batch", *optional, *mine):
             value, expected = state[key], type(mine.get(key, 0))
             ok = isinstance(value, bool) if expected is bool else \
                 isinstance(value, expected) and not isinstance(value, bool)
             if not ok:
                 raise TypeError(f"loader state {key!r} must be {expected.__name__}, got {value!r} "
                                 f"({type(value).__name__})")
-        if state["epoch"] < 0:
-            raise ValueError(f"loader state 'epoch' must be >= 0, got {state['epoch']}")
-        diff = {k: (state[k], v) for k, v in mine.items() if state[k] != v}
+        for key in ("epoch", "batch", *optional, "batch_size", "world_size"):
+            if state[key] < (1 if key in ("batch_size", "world_size") else 0):
+                raise ValueError(f"loader state {key!r} is out of range: {state[key]}")
+        diff = {k: (state[k], mine[k]) for k in self._SAME if state[k] != mine[k]}
         if diff:
             detail = ", ".join(f"{k} was {a!r} and is now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"cannot resume this loader from the saved position: {detail}; the remaining "
-                             f"batches would not be the interrupted run's (restart the epoch with "
-                             f"set_epoch() instead)")
-        if not 0 <= state["batch"] <= len(self):
-            raise ValueError(f"loader state 'batch' {state['batch']} is outside [0, {len(self)}]")
-        self._next = (state["epoch"], state["batch"])
-        self._position = self._next
+            raise ValueError(f"cannot resume this loader from the saved position: {detail}; the samples "
+                             f"left in the epoch would not be the interrupted run's (restart the epoch "
+                             f"with set_epoch() instead)")
+        saved_global = state["batch_size"] * state["world_size"]
+        if optional:
+            samples = state["samples"]
+        else:
+            samples = min(state["batch"] * saved_global, self.plan.num_samples)
+        if not 0 <= samples <= self.plan.num_samples:
+            raise ValueError(f"loader state 'samples' {samples} is outside [0, {self.plan.num_samples}]")
+        if state["batch"] * saved_global < samples or (state["batch"] - 1) * saved_global >= max(samples, 1):
+            raise ValueError(f"loader state 'batch' {state['batch']} disagrees with 'samples' {samples} "
+                             f"(batches of {state['batch_size']} x {state['world_size']} ranks)")
+        self._next = (state["epoch"], samples)
+        self._position = (state["epoch"], samples, 0, None)
 
     def close(self) -> None:
         """Release workers, threads and caches. The loader is unusable afterwards."""
