@@ -174,6 +174,22 @@ def test_broken_data_raises_decode_error_naming_the_file(tmp_path, variants):
         region.decode_box(b"", (0, 0, 10, 10), None)
 
 
+def test_decode_box_is_not_a_validator(variants):
+    """Corrupt entropy data that Pillow refuses ("broken data stream") is decoded into wrong pixels
+    by nvImageCodec without an error: a caller that must refuse the files Pillow refuses checks each
+    file once with Pillow (transforms.check_pixels), as the dali backend does."""
+    from fastdata.transforms import check_pixels
+
+    data = bytearray(variants["baseline 4:2:0"])
+    data[len(data) // 2:len(data) // 2 + 100] = b"\xff" * 100
+    data = bytes(data)
+    h, w = full_decode(variants["baseline 4:2:0"]).shape[:2]
+    got = region.decode_box(data, (h - 10, 0, 10, w), None)
+    assert got is not None and got.image.size == (w, 10)
+    with pytest.raises(DecodeError, match="corrupt.jpg"):
+        check_pixels(Image.open(io.BytesIO(data)), "corrupt.jpg")
+
+
 def test_bad_arguments_are_errors_naming_them(variants):
     data = variants["baseline 4:2:0"]
     h, w = full_decode(data).shape[:2]
