@@ -6,6 +6,9 @@
 Training uses RandomResizedCrop + flip at ``--image-size``; evaluation resizes the shorter side to
 ``image-size * 256/224`` and center-crops. SGD with Nesterov momentum and a one-cycle schedule;
 ``--lr`` is the peak for ``--batch-size`` 256 per process (scaled linearly for other sizes).
+``--json-out`` writes the result as one JSON object: the whole-run figures, ``history`` (each epoch's
+record, with its ``lr``) and ``config`` (every flag as given, the workers, recipe, optimizer and
+scheduler they resolved to).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 from fastdata import Augmentation, available_backends, make_loader
 from fastdata import distributed as fdist
 from fastdata.datasets import ImageFolder
-from fastdata.engine import AMP_CHOICES, fit, report_run, run_result
+from fastdata.engine import AMP_CHOICES, fit, report_run, resolve_scheduler_interval, run_result
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -91,10 +94,19 @@ def main(args) -> dict:
                       eval_loader=val_loader, amp=args.amp, compile=args.compile,
                       channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
                       checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+        # --json-out records what ran: every flag as given (the resolved device and amp are the result's
+        # own keys) and what the defaults resolved to. ``lr`` is the flag, meant for batch 256; ``peak_lr``
+        # the one-cycle peak this run's batch size scaled it to.
+        config = {**vars(args), "num_workers": train_loader.config.num_workers,
+                  "peak_lr": lr, "augment": train_loader.augment,
+                  "eval_augment": val_loader.augment if val_loader is not None else None,
+                  "optimizer": "SGD(momentum=0.9, nesterov, weight_decay=5e-5 on weights only)",
+                  "scheduler": type(scheduler).__name__,
+                  "scheduler_interval": resolve_scheduler_interval(scheduler)}
         result = run_result(history, train_loader=train_loader, backend=args.backend, device=device, amp=args.amp,
                             wall_seconds=time.perf_counter() - start, dataset=str(args.data_root),
                             classes=train_src.num_classes, epochs=args.epochs, batch_size=args.batch_size,
-                            image_size=size)
+                            image_size=size, config=config)
         report_run(result, accuracy_name="validation accuracy", json_out=args.json_out)
         for loader in (train_loader, val_loader):
             if loader is not None:

@@ -8,6 +8,9 @@ Defaults (SGD with Nesterov momentum, a one-cycle schedule peaking at lr 0.1, ba
 reach ≥99% test accuracy on MNIST. ``--batch-size`` is per process, as in torchvision's references.
 ``--data auto`` (the default) uses MNIST from ``--data-root``, downloading it unless ``--no-download``,
 and falls back to synthetic digits when it cannot be had.
+``--json-out`` writes the result as one JSON object: the whole-run figures, ``history`` (each epoch's
+record, with its ``lr``) and ``config`` (every flag as given, the workers, recipe, optimizer and
+scheduler they resolved to).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 from fastdata import available_backends, make_loader
 from fastdata import distributed as fdist
 from fastdata.datasets import MNIST, SyntheticDigits
-from fastdata.engine import AMP_CHOICES, fit, report_run, run_result
+from fastdata.engine import AMP_CHOICES, fit, report_run, resolve_scheduler_interval, run_result
 from fastdata.models import SmallCNN
 
 
@@ -122,9 +125,15 @@ def main(args) -> dict:
                       eval_loader=test_loader, amp=args.amp, compile=args.compile,
                       channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
                       checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+        # --json-out records what ran: every flag as given (the resolved device and amp are the result's
+        # own keys), and what the defaults resolved to.
+        config = {**vars(args), "num_workers": train_loader.config.num_workers,
+                  "augment": train_loader.augment, "optimizer": "SGD(momentum=0.9, nesterov, weight_decay=5e-4)",
+                  "scheduler": type(scheduler).__name__,
+                  "scheduler_interval": resolve_scheduler_interval(scheduler)}
         result = run_result(history, train_loader=train_loader, backend=args.backend, device=device, amp=args.amp,
                             wall_seconds=time.perf_counter() - start, dataset=dataset, epochs=args.epochs,
-                            batch_size=args.batch_size)
+                            batch_size=args.batch_size, config=config)
         report_run(result, accuracy_name=f"{dataset} test accuracy", json_out=args.json_out)
         for loader in (train_loader, test_loader):
             loader.close()

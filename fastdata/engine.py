@@ -8,7 +8,12 @@ shared tail.
 
 The loop says ``for images, labels in loader`` and nothing else about data: batches arrive on
 ``loader.device`` already normalized, so any backend (or any object honouring the loader contract:
-``len``, ``set_epoch``, ``state_dict``/``load_state_dict``, ``device``) plugs in unchanged.
+``len``, ``set_epoch``, ``state_dict``/``load_state_dict``, ``device``) plugs in unchanged. Labels
+are class indices or soft (N, classes) targets (MixUp/CutMix); accuracy then compares argmaxes.
+
+Schedulers are stepped per batch or per epoch by one documented rule (``resolve_scheduler_interval``):
+OneCycleLR/CyclicLR per batch, the rest per epoch, ``ReduceLROnPlateau`` per epoch with the epoch's
+loss. Each epoch record carries its learning rate.
 
 What keeps the GPU busy here:
 - no host synchronization inside a step: loss and accuracy are summed on the device and read once per
@@ -44,6 +49,10 @@ from . import distributed as fdist
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# When fit steps a scheduler (see ``resolve_scheduler_interval``). None picks by the scheduler's class.
+SCHEDULER_INTERVALS = ("step", "epoch")
+# Schedules whose period is counted in optimizer steps: torch's own examples step them after every batch.
+PER_STEP_SCHEDULERS = (torch.optim.lr_scheduler.OneCycleLR, torch.optim.lr_scheduler.CyclicLR)
 # Format 2 dropped format 1's ``global_step``: the loader's state is the one record of the position.
 CHECKPOINT_FORMAT = "fastdata-checkpoint-2"
 
@@ -82,12 +91,105 @@ def _autocast(device: torch.device, mode: str):
     return torch.autocast(device.type, dtype=_AMP_DTYPES.get(mode, torch.bfloat16), enabled=mode != "off")
 
 
+# ------------------------------------------------------------------------------------ schedulers
+def resolve_scheduler_interval(scheduler, interval: str | None = None) -> str | None:
+    """When ``fit`` steps ``scheduler``: ``"step"`` (after every optimizer step) or ``"epoch"`` (once at
+    each epoch's end, after evaluation); None when there is no scheduler.
+
+    ``interval=None`` picks by class: OneCycleLR and CyclicLR (periods counted in batches) → ``"step"``;
+    every other scheduler → ``"epoch"``, so ``MultiStepLR(milestones=[30])`` decays after epoch 30 as
+    its docs mean. A scheduler built in steps of another kind (a per-step ``LambdaLR`` warm-up, a
+    ``CosineAnnealingLR(T_max=total_steps)``) needs ``interval="step"`` said. ``ReduceLROnPlateau`` is
+    always ``"epoch"``: its ``step`` takes the epoch's loss, which a batch does not have.
+    """
+    if interval is not None and interval not in SCHEDULER_INTERVALS:
+        raise ValueError(f"unknown scheduler_interval {interval!r}; choose from ['step', 'epoch', None] "
+                         f"(None: 'step' for OneCycleLR/CyclicLR, 'epoch' for any other scheduler)")
+    if scheduler is None:
+        return None
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        if interval == "step":
+            raise ValueError("ReduceLROnPlateau cannot be stepped per batch: fit steps it once per epoch with "
+                             "the eval loss (the training loss without an eval_loader); pass "
+                             "scheduler_interval='epoch' or None")
+        return "epoch"
+    if interval is not None:
+        return interval
+    return "step" if isinstance(scheduler, PER_STEP_SCHEDULERS) else "epoch"
+
+
+def _check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int, start_batch: int,
+                           batches: int, built_total: int | None = None) -> None:
+    """Refuse, before any training, a OneCycleLR that the run would step past its ``total_steps``.
+
+    torch raises only when the step beyond the end comes ("Tried to step 51 times"), possibly hours
+    in. The steps the run takes are counted from the scheduler's own count (``last_epoch``: restored
+    from a checkpoint when resuming) plus the batches (or epochs) left; batches a single process skips
+    (empty ones) only make the real count smaller. ``built_total``: the ``total_steps`` of the
+    scheduler as passed, before a checkpoint's state replaced it.
+    """
+    if not isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR) or epochs <= start_epoch:
+        return
+    total, taken = scheduler.total_steps, scheduler.last_epoch
+    unit = "batch" if interval == "step" else "epoch"
+    left = (epochs - start_epoch) * batches - start_batch if unit == "batch" else epochs - start_epoch
+    needed = taken + left
+    if needed <= total:
+        return
+    per_epoch = batches if unit == "batch" else 1
+    shape = f"{epochs} epochs x {batches} batches" if unit == "batch" else f"{epochs} epochs"
+    if taken == 0 and start_epoch == 0 and start_batch == 0:
+        build = (f"epochs={epochs}, steps_per_epoch=len(train_loader)" if unit == "batch"
+                 else f"total_steps={epochs}")
+        raise ValueError(f"OneCycleLR has total_steps={total} but this run steps it {needed} times ({shape}, "
+                         f"stepped per {unit}): torch would fail at step {total + 1}. Build it for this run: "
+                         f"OneCycleLR(optimizer, max_lr, {build}), or train for fewer epochs")
+    most = start_epoch + max(0, (total - taken + (start_batch if unit == "batch" else 0)) // per_epoch)
+    passed = (f" (the one passed to fit was built for {built_total}, but a checkpoint's scheduler state "
+              f"replaces it)" if built_total is not None and built_total != total else "")
+    raise ValueError(f"resuming: the checkpoint's OneCycleLR has total_steps={total}{passed} and has taken "
+                     f"{taken}; epochs={epochs} needs {left} more ({needed} in all, {shape}, stepped per "
+                     f"{unit}): a one-cycle schedule cannot be stretched once it has started. Resume with "
+                     f"epochs <= {most}, or start a new run (resume=False) from the checkpoint's weights with "
+                     f"the scheduler built for the new epochs")
+
+
+def current_lr(optimizer) -> float | list[float]:
+    """The optimizer's learning rate: one float when every parameter group has the same, else one per
+    group (a list, in group order). A tensor lr is read on the host (once per epoch in ``fit``)."""
+    lrs = [float(group["lr"]) for group in optimizer.param_groups]
+    return lrs[0] if len(set(lrs)) == 1 else lrs
+
+
+# ----------------------------------------------------------------------------------- soft labels
+def _check_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """Soft (N, classes) labels must have one column per model output. Metadata only: no sync.
+
+    Without this, torch reads a (N, 10) target against (N, 100) logits as class indices and says
+    "expected scalar type Long but found Float"."""
+    if logits.ndim == 2 and labels.ndim == 2 and labels.shape != logits.shape:
+        raise ValueError(f"soft labels of shape {tuple(labels.shape)} for logits of shape {tuple(logits.shape)}: "
+                         f"soft targets need one column per model output (give MixUp/CutMix the model's "
+                         f"num_classes, {logits.shape[1]})")
+
+
+def _correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """How many predictions are right, as a device tensor: ``argmax(logits) == labels``, or for soft
+    labels (the logits' shape: MixUp/CutMix targets) ``argmax(logits) == argmax(labels)``, ties going to
+    the lower class index (``torch.argmax``'s first maximum)."""
+    target = labels.argmax(1) if labels.shape == logits.shape and labels.ndim >= 2 else labels
+    return (logits.argmax(1) == target).sum()
+
+
 # ------------------------------------------------------------------------------------- evaluate
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> dict:
     """Mean loss and accuracy of ``model`` over one pass of ``loader`` (summed over ranks under DDP).
 
     Returns ``{"loss", "accuracy" (0-1), "samples"}``. The model's train/eval mode is restored after.
+    Labels may be class indices (int64 (N,)) or soft targets (float (N, classes), as MixUp/CutMix make
+    them): the default ``nn.CrossEntropyLoss`` takes both, and a soft label counts as right when
+    ``argmax(logits) == argmax(labels)``.
     """
     device = _loader_device(loader)
     with _device_scope(device):
@@ -109,9 +211,10 @@ def _evaluate(model, loader, device, amp, loss_fn) -> dict:
                 continue
             with _autocast(device, mode):
                 logits = model(images)
+                _check_labels(logits, labels)
                 loss = loss_fn(logits, labels)
             sums[0] += loss.detach().double() * n
-            sums[1] += (logits.argmax(1) == labels).sum()
+            sums[1] += _correct(logits, labels)
             sums[2] += n
     finally:
         model.train(was_training)
@@ -144,7 +247,8 @@ def wants_fused(params, device) -> bool:
 def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, scheduler=None, eval_loader=None,
         amp: str = "auto", compile: bool = False, channels_last: bool = False, checkpoint=None,
         resume: bool = False, progress: bool = True, checkpoint_every: int | None = None,
-        loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True) -> list[dict]:
+        loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True,
+        scheduler_interval: str | None = None) -> list[dict]:
     """Train ``model`` for ``epochs`` passes over ``train_loader``; return one record per epoch.
 
     Args:
@@ -153,10 +257,22 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             wrapped in DistributedDataParallel on the loader's GPU (the process group is initialized
             here if the caller did not), and on CUDA that GPU must be ``cuda:LOCAL_RANK``.
         train_loader: any fastdata loader (or an object with the same contract). It decides the device:
-            training runs with that CUDA device made current (restored afterwards).
+            training runs with that CUDA device made current (restored afterwards). Labels may be
+            class indices (int64 (N,)) or soft targets (float (N, classes), e.g. from MixUp/CutMix
+            batch transforms): the default loss takes both, and accuracy against a soft label counts
+            ``argmax(logits) == argmax(labels)``.
         epochs: total epochs, counting those a resumed checkpoint already finished.
         optimizer: default ``default_optimizer``: AdamW (lr 1e-3, weight decay 0.01), fused on CUDA.
-        scheduler: stepped after every optimizer step (per-step schedules such as OneCycleLR).
+        scheduler: a learning-rate scheduler, stepped as ``scheduler_interval`` says. A OneCycleLR that
+            the run would step past its ``total_steps`` (a fresh run longer than it was built for, or
+            a resume with more epochs) is refused before training starts.
+        scheduler_interval: ``"step"`` (after every optimizer step), ``"epoch"`` (once at each
+            epoch's end, after evaluation) or None (default): ``"step"`` for OneCycleLR and CyclicLR,
+            ``"epoch"`` for every other scheduler (``MultiStepLR(milestones=[30])`` decays after epoch
+            30). ``ReduceLROnPlateau`` is stepped once per epoch with the epoch's eval loss, or its
+            training loss when there is no ``eval_loader``; ``"step"`` is refused for it. A mid-epoch
+            resume steps an epoch scheduler exactly once for the resumed epoch (the checkpoint holds
+            the scheduler as it was before that epoch's end).
         eval_loader: evaluated after every epoch (eval_loss / eval_accuracy); it may be
             ``train_loader`` itself: the checkpoint keeps the training position either way.
         amp: ``"auto"``, ``"bf16"``, ``"fp16"`` or ``"off"`` (see ``choose_amp``). With amp off, a loader
@@ -171,7 +287,8 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             are exactly those an uninterrupted run sees); start fresh when it does not.
         progress: a tqdm bar with live images/s and data-wait %, shown only when stderr is a terminal.
         checkpoint_every: also save every this many batches (None: only at epoch ends).
-        loss_fn: default ``nn.CrossEntropyLoss()``.
+        loss_fn: default ``nn.CrossEntropyLoss()`` (class indices or class probabilities; under
+            autocast it computes in float32 whatever the logits' dtype).
         cudnn_benchmark: on CUDA, turn ``torch.backends.cudnn.benchmark`` on while fit runs (cuDNN
             times its algorithms once per input shape and keeps the fastest). ``False``: fit leaves
             the flag as the caller set it.
@@ -180,8 +297,9 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             Both switches are process-wide, so fit sets them for the run only and restores the
             caller's values on the way out (``cuda_switches``); on the CPU it touches neither.
 
-    Each record is an ``epoch_record``. Empty batches (``on_error="skip"`` emptied one; a rank's share
-    of the last batch under DDP with ``drop_last=False``) are left out of every figure. In a single
+    Each record is an ``epoch_record``; its ``lr`` is read when the epoch's training pass ends, before
+    an epoch-interval scheduler steps. Empty batches (``on_error="skip"`` emptied one; a rank's share of
+    the last batch under DDP with ``drop_last=False``) are left out of every figure. In a single
     process they are skipped without an optimizer step, so weights, momentum and the fp16 loss scale do
     not move on no data. Under DDP the rank runs a zero-loss step through the DDP module instead (its
     peers' gradient all-reduce needs it), and steps the optimizer with the averaged gradients like
@@ -190,6 +308,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
     ``x.view(x.shape[0], -1)``).
     """
     _check_fit_arguments(epochs, checkpoint, resume, checkpoint_every)
+    resolve_scheduler_interval(None, scheduler_interval)  # an unknown value fails before anything starts
     device = _loader_device(train_loader)
     if eval_loader is not None and _loader_device(eval_loader) != device:
         raise ValueError(f"eval_loader is on {eval_loader.device} but train_loader is on {device}: the "
@@ -202,13 +321,17 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         fdist.init_distributed(device.type)
     with _device_scope(device), cuda_switches(device, cudnn_benchmark=cudnn_benchmark, tf32=tf32):
         mode = resolve_amp(amp, device)
-        step = TrainStep.build(raw, optimizer, scheduler, loss_fn, device, mode, channels_last=channels_last)
+        step = TrainStep.build(raw, optimizer, scheduler, loss_fn, device, mode, channels_last=channels_last,
+                               scheduler_interval=scheduler_interval)
         for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
             if loader is not None:
                 step.check_dtype(_loader_dtype(loader), name)
         state = TrainingState(step, train_loader)
+        built_total = getattr(step.scheduler, "total_steps", None)  # before a checkpoint replaces it
         if checkpoint is not None:
             state.start(checkpoint, resume)
+        _check_schedule_length(step.scheduler, step.interval, epochs=epochs, start_epoch=state.epoch,
+                               start_batch=state.batch, batches=len(train_loader), built_total=built_total)
         step.wrap(compile=compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
         for epoch in range(state.epoch, epochs):
             first = state.first_batch(epoch)
@@ -221,10 +344,14 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             # The position, taken before evaluation: eval_loader may be this very loader, and iterating
             # it again would move the position a whole epoch on (a resume would skip an epoch).
             position = train_loader.state_dict()
-            record = meter.record(epoch + 1)
+            # The lr before the epoch's own scheduler step: for an epoch schedule, the one it trained at.
+            record = meter.record(epoch + 1, lr=current_lr(step.optimizer))
             if eval_loader is not None:
                 result = evaluate(step.eval_net, eval_loader, amp=mode, loss_fn=step.loss_fn)
                 record["eval_loss"], record["eval_accuracy"] = result["loss"], result["accuracy"]
+            # Before the save: a checkpoint taken at an epoch's end holds the scheduler already stepped
+            # for it, and a mid-epoch one the scheduler before it, so a resume steps it exactly once.
+            step.end_epoch(record)
             state.history.append(record)
             if fdist.is_main():
                 print(format_record(record, epochs), flush=True)
@@ -337,11 +464,16 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
 
 # ----------------------------------------------------------------------------- the epoch record
 def epoch_record(epoch: int, *, loss_sum: float, correct: float, seen: float, images: float, seconds: float,
-                 data_wait_fraction: float, gpu_idle_fraction: float | None, peak_memory_mb: float) -> dict:
+                 data_wait_fraction: float, gpu_idle_fraction: float | None, peak_memory_mb: float,
+                 lr: float | list[float] | None = None) -> dict:
     """One epoch's figures, as ``fit`` returns them (a plain dict: it goes into checkpoints and JSON).
 
-    Keys: ``epoch`` (1-based), ``train_loss`` and ``train_accuracy`` (NaN when no sample was seen),
-    ``eval_loss`` and ``eval_accuracy`` (None until an eval_loader fills them), ``images_per_second``,
+    Keys: ``epoch`` (1-based), ``train_loss`` and ``train_accuracy`` (NaN when no sample was seen;
+    against soft labels a sample is right when ``argmax(logits) == argmax(labels)``), ``eval_loss`` and
+    ``eval_accuracy`` (None until an eval_loader fills them), ``lr`` (the learning rate when the epoch's
+    training pass ended, before an epoch-interval scheduler stepped: for an epoch schedule the rate the
+    epoch trained at, for a per-step one the rate its next step uses; a float when every parameter
+    group shares it, else a list, one per group; see ``current_lr``), ``images_per_second``,
     ``data_wait_fraction`` (host time blocked waiting for the next batch ÷ epoch wall time),
     ``gpu_idle_fraction`` (None on CPU; see ``EpochMeter``), ``peak_memory_mb`` (device memory on
     CUDA, the process's peak resident memory on CPU) and ``seconds`` (training wall time).
@@ -352,6 +484,7 @@ def epoch_record(epoch: int, *, loss_sum: float, correct: float, seen: float, im
         "train_accuracy": correct / seen if seen else math.nan,
         "eval_loss": None,
         "eval_accuracy": None,
+        "lr": lr,
         "images_per_second": images / seconds if seconds > 0 else math.nan,
         "data_wait_fraction": data_wait_fraction,
         "gpu_idle_fraction": gpu_idle_fraction,
@@ -407,9 +540,9 @@ class EpochMeter:
         """The sums over every rank (a collective: every rank calls it at the same step)."""
         return fdist.all_sum(self.sums).tolist()
 
-    def record(self, epoch: int) -> dict:
-        """The ``epoch_record``, reduced over ranks. Synchronizes the device once: the events and the
-        sums are read here, not during the steps."""
+    def record(self, epoch: int, lr: float | list[float] | None = None) -> dict:
+        """The ``epoch_record`` (with ``lr`` as given), reduced over ranks. Synchronizes the device once:
+        the events and the sums are read here, not during the steps."""
         device = self.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -424,7 +557,7 @@ class EpochMeter:
         return epoch_record(epoch, loss_sum=loss_sum, correct=correct, seen=seen, images=images, seconds=wall_max,
                             data_wait_fraction=wait / world,
                             gpu_idle_fraction=idle_sum / world if idle is not None else None,
-                            peak_memory_mb=peak_max)
+                            peak_memory_mb=peak_max, lr=lr)
 
 
 # ---------------------------------------------------------------------------- the training state
@@ -550,16 +683,21 @@ class TrainStep:
         optimizer, scaler, scheduler, loss_fn: as in ``fit`` (scaler: a GradScaler, disabled unless fp16).
         device: the loader's device. mode: the resolved precision (``"bf16"``, ``"fp16"``, ``"off"``).
         ddp: whether ``net`` is DDP: an empty batch then still takes a (zero-loss) step.
+        scheduler_interval: as in ``fit``: the step calls ``scheduler.step()`` itself when it resolves
+            to ``"step"``; ``end_epoch`` steps it when it resolves to ``"epoch"``.
     """
 
-    def __init__(self, net, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp):
+    def __init__(self, net, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp,
+                 scheduler_interval: str | None = None):
         self.net, self.raw, self.optimizer, self.scaler, self.scheduler = net, raw, optimizer, scaler, scheduler
         self.loss_fn, self.device, self.mode, self.ddp = loss_fn, device, mode, ddp
+        self.interval = resolve_scheduler_interval(scheduler, scheduler_interval)
         self.params = [p for p in raw.parameters() if p.requires_grad]
         self.model_dtype = next((p.dtype for p in raw.parameters() if p.is_floating_point()), None)
 
     @classmethod
-    def build(cls, raw, optimizer, scheduler, loss_fn, device, mode, *, channels_last: bool) -> TrainStep:
+    def build(cls, raw, optimizer, scheduler, loss_fn, device, mode, *, channels_last: bool,
+              scheduler_interval: str | None = None) -> TrainStep:
         """Put ``raw`` on ``device`` (channels-last if asked) and fill in the defaults: the optimizer, a
         GradScaler and the loss. The step runs ``raw`` itself until ``wrap``."""
         raw.to(device)
@@ -570,7 +708,8 @@ class TrainStep:
         # A disabled scaler passes the loss and the step straight through: one step path for all modes.
         scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
         loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-        return cls(raw, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp=False)
+        return cls(raw, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp=False,
+                   scheduler_interval=scheduler_interval)
 
     def wrap(self, *, compile: bool) -> None:
         """DistributedDataParallel under torchrun (on the loader's GPU), then ``torch.compile`` if asked."""
@@ -588,6 +727,19 @@ class TrainStep:
     def check_dtype(self, dtype, name: str) -> None:
         """Refuse batches of ``dtype`` from loader ``name`` when amp is off and the model differs."""
         _check_input_dtype(dtype, self.model_dtype, self.mode, name)
+
+    def end_epoch(self, record: dict) -> None:
+        """Step an epoch-interval scheduler once, at the end of the epoch ``record`` describes.
+
+        ``ReduceLROnPlateau`` gets the epoch's ``eval_loss``, or its ``train_loss`` when nothing was
+        evaluated (the figures are reduced over ranks, so every rank steps it alike)."""
+        if self.scheduler is None or self.interval != "epoch":
+            return
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            loss = record["eval_loss"] if record.get("eval_loss") is not None else record["train_loss"]
+            self.scheduler.step(loss)
+        else:
+            self.scheduler.step()
 
     def __call__(self, images, labels, sums):
         n = images.shape[0]
@@ -608,6 +760,9 @@ class TrainStep:
             # run backward through the DDP module so that its peers' gradient all-reduce completes.
             # The parameter term gives every parameter a (zero) gradient even when the model's
             # backward on an empty input leaves some undefined, which would hang DDP's reducer.
+            # Soft labels (N, classes) need no cast: autocast runs cross-entropy in float32 on CPU and
+            # CUDA, and outside it the product with log-probabilities promotes to the wider dtype.
+            _check_labels(logits, labels)
             loss = self.loss_fn(logits, labels) if n else _zero_loss(logits, self.params)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
@@ -617,12 +772,12 @@ class TrainStep:
         # would leave its replica behind the others'.
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        if self.scheduler is not None:
+        if self.interval == "step":
             self.scheduler.step()
         if n:
             # Device-side sums: reading them here (.item()) would stall the host on every step.
             sums[0] += loss.detach().double() * n
-            sums[1] += (logits.detach().argmax(1) == labels).sum()
+            sums[1] += _correct(logits.detach(), labels)
             sums[2] += n
 
 
@@ -713,11 +868,15 @@ def _check_input_dtype(dtype, model_dtype, mode: str, name: str) -> None:
 
 
 def format_record(r: dict, epochs: int | None = None) -> str:
-    """One line per epoch: the figures of a ``fit`` record."""
+    """One line per epoch: the figures of a ``fit`` record (``lr`` in 3 significant digits, one per
+    parameter group joined by "/" when they differ; records from before ``lr`` existed print none)."""
     parts = [f"epoch {r['epoch']}" + (f"/{epochs}" if epochs else ""),
              f"loss {r['train_loss']:.4f}", f"train acc {r['train_accuracy']:.2%}"]
     if r["eval_accuracy"] is not None:
         parts.append(f"eval acc {r['eval_accuracy']:.2%}")
+    lr = r.get("lr")
+    if lr is not None:
+        parts.append("lr " + "/".join(f"{x:.3g}" for x in (lr if isinstance(lr, list) else [lr])))
     parts += [f"{r['images_per_second']:,.0f} img/s", f"data wait {r['data_wait_fraction']:.1%}"]
     if r["gpu_idle_fraction"] is not None:
         parts.append(f"gpu idle {r['gpu_idle_fraction']:.1%}")
@@ -747,13 +906,15 @@ def summarize(history: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------ examples' tail
 def run_result(history: list[dict], *, train_loader, backend: str, device, amp: str, wall_seconds: float,
-               **details) -> dict:
+               config: dict | None = None, **details) -> dict:
     """A training script's result as one JSON-ready dict: what ran, the whole-run figures, the epochs.
 
     Keys: ``backend`` (the one that ran: ``auto`` names its choice), ``backend_requested``,
     ``device``, ``world_size``, then ``details`` in the caller's order (dataset, epochs, batch size,
-    ...), ``amp`` (the precision used), ``summarize(history)``'s figures, ``wall_seconds`` and
-    ``history`` (``fit``'s records).
+    ...), ``config`` when given (the run's configuration as the script was told it: its flags and the
+    values they resolved to, made JSON-ready by ``jsonable``), ``amp`` (the precision used),
+    ``summarize(history)``'s figures, ``wall_seconds`` and ``history`` (``fit``'s records, each with
+    its ``lr``).
     """
     device = torch.device(device)
     return {
@@ -763,11 +924,34 @@ def run_result(history: list[dict], *, train_loader, backend: str, device, amp: 
         "device": str(device),
         "world_size": fdist.world_size(),
         **details,
+        **({"config": jsonable(config)} if config is not None else {}),
         "amp": resolve_amp(amp, device),
         **summarize(history),
         "wall_seconds": wall_seconds,
         "history": history,
     }
+
+
+def jsonable(value):
+    """``value`` as plain JSON types: a dataclass (an ``Augmentation``) becomes a dict of its fields, an
+    enum its value, a tuple a list, a ``torch.dtype``/``torch.device``/path its string; anything else
+    that JSON cannot hold its ``repr``."""
+    import dataclasses
+    import enum
+
+    if value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (torch.dtype, torch.device, os.PathLike)):
+        return str(value)
+    return repr(value)
 
 
 def write_json(result: dict, path) -> Path:

@@ -6,21 +6,25 @@ import pytest
 import torch
 from torch import nn
 
-from fastdata import available_backends, make_loader
+from fastdata import Augmentation, available_backends, make_loader
 from fastdata import checkpoint as ckpt
 from fastdata.datasets import ArraySource, SyntheticDigits
 from fastdata.engine import (
     CHECKPOINT_FORMAT,
     EpochMeter,
+    TrainStep,
     _idle_fraction,
     _StepTimer,
     choose_amp,
     cuda_switches,
+    current_lr,
     default_optimizer,
     evaluate,
     fit,
+    format_record,
     report_run,
     resolve_amp,
+    resolve_scheduler_interval,
     run_result,
     summarize,
     train_one_epoch,
@@ -29,7 +33,7 @@ from fastdata.engine import (
 from fastdata.models import SmallCNN
 
 BACKENDS = [b for b in available_backends() if b != "auto"]
-RECORD_KEYS = {"epoch", "train_loss", "train_accuracy", "eval_loss", "eval_accuracy", "images_per_second",
+RECORD_KEYS = {"epoch", "train_loss", "train_accuracy", "eval_loss", "eval_accuracy", "lr", "images_per_second",
                "data_wait_fraction", "gpu_idle_fraction", "peak_memory_mb", "seconds"}
 
 
@@ -653,8 +657,6 @@ def test_fit_on_the_second_gpu_times_the_second_gpu(monkeypatch):
 def test_a_model_that_cannot_take_an_empty_batch_under_ddp_gets_a_clear_error():
     """Under DDP an empty rank still runs a (zero-loss) step through the model; a model whose forward
     fails on N=0 must be told why it met an empty batch and what to do."""
-    from fastdata.engine import TrainStep
-
     class ViewFlatten(nn.Module):
         def __init__(self):
             super().__init__()
@@ -850,9 +852,21 @@ def test_run_result_and_report_run_are_the_examples_shared_tail(tmp_path, capsys
     history = [{"seconds": 2.0, "images_per_second": 100.0, "data_wait_fraction": 0.25, "gpu_idle_fraction": None,
                 "peak_memory_mb": 5.0, "train_loss": 0.5, "eval_accuracy": 0.75}]
     loader = SimpleNamespace(name="memory")
+    config = {"lr": 0.1, "seed": 0, "workers": None, "augment": Augmentation.digits_train(),
+              "dtype": torch.bfloat16, "sizes": (1, 2)}
     result = run_result(history, train_loader=loader, backend="auto", device="cpu", amp="auto", wall_seconds=3.0,
-                        dataset="synthetic", epochs=1)
-    assert list(result)[:6] == ["backend", "backend_requested", "device", "world_size", "dataset", "epochs"]
+                        dataset="synthetic", epochs=1, config=config)
+    assert list(result)[:8] == ["backend", "backend_requested", "device", "world_size", "dataset", "epochs",
+                                "config", "amp"]
+    # The configuration as plain JSON types: a recipe as its fields, enums as their values.
+    augment = result["config"].pop("augment")
+    assert result["config"] == {"lr": 0.1, "seed": 0, "workers": None, "dtype": "torch.bfloat16", "sizes": [1, 2]}
+    assert (augment["crop"], augment["pad"], augment["padding"], augment["scale"]) == \
+        ("translate", 2, "constant", [0.08, 1.0])
+    assert type(augment["crop"]) is str and json.loads(json.dumps(augment)) == augment
+    result["config"]["augment"] = augment
+    assert "config" not in run_result(history, train_loader=loader, backend="auto", device="cpu", amp="auto",
+                                      wall_seconds=3.0)
     assert (result["backend"], result["backend_requested"], result["device"]) == ("memory", "auto", "cpu")
     assert result["amp"] == "off" and result["test_accuracy"] == 0.75 and result["history"] == history
     out = tmp_path / "new" / "r.json"
@@ -885,3 +899,313 @@ def test_fit_sets_each_epoch_on_the_loader_except_a_resumed_half_epoch(tmp_path)
     loader = EpochLog(_batches(4))
     fit(SmallCNN(width=4), loader, epochs=3, checkpoint=path, resume=True, progress=False)
     assert loader.epochs == [1, 2] and loader.iters == 3   # epoch 0 resumed at batch 2, not re-set
+
+
+# ---------------------------------------------------------------------------------- soft labels
+def _soft(batches, classes=10, seed=0):
+    """``batches`` with soft labels: a random probability vector over ``classes`` per sample, as MixUp and
+    CutMix make them (float32 (N, classes))."""
+    g = torch.Generator().manual_seed(seed)
+    return [(x, torch.softmax(3 * torch.randn(x.shape[0], classes, generator=g), 1)) for x, _ in batches]
+
+
+class LogitsLog(nn.Module):
+    """SmallCNN that keeps a copy of every output it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = SmallCNN(width=4)
+        self.outputs = []
+
+    def forward(self, x):
+        out = self.net(x)
+        self.outputs.append(out.detach().clone())
+        return out
+
+
+def _soft_ce(logits, targets):
+    """Cross-entropy against class probabilities, summed over the batch, written out by hand."""
+    return -(targets * torch.log_softmax(logits.double(), 1)).sum().item()
+
+
+def test_fit_trains_on_soft_labels_and_counts_argmax_agreement():
+    batches = _soft(_batches(3))
+    torch.manual_seed(0)
+    model = LogitsLog()
+    before = _params(model)
+    hist = fit(model, ListLoader(batches), epochs=2, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+               progress=False)
+    assert not torch.equal(_params(model), before)       # the soft targets trained the model
+    assert len(model.outputs) == 6
+    agreements = []
+    for epoch, record in enumerate(hist):
+        outputs = model.outputs[3 * epoch: 3 * epoch + 3]
+        agree = sum((o.argmax(1) == y.argmax(1)).sum().item() for o, (_, y) in zip(outputs, batches))
+        agreements.append(agree)
+        assert record["train_accuracy"] == agree / 48
+        assert record["train_loss"] == pytest.approx(sum(_soft_ce(o, y) for o, (_, y) in zip(outputs, batches)) / 48,
+                                                     rel=1e-5)
+    # The comparison above would pass vacuously at 0 (what comparing argmax with probabilities gives).
+    assert sum(agreements) > 0, agreements
+
+
+class Prior(nn.Module):
+    """Logits that are a parameter: ``log p`` for every sample, in ``dtype``."""
+
+    def __init__(self, p, dtype=torch.float32):
+        super().__init__()
+        self.logits = nn.Parameter(torch.tensor(p).log())
+        self.dtype = dtype
+
+    def forward(self, x):
+        return self.logits.expand(x.shape[0], -1).to(self.dtype)
+
+
+P = [0.5, 0.25, 0.25]
+SOFT = torch.tensor([[0.7, 0.3, 0.0], [0.2, 0.2, 0.6]])
+# -(0.7 ln .5 + 0.3 ln .25) and -(0.2 ln .5 + 0.8 ln .25), averaged over the two samples.
+SOFT_LOSS = (-(0.7 * math.log(0.5) + 0.3 * math.log(0.25)) - (0.2 * math.log(0.5) + 0.8 * math.log(0.25))) / 2
+
+
+@pytest.mark.parametrize("dtype, amp, rel", [(torch.float32, "off", 1e-6), (torch.bfloat16, "bf16", 1e-2),
+                                             (torch.float16, "fp16", 1e-3)])
+def test_soft_label_loss_accuracy_and_gradient_by_hand(dtype, amp, rel):
+    """Logits log p against targets t: loss -sum(t log p), right when argmax p == argmax t (the first
+    sample, not the second), and one SGD step at lr 1 moves the logits by -(p - mean t). bf16 and fp16
+    logits under CPU autocast with float32 targets give the same figures (cross-entropy runs in float32)."""
+    images = torch.zeros(2, 1, 4, 4)
+    model = Prior(P, dtype)
+    result = evaluate(model, ListLoader([(images, SOFT)]), amp=amp)
+    assert result["loss"] == pytest.approx(SOFT_LOSS, rel=rel) and result["accuracy"] == 0.5
+
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    step = TrainStep(model, model, opt, torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(),
+                     torch.device("cpu"), amp, ddp=False)
+    sums = torch.zeros(3, dtype=torch.float64)
+    step(images, SOFT, sums)
+    assert sums[0].item() / 2 == pytest.approx(SOFT_LOSS, rel=rel) and sums[1:].tolist() == [1.0, 2.0]
+    expected = torch.tensor(P).log() - (torch.tensor(P) - SOFT.mean(0))
+    assert torch.allclose(model.logits.detach(), expected, rtol=rel, atol=rel)
+
+
+def test_fit_on_soft_labels_under_cpu_bf16_autocast():
+    batches = _soft(_batches(2))
+    torch.manual_seed(0)
+    model = SmallCNN(width=4)
+    before = _params(model)
+    hist = fit(model, ListLoader(batches), epochs=1, amp="bf16", progress=False)
+    assert math.isfinite(hist[0]["train_loss"]) and not torch.equal(_params(model), before)
+    ev = evaluate(model, ListLoader(batches), amp="bf16")
+    ref = evaluate(model, ListLoader(batches), amp="off")
+    assert ev["loss"] == pytest.approx(ref["loss"], rel=3e-2)
+
+
+def test_empty_soft_label_batches_keep_working():
+    """An emptied batch with soft labels is (0, classes): skipped in one process, a zero-loss step under
+    DDP, and nowhere in the figures."""
+    full = _soft(_batches(2))
+    empty = (full[0][0][:0], full[0][1][:0])
+    assert empty[1].shape == (0, 10)
+    torch.manual_seed(0)
+    ref = SmallCNN(width=4)
+    ref_hist = fit(ref, ListLoader(full), epochs=1, progress=False)
+    torch.manual_seed(0)
+    model = SmallCNN(width=4)
+    hist = fit(model, ListLoader([full[0], empty, full[1]]), epochs=1, progress=False)
+    assert hist[0]["train_loss"] == pytest.approx(ref_hist[0]["train_loss"], rel=1e-6)
+    assert hist[0]["train_accuracy"] == ref_hist[0]["train_accuracy"]
+    assert torch.equal(_params(model), _params(ref))
+    assert evaluate(model, ListLoader([empty]))["samples"] == 0
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(model, model, opt, torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(),
+                     torch.device("cpu"), "off", ddp=True)
+    sums = torch.zeros(3, dtype=torch.float64)
+    step(*empty, sums)                                    # the DDP path: a zero-loss step
+    assert sums.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_soft_labels_with_the_wrong_number_of_classes_are_named():
+    model = SmallCNN(width=4)
+    step = TrainStep(model, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(), torch.device("cpu"),
+                     "off", ddp=False)
+    images, labels = _soft(_batches(1), classes=5)[0]
+    with pytest.raises(ValueError, match=r"soft labels of shape \(16, 5\) for logits of shape \(16, 10\).*"
+                                         r"num_classes, 10"):
+        step(images, labels, torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="one column per model output"):
+        evaluate(model, ListLoader([(images, labels)]))
+
+
+# ---------------------------------------------------------------------------------- schedulers
+def _sched_run(make_scheduler, *, epochs=2, batches=3, interval=None, momentum=0.0, **kwargs):
+    """fit a small model for ``epochs`` over ``batches`` fixed batches; returns (scheduler, optimizer,
+    history, the lr every training step saw)."""
+    torch.manual_seed(0)
+    model = SmallCNN(width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    sched = make_scheduler(opt)
+    seen = []
+    def log_lr(module, args):   # training forwards only: evaluation runs the model too
+        if module.training:
+            seen.append(opt.param_groups[0]["lr"])
+
+    model.register_forward_pre_hook(log_lr)
+    if interval is not None:
+        kwargs["scheduler_interval"] = interval
+    hist = fit(model, ListLoader(_batches(batches)), epochs=epochs, optimizer=opt, scheduler=sched, progress=False,
+               **kwargs)
+    return sched, opt, hist, seen
+
+
+def test_multistep_milestones_count_epochs_not_steps():
+    """MultiStepLR(milestones=[1]) means "after epoch 1": it used to be stepped per batch, so it decayed
+    after the first step."""
+    sched, opt, hist, seen = _sched_run(lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[1], gamma=0.1))
+    assert seen == [0.1] * 3 + [0.1 * 0.1] * 3            # every step of epoch 1 at lr, epoch 2 at lr * gamma
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.1 * 0.1
+    assert [r["lr"] for r in hist] == [0.1, 0.1 * 0.1]   # the lr each epoch trained at
+
+
+S = torch.optim.lr_scheduler
+
+
+@pytest.mark.parametrize("make, interval, expected, steps", [
+    (lambda o: S.OneCycleLR(o, max_lr=0.1, total_steps=6), None, "step", 6),
+    (lambda o: S.CyclicLR(o, 0.01, 0.1, step_size_up=2), None, "step", 6),
+    (lambda o: S.StepLR(o, step_size=10), None, "epoch", 2),
+    (lambda o: S.LambdaLR(o, lambda i: 1.0), None, "epoch", 2),
+    (lambda o: S.StepLR(o, step_size=10), "step", "step", 6),
+    (lambda o: S.OneCycleLR(o, max_lr=0.1, total_steps=2), "epoch", "epoch", 2),
+])
+def test_scheduler_interval_default_rule_and_override(make, interval, expected, steps):
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1, momentum=0.9)
+    assert resolve_scheduler_interval(make(opt), interval) == expected
+    sched, *_ = _sched_run(make, interval=interval, momentum=0.9)
+    assert sched.last_epoch == steps                      # 2 epochs x 3 batches
+
+
+def test_an_unknown_scheduler_interval_lists_the_choices():
+    with pytest.raises(ValueError, match=r"unknown scheduler_interval 'batch'; choose from \['step', 'epoch', None\]"):
+        resolve_scheduler_interval(None, "batch")
+    loader = ListLoader(_batches(1))
+    with pytest.raises(ValueError, match="scheduler_interval 'batch'"):
+        fit(SmallCNN(width=4), loader, epochs=1, scheduler_interval="batch", progress=False)
+    assert loader.iters == 0
+    assert resolve_scheduler_interval(None) is None
+
+
+class PlateauLog(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """ReduceLROnPlateau that keeps the metric of every step."""
+
+    def __init__(self, optimizer, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self.metrics = []
+
+    def step(self, metrics, epoch=None):
+        self.metrics.append(metrics)
+        super().step(metrics)
+
+
+def test_reduce_lr_on_plateau_is_stepped_once_per_epoch_with_the_eval_loss(tmp_path):
+    """ReduceLROnPlateau.step needs a metric: stepped per batch it failed with a raw TypeError."""
+    path = tmp_path / "c.pt"
+    sched, opt, hist, seen = _sched_run(lambda o: PlateauLog(o, mode="max", factor=0.5, patience=0), epochs=3,
+                                        eval_loader=ListLoader(_batches(2, seed=9)), checkpoint=path)
+    assert sched.metrics == [r["eval_loss"] for r in hist] and len(set(sched.metrics)) == 3
+    # mode="max", patience 0: the first metric is the best so far; the second halves the lr unless it
+    # beats the first (by torch's default relative threshold 1e-4). Changes happen between epochs only.
+    lrs = [r["lr"] for r in hist]
+    assert seen == [lr for lr in lrs for _ in range(3)]
+    m = sched.metrics
+    assert lrs[1] == lrs[0] == 0.1 and lrs[2] == (0.1 if m[1] > m[0] * (1 + 1e-4) else 0.05)
+    assert torch.load(path, weights_only=True)["scheduler"]["last_epoch"] == 3   # its state saves
+    # Without an eval_loader the training loss stands in.
+    sched, _, hist, _ = _sched_run(lambda o: PlateauLog(o))
+    assert sched.metrics == [r["train_loss"] for r in hist]
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau cannot be stepped per batch.*"
+                                         r"scheduler_interval='epoch' or None"):
+        _sched_run(lambda o: PlateauLog(o), interval="step")
+
+
+@pytest.mark.parametrize("crash_after", [7, 9])   # mid-epoch 2 (saved at its batch 2); epoch 3's start
+def test_resuming_steps_an_epoch_scheduler_exactly_once_per_epoch(tmp_path, crash_after):
+    """The checkpoint at an epoch's end holds the scheduler stepped for that epoch; a mid-epoch one holds it
+    before: a resume must neither step it twice nor skip a step (StepLR halving every epoch shows both)."""
+    batches = _batches(4)
+
+    def run(loader, resume=False, seed=0):
+        torch.manual_seed(seed)
+        model = SmallCNN(width=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        hist = fit(model, loader, epochs=3, optimizer=opt, scheduler=sched, checkpoint=tmp_path / "c.pt",
+                   checkpoint_every=2, resume=resume, progress=False)
+        return model, sched, hist
+
+    ref_model, ref_sched, ref_hist = run(ListLoader(batches))
+    assert [r["lr"] for r in ref_hist] == [0.1, 0.05, 0.025] and ref_sched.last_epoch == 3
+    (tmp_path / "c.pt").unlink()
+    with pytest.raises(Crash):
+        run(Recording(ListLoader(batches), crash_after=crash_after))
+    saved = ckpt.load(tmp_path / "c.pt")
+    assert (saved["loader"]["epoch"], saved["loader"]["batch"]) == ((1, 2) if crash_after == 7 else (2, 0))
+    model, sched, hist = run(ListLoader(batches), resume=True, seed=5)
+    assert [r["lr"] for r in hist] == [0.1, 0.05, 0.025]
+    assert sched.last_epoch == 3 and sched.get_last_lr() == ref_sched.get_last_lr() == [0.0125]
+    assert torch.equal(_params(model), _params(ref_model))
+
+
+def test_a_one_cycle_schedule_too_short_for_a_fresh_run_is_refused_up_front():
+    loader = ListLoader(_batches(3))
+    model = SmallCNN(width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    short = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=5)
+    with pytest.raises(ValueError, match=r"OneCycleLR has total_steps=5 but this run steps it 6 times \(2 epochs x "
+                                         r"3 batches, stepped per batch\): torch would fail at step 6\. Build it "
+                                         r"for this run: OneCycleLR\(optimizer, max_lr, epochs=2, "
+                                         r"steps_per_epoch=len\(train_loader\)\)"):
+        fit(model, loader, epochs=2, optimizer=opt, scheduler=short, progress=False)
+    assert loader.iters == 0                             # before the first batch, not at step 6
+    exact = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=2, steps_per_epoch=3)
+    fit(model, loader, epochs=2, optimizer=opt, scheduler=exact, progress=False)
+    assert exact.last_epoch == 6
+
+
+def test_resuming_beyond_a_finished_one_cycle_schedule_is_refused_up_front(tmp_path):
+    """Extending a finished one-cycle run by an epoch used to fail with torch's "Tried to step 7 times"
+    after a whole epoch of work."""
+    path = tmp_path / "c.pt"
+
+    def run(epochs, loader, resume):
+        model = SmallCNN(width=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=epochs, steps_per_epoch=len(loader))
+        return fit(model, loader, epochs=epochs, optimizer=opt, scheduler=sched, checkpoint=path, resume=resume,
+                   checkpoint_every=2, progress=False)
+
+    run(2, ListLoader(_batches(3)), False)
+    loader = ListLoader(_batches(3))
+    with pytest.raises(ValueError, match=r"resuming: the checkpoint's OneCycleLR has total_steps=6 \(the one passed "
+                                         r"to fit was built for 9, but a checkpoint's scheduler state replaces "
+                                         r"it\) and has taken 6; epochs=3 needs 3 more \(9 in all, 3 epochs x 3 "
+                                         r"batches, stepped per batch\).*Resume with epochs <= 2, or start a new "
+                                         r"run \(resume=False\)"):
+        run(3, loader, True)
+    assert loader.iters == 0
+    assert len(run(2, ListLoader(_batches(3)), True)) == 2   # the epochs it was built for still resume
+
+
+def test_each_epoch_records_its_lr_one_per_group_when_groups_differ():
+    model = SmallCNN(width=4)
+    params = list(model.parameters())
+    opt = torch.optim.SGD([{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.01}])
+    (record,) = fit(model, ListLoader(_batches(2)), epochs=1, optimizer=opt, progress=False)
+    assert record["lr"] == [0.1, 0.01] and current_lr(opt) == [0.1, 0.01]
+    assert "  lr 0.1/0.01  " in format_record(record, 1)
+    (record,) = fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, progress=False)
+    assert record["lr"] == 1e-3 and "  lr 0.001  " in format_record(record, 1)   # the default AdamW
+    old = {**record}
+    del old["lr"]                                        # a record from a checkpoint written before lr
+    assert " lr " not in format_record(old, 1)

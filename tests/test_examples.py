@@ -15,7 +15,11 @@ from fastdata.datasets import make_image_folder
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 JSON_FIELDS = {"backend", "device", "dataset", "epochs", "test_accuracy", "train_seconds", "images_per_second",
-               "data_wait_fraction", "gpu_idle_fraction", "history"}
+               "data_wait_fraction", "gpu_idle_fraction", "history", "config"}
+# What every example's --json-out config holds: the flags that shape a run, and what they resolved to.
+CONFIG_KEYS = {"backend", "epochs", "batch_size", "lr", "seed", "workers", "num_workers", "amp", "device",
+               "compile", "channels_last", "augment", "optimizer", "scheduler", "scheduler_interval",
+               "checkpoint", "resume"}
 
 
 def _load(name):
@@ -89,6 +93,17 @@ def test_mnist_example_writes_its_result_as_json(mnist_example, tmp_path, backen
     assert result["gpu_idle_fraction"] is None        # CPU
     assert 0 <= result["data_wait_fraction"] <= 1 and result["images_per_second"] > 0
     assert result["train_seconds"] > 0
+    config = result["config"]
+    assert CONFIG_KEYS <= set(config)
+    assert (config["lr"], config["seed"], config["workers"], config["batch_size"], config["epochs"]) == \
+        (0.1, 0, 0, 64, 2)
+    assert (config["backend"], config["amp"], config["device"], config["data"]) == (backend, "auto", "cpu", "synthetic")
+    assert config["num_workers"] == 0 and (config["train_size"], config["test_size"]) == (1536, 256)
+    assert (config["scheduler"], config["scheduler_interval"]) == ("OneCycleLR", "step")
+    assert config["augment"]["crop"] == "translate" and config["augment"]["pad"] == 2   # the digits recipe
+    # Each epoch's lr: the one-cycle schedule peaks in epoch 1 and has annealed to nearly 0 by the end.
+    lrs = [r["lr"] for r in result["history"]]
+    assert all(isinstance(lr, float) for lr in lrs) and lrs[1] < lrs[0] / 100 and lrs[0] <= 0.1
 
 
 def test_mnist_auto_without_mnist_trains_on_synthetic_digits_and_says_so_once(mnist_example, tmp_path, capsys,
@@ -126,6 +141,14 @@ def test_imagefolder_example_trains_validates_checkpoints_and_writes_json(folder
     assert result["classes"] == 2 and len(result["history"]) == 1
     assert 0.0 <= result["test_accuracy"] <= 1.0
     assert result["image_size"] == 64 and result["backend_requested"] == "torch"
+    config = result["config"]
+    assert CONFIG_KEYS <= set(config)
+    assert (config["lr"], config["peak_lr"], config["batch_size"], config["workers"], config["seed"]) == \
+        (0.2, 0.2 * 4 / 256, 4, 0, 0)
+    assert config["augment"]["crop"] == "random_resized" and config["augment"]["size"] == 64
+    assert config["eval_augment"]["crop"] == "center" and config["checkpoint"] == str(tmp_path / "ck.pt")
+    # Two parameter groups (decay and no decay) at one lr: recorded as one float.
+    assert isinstance(result["history"][0]["lr"], float)
     assert (tmp_path / "ck.pt").exists()
 
 
