@@ -546,3 +546,13 @@ def test_a_subset_loader_resumes_mid_epoch_and_refuses_another_subset(backend):
     other = make_loader(src.subset(np.arange(1, 300, 3)), backend, **kw)
     with pytest.raises(ValueError, match=r"source was '.* subset=[0-9a-f]{8}' and is now '.* subset="):
         other.load_state_dict(state)
+
+
+def test_a_plain_dataset_says_what_memory_and_dali_read_instead():
+    src = as_source(_Samples([np.zeros((4, 4), np.uint8)] * 4))
+    assert ArraySource.refusal_hint is None and ImageFolder.refusal_hint is None
+    assert "pass ArraySource(images, labels) or an image folder" in src.refusal_hint
+    assert src.sample_transform is None
+    with pytest.raises(TypeError, match=r"cannot read .*: memory and dali read arrays or files.*use the torch "
+                                        r"backend"):
+        make_loader(src, "memory", batch_size=2, device="cpu")
