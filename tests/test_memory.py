@@ -1,10 +1,15 @@
-"""memory backend: identical digits to the torch backend, exact evaluation crops from the photo cache."""
+"""memory backend: the torch backend's batches from a cache: digits and padded translation bit for bit,
+photo crops drawn from each whole photo, exact evaluation crops."""
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from fastdata import Augmentation, make_loader
-from fastdata.datasets import ImageFolder, SyntheticDigits
+from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits
+from fastdata.transforms import draw_params
+
+PLAIN = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))   # batches read back as pixel / 255
 
 
 def test_digit_batches_equal_the_torch_backends():
@@ -12,18 +17,227 @@ def test_digit_batches_equal_the_torch_backends():
     src = SyntheticDigits(1200, seed=4)
     a = make_loader(src, "torch", batch_size=100, device="cpu", num_workers=0, seed=9)
     b = make_loader(src, "memory", batch_size=100, device="cpu", seed=9)
-    for epoch in range(2):
-        for (xa, ya), (xb, yb) in zip(a, b):
+    for epoch in range(2):   # whole passes: a pass left early does not advance the epoch
+        for (xa, ya), (xb, yb) in zip(list(a), list(b)):
             torch.testing.assert_close(xa, xb, rtol=0, atol=1e-6)
             assert torch.equal(ya, yb)
 
 
-def test_photo_cache_is_uint8_at_cache_size(photo_folder):
-    loader = make_loader(ImageFolder(photo_folder), "memory", batch_size=6, device="cpu", cache_size=128,
+# ------------------------------------------------------------------ translation padded by reflection or edge
+def _colour_arrays(n=300, h=10, w=12):
+    rng = np.random.default_rng(3)
+    return ArraySource(rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8), rng.integers(0, 5, n), **PLAIN)
+
+
+def _numpy_translate(images, aug, params):
+    """The recipe written out with numpy: np.pad in the recipe's mode, crop at each offset, mirror."""
+    p, (h, w) = aug.pad, images.shape[1:3]
+    padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)), mode=aug.padding.value)
+    out = np.stack([im[dy:dy + h, dx:dx + w] for im, (dy, dx) in zip(padded, params.offsets)])
+    out[params.flips] = out[params.flips, :, ::-1]
+    return out
+
+
+@pytest.mark.parametrize("path", ["ready", "uint8"])
+@pytest.mark.parametrize("padding", ["reflect", "edge", "constant"])
+def test_padded_translation_equals_numpy_pad_and_the_torch_backend(padding, path, monkeypatch):
+    """Reflect/edge padding on the device (both cache paths): numpy's np.pad + crop at draw_params'
+    offsets, pixel for pixel, and so the torch backend's batches for the same seed."""
+    from fastdata.backends import memory
+
+    if path == "uint8":
+        monkeypatch.setattr(memory, "ready_bytes", lambda *a: 2**62)
+    src = _colour_arrays()
+    aug = Augmentation(crop="translate", pad=3, padding=padding, hflip=0.5)
+    kw = dict(batch_size=64, device="cpu", seed=6, augment=aug, drop_last=False)
+    mem = make_loader(src, "memory", shuffle=False, **kw)
+    assert (mem.ready is None) == (path == "uint8")
+    for epoch in range(2):
+        for k, (x, _) in enumerate(mem):
+            ids = np.arange(64 * k, min(64 * (k + 1), len(src)))   # shuffle=False: in order
+            params = draw_params(aug, mem.batch_rng(epoch, k), len(ids), (10, 12))
+            ref = _numpy_translate(src.images[ids], aug, params)
+            got = torch.round(x.permute(0, 2, 3, 1) * 255).to(torch.uint8).numpy()
+            np.testing.assert_array_equal(got, ref)
+    shuffled = make_loader(src, "memory", **kw)
+    torch_backend = make_loader(src, "torch", num_workers=0, **kw)
+    for (xa, ya), (xb, yb) in zip(list(shuffled), list(torch_backend)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+# ------------------------------------------------------------------ photos: crops from the whole photo
+def _ramp(h, w):
+    """R encodes the column, G the row: a crop's location can be read back from its pixels."""
+    img = np.zeros((h, w, 3), np.uint8)
+    img[..., 0] = np.round(np.arange(w) * 255 / (w - 1))[None, :]
+    img[..., 1] = np.round(np.arange(h) * 255 / (h - 1))[:, None]
+    img[..., 2] = 90
+    return img
+
+
+RAMP_SIZES = [(160, 240), (260, 150), (200, 200), (96, 320), (120, 170), (210, 130)]   # (H, W)
+
+
+@pytest.fixture(scope="module")
+def ramp_folder(tmp_path_factory):
+    """Lossless ramps of mixed sizes and orientations, two classes."""
+    root = tmp_path_factory.mktemp("ramps")
+    for i, (h, w) in enumerate(RAMP_SIZES * 2):
+        d = root / f"class_{i % 2}"
+        d.mkdir(exist_ok=True)
+        Image.fromarray(_ramp(h, w)).save(d / f"ramp_{i:02d}.png")
+    return root
+
+
+def _pixels(x):
+    return x.permute(0, 2, 3, 1).double().numpy() * 255
+
+
+def _expected_ramp(box, flip, h, w, size):
+    """R and G of a crop of a ramp: each output pixel centre mapped into the box (PIL's mapping)."""
+    top, left, bh, bw = box
+    cols = np.clip(left + (np.arange(size) + 0.5) * bw / size - 0.5, 0, w - 1)
+    rows = np.clip(top + (np.arange(size) + 0.5) * bh / size - 0.5, 0, h - 1)
+    r = np.broadcast_to(cols[None, ::-1] if flip else cols[None, :], (size, size)) * 255 / (w - 1)
+    return r, np.broadcast_to(rows[:, None], (size, size)) * 255 / (h - 1)
+
+
+def test_photo_boxes_and_flips_are_the_torch_backends(ramp_folder):
+    """Boxes are drawn from each photo's ORIGINAL size by draw_params, as the torch backend draws them:
+    read back from the ramps' pixels, per sample, for two epochs; and the batches agree with the torch
+    backend's (up to the resamplers: PIL's filter vs bilinear taps) with the photos cached at their own
+    size and cached smaller."""
+    src = ImageFolder(ramp_folder, **PLAIN)
+    sizes = np.array([Image.open(p).size[::-1] for p in src.paths])
+    aug = Augmentation.imagenet_train(size=24)
+    kw = dict(batch_size=4, device="cpu", seed=3, augment=aug, num_workers=0)
+    whole = make_loader(src, "memory", shuffle=False, cache_size=320, **kw)
+    np.testing.assert_array_equal(whole.photo_sizes[0], sizes)
+    np.testing.assert_array_equal(whole.photo_sizes[1], sizes)     # none is larger than cache_size
+    for epoch in range(2):
+        for k, (x, _) in enumerate(whole):
+            ids = np.arange(4 * k, 4 * k + 4)
+            params = draw_params(aug, whole.batch_rng(epoch, k), 4, sizes[ids])
+            for j, i in enumerate(ids):
+                r, g = _expected_ramp(params.boxes[j], params.flips[j], *sizes[i], 24)
+                got = _pixels(x)[j]
+                assert np.abs(got[..., 0] - r).max() < 1.5 and np.abs(got[..., 1] - g).max() < 1.5, \
+                    f"epoch {epoch}, sample {i}: not the box {params.boxes[j]} flip={params.flips[j]}"
+    for cache_size in (320, 128):
+        mem, ref = make_loader(src, "memory", cache_size=cache_size, **kw), make_loader(src, "torch", **kw)
+        for epoch in range(2):
+            for (xm, ym), (xt, yt) in zip(list(mem), list(ref)):
+                assert torch.equal(ym, yt)
+                diff = np.abs(_pixels(xm) - _pixels(xt))[..., :2]          # R and G: the location
+                assert diff.mean() < 0.7 and diff.max() < 1.8, (cache_size, epoch, diff.mean(), diff.max())
+    # Cached smaller, the sampling lines are the original boxes scaled per axis (boxes drawn from the
+    # cached size instead would be proportional, but not the same boxes: rounding and offsets differ).
+    cached = mem.photo_sizes[1]
+    assert (cached.max(1) == 128).all()
+    ep = mem.prepare_epoch(1, mem.plan.batches(1), 0)
+    for k, ids in enumerate(mem.plan.batches(1)):
+        params = draw_params(aug, mem.batch_rng(1, k), len(ids), sizes[ids])
+        scale = cached[ids] / sizes[ids]
+        a, b = ep.bounds[k]
+        np.testing.assert_allclose(ep.lin[a:b, 1].numpy(), params.boxes[:, 2] * scale[:, 0] / 24, rtol=1e-5)
+        np.testing.assert_allclose(ep.lin[a:b, 3].numpy(), np.where(params.flips, -1, 1) * params.boxes[:, 3]
+                                   * scale[:, 1] / 24, rtol=1e-5)
+        np.testing.assert_allclose(ep.lin[a:b, 0].numpy(), (params.boxes[:, 0] + params.boxes[:, 2] / 48)
+                                   * scale[:, 0] - 0.5, rtol=1e-5, atol=1e-4)
+
+
+def test_a_wide_photos_left_and_right_edges_are_reached(tmp_path):
+    """Crops come from the whole photo: over many draws some reach its leftmost and rightmost columns.
+    A center-cropped square cache (the old layout) only ever showed the middle third of this photo:
+    red (the column) in [89, 166]."""
+    d = tmp_path / "wide"
+    d.mkdir()
+    for i in range(6):
+        Image.fromarray(_ramp(96, 320)).save(d / f"w{i}.png")
+    src = ImageFolder(tmp_path, **PLAIN)
+    loader = make_loader(src, "memory", batch_size=6, device="cpu", cache_size=128, seed=1,
+                         augment=Augmentation.imagenet_train(size=16))
+    assert tuple(loader.photo_sizes[1][0]) == (38, 128)             # whole, longer side at cache_size
+    reds = np.concatenate([_pixels(x)[..., 0].ravel() for _ in range(8) for x, _ in loader])
+    assert reds.min() < 40 and reds.max() > 215, (reds.min(), reds.max())
+
+
+def test_crops_never_sample_the_zero_fill_of_a_photos_slot(tmp_path):
+    """Each photo sits top-left in a larger zero slot: boxes touching its right or bottom edge must
+    repeat its edge pixels, never mix in the black fill (a border clamp at the slot's edge would, as
+    soon as a box is enlarged: its last sampling points then lie past the photo's last pixel centre)."""
+    for i, (h, w) in enumerate([(30, 75), (75, 30), (45, 55)]):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        Image.fromarray(np.full((h, w, 3), (200, 120, 40), np.uint8)).save(d / "flat.png")
+    src = ImageFolder(tmp_path, **PLAIN)
+    loader = make_loader(src, "memory", batch_size=3, device="cpu", cache_size=100, seed=2,
+                         augment=Augmentation(crop="random_resized", size=64, scale=(0.6, 1.0), hflip=0.5))
+    assert (loader.cache[:, 75:] == 0).all()                      # the fill is there to be avoided
+    for _ in range(10):
+        for x, _ in loader:
+            np.testing.assert_allclose(_pixels(x), np.broadcast_to([200, 120, 40], (3, 64, 64, 3)), atol=1e-3)
+
+
+def test_photo_cache_layout_and_budget(photo_folder, ramp_folder):
+    """Training: (N, cache_size, cache_size, 3) uint8, each photo whole (aspect kept, longer side at most
+    cache_size, smaller ones as they are) top-left, zeros around; evaluation: the recipe's output.
+    cache_bytes, which the budget checks before any allocation, is exactly what is allocated."""
+    from fastdata.backends import memory
+
+    src = ImageFolder(photo_folder)
+    loader = make_loader(src, "memory", batch_size=6, device="cpu", cache_size=128,
                          augment=Augmentation.imagenet_train(size=96))
     assert loader.cache.dtype == torch.uint8 and loader.cache.shape == (18, 128, 128, 3)
+    assert loader.cache.untyped_storage().nbytes() == memory.cache_bytes(src, loader.config)
+    orig, cached = loader.photo_sizes
+    assert (orig.max(1) > 128).all() and (cached.max(1) == 128).all()
+    np.testing.assert_allclose(cached[:, 0] / cached[:, 1], orig[:, 0] / orig[:, 1], rtol=0.02)
+    for slot, (h, w) in zip(loader.cache, cached):
+        assert (slot[h:] == 0).all() and (slot[:, w:] == 0).all() and slot[:h, :w].float().mean() > 20
     x, _ = next(iter(loader))
     assert x.shape == (6, 3, 96, 96)
+    ramps = ImageFolder(ramp_folder)
+    small = make_loader(ramps, "memory", batch_size=6, device="cpu", cache_size=400,
+                        augment=Augmentation.imagenet_train(size=32))
+    for i, (slot, (h, w)) in enumerate(zip(small.cache, small.photo_sizes[1])):
+        np.testing.assert_array_equal(slot[:h, :w].numpy(), np.asarray(Image.open(ramps.paths[i])))
+    evaluation = make_loader(src, "memory", batch_size=6, device="cpu", train=False, cache_size=128,
+                             augment=Augmentation.imagenet_eval(size=64, resize=72))
+    assert evaluation.cache.shape == (18, 64, 64, 3) and evaluation.photo_sizes is None
+    assert evaluation.cache.untyped_storage().nbytes() == memory.cache_bytes(src, evaluation.config)
+
+
+def test_the_budget_refuses_one_byte_short(photo_folder, monkeypatch):
+    import gc
+
+    from fastdata.backends import memory
+    from fastdata.errors import CacheDoesNotFit
+
+    gc.collect()
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=6, device="cpu", cache_size=100, memory_reserve=0, num_workers=0,
+              augment=Augmentation.imagenet_train(size=32))
+    need = 18 * 100 * 100 * 3
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    with pytest.raises(CacheDoesNotFit, match=f"needs {need} bytes"):
+        make_loader(src, "memory", **kw)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: need)
+    assert make_loader(src, "memory", **kw).cache.untyped_storage().nbytes() == need
+
+
+@pytest.mark.parametrize("hflip", [0.0, 0.5])
+def test_eval_crops_are_the_torch_backends_exactly(photo_folder, hflip):
+    """The evaluation recipe is cached already applied, by the torch backend's own decoding: equal
+    pixels, whatever cache_size; flips (if the recipe has them) are applied per epoch on the device."""
+    src = ImageFolder(photo_folder)
+    aug = Augmentation(crop="center", size=48, resize=56, hflip=hflip)
+    kw = dict(batch_size=5, device="cpu", train=False, augment=aug, seed=4, drop_last=False)
+    mem = make_loader(src, "memory", cache_size=32, **kw)
+    ref = make_loader(src, "torch", num_workers=0, **kw)
+    for epoch in range(2):
+        for (xm, ym), (xt, yt) in zip(list(mem), list(ref)):
+            assert torch.equal(xm, xt) and torch.equal(ym, yt)
 
 
 def test_eval_crop_from_cache_matches_torchvision(photo_folder):
@@ -69,8 +283,8 @@ def test_gpu_digit_batches_are_bit_identical_to_the_cpu_path(path, monkeypatch):
         monkeypatch.setattr(memory, "ready_bytes", lambda *a: 2**62)
     gpu = make_loader(src, "memory", batch_size=100, device="cuda", seed=5)
     assert (gpu.ready is None) == (path == "uint8")
-    for epoch in range(2):
-        for (xc, yc), (xg, yg) in zip(cpu, gpu):
+    for epoch in range(2):   # whole passes: a pass left early does not advance the epoch
+        for (xc, yc), (xg, yg) in zip(list(cpu), list(gpu)):
             assert torch.equal(xc, xg.cpu()) and torch.equal(yc, yg.cpu())
 
 
@@ -140,20 +354,22 @@ class _CopySpy:
             monkeypatch.setattr(torch, name, counting(name, getattr(torch, name)))
 
 
-@pytest.mark.parametrize("case", ["ready", "uint8", "photos"])
+@pytest.mark.parametrize("case", ["ready", "uint8", "photos", "photos-eval"])
 def test_the_per_batch_path_uploads_nothing(case, monkeypatch, photo_folder):
     """Issue 9.2: a batch's ids and augmentation are uploaded once per epoch; batches are device ops on
     slices. A per-batch torch.from_numpy(...).to(device) (a pageable copy: a host sync on CUDA) fails this."""
     from fastdata.backends import memory
 
-    if case == "photos":
+    if case.startswith("photos"):
+        aug = Augmentation.imagenet_train(size=32) if case == "photos" else \
+            Augmentation(crop="center", size=32, resize=36, hflip=0.5)
         loader = make_loader(ImageFolder(photo_folder), "memory", batch_size=3, device="cpu", cache_size=64,
-                             num_workers=0, augment=Augmentation.imagenet_train(size=32))
+                             num_workers=0, augment=aug)
     else:
         if case == "uint8":
             monkeypatch.setattr(memory, "ready_bytes", lambda *a: 2**62)
         loader = make_loader(SyntheticDigits(600, seed=2), "memory", batch_size=50, device="cpu",
-                             augment=Augmentation(crop="translate", pad=2, hflip=0.5))
+                             augment=Augmentation(crop="translate", pad=2, padding="reflect", hflip=0.5))
         assert (loader.ready is None) == (case == "uint8")
     it = iter(loader)
     next(it)                    # the epoch is prepared (its one upload per kind) with the first batch

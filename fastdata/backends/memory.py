@@ -2,16 +2,24 @@
 
 After the one-time cache, an epoch is a permutation, a gather and a few tensor ops per batch — no
 processes, no per-sample Python, no host-to-device copy when the cache is on the GPU (airbench's
-approach). uint8 keeps the cache at a quarter of float's size: MNIST is 47 MB, 10,000 photos at 256²
-are 2 GB.
+approach). uint8 keeps the cache at a quarter of float's size: MNIST is 47 MB, 10,000 photos at a
+256-px maximum side are 2 GB.
 
-Photos are cached at a fixed resolution: shorter side resized to ``cache_size`` (256) and
-center-cropped to a square. The evaluation recipe (resize 256, center-crop 224) is then exact; the
-training RandomResizedCrop samples its box from the cached square instead of the full photo (it loses
-the borders of non-square photos; the box statistics are otherwise the same).
+Photos for training are cached whole, as FFCV does with ``max_resolution``: each resized (aspect kept,
+never enlarged) so that its longer side is at most ``cache_size``, placed top-left in a fixed
+(N, cache_size, cache_size, 3) tensor, the rest zero, with its original and cached (height, width)
+recorded on the host. RandomResizedCrop boxes are drawn from the ORIGINAL size by the one
+``draw_params`` (the torch backend's boxes and flips, for the same seed), scaled to the cached copy,
+and resampled bilinearly on the device from inside the photo's own region (its edge pixels repeat
+past a box's edge, never the zero fill). The evaluation recipe (center crop) is deterministic, so it
+is cached already applied: exactly the torch backend's pixels, at ``size``², whatever ``cache_size``.
+
+Translation pads by ``Augmentation.padding`` (zeros, reflection or the edge repeated, numpy's
+``np.pad`` modes, so the torch backend's pixels exactly) once, when the cache is built: a shifted crop
+of a padded image is then a gather, whatever the padding.
 
 The random parameters are drawn on the host with the same numpy code and per-batch seed as the torch
-backend, so for digits the two backends produce identical batches. They are drawn for the whole epoch
+backend, so for arrays the two backends produce identical batches. They are drawn for the whole epoch
 when it starts and uploaded once (see MemoryLoader.prepare_epoch): a batch costs no host→device copy
 and no host sync.
 
@@ -23,6 +31,7 @@ other's budget (each process only sees the RAM the others have already taken).
 """
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from typing import NamedTuple
@@ -30,13 +39,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Dataset
 
-from ..config import Augmentation, Crop
+from ..config import ON_ERROR, Augmentation, Crop, Padding
 from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
-from ..errors import CacheDoesNotFit
+from ..errors import CacheDoesNotFit, DecodeError
 from ..sampling import EpochPlan
-from ..transforms import draw_params
+from ..transforms import NUMPY_PAD_MODE, draw_params, exif_orientation, open_image, require_fixed_size, to_rgb
 from .base import Loader
 
 #: What the budget keeps free by default for the model, its activations and the batch being augmented:
@@ -144,15 +154,118 @@ def budget(device: torch.device, reserve=None, exclude=None) -> Budget:
     return Budget(device, total, reserve_bytes(reserve, device, total), live_cache_bytes(device, exclude), free)
 
 
+def recipe(source, config) -> Augmentation:
+    """The augmentation a loader made with ``config`` applies to ``source``."""
+    return config.augment if config.augment is not None else source.default_augmentation(config.train)
+
+
+def photo_side(aug: Augmentation, cache_size: int) -> int:
+    """Side of the square slots photos are cached in: the evaluation crop (``center``) is cached
+    already applied, at ``size``; any other recipe caches each photo whole, longer side <= cache_size."""
+    return aug.size if aug.crop is Crop.CENTER else cache_size
+
+
 def cache_bytes(source, config) -> int:
     """Bytes of the uint8 cache for ``source`` (new allocation only: an array on the CPU is shared)."""
+    aug = recipe(source, config)
     if source.kind is SourceKind.ARRAY:
-        aug = config.augment if config.augment is not None else source.default_augmentation(config.train)
         if aug.crop is Crop.TRANSLATE:  # kept pre-padded (see MemoryLoader), on any device
             n, h, w, c = source.images.shape
             return n * (h + 2 * aug.pad) * (w + 2 * aug.pad) * c
         return 0 if config.device.type == "cpu" else source.images.nbytes
-    return len(source) * config.cache_size * config.cache_size * 3
+    side = photo_side(aug, config.cache_size)
+    return len(source) * side * side * 3
+
+
+def pad_images(x: torch.Tensor, pad: int, padding: Padding) -> torch.Tensor:
+    """uint8 or float (N, H, W, C) → (N, H + 2 pad, W + 2 pad, C) padded as ``np.pad`` pads with
+    ``mode=padding`` ("constant" zeros, "reflect", "edge"), on x's device.
+
+    Reflection and edge padding are a gather by the index map ``np.pad(arange(H), pad, mode)``: the
+    same map numpy applies to the pixels, so the torch backend's crops come out identical, and it is
+    defined for any pad (torch's reflection pad refuses a pad as wide as the image; numpy reflects
+    again) and any dtype.
+    """
+    if padding is Padding.CONSTANT:
+        return F.pad(x, (0, 0, pad, pad, pad, pad))   # zero = black border
+    _, h, w, _ = x.shape
+    mode = NUMPY_PAD_MODE[padding]
+    rows = torch.from_numpy(np.pad(np.arange(h), pad, mode=mode)).to(x.device)
+    cols = torch.from_numpy(np.pad(np.arange(w), pad, mode=mode)).to(x.device)
+    return x.index_select(1, rows).index_select(2, cols)
+
+
+def _chunks(n: int, per_item: int, limit: int = 64 * 2**20):
+    """Ranges of at most ``limit`` bytes' worth of items: bounded temporaries while converting."""
+    step = max(1, limit // max(per_item, 1))
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def load_whole(path, side: int) -> tuple[np.ndarray, int, int]:
+    """One photo, whole, as uint8 (h, w, 3) with its longer side at most ``side`` (aspect kept; a
+    smaller photo is kept as it is), and its original (H, W) after EXIF orientation, the size the
+    recipe's boxes are drawn from. Errors are the DecodeErrors ``transforms.load_photo`` raises.
+
+    JPEGs decode at a reduced scale (``Image.draft``) when the target allows; the drafted image is
+    resized from the exact region that covers the original (drafted sizes round up to whole blocks).
+    """
+    from PIL import Image, ImageOps
+
+    img = open_image(path)
+    try:
+        orientation = exif_orientation(img)
+        swap = orientation in (5, 6, 7, 8)
+        stored_w = img.width
+        W, H = (img.height, img.width) if swap else img.size
+        r = min(1.0, side / max(H, W))
+        h, w = max(1, round(H * r)), max(1, round(W * r))
+        if r < 1 and img.format == "JPEG":
+            img.draft("RGB", (h, w) if swap else (w, h))   # draft works in stored orientation
+        reduction = 2 ** round(math.log2(stored_w / img.width)) if img.width < stored_w else 1
+        try:
+            img.load()
+        except Exception as e:
+            raise DecodeError(path, f"{type(e).__name__}: {e}") from None
+        if orientation != 1:
+            img = ImageOps.exif_transpose(img)
+        img = to_rgb(img)
+        if img.size != (w, h):
+            img = img.resize((w, h), Image.BILINEAR, box=(0, 0, W / reduction, H / reduction))
+        return np.asarray(img), H, W
+    finally:
+        img.close()
+
+
+class WholePhotos(Dataset):
+    """A DataLoader "dataset" of cache chunks: job ``ids`` → ``(uint8 (k, side, side, 3), each photo
+    top-left and zero around it; int64 (k, 4) (H, W, h, w): original and cached sizes; kept ids)``.
+    Files that fail are skipped with ``on_error="skip"`` (the ids kept say which)."""
+
+    def __init__(self, source, side: int, on_error: str = "raise"):
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+        self.source, self.side, self.on_error = source, side, on_error
+
+    def __len__(self):  # jobs come from the sampler; a length keeps DataLoader's bookkeeping happy
+        return len(self.source)
+
+    def __getitem__(self, ids):
+        s = self.side
+        out = torch.zeros((len(ids), s, s, 3), dtype=torch.uint8)
+        sizes = np.zeros((len(ids), 4), dtype=np.int64)
+        kept = []
+        for i in ids:
+            try:
+                arr, H, W = load_whole(self.source.paths[i], s)
+            except DecodeError:
+                if self.on_error == "raise":
+                    raise
+                continue
+            j, (h, w) = len(kept), arr.shape[:2]
+            out[j, :h, :w].numpy()[...] = arr      # PIL's array is read-only: copy into the slot
+            sizes[j] = (H, W, h, w)
+            kept.append(int(i))
+        return out[:len(kept)], torch.from_numpy(sizes[:len(kept)]), kept
 
 
 def ready_bytes(source, config, aug) -> int:
@@ -180,8 +293,8 @@ class _Epoch(NamedTuple):
     ids: torch.Tensor       # int64 (samples,)
     off: torch.Tensor | None    # int64 (samples, 2) translation offsets
     flip: torch.Tensor | None   # bool (samples,)
-    theta: torch.Tensor | None  # float32 (samples, 2, 3) crop boxes as affine_grid matrices
-    exact: list             # per batch: (top, left) when its crop is an exact slice (eval), else None
+    lin: torch.Tensor | None    # float32 (samples, 6) resized crops: see MemoryLoader._sampling
+    exact: list             # per batch: (top, left) when its crop is an exact slice, else None
     pinned: tuple           # the pinned host buffers, alive until the epoch ends (see prepare_epoch)
 
 
@@ -225,10 +338,19 @@ class MemoryLoader(Loader):
         super().__init__(source, config, **options)
         self.footprint = 0          # bytes this loader holds on its device (for the shared budget)
         self.cache = self.ready = self._shifted = None
+        aug = self.augment
+        if source.kind is SourceKind.FILES:
+            require_fixed_size(source, aug)   # the torch backend's error, before any decoding
         reserve = self.opts["memory_reserve"]
         check_fits(source, config, reserve)  # before any allocation
         _LIVE.add(self)
-        p = self.augment.pad if self.augment.crop is Crop.TRANSLATE else 0
+        p = aug.pad if aug.crop is Crop.TRANSLATE else 0
+        # Per cache slot, on the host: the (H, W) boxes are drawn from and the (h, w) of the pixels
+        # cached for it (photos: a whole photo, top-left in its slot); None: every slot is the
+        # cache's (H, W).
+        self._sizes = None
+        # Photos under the evaluation recipe: the slots hold the recipe's output, only flips remain.
+        self._applied = source.kind is SourceKind.FILES and aug.crop is Crop.CENTER
         if source.kind is SourceKind.ARRAY:
             cache = torch.from_numpy(source.images)          # shares the array's memory on the CPU
             labels = torch.from_numpy(source.labels)
@@ -236,8 +358,13 @@ class MemoryLoader(Loader):
         else:
             cache, labels = self._decode_files()             # already on the device
         self.labels = labels.to(self.device)
-        if source.kind is SourceKind.ARRAY and not self.augment.crop.resamples \
-                and ready_bytes(source, config, self.augment) <= budget(self.device, reserve, self).limit:
+        if aug.crop.resamples and not self._applied:
+            # Constants of the per-batch resampling (see _resized_crops), made once: a batch then
+            # creates no tensor from host data.
+            self._steps = torch.arange(aug.size, dtype=torch.float32, device=self.device)
+            self._channels = torch.arange(cache.shape[3], device=self.device)
+        if source.kind is SourceKind.ARRAY and not aug.crop.resamples \
+                and ready_bytes(source, config, aug) <= budget(self.device, reserve, self).limit:
             # Small images (digits): cache them already normalized, padded for the translation, in the
             # output dtype. A batch is then one gather from a strided view of every shifted copy, with
             # no per-batch conversion — the same work as gathering ready float batches. It costs 4x
@@ -247,16 +374,18 @@ class MemoryLoader(Loader):
             self.footprint = self._owned_bytes()
             return
         if p:
-            # Pad the cache once: then gathering a batch, padding it and cropping each sample at its
-            # offset is a single `take` of precomputed flat indices (measured on the CPU: ~3x faster
-            # than a gather, a pad and an advanced-indexing crop per batch). The padded tensor is
-            # allocated on the device and the source copied into its interior: no second full copy.
+            # Pad the cache once (zeros, reflection or edge, as the recipe says): then gathering a
+            # batch, padding it and cropping each sample at its offset is a single `take` of
+            # precomputed flat indices (measured on the CPU: ~3x faster than a gather, a pad and an
+            # advanced-indexing crop per batch). The padded tensor is allocated on the device and
+            # filled chunk by chunk: no second full copy.
             n, h, w, c = cache.shape
-            padded = torch.zeros((n, h + 2 * p, w + 2 * p, c), dtype=torch.uint8, device=self.device)
-            padded[:, p:p + h, p:p + w] = cache
-            self.cache = padded
             hp, wp = h + 2 * p, w + 2 * p
             dev = self.device
+            padded = torch.empty((n, hp, wp, c), dtype=torch.uint8, device=dev)
+            for a, b in _chunks(n, hp * wp * c):
+                padded[a:b] = pad_images(cache[a:b].to(dev), p, aug.padding)
+            self.cache = padded
             self._pixel = ((torch.arange(h, device=dev) * wp * c)[:, None, None]
                            + (torch.arange(w, device=dev) * c)[None, :, None]
                            + torch.arange(c, device=dev)[None, None, :])[None]      # (1, h, w, c)
@@ -286,14 +415,15 @@ class MemoryLoader(Loader):
         return total
 
     def _build_ready(self, cache: torch.Tensor) -> torch.Tensor:
-        p = self.augment.pad if self.augment.crop is Crop.TRANSLATE else 0
+        aug = self.augment
+        p = aug.pad if aug.crop is Crop.TRANSLATE else 0
         n, h, w, c = cache.shape
         fmt = torch.channels_last if self.config.channels_last else torch.contiguous_format
         ready = torch.empty((n, c, h + 2 * p, w + 2 * p), dtype=self.config.dtype, device=self.device,
                             memory_format=fmt)
-        for i in range(0, n, 4096):  # bounded temporaries while converting
-            part = F.pad(cache[i:i + 4096].to(self.device), (0, 0, p, p, p, p))   # zero = black border
-            ready[i:i + 4096] = self.normalize(part)
+        for a, b in _chunks(n, (h + 2 * p) * (w + 2 * p) * c * 4):  # bounded temporaries
+            part = cache[a:b].to(self.device)
+            ready[a:b] = self.normalize(pad_images(part, p, aug.padding) if p else part)
         if p:
             sn, sc, sh, sw = ready.stride()
             # view[i, dy, dx] is sample i shifted by (dy - p, dx - p): no copy until the gather.
@@ -304,17 +434,26 @@ class MemoryLoader(Loader):
     _CHUNK = 64
 
     def _decode_files(self):
-        """Decode every file once, in parallel, at cache_size², chunk by chunk straight into the cache on
-        the device (the torch backend's workers do the decoding). Files skipped with on_error='skip'
-        leave no gap: the good ones are written contiguously."""
+        """Decode every file once, in parallel, chunk by chunk straight into the cache on the device
+        (DataLoader workers do the decoding). Training recipes: each photo whole at a longer side of at
+        most cache_size (``WholePhotos``); the evaluation recipe: its output (``BatchDecoder``, the torch
+        backend's decoding). Files skipped with on_error='skip' leave no gap: the good ones are written
+        contiguously."""
         from torch.utils.data import DataLoader
 
-        s = self.config.cache_size
-        decoder = BatchDecoder(self.source, Augmentation(crop="center", size=s, resize=s),
-                               self.config.on_error)
+        aug = self.augment
+        s = photo_side(aug, self.config.cache_size)
+        if self._applied:
+            # Flips are drawn per epoch and applied on the device; the crop itself draws nothing.
+            decoder = BatchDecoder(self.source, Augmentation(crop="center", size=aug.size, resize=aug.resize),
+                                   self.config.on_error)
+        else:
+            decoder = WholePhotos(self.source, s, self.config.on_error)
         n = len(self.source)
         chunk = self._CHUNK
-        jobs = [(np.arange(i, min(i + chunk, n)), 0) for i in range(0, n, chunk)]
+        jobs = [np.arange(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+        if self._applied:
+            jobs = [(ids, 0) for ids in jobs]
         workers = self.opts["cache_workers"]
         workers = min(self.config.num_workers if workers is None else workers, len(jobs))
         # Host memory in flight: DataLoader's 2 chunks ahead per worker, plus the chunk being copied.
@@ -324,7 +463,7 @@ class MemoryLoader(Loader):
                                   f"({_fmt(host)}) of host RAM for its chunks in flight but {_fmt(available_ram())} "
                                   f"is available; pass fewer cache_workers")
         cache = torch.empty((n, s, s, 3), dtype=torch.uint8, device=self.device)
-        kept = []
+        kept, sizes = [], []
         loader = DataLoader(decoder, batch_size=None, sampler=jobs,
                             num_workers=workers)
         if loader.num_workers:
@@ -332,21 +471,32 @@ class MemoryLoader(Loader):
         it = iter(loader)
         pos = 0
         try:
-            for images, _, good in it:   # good: the chunk's ids that decoded, in the images' order
+            for images, extra, good in it:   # good: the chunk's ids that decoded, in the images' order
                 cache[pos:pos + len(good)] = images    # a pageable copy; synchronous, at cache time only
                 pos += len(good)
                 kept.append(np.asarray(good, dtype=np.int64))
+                if not self._applied:
+                    sizes.append(extra.numpy())
         finally:
             # Shut the decoding workers down now, also after a DecodeError: left to the cyclic GC
             # (the exception's traceback holds the iterator), they stall a later loader for seconds.
             if hasattr(it, "_shutdown_workers"):
                 it._shutdown_workers()
         self.kept = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
+        if not self._applied:
+            sizes = np.concatenate(sizes) if sizes else np.empty((0, 4), dtype=np.int64)
+            self._sizes = (sizes[:, :2], sizes[:, 2:])
         # Left out of every epoch: loader.skipped reports them each epoch (the one counter and warning).
         self.skipped_at_cache = self._dropped = self.skipped = n - len(self.kept)
         if self.skipped_at_cache:
             cache = cache[:pos]   # a view: the unused tail is only the skipped files' bytes
         return cache, torch.from_numpy(self.source.labels[self.kept])
+
+    @property
+    def photo_sizes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Photos cached whole: per cache slot, the original (H, W) the recipe's boxes are drawn from,
+        and the (h, w) of its cached copy (top-left in the slot); None for other caches."""
+        return self._sizes
 
     # ------------------------------------------------------------------ epochs
     def _epoch(self, epoch, batches, start):
@@ -365,13 +515,16 @@ class MemoryLoader(Loader):
         batches stay bit-identical to it for digits.
         """
         aug = self.augment
-        bounds, ids, offs, flips, thetas, exact = [], [], [], [], [], []
+        bounds, ids, offs, flips, lins, exact = [], [], [], [], [], []
         pos = 0
-        simple = self.ready is not None or not aug.crop.resamples  # shifted copies, no resized crops
+        # Shifted copies or the evaluation recipe already applied: offsets and flips only.
+        simple = self.ready is not None or not aug.crop.resamples or self._applied
         size = self.cache.shape[1:3] if self.cache is not None else self.ready.shape[2:]
         for k, b in enumerate(batches):
             n = len(b)
-            params = draw_params(aug, self.batch_rng(epoch, start + k), n, size)
+            # Photos cached whole: boxes from each photo's original size, as the torch backend draws them.
+            sizes = self._sizes[0][b] if self._sizes is not None else size
+            params = draw_params(aug, self.batch_rng(epoch, start + k), n, sizes)
             if simple:
                 if params.offsets is not None:
                     offs.append(params.offsets)
@@ -379,8 +532,8 @@ class MemoryLoader(Loader):
                     flips.append(params.flips)
                 exact.append(None)
             else:
-                theta, ex = self._crop_params(params)
-                thetas.append(theta)
+                lin, ex = self._sampling(params, b)
+                lins.append(lin)
                 exact.append(ex)
             bounds.append((pos, pos + n))
             ids.append(b)
@@ -405,7 +558,7 @@ class MemoryLoader(Loader):
             ids=upload(ids, np.int64, (0,)),
             off=upload(offs, np.int64, (0, 2)) if simple and aug.crop is Crop.TRANSLATE else None,
             flip=upload(flips, np.bool_, (0,)) if simple and aug.hflip > 0 else None,
-            theta=None if simple else upload(thetas, np.float32, (0, 2, 3)),
+            lin=None if simple else upload(lins, np.float32, (0, 6)),
             exact=exact, pinned=tuple(pinned))
 
     def batch(self, ep: _Epoch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,10 +569,10 @@ class MemoryLoader(Loader):
         flip = ep.flip[a:b] if ep.flip is not None else None
         if self.ready is not None:
             images = self._from_ready(idx, off, flip)
-        elif not self.augment.crop.resamples:
+        elif not self.augment.crop.resamples or self._applied:
             images = self._from_uint8(idx, off, flip)
         else:
-            images = self._resized_crops(self.cache[idx], ep.theta[a:b], ep.exact[k])
+            images = self._resized_crops(idx, ep.lin[a:b], ep.exact[k])
         return images, self.labels[idx]
 
     def _from_uint8(self, idx, off, flip) -> torch.Tensor:
@@ -442,42 +595,73 @@ class MemoryLoader(Loader):
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def _crop_params(self, params):
-        """(theta (n, 2, 3), exact crop (top, left) or None) for one batch of photos from the cache.
+    def _sampling(self, params, ids) -> tuple[np.ndarray, tuple[int, int] | None]:
+        """One batch's resized crops as sampling lines in cache pixels, and the exact crop, if any.
 
-        affine_grid maps output [-1, 1] to the box in normalized input coordinates (align_corners=False:
-        pixel edges at ±1); a negative x scale mirrors the crop.
+        Returns float32 (n, 6) rows ``(ay, by, ax, bx, ymax, xmax)``: output row i samples cache row
+        ``ay + by * i`` and output column j column ``ax + bx * j`` (pixel centres; PIL's mapping of a
+        resize box), clamped to ``[0, ymax] x [0, xmax]``, the sample's own pixels. The boxes are in
+        the source's original pixels (what ``draw_params`` draws from); a photo cached smaller is
+        scaled per axis by its cached/original size. A flip runs the columns backwards. ``exact``:
+        (top, left) when every box is the same whole-pixel ``size``² window without a flip (an array
+        source's center crop without resizing): a slice, no resampling.
         """
-        aug = self.augment
-        h, w = self.cache.shape[1:3]
+        aug, size = self.augment, self.augment.size
         boxes, flips = params.boxes, params.flips
         n = len(flips)
-        top, left, bh, bw = (boxes[:, j] for j in range(4))
+        if self._sizes is not None:
+            orig, cached = self._sizes[0][ids], self._sizes[1][ids]
+        else:
+            orig = cached = np.broadcast_to(np.asarray(self.cache.shape[1:3]), (n, 2))
+        sy, sx = cached[:, 0] / orig[:, 0], cached[:, 1] / orig[:, 1]
+        top, left, bh, bw = boxes[:, 0] * sy, boxes[:, 1] * sx, boxes[:, 2] * sy, boxes[:, 3] * sx
         exact = None
-        if n and aug.crop is Crop.CENTER and not flips.any() and np.allclose(bh, aug.size) \
-                and float(top[0]).is_integer() and float(left[0]).is_integer():
-            exact = (int(top[0]), int(left[0]))  # the exact eval crop: a slice, no resampling
-        theta = np.zeros((n, 2, 3), dtype=np.float32)
-        theta[:, 0, 0] = np.where(flips, -1.0, 1.0) * bw / w
-        theta[:, 0, 2] = (left + bw / 2) / w * 2 - 1
-        theta[:, 1, 1] = bh / h
-        theta[:, 1, 2] = (top + bh / 2) / h * 2 - 1
-        return theta, exact
+        if n and self._sizes is None and aug.crop is Crop.CENTER and not flips.any() \
+                and np.allclose(boxes[:, 2:], size) and float(top[0]).is_integer() \
+                and float(left[0]).is_integer():
+            exact = (int(top[0]), int(left[0]))
+        step_y, step_x = bh / size, bw / size
+        lin = np.empty((n, 6), dtype=np.float64)
+        lin[:, 0] = top + 0.5 * step_y - 0.5
+        lin[:, 1] = step_y
+        lin[:, 2] = np.where(flips, left + bw - 0.5 * step_x, left + 0.5 * step_x) - 0.5
+        lin[:, 3] = np.where(flips, -step_x, step_x)
+        lin[:, 4] = cached[:, 0] - 1
+        lin[:, 5] = cached[:, 1] - 1
+        return lin.astype(np.float32), exact
 
-    def _resized_crops(self, x, theta, exact) -> torch.Tensor:
-        """Per-sample boxes cropped and resized in one grid_sample (or the exact eval slice)."""
+    def _resized_crops(self, idx, lin, exact) -> torch.Tensor:
+        """Per-sample boxes cropped and resized bilinearly (or the exact slice), straight from the uint8
+        cache: four gathers of the output's size, not a float copy of every sample's whole slot.
+
+        Bilinear sampling along axis-aligned lines is separable: each output pixel mixes the cache
+        pixels at rows (y0, y1) and columns (x0, x1) around its sampling point, with y1 and x1 kept
+        inside the sample's own pixels (the rest of a photo's slot is zero fill).
+        """
         size = self.augment.size
-        xf = x.permute(0, 3, 1, 2).float()
         if exact is not None:
             t, l = exact
-            return self.normalizer.floats(xf[:, :, t:t + size, l:l + size].contiguous())
-        if x.shape[0] == 0:  # an empty share (drop_last=False, more ranks than samples left)
-            return self.normalizer.floats(xf.new_empty((0, xf.shape[1], size, size)))
-        grid = F.affine_grid(theta, (x.shape[0], xf.shape[1], size, size), align_corners=False)
-        out = F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
-        return self.normalizer.floats(out)
+            x = self.cache[idx, t:t + size, l:l + size]
+            return self.normalize(x)
+        if idx.shape[0] == 0:  # an empty share (drop_last=False, more ranks than samples left)
+            return self.normalize(self.cache.new_empty((0, size, size, self.cache.shape[3])))
+        u = self._steps
+        ys = torch.minimum((lin[:, 0:1] + lin[:, 1:2] * u).clamp_(min=0), lin[:, 4:5])   # (n, size)
+        xs = torch.minimum((lin[:, 2:3] + lin[:, 3:4] * u).clamp_(min=0), lin[:, 5:6])
+        y0, x0 = ys.floor(), xs.floor()
+        wy, wx = (ys - y0)[:, None, :, None], (xs - x0)[:, None, None, :]
+        y0, x0 = y0.long(), x0.long()
+        y1 = torch.minimum(y0 + 1, lin[:, 4:5].long())
+        x1 = torch.minimum(x0 + 1, lin[:, 5:6].long())
+        # (n, C, size, size) gathers, indexed NCHW so the result needs no layout copy.
+        i, c = idx[:, None, None, None], self._channels[None, :, None, None]
+        r0, r1 = y0[:, None, :, None], y1[:, None, :, None]
+        c0, c1 = x0[:, None, None, :], x1[:, None, None, :]
+        top = torch.lerp(self.cache[i, r0, c0, c].float(), self.cache[i, r0, c1, c].float(), wx)
+        bottom = torch.lerp(self.cache[i, r1, c0, c].float(), self.cache[i, r1, c1, c].float(), wx)
+        return self.normalizer.floats(torch.lerp(top, bottom, wy))
 
     def close(self):
-        self.cache = self.ready = self._shifted = self._pixel = None
+        self.cache = self.ready = self._shifted = self._pixel = self._sizes = None
         self.footprint = 0
         _LIVE.discard(self)
