@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats
-from ..datasets import Source, SourceKind
+from ..datasets import Source, SourceKind, check_transform_and_augment
 from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
@@ -100,6 +100,7 @@ class Loader:
         self.device: torch.device = config.device
         self.augment = config.augment if config.augment is not None else source.default_augmentation(config.train)
         require_padding_fits(source, self.augment)  # every backend refuses the same recipes, up front
+        check_transform_and_augment(source, config.augment)  # a per-sample transform IS the augmentation
         # A source's own statistics (ArraySource(mean=...), ImageFolder(std=...)) get the checks that
         # LoaderConfig gives its mean/std: a NaN or a zero here makes every batch NaN or inf.
         mean = config.mean if config.mean is not None else check_reals("mean", source.mean)
