@@ -298,7 +298,7 @@ class Cutout(BatchTransform):
         rows = (ys >= top[..., None]) & (ys < top[..., None] + self.size)      # (n, holes, h)
         cols = (xs >= left[..., None]) & (xs < left[..., None] + self.size)    # (n, holes, w)
         mask = (rows[..., :, None] & cols[..., None, :]).any(1) & apply.view(-1, 1, 1)
-        return images.masked_fill(mask.unsqueeze(1), 0), labels
+        return torch.where(mask.unsqueeze(1), 0.0, images), labels
 
 
 @dataclass(frozen=True)
@@ -375,7 +375,7 @@ class RandomErasing(BatchTransform):
         if isinstance(self.value, tuple) and len(self.value) > 1:
             return torch.where(mask, _constant(self.value, images, images.dtype), images), labels
         fill = self.value[0] if isinstance(self.value, tuple) else self.value
-        return images.masked_fill(mask, fill), labels
+        return torch.where(mask, fill, images), labels
 
 
 def _jitter_range(name: str, value) -> tuple[float, float] | None:
@@ -428,44 +428,41 @@ class ColorJitter(BatchTransform):
         return [(k, r) for k, r in enumerate((self.brightness, self.contrast, self.saturation)) if r is not None]
 
     def __call__(self, images, labels, generator):
-        ops = self._ops()
+        n, c = images.shape[:2]
+        dev = images.device
+        # Saturation of a one-channel image is the image itself (torchvision returns it unchanged).
+        ops = [k for k, _ in self._ops() if not (k == 2 and c == 1)]
         if not ops:
             return images, labels
         if self.mean is None:
             raise ValueError("ColorJitter needs the batches' mean/std: use it in a loader's batch_transforms, "
                              "a BatchPipeline(..., mean=, std=), or give ColorJitter(..., mean=, std=)")
-        n, c = images.shape[:2]
-        dev = images.device
+        # The same draws whatever is enabled (an order key and a factor per operation), so turning one
+        # operation on does not change the others' factors.
+        keys, u = _rand(n, generator, dev, 3), _rand(n, generator, dev, 3)
+        ranges = (self.brightness, self.contrast, self.saturation)
         x, m, s = _unnormalize(self, images)
-        # Always the same draws in the same order (order, then one factor per operation), so turning
-        # one operation on does not change the factors of the others.
-        order = _rand(n, generator, dev, 3).argsort(1)
-        factors = []
-        for r in (self.brightness, self.contrast, self.saturation):
-            u = _rand(n, generator, dev).view(-1, 1, 1, 1)
-            factors.append(None if r is None else u * (r[1] - r[0]) + r[0])
-
-        def brightness(x, f):
-            return x.mul(f).clamp_(0, 1)
-
-        def contrast(x, f):
-            mean = (_gray(x) if c == 3 else x).mean(dim=(1, 2, 3), keepdim=True)
-            return x.mul(f).add_(mean * (1 - f)).clamp_(0, 1)
-
-        def saturation(x, f):
-            if c != 3:  # torchvision leaves a one-channel image as it is
-                return x
-            return x.mul(f).add_(_gray(x) * (1 - f)).clamp_(0, 1)
-
-        fns = (brightness, contrast, saturation)
-        # Per-sample order without a per-sample loop: at each of the three slots every enabled
-        # operation is computed for the whole batch and each image keeps the one its order names.
-        for slot in range(3):
-            which = order[:, slot].view(-1, 1, 1, 1)
-            y = x
-            for k, _ in ops:
-                y = torch.where(which == k, fns[k](x, factors[k]), y)
-            x = y
+        # Every operation is torchvision's blend, clamp(f * x + (1 - f) * target, 0, 1), with target 0
+        # (brightness), the image's mean grey level (contrast) or its grey image (saturation). So each
+        # of the k slots of the per-image random order is one pass over the batch with per-image
+        # weights, whichever operation each image does there: no per-image loop, and no operation
+        # computed for images that do not do it. (Columns are picked by basic indexing: a list index
+        # would upload the list to the device, a blocking copy.)
+        f = torch.stack([u[:, k] * (ranges[k][1] - ranges[k][0]) + ranges[k][0] for k in ops], 1)
+        zero = torch.zeros_like(f[:, 0])
+        to_grey = torch.stack([1 - f[:, j] if k == 2 else zero for j, k in enumerate(ops)], 1)
+        to_mean = torch.stack([1 - f[:, j] if k == 1 else zero for j, k in enumerate(ops)], 1)
+        order = torch.stack([keys[:, k] for k in ops], 1).argsort(1)
+        for slot in range(len(ops)):
+            pick = order[:, slot:slot + 1]
+            out = x * f.gather(1, pick).view(-1, 1, 1, 1)
+            if 1 in ops or 2 in ops:
+                grey = _gray(x) if c == 3 else x.mean(1, keepdim=True)
+                if 2 in ops:
+                    out.add_(grey * to_grey.gather(1, pick).view(-1, 1, 1, 1))
+                if 1 in ops:
+                    out.add_(grey.mean(dim=(1, 2, 3), keepdim=True) * to_mean.gather(1, pick).view(-1, 1, 1, 1))
+            x = out.clamp_(0, 1)
         return x.sub_(m).div_(s).to(images.dtype), labels
 
 

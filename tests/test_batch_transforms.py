@@ -171,16 +171,23 @@ def test_color_jitter_equals_torchvision_on_the_pixels(name, factor):
 
 
 def test_color_jitter_random_order_per_sample():
+    import itertools
+
     from torchvision.transforms.v2 import functional as F
 
-    x = pixels(64)
-    out, _ = pipe([ColorJitter(brightness=(1.4, 1.4), contrast=(0.5, 0.5))])(norm(x), labels_of(64), 4)
-    bc = F.adjust_contrast(F.adjust_brightness(x, 1.4), 0.5)
-    cb = F.adjust_brightness(F.adjust_contrast(x, 0.5), 1.4)
-    got = unnorm(out)
-    first = torch.tensor([torch.allclose(got[i], bc[i], atol=1e-5) for i in range(64)])
-    second = torch.tensor([torch.allclose(got[i], cb[i], atol=1e-5) for i in range(64)])
-    assert bool((first | second).all()) and first.any() and second.any()
+    x = pixels(96)
+    factors = {"brightness": 1.4, "contrast": 0.5, "saturation": 0.3}
+    t = ColorJitter(**{k: (v, v) for k, v in factors.items()})
+    got = unnorm(pipe([t])(norm(x), labels_of(96), 4)[0])
+    orders = []
+    for order in itertools.permutations(factors):
+        y = x
+        for name in order:
+            y = getattr(F, f"adjust_{name}")(y, factors[name])
+        orders.append(y)
+    match = torch.tensor([[torch.allclose(got[i], o[i], atol=1e-5) for o in orders] for i in range(96)])
+    assert bool(match.any(1).all())                    # each image: torchvision's ops in some order
+    assert int(match.any(0).sum()) >= 5                # the order drawn per image
 
 
 def test_color_jitter_factors_within_the_range():
@@ -285,6 +292,16 @@ def test_one_of_chooses_per_batch_and_labels_stay_soft():
         assert torch.equal(out, z.flip(-2))
 
 
+def test_one_of_takes_plain_callables_too():
+    _, v2 = _tv()
+    z, y = norm(pixels(8)), labels_of(8)
+    p = pipe([OneOf([v2.RandomVerticalFlip(p=1.0), lambda x: -x])])
+    outs = [p(z, y, s)[0] for s in range(20)]
+    assert all(torch.equal(o, z.flip(-2)) or torch.equal(o, -z) for o in outs)
+    assert any(torch.equal(o, -z) for o in outs) and any(torch.equal(o, z.flip(-2)) for o in outs)
+    assert all(torch.equal(p(z, y, s)[0], outs[s]) for s in range(20))
+
+
 # ----------------------------------------------------------------------------------- the pipeline
 ALL = [RandomHorizontalFlip(), RandomVerticalFlip(), Cutout(4, holes=2), RandomErasing(p=1.0),
        RandomErasing(p=1.0, value="random"), RandomErasing(p=1.0, value=(0.1, 0.2, 0.3)),
@@ -345,6 +362,16 @@ def test_dtype_and_memory_format_kept(t, dtype, channels_last):
 def test_an_empty_batch_passes(t):
     out, labels = pipe([t])(norm(pixels(0)), labels_of(0), 1)
     assert out.shape == (0, 3, 12, 12) and labels.shape == ((0, K) if t.soft_labels else (0,))
+
+
+def test_pipeline_checks_its_inputs():
+    p = pipe([Cutout(2)])
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        p(norm(pixels(2)), labels_of(2), -1)
+    with pytest.raises(ValueError, match=r"take images \(N, C, H, W\)"):
+        p(torch.zeros(2, 4, 4), labels_of(2), 0)
+    with pytest.raises(ValueError, match="num_classes"):
+        BatchPipeline([MixUp()], num_classes=0, device="cpu")
 
 
 def test_pipeline_labels_soft_when_any_transform_mixes():
