@@ -239,7 +239,8 @@ class Loader:
                 if pipeline is not None:
                     # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do
                     # not depend on the backend, on workers, or on where a resumed run starts.
-                    batch = pipeline(*batch, seed_for(self.plan.batch_seed(epoch, start + done), 0xBA7C))
+                    batch = pipeline(*batch, seed_for(self.plan.seed, epoch, start + done, self.plan.rank,
+                                                      0xBA7C))
                 done += 1
                 self._position = (epoch, offset, done, len(batches))
                 yield batch
