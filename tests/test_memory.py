@@ -208,6 +208,29 @@ def test_photo_cache_layout_and_budget(photo_folder, ramp_folder):
     assert evaluation.cache.untyped_storage().nbytes() == memory.cache_bytes(src, evaluation.config)
 
 
+def test_whole_photo_cache_follows_exif_and_decodes_reduced(tmp_path):
+    """A large EXIF-rotated JPEG is cached as displayed (rotated), shrunk through a reduced-scale JPEG
+    decode, and equal (up to JPEG and the resampler) to a full decode, transposed and resized."""
+    from PIL import ImageOps
+
+    d = tmp_path / "c"
+    d.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6                                   # stored 900 x 600, displayed 600 wide x 900 high
+    Image.fromarray(_ramp(600, 900)).save(d / "rotated.jpg", quality=95, exif=exif.tobytes())
+    Image.fromarray(_ramp(300, 500)).save(d / "plain.jpg", quality=95)
+    src = ImageFolder(tmp_path)
+    loader = make_loader(src, "memory", batch_size=2, device="cpu", cache_size=150, num_workers=0,
+                         augment=Augmentation.imagenet_train(size=32))
+    orig, cached = loader.photo_sizes
+    assert orig.tolist() == [[300, 500], [900, 600]] and cached.tolist() == [[90, 150], [150, 100]]
+    for i, (h, w) in enumerate(cached):
+        full = ImageOps.exif_transpose(Image.open(src.paths[i])).convert("RGB")
+        ref = np.asarray(full.resize((int(w), int(h)), Image.BILINEAR), dtype=np.float64)
+        got = loader.cache[i, :h, :w].double().numpy()
+        assert np.abs(got - ref).mean() < 2.0, src.paths[i]
+
+
 def test_the_budget_refuses_one_byte_short(photo_folder, monkeypatch):
     import gc
 

@@ -359,10 +359,9 @@ class MemoryLoader(Loader):
             cache, labels = self._decode_files()             # already on the device
         self.labels = labels.to(self.device)
         if aug.crop.resamples and not self._applied:
-            # Constants of the per-batch resampling (see _resized_crops), made once: a batch then
-            # creates no tensor from host data.
+            # The output's pixel steps (see _resized_crops), made once: a batch then creates no tensor
+            # from host data.
             self._steps = torch.arange(aug.size, dtype=torch.float32, device=self.device)
-            self._channels = torch.arange(cache.shape[3], device=self.device)
         if source.kind is SourceKind.ARRAY and not aug.crop.resamples \
                 and ready_bytes(source, config, aug) <= budget(self.device, reserve, self).limit:
             # Small images (digits): cache them already normalized, padded for the translation, in the
@@ -631,35 +630,29 @@ class MemoryLoader(Loader):
         return lin.astype(np.float32), exact
 
     def _resized_crops(self, idx, lin, exact) -> torch.Tensor:
-        """Per-sample boxes cropped and resized bilinearly (or the exact slice), straight from the uint8
-        cache: four gathers of the output's size, not a float copy of every sample's whole slot.
+        """Per-sample boxes cropped and resized in one bilinear grid_sample (or the exact slice).
 
-        Bilinear sampling along axis-aligned lines is separable: each output pixel mixes the cache
-        pixels at rows (y0, y1) and columns (x0, x1) around its sampling point, with y1 and x1 kept
-        inside the sample's own pixels (the rest of a photo's slot is zero fill).
+        The sampling points are clamped to each sample's own pixels before they are normalized over
+        the whole slot: a photo's slot is zero beyond its (h, w), and grid_sample's border clamp would
+        reach it. (Four uint8 gathers per output pixel instead of a float copy of every slot measured
+        2-4x slower on the CPU: torch's CPU gathers are not vectorized; grid_sample is.)
         """
         size = self.augment.size
         if exact is not None:
             t, l = exact
-            x = self.cache[idx, t:t + size, l:l + size]
-            return self.normalize(x)
+            return self.normalize(self.cache[idx, t:t + size, l:l + size])
         if idx.shape[0] == 0:  # an empty share (drop_last=False, more ranks than samples left)
             return self.normalize(self.cache.new_empty((0, size, size, self.cache.shape[3])))
+        n, (hs, ws) = idx.shape[0], self.cache.shape[1:3]
         u = self._steps
         ys = torch.minimum((lin[:, 0:1] + lin[:, 1:2] * u).clamp_(min=0), lin[:, 4:5])   # (n, size)
         xs = torch.minimum((lin[:, 2:3] + lin[:, 3:4] * u).clamp_(min=0), lin[:, 5:6])
-        y0, x0 = ys.floor(), xs.floor()
-        wy, wx = (ys - y0)[:, None, :, None], (xs - x0)[:, None, None, :]
-        y0, x0 = y0.long(), x0.long()
-        y1 = torch.minimum(y0 + 1, lin[:, 4:5].long())
-        x1 = torch.minimum(x0 + 1, lin[:, 5:6].long())
-        # (n, C, size, size) gathers, indexed NCHW so the result needs no layout copy.
-        i, c = idx[:, None, None, None], self._channels[None, :, None, None]
-        r0, r1 = y0[:, None, :, None], y1[:, None, :, None]
-        c0, c1 = x0[:, None, None, :], x1[:, None, None, :]
-        top = torch.lerp(self.cache[i, r0, c0, c].float(), self.cache[i, r0, c1, c].float(), wx)
-        bottom = torch.lerp(self.cache[i, r1, c0, c].float(), self.cache[i, r1, c1, c].float(), wx)
-        return self.normalizer.floats(torch.lerp(top, bottom, wy))
+        # Pixel centres → grid_sample's coordinates (align_corners=False: the slot's edges at ±1).
+        gy, gx = (ys + 0.5) * (2 / hs) - 1, (xs + 0.5) * (2 / ws) - 1
+        grid = torch.stack((gx[:, None, :].expand(n, size, size), gy[:, :, None].expand(n, size, size)), -1)
+        xf = self.cache[idx].permute(0, 3, 1, 2).float()
+        out = F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        return self.normalizer.floats(out)
 
     def close(self):
         self.cache = self.ready = self._shifted = self._pixel = self._sizes = None
