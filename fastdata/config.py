@@ -368,8 +368,12 @@ class LoaderConfig:
             ``(seed, epoch, batch)``, so runs and resumes repeat exactly.
         rank, world_size: the shard to read; None → from torch.distributed or the torchrun variables.
         on_error: ``"raise"`` an error naming a file that cannot be decoded, or ``"skip"`` it (counted).
-        cache_size: side of the square that ``memory`` caches photos at (shorter side resized to it,
-            then center-cropped): the evaluation crop 256 → 224 comes out exact.
+        cache_size: the longest side at which ``memory`` caches each training photo, whole (aspect kept;
+            a smaller photo is kept as it is), in an (N, cache_size, cache_size, 3) uint8 tensor. Crops
+            are drawn from the original photo's size, as every backend draws them, then resampled from
+            the cached copy: 256 keeps the cache small (192 KiB a photo) at the cost of resolution for
+            small boxes; 512 keeps ImageNet-sized photos whole (see the README). The evaluation
+            recipe (``center``) is cached already applied, at ``size``², whatever ``cache_size``.
     """
 
     batch_size: int = 256

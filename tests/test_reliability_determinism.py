@@ -147,19 +147,7 @@ def test_digits_with_translation_are_reproducible(backend):
 CIFAR_AUG = Augmentation.cifar_train(pad=4)       # reflect padding, random crop, flip half the time
 
 
-def _cifar_backends() -> list:
-    """Every backend; memory's reflect/edge padding on the device is another change in flight: until
-    it lands, its cross-backend comparison may fail (xfail, not strict: it passes once it has)."""
-    params = []
-    for p in backend_params():
-        if p.id == "memory":
-            p = pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.xfail(
-                strict=False, reason="memory's reflect/edge translation on the device is not landed yet")])
-        params.append(p)
-    return params
-
-
-@pytest.mark.parametrize("backend", _cifar_backends())
+@pytest.mark.parametrize("backend", backend_params())
 def test_cifar_recipe_gives_every_backend_the_torch_backends_pixels(backend):
     """cifar_train on CIFAR-like arrays: for one seed, every backend yields the torch backend's pixels
     (reflect-padded shifts and flips drawn once, by draw_params), run after run, and epochs differ."""
