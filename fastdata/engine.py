@@ -263,9 +263,10 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             ``argmax(logits) == argmax(labels)``.
         epochs: total epochs, counting those a resumed checkpoint already finished.
         optimizer: default ``default_optimizer``: AdamW (lr 1e-3, weight decay 0.01), fused on CUDA.
-        scheduler: a learning-rate scheduler, stepped as ``scheduler_interval`` says. A OneCycleLR that
-            the run would step past its ``total_steps`` (a fresh run longer than it was built for, or
-            a resume with more epochs) is refused before training starts.
+        scheduler: a learning-rate scheduler on ``optimizer`` (one built on another optimizer is
+            refused), stepped as ``scheduler_interval`` says. A OneCycleLR that the run would step past
+            its ``total_steps`` (a fresh run longer than it was built for, or a resume with more
+            epochs) is refused before training starts.
         scheduler_interval: ``"step"`` (after every optimizer step), ``"epoch"`` (once at each
             epoch's end, after evaluation) or None (default): ``"step"`` for OneCycleLR and CyclicLR,
             ``"epoch"`` for every other scheduler (``MultiStepLR(milestones=[30])`` decays after epoch
@@ -705,6 +706,11 @@ class TrainStep:
             raw.to(memory_format=torch.channels_last)
         if optimizer is None:
             optimizer = default_optimizer(raw.parameters(), device)
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            # Stepping it would change the learning rate of an optimizer nothing steps: a silent no-op.
+            raise ValueError("the scheduler was built on another optimizer than the one fit steps: pass that "
+                             "optimizer too (fit(optimizer=opt, scheduler=...)); without optimizer=, fit "
+                             "makes its own AdamW")
         # A disabled scaler passes the loss and the step straight through: one step path for all modes.
         scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
         loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()

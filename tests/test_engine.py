@@ -906,7 +906,7 @@ def _soft(batches, classes=10, seed=0):
     """``batches`` with soft labels: a random probability vector over ``classes`` per sample, as MixUp and
     CutMix make them (float32 (N, classes))."""
     g = torch.Generator().manual_seed(seed)
-    return [(x, torch.softmax(3 * torch.randn(x.shape[0], classes, generator=g), 1)) for x, _ in batches]
+    return [(x, torch.softmax(3 * torch.randn(x.shape[0], classes, generator=g), 1).to(x.device)) for x, _ in batches]
 
 
 class LogitsLog(nn.Module):
@@ -998,6 +998,21 @@ def test_fit_on_soft_labels_under_cpu_bf16_autocast():
     ev = evaluate(model, ListLoader(batches), amp="bf16")
     ref = evaluate(model, ListLoader(batches), amp="off")
     assert ev["loss"] == pytest.approx(ref["loss"], rel=3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_fit_on_soft_labels_under_cuda_autocast(amp):
+    """CUDA autocast runs cross-entropy in float32 too: bf16/fp16 logits against float32 soft targets."""
+    batches = _soft(_batches(2, device="cuda"))
+    torch.manual_seed(0)
+    model = SmallCNN(width=4)
+    hist = fit(model, ListLoader(batches, device="cuda"), epochs=2, amp=amp, progress=False)
+    assert all(math.isfinite(r["train_loss"]) for r in hist)
+    model.eval()
+    with torch.no_grad():
+        agree = sum((model(x).argmax(1) == y.argmax(1)).sum().item() for x, y in batches)
+    assert evaluate(model, ListLoader(batches, device="cuda"), amp="off")["accuracy"] == agree / 32
 
 
 def test_empty_soft_label_batches_keep_working():
@@ -1209,3 +1224,14 @@ def test_each_epoch_records_its_lr_one_per_group_when_groups_differ():
     old = {**record}
     del old["lr"]                                        # a record from a checkpoint written before lr
     assert " lr " not in format_record(old, 1)
+
+
+def test_a_scheduler_on_another_optimizer_is_refused():
+    """Without optimizer=, fit makes its own AdamW: a scheduler built on the caller's optimizer would then
+    step nothing that trains."""
+    model = SmallCNN(width=4)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
+    loader = ListLoader(_batches(1))
+    with pytest.raises(ValueError, match=r"scheduler was built on another optimizer.*fit\(optimizer=opt"):
+        fit(model, loader, epochs=1, scheduler=sched, progress=False)
+    assert loader.iters == 0
