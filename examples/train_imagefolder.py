@@ -81,9 +81,9 @@ def main(args) -> dict:
                                    augment=Augmentation.imagenet_train(size=size), **common)
         val_loader = None
         if val_src is not None:
-            val_loader = make_loader(val_src, args.backend, batch_size=args.batch_size, train=False,
-                                     augment=Augmentation.imagenet_eval(size=size, resize=round(size * 256 / 224)),
-                                     **common)
+            # like=: the training loader's statistics, device and layout, and its class folders checked.
+            val_loader = make_loader(val_src, args.backend, like=train_loader,
+                                     augment=Augmentation.imagenet_eval(size=size, resize=round(size * 256 / 224)))
         model = torchvision.models.resnet18(num_classes=train_src.num_classes)
         lr = args.lr * args.batch_size * fdist.world_size() / 256
         optimizer = make_optimizer(model, lr, device)

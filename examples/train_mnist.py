@@ -110,8 +110,8 @@ def main(args) -> dict:
         train_src, test_src, dataset = load_digits(args)
         common = dict(device=device, num_workers=args.workers, seed=args.seed, channels_last=args.channels_last)
         train_loader = make_loader(train_src, args.backend, batch_size=args.batch_size, train=True, **common)
-        test_loader = make_loader(test_src, args.backend, batch_size=max(args.batch_size, 1024), train=False,
-                                  **common)
+        # like=: the test digits are normalized with the training set's statistics, not their own.
+        test_loader = make_loader(test_src, args.backend, like=train_loader, batch_size=max(args.batch_size, 1024))
         model = SmallCNN(num_classes=10, in_channels=1)
         # Fused on CUDA: GradScaler hands a fused optimizer its inf check as a device tensor; any other
         # makes it read the check with .item(), one host sync per fp16 step. (fit moves the model to
