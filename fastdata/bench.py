@@ -238,6 +238,7 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
 
 
 def report_markdown(payload: dict) -> str:
+    """The bench result as the markdown report (machine, per-backend table, recommendation)."""
     from .report import fmt_num, fmt_pct, markdown_table
 
     lines = []
@@ -258,6 +259,7 @@ def report_markdown(payload: dict) -> str:
 
 
 def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``fastdata bench`` argument parser (added to ``parser`` when given, for the CLI's subcommand)."""
     p = parser or argparse.ArgumentParser(prog="python -m fastdata bench", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="'digits', an MNIST root (holding MNIST/raw) or an image folder")
     p.add_argument("--model", default="smallcnn", help="smallcnn or a torchvision model name (resnet18, ...)")
@@ -274,6 +276,8 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
 
 
 def main(args) -> dict:
+    """Run the bench for parsed ``args``: measure, print the table and the recommendation, write the
+    reports; returns the payload."""
     from .report import machine_info, machine_tag, write_reports
 
     batches = 30 if args.quick else args.batches

@@ -99,6 +99,8 @@ ON_ERROR = ("raise", "skip")
 # integer belongs would otherwise be coerced somewhere deep in a backend (or fail at the first batch),
 # so each is refused here with the field's name.
 def check_integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int in [minimum, maximum]: TypeError for a non-integer (bool included),
+    ValueError out of range; both name ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     value = int(value)
@@ -141,6 +143,8 @@ def check_unit_stats(name: str, values, where: str = "") -> None:
 
 
 def check_reals(name: str, value) -> tuple[float, ...]:
+    """``value`` (one number or a sequence) as a non-empty tuple of finite floats; errors name ``name``
+    and the index."""
     values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if not values:
         raise ValueError(f"{name} must hold one value per channel, got {value!r}")

@@ -43,6 +43,7 @@ def pil_info() -> dict:
 
 
 def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -115,6 +116,7 @@ def gpu_verdict(smi: dict | None, torch_cuda: str | None, usable: int) -> tuple[
 
 
 def dali_info() -> dict:
+    """DALI's version and whether it runs GPU or CPU-only pipelines here (or why it does not import)."""
     try:
         import nvidia.dali as dali
     except Exception as e:
@@ -143,6 +145,7 @@ def dali_cuda_major() -> int | None:
 
 
 def report() -> dict:
+    """Everything ``python -m fastdata doctor`` prints, as a dict (versions, devices, driver verdict, backends)."""
     import numpy
     import torch
     import torchvision

@@ -45,6 +45,7 @@ class PresetParser(argparse.ArgumentParser):
         return action
 
     def parse_known_args(self, args=None, namespace=None):
+        """Parse, then fill every preset option left unset with its full or ``--quick`` default."""
         ns, rest = super().parse_known_args(args, namespace)
         values = vars(ns)
         for dest, (full, quick) in self.presets.items():
@@ -74,6 +75,7 @@ def _pil_info() -> dict:
 
 
 def pil_info() -> dict:
+    """The installed PIL: version, and whether it is Pillow-SIMD and built with AVX2."""
     return dict(_pil_info())
 
 
@@ -126,6 +128,7 @@ def machine_tag(info: dict) -> str:
 
 # ------------------------------------------------------------------------------------ formatting
 def fmt_num(x, digits: int = 3) -> str:
+    """A number for a table: ``-`` for None, thousands separators from 100 up, else ``digits`` significant digits."""
     if x is None:
         return "-"
     if isinstance(x, str):
@@ -138,14 +141,17 @@ def fmt_num(x, digits: int = 3) -> str:
 
 
 def fmt_ratio(x) -> str:
+    """A ratio for a table, as ``1.23x``."""
     return "-" if x is None else (f"{x:,.0f}x" if x >= 100 else f"{x:.2f}x")
 
 
 def fmt_pct(x) -> str:
+    """A fraction in [0, 1] for a table, as a percentage."""
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """A markdown table with padded columns (readable as plain text too)."""
     widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]
     out = ["| " + " | ".join(str(h).ljust(w) for h, w in zip(header, widths)) + " |",
            "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -154,6 +160,7 @@ def markdown_table(header: list[str], lines: list[list[str]]) -> str:
 
 
 def machine_markdown(info: dict) -> str:
+    """The machine description (``machine_info``) as a markdown list."""
     keys = ["date", "cpu", "cores", "memory_gib", "gpu", "pil", "python", "torch", "torchvision", "dali",
             "numpy", "fastdata", "host"]
     return "\n".join(f"- **{k}**: {info.get(k) if info.get(k) is not None else 'none'}" for k in keys)
@@ -161,6 +168,7 @@ def machine_markdown(info: dict) -> str:
 
 # ------------------------------------------------------------------------------------ files
 def write_json(path: Path, payload: dict) -> None:
+    """Write ``payload`` as JSON atomically (dataclasses as dicts, non-finite floats as null)."""
     def default(o):
         if hasattr(o, "__dataclass_fields__"):
             return asdict(o)
@@ -174,6 +182,7 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
+    """Write ``text`` atomically: a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -73,3 +73,36 @@ def test_no_module_imports_another_modules_private_names():
     for m, deps in _graph().items():
         private = [f"{t}.{n}" for t, names in deps for n in names if n.startswith("_") and n != "__version__"]
         assert not private, f"{m} imports private names {private}"
+
+
+def test_every_public_name_has_a_docstring():
+    """Issue 12: 'docstrings on every public name'. Functions and classes a module defines (not ones it
+    imports), and their public methods and properties, unless a base class documents the method."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import fastdata
+
+    missing = []
+    for info in pkgutil.walk_packages(fastdata.__path__, "fastdata."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            if not (obj.__doc__ or "").strip():
+                missing.append(f"{module.__name__}.{name}")
+            if not inspect.isclass(obj):
+                continue
+            for attr, value in vars(obj).items():
+                func = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+                if attr.startswith("_") or not inspect.isfunction(func) or (func.__doc__ or "").strip():
+                    continue
+                if not any((getattr(getattr(base, attr, None), "__doc__", None) or "").strip()
+                           for base in obj.__mro__[1:]):
+                    missing.append(f"{module.__name__}.{name}.{attr}")
+    assert not missing, f"public names without a docstring: {missing}"
