@@ -25,15 +25,22 @@ and no host sync.
 
 Budget: a cache must fit in the device's total memory minus ``memory_reserve`` (default: a quarter of a
 GPU, a fifth of the host's available RAM) minus the other live memory caches of this process, and on a
-GPU also in its free memory. Not yet handled: under torchrun every rank decodes and holds the whole
-dataset; ranks on one node do not share one host copy, and on the CPU their caches do not see each
-other's budget (each process only sees the RAM the others have already taken).
+GPU also in its free memory.
+
+One cache per node: under a process group, the k ranks of a node build a photo cache together (see
+MemoryLoader._decode_node): local rank j decodes the j-th k-th of the files, so each file is decoded once
+per node. On the CPU they share ONE copy in a /dev/shm file every rank maps (the budget counts it once
+for the node: the need is one cache, not k); on CUDA an all-gather inside the node gives each GPU its
+full copy. Undecodable files are exchanged first, so every rank keeps the same ones, or every rank
+raises, naming the file. Arrays are not decoded: each rank's cache is its own array, as before.
 """
 from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -275,12 +282,18 @@ def ready_bytes(source, config, aug) -> int:
     return n * (h + 2 * p) * (w + 2 * p) * c * config.dtype.itemsize
 
 
-def check_fits(source, config, reserve=None) -> Budget:
-    """Raise CacheDoesNotFit, naming both sizes and the budget's parts, if the uint8 cache does not fit."""
-    need, b = cache_bytes(source, config), budget(config.device, reserve)
+def check_fits(source, config, reserve=None, copies: int = 1) -> Budget:
+    """Raise CacheDoesNotFit, naming both sizes and the budget's parts, if the uint8 cache does not fit.
+
+    ``copies``: caches of this size the device's memory must hold at once: 1 for a cache of one
+    process, and for the one shared copy of a node's ranks on the host; k for the host copies of k ranks
+    of a node that cannot share one (no room in /dev/shm). Each rank then checks its 1/k share."""
+    one, b = cache_bytes(source, config), budget(config.device, reserve)
+    need = one * copies
     if need > b.limit:
+        copies_text = f" ({copies} copies, one per rank of this node)" if copies > 1 else ""
         raise CacheDoesNotFit(
-            f"memory backend: caching {source!r} needs {need} bytes ({_fmt(need)}) but {b.explain()}; "
+            f"memory backend: caching {source!r} needs {need} bytes ({_fmt(need)}){copies_text} but {b.explain()}; "
             f"pass memory_reserve=<bytes or fraction of the device> to change the reserve, or use the "
             f"'torch', 'prefetch' or 'dali' backend, or a smaller cache_size")
     return b
@@ -307,19 +320,26 @@ class MemoryLoader(Loader):
             augmented: a fraction in [0, 1) (of a GPU's total memory; of the host's available RAM) or a
             number of bytes. Default: 0.25 on a GPU, 0.2 on the CPU. Other live memory caches of the
             process (e.g. the training cache, for the evaluation one) count against the same budget.
+        node_cache: under a process group, the ranks of a node decode a photo cache together, each file
+            once per node, and share it (one /dev/shm copy per node on the CPU, an all-gather between the
+            GPUs on CUDA). Building the loader is then a call every rank makes, as for DDP (also
+            ``node_group``'s first call, collective over the job). False: every rank decodes and caches
+            everything itself (no collective; a loader only some ranks build).
     """
 
     name = "memory"
     reads = frozenset({SourceKind.ARRAY, SourceKind.FILES})   # a torch Dataset is not cached (yet)
-    options = {"cache_workers": None, "memory_reserve": None}
+    options = {"cache_workers": None, "memory_reserve": None, "node_cache": True}
 
     @classmethod
     def fits(cls, source, config, options=None, *, stable=False):
         """Fits when the source's uint8 cache fits the budget (see the module docstring).
 
-        ``stable``: budget against the device's total memory minus the reserve and this process's
-        live caches only — equal on every rank of a job without a process group, where free memory
-        (which differs with what each rank has allocated so far) would let ranks pick different backends.
+        The need is one cache: under a process group the ranks of a node share one host copy (see
+        ``node_cache``), and each GPU holds its own. ``stable``: budget against the device's total
+        memory minus the reserve and this process's live caches only — equal on every rank of a job
+        without a process group, where free memory (which differs with what each rank has allocated so
+        far) would let ranks pick different backends.
         """
         ok, why = super().fits(source, config, options, stable=stable)
         if not ok:
@@ -338,11 +358,19 @@ class MemoryLoader(Loader):
         super().__init__(source, config, **options)
         self.footprint = 0          # bytes this loader holds on its device (for the shared budget)
         self.cache = self.ready = self._shifted = None
+        #: The /dev/shm file a node's shared host cache was made in (already unlinked: the ranks'
+        #: mappings hold the memory until the last one closes); None for a cache of this process only.
+        self.shared_path = None
         aug = self.augment
         if source.kind is SourceKind.FILES:
             require_fixed_size(source, aug)   # the torch backend's error, before any decoding
+        # (group, local rank, ranks on this node) while the node builds one cache together, else None.
+        self._node = self._node_ranks()
         reserve = self.opts["memory_reserve"]
-        check_fits(source, config, reserve)  # before any allocation
+        if self._node is None:
+            check_fits(source, config, reserve)  # before any allocation
+        else:   # every rank of the node raises, or none does (its peers would wait in the next collective)
+            self._agree(lambda: check_fits(source, config, reserve))
         _LIVE.add(self)
         p = aug.pad if aug.crop is Crop.TRANSLATE else 0
         # Per cache slot, on the host: the (H, W) boxes are drawn from and the (h, w) of the pixels
@@ -429,7 +457,7 @@ class MemoryLoader(Loader):
             self._shifted = ready.as_strided((n, 2 * p + 1, 2 * p + 1, c, h, w), (sn, sh, sw, sc, sh, sw))
         return ready
 
-    # Files per decoding job; the host holds at most a few of these at a time (see _decode_files).
+    # Files per decoding job; the host holds at most a few of these at a time (see _decode_into).
     _CHUNK = 64
 
     def _decode_files(self):
@@ -437,9 +465,7 @@ class MemoryLoader(Loader):
         (DataLoader workers do the decoding). Training recipes: each photo whole at a longer side of at
         most cache_size (``WholePhotos``); the evaluation recipe: its output (``BatchDecoder``, the torch
         backend's decoding). Files skipped with on_error='skip' leave no gap: the good ones are written
-        contiguously."""
-        from torch.utils.data import DataLoader
-
+        contiguously. Under a process group the node's ranks share the work (see ``_decode_node``)."""
         aug = self.augment
         s = photo_side(aug, self.config.cache_size)
         if self._applied:
@@ -449,8 +475,27 @@ class MemoryLoader(Loader):
         else:
             decoder = WholePhotos(self.source, s, self.config.on_error)
         n = len(self.source)
-        chunk = self._CHUNK
-        jobs = [np.arange(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+        if self._node is not None:
+            cache, kept, sizes = self._decode_node(decoder, n, s)
+        else:
+            cache = torch.empty((n, s, s, 3), dtype=torch.uint8, device=self.device)
+            kept, sizes = self._decode_into(decoder, cache, 0, n)
+        self.kept = kept
+        if not self._applied:
+            self._sizes = (sizes[:, :2], sizes[:, 2:])
+        # Left out of every epoch: loader.skipped reports them each epoch (the one counter and warning).
+        self.skipped_at_cache = self._dropped = self.skipped = n - len(self.kept)
+        if self.skipped_at_cache:
+            cache = cache[:len(kept)]   # a view: the unused tail is only the skipped files' bytes
+        return cache, torch.from_numpy(self.source.labels[self.kept])
+
+    def _decode_into(self, decoder, out: torch.Tensor, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Decode samples ``lo .. hi-1`` into ``out``'s first rows, the kept ones contiguously; return
+        (kept ids, int64 (kept, 4) photo sizes (empty for the applied evaluation recipe))."""
+        from torch.utils.data import DataLoader
+
+        s, chunk = out.shape[1], self._CHUNK
+        jobs = [np.arange(i, min(i + chunk, hi)) for i in range(lo, hi, chunk)]
         if self._applied:
             jobs = [(ids, 0) for ids in jobs]
         workers = self.opts["cache_workers"]
@@ -461,35 +506,141 @@ class MemoryLoader(Loader):
             raise CacheDoesNotFit(f"memory backend: decoding {self.source!r} needs {host} bytes "
                                   f"({_fmt(host)}) of host RAM for its chunks in flight but {_fmt(available_ram())} "
                                   f"is available; pass fewer cache_workers")
-        cache = torch.empty((n, s, s, 3), dtype=torch.uint8, device=self.device)
         kept, sizes = [], []
-        loader = DataLoader(decoder, batch_size=None, sampler=jobs,
-                            num_workers=workers)
-        if loader.num_workers:
-            collect_before_fork()
-        it = iter(loader)
         pos = 0
+        if jobs:
+            loader = DataLoader(decoder, batch_size=None, sampler=jobs, num_workers=workers)
+            if loader.num_workers:
+                collect_before_fork()
+            it = iter(loader)
+            try:
+                for images, extra, good in it:   # good: the chunk's ids that decoded, in the images' order
+                    out[pos:pos + len(good)] = images    # a pageable copy; synchronous, at cache time only
+                    pos += len(good)
+                    kept.append(np.asarray(good, dtype=np.int64))
+                    if not self._applied:
+                        sizes.append(extra.numpy())
+            finally:
+                # Shut the decoding workers down now, also after a DecodeError: left to the cyclic GC
+                # (the exception's traceback holds the iterator), they stall a later loader for seconds.
+                if hasattr(it, "_shutdown_workers"):
+                    it._shutdown_workers()
+        kept = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
+        sizes = np.concatenate(sizes) if sizes else np.empty((0, 4), dtype=np.int64)
+        return kept, sizes
+
+    # ------------------------------------------------------------------ one cache per node
+    def _node_ranks(self):
+        """(group, local rank, local world size) when this node's ranks build the cache together: files,
+        ``node_cache=True``, a process group with more than one rank on this node. Else None.
+
+        A host cache uses a gloo group (its tensors are on the host, whatever the job's backend); a CUDA
+        cache the job's default backend (nccl: the all-gather runs GPU to GPU)."""
+        node_cache = self.opts["node_cache"]
+        if not isinstance(node_cache, bool):
+            raise TypeError(f"memory backend: node_cache must be True or False, got {node_cache!r}")
+        if not node_cache or self.source.kind is not SourceKind.FILES:
+            return None
+        from .. import distributed as fdist
+
+        if not fdist.is_distributed():
+            return None
+        with self._collective_device():
+            group, local, k = fdist.node_group(None if self.device.type == "cuda" else "gloo")
+        return (group, local, k) if k > 1 else None
+
+    def _collective_device(self):
+        """Object collectives on an nccl group travel through the current GPU: make it the loader's."""
+        import contextlib
+
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _agree(self, step):
+        """Run ``step`` on every rank of the node, then raise on every rank if it failed on any: a rank
+        that raised alone would leave its peers waiting in the next collective until the process group's
+        timeout (30 minutes). Returns ``step``'s result."""
+        from .. import distributed as fdist
+
+        result, mine, failure = None, None, None
         try:
-            for images, extra, good in it:   # good: the chunk's ids that decoded, in the images' order
-                cache[pos:pos + len(good)] = images    # a pageable copy; synchronous, at cache time only
-                pos += len(good)
-                kept.append(np.asarray(good, dtype=np.int64))
-                if not self._applied:
-                    sizes.append(extra.numpy())
-        finally:
-            # Shut the decoding workers down now, also after a DecodeError: left to the cyclic GC
-            # (the exception's traceback holds the iterator), they stall a later loader for seconds.
-            if hasattr(it, "_shutdown_workers"):
-                it._shutdown_workers()
-        self.kept = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
-        if not self._applied:
-            sizes = np.concatenate(sizes) if sizes else np.empty((0, 4), dtype=np.int64)
-            self._sizes = (sizes[:, :2], sizes[:, 2:])
-        # Left out of every epoch: loader.skipped reports them each epoch (the one counter and warning).
-        self.skipped_at_cache = self._dropped = self.skipped = n - len(self.kept)
-        if self.skipped_at_cache:
-            cache = cache[:pos]   # a view: the unused tail is only the skipped files' bytes
-        return cache, torch.from_numpy(self.source.labels[self.kept])
+            result = step()
+        except Exception as e:   # noqa: BLE001 (sent to the peers, then raised again below)
+            mine = e
+            failure = (type(e).__name__, getattr(e, "path", None), getattr(e, "reason", None), str(e))
+        group, local, _ = self._node
+        with self._collective_device():
+            failures = fdist.gather_objects(failure, group)
+        if mine is not None:
+            raise mine
+        for j, f in enumerate(failures):
+            if f is None:
+                continue
+            kind, path, reason, text = f
+            if kind == "DecodeError" and path is not None:
+                raise DecodeError(path, f"{reason} (found by local rank {j} while the node's ranks built "
+                                        f"the memory cache together)")
+            if kind == "CacheDoesNotFit":
+                raise CacheDoesNotFit(f"on local rank {j} of this node: {text}")
+            raise RuntimeError(f"local rank {j} of this node failed while the node's ranks built the "
+                               f"memory cache together: {kind}: {text}")
+        return result
+
+    def _decode_node(self, decoder, n: int, s: int):
+        """The node's ranks decode the cache together: local rank j of k decodes samples
+        ``[j*m, (j+1)*m)`` (m = ceil(n / k)), each sample once per node, then they share the result.
+
+        CPU: into ONE shared-memory file (``fdist.node_shared_tensor``), each rank writing its block;
+        every rank maps the whole. CUDA (or no room in /dev/shm): each rank decodes its block into its
+        own full-size cache, then an all-gather inside the node fills in the others' blocks (one decode
+        per sample per node, one copy per GPU). Skips and errors are exchanged before anything is
+        shared: every rank keeps the same files, or every rank raises, naming the file.
+        """
+        from .. import distributed as fdist
+
+        group, local, k = self._node
+        m = -(-n // k)
+        lo, hi = min(local * m, n), min((local + 1) * m, n)
+        slot = s * s * 3
+        cache = None
+        if self.device.type == "cpu":
+            tag = f"memory-{zlib.crc32(self._cache_key().encode()):08x}"
+            flat, path, why = fdist.node_shared_tensor(n * slot, group, tag=tag)
+            if flat is not None:
+                cache, self.shared_path = flat.view(n, s, s, 3), path
+            else:
+                warnings.warn(f"memory backend: no shared-memory cache for this node ({why}); every rank "
+                              f"keeps its own copy of the cache (still decoded once per node). Give "
+                              f"/dev/shm room for {_fmt(n * slot)} (docker: --shm-size) to share one",
+                              RuntimeWarning, stacklevel=4)
+                self._agree(lambda: check_fits(self.source, self.config, self.opts["memory_reserve"], copies=k))
+        shared = cache is not None
+        if not shared:
+            # k blocks of m rows: all_gather's equal blocks; the last one's unused rows go with the tail.
+            cache = torch.empty((k * m, s, s, 3), dtype=torch.uint8, device=self.device)
+        kept, sizes = self._agree(lambda: self._decode_into(decoder, cache[local * m:local * m + hi - lo], lo, hi))
+        with self._collective_device():
+            parts = fdist.gather_objects((kept, sizes), group)
+        counts = [len(p[0]) for p in parts]
+        if shared:
+            # Local rank 0 closes the gaps skipped files left (a no-op without skips); the others wait,
+            # so that no rank reads the cache while it moves.
+            if local == 0:
+                fdist.compact_blocks(cache, [j * m for j in range(k)], counts)
+            with self._collective_device():
+                fdist.gather_objects(None, group)   # the barrier, on the group the loader already uses
+        else:
+            fdist.gather_blocks(cache, m, group)
+            fdist.compact_blocks(cache, [j * m for j in range(k)], counts)
+        kept = np.concatenate([p[0] for p in parts])
+        sizes = np.concatenate([p[1] for p in parts])
+        total = len(kept)
+        return cache[:total] if total < cache.shape[0] else cache, kept, sizes
+
+    def _cache_key(self) -> str:
+        """The job, the source and the recipe: part of the shared file's name (tells whose it is)."""
+        job = os.environ.get("TORCHELASTIC_RUN_ID") or \
+            f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+        return f"{job}|{self.source.fingerprint()}|{self.augment!r}|{self.config.cache_size}|{self.config.on_error}"
 
     @property
     def photo_sizes(self) -> tuple[np.ndarray, np.ndarray] | None:
