@@ -215,6 +215,24 @@ def test_auto_leaves_large_shrunk_boxes_to_the_draft_path(tmp_path):
     assert region.draft_cost(1) == 1.0 and region.region_cost(w, h, (0, 0, h, w)) == pytest.approx(1.0)
 
 
+def test_draft_scale_is_the_reduction_pillow_applies(variants):
+    """The cost model compares against the scale ``Image.draft`` really picks for load_photo's request."""
+    import math
+
+    data = variants["baseline 4:2:0"]
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+            bh, bw = rng.uniform(8, h), rng.uniform(8, w)
+            out = int(rng.integers(16, 200))
+            want = (max(1, math.ceil(w * out / bw)), max(1, math.ceil(h * out / bh)))
+            if want[0] < w and want[1] < h:
+                im.draft("RGB", want)
+            got = round(w / im.size[0])
+        assert region.draft_scale(w, h, bh, bw, out, out) == got, (bh, bw, out)
+
+
 def _decode_in_child(data, queue):
     queue.put(np.asarray(region.decode_box(data, (5, 6, 70, 80), None, policy="region").image))
 
