@@ -2,10 +2,17 @@
 
 Without ``torchrun`` (no ``WORLD_SIZE`` > 1 in the environment) every function here is a cheap no-op
 for a single process, so the same script runs alone or distributed.
+
+One node: ``node_group`` gives the ranks of this machine their own process group, and the helpers
+after it let them build one thing together (``memory``'s cache per node): exchange small objects
+(``gather_objects``), all-gather equal blocks of a tensor in place (``gather_blocks``), close the gaps
+of blocks that kept fewer rows (``compact_blocks``), and map one shared-memory file on every rank
+(``node_shared_tensor``).
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -315,6 +322,8 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
                 if nbytes:
+                    if not hasattr(os, "posix_fallocate"):   # macOS: no way to reserve the pages up front
+                        raise OSError(f"os.posix_fallocate is not available on {sys.platform}")
                     os.posix_fallocate(fd, 0, nbytes)
             finally:
                 os.close(fd)
@@ -342,3 +351,142 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
     if problems:
         return None, path, problems[0]
     return tensor, path, None
+
+
+# --------------------------------------------------------------- preparation and decisions made once
+from datetime import timedelta  # this section's own import, kept with it
+
+# Work that one rank does for others (a download, an extraction, a decision such as "is there a
+# checkpoint") and whose outcome every rank needs. The outcome travels over a gloo group with its own
+# timeout: a download can outlast the default group's (30 minutes for gloo, 10 for nccl), and gloo keeps
+# the pickled objects on the host where an nccl group would route them through a GPU.
+PREPARE_TIMEOUT = timedelta(hours=24)
+# gloo groups by timeout, for the default process group they were made under (see _cpu_group).
+_CPU_GROUPS: dict = {}
+_CPU_GROUPS_WORLD = None
+
+
+class PreparationError(RuntimeError):
+    """Raised on every rank that waited when the rank doing the work for it failed; names that rank,
+    its node and the error. The failing rank itself raises its own exception."""
+
+
+def prepare_per_node(fn, *args, what: str | None = None, timeout: timedelta | None = PREPARE_TIMEOUT, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on local rank 0 of every node while the other ranks wait: a download,
+    an extraction, a cache written to a node's own disk (Lightning's ``prepare_data_per_node``).
+
+    Every rank of the job must call it (it is a collective). Each node's local rank 0 runs ``fn``; then
+    every rank learns every node's outcome. When ``fn`` raised on some node, its rank re-raises its own
+    exception and every other rank raises ``PreparationError`` naming the failed rank, its node and the
+    error: no rank is left waiting for a preparation that will never come. Without a process group (a
+    single process) it just calls ``fn``.
+
+    Nodes are told apart by ``LOCAL_RANK`` (torchrun, Lightning and Ray Train set it): the rank that
+    prepares for rank r is r - LOCAL_RANK, which is how those launchers number ranks, node by node.
+
+    Args:
+        fn: the preparation; its return value is shared with the node's other ranks, so keep it small
+            (a path, a flag, a name): build datasets afterwards, on every rank, from what it prepared.
+        what: what is being prepared, for the error messages (default: ``fn``'s name).
+        timeout: how long the waiting ranks wait (default 24 hours: a download can take that long).
+
+    Returns:
+        ``fn``'s return value on this node's local rank 0, on every rank of the node.
+    """
+    return _run_and_share(fn, args, kwargs, per_node=True, what=what, timeout=timeout)
+
+
+def prepare_once(fn, *args, what: str | None = None, timeout: timedelta | None = PREPARE_TIMEOUT, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on global rank 0 only while every other rank waits: preparation for a
+    filesystem every node shares (one download for the whole job). Failures and the return value are
+    shared as in ``prepare_per_node``; without a process group it just calls ``fn``."""
+    return _run_and_share(fn, args, kwargs, per_node=False, what=what, timeout=timeout)
+
+
+def decide_on_main(fn, *args, what: str | None = None, **kwargs):
+    """A decision made once: global rank 0 computes ``fn(*args, **kwargs)`` and every rank returns that
+    value (or raises, naming rank 0's error, when it failed). For choices the ranks must agree on and
+    could answer differently on their own (does the checkpoint exist: each node sees its own disk).
+    Every rank must call it; it waits no longer than the process group's own timeout."""
+    return _run_and_share(fn, args, kwargs, per_node=False, what=what, timeout=None)
+
+
+def share_from_main(value, need: bool):
+    """Rank 0's ``value`` on every rank that says it ``need``s it; the others get their own ``value``
+    back. A collective (every rank calls it); the object is sent only when some rank needs it, over the
+    host (gloo), so a checkpoint's bytes never pass through a GPU. A no-op in a single process."""
+    if not is_distributed():
+        return value
+    with_timeout = _cpu_group(None)
+    needs = [False] * dist.get_world_size()
+    dist.all_gather_object(needs, bool(need), group=with_timeout)
+    if not any(needs):
+        return value
+    box = [value if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=with_timeout)
+    return box[0] if need else value
+
+
+def _run_and_share(fn, args, kwargs, *, per_node: bool, what, timeout):
+    what = what or getattr(fn, "__name__", "the preparation")
+    if not is_distributed():
+        if env_world_size() > 1:
+            raise RuntimeError(f"{what}: WORLD_SIZE={env_world_size()} but no process group is running, so the "
+                               f"ranks that wait cannot be told when it is done: call "
+                               f"fastdata.distributed.init_distributed() first")
+        return fn(*args, **kwargs)
+    import pickle
+    import socket
+
+    me = dist.get_rank()
+    local = local_rank() if per_node else me
+    leader = me - local
+    here = {"rank": me, "local_rank": local_rank(), "host": socket.gethostname(),
+            "node": os.environ.get("GROUP_RANK")}
+    outcome, error = None, None
+    if local == 0:
+        try:
+            result = fn(*args, **kwargs)
+            pickle.dumps(result)   # unpicklable here, not in the collective below (the others would hang)
+            outcome = ("ok", result)
+        except Exception as e:   # reported to every rank; re-raised here below
+            outcome, error = ("failed", f"{type(e).__name__}: {e}"), e
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (here, outcome), group=_cpu_group(timeout))
+    failed = [(who, o[1]) for who, o in everyone if o is not None and o[0] == "failed"]
+    if error is not None:
+        raise error
+    if failed:
+        where = "; ".join(f"rank {who['rank']} ({_node_name(who)}): {msg}" for who, msg in failed)
+        raise PreparationError(f"{what} failed on {len(failed)} rank(s), which this rank ({me}) waited for: "
+                               f"{where}")
+    if not 0 <= leader < len(everyone) or everyone[leader][1] is None:
+        raise RuntimeError(f"{what}: rank {me} (LOCAL_RANK={local}) expected rank {leader} to prepare for its "
+                           f"node, and it did not: the launcher does not number ranks node by node "
+                           f"(rank - LOCAL_RANK = the node's first rank); use prepare_once on a shared "
+                           f"filesystem instead")
+    return everyone[leader][1][1]
+
+
+def _node_name(who: dict) -> str:
+    node = f"node {who['node']}, " if who.get("node") not in (None, "") else ""
+    return f"{node}host {who['host']}, LOCAL_RANK {who['local_rank']}"
+
+
+def _cpu_group(timeout: timedelta | None):
+    """A gloo group over every rank with ``timeout`` (None: the default group's timeout), made once per
+    timeout and kept until the default group is destroyed: a group destroyed right after a collective
+    can close its sockets while a peer still reads from them. Collective the first time (every rank
+    calls ``new_group`` in the same order, as the callers above guarantee). The default group itself
+    when it is gloo and no timeout is asked for."""
+    global _CPU_GROUPS_WORLD
+    world = dist.group.WORLD
+    if _CPU_GROUPS_WORLD is not world:
+        _CPU_GROUPS.clear()
+        _CPU_GROUPS_WORLD = world
+    if timeout is None and "gloo" in str(dist.get_backend()).lower():
+        return None
+    if timeout not in _CPU_GROUPS:
+        seconds = int(timeout.total_seconds()) if timeout else 0
+        _CPU_GROUPS[timeout] = dist.new_group(backend="gloo", timeout=timeout, group_desc=f"fastdata_cpu_{seconds}")
+    return _CPU_GROUPS[timeout]

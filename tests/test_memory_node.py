@@ -59,7 +59,7 @@ def _digest(t: torch.Tensor) -> str:
 
 
 NODE_SCRIPT = """
-import gc, hashlib, json, os, sys
+import functools, gc, hashlib, json, os, sys
 import numpy as np
 import torch
 from fastdata import distributed as fdist, make_loader
@@ -135,7 +135,8 @@ sk.close()
 # 4. the same without /dev/shm room: a copy per rank, filled by the all-gather (CUDA's path, on the host)
 PHASE["name"] = "private"
 real = fdist.node_shared_tensor
-fdist.node_shared_tensor = lambda nbytes, group, tag="": (None, "/dev/shm/none", "no room (test)")
+# A folder that does not exist stands for a full or missing /dev/shm: local rank 0 cannot create the file.
+fdist.node_shared_tensor = functools.partial(real, directory=os.path.abspath("no-such-dir"))
 import warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -234,7 +235,8 @@ def test_two_ranks_on_one_node_decode_each_photo_once_and_share_one_cache(tmp_pa
             assert r[phase]["skipped"] == 1
             assert r[phase]["cache"] == _digest(ref_skip.cache), phase
             assert r[phase]["shape"] == [20, 48, 48, 3]
-    assert all(r["private"]["shared_path"] is None and len(r["private"]["warning"]) == 1 for r in ranks)
+    assert all(r["private"]["shared_path"] is None for r in ranks)
+    assert all(len(r["private"]["warning"]) == 1 and "no-such-dir" in r["private"]["warning"][0] for r in ranks)
 
     # on_error="raise": every rank raises the DecodeError, naming the file rank 0 found.
     for r in ranks:
@@ -264,6 +266,26 @@ def test_node_functions_are_no_ops_in_a_single_process():
     assert fdist.node_group() == (None, 0, 1)
     assert fdist.node_layout() == [[0]]
     assert fdist.gather_objects({"a": 1}) == [{"a": 1}]
+
+
+def test_node_shared_tensor_in_a_one_rank_group(tmp_path):
+    """The file is gone as soon as it is mapped, the memory stays; a folder it cannot be made in is a
+    reason, not an exception (the caller keeps a copy per rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        t, path, why = fdist.node_shared_tensor(4096, None, tag="t", directory=str(tmp_path))
+        assert why is None and t.shape == (4096,) and path.startswith(str(tmp_path / "fastdata-t-"))
+        assert not os.path.exists(path)
+        t[:] = 7
+        assert int(t.sum()) == 7 * 4096
+        with open("/proc/self/maps") as f:
+            assert any(path in line for line in f)
+        none, _, why = fdist.node_shared_tensor(4096, None, directory=str(tmp_path / "missing"))
+        assert none is None and "cannot create 4096 bytes in" in why
+    finally:
+        dist.destroy_process_group()
 
 
 def test_node_key_keeps_torchrun_agents_on_one_machine_apart(monkeypatch):
