@@ -531,11 +531,15 @@ class MemoryLoader(Loader):
 
     # ------------------------------------------------------------------ one cache per node
     def _node_ranks(self):
-        """(group, local rank, local world size) when this node's ranks build the cache together: files,
-        ``node_cache=True``, a process group with more than one rank on this node. Else None.
+        """(gloo group, local rank, local world size, data group) when this node's ranks build the cache
+        together: files, ``node_cache=True``, a process group with more than one rank on this node.
+        Else None.
 
-        A host cache uses a gloo group (its tensors are on the host, whatever the job's backend); a CUDA
-        cache the job's default backend (nccl: the all-gather runs GPU to GPU)."""
+        The exchanges (budget, skips, errors) and the waits for the slowest rank's decoding run on a
+        gloo group of the node, on the host: under nccl such a wait would sit in a GPU collective under
+        NCCL's watchdog, and small objects would travel through a GPU. The data group moves the cache:
+        the gloo group for a host cache, the job's default backend for a CUDA cache (nccl: the
+        all-gather runs GPU to GPU, entered only once every rank is known to be ready)."""
         node_cache = self.opts["node_cache"]
         if not isinstance(node_cache, bool):
             raise TypeError(f"memory backend: node_cache must be True or False, got {node_cache!r}")
@@ -545,9 +549,10 @@ class MemoryLoader(Loader):
 
         if not fdist.is_distributed():
             return None
-        with self._collective_device():
-            group, local, k = fdist.node_group(None if self.device.type == "cuda" else "gloo")
-        return (group, local, k) if k > 1 else None
+        with self._collective_device():   # node_group's first call gathers over the default group
+            group, local, k = fdist.node_group("gloo")
+            data = fdist.node_group()[0] if self.device.type == "cuda" else group
+        return (group, local, k, data) if k > 1 else None
 
     def _collective_device(self):
         """Object collectives on an nccl group travel through the current GPU: make it the loader's."""
@@ -567,9 +572,7 @@ class MemoryLoader(Loader):
         except Exception as e:   # noqa: BLE001 (sent to the peers, then raised again below)
             mine = e
             failure = (type(e).__name__, getattr(e, "path", None), getattr(e, "reason", None), str(e))
-        group, local, _ = self._node
-        with self._collective_device():
-            failures = fdist.gather_objects(failure, group)
+        failures = fdist.gather_objects(failure, self._node[0])
         if mine is not None:
             raise mine
         for j, f in enumerate(failures):
@@ -597,7 +600,7 @@ class MemoryLoader(Loader):
         """
         from .. import distributed as fdist
 
-        group, local, k = self._node
+        group, local, k, data = self._node
         m = -(-n // k)
         lo, hi = min(local * m, n), min((local + 1) * m, n)
         slot = s * s * 3
@@ -618,18 +621,16 @@ class MemoryLoader(Loader):
             # k blocks of m rows: all_gather's equal blocks; the last one's unused rows go with the tail.
             cache = torch.empty((k * m, s, s, 3), dtype=torch.uint8, device=self.device)
         kept, sizes = self._agree(lambda: self._decode_into(decoder, cache[local * m:local * m + hi - lo], lo, hi))
-        with self._collective_device():
-            parts = fdist.gather_objects((kept, sizes), group)
+        parts = fdist.gather_objects((kept, sizes), group)
         counts = [len(p[0]) for p in parts]
         if shared:
             # Local rank 0 closes the gaps skipped files left (a no-op without skips); the others wait,
             # so that no rank reads the cache while it moves.
             if local == 0:
                 fdist.compact_blocks(cache, [j * m for j in range(k)], counts)
-            with self._collective_device():
-                fdist.gather_objects(None, group)   # the barrier, on the group the loader already uses
+            fdist.gather_objects(None, group)   # a barrier
         else:
-            fdist.gather_blocks(cache, m, group)
+            fdist.gather_blocks(cache, m, data)
             fdist.compact_blocks(cache, [j * m for j in range(k)], counts)
         kept = np.concatenate([p[0] for p in parts])
         sizes = np.concatenate([p[1] for p in parts])
