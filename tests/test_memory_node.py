@@ -97,7 +97,7 @@ def mapped(path):
     with open("/proc/self/maps") as f:
         return any(path in line for line in f)
 
-def report(name, loader):
+def report(loader):
     return {"cache": digest(loader.cache), "shape": list(loader.cache.shape),
             "kept": loader.kept.tolist(), "skipped": loader.skipped_at_cache,
             "sizes": None if loader.photo_sizes is None else
@@ -110,7 +110,7 @@ def report(name, loader):
 PHASE["name"] = "train"
 train = make_loader(ImageFolder(good), "memory", batch_size=4, device="cpu", cache_size=48,
                     augment=Augmentation.imagenet_train(size=32), seed=5, cache_workers=1)
-out["train"] = report("train", train)
+out["train"] = report(train)
 torch.save([b for b in train], f"batches{rank}.pt")
 path = train.shared_path
 train.close()
@@ -122,14 +122,14 @@ out["train"]["mapped_after_close"] = mapped(path)
 PHASE["name"] = "eval"
 ev = make_loader(ImageFolder(good), "memory", batch_size=4, device="cpu", train=False,
                  augment=Augmentation.imagenet_eval(size=32, resize=36), cache_workers=0)
-out["eval"] = report("eval", ev)
+out["eval"] = report(ev)
 ev.close()
 
 # 3. a broken file skipped: one shared cache, the gap closed by local rank 0
 PHASE["name"] = "skip"
 sk = make_loader(ImageFolder(broken), "memory", batch_size=4, device="cpu", cache_size=48,
                  on_error="skip", cache_workers=0, augment=Augmentation.imagenet_train(size=32))
-out["skip"] = report("skip", sk)
+out["skip"] = report(sk)
 sk.close()
 
 # 4. the same without /dev/shm room: a copy per rank, filled by the all-gather (CUDA's path, on the host)
@@ -142,7 +142,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     pv = make_loader(ImageFolder(broken), "memory", batch_size=4, device="cpu", cache_size=48,
                      on_error="skip", cache_workers=0, augment=Augmentation.imagenet_train(size=32))
-out["private"] = report("private", pv)
+out["private"] = report(pv)
 out["private"]["warning"] = [str(w.message) for w in caught if "no shared-memory cache" in str(w.message)]
 fdist.node_shared_tensor = real
 pv.close()
