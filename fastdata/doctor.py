@@ -144,6 +144,18 @@ def dali_cuda_major() -> int | None:
     return None
 
 
+def _region_status() -> str:
+    """Whether photo crops decode only their window (torch/prefetch/memory's JPEG path), and if not,
+    why and how to get it; the switch ``FASTDATA_REGION_DECODE=0`` is reported too."""
+    from .region import region_decoder_status
+    from .transforms import region_decode_enabled
+
+    status = region_decoder_status()
+    if status.startswith("available") and not region_decode_enabled():
+        return "off (FASTDATA_REGION_DECODE=0): " + status
+    return status if status.startswith("available") else status + "; crops decode the whole JPEG (Image.draft)"
+
+
 def report() -> dict:
     """Everything ``python -m fastdata doctor`` prints, as a dict (versions, devices, driver verdict, backends)."""
     import numpy
@@ -169,6 +181,7 @@ def report() -> dict:
         "bf16_supported": bool(devices) and torch.cuda.is_bf16_supported(including_emulation=False),
         "cpu": cpu_model(), "usable_cores": usable_cores(),
         "pil": pil_info(), "dali": dali_info(),
+        "region_decode": _region_status(),
         "backends": registry.available_backends(),
         "backend_table": backend_table(),
     }
@@ -216,6 +229,7 @@ def main(argv=None) -> int:
         ("CPU", f"{r['cpu']}, {r['usable_cores']} usable cores"),
         ("PIL", f"{pil['version']}: {flavour}"),
         ("DALI", f"{r['dali']['version'] or '-'}{_dali_build(r['dali'])}: {r['dali']['note']}"),
+        ("region decode", r["region_decode"]),
         ("backends", ", ".join(r["backends"])),
     ]
     rows += [(f"  {b['name']}", "ok" if b["available"] else f"not installed ({b['needs']} does not import): "

@@ -288,3 +288,27 @@ def test_the_chart_draws_each_contenders_spread(tmp_path, monkeypatch):
     (x, y, xerr), = drawn                                   # one whisker: the row without a spread has none
     assert list(x) == [1700.0] and list(y) == [0]
     assert xerr == [[pytest.approx(174.0)], [pytest.approx(195.0)]]
+
+
+def test_bench_decode_quick(tmp_path):
+    from fastdata import region
+
+    bench = load("bench_decode")
+    args = bench.get_args_parser().parse_args(
+        ["--quick", "--out", str(tmp_path), "--images", "2", "--large-images", "1", "--crops", "2",
+         "--passes", "1", "--tag", "test", "--cache", str(tmp_path / "c")])
+    payload = bench.main(args)
+    on_disk, md = check_reports(payload, "decode-test")
+    for w in bench.WORKLOADS:
+        group = {r["name"]: r for r in payload["rows"] if r["workload"] == w}
+        assert set(group) == set(bench.CONTENDERS)
+        for name, r in group.items():
+            if r["status"] != "ok":  # only the nvImageCodec rows may be skipped, saying why
+                assert not region.region_available() and r["note"] == region.region_decoder_status()
+                continue
+            assert r["rate"] > 0 and len(r["passes"]) == 1 and f"| {name} " in md
+            if name in ("region window", "nvImageCodec full decode"):
+                assert r["extra"]["max_diff"] <= 1  # the full decode's pixels (tests/test_region.py)
+    assert {t["label"] for t in payload["targets"]} == {t["label"] for t in on_disk["targets"]}
+    for t in payload["targets"]:
+        assert t["label"] in md

@@ -5,7 +5,7 @@ import sys
 def test_doctor_reports_the_machine():
     out = subprocess.run([sys.executable, "-m", "fastdata", "doctor"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
-    for key in ("torch", "CUDA devices", "PIL", "DALI", "usable cores", "backends"):
+    for key in ("torch", "CUDA devices", "PIL", "DALI", "usable cores", "region decode", "backends"):
         assert key in out, out
     assert "torch" in out.split("backends", 1)[1]
 
@@ -21,6 +21,7 @@ def test_pil_info_detects_the_installed_flavour():
 
 
 # ------------------------------------------------------------------ the GPU verdict (issue 9.13)
+from fastdata import doctor
 from fastdata.doctor import gpu_verdict, parse_nvidia_smi
 
 H100_550 = parse_nvidia_smi("NVIDIA H100 80GB HBM3, 550.54.15\nNVIDIA H100 80GB HBM3, 550.54.15\n")
@@ -108,3 +109,16 @@ def test_doctor_prints_each_rows_install_hint_and_autos_order(monkeypatch, capsy
     assert "not installed (ghost_pkg does not import): pip install ghost" in out
     assert "auto on cpu    memory > torch" in out
     assert "memory > (ghost: not installed) > " in out.split("auto on cuda", 1)[1]
+
+
+def test_doctor_says_whether_crops_decode_only_their_window(monkeypatch):
+    import fastdata.region as region
+
+    monkeypatch.setattr(region, "region_decoder_status",
+                        lambda: "unavailable: nvImageCodec is not installed (x); pip install y")
+    assert doctor._region_status().endswith("crops decode the whole JPEG (Image.draft)")
+    monkeypatch.setattr(region, "region_decoder_status", lambda: "available: nvImageCodec 0.9.0")
+    monkeypatch.setattr(region, "region_available", lambda: True)
+    assert doctor._region_status() == "available: nvImageCodec 0.9.0"
+    monkeypatch.setenv("FASTDATA_REGION_DECODE", "0")
+    assert doctor._region_status().startswith("off (FASTDATA_REGION_DECODE=0)")

@@ -221,3 +221,51 @@ def test_torch_reflect_pad_refuses_what_require_padding_fits_refuses():
     F.pad(torch.zeros(1, 1, 5, 5), (4, 4, 4, 4), mode="reflect")
     with pytest.raises(RuntimeError):
         F.pad(torch.zeros(1, 1, 4, 4), (4, 4, 4, 4), mode="reflect")
+
+
+# ---------------------------------------------------------------- region decoding inside load_photo
+def _region_or_skip():
+    from fastdata.region import region_available, region_decoder_status
+
+    if not region_available():
+        pytest.skip(region_decoder_status())
+
+
+def test_load_photo_decodes_only_the_window_with_the_full_decodes_pixels(photo_folder, monkeypatch):
+    import fastdata.region as region
+    from fastdata.datasets import ImageFolder
+    from fastdata.transforms import load_photo
+
+    _region_or_skip()
+    calls = []
+    real = region.decode_box
+    monkeypatch.setattr(region, "decode_box", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # boxes under twice the output on a side: the full-decode path does not draft either
+    aug = Augmentation(crop="random_resized", size=224, scale=(0.08, 0.5), hflip=0.5)
+    paths = ImageFolder(photo_folder).paths[:12]
+    for i, path in enumerate(paths):
+        monkeypatch.setenv("FASTDATA_REGION_DECODE", "1")
+        got = load_photo(path, aug, np.random.default_rng(i))
+        monkeypatch.setenv("FASTDATA_REGION_DECODE", "0")
+        want = load_photo(path, aug, np.random.default_rng(i))
+        diff = np.abs(got.astype(int) - want.astype(int))
+        assert diff.max() <= 1 and diff.mean() < 0.01, path  # the same box, flip and pixels
+    assert len(calls) == len(paths)  # the region path ran (and only with the switch on)
+
+
+def test_a_truncated_jpeg_is_still_refused_when_regions_are_decoded(photo_folder, tmp_path):
+    from fastdata.datasets import ImageFolder
+    from fastdata.errors import DecodeError
+    from fastdata.transforms import load_photo
+
+    _region_or_skip()
+    data = open(ImageFolder(photo_folder).paths[0], "rb").read()
+    cut = tmp_path / "cut.jpg"
+    cut.write_bytes(data[: int(len(data) * 0.9)])  # damage below any box near the top
+    aug = Augmentation(crop="random_resized", size=32, scale=(0.01, 0.02))
+    with pytest.raises(DecodeError, match="cut.jpg"):
+        load_photo(cut, aug, np.random.default_rng(0))
+    # bytes after the end-of-image marker (cameras append data): decoded by the full path, not refused
+    tail = tmp_path / "tail.jpg"
+    tail.write_bytes(data + b"appended by a camera")
+    assert load_photo(tail, aug, np.random.default_rng(0)).shape == (32, 32, 3)
