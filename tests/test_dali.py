@@ -243,17 +243,20 @@ def test_reflect_pad_not_smaller_than_the_image_is_refused_at_construction():
 
 
 # ------------------------------------------------------------------------------------ image folders
-def test_eval_pixels_agree_with_torch_backend(photo_folder):
+@pytest.mark.parametrize("decode", ["host", "dali"])
+def test_eval_pixels_agree_with_torch_backend(photo_folder, decode):
     """Tolerance, in 0..255 pixel levels: mean |diff| < 0.5, 99th percentile <= 2, max <= 8.
 
-    Both backends decode with libjpeg-turbo-class IDCTs (DALI through nvImageCodec, the torch backend
-    through PIL, which may also use ``Image.draft``'s DCT-domain downscale) and resize the same box
-    with an antialiased linear filter (DALI's ``fn.resize`` vs PIL's BILINEAR with ``box``). Their
-    rounding differs by about one level on a minority of pixels (measured: mean 0.17, p99 1, max 1);
-    a wrong box, a half-pixel shift, a flip or the wrong normalization shows up as tens of levels.
+    Both backends decode with libjpeg-turbo (DALI through nvImageCodec, the torch backend through PIL,
+    which may also use ``Image.draft``'s DCT-domain downscale). decode="dali" resizes with DALI's
+    ``fn.resize`` (antialiased linear) instead of PIL's BILINEAR with ``box``: their rounding differs
+    by about one level on a minority of pixels (measured: mean 0.17, p99 1, max 1). decode="host"
+    resizes with PIL itself. A wrong box, a half-pixel shift, a flip or the wrong normalization shows
+    up as tens of levels.
     """
     src = ImageFolder(photo_folder)
-    d_loader, t_loader = dali(src, batch_size=8, train=False), torch_loader(src, batch_size=8, train=False)
+    d_loader = dali(src, batch_size=8, train=False, decode=decode)
+    t_loader = torch_loader(src, batch_size=8, train=False)
     d, dl = map(torch.cat, zip(*d_loader))
     t, tl = map(torch.cat, zip(*t_loader))
     assert d.shape == t.shape == (18, 3, 224, 224) and torch.equal(dl, tl)
@@ -264,13 +267,14 @@ def test_eval_pixels_agree_with_torch_backend(photo_folder):
     assert diff.max() <= 8.0
 
 
-def test_train_crops_follow_the_shared_recipe(photo_folder):
+@pytest.mark.parametrize("decode", ["host", "dali"])
+def test_train_crops_follow_the_shared_recipe(photo_folder, decode):
     # The crop boxes and flips come from the same seeded draws as the torch backend's, so even the
     # random training crops agree to a few levels on average.
     src = ImageFolder(photo_folder)
-    kw = dict(batch_size=6, train=True, seed=4)
+    kw = dict(batch_size=6, train=True, seed=4, decode=decode)
     d = torch.cat([x for x, _ in dali(src, **kw)])
-    t = torch.cat([x for x, _ in torch_loader(src, **kw)])
+    t = torch.cat([x for x, _ in torch_loader(src, batch_size=6, train=True, seed=4)])
     assert d.shape == t.shape == (18, 3, 224, 224)
     std = torch.tensor(src.std).view(1, 3, 1, 1)
     per_image = ((d - t) * std * 255).abs().mean((1, 2, 3))
@@ -354,12 +358,13 @@ def test_broken_file_refused_in_the_first_epoch_whatever_the_crop(tmp_path, phot
             list(torch_loader(src, batch_size=6, train=True, seed=seed))
 
 
+@pytest.mark.parametrize("decode", ["host", "dali"])
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_broken_file_skipped_every_epoch_like_the_torch_backend(tmp_path, photo_folder, damage):
+def test_broken_file_skipped_every_epoch_like_the_torch_backend(tmp_path, photo_folder, damage, decode):
     root, _ = _broken_folder(tmp_path, photo_folder, DAMAGE[damage])
     src = ImageFolder(root)
     kw = dict(batch_size=6, train=True, seed=3, on_error="skip")
-    d, t = dali(src, **kw), torch_loader(src, **kw)
+    d, t = dali(src, decode=decode, **kw), torch_loader(src, **kw)
     for _ in range(3):
         with pytest.warns(RuntimeWarning, match="skipped 1"):
             db = list(d)
@@ -381,13 +386,21 @@ def test_validate_false_trusts_the_files_and_changes_no_pixel(tmp_path, photo_fo
     checked = torch.cat([x for x, _ in dali(src, **kw)])
     trusted = torch.cat([x for x, _ in dali(src, validate=False, read_threads=1, **kw)])
     assert torch.equal(checked, trusted)
-    # Unchecked, a file truncated at 90% reaches DALI, which fails only for some crops; whatever
-    # happens, the loader still names the file when it does.
+    # Unchecked, a file truncated at 90% reaches the decoder (DALI's, or the host's region decoder),
+    # which fails only for some crops; whatever happens, the loader still names the file when it does.
     root, bad = _broken_folder(tmp_path, photo_folder, _truncate_90)
-    try:
-        list(dali(ImageFolder(root), batch_size=6, train=False, validate=False))
-    except DecodeError as e:
-        assert e.path == str(bad)
+    for decode in ("host", "dali"):
+        try:
+            list(dali(ImageFolder(root), batch_size=6, train=False, validate=False, decode=decode))
+        except DecodeError as e:
+            assert e.path == str(bad)
+    # Truncated at half, every crop reaches the damage: host decoding names the file, or skips it.
+    root, bad = _broken_folder(tmp_path / "half", photo_folder, lambda b: b[: len(b) // 2])
+    with pytest.raises(DecodeError, match=bad.name):
+        list(dali(ImageFolder(root), batch_size=6, train=False, validate=False, decode="host"))
+    loader = dali(ImageFolder(root), batch_size=6, train=False, validate=False, decode="host", on_error="skip")
+    with pytest.warns(RuntimeWarning, match="skipped 1"):
+        assert sum(len(y) for _, y in loader) == 17
 
 
 def test_files_read_off_the_training_thread_and_headers_once(photo_folder, monkeypatch):
@@ -478,7 +491,7 @@ def test_one_probe_pipeline_finds_every_bad_file(tmp_path, photo_folder):
     bad = [root / "class_000" / "img_00001.jpg", root / "class_002" / "img_00004.jpg"]
     for b in bad:
         b.write_bytes(b.read_bytes()[:2000])
-    loader = dali(ImageFolder(root), batch_size=3, train=False, validate=False, on_error="skip")
+    loader = dali(ImageFolder(root), batch_size=3, train=False, validate=False, on_error="skip", decode="dali")
     probes = []
     real_probe = loader._probe
 
@@ -533,6 +546,89 @@ def test_epoch_closed_or_superseded_mid_epoch_then_a_whole_epoch(kind, how, phot
         plan = EpochPlan(18, 4, True, False, 2)
         want = np.concatenate(plan.batches(0))
         np.testing.assert_array_equal(ys.numpy(), src.labels[want])
+
+
+# ------------------------------------------------------------------------------ where photos decode
+def _record_graph_ops(monkeypatch):
+    """Wrap the DALI operators the files' graph may use; returns the names called while building one."""
+    import nvidia.dali.fn as fn
+
+    called = []
+    for holder, name in ((fn.decoders, "image_slice"), (fn.decoders, "image"), (fn, "resize")):
+        real = getattr(holder, name)
+
+        def wrapper(*a, _real=real, _name=name, **kw):
+            called.append((_name, kw))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(holder, name, wrapper)
+    return called
+
+
+def test_cpu_pipeline_decodes_on_the_host_by_default(photo_folder, monkeypatch):
+    # On the CPU, DALI's fn.resize cost more than its region decode (measured 1.8 ms per crop against
+    # PIL-SIMD's 0.4 ms), so photos are decoded and resized in the reader threads and DALI only flips
+    # and normalizes: no decoder and no resize in the pipeline.
+    import threading
+
+    import fastdata.backends.dali as dali_mod
+
+    called = _record_graph_ops(monkeypatch)
+    boxes, threads = [], set()
+    real_decode_box = dali_mod.decode_box
+
+    def counting_decode_box(data, box, out_size=None, **kw):
+        boxes.append(box)
+        threads.add(threading.current_thread().name)
+        return real_decode_box(data, box, out_size, **kw)
+
+    monkeypatch.setattr(dali_mod, "decode_box", counting_decode_box)
+    src = ImageFolder(photo_folder)
+    loader = dali(src, batch_size=6, train=True, seed=1)
+    assert loader.host_decode
+    assert sum(len(y) for _, y in loader) == 18
+    assert called == []
+    assert len(boxes) == 18 and threading.main_thread().name not in threads  # every photo, off-thread
+
+
+def test_dali_decode_keeps_the_region_decoder_in_the_pipeline(photo_folder, monkeypatch):
+    called = _record_graph_ops(monkeypatch)
+    loader = dali(ImageFolder(photo_folder), batch_size=6, train=True, decode="dali")
+    assert not loader.host_decode
+    assert sum(len(y) for _, y in loader) == 18
+    names = [n for n, _ in called]
+    assert names == ["image_slice", "resize"]
+    kw = dict(called[0][1])
+    assert kw["device"] == "cpu" and kw["axis_names"] == "HW"
+    # DALI applies jpeg_fancy_upsampling to nvJPEG only; on the CPU libjpeg-turbo always upsamples so.
+    assert kw["jpeg_fancy_upsampling"] is True
+    assert called[1][1]["antialias"] is True
+
+
+@pytest.mark.parametrize("region", [True, False], ids=["region_decode", "pil_decode"])
+def test_host_decode_gives_the_torch_backends_pixels(photo_folder, monkeypatch, region):
+    # Eval boxes (256-resize, 224 centre crop of ~450x350 photos) are too small for a reduced-scale
+    # decode, so both backends decode every row at full scale and resize with the same PIL call. What
+    # may differ is the decoder's rounding: nvImageCodec's libjpeg-turbo (region decode) and Pillow's
+    # put a few pixels one level apart; fn.resize's own rounding, a shifted box or a flip would not
+    # stay within that.
+    import fastdata.backends.dali as dali_mod
+
+    if not region:   # as where nvImageCodec is missing: PIL decodes (with draft where it pays)
+        monkeypatch.setattr(dali_mod, "decode_box", lambda *a, **kw: None)
+    src = ImageFolder(photo_folder)
+    d = torch.cat([x for x, _ in dali(src, batch_size=8, train=False)])
+    t = torch.cat([x for x, _ in torch_loader(src, batch_size=8, train=False)])
+    levels = ((d - t) * torch.tensor(src.std).view(1, 3, 1, 1) * 255).abs()
+    assert levels.max() < 1.01 and levels.mean() < 0.05
+    assert (levels < 0.01).float().mean() > 0.99
+
+
+def test_decode_option():
+    src = indexed_source(64)
+    assert not dali(src, batch_size=32).host_decode          # arrays: nothing to decode
+    with pytest.raises(ValueError, match=r"decode must be one of \['auto', 'host', 'dali'\]"):
+        dali(src, batch_size=32, decode="pil")
 
 
 # -------------------------------------------------------------------------------------------- options

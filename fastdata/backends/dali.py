@@ -32,11 +32,23 @@ uses), drawn in Python from ``plan.batch_seed(epoch, batch)``, and fed to DALI a
 depends only on the seed, never on DALI's RNG, its threads or where a run was resumed; for array
 sources the output equals the torch backend's bit for bit before normalization.
 
-Files: ``fn.decoders.image_slice`` decodes only a window around the crop box (libjpeg-turbo / nvJPEG ROI
-decoding: a small RandomResizedCrop box skips most of the IDCT), ``fn.resize`` maps the exact
-(fractional) box to ``size`` x ``size`` with an antialiased linear filter (PIL's BILINEAR with ``box`` in
-the torch backend), and ``fn.crop_mirror_normalize`` flips, normalizes, converts the layout and the
-dtype in one pass. Arrays: the batch goes in as one dense array; translation is ``fn.slice`` with a
+Files on a GPU (and ``decode="dali"``): ``fn.decoders.image_slice`` decodes only a window around the crop
+box (nvJPEG; on the CPU, nvImageCodec's libjpeg-turbo, which honours the window: rows below it are never
+read and rows above it only entropy-decoded), ``fn.resize`` maps the exact (fractional) box to ``size`` x
+``size`` with an antialiased linear filter (PIL's BILINEAR with ``box`` in the torch backend), and
+``fn.crop_mirror_normalize`` flips, normalizes, converts the layout and the dtype in one pass.
+
+CPU decoding: on the CPU the photos are decoded and resized in the reader threads instead
+(``decode="auto"`` → ``"host"``), with the torch backend's decoders: nvImageCodec's region decode
+(``region.decode_box``, the same libjpeg-turbo that DALI's CPU decoder runs) or PIL's reduced-scale
+decode, whichever is estimated cheaper, then PIL's resize; DALI gets dense uint8 crops and only flips
+and normalizes them. Measured (2 cores, ImageNet-sized JPEGs, per crop and core): DALI's CPU
+``fn.resize`` 1.8 ms against PIL-SIMD's 0.4 ms for the same windows, more than the region decode itself
+(1.3-1.6 ms; a full decode 2.0-2.2 ms), so the in-pipeline path ran at half the torch backend's decode
+rate. ``jpeg_fancy_upsampling`` and ``use_fast_idct`` change nothing there: DALI passes the first to
+nvJPEG only (libjpeg-turbo always upsamples "fancy": DALI's CPU pixels equal PIL's), and the second
+saved under 10% of the decode. The pixels are the torch backend's wherever both decode the same rows
+at the same scale. Arrays: the batch goes in as one dense array; translation is ``fn.slice`` with a
 per-sample anchor whose window leaves the image by up to ``pad`` pixels, filled by the slice's
 ``out_of_bounds_policy`` (pad + crop in one op, no padded copy): zeros (``"pad"``), the edge pixel
 (``"edge"``) or the mirror without the edge pixel (``"reflect_101"``: numpy's and torch's "reflect";
@@ -76,6 +88,7 @@ import torch
 from ..config import Crop, Padding
 from ..datasets import SourceKind
 from ..errors import DecodeError
+from ..region import decode_box
 from ..transforms import (
     NUMPY_PAD_MODE,
     check_pixels,
@@ -83,6 +96,7 @@ from ..transforms import (
     exif_orientation,
     open_image,
     require_fixed_size,
+    to_rgb,
 )
 from .base import Loader
 
@@ -102,6 +116,9 @@ _DALI_PREFIXES = ("Critical error in pipeline", "Critical error when building pi
 #: that one repeats the edge pixel (numpy's "symmetric"); numpy's, torch's and torchvision's "reflect"
 #: does not, which is DALI's "reflect_101".
 SLICE_POLICY = {Padding.CONSTANT: "pad", Padding.REFLECT: "reflect_101", Padding.EDGE: "edge"}
+
+#: The ``decode`` option's values (see DaliLoader).
+DECODE_CHOICES = ("auto", "host", "dali")
 
 
 def slice_has_policy(policy: str) -> bool:
@@ -232,11 +249,18 @@ class DaliLoader(Loader):
             whatever the crop. Costs one reduced-scale decode per file, once per run (measured
             1.4 ms per ImageNet-sized JPEG and core); False trusts the files and leaves broken ones
             to DALI's decoder, which fails only when a crop reaches the damage.
+        decode: where photos are decoded and resized (files only). ``"dali"``: inside the pipeline
+            (``decoders.image_slice`` + ``fn.resize``; nvJPEG on a GPU). ``"host"``: in the reader
+            threads, with the torch backend's decoders (nvImageCodec's region decode or PIL's reduced
+            scale, then PIL's resize), DALI then flips and normalizes; CPU only. ``"auto"`` (default):
+            ``"host"`` on the CPU, ``"dali"`` on a GPU. Why: on the CPU, DALI's ``fn.resize`` costs
+            more than the decode itself (module docstring, "CPU decoding").
     """
 
     name = "dali"
     reads = frozenset({SourceKind.ARRAY, SourceKind.FILES})   # DALI cannot call a Python __getitem__
-    options = {"num_threads": None, "prefetch_queue_depth": 2, "read_threads": None, "validate": True}
+    options = {"num_threads": None, "prefetch_queue_depth": 2, "read_threads": None, "validate": True,
+               "decode": "auto"}
 
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
@@ -255,12 +279,20 @@ class DaliLoader(Loader):
         if not isinstance(self.opts["validate"], bool):
             raise ValueError(f"validate must be True or False, got {self.opts['validate']!r}")
         self.read_threads, self.validate = readers, self.opts["validate"]
+        self.gpu = self.device.type == "cuda"
+        decode = self.opts["decode"]
+        if decode not in DECODE_CHOICES:
+            raise ValueError(f"decode must be one of {list(DECODE_CHOICES)}, got {decode!r}")
+        if decode == "host" and self.gpu:
+            raise ValueError(f"decode='host' is for device='cpu'; on {self.device} nvJPEG decodes inside the "
+                             f"pipeline (decode='dali' or 'auto')")
+        #: True: photos are decoded and resized in the reader threads and DALI only flips and normalizes.
+        self.host_decode = source.kind is SourceKind.FILES and decode != "dali" and not self.gpu
         aug = self.augment
         require_fixed_size(source, aug)   # (base.py has refused a reflect pad the images cannot mirror)
         # Reflect/edge translation where this DALI's slice lacks the border mode: pad on the host.
         self._host_pad = (aug.crop is Crop.TRANSLATE and aug.padding is not Padding.CONSTANT
                           and not slice_has_policy(SLICE_POLICY[aug.padding]))
-        self.gpu = self.device.type == "cuda"
         if source.kind is SourceKind.FILES:
             self.out_shape = (3, aug.size, aug.size)
         else:
@@ -310,7 +342,12 @@ class DaliLoader(Loader):
                       device_id=self.device.index if gpu else None,
                       prefetch_queue_depth=self.prefetch_queue_depth, seed=self.plan.seed & 0x7FFFFFFF)
         def graph():
-            if files:
+            if files and self.host_decode:
+                # Decoded and resized in the reader threads (see _host_crop): flip and normalize only.
+                img, labels, mirror = fn.external_source(source=self._feeder, num_outputs=3, batch=True,
+                                                         layout=["HWC", None, None],
+                                                         dtype=[types.UINT8, types.INT64, types.INT32])
+            elif files:
                 enc, labels, anchor, shape, roi_start, roi_end, mirror = fn.external_source(
                     source=self._feeder, num_outputs=7, batch=True,
                     dtype=[types.UINT8, types.INT64, types.INT32, types.INT32, types.FLOAT, types.FLOAT,
@@ -403,6 +440,7 @@ class DaliLoader(Loader):
         chunks = np.array_split(ids, min(len(ids), self.read_threads)) if len(ids) else []
         data = [d for chunk in self._readers.map(self._read_files, chunks) for d in chunk]
         enc, keep, anchor, shape, roi0, roi1, mirror = [], [], [], [], [], [], []
+        crops = []  # host decoding: (id, bytes, box) of each file to decode, in order
         skipped = 0
         # Parameters for every file whose header opened, in order: the torch backend draws for a file
         # once open_image succeeds, before its decode can fail (a file without a header draws nothing).
@@ -425,6 +463,10 @@ class DaliLoader(Loader):
                     raise DecodeError(self.source.paths[i], buf if isinstance(buf, str) else self._why[i])
                 skipped += 1
                 continue
+            if self.host_decode:
+                crops.append((i, buf, (top, left, bh, bw)))
+                mirror.append(flip)
+                continue
             if orientation == 1:
                 # Decode a window around the box: the margin covers the antialiasing filter's reach
                 # (about one source pixel per output pixel of shrink), so the edge pixels match a full
@@ -441,6 +483,8 @@ class DaliLoader(Loader):
             roi0.append((top - y0, left - x0))
             roi1.append((top - y0 + bh, left - x0 + bw))
             mirror.append(flip)
+        if self.host_decode:
+            return self._host_batch(k, crops, mirror, skipped)
         keep = np.asarray(keep, dtype=np.int64)
         record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped}
         if not len(keep):
@@ -448,6 +492,77 @@ class DaliLoader(Loader):
         return (enc, self.source.labels[keep], np.asarray(anchor, np.int32), np.asarray(shape, np.int32),
                 np.asarray(roi0, np.float32), np.asarray(roi1, np.float32),
                 np.asarray(mirror, np.int32)), record
+
+    def _host_batch(self, k, crops, mirror, skipped):
+        """Host decoding: the batch's crops decoded and resized in the reader threads, as one dense
+        uint8 (N, size, size, C) array; DALI then only flips and normalizes it."""
+        size = self.augment.size
+        chunks = np.array_split(np.arange(len(crops)), min(len(crops), self.read_threads)) if crops else []
+        done = [c for part in self._readers.map(lambda js: [self._host_crop(*crops[j]) for j in js], chunks)
+                for c in part]
+        keep, flips = [], []
+        images = np.empty((len(crops), size, size, 3), np.uint8)
+        for (i, _, _), flip, got in zip(crops, mirror, done):
+            if isinstance(got, str):   # not decodable (validate=False, or damage PIL's check missed)
+                self._why[i] = got
+                self._state[i] = _BROKEN   # refused from now on, as the torch backend refuses it each epoch
+                if self.config.on_error == "raise":
+                    raise DecodeError(self.source.paths[i], got)
+                skipped += 1
+                continue
+            images[len(keep)] = got
+            keep.append(i)
+            flips.append(flip)
+        keep = np.asarray(keep, dtype=np.int64)
+        record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped}
+        if not len(keep):
+            return None, record
+        return (images[:len(keep)], self.source.labels[keep], np.asarray(flips, np.int32)), record
+
+    def _host_crop(self, i: int, buf: np.ndarray, box):
+        """Runs in a reader thread: file ``i``'s crop ``box`` (top, left, h, w) resized to ``size`` x
+        ``size``, uint8 (size, size, 3), not flipped; or the reason (str) it cannot be decoded.
+
+        The torch backend's decoders (``transforms.load_photo``): nvImageCodec decodes only the box's
+        window where that is estimated cheaper than ``Image.draft``'s reduced-scale full decode
+        (``region.decode_box``, upright JPEGs), PIL otherwise; PIL's BILINEAR resizes the box. Both
+        decoders are libjpeg-turbo with the same IDCT and upsampling, so the pixels are the torch
+        backend's except where one decodes at reduced scale and the other not.
+        """
+        from PIL import Image, ImageOps
+
+        size = self.augment.size
+        path = self.source.paths[i]
+        data = buf.tobytes()
+        height, width, orientation = (int(v) for v in self._dims[i])
+        top, left, bh, bw = box
+        try:
+            got = decode_box(data, box, size, name=str(path)) if orientation == 1 else None
+            if got is not None:
+                return np.asarray(got.image.resize((size, size), Image.BILINEAR, box=got.box))
+            img = open_image(path, io.BytesIO(data))
+            try:
+                if orientation == 1 and img.format == "JPEG":
+                    # As load_photo: the smallest draft scale that keeps the box >= size on each side.
+                    want = (max(1, math.ceil(width * size / bw)), max(1, math.ceil(height * size / bh)))
+                    if want[0] < width and want[1] < height:
+                        img.draft("RGB", want)
+                try:
+                    img.load()
+                except Exception as e:
+                    raise DecodeError(path, f"{type(e).__name__}: {e}") from None
+                if orientation != 1:
+                    img = ImageOps.exif_transpose(img)
+                img = to_rgb(img)
+                # draft shrinks by an exact power of two; the reduced size is rounded up to whole blocks.
+                f = 1.0 / (2 ** round(math.log2(width / img.width)) if img.width < width else 1)
+                crop = (max(0.0, left * f), max(0.0, top * f), min(float(img.width), (left + bw) * f),
+                        min(float(img.height), (top + bh) * f))
+                return np.asarray(img.resize((size, size), Image.BILINEAR, box=crop))
+            finally:
+                img.close()
+        except DecodeError as e:
+            return e.reason
 
     def _read_files(self, ids):
         return [self._read_file(int(i)) for i in ids]
