@@ -7,7 +7,13 @@
 Defaults (SGD with Nesterov momentum, a one-cycle schedule peaking at lr 0.1, batch 256, 3 epochs)
 reach ≥99% test accuracy on MNIST. ``--batch-size`` is per process, as in torchvision's references.
 ``--data auto`` (the default) uses MNIST from ``--data-root``, downloading it unless ``--no-download``,
-and falls back to synthetic digits when it cannot be had.
+and falls back to synthetic digits when it cannot be had. Preparation runs once per node (local rank 0
+of each node, the others wait): the MNIST download into that node's ``--data-root``, or drawing the
+synthetic digits, which are kept in ``--data-root/synthetic`` so that the node's other ranks and later
+runs load them instead of drawing them again (70,000 digits take over a minute on one core).
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --rdzv-backend c10d \
+        --rdzv-endpoint HOST0:29400 examples/train_mnist.py --backend memory   # and --node-rank 1 on node 2
 ``--json-out`` writes the result as one JSON object: the whole-run figures, ``history`` (each epoch's
 record, with its ``lr``) and ``config`` (every flag as given, the workers, recipe, optimizer and
 scheduler they resolved to).
@@ -17,13 +23,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastdata import available_backends, make_loader
 from fastdata import distributed as fdist
-from fastdata.datasets import MNIST, SyntheticDigits
+from fastdata.datasets import MNIST, ArraySource, SyntheticDigits
 from fastdata.engine import AMP_CHOICES, fit, report_run, resolve_scheduler_interval, run_result
 from fastdata.models import SmallCNN
 
@@ -62,33 +71,75 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
-def load_digits(args) -> tuple[object, object, str]:
-    """(train, test, dataset name) as chosen by ``--data``."""
+def prepare_digits(args) -> str:
+    """What one rank per node does before any rank reads data (``fdist.prepare_per_node``): fetch MNIST
+    into ``--data-root`` (``--data auto``/``mnist``), else draw the synthetic digits and keep them there.
+    Returns what this node has: ``"mnist"`` or ``"synthetic"``."""
     if args.data in ("auto", "mnist"):
-        # Under torchrun rank 0 downloads first and the others read its files: two processes writing the
-        # same archive would corrupt it. Every rank passes exactly one barrier.
-        if not fdist.is_main():
-            fdist.barrier()
         try:
             # torchvision's download chatter would bury the one line that matters below.
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                train = MNIST(args.data_root, train=True, download=args.download)
-                test = MNIST(args.data_root, train=False, download=args.download)
-        except FileNotFoundError as e:
+                MNIST(args.data_root, train=True, download=args.download)
+                MNIST(args.data_root, train=False, download=args.download)
+            return "mnist"
+        except FileNotFoundError:
             if args.data == "mnist":
-                raise SystemExit(f"--data mnist: {e}") from None
-            if fdist.is_main():
-                how = "could not be downloaded" if args.download else "--no-download was given"
-                print(f"MNIST is not in '{args.data_root}' and {how}: "
-                      f"training on synthetic digits instead ({args.train_size or 60_000:,} train / "
-                      f"{args.test_size or 10_000:,} test)", flush=True)
-        else:
-            return _first(train, args.train_size), _first(test, args.test_size), "mnist"
-        finally:
-            if fdist.is_main():
-                fdist.barrier()
-    train = SyntheticDigits(args.train_size or 60_000, train=True, seed=args.seed)
-    test = SyntheticDigits(args.test_size or 10_000, train=False, seed=args.seed)
+                raise
+    for train, n in ((True, args.train_size or 60_000), (False, args.test_size or 10_000)):
+        path = _synthetic_path(args, train, n)
+        if not path.is_file():
+            digits = SyntheticDigits(n, train=train, seed=args.seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Written under a temporary name and renamed: a reader never sees half a file, and nodes
+            # sharing a file system may both write it.
+            tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npz")
+            np.savez(tmp, images=digits.images, labels=digits.labels)
+            os.replace(tmp, path)
+            node = os.environ.get("GROUP_RANK", "0")
+            print(f"node {node}: drew {n:,} synthetic {'training' if train else 'test'} digits into '{path}'",
+                  flush=True)
+    return "synthetic"
+
+
+def _synthetic_path(args, train: bool, n: int) -> Path:
+    return Path(args.data_root) / "synthetic" / f"digits-{'train' if train else 'test'}-{n}-seed{args.seed}.npz"
+
+
+def _synthetic(args, train: bool, n: int) -> ArraySource:
+    """The synthetic digits the node prepared (drawn here when its file is missing: a node that fetched
+    MNIST while another could not)."""
+    path = _synthetic_path(args, train, n)
+    if path.is_file():
+        with np.load(path) as f:
+            images, labels = f["images"], f["labels"]
+    else:
+        digits = SyntheticDigits(n, train=train, seed=args.seed)
+        images, labels = digits.images, digits.labels
+    # One kind of source whether drawn or read: the loader's saved position names the source's kind.
+    return ArraySource(images, labels, name="synthetic", digits=True, num_classes=10)
+
+
+def load_digits(args, device) -> tuple[object, object, str]:
+    """(train, test, dataset name) as chosen by ``--data``, after the per-node preparation.
+
+    The dataset is a decision every rank must share: MNIST only when every node has it."""
+    try:
+        have = fdist.prepare_per_node(prepare_digits, args, what=f"preparing the digits in '{args.data_root}'")
+    except (FileNotFoundError, fdist.PreparationError) as e:   # --data mnist without MNIST on some node
+        raise SystemExit(f"--data mnist: {e}") from None
+    lacking = fdist.all_sum(torch.tensor([float(have != "mnist")], device=device)).item()
+    if have == "mnist" and not lacking:
+        train = MNIST(args.data_root, train=True, download=False)
+        test = MNIST(args.data_root, train=False, download=False)
+        return _first(train, args.train_size), _first(test, args.test_size), "mnist"
+    if args.data == "auto" and fdist.is_main():
+        how = "could not be downloaded" if args.download else "--no-download was given"
+        where = f"on {int(lacking)} of {fdist.world_size()} ranks" if fdist.world_size() > 1 else ""
+        print(f"MNIST is not in '{args.data_root}'{where and ' ' + where} and {how}: "
+              f"training on synthetic digits instead ({args.train_size or 60_000:,} train / "
+              f"{args.test_size or 10_000:,} test)", flush=True)
+    train = _synthetic(args, True, args.train_size or 60_000)
+    test = _synthetic(args, False, args.test_size or 10_000)
     return train, test, "synthetic"
 
 
@@ -107,7 +158,7 @@ def main(args) -> dict:
     ok = False  # a failed rank must not wait at a barrier its peers may never reach
     try:
         torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        train_src, test_src, dataset = load_digits(args)
+        train_src, test_src, dataset = load_digits(args, device)
         common = dict(device=device, num_workers=args.workers, seed=args.seed, channels_last=args.channels_last)
         train_loader = make_loader(train_src, args.backend, batch_size=args.batch_size, train=True, **common)
         # like=: the test digits are normalized with the training set's statistics, not their own.

@@ -8,12 +8,22 @@ leaves a ``<name>.tmp.*`` file behind; ``clean_stale`` removes those on the next
 
 Everything saved is tensors and plain Python types (RNG states included), so loading never needs to
 unpickle arbitrary objects.
+
+Where a checkpoint lives is a small hook (``storage_for``): a plain path is the local file system
+(the atomic save above); a URL with a scheme (``s3://``, ``gs://``, ``memory://``, ...) goes through
+fsspec where it is installed (``file://`` is the local file system); any object with ``exists``,
+``read_bytes`` and ``write_bytes`` (``Storage``) can be passed instead. ``load_shared`` reads one
+checkpoint for every rank of a job: rank 0 decides whether it exists, and a rank that cannot read the
+same bytes (its node has its own disk) gets them from rank 0.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import pickle
 import random
+import re
 import tempfile
 from pathlib import Path
 
@@ -23,17 +33,33 @@ import torch
 TMP_MARK = ".tmp."
 
 
-def save(obj: dict, path) -> Path:
+def save(obj: dict, path, storage=None):
     """Write ``obj`` to ``path`` atomically. On any error the previous file at ``path`` is untouched,
-    the temporary is removed and the error propagates."""
-    path = Path(path)
+    the temporary is removed and the error propagates.
+
+    ``path`` may be a URL or ``storage`` given (see ``storage_for``): the checkpoint is then serialized
+    in memory and handed to the storage's ``write_bytes`` in one piece. Returns the local ``Path`` it
+    wrote, or the URL as given."""
+    store = storage_for(path, storage)
+    if store is not LOCAL:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        store.write_bytes(str(path), buffer.getvalue())
+        return path
+    path = _local_path(path)
+    _atomic_write(path, lambda f: torch.save(obj, f))
+    return path
+
+
+def _atomic_write(path: Path, write) -> None:
+    """``write(file)`` into a temporary beside ``path``, fsync it, then move it over ``path``."""
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"cannot save checkpoint '{path}': folder '{folder}' does not exist")
     fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=folder)  # raises if not writable
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
@@ -44,7 +70,6 @@ def save(obj: dict, path) -> Path:
             pass
         raise
     _fsync_folder(folder)  # makes the rename itself durable
-    return path
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -64,29 +89,57 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be read back: empty, truncated, corrupt or not a checkpoint."""
 
 
-def load(path, map_location="cpu") -> dict:
+def load(path, map_location="cpu", storage=None) -> dict:
     """Load a checkpoint written by ``save`` (``weights_only=True``: no arbitrary code runs).
 
     Every failure names the path and says what is wrong with it: missing, a folder, empty, truncated
-    or corrupt, or a file that is not a checkpoint (``CheckpointError``, a ``ValueError``)."""
-    path = Path(path)
+    or corrupt, or a file that is not a checkpoint (``CheckpointError``, a ``ValueError``). A URL or a
+    ``storage`` reads through it (see ``storage_for``)."""
+    store = storage_for(path, storage)
+    if store is not LOCAL:
+        return from_bytes(read_bytes(path, store), path, map_location)
+    path = _local_path(path)
     if path.is_dir():
         raise IsADirectoryError(f"checkpoint '{path}' is a directory, not a checkpoint file")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint '{path}' does not exist")
     size = path.stat().st_size
+    return _torch_load(path, path, size, map_location)
+
+
+def read_bytes(path, storage=None) -> bytes:
+    """The checkpoint's bytes at ``path``, through ``storage`` (see ``storage_for``); a missing one is
+    a FileNotFoundError naming it."""
+    store = storage_for(path, storage)
+    if store is LOCAL:
+        local = _local_path(path)
+        if local.is_dir():
+            raise IsADirectoryError(f"checkpoint '{local}' is a directory, not a checkpoint file")
+    if not store.exists(str(path)):
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+    return store.read_bytes(str(path))
+
+
+def from_bytes(data: bytes, path="checkpoint", map_location="cpu") -> dict:
+    """A checkpoint from its bytes (as ``read_bytes`` returns them), with ``load``'s checks and errors
+    (``path`` names it in them)."""
+    return _torch_load(io.BytesIO(data), path, len(data), map_location)
+
+
+def _torch_load(source, path, size: int, map_location) -> dict:
     if size == 0:
         raise CheckpointError(f"checkpoint '{path}' is empty (0 bytes): it was never written completely; "
                               f"delete it to start afresh")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         # weights_only refuses anything but tensors and plain types: not a file save() wrote.
         raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is not a fastdata checkpoint or is "
                               f"corrupt: it does not load with weights_only=True ({_first_line(e)})") from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except Exception as e:
         # torch raises RuntimeError ("failed finding central directory"), EOFError or OSError [Errno 22]
-        # for a cut-off zip archive, none of them naming the file.
+        # for a cut-off zip archive, and a few bytes that are no zip at all reach its legacy unpickler
+        # (KeyError: 97 for b"half"): none of them names the file.
         raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is truncated or corrupt and cannot "
                               f"be read ({type(e).__name__}: {_first_line(e)}); delete it to start afresh "
                               f"or point to an intact copy") from e
@@ -100,13 +153,20 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else "no message"
 
 
-def prepare(path) -> Path:
+def prepare(path, storage=None):
     """Check, before any training, that ``path`` can take a checkpoint; remove stale temporaries.
 
     Refuses a path that is a directory, creates the folder when it is missing, and proves the folder is
     writable by creating (and removing) a temporary file there, the way ``save`` will: an unusable path
-    is an error now, not after the first epoch's work."""
-    path = Path(path)
+    is an error now, not after the first epoch's work. A URL or ``storage`` is checked by the storage's
+    own ``prepare`` when it has one."""
+    store = storage_for(path, storage)
+    if store is not LOCAL:
+        check = getattr(store, "prepare", None)
+        if check is not None:
+            check(str(path))
+        return path
+    path = _local_path(path)
     if path.is_dir():
         raise IsADirectoryError(f"checkpoint path '{path}' is a directory; give a file path such as "
                                 f"'{path / 'checkpoint.pt'}'")
@@ -129,7 +189,7 @@ def prepare(path) -> Path:
 
 def clean_stale(path) -> list[Path]:
     """Remove temporaries that a crashed ``save`` of ``path`` left behind; returns what was removed."""
-    path = Path(path)
+    path = _local_path(path)
     folder = path.parent if str(path.parent) else Path(".")
     removed = []
     if not folder.is_dir():
@@ -141,6 +201,197 @@ def clean_stale(path) -> list[Path]:
         except FileNotFoundError:
             pass
     return removed
+
+
+# ----------------------------------------------------------------------------------- the storage hook
+class Storage:
+    """Where checkpoints are kept: the hook ``save``, ``load`` and ``fit(checkpoint_storage=...)`` go
+    through. Any object with these methods works (no need to subclass); paths are passed as strings.
+
+    ``write_bytes`` must be atomic for readers: a reader (or a run restarted after a crash) sees the
+    previous checkpoint or the new one, never part of one. ``prepare`` is optional: it checks, before
+    training, that ``path`` can take a checkpoint."""
+
+    def exists(self, path: str) -> bool:
+        """Whether a checkpoint is stored at ``path``."""
+        raise NotImplementedError
+
+    def read_bytes(self, path: str) -> bytes:
+        """The bytes stored at ``path``."""
+        raise NotImplementedError
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Store ``data`` at ``path``, replacing what was there atomically."""
+        raise NotImplementedError
+
+    def prepare(self, path: str) -> None:
+        """Check that ``path`` can take a checkpoint (default: nothing to check)."""
+
+
+class LocalStorage(Storage):
+    """The local file system, with the atomic save of this module (a temporary in the same folder,
+    fsynced, then ``os.replace``). ``save``/``load`` stream through files instead of these methods."""
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` is a file."""
+        return _local_path(path).is_file()
+
+    def read_bytes(self, path: str) -> bytes:
+        """The file's bytes."""
+        return _local_path(path).read_bytes()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write ``data`` atomically (as ``save`` writes a checkpoint)."""
+        _atomic_write(_local_path(path), lambda f: f.write(data))
+
+    def prepare(self, path: str) -> None:
+        """``prepare``'s checks of a local path."""
+        prepare(path)
+
+
+class FsspecStorage(Storage):
+    """A URL read and written through fsspec (``s3://``, ``gs://``, ``memory://``, ...; the file system
+    for the scheme may need its own package, e.g. s3fs or gcsfs). A checkpoint is written with one
+    ``pipe_file``: an object store makes the object visible only once the whole upload is done.
+
+    Args:
+        protocol: the URL scheme (``"s3"``).
+        storage_options: passed to ``fsspec.filesystem`` (credentials, endpoint, ...).
+    """
+
+    def __init__(self, protocol: str, **storage_options):
+        import fsspec
+
+        self.protocol = protocol
+        self.fs = fsspec.filesystem(protocol, **storage_options)
+
+    def exists(self, path: str) -> bool:
+        """Whether an object (not a folder) is stored at ``path``."""
+        return self.fs.isfile(path)
+
+    def read_bytes(self, path: str) -> bytes:
+        """The object's bytes."""
+        return self.fs.cat_file(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Upload ``data`` to ``path`` in one piece, creating its folder where the file system has them."""
+        parent = self.fs._parent(path)
+        if parent:
+            self.fs.makedirs(parent, exist_ok=True)
+        self.fs.pipe_file(path, data)
+
+    def prepare(self, path: str) -> None:
+        """Refuse a folder at ``path``; create its parent folder where the file system has folders."""
+        if self.fs.isdir(path):
+            raise IsADirectoryError(f"checkpoint path '{path}' is a directory; give a file path such as "
+                                    f"'{path.rstrip('/')}/checkpoint.pt'")
+        parent = self.fs._parent(path)
+        if parent:
+            self.fs.makedirs(parent, exist_ok=True)
+
+
+LOCAL = LocalStorage()
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+
+
+def url_scheme(path) -> str | None:
+    """The scheme of a URL (``"s3"`` for ``s3://bucket/run.pt``); None for a plain path (and for a
+    Windows drive letter: a scheme has two characters at least)."""
+    if isinstance(path, os.PathLike):
+        return None
+    match = _SCHEME.match(str(path))
+    return match.group(1).lower() if match else None
+
+
+def storage_for(path, storage=None):
+    """The hook that reads and writes ``path``: ``storage`` when given; the local file system for a plain
+    path and a ``file://`` URL; fsspec for any other URL (an ImportError naming ``pip install fsspec``
+    where it is missing)."""
+    if storage is not None:
+        missing = [m for m in ("exists", "read_bytes", "write_bytes") if not callable(getattr(storage, m, None))]
+        if missing:
+            raise TypeError(f"checkpoint storage {storage!r} has no {missing} method(s): a storage needs "
+                            f"exists(path), read_bytes(path) and write_bytes(path, data) (see "
+                            f"fastdata.checkpoint.Storage)")
+        return storage
+    scheme = url_scheme(path)
+    if scheme is None or scheme == "file":
+        return LOCAL
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(f"checkpoint '{path}' is a {scheme}:// URL, which is read and written through "
+                          f"fsspec, and fsspec is not installed: pip install fsspec (plus the {scheme} file "
+                          f"system's own package, e.g. s3fs for s3://, gcsfs for gs://)") from None
+    try:
+        return FsspecStorage(scheme)
+    except (ImportError, ValueError) as e:   # fsspec knows no such protocol, or its package is missing
+        known = ", ".join(sorted(fsspec.available_protocols())[:12])
+        raise ImportError(f"checkpoint '{path}': fsspec cannot open {scheme}:// URLs ({_first_line(e)}); "
+                          f"install the package that provides it (s3fs for s3://, gcsfs for gs://); fsspec "
+                          f"knows {known}, ...") from e
+
+
+def _local_path(path) -> Path:
+    """A plain path, or a ``file://`` URL's path."""
+    if url_scheme(path) == "file":
+        from urllib.parse import unquote, urlparse
+
+        url = urlparse(str(path))
+        if url.netloc not in ("", "localhost"):
+            raise ValueError(f"checkpoint '{path}': a file:// URL names a local path (file:///dir/run.pt), "
+                             f"not host {url.netloc!r}")
+        return Path(unquote(url.path))
+    return Path(path)
+
+
+# ------------------------------------------------------------------------------- one file, every rank
+def exists(path, storage=None) -> bool:
+    """Whether a checkpoint is stored at ``path`` as this process sees it."""
+    return storage_for(path, storage).exists(str(path))
+
+
+def digest(data: bytes) -> str:
+    """A short hash of a checkpoint's bytes: ranks compare it to know they read the same file."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def load_shared(path, map_location="cpu", storage=None) -> dict | None:
+    """The checkpoint at ``path`` for every rank of a job, or None on every rank when there is none.
+
+    Rank 0 decides: whether a checkpoint exists, and which bytes it holds (a damaged one fails on every
+    rank, naming it). Every other rank reads its own copy when it sees one with the same bytes (a
+    shared file system), and gets rank 0's bytes over the process group otherwise: a checkpoint on rank
+    0's local disk, or an older one left on another node's disk at the same path, still resumes every
+    rank from rank 0's. Collective: every rank calls it. In a single process: ``load`` when it exists.
+    """
+    from . import distributed as fdist
+
+    if not fdist.is_distributed():
+        return load(path, map_location, storage) if exists(path, storage) else None
+    mine: dict = {}
+
+    def decide():
+        if not exists(path, storage):
+            return None
+        data = read_bytes(path, storage)
+        from_bytes(data, path, map_location)   # a damaged checkpoint fails here, for every rank
+        mine["data"] = data
+        return digest(data)
+
+    wanted = fdist.decide_on_main(decide, what=f"reading checkpoint '{path}' on rank 0")
+    if wanted is None:
+        return None
+    data = mine.get("data")   # rank 0's, read by decide()
+    if not fdist.is_main():
+        try:
+            data = read_bytes(path, storage) if exists(path, storage) else None
+        except OSError:   # unreadable here: rank 0's copy is sent instead
+            data = None
+        if data is not None and digest(data) != wanted:
+            data = None   # another file at the same path (another node's disk): rank 0's decides
+    received = fdist.share_from_main(mine.get("data"), need=data is None)
+    return from_bytes(data if data is not None else received, path, map_location)
 
 
 # ------------------------------------------------------------------------------------- RNG states

@@ -248,7 +248,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         amp: str = "auto", compile: bool = False, channels_last: bool = False, checkpoint=None,
         resume: bool = False, progress: bool = True, checkpoint_every: int | None = None,
         loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True,
-        scheduler_interval: str | None = None) -> list[dict]:
+        scheduler_interval: str | None = None, checkpoint_storage=None) -> list[dict]:
     """Train ``model`` for ``epochs`` passes over ``train_loader``; return one record per epoch.
 
     Args:
@@ -281,13 +281,22 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             start: casting every batch would throw away what the bf16 loader saves.
         compile: ``torch.compile`` the model.
         channels_last: convert the model to channels-last (give the loaders ``channels_last=True`` too).
-        checkpoint: a path; saved at the end of every epoch and every ``checkpoint_every`` batches
-            (see ``TrainingState``). Checked before training starts: not a folder, and its folder
-            writable (created if missing).
+        checkpoint: a path, or a URL (``s3://...``, ``gs://...``, ``memory://...``: through fsspec, see
+            ``fastdata.checkpoint.storage_for``); saved at the end of every epoch and every
+            ``checkpoint_every`` batches (see ``TrainingState``), by rank 0. Checked before training
+            starts: not a folder, and its folder writable (created if missing).
         resume: continue from ``checkpoint`` when it exists (mid-epoch included: the remaining batches
-            are exactly those an uninterrupted run sees); start fresh when it does not.
+            are exactly those an uninterrupted run sees); start fresh when it does not. Under torchrun
+            rank 0 decides whether it exists and what it holds: a rank that cannot read the same file
+            (another node's disk) gets rank 0's over the process group. A checkpoint written under
+            another world size or batch size resumes too (the rest of the epoch is re-split over the
+            new ranks, every sample once; a OneCycleLR built for the old steps per epoch is refused
+            when the run would step past its end).
         progress: a tqdm bar with live images/s and data-wait %, shown only when stderr is a terminal.
         checkpoint_every: also save every this many batches (None: only at epoch ends).
+        checkpoint_storage: where ``checkpoint`` is read and written: any object with ``exists``,
+            ``read_bytes`` and ``write_bytes`` (``fastdata.checkpoint.Storage``); None: the local file
+            system for a path, fsspec for a URL.
         loss_fn: default ``nn.CrossEntropyLoss()`` (class indices or class probabilities; under
             autocast it computes in float32 whatever the logits' dtype).
         cudnn_benchmark: on CUDA, turn ``torch.backends.cudnn.benchmark`` on while fit runs (cuDNN
@@ -327,7 +336,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
             if loader is not None:
                 step.check_dtype(_loader_dtype(loader), name)
-        state = TrainingState(step, train_loader)
+        state = TrainingState(step, train_loader, storage=checkpoint_storage)
         built_total = getattr(step.scheduler, "total_steps", None)  # before a checkpoint replaces it
         if checkpoint is not None:
             state.start(checkpoint, resume)
@@ -336,7 +345,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         step.wrap(compile=compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
         for epoch in range(state.epoch, epochs):
             first = state.first_batch(epoch)
-            if first == 0:  # a resumed half epoch keeps the order its loader state restored
+            if not state.mid_epoch(epoch):  # a resumed half epoch keeps the position its loader restored
                 train_loader.set_epoch(epoch)
             bar = _Progress.open(progress and fdist.is_main(), len(train_loader), first, epoch, epochs)
             meter = EpochMeter(device, state.carried(epoch))
@@ -579,25 +588,29 @@ class TrainingState:
     FORMAT = CHECKPOINT_FORMAT
     READS = ("fastdata-checkpoint-1", CHECKPOINT_FORMAT)
 
-    def __init__(self, step: TrainStep, loader):
-        self.step, self.loader = step, loader
+    def __init__(self, step: TrainStep, loader, storage=None):
+        self.step, self.loader, self.storage = step, loader, storage
         self.history: list[dict] = []
         self.epoch, self.batch = 0, 0         # where training starts
+        self.samples = 0                      # the global sample offset into the start epoch's order
         self.partial = [0.0, 0.0, 0.0]        # the sums the half-done start epoch carries
 
     def start(self, path, resume: bool) -> None:
-        """Check ``path`` before any training (rank 0), then restore from it when ``resume`` and it
-        exists."""
-        main = fdist.is_main()
-        if main:  # an unusable path fails now, not after an epoch of training
-            ckpt.prepare(path)
+        """Check ``path`` before any training, then restore from it when ``resume`` and it exists.
+
+        Both are decided once, by rank 0, and shared: an unusable path fails on every rank (naming
+        rank 0's error), and a checkpoint only rank 0 can see (its own disk) resumes every rank."""
+        # An unusable path fails now, not after an epoch of training.
+        fdist.decide_on_main(ckpt.prepare, path, self.storage, what=f"checking checkpoint path '{path}'")
         if not resume:
             return
-        if not os.path.isfile(path):
+        main = fdist.is_main()
+        state = ckpt.load_shared(path, storage=self.storage)
+        if state is None:
             if main:
                 print(f"no checkpoint at '{path}' yet: starting from scratch", flush=True)
             return
-        self.load_state_dict(ckpt.load(path), path)
+        self.load_state_dict(state, path)
         if main:
             print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}",
                   flush=True)
@@ -630,25 +643,56 @@ class TrainingState:
             step.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
-        # Read back from the loader, which has validated it: the one record of the position.
+        # Read back from the loader, which has validated it: the one record of the position, in this
+        # run's layout (a checkpoint of another world size or batch size re-splits the epoch's rest).
         position = self.loader.state_dict()
-        self.epoch, self.batch = position["epoch"], position["batch"]
+        self.epoch = position["epoch"]
+        self.samples = position.get("samples", position["batch"])
+        self.batch = resumed_batch(position, len(self.loader))
         self.history = list(state["history"])
-        # The figures of a half-done epoch are global sums; one rank carries them on.
+        # The figures of a half-done epoch are global sums, whatever the world size that summed them;
+        # one rank carries them on.
         self.partial = list(state["partial"]) if fdist.is_main() else [0.0, 0.0, 0.0]
 
     def save(self, path, position: dict, partial: list[float] | None = None) -> None:
         """Save at ``position`` (rank 0 only: one file for the run)."""
         if fdist.is_main():
-            ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0]), path)
+            ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0]), path, storage=self.storage)
+
+    def mid_epoch(self, epoch: int) -> bool:
+        """Whether ``epoch`` is a resumed half-done epoch (its loader must not be ``set_epoch``'d: that
+        would restart it). Decided on the sample offset: under a re-split layout with ``drop_last`` a
+        few samples read can leave a whole epoch's batches still to run."""
+        return epoch == self.epoch and (self.samples > 0 or self.batch > 0)
 
     def first_batch(self, epoch: int) -> int:
-        """The batch ``epoch`` starts at: the saved one for the resumed epoch, else 0."""
+        """The batch number ``epoch`` starts at: for the resumed epoch, ``len(loader)`` minus the
+        batches left (``resumed_batch``), so the epoch's count ends at ``len(loader)`` as a whole epoch
+        does; else 0."""
         return self.batch if epoch == self.epoch else 0
 
     def carried(self, epoch: int) -> list[float] | None:
         """The sums ``epoch`` starts from: a resumed half-done epoch's, else None (zeros)."""
-        return self.partial if epoch == self.epoch and self.batch > 0 else None
+        return self.partial if self.mid_epoch(epoch) else None
+
+
+def resumed_batch(position: dict, batches: int) -> int:
+    """Where a resumed epoch's batch count starts so that it ends at ``batches`` (``len(loader)``).
+
+    Under the layout that saved ``position`` this is its ``batch``. Under another world size or batch
+    size (elastic resume) the rest of the epoch, ``num_samples - samples`` samples, is re-split into
+    steps of ``batch_size x world_size`` (the loader's, as ``state_dict()`` reports them after the
+    restore), and ``ceil(samples / global batch)`` can be one more than the batches already run: the
+    step count, the periodic saves and a per-step schedule would run past the epoch's end. A position
+    without the sample keys (a loader of another kind) gives its ``batch`` as it is.
+    """
+    keys = ("samples", "num_samples", "batch_size", "world_size", "drop_last")
+    if any(k not in position for k in keys):
+        return position["batch"]
+    rest = max(0, position["num_samples"] - position["samples"])
+    step = position["batch_size"] * position["world_size"]
+    left = rest // step if position["drop_last"] else -(-rest // step)
+    return max(0, batches - left)
 
 
 class _PeriodicSave:

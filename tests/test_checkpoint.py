@@ -256,3 +256,158 @@ def test_prepare_refuses_an_unwritable_folder():
     finally:
         os.chmod(os.path.join(base, "ro"), 0o755)
         shutil.rmtree(base)
+
+
+# ----------------------------------------------------------------------------------- the storage hook
+class DictStorage:
+    """A plain hook object (no base class): checkpoints in a dict, every call logged."""
+
+    def __init__(self):
+        self.files, self.calls = {}, []
+
+    def exists(self, path):
+        self.calls.append(("exists", path))
+        return path in self.files
+
+    def read_bytes(self, path):
+        self.calls.append(("read", path))
+        return self.files[path]
+
+    def write_bytes(self, path, data):
+        self.calls.append(("write", path))
+        self.files[path] = bytes(data)
+
+
+def test_a_custom_storage_object_takes_every_read_and_write():
+    store = DictStorage()
+    ckpt.prepare("runs/c.pt", store)                     # no prepare(): nothing to check
+    ckpt.save(_state(3.0), "runs/c.pt", storage=store)
+    assert list(store.files) == ["runs/c.pt"] and not os.path.exists("runs/c.pt")
+    assert ckpt.exists("runs/c.pt", store) and not ckpt.exists("runs/other.pt", store)
+    assert torch.equal(ckpt.load("runs/c.pt", storage=store)["w"], torch.full((3,), 3.0))
+    assert ("write", "runs/c.pt") in store.calls and ("read", "runs/c.pt") in store.calls
+    with pytest.raises(FileNotFoundError, match="checkpoint 'runs/none.pt' does not exist"):
+        ckpt.load("runs/none.pt", storage=store)
+    store.files["runs/bad.pt"] = b"garbage"
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint 'runs/bad.pt' \(7 bytes\) is"):
+        ckpt.load("runs/bad.pt", storage=store)
+
+
+def test_a_storage_missing_a_method_is_refused_naming_what_it_needs():
+    class ReadOnly:
+        def exists(self, path):
+            return False
+
+        def read_bytes(self, path):
+            return b""
+
+    with pytest.raises(TypeError, match=r"has no \['write_bytes'\] method.*exists\(path\), read_bytes\(path\) "
+                                        r"and write_bytes\(path, data\)"):
+        ckpt.save(_state(1.0), "c.pt", storage=ReadOnly())
+
+
+def test_urls_go_through_fsspec_and_file_urls_to_the_local_file_system(tmp_path):
+    pytest.importorskip("fsspec", reason="fsspec is not installed: the URL path cannot be tested")
+    url = f"memory://fastdata-test-{os.getpid()}/run/c.pt"
+    ckpt.prepare(url)
+    assert not ckpt.exists(url)
+    ckpt.save(_state(2.0), url)
+    assert ckpt.exists(url) and isinstance(ckpt.storage_for(url), ckpt.FsspecStorage)
+    assert torch.equal(ckpt.load(url)["w"], torch.full((3,), 2.0))
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        ckpt.prepare(f"memory://fastdata-test-{os.getpid()}/run")
+    # file:// is the local file system, with its atomic save.
+    assert ckpt.storage_for(f"file://{tmp_path}/c.pt") is ckpt.LOCAL
+    ckpt.save(_state(4.0), f"file://{tmp_path}/c.pt")
+    assert torch.equal(torch.load(tmp_path / "c.pt", weights_only=True)["w"], torch.full((3,), 4.0))
+    assert ckpt.url_scheme("s3://bucket/c.pt") == "s3" and ckpt.url_scheme(tmp_path / "c.pt") is None
+    assert ckpt.url_scheme("C:/runs/c.pt") is None
+
+
+def test_a_url_without_fsspec_names_the_package_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)     # import fsspec now raises ImportError
+    with pytest.raises(ImportError, match=r"checkpoint 's3://bucket/c.pt' is a s3:// URL.*pip install fsspec.*s3fs"):
+        ckpt.save(_state(1.0), "s3://bucket/c.pt")
+    assert ckpt.storage_for("/plain/path.pt") is ckpt.LOCAL   # plain paths never need it
+
+
+def test_fit_checkpoints_to_a_url_and_a_custom_storage_and_resumes_from_them(tmp_path):
+    pytest.importorskip("fsspec", reason="fsspec is not installed: the URL path cannot be tested")
+    from fastdata import SmallCNN, fit, make_loader
+    from fastdata.datasets import SyntheticDigits
+
+    src = SyntheticDigits(128, seed=2)
+
+    def run(epochs, **kw):
+        torch.manual_seed(0)
+        model = SmallCNN(width=4)
+        loader = make_loader(src, "torch", batch_size=32, num_workers=0, device="cpu", seed=1)
+        return model, fit(model, loader, epochs=epochs, progress=False, **kw)
+
+    ref, _ = run(2)
+    store = DictStorage()
+    for where in ({"checkpoint": f"memory://fastdata-fit-{os.getpid()}/c.pt"},
+                  {"checkpoint": "runs/c.pt", "checkpoint_storage": store}):
+        run(1, **where)
+        model, history = run(2, resume=True, **where)
+        assert [r["epoch"] for r in history] == [1, 2]
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert list(store.files) == ["runs/c.pt"] and not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------------- one file, every rank
+def _shared_rank(rank, store, paths, queue):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=len(paths))
+    try:
+        state = ckpt.load_shared(paths[rank])
+        queue.put((rank, None if state is None else float(state["w"][0])))
+    except Exception as e:  # reported, not raised: the parent asserts on it
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_on_three_ranks(tmp_path, paths):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    import uuid
+
+    store = tmp_path / f"store-{uuid.uuid4().hex}"   # a fresh rendezvous file for each group
+    ranks = [ctx.Process(target=_shared_rank, args=(r, store, paths, q)) for r in range(3)]
+    for p in ranks:
+        p.start()
+    try:
+        return dict(q.get(timeout=60) for _ in ranks)
+    finally:
+        for p in ranks:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def test_rank_0_decides_and_a_rank_that_cannot_read_its_file_gets_rank_0s(tmp_path):
+    """Each rank has its own "disk": rank 0's holds the checkpoint, rank 1's nothing, rank 2's an older
+    checkpoint at the same path. Every rank resumes from rank 0's."""
+    disks = [tmp_path / f"disk{r}" for r in range(3)]
+    for d in disks:
+        d.mkdir()
+    ckpt.save(_state(7.0), disks[0] / "c.pt")
+    ckpt.save(_state(1.0), disks[2] / "c.pt")
+    got = _load_on_three_ranks(tmp_path, [str(d / "c.pt") for d in disks])
+    assert got == {0: 7.0, 1: 7.0, 2: 7.0}
+    # Rank 0 has none: no rank resumes, though rank 2 has a file.
+    (disks[0] / "c.pt").unlink()
+    assert _load_on_three_ranks(tmp_path, [str(d / "c.pt") for d in disks]) == {0: None, 1: None, 2: None}
+    # A damaged one on rank 0 fails on every rank, naming it.
+    (disks[0] / "c.pt").write_bytes(b"half")
+    got = _load_on_three_ranks(tmp_path, [str(d / "c.pt") for d in disks])
+    assert got[0].startswith("CheckpointError: checkpoint '") and "is truncated or corrupt" in got[0]
+    for rank in (1, 2):
+        assert got[rank].startswith("PreparationError: reading checkpoint") and "rank 0" in got[rank]
+        assert "CheckpointError" in got[rank]
