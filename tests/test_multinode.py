@@ -382,3 +382,71 @@ def test_an_epoch_saved_on_2_ranks_resumes_on_1_and_on_3_reading_every_sample_on
         history = resumed[0]["history"]
         assert [h["epoch"] for h in history] == [1] and all(r["history"] == history for r in resumed)
 
+
+
+# ------------------------------------------------------------------ elastic resume in one process
+@pytest.mark.parametrize("position, batches, expected", [
+    ({"epoch": 0, "batch": 3}, 10, 3),                                   # a loader without sample keys
+    (dict(samples=48, num_samples=200, batch_size=8, world_size=2, drop_last=False, batch=3, epoch=0), 13, 3),
+    (dict(samples=48, num_samples=200, batch_size=8, world_size=3, drop_last=False, batch=2, epoch=0), 9, 2),
+    # 96 samples, saved after 10 of them, resumed in steps of 24: ceil(10/24) = 1 batch "done", but 4 of
+    # 4 full steps are left: the count starts at 0, not 1, so it ends at len(loader).
+    (dict(samples=10, num_samples=96, batch_size=24, world_size=1, drop_last=False, batch=1, epoch=0), 4, 0),
+    (dict(samples=4, num_samples=100, batch_size=24, world_size=1, drop_last=True, batch=1, epoch=0), 4, 0),
+])
+def test_resumed_batch_counts_so_that_the_epoch_ends_at_len_loader(position, batches, expected):
+    from fastdata.engine import resumed_batch
+
+    assert resumed_batch(position, batches) == expected
+
+
+def test_a_position_whose_rest_is_a_whole_epoch_of_batches_is_still_resumed_not_restarted(tmp_path):
+    """Saved after one batch of 4 and resumed with batches of 24 (drop_last): the 96 samples left fill
+    as many batches as a whole epoch, so only the sample offset tells fit the epoch is half done; a
+    set_epoch there would read the first 4 samples again."""
+    from conftest import decode_ids, indexed_source
+    from fastdata import Augmentation, make_loader
+    from fastdata.engine import fit
+
+    class Crash(Exception):
+        pass
+
+    def run(batch_size, crash_after=None, resume=False):
+        loader = make_loader(indexed_source(100), "memory", batch_size=batch_size, device="cpu", seed=4,
+                             augment=Augmentation.none(), num_workers=0)
+        seen = []
+
+        class Ids:
+            device = loader.device
+
+            def __len__(self):
+                return len(loader)
+
+            def set_epoch(self, e):
+                loader.set_epoch(e)
+
+            def state_dict(self):
+                return loader.state_dict()
+
+            def load_state_dict(self, s):
+                loader.load_state_dict(s)
+
+            def __iter__(self):
+                for k, (x, y) in enumerate(loader):
+                    if k == crash_after:
+                        raise Crash
+                    seen.extend(decode_ids(x).tolist())
+                    yield x, y
+
+        torch.manual_seed(0)
+        try:
+            fit(torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(64, 10)), Ids(), epochs=1,
+                checkpoint=tmp_path / "c.pt", checkpoint_every=1, resume=resume, progress=False)
+        except Crash:
+            pass
+        return seen
+
+    first = run(4, crash_after=1)
+    assert len(first) == 4
+    rest = run(24, resume=True)
+    assert len(rest) == 96 and sorted(first + rest) == list(range(100))
