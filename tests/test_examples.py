@@ -235,3 +235,22 @@ def test_mnist_example_under_torchrun(tmp_path):
     assert proc.stdout.count("epoch 1/1") == 1          # rank 0 prints, rank 1 does not
     assert proc.stdout.count("synthetic digits instead") == 1 and result["dataset"] == "synthetic"
     assert JSON_FIELDS <= set(result)
+
+
+def test_mnist_example_keeps_the_synthetic_digits_it_drew_and_reads_them_next_time(mnist_example, tmp_path, capsys,
+                                                                                   no_network):
+    """The per-node preparation draws the synthetic digits once into --data-root/synthetic; a later run
+    (or the node's other ranks) reads them instead of drawing them again, and trains on the same data."""
+    flags = ["--data", "synthetic", "--data-root", str(tmp_path), "--train-size", "256", "--test-size", "128",
+             "--epochs", "1", "--batch-size", "64", "--workers", "0", "--device", "cpu", "--backend", "memory",
+             "--no-progress"]
+    first = mnist_example.main(mnist_example.get_args_parser().parse_args(flags))
+    out = capsys.readouterr().out
+    assert out.count("synthetic training digits into") == 1 and out.count("synthetic test digits into") == 1
+    assert sorted(p.name for p in (tmp_path / "synthetic").iterdir()) == \
+        ["digits-test-128-seed0.npz", "digits-train-256-seed0.npz"]
+    again = mnist_example.main(mnist_example.get_args_parser().parse_args(flags))
+    assert "digits into" not in capsys.readouterr().out
+    # The same digits, order and initial weights: the same run.
+    assert again["final_train_loss"] == first["final_train_loss"]
+    assert again["test_accuracy"] == first["test_accuracy"]
