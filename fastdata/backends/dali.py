@@ -44,11 +44,13 @@ CPU decoding: on the CPU the photos are decoded and resized in the reader thread
 decode, whichever is estimated cheaper, then PIL's resize; DALI gets dense uint8 crops and only flips
 and normalizes them. Measured (2 cores, ImageNet-sized JPEGs, per crop and core): DALI's CPU
 ``fn.resize`` 1.8 ms against PIL-SIMD's 0.4 ms for the same windows, more than the region decode itself
-(1.3-1.6 ms; a full decode 2.0-2.2 ms), so the in-pipeline path ran at half the torch backend's decode
-rate. ``jpeg_fancy_upsampling`` and ``use_fast_idct`` change nothing there: DALI passes the first to
-nvJPEG only (libjpeg-turbo always upsamples "fancy": DALI's CPU pixels equal PIL's), and the second
-saved under 10% of the decode. The pixels are the torch backend's wherever both decode the same rows
-at the same scale. Arrays: the batch goes in as one dense array; translation is ``fn.slice`` with a
+(1.3-1.6 ms; a full decode 2.0-2.2 ms): the in-pipeline path spent 3.4 ms of CPU per image, the host
+path 2.5 ms (1.5x the images/s in the same run). ``jpeg_fancy_upsampling`` and ``use_fast_idct`` change
+nothing there: DALI passes the first to nvJPEG only (libjpeg-turbo always upsamples "fancy": DALI's CPU
+pixels equal PIL's), and the second saved under 10% of the decode. The pixels are the torch backend's
+wherever both decode the same rows at the same scale.
+
+Arrays: the batch goes in as one dense array; translation is ``fn.slice`` with a
 per-sample anchor whose window leaves the image by up to ``pad`` pixels, filled by the slice's
 ``out_of_bounds_policy`` (pad + crop in one op, no padded copy): zeros (``"pad"``), the edge pixel
 (``"edge"``) or the mirror without the edge pixel (``"reflect_101"``: numpy's and torch's "reflect";
@@ -58,14 +60,16 @@ slice) gets the batch padded on the host with ``np.pad`` and a slice inside it i
 Errors: a file whose header PIL cannot read (empty, not an image, wrong extension, decompression bomb)
 or that fails the integrity check raises ``DecodeError`` naming it when its batch is fed
 (``on_error="skip"``: skipped and counted in ``self.skipped``, with the crop draws consumed exactly as
-the torch backend consumes them); the verdict is kept, so the file is never read again. A file that
-still fails inside DALI (``validate=False``, or one PIL accepts and DALI does not) fails the whole DALI
-iteration: DALI 2.4 raises a plain ``RuntimeError`` (see ``is_dali_failure``: classified by type and
-origin; any other error is re-raised untouched). The loader then decodes the batch's files one by one
-in one reusable probe pipeline to find the culprit and raises ``DecodeError`` with the path and DALI's
-message (``"skip"``: it remembers the file, rebuilds the main pipeline and feeds the batch again
-without it). After any error or an epoch left unfinished (a closed generator), the next ``iter()``
-builds a fresh pipeline and drops the batches read ahead, never reusing a broken one.
+the torch backend consumes them); the verdict is kept, so the file is never read again. Decoding on
+the host, a file the reader thread's decoder refuses (``validate=False``) is handled the same way, in
+its batch's order. A file that still fails inside DALI (``validate=False``, or one PIL accepts and
+DALI does not) fails the whole DALI iteration: DALI 2.4 raises a plain ``RuntimeError`` (see
+``is_dali_failure``: classified by type and origin; any other error is re-raised untouched). The loader
+then decodes the batch's files one by one in one reusable probe pipeline to find the culprit and raises
+``DecodeError`` with the path and DALI's message (``"skip"``: it remembers the file, rebuilds the main
+pipeline and feeds the batch again without it). After any error or an epoch left unfinished (a closed
+generator), the next ``iter()`` builds a fresh pipeline and drops the batches read ahead, never reusing
+a broken one.
 
 Outputs: DALI 2.4's default executor (``exec_dynamic``) hands its buffers to torch through DLPack
 without a copy. They stay valid as long as torch holds them (DALI's ``TensorGPU.__dlpack__`` docs),
