@@ -612,7 +612,11 @@ class TrainingState:
             return
         self.load_state_dict(state, path)
         if main:
-            print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}",
+            saved, now = state.get("loader", {}), self.loader.state_dict()
+            layout = [(d.get("world_size"), d.get("batch_size")) for d in (saved, now)]
+            resplit = f" (saved by {layout[0][0]} rank(s) x batch {layout[0][1]}: the rest of the epoch is " \
+                      f"re-split over {layout[1][0]} x {layout[1][1]})" if layout[0] != layout[1] else ""
+            print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}{resplit}",
                   flush=True)
 
     def state_dict(self, position: dict, partial: list[float]) -> dict:
