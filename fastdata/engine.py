@@ -574,9 +574,10 @@ class EpochMeter:
 class TrainingState:
     """Everything a resumed run needs, saved to and restored from one checkpoint.
 
-    The position has ONE record: the loader's ``state_dict()`` (epoch and batches done, plus what the
-    position is valid for: world size, batch size, seed, dataset), checked by the loader when it is
-    restored. Format 1 also kept a ``global_step`` beside it, which restore no longer needs: the
+    The position has ONE record: the loader's ``state_dict()`` (epoch, the global sample offset and
+    batches done, plus what the position is valid for: seed and dataset, checked by the loader when it
+    is restored; the world size and batch size may differ, and the rest of the epoch is then re-split,
+    see ``resumed_batch``). Format 1 also kept a ``global_step`` beside it, which restore no longer needs: the
     periodic-save count is ``epoch × len(loader) + batch``. Format 1 files still load (that key is
     ignored); any other format is refused with the formats this version reads.
 
