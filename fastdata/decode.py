@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -73,14 +74,31 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
                     f"{[k.value for k in SourceKind if k is not SourceKind.ABSTRACT]}")
 
 
+# Per process (each DataLoader worker has its own): for each files source, which of its files this
+# process has decoded whole once. Until then a region decode checks the file's whole scan first
+# (transforms.crop_photo): every backend refuses the same broken files in the first epoch whatever
+# the crop, and later epochs decode only the crop's window. One byte per file; a weak key, so a
+# dropped source takes its flags with it.
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _checked(source) -> np.ndarray:
+    flags = _CHECKED.get(source)
+    if flags is None or len(flags) != len(source):
+        flags = _CHECKED[source] = np.zeros(len(source), dtype=bool)
+    return flags
+
+
 def _files(source, ids, aug, rng, on_error) -> Decoded:
     size = aug.size
     # Written in place, kept ones contiguous: no list of arrays and no second copy in np.stack.
     out = np.empty((len(ids), size, size, 3), dtype=np.uint8)
     keep = []
+    checked = _checked(source)
     for j, i in enumerate(ids):
         try:
-            out[len(keep)] = load_photo(source.paths[i], aug, rng)
+            out[len(keep)] = load_photo(source.paths[i], aug, rng, checked=bool(checked[i]))
+            checked[i] = True
         except DecodeError:
             if on_error == "raise":
                 raise

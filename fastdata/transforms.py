@@ -269,16 +269,11 @@ def _ends_whole(data: bytes) -> bool:
     return data[-64:].rstrip(b"\x00\r\n\t ").endswith(b"\xff\xd9")
 
 
-def load_photo(path, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
+def load_photo(path, aug: Augmentation, rng: np.random.Generator, *, checked: bool = True) -> np.ndarray:
     """Decode one file and apply the recipe; returns uint8 (H, W, 3).
 
-    The box is drawn from the header's size before any pixel is decoded, then the cheapest exact way
-    to get its pixels is taken. For an upright 8-bit JPEG with nvImageCodec installed
-    (``fastdata.region``), only the window the box needs is decoded, with the full decode's pixels
-    (1.17-1.27x faster per 224 crop on ImageNet-sized photos, measured in benchmarks/bench_decode.py).
-    Otherwise, or where it is estimated cheaper, ``Image.draft`` lets libjpeg decode at 1/2, 1/4 or 1/8
-    scale when the crop will be shrunk anyway: the IDCT then skips the detail that the resize would
-    throw away. Pillow-SIMD does the resize and the flip either way.
+    The box is drawn from the header's size before any pixel is decoded (``sample_box``), then
+    ``crop_photo`` gets its pixels the cheapest exact way. ``checked``: see ``crop_photo``.
     """
     import io
 
@@ -289,16 +284,47 @@ def load_photo(path, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
         swap = orientation in (5, 6, 7, 8)
         width, height = (img.height, img.width) if swap else img.size
         box, flip = sample_box(aug, rng, height, width)
+        out = crop_photo(path, data, box, aug, orientation, (height, width), img=img, checked=checked)
+        return np.ascontiguousarray(out[:, ::-1]) if flip else out
+    finally:
+        img.close()
+
+
+def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims, *, img=None,
+               checked: bool = True) -> np.ndarray:
+    """The photo's ``box`` (top, left, h, w in displayed pixels; None: the whole photo) resized to
+    ``aug.size``, uint8 (H, W, 3), not flipped. ``data``: the file's bytes; ``dims``: its displayed
+    (height, width); ``img``: the header already opened from ``data`` (opened here when None).
+
+    For an upright 8-bit JPEG with nvImageCodec installed (``fastdata.region``), only the window the
+    box needs is decoded, with the full decode's pixels (1.17-1.27x faster per 224 crop on
+    ImageNet-sized photos: benchmarks/results/decode-cpu-2c.md). Otherwise, or where it is estimated
+    cheaper, ``Image.draft`` lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop will be shrunk
+    anyway (the IDCT skips the detail the resize would throw away). Pillow-SIMD resizes either way.
+    Which path runs depends on the file and the box only, so the pixels do not depend on the process.
+
+    ``checked``: the file's whole scan was already decoded once (by this process, or a validation
+    pass). A region decode never reads the rows below its window, so damage there would go unseen and
+    this backend would accept a file the others refuse; an unchecked file is checked first
+    (``check_pixels``). Callers remember the files they decoded (decode.py does, per process), so only
+    a file's first decode pays for it.
+    """
+    import io
+
+    height, width = dims
+    own = img is None
+    if own:
+        img = open_image(path, fp=io.BytesIO(data))
+    try:
         if box is not None and orientation == 1 and img.format == "JPEG" and img.mode in ("RGB", "L") \
                 and _ends_whole(data) and region_decode_enabled():
             from .region import decode_box
 
             got = decode_box(data, box, aug.size, name=str(path))  # None: the draft path is cheaper
             if got is not None:
-                out = got.image.resize((aug.size, aug.size), Image.BILINEAR, box=got.box)
-                if flip:
-                    out = out.transpose(Image.FLIP_LEFT_RIGHT)
-                return np.asarray(out)
+                if not checked:
+                    check_pixels(img, path)
+                return np.asarray(got.image.resize((aug.size, aug.size), Image.BILINEAR, box=got.box))
         if box is not None and orientation == 1 and img.format == "JPEG":
             top, left, bh, bw = box
             out = aug.size
@@ -321,11 +347,10 @@ def load_photo(path, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
             top, left, bh, bw = box
             img = img.resize((aug.size, aug.size), Image.BILINEAR,
                              box=_clamp_box(left * fx, top * fy, bw * fx, bh * fy, img.width, img.height))
-        if flip:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
         return np.asarray(img)
     finally:
-        img.close()
+        if own:
+            img.close()
 
 
 def resize_box(image: np.ndarray, aug: Augmentation, box, flip: bool) -> np.ndarray:

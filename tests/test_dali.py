@@ -571,18 +571,18 @@ def test_cpu_pipeline_decodes_on_the_host_by_default(photo_folder, monkeypatch):
     # and normalizes: no decoder and no resize in the pipeline.
     import threading
 
-    import fastdata.backends.dali as dali_mod
+    import fastdata.region as region_mod
 
     called = _record_graph_ops(monkeypatch)
     boxes, threads = [], set()
-    real_decode_box = dali_mod.decode_box
+    real_decode_box = region_mod.decode_box
 
     def counting_decode_box(data, box, out_size=None, **kw):
         boxes.append(box)
         threads.add(threading.current_thread().name)
         return real_decode_box(data, box, out_size, **kw)
 
-    monkeypatch.setattr(dali_mod, "decode_box", counting_decode_box)
+    monkeypatch.setattr(region_mod, "decode_box", counting_decode_box)  # crop_photo imports it per call
     src = ImageFolder(photo_folder)
     loader = dali(src, batch_size=6, train=True, seed=1)
     assert loader.host_decode
@@ -612,10 +612,8 @@ def test_host_decode_gives_the_torch_backends_pixels(photo_folder, monkeypatch, 
     # may differ is the decoder's rounding: nvImageCodec's libjpeg-turbo (region decode) and Pillow's
     # put a few pixels one level apart; fn.resize's own rounding, a shifted box or a flip would not
     # stay within that.
-    import fastdata.backends.dali as dali_mod
-
     if not region:   # as where nvImageCodec is missing: PIL decodes (with draft where it pays)
-        monkeypatch.setattr(dali_mod, "decode_box", lambda *a, **kw: None)
+        monkeypatch.setenv("FASTDATA_REGION_DECODE", "0")
     src = ImageFolder(photo_folder)
     d = torch.cat([x for x, _ in dali(src, batch_size=8, train=False)])
     t = torch.cat([x for x, _ in torch_loader(src, batch_size=8, train=False)])

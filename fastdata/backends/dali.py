@@ -92,15 +92,14 @@ import torch
 from ..config import Crop, Padding
 from ..datasets import SourceKind
 from ..errors import DecodeError
-from ..region import decode_box
 from ..transforms import (
     NUMPY_PAD_MODE,
     check_pixels,
+    crop_photo,
     draw_params,
     exif_orientation,
     open_image,
     require_fixed_size,
-    to_rgb,
 )
 from .base import Loader
 
@@ -527,44 +526,15 @@ class DaliLoader(Loader):
         """Runs in a reader thread: file ``i``'s crop ``box`` (top, left, h, w) resized to ``size`` x
         ``size``, uint8 (size, size, 3), not flipped; or the reason (str) it cannot be decoded.
 
-        The torch backend's decoders (``transforms.load_photo``): nvImageCodec decodes only the box's
-        window where that is estimated cheaper than ``Image.draft``'s reduced-scale full decode
-        (``region.decode_box``, upright JPEGs), PIL otherwise; PIL's BILINEAR resizes the box. Both
-        decoders are libjpeg-turbo with the same IDCT and upsampling, so the pixels are the torch
-        backend's except where one decodes at reduced scale and the other not.
+        The torch backend's decoders, through the same function (``transforms.crop_photo``: a region
+        decode of the box's window where nvImageCodec is there, else ``Image.draft``, then PIL's
+        BILINEAR), so the pixels are the torch backend's. ``checked``: with ``validate`` every file's
+        whole scan was decoded once by ``_read_file`` before it gets here.
         """
-        from PIL import Image, ImageOps
-
-        size = self.augment.size
-        path = self.source.paths[i]
-        data = buf.tobytes()
         height, width, orientation = (int(v) for v in self._dims[i])
-        top, left, bh, bw = box
         try:
-            got = decode_box(data, box, size, name=str(path)) if orientation == 1 else None
-            if got is not None:
-                return np.asarray(got.image.resize((size, size), Image.BILINEAR, box=got.box))
-            img = open_image(path, io.BytesIO(data))
-            try:
-                if orientation == 1 and img.format == "JPEG":
-                    # As load_photo: the smallest draft scale that keeps the box >= size on each side.
-                    want = (max(1, math.ceil(width * size / bw)), max(1, math.ceil(height * size / bh)))
-                    if want[0] < width and want[1] < height:
-                        img.draft("RGB", want)
-                try:
-                    img.load()
-                except Exception as e:
-                    raise DecodeError(path, f"{type(e).__name__}: {e}") from None
-                if orientation != 1:
-                    img = ImageOps.exif_transpose(img)
-                img = to_rgb(img)
-                # draft shrinks by an exact power of two; the reduced size is rounded up to whole blocks.
-                f = 1.0 / (2 ** round(math.log2(width / img.width)) if img.width < width else 1)
-                crop = (max(0.0, left * f), max(0.0, top * f), min(float(img.width), (left + bw) * f),
-                        min(float(img.height), (top + bh) * f))
-                return np.asarray(img.resize((size, size), Image.BILINEAR, box=crop))
-            finally:
-                img.close()
+            return crop_photo(self.source.paths[i], buf.tobytes(), box, self.augment, orientation,
+                              (height, width), checked=self.opts["validate"])
         except DecodeError as e:
             return e.reason
 
