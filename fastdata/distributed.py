@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -354,7 +355,6 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
 
 
 # --------------------------------------------------------------- preparation and decisions made once
-from datetime import timedelta  # this section's own import, kept with it
 
 # Work that one rank does for others (a download, an extraction, a decision such as "is there a
 # checkpoint") and whose outcome every rank needs. The outcome travels over a gloo group with its own
