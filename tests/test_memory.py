@@ -528,3 +528,147 @@ def test_memory_imports_no_sibling_backend():
     tree = ast.parse(Path(memory.__file__).read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
     assert imported <= {"base"}, f"memory imports sibling backend module(s) {sorted(imported - {'base'})}"
+
+
+# ------------------------------------------------------------------ how the photo cache is built
+def _mixed_folder(root, broken: bool = False):
+    """Every kind of file the cache build meets: ImageNet-sized JPEGs (one larger than 2x the cache, so
+    drafted), an EXIF-rotated JPEG, a grey JPEG, a CMYK JPEG, a PNG; optionally a truncated JPEG."""
+    from fastdata.datasets import make_image_folder
+
+    make_image_folder(root, classes=2, per_class=5, seed=3)
+    d = root / "class_001"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(_ramp(300, 700)).save(d / "rotated.jpg", quality=92, exif=exif.tobytes())
+    Image.fromarray(_ramp(420, 560)[..., 0]).save(d / "grey.jpg", quality=90)
+    Image.fromarray(_ramp(200, 260)).convert("CMYK").save(d / "cmyk.jpg", quality=90)
+    Image.fromarray(_ramp(90, 130)).save(d / "small.png")
+    if broken:
+        data = (root / "class_000" / "img_00001.jpg").read_bytes()
+        (root / "class_000" / "img_00001.jpg").write_bytes(data[:len(data) // 3])
+    return root
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(tmp_path_factory):
+    return _mixed_folder(tmp_path_factory.mktemp("mixed"))
+
+
+def _cache(src, build, train=True, **kw):
+    aug = Augmentation.imagenet_train(size=64) if train else Augmentation.imagenet_eval(size=64, resize=72)
+    return make_loader(src, "memory", batch_size=4, device="cpu", cache_size=160, cache_build=build, train=train,
+                       augment=aug, drop_last=False, **kw)
+
+
+@pytest.mark.parametrize("build", ["threads", "nvimgcodec"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_fast_builds_cache_the_process_builds_pixels(mixed_folder, build, workers):
+    """The threads build (PIL, straight into the cache's rows) and the nvImageCodec build (its CPU
+    decoder here: libjpeg-turbo with the same chroma upsampling, then PIL's resize; other formats through
+    PIL) cache exactly the pixels and sizes of the process build (the build before issue 13), zero fill
+    included, whether the threads run or the calling thread does the work."""
+    from fastdata.backends import memory
+
+    if build == "nvimgcodec" and memory._nvimgcodec() is None:
+        pytest.skip("nvImageCodec is not installed")
+    src = ImageFolder(mixed_folder)
+    ref = _cache(src, "processes", cache_workers=2)
+    got = _cache(src, build, cache_workers=workers)
+    assert torch.equal(got.cache, ref.cache)
+    for a, b in zip(got.photo_sizes, ref.photo_sizes):
+        np.testing.assert_array_equal(a, b)
+    rotated = src.paths.index(next(p for p in src.paths if str(p).endswith("rotated.jpg")))
+    assert tuple(got.photo_sizes[0][rotated]) == (700, 300)   # displayed upright: EXIF applied
+
+
+def test_threads_build_the_evaluation_cache_exactly(mixed_folder):
+    src = ImageFolder(mixed_folder)
+    ref = _cache(src, "processes", train=False, cache_workers=1)
+    for build in ("threads", "auto", "nvimgcodec"):
+        assert torch.equal(_cache(src, build, train=False).cache, ref.cache), build
+
+
+@pytest.mark.parametrize("build", ["threads", "processes", "nvimgcodec"])
+def test_a_broken_file_is_named_or_skipped_once_by_every_build(tmp_path, build):
+    from fastdata.backends import memory
+    from fastdata.errors import DecodeError
+
+    if build == "nvimgcodec" and memory._nvimgcodec() is None:
+        pytest.skip("nvImageCodec is not installed")
+    src = ImageFolder(_mixed_folder(tmp_path / "broken", broken=True))
+    with pytest.raises(DecodeError, match="img_00001.jpg"):
+        _cache(src, build, cache_workers=2)
+    bad = next(i for i, p in enumerate(src.paths) if str(p).endswith("class_000/img_00001.jpg"))
+    got = _cache(src, build, on_error="skip", cache_workers=2)
+    assert got.skipped_at_cache == 1 and bad not in got.kept.tolist() and len(got.kept) == len(src) - 1
+    # The gap is closed: every kept photo sits in the next row, as the reference built without the file.
+    good = ImageFolder(tmp_path / "broken").subset([i for i in range(len(src)) if i != bad])
+    ref = _cache(good, "processes", cache_workers=0)
+    assert torch.equal(got.cache, ref.cache)
+    np.testing.assert_array_equal(got.photo_sizes[1], ref.photo_sizes[1])
+    with pytest.warns(RuntimeWarning, match="skipped 1 undecodable"):
+        list(got)
+
+
+def test_an_unknown_cache_build_names_the_choices(photo_folder):
+    with pytest.raises(ValueError, match=r"unknown cache_build 'gpu'.*'threads', 'processes', 'nvimgcodec'"):
+        _cache(ImageFolder(photo_folder), "gpu")
+
+
+def test_resize_whole_is_pils_bilinear():
+    """The GPU build's resize, checked on the CPU: torch's antialiased bilinear on uint8 gives PIL's
+    BILINEAR pixels exactly; through float (the CUDA path) within 1; whole_size is load_whole's size."""
+    from fastdata.backends.memory import resize_whole, whole_size
+
+    rng = np.random.default_rng(5)
+    for h, w in [(350, 450), (500, 333), (120, 100), (257, 256)]:
+        arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        sh, sw = whole_size(h, w, 256)
+        assert max(sh, sw) == min(256, max(h, w)) and abs(sh / sw - h / w) < 0.01
+        ref = np.asarray(Image.fromarray(arr).resize((sw, sh), Image.BILINEAR))
+        exact = resize_whole(torch.from_numpy(arr), 256).numpy()
+        np.testing.assert_array_equal(exact, ref)
+        via_float = resize_whole(torch.from_numpy(arr), 256, via_float=True).numpy()
+        assert np.abs(via_float.astype(int) - ref).max() <= 1
+
+
+@pytest.mark.cuda
+def test_nvimgcodec_builds_the_cache_on_the_gpu(mixed_folder):
+    """On CUDA the default build decodes on the GPU (nvJPEG or the hardware decoder) and resizes there:
+    the same sizes as the CPU build, the pixels within the decoders' IDCT differences (nvJPEG is not
+    bit-exact to libjpeg-turbo) and the float resize's rounding."""
+    from fastdata.backends import memory
+
+    if memory._nvimgcodec() is None:
+        pytest.skip("nvImageCodec is not installed")
+    src = ImageFolder(mixed_folder)
+    ref = _cache(src, "threads")
+    aug = Augmentation.imagenet_train(size=64)
+    gpu = make_loader(src, "memory", batch_size=4, device="cuda", cache_size=160, augment=aug, drop_last=False)
+    assert gpu._cache_build() == "nvimgcodec" and gpu.cache.is_cuda
+    for a, b in zip(gpu.photo_sizes, ref.photo_sizes):
+        np.testing.assert_array_equal(a, b)
+    diff = (gpu.cache.cpu().int() - ref.cache.int()).abs()
+    assert diff.float().mean() < 1.0 and diff.max() <= 12, (diff.float().mean(), diff.max())
+    x, _ = next(iter(gpu))
+    assert x.is_cuda and x.shape == (4, 3, 64, 64)
+
+
+def test_bench_cache_quick_run_writes_its_reports(tmp_path):
+    """benchmarks/bench_cache.py --quick (the in-tree builds: 'today' needs a git worktree): every
+    contender builds the same pixels as the baseline and the reports are written."""
+    import json
+
+    from benchmarks import bench_cache
+
+    args = bench_cache.get_args_parser().parse_args(
+        ["--quick", "--photos", "20", "--contenders", "processes", "threads", "--cache", str(tmp_path / "c"),
+         "--out", str(tmp_path / "out"), "--tag", "t"])
+    payload = bench_cache.main(args)
+    rows = {r["name"]: r for r in payload["rows"]}
+    assert rows["processes"]["role"] == "baseline" and rows["threads"]["status"] == "ok"
+    assert rows["threads"]["extra"]["pixels"] == (0, 0.0) and rows["threads"]["rate"] > 0
+    saved = json.loads((tmp_path / "out" / "cache-t.json").read_text())
+    assert saved["targets"][0]["label"].startswith("threads build >= 2x")
+    assert "| threads build >= 2x faster than processes" in (tmp_path / "out" / "cache-t.md").read_text()

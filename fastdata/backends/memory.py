@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
 import weakref
 import zlib
@@ -224,9 +225,8 @@ def load_whole(path, side: int) -> tuple[np.ndarray, int, int]:
         swap = orientation in (5, 6, 7, 8)
         stored_w = img.width
         W, H = (img.height, img.width) if swap else img.size
-        r = min(1.0, side / max(H, W))
-        h, w = max(1, round(H * r)), max(1, round(W * r))
-        if r < 1 and img.format == "JPEG":
+        h, w = whole_size(H, W, side)
+        if (h, w) != (H, W) and img.format == "JPEG":
             img.draft("RGB", (h, w) if swap else (w, h))   # draft works in stored orientation
         reduction = 2 ** round(math.log2(stored_w / img.width)) if img.width < stored_w else 1
         try:
@@ -258,21 +258,204 @@ class WholePhotos(Dataset):
 
     def __getitem__(self, ids):
         s = self.side
-        out = torch.zeros((len(ids), s, s, 3), dtype=torch.uint8)
+        out = torch.empty((len(ids), s, s, 3), dtype=torch.uint8)
         sizes = np.zeros((len(ids), 4), dtype=np.int64)
-        kept = []
-        for i in ids:
+        ok = self.decode_rows(ids, out, sizes)
+        kept = [int(i) for i in np.asarray(ids)[ok]]
+        # The kept photos first, in order (a no-op without skips): the chunk's rows are contiguous.
+        good = torch.from_numpy(np.flatnonzero(ok))
+        return out[good] if len(kept) < len(ids) else out, torch.from_numpy(sizes[ok]), kept
+
+    def decode_rows(self, ids, rows: torch.Tensor, sizes: np.ndarray) -> np.ndarray:
+        """Decode files ``ids`` straight into ``rows`` (uint8 (k, side, side, 3) on the CPU, e.g. the
+        cache's own rows): each photo top-left, zeros around it, and its (H, W, h, w) into ``sizes``
+        (int64 (k, 4)). Returns a bool (k,): which decoded; a skipped file's row is left as it was
+        (on_error="skip"), a DecodeError propagates with on_error="raise"."""
+        ok = np.zeros(len(ids), dtype=bool)
+        rows = rows.numpy()   # numpy's copies into a slot's sub-rectangle: far cheaper than torch's
+        for j, i in enumerate(ids):
             try:
-                arr, H, W = load_whole(self.source.paths[i], s)
+                arr, H, W = load_whole(self.source.paths[i], self.side)
             except DecodeError:
                 if self.on_error == "raise":
                     raise
                 continue
-            j, (h, w) = len(kept), arr.shape[:2]
-            out[j, :h, :w].numpy()[...] = arr      # PIL's array is read-only: copy into the slot
+            h, w = arr.shape[:2]
+            place(rows[j], arr)
             sizes[j] = (H, W, h, w)
-            kept.append(int(i))
-        return out[:len(kept)], torch.from_numpy(sizes[:len(kept)]), kept
+            ok[j] = True
+        return ok
+
+
+def place(row: np.ndarray, arr: np.ndarray) -> None:
+    """Write a (h, w, 3) photo top-left into a cache slot (s, s, 3) and zero the rest of it: the slot
+    is written once, with no zeroed temporary (rows of a fresh cache are whatever memory held)."""
+    h, w = arr.shape[:2]
+    row[:h, :w] = arr
+    row[:h, w:] = 0
+    row[h:] = 0
+
+
+def _compact(out: torch.Tensor, ok: np.ndarray, sizes: np.ndarray, lo: int, *, applied: bool):
+    """Close the gaps skipped files left in ``out``'s rows (each kept row moves to the front, in order;
+    a no-op without skips); return (kept ids, their sizes, or an empty (0, 4) for the applied recipe)."""
+    good = np.flatnonzero(ok)
+    moved = np.flatnonzero(good != np.arange(len(good)))
+    for j in moved:   # good[j] >= j: a row is read before anything is written over it
+        out[j] = out[int(good[j])]
+    kept = (lo + good).astype(np.int64)
+    return kept, (np.empty((0, 4), dtype=np.int64) if applied else sizes[good])
+
+
+#: The ``cache_build`` choices (see MemoryLoader).
+CACHE_BUILDS = ("auto", "threads", "processes", "nvimgcodec")
+
+
+def _nvimgcodec():
+    """nvImageCodec's module, or None where it is not installed (it comes with DALI)."""
+    try:
+        from nvidia import nvimgcodec  # optional
+    except Exception:   # ImportError, or a broken install's missing shared library
+        return None
+    return nvimgcodec
+
+
+def whole_size(H: int, W: int, side: int) -> tuple[int, int]:
+    """(h, w) of a photo (H, W) cached whole: aspect kept, longer side at most ``side``, never enlarged."""
+    r = min(1.0, side / max(H, W))
+    return max(1, round(H * r)), max(1, round(W * r))
+
+
+def resize_whole(t: torch.Tensor, side: int, *, via_float: bool | None = None) -> torch.Tensor:
+    """uint8 (H, W, 3) → uint8 (h, w, 3) at ``whole_size``, on t's device, bilinear with antialiasing:
+    PIL's BILINEAR filter (a triangle widened by the reduction). On the CPU torch resizes uint8 directly,
+    with PIL's integer arithmetic: PIL's pixels exactly. CUDA has no uint8 antialiased kernel: there
+    (``via_float``, default on CUDA) it resizes in float and rounds, within 1 of PIL's pixels."""
+    H, W = t.shape[:2]
+    h, w = whole_size(H, W, side)
+    if (h, w) == (H, W):
+        return t
+    via_float = t.is_cuda if via_float is None else via_float
+    x = t.permute(2, 0, 1)[None]
+    if not via_float:
+        return F.interpolate(x, size=(h, w), mode="bilinear", antialias=True, align_corners=False)[0].permute(1, 2, 0)
+    y = F.interpolate(x.float(), size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+    return y[0].round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0)
+
+
+class NvWholeDecoder:
+    """Whole photos decoded by nvImageCodec in batches, written into cache rows (``WholePhotos``'s
+    ``decode_rows``, for ``cache_build="nvimgcodec"``).
+
+    On CUDA: one batch call decodes the JPEGs on the loader's GPU (hardware decoder or nvJPEG,
+    whichever nvImageCodec picks) into device memory, where each photo is resized (``resize_whole``) and
+    written into its row: no decoded pixel crosses PCIe. On the CPU: nvImageCodec's CPU (libjpeg-turbo)
+    backend decodes the photos smaller than twice the cached side (the larger ones PIL decodes at a
+    reduced scale, see ``load_whole``), PIL resizes: the "threads" build's pixels exactly (tested).
+    EXIF orientation is applied by the decoder. Anything it does not take (not a JPEG, CMYK, 16-bit,
+    beyond the decompression-bomb limit, unreadable, or failing to decode) goes through ``load_whole``
+    instead: the "threads" build's pixels for those files, and the same DecodeError naming a broken one.
+
+    Args:
+        photos: the ``WholePhotos`` (source, side, on_error).
+        device: where the rows are (the loader's device).
+    """
+
+    #: Files per decode call: enough to fill the GPU decoder's batch, little device memory in flight.
+    batch = 64
+
+    def __init__(self, photos: WholePhotos, device: torch.device):
+        nv = _nvimgcodec()
+        if nv is None:
+            from ..region import INSTALL_HINT
+
+            raise ImportError(f"memory backend: cache_build='nvimgcodec' needs nvImageCodec; {INSTALL_HINT}")
+        self.nv, self.photos, self.device = nv, photos, device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            # Every backend allowed: the hardware JPEG decoder (A100/H100), nvJPEG on CUDA, and the CPU
+            # for what they refuse; output on this GPU.
+            self.decoder = nv.Decoder(device_id=index)
+        else:
+            # fancy_upsampling: libjpeg's (and Pillow's) default chroma upsampling, set explicitly.
+            self.decoder = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
+                                      backends=[nv.Backend(nv.BackendKind.CPU_ONLY)],
+                                      options="libjpeg_turbo_decoder:fancy_upsampling=1")
+        self.params = nv.DecodeParams(apply_exif_orientation=True, color_spec=nv.ColorSpec.SRGB,
+                                      sample_format=nv.SampleFormat.I_RGB)
+
+    def _stream(self, path):
+        """nvImageCodec's parsed header of the file, or None when it is not one it should decode."""
+        from PIL import Image
+
+        try:
+            with open(path, "rb") as f:
+                cs = self.nv.CodeStream(f.read())
+            limit = Image.MAX_IMAGE_PIXELS
+            ok = (cs.codec_name == "jpeg" and cs.num_channels in (1, 3) and cs.precision == 8
+                  and not (limit and cs.width * cs.height > limit))
+            # On the CPU a photo at least twice the cached side goes to PIL: Image.draft decodes it at
+            # 1/2, 1/4 or 1/8 scale, which nvImageCodec 0.9 cannot (no DCT scaling), for less work.
+            ok = ok and (self.cuda or max(cs.width, cs.height) < 2 * self.photos.side)
+        except (OSError, RuntimeError):   # unreadable, or not an image it parses: load_whole names why
+            return None
+        return cs if ok else None
+
+    def _pixels(self, img):
+        """(H, W, 3) uint8 of a decoded image: on the GPU a tensor viewing its device memory, else a
+        numpy array; None where nvImageCodec gave up on the file."""
+        if img is None:
+            return None
+        if self.cuda and img.buffer_kind == self.nv.ImageBufferKind.STRIDED_DEVICE:
+            return torch.as_tensor(img, device=self.device)   # __cuda_array_interface__: no copy
+        return np.asarray(img.cpu())
+
+    def decode_rows(self, ids, rows: torch.Tensor, sizes: np.ndarray) -> np.ndarray:
+        """As ``WholePhotos.decode_rows``, into torch rows on the decoder's device."""
+        from PIL import Image
+
+        paths, side = self.photos.source.paths, self.photos.side
+        streams, where, fallback = [], [], []
+        for j, i in enumerate(ids):
+            cs = self._stream(paths[i])
+            if cs is None:
+                fallback.append(j)
+            else:
+                streams.append(cs)
+                where.append(j)
+        # The decode is ordered before the resizes on the current stream (the one torch's kernels use).
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
+        images = self.decoder.decode(streams, params=self.params, cuda_stream=stream) if streams else []
+        ok = np.zeros(len(ids), dtype=bool)
+        # On the CPU the rows are written through numpy: torch's strided uint8 copies into a slot's
+        # sub-rectangle measured ~20 ms a photo here, numpy's well under 1 ms.
+        host = rows if rows.is_cuda else rows.numpy()
+        for j, img in zip(where, images, strict=True):
+            t = self._pixels(img)
+            if t is None or t.ndim != 3 or t.shape[2] != 3:
+                fallback.append(j)   # nvImageCodec gave up on it: PIL decodes it or names the problem
+                continue
+            H, W = t.shape[:2]
+            if isinstance(t, torch.Tensor):
+                small = resize_whole(t, side)
+            else:   # PIL's resize: measured as fast as torch's uint8 one here, the same pixels
+                h, w = whole_size(H, W, side)
+                small = t if (h, w) == (H, W) else np.asarray(Image.fromarray(t).resize((w, h), Image.BILINEAR))
+            place(host[j], small)
+            sizes[j] = (H, W, *small.shape[:2])
+            ok[j] = True
+        for j in sorted(fallback):
+            try:
+                arr, H, W = load_whole(paths[ids[j]], side)
+            except DecodeError:
+                if self.photos.on_error == "raise":
+                    raise
+                continue
+            place(host[j], torch.from_numpy(arr.copy()).to(rows.device) if rows.is_cuda else arr)
+            sizes[j] = (H, W, *arr.shape[:2])
+            ok[j] = True
+        return ok
 
 
 def ready_bytes(source, config, aug) -> int:
@@ -315,7 +498,16 @@ class MemoryLoader(Loader):
     """The whole source cached as one uint8 (N, H, W, C) tensor on the device.
 
     Options:
-        cache_workers: processes that decode photos into the cache (default: num_workers).
+        cache_build: how photos are decoded into the cache: "threads" (threads writing straight into
+            the cache's rows; PIL's decode and resize release the GIL), "processes" (DataLoader worker
+            processes sending chunks through shared memory: the build before issue 13), "nvimgcodec"
+            (nvImageCodec in batches: nvJPEG on the loader's GPU into device memory, resized there;
+            its CPU backend on the CPU, PIL for photos Image.draft can shrink), or "auto" (default):
+            "nvimgcodec" on a CUDA device where nvImageCodec is installed, else "threads". The
+            evaluation recipe (cached through the torch backend's decoding) is built by "threads"
+            under either.
+        cache_workers: threads (or processes) that decode photos into the cache (default: the usable
+            cores for threads, num_workers for processes; 0: the calling thread).
         memory_reserve: memory the cache must leave for the model, its activations and the batch being
             augmented: a fraction in [0, 1) (of a GPU's total memory; of the host's available RAM) or a
             number of bytes. Default: 0.25 on a GPU, 0.2 on the CPU. Other live memory caches of the
@@ -329,7 +521,7 @@ class MemoryLoader(Loader):
 
     name = "memory"
     reads = frozenset({SourceKind.ARRAY, SourceKind.FILES})   # a torch Dataset is not cached (yet)
-    options = {"cache_workers": None, "memory_reserve": None, "node_cache": True}
+    options = {"cache_build": "auto", "cache_workers": None, "memory_reserve": None, "node_cache": True}
 
     @classmethod
     def fits(cls, source, config, options=None, *, stable=False):
@@ -489,9 +681,96 @@ class MemoryLoader(Loader):
             cache = cache[:len(kept)]   # a view: the unused tail is only the skipped files' bytes
         return cache, torch.from_numpy(self.source.labels[self.kept])
 
+    def _cache_build(self) -> str:
+        """The ``cache_build`` option resolved: "threads", "processes" or "nvimgcodec"."""
+        build = self.opts["cache_build"]
+        if build not in CACHE_BUILDS:
+            raise ValueError(f"memory backend: unknown cache_build {build!r}; choose from {list(CACHE_BUILDS)}")
+        if self._applied and build in ("auto", "nvimgcodec"):
+            return "threads"    # the evaluation recipe is the torch backend's decoding, exactly
+        if build == "auto":
+            # On a GPU nvImageCodec takes the decoding off the CPU. On the CPU its libjpeg-turbo build
+            # saved ~8% of the CPU seconds of "threads" (same pixels) but its wall clock was within the
+            # noise of a shared 2-core machine (benchmarks/results/cache-cpu-2c.md): PIL stays the
+            # default there, with no optional package deciding how a CPU cache is built.
+            gpu = self.device.type == "cuda" and _nvimgcodec() is not None
+            return "nvimgcodec" if gpu else "threads"
+        return build
+
     def _decode_into(self, decoder, out: torch.Tensor, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Decode samples ``lo .. hi-1`` into ``out``'s first rows, the kept ones contiguously; return
         (kept ids, int64 (kept, 4) photo sizes (empty for the applied evaluation recipe))."""
+        build = self._cache_build()
+        if build in ("threads", "nvimgcodec"):
+            return self._decode_threads(decoder, out, lo, hi)
+        return self._decode_processes(decoder, out, lo, hi)
+
+    #: Files per thread job: small enough that 2 threads stay busy to the end, large enough that the
+    #: job's Python overhead is noise.
+    _THREAD_CHUNK = 16
+
+    def _decode_threads(self, decoder, out: torch.Tensor, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """``_decode_into`` by threads. On the CPU each thread decodes straight into the cache's rows (no
+        chunk tensor, no shared-memory segment, no copy); on a GPU into a per-job host buffer copied to
+        the device rows. Why threads: a photo's cost is PIL's decode and resize, which release the GIL,
+        and threads need no start-up (forking workers) and no transfer of chunks between processes.
+        Files skipped leave gaps that are closed at the end (rows move towards the front, in order)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        n, s = hi - lo, out.shape[1]
+        ok = np.zeros(n, dtype=bool)
+        sizes = np.zeros((n, 4), dtype=np.int64)
+        host = out.device.type == "cpu"
+
+        nv = self._cache_build() == "nvimgcodec"
+        local = threading.local()
+
+        def rows_decoder():
+            """WholePhotos (stateless), or this thread's NvWholeDecoder (one decoder per thread: its
+            thread safety is not documented)."""
+            if not nv:
+                return decoder
+            if getattr(local, "nv", None) is None:
+                local.nv = NvWholeDecoder(decoder, out.device)
+            return local.nv
+
+        direct = host or nv   # NvWholeDecoder writes rows on the GPU itself
+
+        def job(a: int, b: int) -> None:
+            ids = np.arange(lo + a, lo + b)
+            rows = out[a:b] if direct else torch.empty((b - a, s, s, 3), dtype=torch.uint8)
+            if self._applied:
+                images, _, good = decoder[(ids, 0)]
+                pos = torch.as_tensor(np.asarray(good, dtype=np.int64) - (lo + a))
+                rows[pos] = images
+                ok[a + pos.numpy()] = True
+            else:
+                ok[a:b] = rows_decoder().decode_rows(ids, rows, sizes[a:b])
+            if not direct:
+                out[a:b].copy_(rows)
+
+        workers = self.opts["cache_workers"]
+        workers = len(os.sched_getaffinity(0)) if workers is None else workers
+        chunk = self._THREAD_CHUNK
+        if nv and out.is_cuda:
+            # The GPU decodes a whole batch per call: one thread, batches of NvWholeDecoder.batch.
+            workers, chunk = 0, NvWholeDecoder.batch
+        spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+        if workers == 0 or len(spans) <= 1:
+            for a, b in spans:
+                job(a, b)
+        else:
+            pool = ThreadPoolExecutor(min(workers, len(spans)), thread_name_prefix="fastdata-cache")
+            try:
+                futures = [pool.submit(job, a, b) for a, b in spans]
+                for f in futures:    # in file order: the first broken file (by position) is the one named
+                    f.result()
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+        return _compact(out, ok, sizes, lo, applied=self._applied)
+
+    def _decode_processes(self, decoder, out: torch.Tensor, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """``_decode_into`` by DataLoader worker processes, chunk by chunk through shared memory."""
         from torch.utils.data import DataLoader
 
         s, chunk = out.shape[1], self._CHUNK
