@@ -83,7 +83,7 @@ def test_mnist_example_writes_its_result_as_json(mnist_example, tmp_path, backen
     args = mnist_example.get_args_parser().parse_args(
         ["--backend", backend, "--data", "synthetic", "--train-size", "1536", "--test-size", "256", "--epochs", "2",
          "--batch-size", "64", "--workers", "0", "--device", "cpu", "--no-progress",
-         "--json-out", str(out)])
+         "--json-out", str(out), "--data-root", str(tmp_path / "data")])  # not the checkout's ./data
     mnist_example.main(args)
     result = json.loads(out.read_text())
     assert JSON_FIELDS <= set(result)
