@@ -18,7 +18,8 @@ round runs every contender once, in an order that rotates from round to round, s
 another process falls on all of them. Ratios are paired round by round (one round's builds ran side by
 side in time): the median of the per-round ratios, with the lowest and highest. A target is met when
 every round's ratio meets it; a range that covers it is "within noise". CPU seconds (the process and its
-children, user + system) are reported beside the wall clock: on a shared machine they move less.
+children, user + system) are reported beside the wall clock: on a shared machine they move less. Imports
+are done before the clock starts (they are the interpreter's, not the build's).
 Pixels: each contender's first 64 cached photos against the baseline's, max and mean absolute difference.
 """
 from __future__ import annotations
@@ -65,7 +66,12 @@ def cpu():
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
-import torch
+# Imports are not the build: what make_loader would import lazily is imported before the clock starts.
+import torch, PIL.Image, PIL.ImageOps, PIL.JpegImagePlugin, PIL.PngImagePlugin, fastdata.backends.memory
+try:
+    from nvidia import nvimgcodec
+except Exception:
+    pass
 c0, t0 = cpu(), time.perf_counter()
 loader = make_loader(src, "memory", batch_size=8, drop_last=False, device=device, cache_size=int(side),
                      augment=Augmentation.imagenet_train(size=min(224, int(side))), **opts)

@@ -23,6 +23,12 @@ backend, so for arrays the two backends produce identical batches. They are draw
 when it starts and uploaded once (see MemoryLoader.prepare_epoch): a batch costs no host→device copy
 and no host sync.
 
+Building a photo cache (``cache_build``): threads decode with PIL straight into the cache's rows
+("threads", the CPU default: PIL's decode and resize release the GIL, and threads need no worker start-up
+and no shared-memory transfer of chunks); on a CUDA device nvImageCodec decodes batches of JPEGs on the
+GPU into device memory, resized there ("nvimgcodec", the default where it is installed); the DataLoader
+worker processes of before remain as "processes". Measured in benchmarks/results/cache-*.md.
+
 Budget: a cache must fit in the device's total memory minus ``memory_reserve`` (default: a quarter of a
 GPU, a fifth of the host's available RAM) minus the other live memory caches of this process, and on a
 GPU also in its free memory.
@@ -329,8 +335,9 @@ def whole_size(H: int, W: int, side: int) -> tuple[int, int]:
 def resize_whole(t: torch.Tensor, side: int, *, via_float: bool | None = None) -> torch.Tensor:
     """uint8 (H, W, 3) → uint8 (h, w, 3) at ``whole_size``, on t's device, bilinear with antialiasing:
     PIL's BILINEAR filter (a triangle widened by the reduction). On the CPU torch resizes uint8 directly,
-    with PIL's integer arithmetic: PIL's pixels exactly. CUDA has no uint8 antialiased kernel: there
-    (``via_float``, default on CUDA) it resizes in float and rounds, within 1 of PIL's pixels."""
+    with PIL's integer arithmetic: PIL's pixels exactly (tested). On CUDA it resizes in float and rounds
+    (``via_float``, its default there: the uint8 path measured here is the CPU kernel's), within 1 of
+    PIL's pixels (tested on the CPU with via_float=True)."""
     H, W = t.shape[:2]
     h, w = whole_size(H, W, side)
     if (h, w) == (H, W):
