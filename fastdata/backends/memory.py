@@ -697,9 +697,10 @@ class MemoryLoader(Loader):
             return "threads"    # the evaluation recipe is the torch backend's decoding, exactly
         if build == "auto":
             # On a GPU nvImageCodec takes the decoding off the CPU. On the CPU its libjpeg-turbo build
-            # saved ~8% of the CPU seconds of "threads" (same pixels) but its wall clock was within the
-            # noise of a shared 2-core machine (benchmarks/results/cache-cpu-2c.md): PIL stays the
-            # default there, with no optional package deciding how a CPU cache is built.
+            # used ~16% fewer CPU seconds than "threads" (same pixels), but paired round by round its
+            # wall clock was within noise of it on the shared 2-core machine (0.92-1.41x,
+            # benchmarks/results/cache-cpu-2c.md): PIL stays the CPU default, so an optional package
+            # does not decide how a CPU cache is built.
             gpu = self.device.type == "cuda" and _nvimgcodec() is not None
             return "nvimgcodec" if gpu else "threads"
         return build
