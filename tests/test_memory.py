@@ -672,3 +672,27 @@ def test_bench_cache_quick_run_writes_its_reports(tmp_path):
     saved = json.loads((tmp_path / "out" / "cache-t.json").read_text())
     assert saved["targets"][0]["label"].startswith("threads build >= 2x")
     assert "| threads build >= 2x faster than processes" in (tmp_path / "out" / "cache-t.md").read_text()
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_nvimgcodec_turns_exif_rotated_photos_as_pil_does(tmp_path, orientation):
+    """A rotated JPEG smaller than twice the cached side is decoded by nvImageCodec itself (not handed
+    to PIL): its EXIF turn, sizes and pixels are PIL's (the GPU build relies on the same decoder flag)."""
+    from fastdata.backends.memory import NvWholeDecoder, WholePhotos, _nvimgcodec
+
+    if _nvimgcodec() is None:
+        pytest.skip("nvImageCodec is not installed")
+    d = tmp_path / "c"
+    d.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(_ramp(300, 700)).save(d / "r.jpg", quality=92, exif=exif.tobytes())
+    photos = WholePhotos(ImageFolder(tmp_path), 400)
+    nv = NvWholeDecoder(photos, torch.device("cpu"))
+    assert nv._stream(photos.source.paths[0]) is not None          # 700 < 2 x 400: nvImageCodec's
+    got, ref = torch.empty((1, 400, 400, 3), dtype=torch.uint8), torch.empty((1, 400, 400, 3), dtype=torch.uint8)
+    s_got, s_ref = np.zeros((1, 4), np.int64), np.zeros((1, 4), np.int64)
+    assert nv.decode_rows([0], got, s_got).all() and photos.decode_rows([0], ref, s_ref).all()
+    np.testing.assert_array_equal(s_got, s_ref)
+    assert s_got[0, :2].tolist() == ([300, 700] if orientation == 3 else [700, 300])
+    assert torch.equal(got, ref)
