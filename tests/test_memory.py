@@ -555,10 +555,10 @@ def mixed_folder(tmp_path_factory):
     return _mixed_folder(tmp_path_factory.mktemp("mixed"))
 
 
-def _cache(src, build, train=True, **kw):
+def _cache(src, build, train=True, cache_size=160, **kw):
     aug = Augmentation.imagenet_train(size=64) if train else Augmentation.imagenet_eval(size=64, resize=72)
-    return make_loader(src, "memory", batch_size=4, device="cpu", cache_size=160, cache_build=build, train=train,
-                       augment=aug, drop_last=False, **kw)
+    return make_loader(src, "memory", batch_size=4, device="cpu", cache_size=cache_size, cache_build=build,
+                       train=train, augment=aug, drop_last=False, **kw)
 
 
 @pytest.mark.parametrize("build", ["threads", "nvimgcodec"])
@@ -696,3 +696,36 @@ def test_nvimgcodec_turns_exif_rotated_photos_as_pil_does(tmp_path, orientation)
     np.testing.assert_array_equal(s_got, s_ref)
     assert s_got[0, :2].tolist() == ([300, 700] if orientation == 3 else [700, 300])
     assert torch.equal(got, ref)
+
+
+def test_nvimgcodec_splits_its_decode_calls_by_decoded_bytes(mixed_folder, monkeypatch):
+    """Calls hold at most max_call_bytes of decoded photos (one photo larger than that alone): with a
+    bound below one photo every file is its own call, and the cache is the same."""
+    from fastdata.backends import memory
+
+    if memory._nvimgcodec() is None:
+        pytest.skip("nvImageCodec is not installed")
+    src = ImageFolder(mixed_folder)
+    ref = _cache(src, "threads", cache_size=320)   # photos under 640 px: nvImageCodec decodes them on the CPU
+    calls = []
+    real = memory.NvWholeDecoder._groups
+    bound = 300 * 300 * 3
+    monkeypatch.setattr(memory.NvWholeDecoder, "max_call_bytes", bound)
+
+    def spy(self, streams):
+        groups = real(self, streams)
+        assert sorted(k for g in groups for k in g) == list(range(len(streams)))
+        calls.extend((len(g), sum(streams[k].width * streams[k].height * 3 for k in g)) for g in groups)
+        return groups
+
+    monkeypatch.setattr(memory.NvWholeDecoder, "_groups", spy)
+    got = _cache(src, "nvimgcodec", cache_size=320, cache_workers=0)
+    assert len(calls) >= 10 and all(n == 1 and b > bound for n, b in calls)
+    assert torch.equal(got.cache, ref.cache)
+    # Smaller photos share a call up to the bound, in order.
+    from types import SimpleNamespace
+
+    fake = [SimpleNamespace(width=w, height=100) for w in (100, 100, 100, 400, 50, 50)]   # 30 KB a 100
+    nv = object.__new__(memory.NvWholeDecoder)
+    nv.max_call_bytes = 90_000
+    assert real(nv, fake) == [[0, 1, 2], [3], [4, 5]]

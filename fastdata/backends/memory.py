@@ -368,8 +368,25 @@ class NvWholeDecoder:
         device: where the rows are (the loader's device).
     """
 
-    #: Files per decode call: enough to fill the GPU decoder's batch, little device memory in flight.
+    #: Files per job: enough to fill the GPU decoder's batch.
     batch = 64
+    #: Decoded bytes per decode call at most: 64 ImageNet photos take ~35 MB, 64 12-megapixel photos
+    #: would take 2.3 GB of the GPU the cache lives on, so calls are split by the headers' sizes.
+    max_call_bytes = 256 * 2**20
+
+    def _groups(self, streams) -> list[list[int]]:
+        """Indices into ``streams`` in consecutive groups of at most ``max_call_bytes`` decoded (a photo
+        larger than that alone)."""
+        groups, size = [], 0
+        for k, cs in enumerate(streams):
+            nbytes = cs.width * cs.height * 3
+            if groups and size + nbytes <= self.max_call_bytes:
+                groups[-1].append(k)
+                size += nbytes
+            else:
+                groups.append([k])
+                size = nbytes
+        return groups
 
     def __init__(self, photos: WholePhotos, device: torch.device):
         nv = _nvimgcodec()
@@ -433,25 +450,27 @@ class NvWholeDecoder:
                 where.append(j)
         # The decode is ordered before the resizes on the current stream (the one torch's kernels use).
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
-        images = self.decoder.decode(streams, params=self.params, cuda_stream=stream) if streams else []
         ok = np.zeros(len(ids), dtype=bool)
         # On the CPU the rows are written through numpy: torch's strided uint8 copies into a slot's
         # sub-rectangle measured ~20 ms a photo here, numpy's well under 1 ms.
         host = rows if rows.is_cuda else rows.numpy()
-        for j, img in zip(where, images, strict=True):
-            t = self._pixels(img)
-            if t is None or t.ndim != 3 or t.shape[2] != 3:
-                fallback.append(j)   # nvImageCodec gave up on it: PIL decodes it or names the problem
-                continue
-            H, W = t.shape[:2]
-            if isinstance(t, torch.Tensor):
-                small = resize_whole(t, side)
-            else:   # PIL's resize: measured as fast as torch's uint8 one here, the same pixels
-                h, w = whole_size(H, W, side)
-                small = t if (h, w) == (H, W) else np.asarray(Image.fromarray(t).resize((w, h), Image.BILINEAR))
-            place(host[j], small)
-            sizes[j] = (H, W, *small.shape[:2])
-            ok[j] = True
+        for group in self._groups(streams):
+            images = self.decoder.decode([streams[k] for k in group], params=self.params, cuda_stream=stream)
+            for k, img in zip(group, images, strict=True):
+                j, t = where[k], self._pixels(img)
+                if t is None or t.ndim != 3 or t.shape[2] != 3:
+                    fallback.append(j)   # nvImageCodec gave up on it: PIL decodes it or names the problem
+                    continue
+                H, W = t.shape[:2]
+                if isinstance(t, torch.Tensor):
+                    small = resize_whole(t, side)
+                else:   # PIL's resize: measured as fast as torch's uint8 one here, the same pixels
+                    h, w = whole_size(H, W, side)
+                    small = t if (h, w) == (H, W) else np.asarray(Image.fromarray(t).resize((w, h), Image.BILINEAR))
+                place(host[j], small)
+                sizes[j] = (H, W, *small.shape[:2])
+                ok[j] = True
+            del images   # this group's decoded photos go before the next group's are allocated
         for j in sorted(fallback):
             try:
                 arr, H, W = load_whole(paths[ids[j]], side)
