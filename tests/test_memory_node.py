@@ -342,8 +342,10 @@ def counted(fn):
 mem.load_whole = counted(mem.load_whole)
 
 device = fdist.init_distributed("cuda")       # nccl, cuda:LOCAL_RANK
+# cache_build="threads": PIL decodes every photo (counted above) with the single-process cache's exact
+# pixels; the CUDA default (nvImageCodec on the GPU) is within a tolerance, tested in test_memory.py.
 loader = make_loader(ImageFolder(sys.argv[1]), "memory", batch_size=4, cache_size=48, cache_workers=0,
-                     on_error="skip", augment=Augmentation.imagenet_train(size=32))
+                     on_error="skip", augment=Augmentation.imagenet_train(size=32), cache_build="threads")
 with open(f"rank{fdist.rank()}.json", "w") as f:
     json.dump({"device": str(loader.cache.device), "kept": loader.kept.tolist(),
                "cache": hashlib.sha256(loader.cache.cpu().numpy().tobytes()).hexdigest()}, f)
