@@ -228,39 +228,40 @@ def _unnormalize(t, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 # ---------------------------------------------------------------------------------------- transforms
 @dataclass(frozen=True)
-class RandomHorizontalFlip(BatchTransform):
+class _RandomFlip(BatchTransform):
+    """Flip each image along ``_DIM`` with probability ``p`` (drawn per sample)."""
+
+    p: float = 0.5
+    _DIM: ClassVar[int] = -1
+
+    def __post_init__(self):
+        _set(self, "p", _probability(type(self).__name__, "p", self.p))
+
+    def __call__(self, images, labels, generator):
+        flip = _rand(images.shape[0], generator, images.device) < self.p
+        return torch.where(flip.view(-1, 1, 1, 1), images.flip(self._DIM), images), labels
+
+
+@dataclass(frozen=True)
+class RandomHorizontalFlip(_RandomFlip):
     """Flip each image left-right with probability ``p`` (drawn per sample).
 
     Args:
         p: probability of a flip.
     """
 
-    p: float = 0.5
-
-    def __post_init__(self):
-        _set(self, "p", _probability("RandomHorizontalFlip", "p", self.p))
-
-    def __call__(self, images, labels, generator):
-        flip = _rand(images.shape[0], generator, images.device) < self.p
-        return torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images), labels
+    _DIM: ClassVar[int] = -1
 
 
 @dataclass(frozen=True)
-class RandomVerticalFlip(BatchTransform):
+class RandomVerticalFlip(_RandomFlip):
     """Flip each image upside down with probability ``p`` (drawn per sample).
 
     Args:
         p: probability of a flip.
     """
 
-    p: float = 0.5
-
-    def __post_init__(self):
-        _set(self, "p", _probability("RandomVerticalFlip", "p", self.p))
-
-    def __call__(self, images, labels, generator):
-        flip = _rand(images.shape[0], generator, images.device) < self.p
-        return torch.where(flip.view(-1, 1, 1, 1), images.flip(-2), images), labels
+    _DIM: ClassVar[int] = -2
 
 
 @dataclass(frozen=True)

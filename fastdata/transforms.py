@@ -290,6 +290,18 @@ def load_photo(path, aug: Augmentation, rng: np.random.Generator, *, checked: bo
         img.close()
 
 
+def decode_upright(img: Image.Image, path, orientation: int) -> Image.Image:
+    """Decode an opened image (at the scale a ``draft`` chose) as displayed: EXIF orientation applied,
+    RGB. A decoding failure is the DecodeError naming ``path`` that every backend raises for it."""
+    try:
+        img.load()
+    except Exception as e:
+        raise DecodeError(path, f"{type(e).__name__}: {e}") from None
+    if orientation != 1:
+        img = ImageOps.exif_transpose(img)
+    return to_rgb(img)
+
+
 def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims, *, img=None,
                checked: bool = True) -> np.ndarray:
     """The photo's ``box`` (top, left, h, w in displayed pixels; None: the whole photo) resized to
@@ -332,13 +344,7 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
             want = (max(1, math.ceil(width * out / bw)), max(1, math.ceil(height * out / bh)))
             if want[0] < width and want[1] < height:
                 img.draft("RGB", want)
-        try:
-            img.load()
-        except Exception as e:
-            raise DecodeError(path, f"{type(e).__name__}: {e}") from None
-        if orientation != 1:
-            img = ImageOps.exif_transpose(img)
-        img = to_rgb(img)
+        img = decode_upright(img, path, orientation)
         if box is not None:
             # draft shrinks by an exact power of two (1/2, 1/4, 1/8); the reduced size is rounded up
             # to whole blocks, so img.width / width is not the scale (off by up to 3 source pixels).

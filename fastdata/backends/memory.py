@@ -60,7 +60,14 @@ from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
 from ..errors import CacheDoesNotFit, DecodeError
 from ..sampling import EpochPlan
-from ..transforms import NUMPY_PAD_MODE, draw_params, exif_orientation, open_image, require_fixed_size, to_rgb
+from ..transforms import (
+    NUMPY_PAD_MODE,
+    decode_upright,
+    draw_params,
+    exif_orientation,
+    open_image,
+    require_fixed_size,
+)
 from .base import Loader
 
 #: What the budget keeps free by default for the model, its activations and the batch being augmented:
@@ -223,7 +230,7 @@ def load_whole(path, side: int) -> tuple[np.ndarray, int, int]:
     JPEGs decode at a reduced scale (``Image.draft``) when the target allows; the drafted image is
     resized from the exact region that covers the original (drafted sizes round up to whole blocks).
     """
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     img = open_image(path)
     try:
@@ -235,13 +242,7 @@ def load_whole(path, side: int) -> tuple[np.ndarray, int, int]:
         if (h, w) != (H, W) and img.format == "JPEG":
             img.draft("RGB", (h, w) if swap else (w, h))   # draft works in stored orientation
         reduction = 2 ** round(math.log2(stored_w / img.width)) if img.width < stored_w else 1
-        try:
-            img.load()
-        except Exception as e:
-            raise DecodeError(path, f"{type(e).__name__}: {e}") from None
-        if orientation != 1:
-            img = ImageOps.exif_transpose(img)
-        img = to_rgb(img)
+        img = decode_upright(img, path, orientation)
         if img.size != (w, h):
             img = img.resize((w, h), Image.BILINEAR, box=(0, 0, W / reduction, H / reduction))
         return np.asarray(img), H, W
