@@ -350,16 +350,30 @@ def _standalone(nproc, script, *args):
             str(script), *map(str, args)]
 
 
+def _layout(nodes, world, script, *args):
+    """torchrun commands for ``world`` ranks: one standalone agent, or one agent per node on 127.0.0.1
+    (static rendezvous; the first node gets one rank, the others the rest): rank 0's agent first."""
+    if nodes == 1:
+        return [_standalone(world, script, *args)]
+    port = _free_port()
+    per_node = [1] + [world - 1] if world > 1 else [1]
+    return [_torchrun(len(per_node), node, nproc, "static", port, script, *args)
+            for node, nproc in enumerate(per_node)]
+
+
 @pytest.mark.slow
-def test_an_epoch_saved_on_2_ranks_resumes_on_1_and_on_3_reading_every_sample_once(tmp_path, backend="memory"):
+@pytest.mark.parametrize("nodes", [1, 2], ids=["one_node", "two_nodes"])
+def test_an_epoch_saved_on_2_ranks_resumes_on_1_and_on_3_reading_every_sample_once(tmp_path, nodes,
+                                                                                   backend="memory"):
     """2 ranks save mid-epoch (every 3 batches) and stop after 3; the rest of the epoch resumes on 1
     rank and, separately, on 3, whose ranks 1 and 2 cannot read rank 0's checkpoint (no file, and an
-    unrelated one): over the epoch every sample is read exactly once. (The loader-level re-split is
-    held for every backend by test_contract; this is fit's side of it, across processes.)"""
+    unrelated one): over the epoch every sample is read exactly once. ``two_nodes``: the 2 ranks are two
+    nodes of one rank each, and the 3 resume across two nodes (1 + 2 ranks). (The loader-level re-split
+    is held for every backend by test_contract; this is fit's side of it, across processes.)"""
     script = tmp_path / "elastic.py"
     script.write_text(ELASTIC_SCRIPT)
-    [(code, out)] = _run_all([_standalone(2, script, "save", tmp_path, backend, 3)], tmp_path, timeout=120)
-    assert code == 0, out[-4000:]
+    results = _run_all(_layout(nodes, 2, script, "save", tmp_path, backend, 3), tmp_path, timeout=120)
+    assert all(code == 0 for code, _ in results), "\n".join(out[-3000:] for _, out in results)
     saved = [json.loads((tmp_path / f"save-2-rank{r}.json").read_text()) for r in (0, 1)]
     assert all(s["crashed"] and len(s["ids"]) == 3 for s in saved)
     before = [i for s in saved for batch in s["ids"] for i in batch]
@@ -369,9 +383,10 @@ def test_an_epoch_saved_on_2_ranks_resumes_on_1_and_on_3_reading_every_sample_on
     mid_epoch = (tmp_path / "disk0" / "c.pt").read_bytes()
     for world in (1, 3):
         (tmp_path / "disk0" / "c.pt").write_bytes(mid_epoch)   # each resume starts from the same save
-        [(code, out)] = _run_all([_standalone(world, script, "resume", tmp_path, backend, -1)], tmp_path,
-                                 timeout=120)
-        assert code == 0, out[-4000:]
+        results = _run_all(_layout(nodes if world > 1 else 1, world, script, "resume", tmp_path, backend, -1),
+                           tmp_path, timeout=120)
+        assert all(code == 0 for code, _ in results), "\n".join(out[-3000:] for _, out in results)
+        out = results[0][1]   # rank 0's agent
         assert "(saved by 2 rank(s) x batch 8: the rest of the epoch is re-split over " \
                f"{world} x 8)" in out
         resumed = [json.loads((tmp_path / f"resume-{world}-rank{r}.json").read_text()) for r in range(world)]
