@@ -135,8 +135,11 @@ def test_ctrl_c_during_a_prefetch_epoch_exits_promptly(tmp_path):
     script = tmp_path / "ctrl_c.py"
     tests = os.path.dirname(os.path.abspath(__file__))
     script.write_text(_CTRL_C_SCRIPT.format(tests=tests, root=os.path.dirname(tests)))
+    # SIGINT back to its default in the child, as under a terminal: a CI job run in the background of a
+    # non-interactive shell inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "batch 0"
         os.killpg(proc.pid, signal.SIGINT)
