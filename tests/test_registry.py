@@ -215,3 +215,11 @@ def test_like_refuses_a_test_folder_whose_classes_differ(tmp_path):
 def test_like_takes_a_fastdata_loader():
     with pytest.raises(TypeError, match="like= takes a fastdata loader"):
         make_loader(indexed_source(64), "memory", like=object(), device="cpu")
+
+
+def test_auto_says_memory_reads_an_array_in_place_rather_than_a_0_mib_cache(caplog):
+    with caplog.at_level(logging.INFO, logger="fastdata"):
+        loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", train=False)
+    assert loader.name == "memory"
+    assert "reads the source's array in RAM as it is (no copy to make)" in caplog.text
+    assert "0.0 MiB" not in caplog.text

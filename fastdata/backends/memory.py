@@ -567,6 +567,8 @@ class MemoryLoader(Loader):
         need, b = cache_bytes(source, config), budget(config.device, reserve)
         limit = b.stable if stable else b.limit
         where = f"GPU {config.device}" if config.device.type == "cuda" else "RAM"
+        if need == 0:  # an array on the CPU, read where it is: nothing to allocate
+            return True, f"it reads the source's array in {where} as it is (no copy to make)"
         if need <= limit:
             return True, (f"its uint8 cache ({_fmt(need)}) fits in the free {where} "
                           f"({_fmt(limit)} after the memory_reserve and other caches)")
