@@ -284,8 +284,8 @@ def load_photo(path, aug: Augmentation, rng: np.random.Generator, *, checked: bo
         swap = orientation in (5, 6, 7, 8)
         width, height = (img.height, img.width) if swap else img.size
         box, flip = sample_box(aug, rng, height, width)
-        out = crop_photo(path, data, box, aug, orientation, (height, width), img=img, checked=checked)
-        return np.ascontiguousarray(out[:, ::-1]) if flip else out
+        return crop_photo(path, data, box, aug, orientation, (height, width), img=img, checked=checked,
+                          flip=flip)
     finally:
         img.close()
 
@@ -303,10 +303,14 @@ def decode_upright(img: Image.Image, path, orientation: int) -> Image.Image:
 
 
 def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims, *, img=None,
-               checked: bool = True) -> np.ndarray:
+               checked: bool = True, flip: bool = False) -> np.ndarray:
     """The photo's ``box`` (top, left, h, w in displayed pixels; None: the whole photo) resized to
-    ``aug.size``, uint8 (H, W, 3), not flipped. ``data``: the file's bytes; ``dims``: its displayed
-    (height, width); ``img``: the header already opened from ``data`` (opened here when None).
+    ``aug.size``, uint8 (H, W, 3), mirrored when ``flip``. ``data``: the file's bytes; ``dims``: its
+    displayed (height, width); ``img``: the header already opened from ``data`` (opened here when None).
+
+    The mirror is PIL's ``transpose`` of the resized image, before it becomes an array: 0.09 ms for a
+    224² crop, where numpy's copy of a reversed (H, W, 3) view takes 0.57 ms (an element-wise loop over
+    3-byte pixels), a sixth of a region decode.
 
     For an upright 8-bit JPEG with nvImageCodec installed (``fastdata.region``), only the window the
     box needs is decoded, with the full decode's pixels (1.17-1.27x faster per 224 crop on
@@ -336,7 +340,7 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
             if got is not None:
                 if not checked:
                     check_pixels(img, path)
-                return np.asarray(got.image.resize((aug.size, aug.size), Image.BILINEAR, box=got.box))
+                return _mirrored(got.image.resize((aug.size, aug.size), Image.BILINEAR, box=got.box), flip)
         if box is not None and orientation == 1 and img.format == "JPEG":
             top, left, bh, bw = box
             out = aug.size
@@ -353,10 +357,15 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
             top, left, bh, bw = box
             img = img.resize((aug.size, aug.size), Image.BILINEAR,
                              box=_clamp_box(left * fx, top * fy, bw * fx, bh * fy, img.width, img.height))
-        return np.asarray(img)
+        return _mirrored(img, flip)
     finally:
         if own:
             img.close()
+
+
+def _mirrored(img: Image.Image, flip: bool) -> np.ndarray:
+    """``img`` as a uint8 array, mirrored left-right when ``flip`` (see ``crop_photo``)."""
+    return np.asarray(img.transpose(Image.FLIP_LEFT_RIGHT) if flip else img)
 
 
 def resize_box(image: np.ndarray, aug: Augmentation, box, flip: bool) -> np.ndarray:

@@ -53,3 +53,56 @@ def test_the_gpu_path_equals_the_cpu_path():
     gpu = Normalizer(MEAN, STD, torch.device("cuda"))(images.cuda())
     assert gpu.device.type == "cuda"
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ recycled CPU output buffers
+def _batches(n=4):
+    """``n`` different photo-sized batches (above the grain, so the pooled path runs)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (2, 128, 96, 3), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def test_a_released_batch_s_memory_is_reused_for_the_next_one(monkeypatch):
+    import fastdata.normalize as normalize
+
+    made = []
+    real = normalize.new_buffer
+    monkeypatch.setattr(normalize, "new_buffer", lambda *a: made.append(a) or real(*a))
+    norm = Normalizer(MEAN, STD, torch.device("cpu"))
+    a, b = _batches(2)
+    first = norm(a)
+    ptr = first.data_ptr()
+    del first
+    second = norm(b)
+    assert len(made) == 1 and second.data_ptr() == ptr   # no fresh mmap: its page faults are what the pool saves
+    torch.testing.assert_close(second.double(), _reference(b), atol=1e-5, rtol=1e-5)
+    assert second._base is None            # its own tensor, not a view of the pool's buffer
+
+
+def test_a_batch_still_referenced_is_never_overwritten():
+    """Whatever holds the batch (the tensor, a view, a numpy array, autograd saving it for backward),
+    later batches go elsewhere, however many pass through the pool meanwhile."""
+    norm = Normalizer(MEAN, STD, torch.device("cpu"))
+    batches = _batches(6)
+    held = [norm(b) for b in batches[:4]]
+    expected = [t.clone() for t in held]
+    w = torch.ones(1, 3, 1, 1, requires_grad=True)
+    kept = {"tensor": held[0], "view": held[1][1:], "numpy": held[2].numpy(), "loss": (held[3] * w).sum()}
+    del held
+    for _ in range(3):
+        for b in batches[4:]:
+            norm(b)                  # released at once: these recycle among themselves
+    assert torch.equal(kept["tensor"], expected[0])
+    assert torch.equal(kept["view"], expected[1][1:])
+    assert torch.equal(torch.from_numpy(kept["numpy"]), expected[2])
+    kept["loss"].backward()          # the saved input must still be the batch it was
+    torch.testing.assert_close(w.grad.view(3), expected[3].sum(dim=(0, 2, 3)))
+
+
+def test_batches_kept_in_a_list_are_all_distinct_and_intact():
+    norm = Normalizer(MEAN, STD, torch.device("cpu"))
+    batches = _batches(6)
+    outs = [norm(b) for b in batches]
+    assert len({t.data_ptr() for t in outs}) == len(outs)
+    for b, t in zip(batches, outs):
+        torch.testing.assert_close(t.double(), _reference(b), atol=1e-5, rtol=1e-5)
