@@ -269,3 +269,123 @@ def test_a_truncated_jpeg_is_still_refused_when_regions_are_decoded(photo_folder
     tail = tmp_path / "tail.jpg"
     tail.write_bytes(data + b"appended by a camera")
     assert load_photo(tail, aug, np.random.default_rng(0)).shape == (32, 32, 3)
+
+
+# ---------------------------------------------------------------- the JPEG header read without Pillow
+def _jpeg_bytes(exif: bytes | None = None, app: bytes | None = None, size=(40, 24)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:size[1], 0:size[0]]
+    img = Image.fromarray(np.stack([xx * 5, yy * 9, xx + yy], -1).astype(np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=90, **({"exif": exif} if exif is not None else {}))
+    data = buf.getvalue()
+    if app is not None:   # an extra segment right after SOI (XMP, ICC, a comment...)
+        data = data[:2] + app + data[2:]
+    return data
+
+
+def _exif_block(orientation, endian="<", kind=3, count=1, extra_tags=()) -> bytes:
+    """An APP1 EXIF payload: a TIFF block with IFD0 entries (tag, type, count, 4-byte value), by hand."""
+    import struct
+
+    tags = sorted([*extra_tags, (0x0112, kind, count, orientation)]) if orientation is not None else list(extra_tags)
+    head = (b"II" if endian == "<" else b"MM") + struct.pack(endian + "HI", 42, 8)
+    ifd = struct.pack(endian + "H", len(tags))
+    for tag, k, n, value in tags:
+        ifd += struct.pack(endian + "HHI", tag, k, n) + (struct.pack(endian + "HH", value, 0) if k == 3
+                                                          else struct.pack(endian + "I", value))
+    return b"Exif\x00\x00" + head + ifd + struct.pack(endian + "I", 0)
+
+
+def _pillow_orientation(data: bytes) -> int:
+    import io
+
+    from PIL import Image
+
+    from fastdata.transforms import exif_orientation
+
+    return exif_orientation(Image.open(io.BytesIO(data)))
+
+
+@pytest.mark.parametrize("endian", ["<", ">"])
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_the_orientation_walk_reads_what_pillow_reads(orientation, endian):
+    from fastdata.region import jpeg_orientation
+
+    data = _jpeg_bytes(exif=_exif_block(orientation, endian, extra_tags=[(0x010F, 2, 4, 0x4D_41_43_00)]))
+    assert jpeg_orientation(data) == _pillow_orientation(data) == orientation
+
+
+def test_the_orientation_walk_without_exif_or_with_other_segments():
+    import struct
+
+    from fastdata.region import jpeg_orientation
+
+    xmp = b"http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta/>"
+    cases = {
+        "no EXIF": _jpeg_bytes(),
+        "XMP in APP1, not EXIF": _jpeg_bytes(app=b"\xff\xe1" + struct.pack(">H", len(xmp) + 2) + xmp),
+        "a comment first": _jpeg_bytes(exif=_exif_block(6), app=b"\xff\xfe\x00\x05hi!"),
+        "EXIF without the tag": _jpeg_bytes(exif=_exif_block(None, extra_tags=[(0x010F, 2, 4, 0)])),
+    }
+    for name, data in cases.items():
+        assert jpeg_orientation(data) == _pillow_orientation(data), name
+
+
+def test_anything_the_walk_does_not_read_is_left_to_pillow():
+    from fastdata.region import jpeg_header, jpeg_orientation
+
+    assert jpeg_orientation(b"\x89PNG\r\n\x1a\n") is None
+    assert jpeg_orientation(_jpeg_bytes(exif=_exif_block(6, kind=4))) is None        # a LONG, not a SHORT
+    assert jpeg_orientation(_jpeg_bytes(exif=b"Exif\x00\x00XX" + b"\x00" * 8)) is None  # no byte order
+    assert jpeg_orientation(_jpeg_bytes(exif=_exif_block(9))) is None                  # out of range
+    broken = _jpeg_bytes(exif=_exif_block(6))
+    assert jpeg_orientation(broken[:30]) is None                                       # cut in the EXIF
+    _region_or_skip()
+    assert jpeg_header(b"\xff\xd8\xff\xe0garbage") is None
+    assert jpeg_header(_jpeg_bytes(exif=_exif_block(6), size=(40, 24))) == (24, 40, 6)
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_load_photo_gives_the_same_pixels_with_either_header_reader(tmp_path, monkeypatch, orientation):
+    import fastdata.transforms as T
+
+    _region_or_skip()
+    path = tmp_path / f"o{orientation}.jpg"
+    path.write_bytes(_jpeg_bytes(exif=_exif_block(orientation), size=(96, 64)))
+    aug = Augmentation(crop="random_resized", size=32, hflip=0.5)
+    seen = []
+    real = T._jpeg_header
+    monkeypatch.setattr(T, "_jpeg_header", lambda *a: seen.append(real(*a)) or seen[-1])
+    fast = [T.load_photo(path, aug, np.random.default_rng(s)) for s in range(6)]
+    assert seen and all(h == (64, 96, orientation) for h in seen)   # read without Pillow
+    monkeypatch.setattr(T, "_jpeg_header", lambda *a: None)
+    slow = [T.load_photo(path, aug, np.random.default_rng(s)) for s in range(6)]
+    for a, b in zip(fast, slow):
+        assert np.array_equal(a, b)
+
+
+def test_files_pillow_must_refuse_still_go_through_pillow(tmp_path, monkeypatch):
+    from PIL import Image
+
+    import fastdata.transforms as T
+    from fastdata.errors import DecodeError
+
+    _region_or_skip()
+    data = _jpeg_bytes(size=(96, 64))
+    named_png = tmp_path / "photo.png"
+    named_png.write_bytes(data)
+    assert T._jpeg_header(named_png, data) is None
+    with pytest.raises(DecodeError, match="named .png"):
+        T.load_photo(named_png, Augmentation(crop="random_resized", size=32), np.random.default_rng(0))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 96 * 64 - 1)
+    bomb = tmp_path / "bomb.jpg"
+    bomb.write_bytes(data)
+    assert T._jpeg_header(bomb, data) is None
+    with pytest.raises(DecodeError, match="decompression-bomb"):
+        T.load_photo(bomb, Augmentation(crop="random_resized", size=32), np.random.default_rng(0))
+    monkeypatch.setenv("FASTDATA_REGION_DECODE", "0")
+    assert T._jpeg_header(tmp_path / "x.jpg", data) is None
