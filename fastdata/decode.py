@@ -43,7 +43,8 @@ class Decoded(NamedTuple):
     kept: np.ndarray     # int64 sample ids, in the order asked for; fewer only with on_error="skip"
 
 
-def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str = "raise") -> Decoded:
+def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str = "raise", *,
+           checked: np.ndarray | None = None) -> Decoded:
     """Samples ``ids`` of ``source`` with the recipe ``aug`` applied (random parameters from ``rng``).
 
     ``on_error="skip"`` drops files that do not decode (DecodeError) instead of raising; the ids that
@@ -57,6 +58,8 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
             on top of one is refused: ``datasets.check_transform_and_augment``).
         rng: the batch's generator; every random draw comes from it.
         on_error: ``"raise"`` or ``"skip"`` for files that do not decode.
+        checked: bool (len(source),): which files some process already decoded whole (see
+            ``_CHECKED``); this process's own flags when None.
     """
     ids = np.asarray(ids, dtype=np.int64)
     check_transform_and_augment(source, aug)
@@ -67,18 +70,18 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
         if source.sample_transform is not None:
             return _files_transformed(source, ids, rng, on_error)
         require_fixed_size(source, aug)   # photos of mixed sizes only stack after a size-fixing crop
-        return _files(source, ids, aug, rng, on_error)
+        return _files(source, ids, aug, rng, on_error, _checked(source) if checked is None else checked)
     if source.kind is SourceKind.DATASET:
         return _dataset(source, ids, aug, rng)
     raise TypeError(f"cannot decode a {type(source).__name__} (kind {source.kind!r}); sources are of kind "
                     f"{[k.value for k in SourceKind if k is not SourceKind.ABSTRACT]}")
 
 
-# Per process (each DataLoader worker has its own): for each files source, which of its files this
-# process has decoded whole once. Until then a region decode checks the file's whole scan first
-# (transforms.crop_photo): every backend refuses the same broken files in the first epoch whatever
-# the crop, and later epochs decode only the crop's window. One byte per file; a weak key, so a
-# dropped source takes its flags with it.
+# For each files source, which of its files this process has decoded whole once. Until then a region
+# decode checks the file's whole scan first (transforms.crop_photo): every backend refuses the same
+# broken files in the first epoch whatever the crop, and later epochs decode only the crop's window.
+# One byte per file; a weak key, so a dropped source takes its flags with it. The torch backend's
+# workers share one set instead (BatchDecoder.checked).
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -89,12 +92,11 @@ def _checked(source) -> np.ndarray:
     return flags
 
 
-def _files(source, ids, aug, rng, on_error) -> Decoded:
+def _files(source, ids, aug, rng, on_error, checked: np.ndarray) -> Decoded:
     size = aug.size
     # Written in place, kept ones contiguous: no list of arrays and no second copy in np.stack.
     out = np.empty((len(ids), size, size, 3), dtype=np.uint8)
     keep = []
-    checked = _checked(source)
     for j, i in enumerate(ids):
         try:
             out[len(keep)] = load_photo(source.paths[i], aug, rng, checked=bool(checked[i]))
@@ -222,6 +224,14 @@ class BatchDecoder(Dataset):
             require_fixed_size(source, augment)
         check_transform_and_augment(source, augment)
         self.source, self.augment, self.on_error = source, augment, on_error
+        # Which files a worker has decoded whole (``_CHECKED``), one byte each in shared memory that
+        # every worker reads and writes: a file checked by one worker is not checked again by the
+        # next one that gets it, which would otherwise cost each worker a full decode of every file in
+        # the first epochs (with 2 workers, about 0.3 ms a photo in the second epoch). Two workers may
+        # check the same file at once; both then do, which is harmless.
+        self.checked = None
+        if source.kind is SourceKind.FILES and source.sample_transform is None:
+            self.checked = torch.zeros(len(source), dtype=torch.bool).share_memory_()
 
     def __len__(self):  # jobs come from the sampler; a length keeps DataLoader's bookkeeping happy
         return len(self.source)
@@ -233,7 +243,8 @@ class BatchDecoder(Dataset):
             job: ``(ids, seed)``: the sample ids and the seed of the batch's generator.
         """
         ids, seed = job
-        d = decode(self.source, ids, self.augment, np.random.default_rng(seed), self.on_error)
+        flags = None if self.checked is None else self.checked.numpy()
+        d = decode(self.source, ids, self.augment, np.random.default_rng(seed), self.on_error, checked=flags)
         # The kept ids as a list: a worker sends each tensor through its own shared-memory segment and
         # file descriptor, while a few ints travel pickled inside the reply at no extra cost.
         return torch.from_numpy(d.images), torch.from_numpy(d.labels), d.kept.tolist()

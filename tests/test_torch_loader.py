@@ -210,3 +210,17 @@ def test_a_broken_connection_from_a_killed_worker_names_the_worker(kill, monkeyp
         with pytest.raises(ConnectionResetError):
             next(it)
     loader.close()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_workers_share_which_files_have_been_checked_whole(photo_folder, context):
+    """A file one worker decoded whole is not checked again by the other worker that gets it later:
+    the flags live in shared memory, written by the workers and seen by every process."""
+    src = ImageFolder(photo_folder)
+    loader = make_loader(src, "torch", batch_size=4, num_workers=2, device="cpu", train=True, quiet=True,
+                         multiprocessing_context=context)
+    flags = loader.fetcher.checked
+    assert flags is not None and flags.is_shared() and not flags.any()
+    seen = sum(len(labels) for _, labels in loader)
+    assert int(flags.sum()) == seen == len(loader) * 4  # every file decoded, whichever worker did it, seen here
+    loader.close()
