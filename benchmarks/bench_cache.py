@@ -189,14 +189,6 @@ def measure(names, folder, args, tree, tmp) -> dict:
     return got
 
 
-def paired(a: list, b: list) -> tuple[float, tuple[float, float]] | None:
-    """b's time over a's (a's speed-up over b), round by round: median and (lowest, highest)."""
-    if not a or not b:
-        return None
-    ratios = [y / x for x, y in zip(a, b, strict=True)]
-    return statistics.median(ratios), (min(ratios), max(ratios))
-
-
 def main(args) -> dict:
     machine = common.machine_info()
     folder = photo_folder(args.cache, args.photos)
@@ -227,8 +219,9 @@ def main(args) -> dict:
                                               "seconds_passes": g["seconds"], "cpu": statistics.median(g["cpu"]),
                                               "cpu_passes": g["cpu"], "pixels": g["pixels"]})
         rows.append(row)
-        wall = paired(g["seconds"], got[base]["seconds"]) if n != base else None
-        cpu = paired(g["cpu"], got[base]["cpu"]) if n != base else None
+        # b's time over a's, round by round: a's speed-up over b
+        wall = common.paired_ratios(got[base]["seconds"], g["seconds"]) if n != base else None
+        cpu = common.paired_ratios(got[base]["cpu"], g["cpu"]) if n != base else None
         px = g["pixels"]
         secs = common.fmt_spread(common.spread(g["seconds"]), lambda x: f"{x:.2f}")
         table.append([n, f"{row.extra['seconds']:.2f} ({secs})",

@@ -187,12 +187,10 @@ def measure(items, names, passes: int) -> dict:
 
 
 def paired(row, ref) -> tuple[float, tuple[float, float]] | None:
-    """``row``'s rate over ``ref``'s, pass by pass (the passes are paired, see ``measure``): the
-    median and the (lowest, highest) of the per-pass ratios."""
+    """``row``'s rate over ``ref``'s, pass by pass (the passes are paired, see ``measure``)."""
     if row is None or ref is None or row.status != "ok" or ref.status != "ok":
         return None
-    ratios = [a / b for a, b in zip(row.passes, ref.passes, strict=True)]
-    return statistics.median(ratios), (min(ratios), max(ratios))
+    return common.paired_ratios(row.passes, ref.passes)
 
 
 def agreement(crops, ref) -> tuple[int, float]:

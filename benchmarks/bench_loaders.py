@@ -1,8 +1,9 @@
 """Loader throughput: which backend delivers the most images/s on this machine.
 
 Every contender delivers the contract form — a normalized float (N, C, H, W) batch on the device with
-the training augmentation on — and runs in the same process, one after another, so the ratios hold
-on a noisy machine. Contenders per workload:
+the training augmentation on. All of a workload's contenders are built in the same process, then
+timed in rounds (each runs one pass per round), so the ratios are paired round by round and hold on
+a machine whose speed drifts. Contenders per workload:
 
 - ``baseline``: what the usual tutorials write: a torchvision dataset returning PIL images,
   ``transforms`` (augmentation, ``ToTensor``, ``Normalize``), ``DataLoader(shuffle=True,
@@ -64,8 +65,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--workers", type=int, default=usable_cores(),
                    help="worker processes/threads (default: usable cores)")
-    p.add_preset("--passes", type=int, full=3, quick=1,
-                 help="timed passes per contender (median reported); one warm-up pass precedes them")
+    p.add_preset("--passes", type=int, full=5, quick=1,
+                 help="timed rounds (each contender one pass per round; medians reported); one warm-up "
+                      "pass each precedes them")
     p.add_preset("--digits", type=int, full=60_000, quick=6000, help="digit images")
     p.add_argument("--digits-batch", type=int, default=256)
     p.add_preset("--jpeg-images", type=int, full=1500, quick=96, help="photos in the JPEG folder")
@@ -252,23 +254,39 @@ def jpeg_source(count: int, cache: str):
 
 
 # ------------------------------------------------------------------------------------ measuring
-def measure(rows, workload, name, role, build, args, device, run=None):
-    """Build a contender, check its first batch, time its passes; append a Row (ok, skipped or error)."""
+class Contender:
+    """One built contender of a workload: its loader and how one pass of it is run and counted."""
+
+    def __init__(self, workload, name, role, loader, note, setup, run, shape):
+        self.workload, self.name, self.role, self.loader, self.note = workload, name, role, loader, note
+        self.setup, self.run, self.shape = setup, run, shape
+        self.seconds: list[float] = []
+        self.items: list[int] = []
+        self.warm = 0.0
+        self.error: str | None = None
+
+    def close(self):
+        close = getattr(self.loader, "close", None)
+        if close is not None:
+            close()
+
+
+def build(rows, workload, name, role, make, device, run=None) -> Contender | None:
+    """Build a contender and check its first batch; None (with a skipped or error Row) when it cannot."""
     t0 = time.perf_counter()
-    loader = None
     try:
-        loader, note = build()
+        loader, note = make()
     except (ImportError, fastdata.MissingDependency) as e:
         rows.append(common.Row(workload, name, role, status="skipped", note=f"not available: {e}"))
         print(f"  {name:<10} skipped: {e}", flush=True)
-        return
+        return None
     except Exception as e:  # a backend that cannot read this source says so in its error
         status = "skipped" if isinstance(e, (TypeError, fastdata.CacheDoesNotFit)) else "error"
         rows.append(common.Row(workload, name, role, status=status, note=f"{type(e).__name__}: {e}"))
         print(f"  {name:<10} {status}: {type(e).__name__}: {e}", flush=True)
         if status == "error":
             traceback.print_exc()
-        return
+        return None
     setup = time.perf_counter() - t0
     try:
         if run is None:
@@ -276,24 +294,77 @@ def measure(rows, workload, name, role, build, args, device, run=None):
             run = lambda: consume(loader, device)  # noqa: E731
         else:
             shape = "decode only"
-        seconds, items, warm = common.time_passes(run, args.passes, device=device, budget_s=args.budget)
     except Exception as e:
         rows.append(common.Row(workload, name, role, status="error", note=f"{type(e).__name__}: {e}"))
         print(f"  {name:<10} error: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
-        return
-    finally:
         close = getattr(loader, "close", None)
         if close is not None:
             close()
-    rates = [n / s for n, s in zip(items, seconds, strict=True)]
-    row = common.Row(workload, name, role, rate=common.median_rate(seconds, items), passes=rates,
-                     note=note, extra={"setup_s": setup, "warmup_s": warm, "batch": shape,
-                                       "images_per_pass": items[0]})
-    rows.append(row)
-    passes = f" (passes {', '.join(common.fmt_num(r) for r in rates)})" if len(rates) > 1 else ""
-    print(f"  {name:<10} {common.fmt_num(row.rate):>10} images/s{passes}  setup {setup:.2f}s  "
-          f"warm-up pass {warm:.2f}s  {note}", flush=True)
+        return None
+    print(f"  {name:<10} built in {setup:.2f}s: {note}", flush=True)
+    return Contender(workload, name, role, loader, note, setup, run, shape)
+
+
+def _one_pass(c: Contender, device) -> float | None:
+    """Run one pass of ``c``; its seconds, or None after recording the error (``c`` then drops out)."""
+    try:
+        common.sync(device)
+        t0 = time.perf_counter()
+        n = c.run()
+        common.sync(device)
+        c.items.append(int(n))
+        return time.perf_counter() - t0
+    except Exception as e:
+        c.error = f"{type(e).__name__}: {e}"
+        print(f"  {c.name:<10} error: {c.error}", flush=True)
+        traceback.print_exc()
+        return None
+
+
+def time_rounds(contenders: list[Contender], passes: int, device, budget_s: float) -> None:
+    """One warm-up pass each, then ``passes`` rounds in which every contender runs one timed pass.
+
+    Why rounds: this shared machine's speed drifts by tens of percent within minutes. Timed one after
+    another, a contender measured in a slow minute loses to one measured in a fast one; in rounds,
+    pass k of every contender runs within the same minute, so the ratios are paired round by round
+    (``common.row_ratio``). Each round starts one contender later than the previous, so none always
+    runs first, right after the others' work. Stops early once a contender's timed passes took
+    ``budget_s`` in all (after at least one round)."""
+    for c in contenders:
+        t0 = time.perf_counter()
+        if _one_pass(c, device) is not None:
+            c.items.clear()
+            c.warm = time.perf_counter() - t0
+    for k in range(passes):
+        live = [c for c in contenders if c.error is None]
+        if not live:
+            break
+        shift = k % len(live)
+        for c in live[shift:] + live[:shift]:
+            sec = _one_pass(c, device)
+            if sec is not None:
+                c.seconds.append(sec)
+        print(f"  round {k + 1}/{passes}: " + ", ".join(
+            f"{c.name} {common.fmt_num(c.items[-1] / c.seconds[-1])}" for c in live if c.error is None and c.seconds),
+              flush=True)
+        if any(sum(c.seconds) > budget_s for c in live):
+            break
+
+
+def add_rows(rows, contenders: list[Contender]) -> None:
+    """A Row per timed contender (paired: they ran in rounds); an error Row for one that failed."""
+    rounds = min((len(c.seconds) for c in contenders if c.error is None), default=0)
+    for c in contenders:
+        if c.error is not None:
+            rows.append(common.Row(c.workload, c.name, c.role, status="error", note=c.error))
+            continue
+        seconds, items = c.seconds[:rounds], c.items[:rounds]
+        rates = [n / s for n, s in zip(items, seconds, strict=True)]
+        rows.append(common.Row(c.workload, c.name, c.role, rate=common.median_rate(seconds, items), passes=rates,
+                               note=c.note, paired=True,
+                               extra={"setup_s": c.setup, "warmup_s": c.warm, "batch": c.shape,
+                                      "images_per_pass": items[0] if items else 0}))
 
 
 def run_workload(workload, args, device, rows, sources):
@@ -303,11 +374,16 @@ def run_workload(workload, args, device, rows, sources):
     batch = args.digits_batch if workload == "digits" else args.jpeg_batch
     print(f"\n[{workload}] {desc}; batch {batch}, {args.workers} workers, device {device}", flush=True)
 
+    built: list[Contender] = []
+
+    def add(c):
+        if c is not None:
+            built.append(c)
+
     if args.baseline:
-        measure(rows, workload, "baseline", "baseline",
-                lambda: (baseline_loader(workload, source, batch, args.workers, device),
-                         "torchvision transforms + DataLoader"),
-                args, device)
+        add(build(rows, workload, "baseline", "baseline",
+                  lambda: (baseline_loader(workload, source, batch, args.workers, device),
+                           "torchvision transforms + DataLoader"), device))
 
     available = set(fastdata.available_backends())
     for name in args.backends:
@@ -317,7 +393,7 @@ def run_workload(workload, args, device, rows, sources):
             print(f"  {name:<10} skipped: not in available_backends()", flush=True)
             continue
 
-        def build(name=name):
+        def make(name=name):
             picked = []
             handler = _Capture(picked)
             logging.getLogger("fastdata").addHandler(handler)
@@ -332,17 +408,22 @@ def run_workload(workload, args, device, rows, sources):
                 note = f"auto picked {chosen!r}" + (f": {picked[0]}" if picked else "")
             return loader, note
 
-        measure(rows, workload, name, "fastdata", build, args, device)
+        add(build(rows, workload, name, "fastdata", make, device))
 
     if args.limit:
         if workload == "digits":
-            measure(rows, workload, "limit", "limit",
-                    lambda: (DigitsGather(source, batch, device), "gather of ready float batches"), args, device)
+            add(build(rows, workload, "limit", "limit",
+                      lambda: (DigitsGather(source, batch, device), "gather of ready float batches"), device))
         else:
             lim = DecodeLimit(source, batch, args.workers)
-            measure(rows, workload, "limit", "limit",
-                    lambda: (lim, f"PIL full decode + RGB only, {args.workers} workers"), args, device,
-                    run=lim.count)
+            add(build(rows, workload, "limit", "limit",
+                      lambda: (lim, f"PIL full decode + RGB only, {args.workers} workers"), device, run=lim.count))
+    try:
+        time_rounds(built, args.passes, device, args.budget)
+    finally:
+        for c in built:
+            c.close()
+    add_rows(rows, built)
 
 
 class _Capture(logging.Handler):
@@ -382,8 +463,10 @@ def results_markdown(rows, sources, targets, args, device) -> str:
                           r.note.replace("|", "/")[:160]])
         batch = args.digits_batch if workload == "digits" else args.jpeg_batch
         parts.append(f"## {workload}\n\n{sources[workload]}. Batch {batch}, {args.workers} workers, device "
-                     f"`{device}`, median of {args.passes} timed pass(es) after one warm-up (slowest–fastest pass in "
-                     f"brackets; a ratio whose range covers 1 is {common.NOISE}).\n\n"
+                     f"`{device}`. Every contender is built first, then each runs one warm-up pass, then "
+                     f"{args.passes} round(s) in which each runs one timed pass; rates are the median pass "
+                     f"(slowest–fastest in brackets), ratios the median of the per-round ratios (lowest–highest "
+                     f"round in brackets; a ratio whose range covers 1 is {common.NOISE}).\n\n"
                      + common.markdown_table(["contender", "role", "images/s", "vs baseline", "vs limit",
                                               "setup s", "warm-up pass s", "note"], lines))
     if targets:

@@ -96,6 +96,27 @@ def ratio_range(num, den) -> tuple[float, float] | None:
     return num[0] / den[1], num[1] / den[0]
 
 
+def paired_ratios(num, den) -> tuple[float, tuple[float, float]] | None:
+    """``num[k] / den[k]`` for passes run side by side (pass k of each in the same round, so whatever
+    slowed the machine in a round slowed both): the median ratio and (lowest, highest). None without
+    passes, with a zero, or when the counts differ."""
+    if not num or not den or len(num) != len(den) or min(den) <= 0:
+        return None
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return statistics.median(ratios), (min(ratios), max(ratios))
+
+
+def row_ratio(row, ref) -> tuple[float, tuple[float, float] | None]:
+    """``row``'s rate over ``ref``'s, and the range the passes allow: paired round by round where both
+    ran interleaved (``Row.paired``), else the median rates' ratio with the cross range of the two
+    spreads (``ratio_range``), which is wider: drift between the two runs counts against it."""
+    if row.paired and ref.paired:
+        got = paired_ratios(row.passes, ref.passes)
+        if got is not None:
+            return got
+    return row.rate / ref.rate, ratio_range(spread(row.passes), spread(ref.passes))
+
+
 def compare(low, high, threshold: float, *, at_least: bool = True) -> str:
     """"met" / "missed" against ``threshold`` (``value >= threshold``, or ``<=`` with at_least=False),
     or "within noise" when the range [low, high] holds values on both sides of it."""
@@ -148,6 +169,7 @@ class Row:
     vs_limit: float | None = None
     vs_baseline_range: tuple | None = None       # what the passes' spreads allow (see ratio_range)
     vs_limit_range: tuple | None = None
+    paired: bool = False            # its passes ran interleaved, round by round, with the workload's others
 
 
 def add_ratios(rows: list[Row]) -> None:
@@ -161,11 +183,9 @@ def add_ratios(rows: list[Row]) -> None:
             if r.status != "ok" or r.rate is None:
                 continue
             if base is not None:
-                r.vs_baseline = r.rate / base.rate
-                r.vs_baseline_range = ratio_range(spread(r.passes), spread(base.passes))
+                r.vs_baseline, r.vs_baseline_range = row_ratio(r, base)
             if limit is not None:
-                r.vs_limit = r.rate / limit.rate
-                r.vs_limit_range = ratio_range(spread(r.passes), spread(limit.passes))
+                r.vs_limit, r.vs_limit_range = row_ratio(r, limit)
 
 
 @dataclass
@@ -198,8 +218,7 @@ class Target:
             if row is None or ref is None or not ref.rate:
                 self.status = "n/a"
                 return self
-            self.value = row.rate / ref.rate
-            rng = ratio_range(spread(row.passes), spread(ref.passes))
+            self.value, rng = row_ratio(row, ref)
             threshold, at_least = self.at_least, True
         else:
             value = None if row is None else row.extra.get(self.column)

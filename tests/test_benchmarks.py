@@ -193,6 +193,54 @@ def test_a_ratio_whose_passes_straddle_the_target_is_within_noise():
     assert common.fmt_vs(2.0, None) == "2.00x"
 
 
+def test_contenders_timed_in_rounds_are_compared_round_by_round():
+    from benchmarks import common
+
+    # The machine slowed down in round 2 for both: paired, the 1.2x lead holds in every round; the
+    # cross range of the two spreads would call it noise.
+    a = [1200.0, 600.0, 1260.0]
+    b = [1000.0, 500.0, 1050.0]
+    rows = [common.Row("w", "fast", "fastdata", rate=1200.0, passes=a, paired=True),
+            common.Row("w", "ref", "baseline", rate=1000.0, passes=b, paired=True)]
+    common.add_ratios(rows)
+    assert rows[0].vs_baseline == pytest.approx(1.2) and rows[0].vs_baseline_range == pytest.approx((1.2, 1.2))
+    assert common.Target("w", "fast", "ref", 1.1).evaluate(rows).status == "met"
+    for r in rows:
+        r.paired = False      # timed one after the other: drift between them counts against the ratio
+    common.add_ratios(rows)
+    assert rows[0].vs_baseline_range == pytest.approx((600 / 1050, 1260 / 500))
+    assert common.Target("w", "fast", "ref", 1.1).evaluate(rows).status == "within noise"
+    assert common.paired_ratios([1.0, 2.0], [1.0]) is None       # counts differ: not paired
+
+
+def test_rounds_rotate_the_order_and_drop_a_contender_that_fails():
+    bench = load("bench_loaders")
+    order = []
+
+    def contender(name, fail_at=None):
+        calls = []
+
+        def run():
+            calls.append(1)
+            order.append(name)
+            if fail_at is not None and len(calls) == fail_at:
+                raise RuntimeError("worker died")
+            return 10
+        return bench.Contender("w", name, "fastdata", None, "", 0.0, run, "")
+
+    cs = [contender("a"), contender("b"), contender("c", fail_at=3)]
+    bench.time_rounds(cs, 3, "cpu", budget_s=1e9)
+    assert order[:3] == ["a", "b", "c"]                  # warm-ups in order
+    assert order[3:6] == ["a", "b", "c"]                 # round 1
+    assert order[6:9] == ["b", "c", "a"]                 # round 2 starts one later; c fails in it
+    assert order[9:] == ["a", "b"]                       # round 3 without c
+    rows = []
+    bench.add_rows(rows, cs)
+    got = {r.name: r for r in rows}
+    assert got["c"].status == "error" and "worker died" in got["c"].note
+    assert len(got["a"].passes) == len(got["b"].passes) == 3 and got["a"].paired
+
+
 def test_an_at_most_target_reads_the_per_pass_values_when_a_script_keeps_them():
     from benchmarks import common
 
