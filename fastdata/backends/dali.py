@@ -496,11 +496,16 @@ class DaliLoader(Loader):
                 np.asarray(roi0, np.float32), np.asarray(roi1, np.float32),
                 np.asarray(mirror, np.int32)), record
 
+    #: Photos per reader-thread task when decoding on the host. Small: a batch split into one piece per
+    #: thread left a core idle whenever one piece finished first (the threads were busy 76-84% of a
+    #: pass here); with pieces of 4 the threads take the next piece as they come free.
+    _HOST_CHUNK = 4
+
     def _host_batch(self, k, crops, mirror, skipped):
         """Host decoding: the batch's crops decoded and resized in the reader threads, as one dense
         uint8 (N, size, size, C) array; DALI then only flips and normalizes it."""
         size = self.augment.size
-        chunks = np.array_split(np.arange(len(crops)), min(len(crops), self.read_threads)) if crops else []
+        chunks = np.array_split(np.arange(len(crops)), -(-len(crops) // self._HOST_CHUNK)) if crops else []
         done = [c for part in self._readers.map(lambda js: [self._host_crop(*crops[j]) for j in js], chunks)
                 for c in part]
         keep, flips = [], []
