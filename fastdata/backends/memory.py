@@ -579,6 +579,7 @@ class MemoryLoader(Loader):
         super().__init__(source, config, **options)
         self.footprint = 0          # bytes this loader holds on its device (for the shared budget)
         self.cache = self.ready = self._shifted = None
+        self._scratch = None        # CPU: resized crops' float input, reused batch to batch (_float_slots)
         #: The /dev/shm file a node's shared host cache was made in (already unlinked: the ranks'
         #: mappings hold the memory until the last one closes); None for a cache of this process only.
         self.shared_path = None
@@ -1111,11 +1112,29 @@ class MemoryLoader(Loader):
         # Pixel centres → grid_sample's coordinates (align_corners=False: the slot's edges at ±1).
         gy, gx = (ys + 0.5) * (2 / hs) - 1, (xs + 0.5) * (2 / ws) - 1
         grid = torch.stack((gx[:, None, :].expand(n, size, size), gy[:, :, None].expand(n, size, size)), -1)
-        xf = self.cache[idx].permute(0, 3, 1, 2).float()
-        out = F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
-        return self.normalizer.floats(out)
+        out = F.grid_sample(self._float_slots(idx), grid, mode="bilinear", padding_mode="border", align_corners=False)
+        return self.normalizer.floats(out, inplace=True)   # grid_sample's output is ours alone
+
+    def _float_slots(self, idx) -> torch.Tensor:
+        """The batch's cache slots as float (n, C, hs, ws), grid_sample's input.
+
+        On the CPU they are converted into one buffer kept for the loader's life (n x 0.75 MB: 48 MB at
+        batch 64), in the cache's NHWC layout, and handed over as a channels-last view: a fresh float
+        batch of that size is a new mmap whose page faults cost more than the conversion, and the
+        layout change would cost a strided pass (measured per image: 0.54 ms before, 0.32 now, with
+        grid_sample 0.05 ms slower on the view). On CUDA the caching allocator reuses memory anyway.
+        """
+        slots = self.cache[idx]
+        if self.device.type != "cpu":
+            return slots.permute(0, 3, 1, 2).float()
+        buf = self._scratch
+        if buf is None or buf.shape[0] < slots.shape[0] or buf.shape[1:] != slots.shape[1:]:
+            buf = self._scratch = torch.empty((max(slots.shape[0], 1), *slots.shape[1:]), dtype=torch.float32)
+        x = buf[: slots.shape[0]]
+        x.copy_(slots)
+        return x.permute(0, 3, 1, 2)
 
     def close(self):
-        self.cache = self.ready = self._shifted = self._pixel = self._sizes = None
+        self.cache = self.ready = self._shifted = self._pixel = self._sizes = self._scratch = None
         self.footprint = 0
         _LIVE.discard(self)
