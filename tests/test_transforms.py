@@ -389,3 +389,51 @@ def test_files_pillow_must_refuse_still_go_through_pillow(tmp_path, monkeypatch)
         T.load_photo(bomb, Augmentation(crop="random_resized", size=32), np.random.default_rng(0))
     monkeypatch.setenv("FASTDATA_REGION_DECODE", "0")
     assert T._jpeg_header(tmp_path / "x.jpg", data) is None
+
+
+def test_training_on_region_decoded_photos_matches_full_decoding(photo_folder, monkeypatch):
+    """Accuracy is unchanged: for one seed, region decoding draws the same augmentation boxes and
+    flips as the full decode, its batches differ by at most 1 grey level, and a few SGD steps of the
+    same model on each end at the same losses."""
+    import torch
+
+    import fastdata.transforms as T
+    from fastdata import make_loader
+    from fastdata.datasets import ImageFolder
+    from fastdata.models import SmallCNN
+
+    _region_or_skip()
+    real = T.sample_box
+    # boxes under twice the output on a side, so neither path shrinks with Image.draft (which would
+    # make both paths' pixels differ from a full decode by design)
+    aug = Augmentation(crop="random_resized", size=224, scale=(0.08, 0.5), hflip=0.5)
+
+    def run(region: str):
+        monkeypatch.setenv("FASTDATA_REGION_DECODE", region)
+        drawn = []
+        monkeypatch.setattr(T, "sample_box", lambda *a: drawn.append(real(*a)) or drawn[-1])
+        loader = make_loader(ImageFolder(photo_folder), "torch", batch_size=6, num_workers=0, device="cpu",
+                             augment=aug, seed=3,
+                             quiet=True)
+        torch.manual_seed(0)
+        model = SmallCNN(num_classes=loader.num_classes, in_channels=3, width=8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        batches, losses = [], []
+        for _ in range(2):
+            for images, labels in loader:
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                batches.append(images)
+                losses.append(loss.item())
+        grey = float(loader.normalizer.scale.max())   # one grey level, in normalized units
+        return drawn, batches, losses, grey
+
+    boxes_region, batches_region, losses_region, grey = run("1")
+    boxes_full, batches_full, losses_full, _ = run("0")
+    assert boxes_region == boxes_full and len(boxes_full) >= 12
+    for a, b in zip(batches_region, batches_full, strict=True):
+        diff = (a - b).abs()
+        assert float(diff.max()) <= 1.001 * grey and float(diff.mean()) < 0.01 * grey
+    assert losses_region == pytest.approx(losses_full, rel=1e-3)
