@@ -106,3 +106,19 @@ def test_batches_kept_in_a_list_are_all_distinct_and_intact():
     assert len({t.data_ptr() for t in outs}) == len(outs)
     for b, t in zip(batches, outs):
         torch.testing.assert_close(t.double(), _reference(b), atol=1e-5, rtol=1e-5)
+
+
+def test_a_buffer_made_under_inference_mode_serves_training_batches_after_it():
+    """Evaluation often runs under torch.inference_mode(): a pooled buffer made there must give a
+    normal tensor later, one autograd can save for backward."""
+    norm = Normalizer(MEAN, STD, torch.device("cpu"))
+    a, b = _batches(2)
+    with torch.inference_mode():
+        evaluated = norm(a)
+        assert evaluated.is_inference()
+    del evaluated
+    trained = norm(b)
+    assert not trained.is_inference()
+    w = torch.ones(1, 3, 1, 1, requires_grad=True)
+    (trained * w).sum().backward()
+    torch.testing.assert_close(w.grad.view(3), _reference(b).float().sum(dim=(0, 2, 3)), rtol=1e-4, atol=1e-2)
