@@ -241,6 +241,24 @@ def test_rounds_rotate_the_order_and_drop_a_contender_that_fails():
     assert len(got["a"].passes) == len(got["b"].passes) == 3 and got["a"].paired
 
 
+def test_a_short_epoch_is_repeated_until_a_pass_lasts_its_minimum():
+    import time
+
+    bench = load("bench_loaders")
+    epochs = []
+
+    def epoch():
+        epochs.append(1)
+        time.sleep(0.02)
+        return 100
+
+    t0 = time.perf_counter()
+    assert bench.repeated(epoch, 0.1)() == 100 * len(epochs)
+    assert len(epochs) >= 5 and time.perf_counter() - t0 >= 0.1     # whole epochs, until 0.1 s passed
+    epochs.clear()
+    assert bench.repeated(epoch, 0.0)() == 100 and len(epochs) == 1  # --quick: one epoch a pass
+
+
 def test_an_at_most_target_reads_the_per_pass_values_when_a_script_keeps_them():
     from benchmarks import common
 
