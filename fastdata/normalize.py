@@ -37,7 +37,11 @@ class Normalizer:
     # of arithmetic). So the CPU path recycles up to POOL output buffers: one is handed out again only
     # when nothing refers to its memory any more (no tensor, view, numpy array, autograd record or
     # other thread holds the previous batch: the storage's use count is back to the pool's own).
-    POOL = 3
+    # Buffers are made only when every pooled one is in use, so a plain loop circulates 2 (the batch
+    # the loop variable still holds while the next is made); POOL bounds how many batches may be out
+    # at once and still be recycled: a prefetch stage of depth d has d + 2 out (queued, the
+    # consumer's, the one being made), so 6 covers depths up to 4. It costs no memory beyond that.
+    POOL = 6
 
     def __init__(self, mean, std, device: torch.device, dtype: torch.dtype = torch.float32,
                  channels_last: bool = False):

@@ -122,3 +122,24 @@ def test_a_buffer_made_under_inference_mode_serves_training_batches_after_it():
     w = torch.ones(1, 3, 1, 1, requires_grad=True)
     (trained * w).sum().backward()
     torch.testing.assert_close(w.grad.view(3), _reference(b).float().sum(dim=(0, 2, 3)), rtol=1e-4, atol=1e-2)
+
+
+def test_a_prefetch_stage_s_batches_in_flight_are_recycled_not_reallocated(monkeypatch):
+    """With a queue of 2 batches ahead of the consumer (prefetch's default depth) plus the consumer's
+    own, steady state allocates nothing: the pool is larger than the batches out at once."""
+    import collections
+
+    import fastdata.normalize as normalize
+
+    made = []
+    real = normalize.new_buffer
+    monkeypatch.setattr(normalize, "new_buffer", lambda *a: made.append(a) or real(*a))
+    norm = Normalizer(MEAN, STD, torch.device("cpu"))
+    b = _batches(1)[0]
+    queue = collections.deque()
+    held = None
+    for _ in range(20):
+        queue.append(norm(b))       # the producer fills the queue
+        if len(queue) > 2:
+            held = queue.popleft()  # the consumer takes the oldest (dropping the one it held)
+    assert len(made) <= 4 and held is not None
