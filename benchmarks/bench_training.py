@@ -96,23 +96,58 @@ class Adapter:
         pass
 
 
-def train(loader, source, args, device) -> dict:
-    from fastdata.engine import fit
-    from fastdata.models import SmallCNN
+class Trainee:
+    """One contender: its loader, its own SmallCNN and optimizer (the same initial weights for all),
+    and the records of the epochs it has trained."""
 
-    torch.manual_seed(0)
-    model = SmallCNN(num_classes=source.num_classes, in_channels=source.channels)
-    history = fit(model, loader, epochs=args.epochs, amp=args.amp, progress=False)
-    timed = history[1:] if len(history) > 1 else history  # the first epoch is the warm-up
+    def __init__(self, name, role, loader, source):
+        from fastdata.engine import default_optimizer
+        from fastdata.models import SmallCNN
 
-    def med(key):
-        values = [r[key] for r in timed if r.get(key) is not None]
-        return statistics.median(values) if values else None
+        self.name, self.role, self.loader = name, role, loader
+        torch.manual_seed(0)
+        device = torch.device(loader.device)
+        self.model = SmallCNN(num_classes=source.num_classes, in_channels=source.channels).to(device)
+        self.optimizer = default_optimizer(self.model.parameters(), device)   # fit's own default
+        self.history: list[dict] = []
+        self.error: str | None = None
+        self.t0 = time.perf_counter()
 
-    return {"rate": med("images_per_second"), "data_wait": med("data_wait_fraction"),
-            "gpu_idle": med("gpu_idle_fraction"), "epochs": history,
-            "passes": [r["images_per_second"] for r in timed],
-            "data_wait_passes": [r["data_wait_fraction"] for r in timed if r.get("data_wait_fraction") is not None]}
+    def epoch(self, args) -> None:
+        """Train one more epoch (``fit`` for one epoch, the optimizer kept between calls)."""
+        from fastdata.engine import fit
+
+        try:
+            self.history += fit(self.model, self.loader, epochs=1, optimizer=self.optimizer, amp=args.amp,
+                                progress=False)
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            print(f"  {self.name:<10} error: {self.error}", flush=True)
+            traceback.print_exc()
+
+    def result(self) -> dict:
+        timed = self.history[1:] if len(self.history) > 1 else self.history  # the first epoch: warm-up
+
+        def med(key):
+            values = [r[key] for r in timed if r.get(key) is not None]
+            return statistics.median(values) if values else None
+
+        return {"rate": med("images_per_second"), "data_wait": med("data_wait_fraction"),
+                "gpu_idle": med("gpu_idle_fraction"), "epochs": self.history,
+                "passes": [r["images_per_second"] for r in timed],
+                "data_wait_passes": [r["data_wait_fraction"] for r in timed
+                                     if r.get("data_wait_fraction") is not None]}
+
+
+def train_in_rounds(trainees: list[Trainee], args) -> None:
+    """``args.epochs`` rounds, each contender training one epoch per round (the first round is the
+    warm-up), the order rotating by one each round: pass k of every contender runs within the same
+    minutes, so the ratios are paired round by round (see bench_loaders.time_rounds)."""
+    for k in range(args.epochs):
+        live = [t for t in trainees if t.error is None]
+        shift = k % len(live) if live else 0
+        for t in live[shift:] + live[:shift]:
+            t.epoch(args)
 
 
 def run_workload(workload, args, device, rows, sources):
@@ -140,37 +175,38 @@ def run_workload(workload, args, device, rows, sources):
     if args.limit and workload == "digits":
         contenders.append(("limit", "limit", lambda: Adapter(loaders.DigitsGather(source, batch, device), device)))
 
+    trainees = []
     for name, role, build in contenders:
         try:
-            loader = build()
+            trainees.append(Trainee(name, role, build(), source))
         except (ImportError, fastdata.MissingDependency) as e:
             rows.append(common.Row(workload, name, role, status="skipped", note=f"not available: {e}"))
             print(f"  {name:<10} skipped: {e}", flush=True)
-            continue
         except Exception as e:
             status = "skipped" if isinstance(e, (TypeError, fastdata.CacheDoesNotFit)) else "error"
             rows.append(common.Row(workload, name, role, status=status, note=f"{type(e).__name__}: {e}"))
             print(f"  {name:<10} {status}: {type(e).__name__}: {e}", flush=True)
+    try:
+        train_in_rounds(trainees, args)
+    finally:
+        for t in trainees:
+            t.loader.close()
+    rounds = min((len(t.history) for t in trainees if t.error is None), default=0)
+    for t in trainees:
+        if t.error is not None:
+            rows.append(common.Row(workload, t.name, t.role, status="error", note=t.error))
             continue
-        t0 = time.perf_counter()
-        try:
-            res = train(loader, source, args, device)
-        except Exception as e:
-            rows.append(common.Row(workload, name, role, status="error", note=f"{type(e).__name__}: {e}"))
-            print(f"  {name:<10} error: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc()
-            continue
-        finally:
-            loader.close()
-        note = getattr(loader, "name", "") if name == "auto" else ""
-        row = common.Row(workload, name, role, rate=res["rate"], passes=res["passes"],
+        t.history = t.history[:rounds]
+        res = t.result()
+        note = getattr(t.loader, "name", "") if t.name == "auto" else ""
+        row = common.Row(workload, t.name, t.role, rate=res["rate"], passes=res["passes"], paired=True,
                          note=f"auto picked {note!r}" if note else "",
                          extra={"data_wait": res["data_wait"], "data_wait_passes": res["data_wait_passes"],
                                 "gpu_idle": res["gpu_idle"],
-                                "epochs": res["epochs"], "wall_s": time.perf_counter() - t0})
+                                "epochs": res["epochs"], "wall_s": time.perf_counter() - t.t0})
         rows.append(row)
         idle = f"  gpu idle {common.fmt_pct(res['gpu_idle'])}" if res["gpu_idle"] is not None else ""
-        print(f"  {name:<10} {common.fmt_num(res['rate']):>8} images/s  data wait "
+        print(f"  {t.name:<10} {common.fmt_num(res['rate']):>8} images/s  data wait "
               f"{common.fmt_pct(res['data_wait'])}{idle}", flush=True)
 
 
@@ -215,8 +251,10 @@ def main(args) -> dict:
         header = ["contender", "train images/s", "vs baseline", "vs limit", "data wait"] + \
                  (["GPU idle"] if cuda else []) + ["note"]
         parts.append(f"## {workload}\n\n{sources[workload]}; SmallCNN, amp={args.amp}, {args.workers} workers, "
-                     f"device `{device}`; median of epochs 2-{args.epochs} (epoch 1 is a warm-up; "
-                     f"slowest–fastest epoch in brackets, a ratio whose range covers 1 is {common.NOISE}).\n\n"
+                     f"device `{device}`; trained in rounds, each contender one epoch per round, the order "
+                     f"rotating; median of rounds 2-{args.epochs} (round 1 is a warm-up; slowest–fastest "
+                     f"epoch in brackets; ratios paired round by round, a ratio whose range covers 1 is "
+                     f"{common.NOISE}).\n\n"
                      + common.markdown_table(header, lines))
     if not cuda:
         parts.append("GPU idle is measured with CUDA events and is not available on a CPU-only machine.")

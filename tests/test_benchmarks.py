@@ -117,6 +117,23 @@ def test_bench_training_quick(tmp_path):
     assert "data wait" in md and "| memory " in md
 
 
+def test_training_contenders_take_turns_one_epoch_a_round():
+    import types
+
+    bench = load("bench_training")
+    order = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.error = name, None
+
+        def epoch(self, args):
+            order.append(self.name)
+
+    bench.train_in_rounds([Fake("a"), Fake("b"), Fake("c")], types.SimpleNamespace(epochs=3))
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]   # every round, each once, rotating
+
+
 def test_bench_pillow_quick(tmp_path):
     bench = load("bench_pillow")
     args = bench.get_args_parser().parse_args(
