@@ -179,6 +179,15 @@ def decode_window(data: bytes, y0: int, x0: int, y1: int, x1: int, *, name="<byt
     return np.asarray(img.cpu())
 
 
+#: How every JPEG file starts: the start-of-image marker, then the first segment's marker.
+JPEG_START = b"\xff\xd8\xff"
+
+
+def is_jpeg(data: bytes) -> bool:
+    """``data`` starts like a JPEG file (what Pillow and nvImageCodec identify JPEGs by)."""
+    return data[:3] == JPEG_START
+
+
 def jpeg_orientation(data: bytes) -> int | None:
     """The EXIF orientation (1..8) of a JPEG from its bytes, as Pillow reads it (IFD0's tag 0x0112 in
     the first APP1 "Exif" segment; 1 when there is none); None when the markers or the EXIF block are
@@ -191,7 +200,7 @@ def jpeg_orientation(data: bytes) -> int | None:
     import struct
 
     n, pos = len(data), 2
-    if data[:2] != b"\xff\xd8":
+    if not is_jpeg(data):
         return None
     while pos + 4 <= n:
         if data[pos] != 0xFF:
@@ -233,9 +242,7 @@ def jpeg_header(data: bytes):
     nvImageCodec's header parser and ``jpeg_orientation``; None for anything else or anything unusual
     (not a JPEG, CMYK, 12-bit, an EXIF block this does not read, a header nvImageCodec cannot parse),
     for which the caller opens the file with Pillow. Needs ``region_available()``."""
-    if data[:3] != b"\xff\xd8\xff":
-        return None
-    orientation = jpeg_orientation(data)
+    orientation = jpeg_orientation(data)   # None for anything that is not a JPEG
     if orientation is None:
         return None
     try:

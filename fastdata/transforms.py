@@ -354,12 +354,13 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
     """
     import io
 
+    from .region import is_jpeg
+
     height, width = dims
     own = img is None   # opened here, only when needed: the region path reads no header with Pillow
     try:
         if box is not None and orientation == 1 and _ends_whole(data) and region_decode_enabled() \
-                and (data[:3] == b"\xff\xd8\xff" if img is None else
-                     img.format == "JPEG" and img.mode in ("RGB", "L")):
+                and (is_jpeg(data) if img is None else img.format == "JPEG" and img.mode in ("RGB", "L")):
             from .region import decode_box
 
             got = decode_box(data, box, aug.size, name=str(path))  # None: the draft path is cheaper
@@ -405,9 +406,7 @@ def resize_box(image: np.ndarray, aug: Augmentation, box, flip: bool) -> np.ndar
     top, left, bh, bw = box
     img = Image.fromarray(image[..., 0] if c == 1 else image)
     img = img.resize((aug.size, aug.size), Image.BILINEAR, box=_clamp_box(left, top, bw, bh, w, h))
-    if flip:
-        img = img.transpose(Image.FLIP_LEFT_RIGHT)
-    out = np.asarray(img)
+    out = _mirrored(img, flip)
     return out[..., None] if out.ndim == 2 else out
 
 
