@@ -286,23 +286,31 @@ def repeated(run_epoch, min_seconds: float):
     return run
 
 
-def build(rows, workload, name, role, make, device, run=None, min_pass: float = 0.0) -> Contender | None:
-    """Build a contender and check its first batch; None (with a skipped or error Row) when it cannot.
-    Each of its passes repeats whole epochs until it lasted ``min_pass`` seconds."""
-    t0 = time.perf_counter()
+def try_make(rows, workload, name, role, make):
+    """``make()``'s result, or None after appending a skipped Row (not installed, or a backend that
+    cannot read this source: its error says so) or an error Row (with the traceback printed)."""
     try:
-        loader, note = make()
+        return make()
     except (ImportError, fastdata.MissingDependency) as e:
         rows.append(common.Row(workload, name, role, status="skipped", note=f"not available: {e}"))
         print(f"  {name:<10} skipped: {e}", flush=True)
-        return None
-    except Exception as e:  # a backend that cannot read this source says so in its error
+    except Exception as e:
         status = "skipped" if isinstance(e, (TypeError, fastdata.CacheDoesNotFit)) else "error"
         rows.append(common.Row(workload, name, role, status=status, note=f"{type(e).__name__}: {e}"))
         print(f"  {name:<10} {status}: {type(e).__name__}: {e}", flush=True)
         if status == "error":
             traceback.print_exc()
+    return None
+
+
+def build(rows, workload, name, role, make, device, run=None, min_pass: float = 0.0) -> Contender | None:
+    """Build a contender and check its first batch; None (with a skipped or error Row) when it cannot.
+    Each of its passes repeats whole epochs until it lasted ``min_pass`` seconds."""
+    t0 = time.perf_counter()
+    made = try_make(rows, workload, name, role, make)
+    if made is None:
         return None
+    loader, note = made
     setup = time.perf_counter() - t0
     try:
         if run is None:

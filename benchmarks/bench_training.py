@@ -177,15 +177,9 @@ def run_workload(workload, args, device, rows, sources):
 
     trainees = []
     for name, role, build in contenders:
-        try:
-            trainees.append(Trainee(name, role, build(), source))
-        except (ImportError, fastdata.MissingDependency) as e:
-            rows.append(common.Row(workload, name, role, status="skipped", note=f"not available: {e}"))
-            print(f"  {name:<10} skipped: {e}", flush=True)
-        except Exception as e:
-            status = "skipped" if isinstance(e, (TypeError, fastdata.CacheDoesNotFit)) else "error"
-            rows.append(common.Row(workload, name, role, status=status, note=f"{type(e).__name__}: {e}"))
-            print(f"  {name:<10} {status}: {type(e).__name__}: {e}", flush=True)
+        t = loaders.try_make(rows, workload, name, role, lambda n=name, r=role, b=build: Trainee(n, r, b(), source))
+        if t is not None:
+            trainees.append(t)
     try:
         train_in_rounds(trainees, args)
     finally:
