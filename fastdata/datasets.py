@@ -26,7 +26,9 @@ from .config import Augmentation, SourceKind  # noqa: F401  (SourceKind: re-expo
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+#: torchvision's ``IMG_EXTENSIONS``: the same folder lists the same files in both ImageFolders (their
+#: fingerprints agree, so a checkpoint resumes across the two), and every file Pillow decodes counts.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 _FLOAT_FIX = ("drop ToDtype/Normalize/ToTensor from the transform and pass mean=/std= to make_loader: "
               "fastdata keeps batches uint8 until the device and normalizes there")
@@ -578,7 +580,9 @@ def _walk_images(folder, exts, visited: set, real_root: str):
 
 
 class ImageFolder(Source):
-    """One sub-folder per class of JPEG/PNG files (ImageNet's layout); classes sorted by name.
+    """One sub-folder per class of image files (ImageNet's layout); classes sorted by name. The files
+    are those torchvision's ImageFolder lists (``IMAGE_EXTENSIONS``: JPEG, PNG, BMP, TIFF, WebP, PPM/PGM),
+    except names starting with a dot (macOS's ``._`` AppleDouble files are not images).
 
     ``ImageFolder.from_samples`` builds one over a given file list instead (what torchvision's
     ImageFolder/DatasetFolder hold in ``.samples``). ``source[i]`` is ``(uint8 tensor (H, W, 3), label)``:

@@ -169,14 +169,33 @@ def decode_window(data: bytes, y0: int, x0: int, y1: int, x1: int, *, name="<byt
     if not (0 <= y0 < y1 <= cs.height and 0 <= x0 < x1 <= cs.width):
         raise ValueError(f"window rows {y0}:{y1}, columns {x0}:{x1} lies outside the {cs.width}x{cs.height} "
                          f"image {name}")
-    window = cs.get_sub_code_stream(region=nv.Region(y0, x0, y1, x1))
+    # A window narrower than _MIN_SIDE is widened, then cut back: nvImageCodec 0.9 returns wrong pixels
+    # for a 1-column window at column 0 of a 4:2:0 JPEG (up to 58 levels off; every wider window tested
+    # equals the full decode), and a few more columns cost nothing measurable.
+    (wy0, wy1), (wx0, wx1) = _widened(y0, y1, cs.height), _widened(x0, x1, cs.width)
+    window = cs.get_sub_code_stream(region=nv.Region(wy0, wx0, wy1, wx1))
     img = dec.decode(window, params=params)
     if img is None:
         # nvImageCodec returns None for a stream that ends or breaks before the window's last row;
         # its own reason goes to stderr (libjpeg's message), not to Python.
         raise DecodeError(name, f"JPEG data is truncated or corrupt before row {y1} of {cs.height} "
                                 f"(nvImageCodec could not decode rows {y0}:{y1})")
-    return np.asarray(img.cpu())
+    pixels = np.asarray(img.cpu())
+    if (wy0, wx0, wy1, wx1) != (y0, x0, y1, x1):
+        pixels = pixels[y0 - wy0:y1 - wy0, x0 - wx0:x1 - wx0]
+    return pixels
+
+
+#: The fewest rows and columns ``decode_window`` asks nvImageCodec for (see there).
+_MIN_SIDE = 16
+
+
+def _widened(lo: int, hi: int, size: int) -> tuple[int, int]:
+    """``lo:hi`` grown to at least ``_MIN_SIDE`` (or ``size``) long, within ``0:size``."""
+    if hi - lo >= _MIN_SIDE or hi - lo >= size:
+        return lo, hi
+    lo = max(0, min(lo, size - _MIN_SIDE))
+    return lo, min(size, lo + _MIN_SIDE)
 
 
 #: How every JPEG file starts: the start-of-image marker, then the first segment's marker.

@@ -17,7 +17,15 @@ from PIL import Image, ImageOps
 from .config import Augmentation, Crop, Padding, SourceKind
 from .errors import DecodeError
 
-_FORMAT_OF_EXT = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG"}
+#: The format Pillow must find behind each image file ending (``datasets.IMAGE_EXTENSIONS``).
+_FORMAT_OF_EXT = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".bmp": "BMP", ".tif": "TIFF", ".tiff": "TIFF",
+                  ".webp": "WEBP", ".ppm": "PPM", ".pgm": "PPM"}
+#: Pillow's names for JPEG files: a multi-picture JPEG (MPO: a phone's or camera's photo with a depth
+#: map or gain map appended, as an MPF index in APP2) is a JPEG whose first picture is the photo, and
+#: every JPEG decoder (libjpeg, nvImageCodec, DALI, torchvision) decodes that picture.
+JPEG_FORMATS = ("JPEG", "MPO")
+#: Pillow formats an optional library provides; a build without it cannot identify such files.
+_FEATURE_OF_FORMAT = {"WEBP": "webp"}
 #: ``Augmentation.padding`` → ``np.pad``'s mode. numpy's "reflect" is torch's "reflect" and torchvision's
 #: padding_mode="reflect" (the edge pixel is not repeated); numpy's "edge" is torch's "replicate".
 NUMPY_PAD_MODE = {Padding.CONSTANT: "constant", Padding.REFLECT: "reflect", Padding.EDGE: "edge"}
@@ -43,6 +51,15 @@ def open_image(path, fp=None) -> Image.Image:
     except Exception as e:  # UnidentifiedImageError, OSError, SyntaxError from broken headers
         size = _size_or_none(path)
         why = "empty file (0 bytes)" if size == 0 else f"not a readable image ({type(e).__name__}: {e})"
+        ext = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+        feature = _FEATURE_OF_FORMAT.get(_FORMAT_OF_EXT.get(ext, ""))
+        if size and feature:
+            from PIL import features
+
+            if not features.check(feature):
+                why += (f"; this Pillow was built without {feature.upper()} support "
+                        f"(PIL.features.check({feature!r}) is False): convert such files, or install a "
+                        f"Pillow built with it")
         raise DecodeError(path, why) from None
     limit = Image.MAX_IMAGE_PIXELS
     if limit and img.width * img.height > limit:
@@ -51,7 +68,7 @@ def open_image(path, fp=None) -> Image.Image:
                                 f"of {limit} pixels (PIL.Image.MAX_IMAGE_PIXELS)")
     ext = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
     expected = _FORMAT_OF_EXT.get(ext)
-    if expected and img.format != expected:
+    if expected and img.format != expected and not (expected == "JPEG" and img.format in JPEG_FORMATS):
         fmt = img.format
         img.close()
         raise DecodeError(path, f"file holds {fmt} data but is named {ext} (expected {expected})")
@@ -81,12 +98,44 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def exif_orientation(img: Image.Image) -> int:
-    """The EXIF orientation tag (1..8; 1 = as stored), 1 when absent or unreadable."""
+def exif_orientation(img: Image.Image, path) -> int:
+    """The EXIF orientation tag (1..8; 1 = as stored), 1 when absent or unreadable.
+
+    EXIF's alone: an orientation given only in XMP (``tiff:Orientation``), which Pillow's ``getexif``
+    also reports, is ignored, as nvImageCodec, DALI, torchvision.io and web browsers ignore it. Every
+    backend must put a photo the same way up, and the GPU decoders apply EXIF's tag only.
+
+    A PNG's EXIF chunk may follow its pixel data, so Pillow loads the whole image to look for it: a
+    failure there is the file's (a broken data stream), raised as the DecodeError naming ``path``, not
+    an unreadable EXIF block (a failed load leaves the image half-decoded, and loading it again does
+    nothing, so it must not pass unseen).
+    """
+    if img.format == "PNG" and "exif" not in img.info:
+        load_pixels(img, path)
+    hidden = {k: img.info.pop(k) for k in _XMP_KEYS if k in img.info}
     try:
+        if hidden:
+            # Pillow may have read the EXIF, XMP's orientation merged in, while opening the file (a
+            # JPEG's DPI): forget that reading. The one made now, with the XMP out of sight, is cached
+            # and is the one exif_transpose applies.
+            img._exif = None
         return int(img.getexif().get(_EXIF_ORIENTATION, 1) or 1)
     except Exception:  # a broken EXIF block does not make the pixels unreadable
         return 1
+    finally:
+        img.info.update(hidden)
+
+
+#: Where Pillow keeps an image's XMP packet (JPEG, WebP, TIFF: "xmp"; PNG's iTXt: "XML:com.adobe.xmp").
+_XMP_KEYS = ("xmp", "XML:com.adobe.xmp")
+
+
+def load_pixels(img: Image.Image, path) -> None:
+    """Decode an opened image's pixels; a failure is the DecodeError naming ``path``."""
+    try:
+        img.load()
+    except Exception as e:
+        raise DecodeError(path, f"{type(e).__name__}: {e}") from None
 
 
 def check_pixels(img: Image.Image, path) -> None:
@@ -99,12 +148,9 @@ def check_pixels(img: Image.Image, path) -> None:
     every byte of the scan, which is where truncation and corrupt data are found, but skips most of
     the IDCT and colour conversion. ``img`` is consumed (loaded at reduced size).
     """
-    if img.format == "JPEG":
+    if img.format in JPEG_FORMATS:
         img.draft("RGB", (max(1, img.width // 8), max(1, img.height // 8)))
-    try:
-        img.load()
-    except Exception as e:
-        raise DecodeError(path, f"{type(e).__name__}: {e}") from None
+    load_pixels(img, path)
 
 
 def rrc_params(rng: np.random.Generator, height: int, width: int, scale, ratio) -> tuple[float, float, float, float]:
@@ -286,7 +332,7 @@ def load_photo(path, aug: Augmentation, rng: np.random.Generator, *, checked: bo
     try:
         if head is None:
             img = open_image(path, fp=io.BytesIO(data))
-            orientation = exif_orientation(img)
+            orientation = exif_orientation(img, path)
             stored = (img.height, img.width)
         else:
             *stored, orientation = head
@@ -320,10 +366,7 @@ def _jpeg_header(path, data: bytes):
 def decode_upright(img: Image.Image, path, orientation: int) -> Image.Image:
     """Decode an opened image (at the scale a ``draft`` chose) as displayed: EXIF orientation applied,
     RGB. A decoding failure is the DecodeError naming ``path`` that every backend raises for it."""
-    try:
-        img.load()
-    except Exception as e:
-        raise DecodeError(path, f"{type(e).__name__}: {e}") from None
+    load_pixels(img, path)
     if orientation != 1:
         img = ImageOps.exif_transpose(img)
     return to_rgb(img)
@@ -360,7 +403,7 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
     own = img is None   # opened here, only when needed: the region path reads no header with Pillow
     try:
         if box is not None and orientation == 1 and _ends_whole(data) and region_decode_enabled() \
-                and (is_jpeg(data) if img is None else img.format == "JPEG" and img.mode in ("RGB", "L")):
+                and (is_jpeg(data) if img is None else img.format in JPEG_FORMATS and img.mode in ("RGB", "L")):
             from .region import decode_box
 
             got = decode_box(data, box, aug.size, name=str(path))  # None: the draft path is cheaper
@@ -372,7 +415,7 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
                 return _mirrored(got.image.resize((aug.size, aug.size), Image.BILINEAR, box=got.box), flip)
         if img is None:
             img = open_image(path, fp=io.BytesIO(data))
-        if box is not None and orientation == 1 and img.format == "JPEG":
+        if box is not None and orientation == 1 and img.format in JPEG_FORMATS:
             top, left, bh, bw = box
             out = aug.size
             # Ask for the smallest scale that keeps the crop at least `out` pixels on each side.

@@ -66,7 +66,9 @@ def variants(photo):
 
 def boxes_for(h, w):
     """Integer boxes (top, left, h, w): whole image, edges, corners, odd offsets and sizes, 1 pixel."""
-    out = [(0, 0, h, w), (h - 1, w - 1, 1, 1), (0, 0, 1, 1), (h // 3, w // 3, h // 2, w // 2)]
+    out = [(0, 0, h, w), (h - 1, w - 1, 1, 1), (0, 0, 1, 1), (h // 3, w // 3, h // 2, w // 2),
+           # 1-pixel strips along the edges (nvImageCodec 0.9 alone gets column 0 of a 4:2:0 JPEG wrong)
+           (0, 0, h, 1), (0, 0, 1, w), (0, w - 1, h, 1), (h - 1, 0, 1, w)]
     if h > 8 and w > 8:
         out += [(1, 1, h - 2, w - 2), (3, 5, h - 3, w - 5), (h - 7, 0, 7, w), (0, w - 9, h, 9),
                 (5, 7, 13, 17)]

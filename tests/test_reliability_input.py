@@ -38,12 +38,30 @@ def _png_bytes() -> bytes:
     return buf.getvalue()
 
 
+def _damaged_png_bytes() -> bytes:
+    """A PNG with 16 bytes of its compressed pixel data inverted (bit rot, a bad copy): Pillow opens its
+    header and fails on the data stream. Its EXIF chunk could follow the pixels, so reading its
+    orientation loads it: that failure must not pass for an unreadable EXIF block."""
+    arr = (np.random.default_rng(2).random((60, 80, 3)) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    mid = len(data) // 2
+    data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+    with pytest.raises(OSError):
+        Image.open(io.BytesIO(bytes(data))).load()
+    return bytes(data)
+
+
 BAD_FILES = {
     "truncated_jpeg": lambda: _good_jpeg_bytes()[: len(_good_jpeg_bytes()) // 2],
     "zero_bytes": lambda: b"",
     "random_bytes": lambda: np.random.default_rng(1).bytes(4000),
     "png_named_jpg": _png_bytes,
+    "png_broken_stream": _damaged_png_bytes,
 }
+#: The file name's ending, where it is not ".jpg".
+BAD_SUFFIX = {"png_broken_stream": ".png"}
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +71,10 @@ def small_photos(tmp_path_factory):
                              size_range=((70, 90), (50, 70)))
 
 
-def _with_bad_file(small_photos, tmp_path, data: bytes):
+def _with_bad_file(small_photos, tmp_path, data: bytes, suffix: str = ".jpg"):
     root = tmp_path / "folder"
     shutil.copytree(small_photos, root)
-    bad = root / "class_001" / "img_00001_broken.jpg"  # sorts inside the class, not only at the end
+    bad = root / "class_001" / f"img_00001_broken{suffix}"  # sorts inside the class, not only at the end
     bad.write_bytes(data)
     return root, bad
 
@@ -70,7 +88,7 @@ def _loader(root, backend, **kw):
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))
 @pytest.mark.parametrize("backend", FILE_BACKENDS)
 def test_a_broken_file_raises_a_decode_error_naming_it(backend, kind, small_photos, tmp_path):
-    root, bad = _with_bad_file(small_photos, tmp_path, BAD_FILES[kind]())
+    root, bad = _with_bad_file(small_photos, tmp_path, BAD_FILES[kind](), BAD_SUFFIX.get(kind, ".jpg"))
     t0 = time.monotonic()
     with pytest.raises(DecodeError) as info:
         loader = _loader(root, backend)   # memory decodes (and fails) here, at cache time
@@ -121,7 +139,7 @@ def test_a_failed_loader_is_cleaned_up_at_once(backend, small_photos, tmp_path):
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))
 @pytest.mark.parametrize("backend", FILE_BACKENDS)
 def test_skip_drops_the_file_counts_it_and_warns(backend, kind, small_photos, tmp_path):
-    root, bad = _with_bad_file(small_photos, tmp_path, BAD_FILES[kind]())
+    root, bad = _with_bad_file(small_photos, tmp_path, BAD_FILES[kind](), BAD_SUFFIX.get(kind, ".jpg"))
     src = ImageFolder(root)
     assert len(src) == 7
     with warnings.catch_warnings(record=True) as caught:
@@ -198,6 +216,24 @@ def _write_odd_formats(root):
     exif = Image.Exif()
     exif[0x0112] = 6
     stored.save(d / "exif6.jpg", "JPEG", quality=95, exif=exif.tobytes())
+    # An orientation in XMP alone (tiff:Orientation): ignored, as nvImageCodec, DALI and torchvision.io
+    # ignore it, so the scene is stored as it is displayed.
+    buf = io.BytesIO()
+    pil.save(buf, "JPEG", quality=95)
+    xmp = (b'http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf='
+           b'"http://www.w3.org/1999/02/22-rdf-syntax-ns#"><rdf:Description xmlns:tiff='
+           b'"http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    data = buf.getvalue()
+    (d / "xmp6.jpg").write_bytes(data[:2] + b"\xff\xe1" + (len(xmp) + 2).to_bytes(2, "big") + xmp + data[2:])
+    assert Image.open(d / "xmp6.jpg").getexif().get(0x0112) == 6   # what Pillow alone would apply
+    # A multi-picture JPEG (a phone's photo with a gain map appended, MPF index in APP2) named .jpg: a
+    # JPEG whose first picture is the photo.
+    pil.save(d / "mpo.jpg", "MPO", save_all=True, append_images=[pil.resize((16, 12))], quality=95)
+    assert Image.open(d / "mpo.jpg").format == "MPO"
+    # The other formats torchvision's ImageFolder lists (the WebP codec may be missing from Pillow).
+    for ext in ("bmp", "tif", "ppm"):
+        pil.save(d / f"scene.{ext}")
+    pil.convert("L").save(d / "grey.pgm")
     return d
 
 
@@ -206,7 +242,8 @@ def _reference(path) -> np.ndarray:
     img = Image.open(path)
     from PIL import ImageOps
 
-    img = ImageOps.exif_transpose(img)
+    if "xmp" not in path.rsplit("/", 1)[-1]:   # (Pillow would apply XMP's orientation too)
+        img = ImageOps.exif_transpose(img)
     if img.mode.startswith("I"):
         img = Image.fromarray((np.asarray(img).astype(np.float64) / 257).round().astype(np.uint8))
     img = img.convert("RGB")
@@ -240,7 +277,7 @@ def test_odd_formats_become_3_channel_images_matching_pillow(backend, odd_folder
         # resamplers differ a little between backends (PIL box filter, DALI's antialiased linear,
         # the memory cache's grid_sample): a few grey levels on average
         assert diff < 8.0, f"{backend}: {name} differs from Pillow's reading by {diff:.1f} grey levels"
-        if name not in ("grey.jpg", "grey16.png"):
+        if name not in ("grey.jpg", "grey16.png", "grey.pgm"):
             # orientation and colour are right: close to the scene itself, and far from its mirror
             to_scene = np.abs(got[i] - scene_ref).mean()
             to_mirror = np.abs(got[i] - scene_ref[:, ::-1]).mean()

@@ -307,7 +307,7 @@ def _pillow_orientation(data: bytes) -> int:
 
     from fastdata.transforms import exif_orientation
 
-    return exif_orientation(Image.open(io.BytesIO(data)))
+    return exif_orientation(Image.open(io.BytesIO(data)), "<bytes>")
 
 
 @pytest.mark.parametrize("endian", ["<", ">"])
@@ -333,6 +333,56 @@ def test_the_orientation_walk_without_exif_or_with_other_segments():
     }
     for name, data in cases.items():
         assert jpeg_orientation(data) == _pillow_orientation(data), name
+
+
+def test_an_orientation_in_xmp_alone_is_ignored_on_every_path():
+    """Pillow's getexif reports XMP's tiff:Orientation when EXIF has none; nvImageCodec, DALI and
+    torchvision.io apply EXIF's tag only. fastdata reads EXIF's alone on its Pillow path too, so whether
+    a photo is turned does not depend on the backend, or on whether nvImageCodec is installed."""
+    import io
+    import struct
+
+    from PIL import Image
+
+    from fastdata.region import jpeg_orientation
+    from fastdata.transforms import exif_orientation
+
+    xmp = (b'http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF><rdf:Description '
+           b'xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    app = b"\xff\xe1" + struct.pack(">H", len(xmp) + 2) + xmp
+    for name, data, want in [
+        ("XMP alone", _jpeg_bytes(app=app), 1),
+        ("EXIF without the tag, then XMP", _jpeg_bytes(exif=_exif_block(None, extra_tags=[(0x010F, 2, 4, 0)]),
+                                                       app=app), 1),
+        ("EXIF's 3 and XMP's 6", _jpeg_bytes(exif=_exif_block(3), app=app), 3),
+    ]:
+        assert Image.open(io.BytesIO(data)).getexif().get(0x0112) == (6 if want == 1 else want), name
+        assert jpeg_orientation(data) == _pillow_orientation(data) == want, name
+        img = Image.open(io.BytesIO(data))
+        exif_orientation(img, "<bytes>")
+        assert img.info.get("xmp"), "the XMP packet is left in place for the caller"
+
+
+def test_a_png_whose_pixels_fail_to_load_is_not_taken_for_a_bad_exif_block():
+    """Pillow loads a whole PNG to look for an EXIF chunk after the pixels: a broken data stream there
+    is the file's DecodeError, not orientation 1 and a half-decoded image."""
+    import io
+
+    from PIL import Image
+
+    from fastdata.errors import DecodeError
+    from fastdata.transforms import exif_orientation
+
+    arr = (np.random.default_rng(2).random((60, 80, 3)) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    data[len(data) // 2:len(data) // 2 + 16] = bytes(16)
+    with pytest.raises(DecodeError, match="broken.png") as info:
+        exif_orientation(Image.open(io.BytesIO(bytes(data))), "broken.png")
+    assert info.value.path == "broken.png"
+    buf.seek(0)
+    assert exif_orientation(Image.open(buf), "fine.png") == 1
 
 
 def test_anything_the_walk_does_not_read_is_left_to_pillow():

@@ -579,8 +579,10 @@ class DaliLoader(Loader):
                 self._state[i] = _NO_HEADER
                 return None
             verdict = _OK
+            # A broken file still has its batch's box drawn (from its size) before it is refused.
+            self._dims[i] = (img.height, img.width, 1)
             try:
-                orientation = exif_orientation(img)
+                orientation = exif_orientation(img, path)
                 width, height = (img.height, img.width) if orientation in (5, 6, 7, 8) else img.size
                 self._dims[i] = (height, width, orientation)
                 if self.validate:

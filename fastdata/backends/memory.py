@@ -61,6 +61,7 @@ from ..decode import BatchDecoder, collect_before_fork
 from ..errors import CacheDoesNotFit, DecodeError
 from ..sampling import EpochPlan
 from ..transforms import (
+    JPEG_FORMATS,
     NUMPY_PAD_MODE,
     decode_upright,
     draw_params,
@@ -234,12 +235,12 @@ def load_whole(path, side: int) -> tuple[np.ndarray, int, int]:
 
     img = open_image(path)
     try:
-        orientation = exif_orientation(img)
+        orientation = exif_orientation(img, path)
         swap = orientation in (5, 6, 7, 8)
         stored_w = img.width
         W, H = (img.height, img.width) if swap else img.size
         h, w = whole_size(H, W, side)
-        if (h, w) != (H, W) and img.format == "JPEG":
+        if (h, w) != (H, W) and img.format in JPEG_FORMATS:
             img.draft("RGB", (h, w) if swap else (w, h))   # draft works in stored orientation
         reduction = 2 ** round(math.log2(stored_w / img.width)) if img.width < stored_w else 1
         img = decode_upright(img, path, orientation)
