@@ -17,8 +17,9 @@ import time
 
 import torch
 
-from fastdata import Augmentation, available_backends, make_loader
+from fastdata import Augmentation, cli, make_loader
 from fastdata import distributed as fdist
+from fastdata.checkpoint import CheckpointError
 from fastdata.datasets import ImageFolder
 from fastdata.engine import AMP_CHOICES, fit, report_run, resolve_scheduler_interval, run_result
 
@@ -29,23 +30,28 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                                 add_help=add_help)
     p.add_argument("--data-root", required=True, help="training folder: one sub-folder per class")
     p.add_argument("--val-root", default=None, help="validation folder with the same classes (optional)")
-    p.add_argument("--backend", default="auto", choices=available_backends(), help="data-loading backend")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=128, help="per process")
-    p.add_argument("--lr", type=float, default=0.2, help="peak learning rate at batch size 256")
-    p.add_argument("--image-size", type=int, default=224, help="training / evaluation crop size")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available)")
+    p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
+                   help="data-loading backend")
+    p.add_argument("--epochs", type=cli.positive_int, default=10)
+    p.add_argument("--batch-size", type=cli.positive_int, default=128, help="per process")
+    p.add_argument("--lr", type=cli.positive_float, default=0.2, help="peak learning rate at batch size 256")
+    p.add_argument("--image-size", type=cli.positive_int, default=224, help="training / evaluation crop size")
+    p.add_argument("--device", default=None, type=cli.device, help="cpu, cuda or cuda:N (default: CUDA when available)")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 (or fp16) on CUDA, off on CPU")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the model")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                    help="channels-last model and batches (faster convolutions on tensor cores)")
-    p.add_argument("--workers", type=int, default=None, help="loader workers (default: the usable cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=cli.nonnegative_int, default=None,
+                   help="loader workers (default: the usable cores)")
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--checkpoint", default=None, metavar="PATH", help="save here every epoch")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+    p.add_argument("--checkpoint-every", type=cli.positive_int, default=None, metavar="STEPS",
                    help="also save every STEPS steps")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--on-error", default="raise", choices=("raise", "skip"),
+                   help="an undecodable image: stop with an error naming it (raise), or leave it out, count "
+                        "it and warn (skip; ImageNet's training set holds a few PNG files named .JPEG)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json-out", default=None, metavar="PATH", help="write the results as one JSON object")
     return p
@@ -70,30 +76,44 @@ def main(args) -> dict:
     ok = False  # a failed rank must not wait at a barrier its peers may never reach
     try:
         torch.manual_seed(args.seed)
-        train_src = ImageFolder(args.data_root)
-        val_src = ImageFolder(args.val_root) if args.val_root else None
+        with cli.input_errors("--data-root"):
+            train_src = ImageFolder(args.data_root)
+        if train_src.num_classes < 2:
+            raise SystemExit(f"error: --data-root '{args.data_root}' has one class folder "
+                             f"({train_src.classes[0]!r}): a classifier needs at least 2")
+        with cli.input_errors("--val-root"):
+            val_src = ImageFolder(args.val_root) if args.val_root else None
         if val_src is not None and val_src.classes != train_src.classes:
             raise SystemExit(f"--val-root has classes {val_src.classes[:5]}... but --data-root has "
                              f"{train_src.classes[:5]}...: they must be the same folders")
         size = args.image_size
         common = dict(device=device, num_workers=args.workers, seed=args.seed, channels_last=args.channels_last)
-        train_loader = make_loader(train_src, args.backend, batch_size=args.batch_size, train=True,
-                                   augment=Augmentation.imagenet_train(size=size), **common)
-        val_loader = None
-        if val_src is not None:
-            # like=: the training loader's statistics, device and layout, and its class folders checked.
-            val_loader = make_loader(val_src, args.backend, like=train_loader,
-                                     augment=Augmentation.imagenet_eval(size=size, resize=round(size * 256 / 224)))
+        with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
+            train_loader = make_loader(train_src, args.backend, batch_size=args.batch_size, train=True,
+                                       augment=Augmentation.imagenet_train(size=size), on_error=args.on_error,
+                                       **common)
+            val_loader = None
+            if val_src is not None:
+                # like=: the training loader's statistics, device and layout, and its class folders checked.
+                val_loader = make_loader(val_src, args.backend, like=train_loader,
+                                         augment=Augmentation.imagenet_eval(size=size,
+                                                                            resize=round(size * 256 / 224)))
         model = torchvision.models.resnet18(num_classes=train_src.num_classes)
         lr = args.lr * args.batch_size * fdist.world_size() / 256
         optimizer = make_optimizer(model, lr, device)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, epochs=max(args.epochs, 1),
-                                                        steps_per_epoch=len(train_loader), pct_start=0.25)
+        # A quarter of the steps warm up; OneCycleLR divides by the warm-up's last step index
+        # (pct_start * total - 1), so a run of exactly 4 steps warms up over 2 instead.
+        pct = 0.25 if args.epochs * len(train_loader) != 4 else 0.5
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, epochs=args.epochs,
+                                                        steps_per_epoch=len(train_loader), pct_start=pct)
         start = time.perf_counter()
-        history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
-                      eval_loader=val_loader, amp=args.amp, compile=args.compile,
-                      channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
-                      checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+        try:
+            history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
+                          eval_loader=val_loader, amp=args.amp, compile=args.compile,
+                          channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
+                          checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+        except CheckpointError as e:   # --resume from a file that is not a checkpoint: no traceback
+            raise SystemExit(f"error: --checkpoint: {e}") from None
         # --json-out records what ran: every flag as given (the resolved device and amp are the result's
         # own keys) and what the defaults resolved to. ``lr`` is the flag, meant for batch 256; ``peak_lr``
         # the one-cycle peak this run's batch size scaled it to.
@@ -118,4 +138,5 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    parser = get_args_parser()
+    main(cli.check_training_args(parser, parser.parse_args()))

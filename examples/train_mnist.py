@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastdata import available_backends, make_loader
+from fastdata import cli, make_loader
 from fastdata import distributed as fdist
+from fastdata.checkpoint import CheckpointError
 from fastdata.datasets import MNIST, ArraySource, SyntheticDigits
 from fastdata.engine import AMP_CHOICES, fit, report_run, resolve_scheduler_interval, run_result
 from fastdata.models import SmallCNN
@@ -41,11 +42,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The command line, as a parser other scripts and the tests reuse."""
     p = argparse.ArgumentParser(description="Train a small CNN on MNIST digits with a fastdata backend",
                                 add_help=add_help)
-    p.add_argument("--backend", default="auto", choices=available_backends(), help="data-loading backend")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=256, help="per process")
-    p.add_argument("--lr", type=float, default=0.1, help="peak learning rate of the one-cycle schedule")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available)")
+    p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
+                   help="data-loading backend")
+    p.add_argument("--epochs", type=cli.positive_int, default=3)
+    p.add_argument("--batch-size", type=cli.positive_int, default=256, help="per process")
+    p.add_argument("--lr", type=cli.positive_float, default=0.1, help="peak learning rate of the one-cycle schedule")
+    p.add_argument("--device", default=None, type=cli.device, help="cpu, cuda or cuda:N (default: CUDA when available)")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES,
                    help="auto: bf16 (or fp16) on CUDA, off on CPU")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
@@ -58,12 +60,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
                    help="fetch MNIST through torchvision when it is not in --data-root "
                         "(--no-download: never touch the network, e.g. in tests)")
-    p.add_argument("--train-size", type=int, default=None, help="use the first N training images")
-    p.add_argument("--test-size", type=int, default=None, help="use the first N test images")
-    p.add_argument("--workers", type=int, default=None, help="loader workers (default: the usable cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-size", type=cli.positive_int, default=None, help="use the first N training images")
+    p.add_argument("--test-size", type=cli.positive_int, default=None, help="use the first N test images")
+    p.add_argument("--workers", type=cli.nonnegative_int, default=None,
+                   help="loader workers (default: the usable cores)")
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--checkpoint", default=None, metavar="PATH", help="save here every epoch")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+    p.add_argument("--checkpoint-every", type=cli.positive_int, default=None, metavar="STEPS",
                    help="also save every STEPS steps")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -158,11 +161,14 @@ def main(args) -> dict:
     ok = False  # a failed rank must not wait at a barrier its peers may never reach
     try:
         torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        train_src, test_src, dataset = load_digits(args, device)
+        with cli.input_errors(f"--data-root '{args.data_root}'"):
+            train_src, test_src, dataset = load_digits(args, device)
         common = dict(device=device, num_workers=args.workers, seed=args.seed, channels_last=args.channels_last)
-        train_loader = make_loader(train_src, args.backend, batch_size=args.batch_size, train=True, **common)
-        # like=: the test digits are normalized with the training set's statistics, not their own.
-        test_loader = make_loader(test_src, args.backend, like=train_loader, batch_size=max(args.batch_size, 1024))
+        with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
+            train_loader = make_loader(train_src, args.backend, batch_size=args.batch_size, train=True, **common)
+            # like=: the test digits are normalized with the training set's statistics, not their own.
+            test_loader = make_loader(test_src, args.backend, like=train_loader,
+                                      batch_size=max(args.batch_size, 1024))
         model = SmallCNN(num_classes=10, in_channels=1)
         # Fused on CUDA: GradScaler hands a fused optimizer its inf check as a device tensor; any other
         # makes it read the check with .item(), one host sync per fp16 step. (fit moves the model to
@@ -172,10 +178,13 @@ def main(args) -> dict:
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, epochs=max(args.epochs, 1),
                                                         steps_per_epoch=len(train_loader))
         start = time.perf_counter()
-        history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
-                      eval_loader=test_loader, amp=args.amp, compile=args.compile,
-                      channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
-                      checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+        try:
+            history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
+                          eval_loader=test_loader, amp=args.amp, compile=args.compile,
+                          channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
+                          checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+        except CheckpointError as e:   # --resume from a file that is not a checkpoint: no traceback
+            raise SystemExit(f"error: --checkpoint: {e}") from None
         # --json-out records what ran: every flag as given (the resolved device and amp are the result's
         # own keys), and what the defaults resolved to.
         config = {**vars(args), "num_workers": train_loader.config.num_workers,
@@ -195,4 +204,5 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    parser = get_args_parser()
+    main(cli.check_training_args(parser, parser.parse_args()))

@@ -26,10 +26,13 @@ points of the wait ``fit`` measures (tested).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from . import cli
 
 TIE = 0.05
 
@@ -106,6 +109,35 @@ def make_model(name: str, source):
         choices = ["smallcnn"] + sorted(torchvision.models.list_models(torchvision.models))
         raise SystemExit(f"fastdata bench: unknown model {name!r}; choose from {choices}") from None
     return builder(weights=None, num_classes=max(source.num_classes, 2))
+
+
+def check_model(name: str, source) -> None:
+    """Refuse, before any measuring, a model that cannot take the source's images: one forward pass of
+    two blank images of the source's shape on the CPU (a torchvision model expects 3 channels, and
+    digits have 1)."""
+    import torch
+
+    model = make_model(name, source).eval()
+    shape = _image_shape(source)
+    try:
+        with torch.no_grad():
+            model(torch.zeros((2, *shape)))
+    except RuntimeError as e:
+        hint = (" (it takes 3-channel images: use --model smallcnn, or a folder of colour photos)"
+                if shape[0] != 3 else "")
+        raise SystemExit(f"fastdata bench: --model {name} cannot take this source's {shape[0]}x{shape[1]}x"
+                         f"{shape[2]} images{hint}: {str(e).splitlines()[0]}") from None
+
+
+def _image_shape(source) -> tuple[int, int, int]:
+    """(C, H, W) of the batches a loader makes of ``source`` in training (its recipe's crop size for photos)."""
+    from .config import SourceKind
+
+    if source.kind is SourceKind.FILES:
+        size = source.default_augmentation(True).size
+        h, w = (size, size) if isinstance(size, int) else size
+        return 3, h, w
+    return source.channels, source.images.shape[1], source.images.shape[2]
 
 
 def _bar(total: int, desc: str, enabled: bool):
@@ -263,16 +295,30 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p = parser or argparse.ArgumentParser(prog="python -m fastdata bench", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="'digits', an MNIST root (holding MNIST/raw) or an image folder")
     p.add_argument("--model", default="smallcnn", help="smallcnn or a torchvision model name (resnet18, ...)")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available)")
-    p.add_argument("--workers", type=int, default=None, help="loader workers (default: fastdata's)")
-    p.add_argument("--batches", type=int, default=200, help="timed batches per backend")
+    p.add_argument("--batch-size", type=cli.positive_int, default=256)
+    p.add_argument("--device", default=None, type=cli.device,
+                   help="cpu, cuda or cuda:N (default: CUDA when available)")
+    p.add_argument("--workers", type=cli.nonnegative_int, default=None, help="loader workers (default: fastdata's)")
+    p.add_argument("--batches", type=cli.positive_int, default=None,
+                   help="timed batches per backend (default: 200; 30 with --quick)")
     p.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
-    p.add_argument("--backends", nargs="+", default=None, help="default: every available backend")
-    p.add_argument("--quick", action="store_true", help="30 batches on 6,000 digits: does it run, not how fast")
+    p.add_argument("--backends", nargs="+", default=None, type=_measured_backend,
+                   help="default: every available backend")
+    p.add_argument("--quick", action="store_true",
+                   help="30 batches (unless --batches) on 6,000 digits: does it run, not how fast")
     p.add_argument("--out", default="fastdata-bench", help="folder for bench-<tag>.{md,json,png}")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
+
+
+def _measured_backend(text: str) -> str:
+    """A backend ``--backends`` can measure: any but ``auto``, which is a choice among them."""
+    if text == "auto":
+        from .registry import BACKENDS
+
+        raise argparse.ArgumentTypeError(f"'auto' picks one of the others, it is not measured; choose from "
+                                         f"{list(BACKENDS)}")
+    return cli.backend(text)
 
 
 def main(args) -> dict:
@@ -280,8 +326,12 @@ def main(args) -> dict:
     reports; returns the payload."""
     from .report import machine_info, machine_tag, write_reports
 
-    batches = 30 if args.quick else args.batches
-    source = open_source(args.source, quick=args.quick)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):   # found before, not after, the measuring
+        raise SystemExit(f"fastdata bench: --out '{args.out}' is a file, not a folder")
+    batches = args.batches if args.batches is not None else 30 if args.quick else 200
+    with cli.input_errors(f"fastdata bench: SOURCE '{args.source}'"):
+        source = open_source(args.source, quick=args.quick)
+    check_model(args.model, source)
     payload = run(source, model_name=args.model, batch_size=args.batch_size, device=args.device,
                   batches=batches, warmup=3 if args.quick else 10, num_workers=args.workers, amp=args.amp,
                   progress=args.progress, backends=args.backends)

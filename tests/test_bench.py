@@ -152,3 +152,40 @@ def test_the_delivery_rate_comes_with_the_spread_of_its_stretches():
     rate, pieces = measure_loader_spread(Fake(), batches=30, warmup=3, progress=False, pieces=5)
     assert len(pieces) == 5 and all(p > 0 for p in pieces)
     assert min(pieces) <= rate <= max(pieces)           # the whole run's rate lies inside its stretches'
+
+
+def test_bad_flags_and_an_unfit_model_are_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    """Each of these once measured every backend first, then failed (or measured nothing)."""
+    from fastdata import bench
+    from fastdata.__main__ import main
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("measured before refusing")
+
+    monkeypatch.setattr(bench, "run", must_not_measure)
+    (tmp_path / "afile").write_text("x")
+    for argv, message in [
+        (["digits", "--batches", "0"], "argument --batches: must be an integer >= 1"),
+        (["digits", "--backends", "auto"], "argument --backends: 'auto' picks one of the others"),
+        (["digits", "--backends", "nope"], "argument --backends: unknown backend 'nope'"),
+        (["digits", "--device", "gpu"], "argument --device: 'gpu' is not a device"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(["bench", *argv])
+        assert info.value.code == 2 and message in capsys.readouterr().err, argv
+    for argv, message in [
+        (["digits", "--quick", "--out", str(tmp_path / "afile")], "--out '.*afile' is a file, not a folder"),
+        (["digits", "--quick", "--model", "resnet18"], "--model resnet18 cannot take this source's 1x28x28 "
+                                                       "images \\(it takes 3-channel images"),
+        ([str(tmp_path)], "SOURCE '.*': image folder '.*' has no class sub-folders"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["bench", *argv])
+
+
+def test_batches_overrides_quick():
+    from fastdata import bench
+
+    parser = bench.get_args_parser()
+    assert parser.parse_args(["digits", "--quick"]).batches is None   # main: 30 with --quick, else 200
+    assert parser.parse_args(["digits", "--quick", "--batches", "100"]).batches == 100

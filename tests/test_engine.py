@@ -104,6 +104,18 @@ def test_invalid_amp_lists_choices():
     assert resolve_amp("auto", torch.device("cpu")) == "off"
 
 
+def test_fp16_on_the_cpu_is_honoured_with_a_warning_and_nothing_else_warns():
+    """fp16 autocast on the CPU measured ~50x slower than fp32: a run that silently crawls looks hung."""
+    import warnings
+
+    with pytest.warns(RuntimeWarning, match="amp='fp16' on the CPU.*50x slower"):
+        assert resolve_amp("fp16", torch.device("cpu")) == "fp16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for amp in ("auto", "off", "bf16"):
+            resolve_amp(amp, torch.device("cpu"))
+
+
 class AutocastProbe(nn.Module):
     """Records whether autocast was on, and with which dtype, when forward ran."""
 

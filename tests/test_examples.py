@@ -43,7 +43,8 @@ def folder_example():
 def test_parsers_take_choices_from_the_registry_and_no_type_bool(name):
     parser = _load(name).get_args_parser()
     actions = {a.dest: a for a in parser._actions}
-    assert list(actions["backend"].choices) == available_backends()
+    for backend in available_backends():
+        assert parser.parse_args(["--data-root", "x", "--backend", backend]).backend == backend
     assert list(actions["amp"].choices) == ["auto", "bf16", "fp16", "off"]
     assert all(a.type is not bool for a in parser._actions)
     assert isinstance(actions["compile"], argparse.BooleanOptionalAction)
@@ -254,3 +255,109 @@ def test_mnist_example_keeps_the_synthetic_digits_it_drew_and_reads_them_next_ti
     # The same digits, order and initial weights: the same run.
     assert again["final_train_loss"] == first["final_train_loss"]
     assert again["test_accuracy"] == first["test_accuracy"]
+
+
+# ------------------------------------------------------------------------ bad flags, as a user types them
+BAD_FLAGS = [
+    ("--batch-size", "0", "must be an integer >= 1"),
+    ("--batch-size", "-5", "must be an integer >= 1"),
+    ("--epochs", "-1", "must be an integer >= 1"),
+    ("--workers", "-1", "must be an integer >= 0"),
+    ("--checkpoint-every", "0", "must be an integer >= 1"),
+    ("--lr", "-1", "finite number > 0"),
+    ("--lr", "nan", "finite number > 0"),
+    ("--seed", "-1", "[0, 4294967295]"),
+    ("--device", "gpu", "'gpu' is not a device; use cpu, cuda or cuda:N"),
+    ("--backend", "nope", "unknown backend 'nope'; choose from"),
+]
+
+
+@pytest.mark.parametrize("name", ["train_mnist", "train_imagefolder"])
+@pytest.mark.parametrize("flag,value,message", BAD_FLAGS)
+def test_a_bad_flag_is_one_line_naming_it_before_anything_runs(name, flag, value, message, capsys):
+    parser = _load(name).get_args_parser()
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--data-root", "x", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and message in err and "Traceback" not in err, err
+
+
+def test_sizes_of_zero_are_refused_not_read_as_the_default(mnist_example, capsys):
+    """``--train-size 0`` once meant the full 60,000 (``args.train_size or 60_000``)."""
+    for flag in ("--train-size", "--test-size"):
+        with pytest.raises(SystemExit):
+            mnist_example.get_args_parser().parse_args([flag, "0"])
+        assert f"argument {flag}: must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["train_mnist", "train_imagefolder"])
+def test_output_paths_and_resume_are_checked_before_training(name, tmp_path, capsys):
+    module = _load(name)
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["--resume"], "argument --resume: needs --checkpoint"),
+        (["--checkpoint", str(tmp_path)], "argument --checkpoint: "),
+        (["--json-out", str(tmp_path)], "is a folder"),
+        (["--json-out", str(tmp_path / "afile" / "r.json")], "which is a file, not a folder"),
+    ]
+    for extra, message in cases:
+        parser = module.get_args_parser()
+        with pytest.raises(SystemExit) as info:
+            module.cli.check_training_args(parser, parser.parse_args(["--data-root", "x", *extra]))
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err, extra
+    parser = module.get_args_parser()   # a file in a folder still to be made is fine
+    module.cli.check_training_args(parser, parser.parse_args(["--data-root", "x", "--json-out",
+                                                              str(tmp_path / "new" / "r.json")]))
+
+
+def test_bad_inputs_end_in_one_line_naming_the_flag(mnist_example, folder_example, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    make_image_folder(tmp_path / "one", classes=1, per_class=4, seed=0)
+    base = ["--epochs", "1", "--image-size", "32", "--workers", "0", "--device", "cpu", "--no-progress"]
+    for root, message in [(tmp_path / "nope", "error: --data-root: image folder '.*' does not exist"),
+                          (tmp_path / "afile", "error: --data-root: image folder '.*' is not a directory"),
+                          (tmp_path / "one", "has one class folder \\('class_000'\\): a classifier needs at least 2")]:
+        args = folder_example.get_args_parser().parse_args(["--data-root", str(root), *base])
+        with pytest.raises(SystemExit, match=message):
+            folder_example.main(args)
+    args = mnist_example.get_args_parser().parse_args(
+        ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "100", "--test-size", "50",
+         "--batch-size", "500", "--backend", "torch", "--device", "cpu", "--workers", "0", "--no-progress"])
+    with pytest.raises(SystemExit, match="error: --backend torch with --batch-size 500: .* fewer than one batch"):
+        mnist_example.main(args)
+
+
+def test_resuming_from_a_file_that_is_not_a_checkpoint_is_one_line(mnist_example, tmp_path):
+    bad = tmp_path / "ck.pt"
+    bad.write_bytes(b"not a checkpoint at all" * 10)
+    args = mnist_example.get_args_parser().parse_args(
+        ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "64",
+         "--epochs", "1", "--backend", "torch", "--device", "cpu", "--workers", "0", "--no-progress",
+         "--checkpoint", str(bad), "--resume"])
+    with pytest.raises(SystemExit, match=f"error: --checkpoint: checkpoint '{bad}'"):
+        mnist_example.main(args)
+
+
+def test_imagefolder_example_skips_a_broken_file_with_on_error_and_trains_four_steps(folder_example, tmp_path):
+    """ImageNet's training set holds a PNG named .JPEG: ``--on-error skip`` trains past it. 4 steps in all
+    is the run OneCycleLR(pct_start=0.25) divided by zero on."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    root = make_image_folder(tmp_path / "train", classes=2, per_class=8, seed=0)
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((40, 40, 3), np.uint8)).save(buf, "PNG")
+    (Path(root) / "class_001" / "png_inside.jpg").write_bytes(buf.getvalue())   # 17 files: 4 batches of 4
+    args = folder_example.get_args_parser().parse_args(
+        ["--data-root", str(root), "--backend", "torch", "--epochs", "1", "--batch-size", "4", "--image-size",
+         "32", "--workers", "0", "--device", "cpu", "--no-progress", "--on-error", "skip"])
+    with pytest.warns(RuntimeWarning, match="skipped 1"):
+        result = folder_example.main(args)
+    record = result["history"][0]
+    # 17 files, 4 full batches (drop_last): 16 images, less the PNG when one of them drew it
+    assert round(record["images_per_second"] * record["seconds"]) in (15, 16)
+    assert record["train_loss"] == record["train_loss"], "a finite loss, not NaN"

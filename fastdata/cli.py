@@ -1,0 +1,151 @@
+"""What fastdata's command lines share (``python -m fastdata bench``, the scripts in examples/): a bad
+flag is argparse's one-line error naming the flag, raised before anything is loaded or trained, never a
+traceback from deep inside a run, and never an error found only after a whole run (an output path).
+
+The ``type=`` functions below raise ``argparse.ArgumentTypeError``: argparse prints
+``error: argument --batch-size: must be an integer >= 1, got '0'`` with the usage line and exits with
+status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+
+#: The seeds every fastdata source and numpy accept.
+SEED_MAX = 2**32 - 1
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (batch sizes, epochs, counts)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (worker counts: 0 loads in the main process)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A seed in [0, 2**32 - 1], the range numpy and every fastdata source accept."""
+    value = _int(text)
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {SEED_MAX}], got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (learning rates: a NaN or a negative one trains to nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, checked against this machine (a GPU that is not there is an
+    error, not a fallback). Returned as given: under torchrun ``cuda`` means the rank's own GPU."""
+    import torch
+
+    from .config import resolve_device
+
+    try:
+        torch.device(text)
+    except (RuntimeError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N") from None
+    try:
+        resolve_device(text)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def backend(text: str) -> str:
+    """A backend name ``make_loader`` knows, whose package imports here. A known backend whose package
+    is missing is refused with its install command (argparse's ``choices`` would only say that the name
+    is not a choice)."""
+    from .registry import BACKENDS, choices
+
+    if text not in choices():
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose from {choices()}")
+    if text != "auto" and not BACKENDS[text].available:
+        raise argparse.ArgumentTypeError(BACKENDS[text].unavailable_reason)
+    return text
+
+
+def backend_metavar() -> str:
+    """``{auto,torch,...}`` for the help text, as ``choices`` would show it."""
+    from .registry import choices
+
+    return "{" + ",".join(choices()) + "}"
+
+
+def check_output_file(parser: argparse.ArgumentParser, flag: str, path) -> None:
+    """Refuse, before any work, an output file that could not be written at the end of the run: a path
+    that is a folder, or one below a file. (Missing folders are fine: they are created.)"""
+    if path is None:
+        return
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        parser.error(f"argument {flag}: '{path}' is a folder; give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        parser.error(f"argument {flag}: '{path}' lies below '{parent}', which is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        parser.error(f"argument {flag}: cannot write into '{parent}' (permission denied)")
+
+
+def check_output_folder(parser: argparse.ArgumentParser, flag: str, path) -> None:
+    """As ``check_output_file``, for a folder the reports go into (it may exist)."""
+    if path is None:
+        return
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"argument {flag}: '{path}' is a file, not a folder")
+    if not os.path.exists(path):
+        check_output_file(parser, flag, path)
+
+
+@contextlib.contextmanager
+def input_errors(what: str):
+    """Around reading what the flags name (a data folder, a checkpoint) and building loaders from them:
+    a bad input (a missing or empty folder, a batch larger than the data, a checkpoint that is not one,
+    a backend that cannot take the source) ends the program with one line naming ``what``, not a
+    traceback. Only around construction: an error in the middle of training keeps its traceback."""
+    from .errors import CacheDoesNotFit, MissingDependency
+
+    try:
+        yield
+    except (ValueError, TypeError, OSError, CacheDoesNotFit, MissingDependency) as e:
+        message = str(e).strip().splitlines()
+        raise SystemExit(f"error: {what}: {message[-1] if message else type(e).__name__}") from None
+
+
+def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The checks the training scripts' flags need together, made right after parsing: ``--resume``
+    needs ``--checkpoint``; ``--checkpoint`` and ``--json-out`` must be writable files (a folder there
+    would fail only when the first checkpoint, or the result at the very end, is written)."""
+    if getattr(args, "resume", False) and not getattr(args, "checkpoint", None):
+        parser.error("argument --resume: needs --checkpoint PATH, the file to continue from")
+    for flag in ("--checkpoint", "--json-out"):
+        check_output_file(parser, flag, getattr(args, flag[2:].replace("-", "_"), None))
+    return args

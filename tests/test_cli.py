@@ -1,0 +1,72 @@
+"""fastdata.cli: the argument checks every command line shares."""
+import argparse
+import sys
+
+import pytest
+
+from fastdata import cli, registry
+
+
+@pytest.mark.parametrize("fn,good,bad", [
+    (cli.positive_int, [("1", 1), ("256", 256)], ["0", "-3", "2.5", "x"]),
+    (cli.nonnegative_int, [("0", 0), ("4", 4)], ["-1", "x"]),
+    (cli.seed, [("0", 0), (str(2**32 - 1), 2**32 - 1)], ["-1", str(2**32)]),
+    (cli.positive_float, [("0.1", 0.1), ("1e-3", 1e-3)], ["0", "-1", "nan", "inf", "x"]),
+])
+def test_number_types_take_good_values_and_refuse_bad_ones_quoting_them(fn, good, bad):
+    for text, value in good:
+        assert fn(text) == value
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(text).replace("[", r"\[").replace(".", r"\.")):
+            fn(text)
+
+
+def test_devices_are_checked_against_this_machine(monkeypatch):
+    assert cli.device("cpu") == "cpu"
+    with pytest.raises(argparse.ArgumentTypeError, match="'gpu' is not a device; use cpu, cuda or cuda:N"):
+        cli.device("gpu")
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(argparse.ArgumentTypeError, match="CUDA is not available here"):
+        cli.device("cuda")
+
+
+def test_a_backend_whose_package_is_missing_says_how_to_install_it(monkeypatch):
+    """argparse's ``choices`` would say only "invalid choice: 'dali'"; the README's first command is
+    ``--backend dali``."""
+    monkeypatch.setitem(sys.modules, "nvidia.dali.plugin.pytorch", None)   # import now fails
+    registry.clear_import_cache()
+    try:
+        with pytest.raises(argparse.ArgumentTypeError, match="backend 'dali' needs .*install: pip install nvidia-dali"):
+            cli.backend("dali")
+    finally:
+        monkeypatch.undo()
+        registry.clear_import_cache()
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown backend 'nope'; choose from \['auto', 'torch'"):
+        cli.backend("nope")
+    assert cli.backend("auto") == "auto" and cli.backend("torch") == "torch"
+
+
+def test_output_paths_are_refused_when_they_could_not_be_written(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="x")
+    (tmp_path / "f").write_text("x")
+    for path, message in [(tmp_path, "is a folder"), (tmp_path / "f" / "a" / "b.json", "which is a file")]:
+        with pytest.raises(SystemExit):
+            cli.check_output_file(parser, "--out", path)
+        err = capsys.readouterr().err
+        assert f"argument --out: '{path}'" in err and message in err, err
+    cli.check_output_file(parser, "--out", tmp_path / "new" / "deeper" / "r.json")   # created later: fine
+    cli.check_output_file(parser, "--out", None)
+    with pytest.raises(SystemExit):
+        cli.check_output_folder(parser, "--out", tmp_path / "f")
+    cli.check_output_folder(parser, "--out", tmp_path)
+
+
+def test_input_errors_become_one_line_and_others_keep_their_traceback():
+    with pytest.raises(SystemExit, match=r"^error: --data-root: the last line$"):
+        with cli.input_errors("--data-root"):
+            raise FileNotFoundError("a first line\nthe last line")
+    with pytest.raises(KeyError):   # not a bad input: a bug, whose traceback matters
+        with cli.input_errors("--data-root"):
+            raise KeyError("x")
