@@ -345,7 +345,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         state = TrainingState(step, train_loader, storage=checkpoint_storage)
         built_total = getattr(step.scheduler, "total_steps", None)  # before a checkpoint replaces it
         if checkpoint is not None:
-            state.start(checkpoint, resume)
+            state.start(checkpoint, resume, epochs)
         _check_schedule_length(step.scheduler, step.interval, epochs=epochs, start_epoch=state.epoch,
                                start_batch=state.batch, batches=len(train_loader), built_total=built_total)
         step.wrap(compile=compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
@@ -602,8 +602,9 @@ class TrainingState:
         self.samples = 0                      # the global sample offset into the start epoch's order
         self.partial = [0.0, 0.0, 0.0]        # the sums the half-done start epoch carries
 
-    def start(self, path, resume: bool) -> None:
+    def start(self, path, resume: bool, epochs: int | None = None) -> None:
         """Check ``path`` before any training, then restore from it when ``resume`` and it exists.
+        ``epochs``: the run's total, to say so when the checkpoint has finished them all already.
 
         Both are decided once, by rank 0, and shared: an unusable path fails on every rank (naming
         rank 0's error), and a checkpoint only rank 0 can see (its own disk) resumes every rank."""
@@ -623,8 +624,13 @@ class TrainingState:
             layout = [(d.get("world_size"), d.get("batch_size")) for d in (saved, now)]
             resplit = f" (saved by {layout[0][0]} rank(s) x batch {layout[0][1]}: the rest of the epoch is " \
                       f"re-split over {layout[1][0]} x {layout[1][1]})" if layout[0] != layout[1] else ""
-            print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}{resplit}",
-                  flush=True)
+            if epochs is not None and self.epoch >= epochs:
+                # Not "resumed at epoch 4" of a 3-epoch run: nothing trains, and fit returns the history.
+                print(f"'{path}' holds a finished run ({self.epoch} epoch(s), epochs={epochs}): nothing left to "
+                      f"train; its figures are the result", flush=True)
+            else:
+                print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}"
+                      f"{resplit}", flush=True)
 
     def state_dict(self, position: dict, partial: list[float]) -> dict:
         """The checkpoint's contents at ``position`` (the loader's state_dict) with ``partial`` sums."""

@@ -279,7 +279,7 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run(tmp_path, backend, wo
     assert hist[-1]["train_accuracy"] == pytest.approx(ref_hist[-1]["train_accuracy"])
 
 
-def test_checkpoint_loads_weights_only_and_stale_temporaries_are_cleaned(tmp_path):
+def test_checkpoint_loads_weights_only_and_stale_temporaries_are_cleaned(tmp_path, capsys):
     path = tmp_path / "run.pt"
     stale = tmp_path / "run.pt.tmp.k1ll3d"
     stale.write_bytes(b"left by a crash")
@@ -293,8 +293,11 @@ def test_checkpoint_loads_weights_only_and_stale_temporaries_are_cleaned(tmp_pat
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state["model"].items())
 
     # Resuming a finished run trains nothing and returns the saved history.
+    capsys.readouterr()
     again, loader, hist2 = _run(train, "torch", 0, path, resume=True, init_seed=7)
     assert loader.seen == [] and hist2 == hist
+    out = capsys.readouterr().out
+    assert "holds a finished run (2 epoch(s), epochs=2): nothing left to train" in out and "resumed" not in out
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in state["model"].items())
 
 
