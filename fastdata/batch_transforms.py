@@ -528,6 +528,13 @@ class _Mixing(BatchTransform):
     def bind(self, context):
         if self.num_classes is not None:
             return self
+        if not context.num_classes:
+            # A Dataset with neither .classes nor .targets: its class count is unknown until every label
+            # has been read, and soft labels need it now.
+            raise ValueError(f"{type(self).__name__} needs the number of classes, and the source does not know "
+                             f"it (a Dataset without .classes or .targets): give "
+                             f"{type(self).__name__}(..., num_classes=N), or pass "
+                             f"fastdata.datasets.DatasetSource(dataset, num_classes=N) to make_loader")
         return dataclasses.replace(self, num_classes=context.num_classes)
 
     def _targets(self, labels):
@@ -693,6 +700,15 @@ _PER_SAMPLE = ("batch transforms get the whole normalized float (N, C, H, W) bat
                "torch Dataset, read by the torch/prefetch backends")
 
 
+#: torchvision transforms that assume pixels in [0, 1] (or uint8): they clamp to that range, threshold
+#: in it, or mix channels by luma weights, none of which holds for a normalized batch (measured: v2's
+#: ColorJitter(brightness=0.01) changed 69-96% of the pixels). Geometric transforms and blurs are exact
+#: on normalized values (per-channel affine maps commute with them) and pass.
+_PIXEL_RANGE = ("ColorJitter", "RandomPhotometricDistort", "RandomAutocontrast", "RandomAdjustSharpness",
+                "RandomEqualize", "RandomPosterize", "RandomSolarize", "RandomInvert", "Grayscale",
+                "RandomGrayscale", "AutoAugment", "RandAugment", "TrivialAugmentWide", "AugMix")
+
+
 def _check_torchvision(where: str, t) -> None:
     """Refuse the torchvision transforms that cannot work on fastdata's batches, saying what to do."""
     import torchvision.transforms as v1  # noqa: PLC0415  (only when a torchvision object is given)
@@ -707,6 +723,16 @@ def _check_torchvision(where: str, t) -> None:
                         f"batches; drop it and pass mean=/std= (and dtype=) to make_loader")
     if isinstance(t, classes("ToTensor", "PILToTensor", "ToImage", "ToPILImage")):
         raise TypeError(f"{where} is torchvision's {name}, a conversion of PIL images: {_PER_SAMPLE}")
+    if isinstance(t, classes(*_PIXEL_RANGE)):
+        fastdata_one = {"ColorJitter": "ColorJitter", "Grayscale": "RandomGrayscale(p=1.0)",
+                        "RandomGrayscale": "RandomGrayscale"}.get(name)
+        instead = (f"use fastdata.batch_transforms.{fastdata_one}, which un-normalizes with the loader's "
+                   f"mean/std, applies torchvision's operation and normalizes again" if fastdata_one else
+                   "run it per sample on the source (ImageFolder(root, transform=...) or a torch Dataset, "
+                   "read by the torch/prefetch backends)")
+        raise TypeError(f"{where} is torchvision's {name}, which takes images in [0, 1] (or uint8): fastdata's "
+                        f"batches are already normalized (about mean 0, std 1 per channel), so its clamping, "
+                        f"thresholds and channel mixing would silently change most pixels; {instead}")
     if isinstance(t, classes("MixUp", "CutMix")):
         raise TypeError(f"{where} is torchvision's {name}, which needs the labels: use "
                         f"fastdata.batch_transforms.{'MixUp' if name == 'MixUp' else 'CutMix'} (same "
@@ -752,7 +778,9 @@ def check_batch_transforms(value) -> tuple:
 
     Refused, each with what to do instead: non-callables, classes instead of instances, callables that
     cannot take the images as their one argument, torchvision's Normalize/ToDtype/ConvertImageDtype
-    (fastdata already normalizes: pass ``mean=``/``std=``), its PIL conversions (ToTensor, PILToTensor,
+    (fastdata already normalizes: pass ``mean=``/``std=``), its transforms that assume pixels in [0, 1]
+    (``_PIXEL_RANGE``: colour jitter, grey, autocontrast, equalize, AutoAugment...), its PIL conversions
+    (ToTensor, PILToTensor,
     ToImage, ToPILImage: a per-sample pipeline that belongs on the source), its MixUp/CutMix (use
     fastdata's), and fastdata transforms nested inside a torchvision container.
 

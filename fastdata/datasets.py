@@ -864,7 +864,8 @@ class DatasetSource(Source):
         dataset: the Dataset; ``__getitems__`` is used for batched fetching when it exists.
         mean, std: normalization; None → ImageNet's for 3 channels, 0.5/0.5 otherwise.
         channels: 1 or 3; None → from the first sample (see above).
-        num_classes: None → ``len(dataset.classes)`` when it has them, else from ``dataset.targets``.
+        num_classes: None → ``len(dataset.classes)`` when it has them, else ``dataset.num_classes`` (an
+            int), else from ``dataset.targets``; 0 when none of these exists (labels unread).
     """
 
     kind = SourceKind.DATASET
@@ -877,14 +878,17 @@ class DatasetSource(Source):
             raise ValueError(f"dataset {type(dataset).__name__} is empty")
         self._convert_colour = channels is not None  # RGB → grey only when asked for
         if channels is None:
-            first = dataset[0][0]
+            first = self.pair(dataset[0], 0)[0]
             self._refuse_float(first, 0)
-            channels = 3 if self._channels_of(first) >= 3 else 1
+            channels = 3 if self._is_colour(first) else 1
         elif isinstance(channels, bool) or channels not in (1, 3):
             raise ValueError(f"channels must be 1, 3 or None (from the first sample), got {channels!r}")
         self.channels = channels
         names = getattr(dataset, "classes", None)
         names = list(names) if isinstance(names, (list, tuple)) and names else None
+        own = getattr(dataset, "num_classes", None)   # torchvision's FakeData, and many a user's Dataset
+        if num_classes is None and names is None and isinstance(own, int) and not isinstance(own, bool) and own > 0:
+            num_classes = own
         num_classes = _num_classes(names if num_classes is None else None, num_classes)
         self._classes_known = num_classes is not None  # as_label then checks labels against it
         targets = getattr(dataset, "targets", None)
@@ -939,7 +943,19 @@ class DatasetSource(Source):
         """
         ds_ids = [self.dataset_index(i) for i in ids]
         ds = self.dataset
-        return (ds.__getitems__(ds_ids) if hasattr(ds, "__getitems__") else [ds[i] for i in ds_ids]), ds_ids
+        samples = ds.__getitems__(ds_ids) if hasattr(ds, "__getitems__") else [ds[i] for i in ds_ids]
+        return [self.pair(sample, i) for sample, i in zip(samples, ds_ids)], ds_ids
+
+    def pair(self, sample, index: int) -> tuple:
+        """``sample`` as the (image, label) pair every fastdata source yields; anything else (a dict, as
+        Hugging Face datasets return, a triple, a bare image) is refused, naming the dataset and index."""
+        if isinstance(sample, (tuple, list)) and len(sample) == 2:
+            return sample
+        what = (f"a dict with keys {sorted(map(str, sample))[:6]}" if isinstance(sample, dict) else
+                f"a {len(sample)}-item {type(sample).__name__}" if isinstance(sample, (tuple, list)) else
+                f"an object of type {type(sample).__name__}")
+        raise TypeError(f"{self.name}[{index}] returned {what}; fastdata reads (image, label) pairs: wrap the "
+                        f"dataset so that __getitem__ returns (image, label), e.g. (s['image'], s['label'])")
 
     def __getitem__(self, i):
         """The dataset's own sample for this source's sample ``i``.
@@ -949,22 +965,55 @@ class DatasetSource(Source):
         """
         return self.dataset[self.dataset_index(self._index(i))]
 
-    def _channels_of(self, image) -> int:
+    def _is_colour(self, image) -> bool:
+        """Whether a sample has colour: 3 or more bands, or a palette with a colour in use (a palette
+        image has one band, but its entries are RGB: red stays red)."""
         if hasattr(image, "getbands"):
-            return len(image.getbands())
+            if image.mode in ("P", "PA"):
+                rgb = np.asarray(image.convert("RGB"))
+                return not ((rgb[..., 0] == rgb[..., 1]).all() and (rgb[..., 1] == rgb[..., 2]).all())
+            return len(image.getbands()) >= 3
+        return self._array(image).shape[-1] >= 3
+
+    def _refuse_float(self, image, index=None) -> None:
+        dtype = getattr(image, "dtype", None)
+        if getattr(image, "mode", None) == "F":   # a float PIL image: its values would be clipped to 0..255
+            dtype = "float32 (PIL mode 'F')"
+        elif dtype is None or hasattr(image, "getbands") or not (
+                getattr(dtype, "is_floating_point", False) or
+                (isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating))):
+            return
+        where = self.name if index is None else f"{self.name}[{index}]"
+        raise TypeError(f"{where} returned a {dtype} image; the torch backend expects PIL "
+                        f"images, uint8 (C, H, W) tensors or uint8 (H, W, C) arrays. If the dataset's "
+                        f"transform ends in ToTensor, ToDtype or Normalize: {_FLOAT_FIX}")
+
+    def _array(self, image) -> np.ndarray:
+        """A tensor or array sample as uint8 (H, W, C): tensors are (C, H, W) or (H, W), torch's layout;
+        numpy arrays (H, W, C) or (H, W), PIL's and numpy's (what ``np.asarray(pil_image)`` gives)."""
         import torch
 
+        if isinstance(image, np.ndarray):
+            if image.dtype != np.uint8:
+                self._refuse_float(image)
+                raise TypeError(f"{self.name} returned a {image.dtype} array; expected uint8 (H, W, C) or (H, W)")
+            if image.ndim == 2:
+                image = image[..., None]
+            if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
+                raise ValueError(f"{self.name} returned an array of shape {image.shape}; expected uint8 "
+                                 f"(H, W, C) with C in (1, 3, 4), or (H, W) (a tensor is (C, H, W))")
+            return image
         t = torch.as_tensor(image)
-        return int(t.shape[0]) if t.dim() == 3 else 1
-
-    def _refuse_float(self, image, index) -> None:
-        dtype = getattr(image, "dtype", None)
-        if dtype is not None and not hasattr(image, "getbands") and \
-                (getattr(dtype, "is_floating_point", False) or
-                 (isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating))):
-            raise TypeError(f"{self.name}[{index}] returned a {dtype} image; the torch backend expects PIL "
-                            f"images or uint8 (C, H, W) tensors. If the dataset's transform ends in ToTensor, "
-                            f"ToDtype or Normalize: {_FLOAT_FIX}")
+        if t.dtype != torch.uint8:
+            raise TypeError(f"{self.name} returned a {t.dtype} tensor; the torch backend expects PIL images, "
+                            f"uint8 (C, H, W) tensors or uint8 (H, W, C) arrays. If the dataset's transform "
+                            f"ends in ToTensor, ToDtype or Normalize: {_FLOAT_FIX}")
+        if t.dim() == 2:
+            t = t[None]
+        if t.dim() != 3 or t.shape[0] not in (1, 3, 4):
+            raise ValueError(f"{self.name} returned a tensor of shape {tuple(image.shape)}; expected uint8 "
+                             f"(C, H, W) with C in (1, 3, 4), or (H, W) (an array is (H, W, C))")
+        return t.permute(1, 2, 0).numpy()
 
     def as_array(self, image) -> np.ndarray:
         """One sample's image → uint8 (H, W, ``self.channels``), converted the same way for every sample.
@@ -980,24 +1029,13 @@ class DatasetSource(Source):
         if hasattr(image, "getbands"):  # PIL image
             from .transforms import to_rgb
 
-            if self.channels == 1 and len(image.getbands()) >= 3 and not self._convert_colour:
+            self._refuse_float(image)
+            if self.channels == 1 and not self._convert_colour and self._is_colour(image):
                 self._refuse_colour(image.mode)
             arr = np.asarray(to_rgb(image) if self.channels == 3 else
                              (image if image.mode == "L" else to_rgb(image).convert("L")))
             return arr[..., None] if arr.ndim == 2 else arr
-        import torch
-
-        t = torch.as_tensor(image)
-        if t.dtype != torch.uint8:
-            raise TypeError(f"{self.name} returned a {t.dtype} tensor; the torch backend expects PIL images "
-                            f"or uint8 (C, H, W) tensors. If the dataset's transform ends in ToTensor, ToDtype "
-                            f"or Normalize: {_FLOAT_FIX}")
-        if t.dim() == 2:
-            t = t[None]
-        if t.dim() != 3 or t.shape[0] not in (1, 3, 4):
-            raise ValueError(f"{self.name} returned a tensor of shape {tuple(image.shape)}; expected uint8 "
-                             f"(C, H, W) with C in (1, 3, 4), or (H, W)")
-        arr = t.permute(1, 2, 0).numpy()
+        arr = self._array(image)
         c = arr.shape[-1]
         if c == 4:  # alpha dropped, as to_rgb does for PIL images
             arr, c = arr[..., :3], 3
@@ -1062,6 +1100,15 @@ def _own_transforms(obj) -> list[str]:
     return found
 
 
+def _own_getitem(obj) -> str | None:
+    """The class that gives ``obj`` its ``__getitem__`` when that is not torchvision's (a subclass that
+    remaps labels, resizes, or reads pixels its own way), else None."""
+    for cls in type(obj).__mro__:
+        if "__getitem__" in vars(cls):
+            return None if cls.__module__.startswith("torchvision.datasets") else cls.__qualname__
+    return None
+
+
 def from_torchvision(obj) -> Source | None:
     """A fastdata source for a torchvision dataset every backend can read, or None (not one, or one
     that cannot be converted without changing what it returns; ``as_source`` then keeps it as a
@@ -1075,7 +1122,8 @@ def from_torchvision(obj) -> Source | None:
 
     Class names are kept, statistics are measured (arrays) or ImageNet's (files). A dataset with its own
     ``transform``, ``target_transform`` or ``transforms`` is not converted: the transform would be
-    silently dropped.
+    silently dropped. Nor is a subclass with a ``__getitem__`` of its own: what it returns is what the
+    user means, and only calling it gives that.
 
     Args:
         obj: any object.
@@ -1086,7 +1134,7 @@ def from_torchvision(obj) -> Source | None:
     kind = next((n for n in names if n in _TV_FOLDERS + _TV_CIFAR + _TV_MNIST), None)
     if kind is None or "QMNIST" in names:  # QMNIST's targets are rows of 8 fields, not class indices
         return None
-    if _own_transforms(obj):
+    if _own_transforms(obj) or _own_getitem(obj):
         return None
     classes = list(getattr(obj, "classes", None) or [])
     label = type(obj).__name__
@@ -1111,6 +1159,11 @@ def _refusal_hint(obj) -> str | None:
     names = _torchvision_names(obj)
     label = type(obj).__name__
     own = _own_transforms(obj)
+    getitem = _own_getitem(obj) if names else None
+    if getitem:
+        return (f"{label} has its own __getitem__ ({getitem}.__getitem__), which only the torch and prefetch "
+                f"backends call; memory and dali read files or arrays: pass an ImageFolder.from_samples or an "
+                f"ArraySource holding what it returns, or use the torch backend")
     if names and own:
         return (f"{label} has its own {', '.join(own)}, which only the torch and prefetch backends run per "
                 f"sample; for memory/dali pass {label}(..., transform=None) and express the augmentation "

@@ -181,7 +181,7 @@ def _dataset(source, ids, aug, rng) -> Decoded:
         with seeded_globals() as seed:
             for s, i in zip(seeds, ds_ids):
                 seed(int(s))
-                samples.append(source.dataset[i])
+                samples.append(source.pair(source.dataset[i], i))
     else:
         samples, ds_ids = source.fetch(ids)
     images, labels = [], []

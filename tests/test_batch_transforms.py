@@ -467,6 +467,14 @@ def _tv():
     (lambda: [_tv()[0].Compose([_tv()[0].RandomResizedCrop(8), _tv()[0].ToTensor()])], TypeError,
      r"ToTensor, a conversion of PIL images.*torch/prefetch backends"),
     (lambda: [_tv()[1].MixUp(num_classes=10)], TypeError, r"use fastdata.batch_transforms.MixUp"),
+    # [0, 1]-pixel transforms: on a normalized batch they clamp, threshold or mix channels wrongly
+    (lambda: [_tv()[1].ColorJitter(brightness=0.01)], TypeError,
+     r"ColorJitter, which takes images in \[0, 1\].*use fastdata.batch_transforms.ColorJitter"),
+    (lambda: [_tv()[0].RandomGrayscale()], TypeError, r"use fastdata.batch_transforms.RandomGrayscale"),
+    (lambda: [_tv()[1].RandomAutocontrast()], TypeError, r"RandomAutocontrast.*run it per sample on the source"),
+    (lambda: [_tv()[1].Compose([_tv()[1].RandomVerticalFlip(), _tv()[1].RandomInvert()])], TypeError,
+     r"transforms\[1\] is torchvision's RandomInvert"),
+    (lambda: [_tv()[1].TrivialAugmentWide()], TypeError, r"TrivialAugmentWide, which takes images in \[0, 1\]"),
     (lambda: [_tv()[1].RandomChoice([Cutout(3)])], TypeError, "go directly in the batch_transforms list"),
     (lambda: [OneOf([Cutout(3), 5])], TypeError, r"OneOf transforms\[1\] is not callable"),
 ])
@@ -477,7 +485,8 @@ def test_what_cannot_work_is_refused_with_what_to_do(make, error, words):
 
 def test_torchvision_batch_transforms_are_accepted():
     v1, v2 = _tv()
-    ok = [v2.RandomErasing(), v2.Compose([v2.RandomVerticalFlip(), v2.RandomErasing()]), v1.RandomHorizontalFlip()]
+    ok = [v2.RandomErasing(), v2.Compose([v2.RandomVerticalFlip(), v2.RandomErasing()]), v1.RandomHorizontalFlip(),
+          v2.GaussianBlur(3)]   # a blur commutes with the per-channel normalization: exact on normalized pixels
     assert check_batch_transforms(ok) == tuple(ok)
 
 

@@ -284,6 +284,100 @@ def test_a_grey_first_sample_refuses_later_colour_unless_told():
     assert DatasetSource(_Samples([torch.from_numpy(grey)]), channels=3).channels == 3
 
 
+def test_palette_samples_keep_their_colour_and_count_as_colour():
+    """A palette image has one band but RGB entries: pure red stays red, never becomes grey 76."""
+    from fastdata.datasets import DatasetSource
+
+    red = Image.new("RGB", (5, 4), (255, 0, 0)).convert("P")
+    assert red.mode == "P"
+    src = DatasetSource(_Samples([red]))
+    assert src.channels == 3
+    np.testing.assert_array_equal(src.as_array(red), np.full((4, 5, 3), (255, 0, 0), np.uint8))
+    grey_palette = Image.fromarray(_rgb()[..., 0]).convert("P")
+    assert DatasetSource(_Samples([grey_palette])).channels == 1
+    with pytest.raises(ValueError, match=r"colour sample \(P\) but its first sample was grey"):
+        DatasetSource(_Samples([grey_palette, red])).as_array(red)
+
+
+def test_numpy_samples_are_hwc_as_the_readme_says_and_tensors_chw():
+    import torch
+
+    from fastdata.datasets import DatasetSource
+
+    rgb = _rgb()                              # (6, 5, 3)
+    src = DatasetSource(_Samples([rgb]))
+    assert src.channels == 3
+    np.testing.assert_array_equal(src.as_array(rgb), rgb)
+    np.testing.assert_array_equal(src.as_array(torch.from_numpy(rgb).permute(2, 0, 1)), rgb)
+    assert DatasetSource(_Samples([rgb[..., 0]])).channels == 1
+    with pytest.raises(ValueError, match=r"array of shape \(3, 6, 5\); expected uint8 \(H, W, C\)"):
+        src.as_array(rgb.transpose(2, 0, 1).copy())   # (C, H, W) is a tensor's layout, not an array's
+
+
+def test_float_pil_images_and_non_pairs_are_refused_naming_the_fix():
+    from fastdata.datasets import DatasetSource
+
+    ramp = Image.fromarray(np.linspace(0, 1, 20, dtype=np.float32).reshape(4, 5), mode="F")
+    with pytest.raises(TypeError, match=r"_Samples\[0\] returned a float32 \(PIL mode 'F'\) image.*ToTensor"):
+        DatasetSource(_Samples([ramp]))
+    with pytest.raises(TypeError, match=r"returned a float32 \(PIL mode 'F'\) image"):
+        DatasetSource(_Samples([Image.fromarray(_rgb())])).as_array(ramp)
+
+    class Shaped(torch_dataset()):
+        def __init__(self, sample):
+            self.sample = sample
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return self.sample
+
+    image = Image.fromarray(_rgb())
+    for sample, words in [({"image": image, "label": 1}, r"a dict with keys \['image', 'label'\]"),
+                          ((image, 1, "extra"), "a 3-item tuple"), (image, "an object of type Image")]:
+        with pytest.raises(TypeError, match=rf"Shaped\[0\] returned {words}; fastdata reads \(image, label\) pairs"):
+            DatasetSource(Shaped(sample))
+    src = DatasetSource(Shaped((image, 1)))
+    src.dataset.sample = {"image": image}
+    with pytest.raises(TypeError, match=r"Shaped\[1\] returned a dict"):
+        src.fetch([1])
+
+
+def test_the_class_count_comes_from_num_classes_and_mixup_says_how_to_give_it():
+    from fastdata import make_loader
+    from fastdata.batch_transforms import MixUp
+    from fastdata.datasets import DatasetSource
+
+    image = Image.fromarray(_rgb())
+
+    class Counted(torch_dataset()):
+        num_classes = 4
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return image, i % 4
+
+    class Unknown(Counted):
+        num_classes = None
+
+    assert DatasetSource(Counted()).num_classes == 4
+    assert DatasetSource(Unknown()).num_classes == 0
+    with pytest.raises(ValueError, match=r"MixUp needs the number of classes, and the source does not know it.*"
+                                         r"MixUp\(\.\.\., num_classes=N\).*DatasetSource\(dataset, num_classes=N\)"):
+        make_loader(Unknown(), "torch", batch_size=4, device="cpu", num_workers=0, batch_transforms=[MixUp(0.2)])
+    loader = make_loader(Counted(), "torch", batch_size=4, device="cpu", num_workers=0, batch_transforms=[MixUp(0.2)])
+    assert next(iter(loader))[1].shape == (4, 4)
+
+
+def torch_dataset():
+    import torch
+
+    return torch.utils.data.Dataset
+
+
 def test_as_array_refuses_what_it_cannot_convert():
     import torch
 

@@ -153,6 +153,32 @@ def test_torchvision_imagefolder_becomes_fastdatas_file_list(photo_folder):
     assert src.default_augmentation(True) == Augmentation.imagenet_train()
 
 
+def test_a_subclass_with_its_own_getitem_is_called_not_bypassed(photo_folder):
+    """Converting it to a file list would drop what its __getitem__ does (here: 3 classes become 2,
+    images become 16x16): it stays a Dataset, the torch backend calls it, the others say why not."""
+    from PIL import Image
+
+    class TwoClasses(torchvision.datasets.ImageFolder):
+        def __getitem__(self, i):
+            image, label = super().__getitem__(i)
+            return image.resize((16, 16), Image.BILINEAR), min(label, 1)
+
+    tv = TwoClasses(str(photo_folder))
+    src = as_source(tv)
+    assert isinstance(src, DatasetSource)
+    loader = make_loader(tv, "torch", batch_size=len(tv), train=False, device="cpu", num_workers=0,
+                         augment=Augmentation())
+    (x, y), = list(loader)
+    assert x.shape[-2:] == (16, 16) and sorted(set(y.tolist())) == [0, 1]
+    with pytest.raises(TypeError, match=r"TwoClasses has its own __getitem__ .*only the torch and prefetch"):
+        make_loader(tv, "memory", batch_size=4, device="cpu")
+
+    class SameItems(torchvision.datasets.ImageFolder):   # a subclass that only adds things still converts
+        extra = 1
+
+    assert isinstance(as_source(SameItems(str(photo_folder))), ImageFolder)
+
+
 def test_a_dataset_folder_with_its_own_loader_stays_a_dataset_and_says_why(tmp_path):
     for cls in ("a", "b"):
         (tmp_path / cls).mkdir()

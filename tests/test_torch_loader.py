@@ -224,3 +224,24 @@ def test_workers_share_which_files_have_been_checked_whole(photo_folder, context
     seen = sum(len(labels) for _, labels in loader)
     assert int(flags.sum()) == seen == len(loader) * 4  # every file decoded, whichever worker did it, seen here
     loader.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "prefetch", "memory"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_pass_leaves_the_callers_global_torch_rng_alone(backend, workers):
+    """The DataLoader draws its workers' base seed from a generator: the global one, unless given its own.
+    Swapping backends must not shift the training loop's dropout and initialization."""
+    import torch
+
+    from fastdata import make_loader
+    from fastdata.datasets import SyntheticDigits
+
+    loader = make_loader(SyntheticDigits(256, seed=3), backend, batch_size=64, device="cpu", num_workers=workers,
+                         quiet=True)
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    for _ in range(2):
+        for _ in loader:
+            pass
+    assert torch.equal(torch.get_rng_state(), before)
+    loader.close()

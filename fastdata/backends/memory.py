@@ -820,7 +820,9 @@ class MemoryLoader(Loader):
         kept, sizes = [], []
         pos = 0
         if jobs:
-            loader = DataLoader(decoder, batch_size=None, sampler=jobs, num_workers=workers)
+            # generator=: building the cache must not move the caller's global torch RNG (see make_dataloader)
+            loader = DataLoader(decoder, batch_size=None, sampler=jobs, num_workers=workers,
+                                generator=torch.Generator())
             if loader.num_workers:
                 collect_before_fork()
             it = iter(loader)

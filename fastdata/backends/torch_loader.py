@@ -92,6 +92,10 @@ def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict) -> Da
     pf = opts["prefetch_factor"]
     return DataLoader(
         fetcher, batch_size=None, sampler=sampler, num_workers=workers, pin_memory=pin,
+        # Its own generator: without one, each pass draws the workers' base seed from torch's global
+        # generator, moving the caller's RNG (dropout, init) by a draw that memory and dali never make.
+        # fastdata seeds every batch itself, so this seed changes no sample.
+        generator=torch.Generator(),
         persistent_workers=bool(workers and opts["persistent_workers"]),
         prefetch_factor=pf if workers else None, timeout=opts["timeout"],
         multiprocessing_context=opts["multiprocessing_context"] if workers else None)
