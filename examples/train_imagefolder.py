@@ -72,6 +72,7 @@ def main(args) -> dict:
     """Train (and validate) as ``args`` says; return the run's result (``fastdata.engine.run_result``)."""
     import torchvision
 
+    cli.check_training_args(get_args_parser(), args)   # --resume, output paths: before any work
     device = fdist.init_distributed(args.device)
     ok = False  # a failed rank must not wait at a barrier its peers may never reach
     try:
@@ -138,5 +139,4 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    parser = get_args_parser()
-    main(cli.check_training_args(parser, parser.parse_args()))
+    main(get_args_parser().parse_args())

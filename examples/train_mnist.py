@@ -157,6 +157,7 @@ def _first(source, n):
 
 def main(args) -> dict:
     """Train and evaluate as ``args`` says; return the run's result (``fastdata.engine.run_result``)."""
+    cli.check_training_args(get_args_parser(), args)   # --resume, output paths: before any work
     device = fdist.init_distributed(args.device)
     ok = False  # a failed rank must not wait at a barrier its peers may never reach
     try:
@@ -204,5 +205,4 @@ def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    parser = get_args_parser()
-    main(cli.check_training_args(parser, parser.parse_args()))
+    main(get_args_parser().parse_args())

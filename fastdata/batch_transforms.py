@@ -702,8 +702,9 @@ _PER_SAMPLE = ("batch transforms get the whole normalized float (N, C, H, W) bat
 
 #: torchvision transforms that assume pixels in [0, 1] (or uint8): they clamp to that range, threshold
 #: in it, or mix channels by luma weights, none of which holds for a normalized batch (measured: v2's
-#: ColorJitter(brightness=0.01) changed 69-96% of the pixels). Geometric transforms and blurs are exact
-#: on normalized values (per-channel affine maps commute with them) and pass.
+#: ColorJitter(brightness=0.01) changed 69-96% of the pixels). GaussianNoise is refused too unless built
+#: with clip=False (it clamps to [0, 1] by default). Geometric transforms and blurs are exact on
+#: normalized values (per-channel affine maps commute with them) and pass.
 _PIXEL_RANGE = ("ColorJitter", "RandomPhotometricDistort", "RandomAutocontrast", "RandomAdjustSharpness",
                 "RandomEqualize", "RandomPosterize", "RandomSolarize", "RandomInvert", "Grayscale",
                 "RandomGrayscale", "AutoAugment", "RandAugment", "TrivialAugmentWide", "AugMix")
@@ -723,9 +724,12 @@ def _check_torchvision(where: str, t) -> None:
                         f"batches; drop it and pass mean=/std= (and dtype=) to make_loader")
     if isinstance(t, classes("ToTensor", "PILToTensor", "ToImage", "ToPILImage")):
         raise TypeError(f"{where} is torchvision's {name}, a conversion of PIL images: {_PER_SAMPLE}")
-    if isinstance(t, classes(*_PIXEL_RANGE)):
+    if isinstance(t, classes(*_PIXEL_RANGE)) or (isinstance(t, classes("GaussianNoise"))
+                                                 and getattr(t, "clip", True)):
         fastdata_one = {"ColorJitter": "ColorJitter", "Grayscale": "RandomGrayscale(p=1.0)",
                         "RandomGrayscale": "RandomGrayscale"}.get(name)
+        if getattr(t, "hue", None) is not None:
+            fastdata_one = None   # fastdata's ColorJitter has no hue
         instead = (f"use fastdata.batch_transforms.{fastdata_one}, which un-normalizes with the loader's "
                    f"mean/std, applies torchvision's operation and normalizes again" if fastdata_one else
                    "run it per sample on the source (ImageFolder(root, transform=...) or a torch Dataset, "

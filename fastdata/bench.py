@@ -26,7 +26,6 @@ points of the wait ``fit`` measures (tested).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -122,7 +121,7 @@ def check_model(name: str, source) -> None:
     try:
         with torch.no_grad():
             model(torch.zeros((2, *shape)))
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, AssertionError) as e:   # shape errors; torchvision's ViT asserts its size
         hint = (" (it takes 3-channel images: use --model smallcnn, or a folder of colour photos)"
                 if shape[0] != 3 else "")
         raise SystemExit(f"fastdata bench: --model {name} cannot take this source's {shape[0]}x{shape[1]}x"
@@ -326,8 +325,9 @@ def main(args) -> dict:
     reports; returns the payload."""
     from .report import machine_info, machine_tag, write_reports
 
-    if os.path.exists(args.out) and not os.path.isdir(args.out):   # found before, not after, the measuring
-        raise SystemExit(f"fastdata bench: --out '{args.out}' is a file, not a folder")
+    problem = cli.output_problem(args.out, folder=True)   # found before, not after, the measuring
+    if problem:
+        raise SystemExit(f"fastdata bench: --out: {problem}")
     batches = args.batches if args.batches is not None else 30 if args.quick else 200
     with cli.input_errors(f"fastdata bench: SOURCE '{args.source}'"):
         source = open_source(args.source, quick=args.quick)

@@ -97,32 +97,45 @@ def backend_metavar() -> str:
     return "{" + ",".join(choices()) + "}"
 
 
-def check_output_file(parser: argparse.ArgumentParser, flag: str, path) -> None:
-    """Refuse, before any work, an output file that could not be written at the end of the run: a path
-    that is a folder, or one below a file. (Missing folders are fine: they are created.)"""
-    if path is None:
-        return
+def output_problem(path, *, folder: bool = False) -> str | None:
+    """Why ``path`` could not be written at the end of a run (a file, or a folder when ``folder``), or
+    None: it is a folder where a file is wanted (or the other way round), it lies below a file, its
+    drive or share does not exist, or its nearest existing folder is not writable. Folders still to
+    be made are fine: they are created."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        parser.error(f"argument {flag}: '{path}' is a folder; give a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        return f"'{path}' is a file, not a folder"
+    if not folder and os.path.isdir(path):
+        return f"'{path}' is a folder; give a file path"
+    if folder and os.path.isdir(path):
+        parent = path
+    else:
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            up = os.path.dirname(parent)
+            if up == parent:   # a root that is not there (a Windows drive, an unreachable share)
+                return f"'{parent}' does not exist"
+            parent = up
     if not os.path.isdir(parent):
-        parser.error(f"argument {flag}: '{path}' lies below '{parent}', which is a file, not a folder")
+        return f"'{path}' lies below '{parent}', which is a file, not a folder"
     if not os.access(parent, os.W_OK):
-        parser.error(f"argument {flag}: cannot write into '{parent}' (permission denied)")
+        return f"cannot write into '{parent}' (permission denied)"
+    return None
+
+
+def check_output_file(parser: argparse.ArgumentParser, flag: str, path) -> None:
+    """Refuse, before any work, an output file that could not be written at the end of the run
+    (``output_problem``), as argparse's error naming ``flag``."""
+    problem = output_problem(path) if path is not None else None
+    if problem:
+        parser.error(f"argument {flag}: {problem}")
 
 
 def check_output_folder(parser: argparse.ArgumentParser, flag: str, path) -> None:
     """As ``check_output_file``, for a folder the reports go into (it may exist)."""
-    if path is None:
-        return
-    path = os.fspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        parser.error(f"argument {flag}: '{path}' is a file, not a folder")
-    if not os.path.exists(path):
-        check_output_file(parser, flag, path)
+    problem = output_problem(path, folder=True) if path is not None else None
+    if problem:
+        parser.error(f"argument {flag}: {problem}")
 
 
 @contextlib.contextmanager
@@ -131,11 +144,14 @@ def input_errors(what: str):
     a bad input (a missing or empty folder, a batch larger than the data, a checkpoint that is not one,
     a backend that cannot take the source) ends the program with one line naming ``what``, not a
     traceback. Only around construction: an error in the middle of training keeps its traceback."""
-    from .errors import CacheDoesNotFit, MissingDependency
+    from .errors import CacheDoesNotFit, DecodeError, MissingDependency
 
     try:
         yield
-    except (ValueError, TypeError, OSError, CacheDoesNotFit, MissingDependency) as e:
+    except DecodeError as e:   # a broken image (the memory backend decodes while it is built): the file's
+        raise SystemExit(f"error: {str(e).strip().splitlines()[-1]}") from None
+    # Not TypeError: with every flag checked by its type, one here is a bug, whose traceback matters.
+    except (ValueError, OSError, CacheDoesNotFit, MissingDependency) as e:
         message = str(e).strip().splitlines()
         raise SystemExit(f"error: {what}: {message[-1] if message else type(e).__name__}") from None
 

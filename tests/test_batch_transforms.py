@@ -475,6 +475,8 @@ def _tv():
     (lambda: [_tv()[1].Compose([_tv()[1].RandomVerticalFlip(), _tv()[1].RandomInvert()])], TypeError,
      r"transforms\[1\] is torchvision's RandomInvert"),
     (lambda: [_tv()[1].TrivialAugmentWide()], TypeError, r"TrivialAugmentWide, which takes images in \[0, 1\]"),
+    (lambda: [_tv()[1].GaussianNoise(sigma=0.01)], TypeError, r"GaussianNoise, which takes images in \[0, 1\]"),
+    (lambda: [_tv()[1].ColorJitter(hue=0.1)], TypeError, r"ColorJitter, which .*run it per sample on the source"),
     (lambda: [_tv()[1].RandomChoice([Cutout(3)])], TypeError, "go directly in the batch_transforms list"),
     (lambda: [OneOf([Cutout(3), 5])], TypeError, r"OneOf transforms\[1\] is not callable"),
 ])
@@ -486,7 +488,8 @@ def test_what_cannot_work_is_refused_with_what_to_do(make, error, words):
 def test_torchvision_batch_transforms_are_accepted():
     v1, v2 = _tv()
     ok = [v2.RandomErasing(), v2.Compose([v2.RandomVerticalFlip(), v2.RandomErasing()]), v1.RandomHorizontalFlip(),
-          v2.GaussianBlur(3)]   # a blur commutes with the per-channel normalization: exact on normalized pixels
+          v2.GaussianBlur(3),   # a blur commutes with the per-channel normalization: exact on normalized pixels
+          v2.GaussianNoise(sigma=0.1, clip=False)]
     assert check_batch_transforms(ok) == tuple(ok)
 
 

@@ -169,12 +169,13 @@ def test_bad_flags_and_an_unfit_model_are_refused_before_measuring(tmp_path, mon
         (["digits", "--backends", "auto"], "argument --backends: 'auto' picks one of the others"),
         (["digits", "--backends", "nope"], "argument --backends: unknown backend 'nope'"),
         (["digits", "--device", "gpu"], "argument --device: 'gpu' is not a device"),
+        (["digits", "--quick", "--out", str(tmp_path / "afile")], "argument --out: '"),
+        (["digits", "--quick", "--out", str(tmp_path / "afile" / "sub")], "which is a file, not a folder"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(["bench", *argv])
         assert info.value.code == 2 and message in capsys.readouterr().err, argv
     for argv, message in [
-        (["digits", "--quick", "--out", str(tmp_path / "afile")], "--out '.*afile' is a file, not a folder"),
         (["digits", "--quick", "--model", "resnet18"], "--model resnet18 cannot take this source's 1x28x28 "
                                                        "images \\(it takes 3-channel images"),
         ([str(tmp_path)], "SOURCE '.*': image folder '.*' has no class sub-folders"),

@@ -70,3 +70,14 @@ def test_input_errors_become_one_line_and_others_keep_their_traceback():
     with pytest.raises(KeyError):   # not a bad input: a bug, whose traceback matters
         with cli.input_errors("--data-root"):
             raise KeyError("x")
+
+
+def test_a_root_that_does_not_exist_ends_the_walk_up(monkeypatch):
+    """``dirname`` of a Windows drive or share root is itself: the walk up to an existing folder must
+    stop there (it looped forever on a missing drive)."""
+    import ntpath
+
+    monkeypatch.setattr(cli.os, "path", ntpath)
+    monkeypatch.setattr(ntpath, "exists", lambda p: False)
+    monkeypatch.setattr(ntpath, "isdir", lambda p: False)
+    assert cli.output_problem(r"Z:\runs\r.json") == r"'Z:\' does not exist"

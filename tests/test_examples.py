@@ -302,9 +302,8 @@ def test_output_paths_and_resume_are_checked_before_training(name, tmp_path, cap
         (["--json-out", str(tmp_path / "afile" / "r.json")], "which is a file, not a folder"),
     ]
     for extra, message in cases:
-        parser = module.get_args_parser()
-        with pytest.raises(SystemExit) as info:
-            module.cli.check_training_args(parser, parser.parse_args(["--data-root", "x", *extra]))
+        with pytest.raises(SystemExit) as info:   # main checks them first, however it is called
+            module.main(module.get_args_parser().parse_args(["--data-root", "x", *extra]))
         assert info.value.code == 2
         assert message in capsys.readouterr().err, extra
     parser = module.get_args_parser()   # a file in a folder still to be made is fine

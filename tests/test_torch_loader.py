@@ -245,3 +245,30 @@ def test_a_pass_leaves_the_callers_global_torch_rng_alone(backend, workers):
             pass
     assert torch.equal(torch.get_rng_state(), before)
     loader.close()
+
+
+def test_a_datasets_own_randomness_in_workers_follows_the_loaders_seed():
+    """The workers' generators are seeded from the DataLoader's base seed: drawn from the loader's own
+    generator (not the global one), seeded by ``seed=``, so a Dataset that draws in ``__getitem__``
+    repeats with the seed and changes with it."""
+    import torch
+
+    from fastdata import make_loader
+
+    class Noisy(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.randint(0, 256, (1, 4, 4), dtype=torch.uint8), i % 2
+
+    def first(seed):
+        loader = make_loader(Noisy(), "torch", batch_size=8, device="cpu", num_workers=1, seed=seed,
+                             train=False, quiet=True)
+        try:
+            return next(iter(loader))[0]
+        finally:
+            loader.close()
+
+    assert torch.equal(first(0), first(0))
+    assert not torch.equal(first(0), first(1))

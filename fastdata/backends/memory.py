@@ -820,9 +820,10 @@ class MemoryLoader(Loader):
         kept, sizes = [], []
         pos = 0
         if jobs:
-            # generator=: building the cache must not move the caller's global torch RNG (see make_dataloader)
+            # generator=: building the cache must not move the caller's global torch RNG (decoding draws
+            # nothing random, so its seed does not matter)
             loader = DataLoader(decoder, batch_size=None, sampler=jobs, num_workers=workers,
-                                generator=torch.Generator())
+                                generator=torch.Generator().manual_seed(0))
             if loader.num_workers:
                 collect_before_fork()
             it = iter(loader)

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Sampler
 from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
 from ..prefetch import PrefetchStage
+from ..sampling import seed_for
 from .base import Loader
 
 
@@ -86,16 +87,24 @@ def dead_workers(iterator, wait: float = 1.0) -> list[str]:
     return out
 
 
-def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict) -> DataLoader:
+def worker_seed_generator(seed: int) -> torch.Generator:
+    """The generator a DataLoader draws its workers' base seed from: its own, seeded from the loader's
+    ``seed`` (and rank). Without one, each pass draws from torch's global generator, moving the caller's
+    RNG (dropout, init) by a draw that memory and dali never make. The base seed seeds the workers'
+    ``random``, numpy and torch generators, which a Dataset augmenting in its own ``__getitem__`` uses
+    (fastdata seeds the batches and the transforms it runs itself), so it follows ``seed=``, as it
+    followed ``torch.manual_seed`` before."""
+    return torch.Generator().manual_seed(seed)
+
+
+def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict, seed: int = 0) -> DataLoader:
     """The backend's DataLoader: one job per batch, no collate. No ``pin_memory_device`` (deprecated
-    and ignored in torch 2.14): the pinning device comes from ``device_scope``."""
+    and ignored in torch 2.14): the pinning device comes from ``device_scope``. ``seed``: see
+    ``worker_seed_generator``."""
     pf = opts["prefetch_factor"]
     return DataLoader(
         fetcher, batch_size=None, sampler=sampler, num_workers=workers, pin_memory=pin,
-        # Its own generator: without one, each pass draws the workers' base seed from torch's global
-        # generator, moving the caller's RNG (dropout, init) by a draw that memory and dali never make.
-        # fastdata seeds every batch itself, so this seed changes no sample.
-        generator=torch.Generator(),
+        generator=worker_seed_generator(seed),
         persistent_workers=bool(workers and opts["persistent_workers"]),
         prefetch_factor=pf if workers else None, timeout=opts["timeout"],
         multiprocessing_context=opts["multiprocessing_context"] if workers else None)
@@ -134,7 +143,8 @@ class TorchLoader(Loader):
         if workers and (not isinstance(pf, int) or pf < 1):
             raise ValueError(f"prefetch_factor must be an integer >= 1, got {pf!r}")
         self.pin = self.device.type == "cuda"
-        self._loader = make_dataloader(self.fetcher, self._sampler, workers, self.pin, self.opts)
+        self._loader = make_dataloader(self.fetcher, self._sampler, workers, self.pin, self.opts,
+                                       seed=seed_for(self.plan.seed, self.plan.rank, 0x5EED))
 
     def host_batches(self, epoch, batches, start):
         """uint8 (images, labels) batches in host memory (pinned on CUDA), in order; counts skips."""
