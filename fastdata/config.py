@@ -205,6 +205,16 @@ class Augmentation:
         if self.padding is not Padding.CONSTANT and self.crop is not Crop.TRANSLATE:
             raise ValueError(f"padding={self.padding!r} only applies to crop='translate', got "
                              f"crop={self.crop!r}")
+        # A field the crop does not read would be ignored silently: the recipe would not be the one meant.
+        ignored = [f"{name}={getattr(self, name)!r} only applies to crop={crop!r}"
+                   for name, crop, unset in (("pad", "translate", 0), ("resize", "center", None),
+                                             ("scale", "random_resized", (0.08, 1.0)),
+                                             ("ratio", "random_resized", (3 / 4, 4 / 3)))
+                   if getattr(self, name) != unset and self.crop.value != crop]
+        if self.size is not None and not self.crop.fixes_size:
+            ignored.append(f"size={self.size} only applies to crop='random_resized' or 'center'")
+        if ignored:
+            raise ValueError(f"{'; '.join(ignored)}, got crop={self.crop.value!r}: drop it, or choose that crop")
         if not 0.0 <= self.hflip <= 1.0:
             raise ValueError(f"hflip is a probability in [0, 1], got {self.hflip}")
         lo, hi = self.scale

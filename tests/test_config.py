@@ -213,6 +213,19 @@ def test_a_torchvision_transform_as_augment_says_where_transforms_go():
         LoaderConfig(augment=v2.Compose([v2.RandomHorizontalFlip()]), device="cpu")
 
 
+@pytest.mark.parametrize("fields, words", [
+    (dict(crop="none", pad=4), "pad=4 only applies to crop='translate'"),
+    (dict(crop="random_resized", size=32, resize=40), "resize=40 only applies to crop='center'"),
+    (dict(crop="center", size=32, scale=(0.5, 1.0)), r"scale=\(0.5, 1.0\) only applies to crop='random_resized'"),
+    (dict(crop="translate", pad=2, ratio=(1.0, 1.0)), "ratio=.* only applies to crop='random_resized'"),
+    (dict(crop="none", size=32), "size=32 only applies to crop='random_resized' or 'center'"),
+])
+def test_a_field_the_crop_would_ignore_is_refused(fields, words):
+    """Silently ignored, it would make a recipe other than the one written (pad=4 with no crop: no shift)."""
+    with pytest.raises(ValueError, match=words):
+        Augmentation(**fields)
+
+
 def test_padding_applies_to_translate_only_and_names_the_choices():
     assert Augmentation.cifar_train() == Augmentation(crop="translate", pad=4, padding="reflect", hflip=0.5)
     with pytest.raises(ValueError, match=r"unknown padding 'mirror'; choose from \['constant', 'reflect', 'edge'\]"):
