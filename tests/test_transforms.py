@@ -487,3 +487,22 @@ def test_training_on_region_decoded_photos_matches_full_decoding(photo_folder, m
         diff = (a - b).abs()
         assert float(diff.max()) <= 1.001 * grey and float(diff.mean()) < 0.01 * grey
     assert losses_region == pytest.approx(losses_full, rel=1e-3)
+
+
+def test_a_webp_file_this_pillow_cannot_read_says_why(tmp_path):
+    """ImageFolder lists .webp (torchvision does); a Pillow built without libwebp cannot open them."""
+    import warnings
+
+    from PIL import features
+
+    from fastdata.errors import DecodeError
+    from fastdata.transforms import open_image
+
+    if features.check("webp"):
+        pytest.skip("this Pillow reads WebP")
+    path = tmp_path / "photo.webp"
+    path.write_bytes(b"RIFF\x24\x00\x00\x00WEBPVP8 " + bytes(32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # Pillow's own "WEBP support not installed"
+        with pytest.raises(DecodeError, match=r"built without WEBP support \(PIL.features.check\('webp'\) is False\)"):
+            open_image(path)
