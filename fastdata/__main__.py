@@ -15,17 +15,13 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = get_args_parser()
-    args = parser.parse_args(argv)
+    args = get_args_parser().parse_args(argv)
     if args.command == "doctor":
         from .doctor import main as doctor
 
         return doctor()
     if args.command == "bench":
-        from . import cli
         from .bench import main as bench
-
-        cli.check_output_folder(parser, "--out", args.out)   # before the measuring, not after it
 
         bench(args)
         return 0

@@ -784,9 +784,8 @@ def check_batch_transforms(value) -> tuple:
     cannot take the images as their one argument, torchvision's Normalize/ToDtype/ConvertImageDtype
     (fastdata already normalizes: pass ``mean=``/``std=``), its transforms that assume pixels in [0, 1]
     (``_PIXEL_RANGE``: colour jitter, grey, autocontrast, equalize, AutoAugment...), its PIL conversions
-    (ToTensor, PILToTensor,
-    ToImage, ToPILImage: a per-sample pipeline that belongs on the source), its MixUp/CutMix (use
-    fastdata's), and fastdata transforms nested inside a torchvision container.
+    (ToTensor, PILToTensor, ToImage, ToPILImage: a per-sample pipeline that belongs on the source), its
+    MixUp/CutMix (use fastdata's), and fastdata transforms nested inside a torchvision container.
 
     Args:
         value: None, one callable, or a list/tuple of callables.

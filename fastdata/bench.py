@@ -110,10 +110,10 @@ def make_model(name: str, source):
     return builder(weights=None, num_classes=max(source.num_classes, 2))
 
 
-def check_model(name: str, source) -> None:
-    """Refuse, before any measuring, a model that cannot take the source's images: one forward pass of
-    two blank images of the source's shape on the CPU (a torchvision model expects 3 channels, and
-    digits have 1)."""
+def check_model(name: str, source):
+    """The model ``name`` for ``source`` (``make_model``), refused before any measuring when it cannot
+    take the source's images: one forward pass of two blank images of the source's shape on the CPU (a
+    torchvision model expects 3 channels, and digits have 1)."""
     import torch
 
     model = make_model(name, source).eval()
@@ -126,6 +126,7 @@ def check_model(name: str, source) -> None:
                 if shape[0] != 3 else "")
         raise SystemExit(f"fastdata bench: --model {name} cannot take this source's {shape[0]}x{shape[1]}x"
                          f"{shape[2]} images{hint}: {str(e).splitlines()[0]}") from None
+    return model
 
 
 def _image_shape(source) -> tuple[int, int, int]:
@@ -222,8 +223,9 @@ def measure_step(model, sample_batch, steps: int, warmup: int, amp: str = "auto"
 
 def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=None, batches: int = 200,
         warmup: int = 10, num_workers=None, amp: str = "auto", progress: bool = True,
-        backends=None) -> dict:
-    """Measure every backend and the model on ``source``; returns the report's payload."""
+        backends=None, model=None) -> dict:
+    """Measure every backend and the model on ``source``; returns the report's payload. ``model``: the
+    one ``make_model(model_name, source)`` built already (``check_model``), else built here."""
     import torch
 
     from .config import resolve_device
@@ -250,7 +252,7 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
     if sample is None:
         raise SystemExit("fastdata bench: no backend could read the source:\n" +
                          "\n".join(f"  {r.backend}: {r.status}" for r in rows))
-    model = make_model(model_name, source)
+    model = make_model(model_name, source) if model is None else model
     step_rate = measure_step(model, sample, steps=max(5, batches // 10), warmup=3, amp=amp)
     for row in rows:
         if row.status != "ok":
@@ -325,14 +327,12 @@ def main(args) -> dict:
     reports; returns the payload."""
     from .report import machine_info, machine_tag, write_reports
 
-    problem = cli.output_problem(args.out, folder=True)   # found before, not after, the measuring
-    if problem:
-        raise SystemExit(f"fastdata bench: --out: {problem}")
+    cli.check_output(get_args_parser(), "--out", args.out, folder=True)   # before the measuring, not after
     batches = args.batches if args.batches is not None else 30 if args.quick else 200
     with cli.input_errors(f"fastdata bench: SOURCE '{args.source}'"):
         source = open_source(args.source, quick=args.quick)
-    check_model(args.model, source)
-    payload = run(source, model_name=args.model, batch_size=args.batch_size, device=args.device,
+    model = check_model(args.model, source)
+    payload = run(source, model_name=args.model, model=model, batch_size=args.batch_size, device=args.device,
                   batches=batches, warmup=3 if args.quick else 10, num_workers=args.workers, amp=args.amp,
                   progress=args.progress, backends=args.backends)
     body = report_markdown(payload)

@@ -123,17 +123,10 @@ def output_problem(path, *, folder: bool = False) -> str | None:
     return None
 
 
-def check_output_file(parser: argparse.ArgumentParser, flag: str, path) -> None:
-    """Refuse, before any work, an output file that could not be written at the end of the run
-    (``output_problem``), as argparse's error naming ``flag``."""
-    problem = output_problem(path) if path is not None else None
-    if problem:
-        parser.error(f"argument {flag}: {problem}")
-
-
-def check_output_folder(parser: argparse.ArgumentParser, flag: str, path) -> None:
-    """As ``check_output_file``, for a folder the reports go into (it may exist)."""
-    problem = output_problem(path, folder=True) if path is not None else None
+def check_output(parser: argparse.ArgumentParser, flag: str, path, *, folder: bool = False) -> None:
+    """Refuse, before any work, an output file (a folder the reports go into when ``folder``) that could
+    not be written at the end of the run (``output_problem``), as argparse's error naming ``flag``."""
+    problem = output_problem(path, folder=folder) if path is not None else None
     if problem:
         parser.error(f"argument {flag}: {problem}")
 
@@ -163,5 +156,5 @@ def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     if getattr(args, "resume", False) and not getattr(args, "checkpoint", None):
         parser.error("argument --resume: needs --checkpoint PATH, the file to continue from")
     for flag in ("--checkpoint", "--json-out"):
-        check_output_file(parser, flag, getattr(args, flag[2:].replace("-", "_"), None))
+        check_output(parser, flag, getattr(args, flag[2:].replace("-", "_"), None))
     return args

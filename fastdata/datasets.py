@@ -32,6 +32,9 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 
 _FLOAT_FIX = ("drop ToDtype/Normalize/ToTensor from the transform and pass mean=/std= to make_loader: "
               "fastdata keeps batches uint8 until the device and normalizes there")
+#: What a Dataset's sample image may be, and the fix for a float one.
+_EXPECTED_IMAGES = ("the torch backend expects PIL images, uint8 (C, H, W) tensors or uint8 (H, W, C) arrays. "
+                    f"If the dataset's transform ends in ToTensor, ToDtype or Normalize: {_FLOAT_FIX}")
 
 
 class Source:
@@ -984,9 +987,7 @@ class DatasetSource(Source):
                 (isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating))):
             return
         where = self.name if index is None else f"{self.name}[{index}]"
-        raise TypeError(f"{where} returned a {dtype} image; the torch backend expects PIL "
-                        f"images, uint8 (C, H, W) tensors or uint8 (H, W, C) arrays. If the dataset's "
-                        f"transform ends in ToTensor, ToDtype or Normalize: {_FLOAT_FIX}")
+        raise TypeError(f"{where} returned a {dtype} image; {_EXPECTED_IMAGES}")
 
     def _array(self, image) -> np.ndarray:
         """A tensor or array sample as uint8 (H, W, C): tensors are (C, H, W) or (H, W), torch's layout;
@@ -1005,9 +1006,7 @@ class DatasetSource(Source):
             return image
         t = torch.as_tensor(image)
         if t.dtype != torch.uint8:
-            raise TypeError(f"{self.name} returned a {t.dtype} tensor; the torch backend expects PIL images, "
-                            f"uint8 (C, H, W) tensors or uint8 (H, W, C) arrays. If the dataset's transform "
-                            f"ends in ToTensor, ToDtype or Normalize: {_FLOAT_FIX}")
+            raise TypeError(f"{self.name} returned a {t.dtype} tensor; {_EXPECTED_IMAGES}")
         if t.dim() == 2:
             t = t[None]
         if t.dim() != 3 or t.shape[0] not in (1, 3, 4):

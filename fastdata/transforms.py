@@ -51,7 +51,7 @@ def open_image(path, fp=None) -> Image.Image:
     except Exception as e:  # UnidentifiedImageError, OSError, SyntaxError from broken headers
         size = _size_or_none(path)
         why = "empty file (0 bytes)" if size == 0 else f"not a readable image ({type(e).__name__}: {e})"
-        ext = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+        ext = _extension(path)
         feature = _FEATURE_OF_FORMAT.get(_FORMAT_OF_EXT.get(ext, ""))
         if size and feature:
             from PIL import features
@@ -66,13 +66,18 @@ def open_image(path, fp=None) -> Image.Image:
         img.close()
         raise DecodeError(path, f"{img.width}x{img.height} pixels exceeds the decompression-bomb limit "
                                 f"of {limit} pixels (PIL.Image.MAX_IMAGE_PIXELS)")
-    ext = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    ext = _extension(path)
     expected = _FORMAT_OF_EXT.get(ext)
     if expected and img.format != expected and not (expected == "JPEG" and img.format in JPEG_FORMATS):
         fmt = img.format
         img.close()
         raise DecodeError(path, f"file holds {fmt} data but is named {ext} (expected {expected})")
     return img
+
+
+def _extension(path: str) -> str:
+    """The file name's ending, lower case (".jpg"), the key of ``_FORMAT_OF_EXT``; "" for none."""
+    return os.path.splitext(path)[1].lower()
 
 
 def _size_or_none(path):
@@ -351,7 +356,7 @@ def _jpeg_header(path, data: bytes):
     decoding off, not an 8-bit RGB/grey JPEG, a name that promises another format, over the
     decompression-bomb limit: each refused there with its message)."""
     path = str(path)
-    ext = "." + path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    ext = _extension(path)
     if _FORMAT_OF_EXT.get(ext, "JPEG") != "JPEG" or not region_decode_enabled():
         return None
     from .region import jpeg_header

@@ -53,14 +53,14 @@ def test_output_paths_are_refused_when_they_could_not_be_written(tmp_path, capsy
     (tmp_path / "f").write_text("x")
     for path, message in [(tmp_path, "is a folder"), (tmp_path / "f" / "a" / "b.json", "which is a file")]:
         with pytest.raises(SystemExit):
-            cli.check_output_file(parser, "--out", path)
+            cli.check_output(parser, "--out", path)
         err = capsys.readouterr().err
         assert f"argument --out: '{path}'" in err and message in err, err
-    cli.check_output_file(parser, "--out", tmp_path / "new" / "deeper" / "r.json")   # created later: fine
-    cli.check_output_file(parser, "--out", None)
+    cli.check_output(parser, "--out", tmp_path / "new" / "deeper" / "r.json")   # created later: fine
+    cli.check_output(parser, "--out", None)
     with pytest.raises(SystemExit):
-        cli.check_output_folder(parser, "--out", tmp_path / "f")
-    cli.check_output_folder(parser, "--out", tmp_path)
+        cli.check_output(parser, "--out", tmp_path / "f", folder=True)
+    cli.check_output(parser, "--out", tmp_path, folder=True)
 
 
 def test_input_errors_become_one_line_and_others_keep_their_traceback():
