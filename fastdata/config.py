@@ -290,11 +290,28 @@ def _local_rank() -> int | None:
     return rank
 
 
+def rank_gpu(local: int, count: int, device="cuda") -> int:
+    """The index of the GPU that the process with ``LOCAL_RANK=local`` trains on, among the ``count``
+    it sees: ``local`` where it sees every GPU of its node (torchrun's usual set-up), 0 where each
+    process sees only its own GPU (``CUDA_VISIBLE_DEVICES`` set per rank, as SLURM's
+    ``--gpus-per-task`` and per-rank launchers do: ``device_count()`` is 1 whatever LOCAL_RANK is).
+    Anything else is more processes than GPUs, refused. ``device`` is what was asked, for the error."""
+    if local < count:
+        return local
+    if count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return 0
+    raise RuntimeError(
+        f"LOCAL_RANK={local} asks for cuda:{local} (device={str(device)!r} under torchrun means the rank's "
+        f"own GPU) but this process sees {count} CUDA device(s); run at most {count} processes per node "
+        f"(torchrun --nproc-per-node), or give each process its own GPU with CUDA_VISIBLE_DEVICES")
+
+
 def resolve_device(device) -> torch.device:
     """None → CUDA when available, else CPU. A CUDA device that is not there is an error, not a fallback.
 
-    Under torchrun (LOCAL_RANK set), None and ``"cuda"`` mean ``cuda:LOCAL_RANK``: before the process
-    group exists ``torch.cuda.current_device()`` is 0 on every rank, so all ranks would share GPU 0.
+    Under torchrun (LOCAL_RANK set), None and ``"cuda"`` mean this rank's GPU (``rank_gpu``:
+    ``cuda:LOCAL_RANK``, or ``cuda:0`` where each process sees only its own): before the process group
+    exists ``torch.cuda.current_device()`` is 0 on every rank, so all ranks would share GPU 0.
     An explicit ``"cuda:N"`` is kept as given.
     """
     if device is None:
@@ -317,13 +334,7 @@ def resolve_device(device) -> torch.device:
         if dev.index is None:
             local = _local_rank()
             if local is not None:
-                if local >= count:
-                    raise RuntimeError(
-                        f"LOCAL_RANK={local} asks for cuda:{local} (device={str(device)!r} under torchrun "
-                        f"means the rank's own GPU) but this machine has {count} CUDA device(s); run at "
-                        f"most {count} processes per node (torchrun --nproc-per-node), or, where each process "
-                        f"sees only its own GPU (CUDA_VISIBLE_DEVICES set per rank), pass device='cuda:0'")
-                return torch.device("cuda", local)
+                return torch.device("cuda", rank_gpu(local, count, device))
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= count:
             raise RuntimeError(f"device {str(device)!r} does not exist; this machine has "

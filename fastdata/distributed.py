@@ -53,26 +53,23 @@ def is_main() -> bool:
 def init_distributed(device=None) -> torch.device:
     """Initialize the process group when launched by ``torchrun``; return this process's device.
 
-    nccl for CUDA, gloo for CPU. On CUDA each process takes ``cuda:LOCAL_RANK`` and makes it the
-    current device *before* loaders are built, so ``device=None`` resolves to the right GPU and NCCL
+    nccl for CUDA, gloo for CPU. On CUDA each process takes its GPU (``config.rank_gpu``:
+    ``cuda:LOCAL_RANK``, or ``cuda:0`` where it sees only its own) and makes it the current device *before* loaders are built, so ``device=None`` resolves to the right GPU and NCCL
     does not pile every rank onto GPU 0.
 
     Args:
         device: ``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``; an explicit index is
             honoured for single-process runs only.
     """
-    from .config import resolve_device
+    from .config import rank_gpu, resolve_device
 
     want_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     if env_world_size() <= 1:
         return resolve_device(device)
     if want_cuda:
-        local = local_rank()
-        if local >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local} but this machine has {torch.cuda.device_count()} CUDA "
-                               f"device(s); start at most that many processes per node")
-        torch.cuda.set_device(local)
-        dev = torch.device("cuda", local)
+        index = rank_gpu(local_rank(), torch.cuda.device_count(), device if device is not None else "cuda")
+        torch.cuda.set_device(index)
+        dev = torch.device("cuda", index)
     else:
         dev = resolve_device("cpu")
     if not dist.is_initialized():
@@ -105,18 +102,21 @@ def barrier() -> None:
 
 
 def check_device(device: torch.device) -> None:
-    """Under torchrun on CUDA, refuse a device other than ``cuda:LOCAL_RANK``.
+    """Under torchrun on CUDA, refuse a device other than this rank's GPU (``config.rank_gpu``).
 
     Every rank on the same GPU (``cuda:0``, what ``torch.cuda.current_device()`` says before anything
     sets it) would crash NCCL or silently share one GPU; a loader built on the wrong GPU is the usual
     cause, so the error says how loaders pick theirs."""
+    from .config import rank_gpu
+
     device = torch.device(device)
     if env_world_size() <= 1 or device.type != "cuda":
         return
     local = local_rank()
-    if device.index != local:
+    own = rank_gpu(local, torch.cuda.device_count())
+    if device.index != own:
         raise RuntimeError(
-            f"under torchrun, rank {rank()} (LOCAL_RANK={local}) must train on cuda:{local}, but its "
+            f"under torchrun, rank {rank()} (LOCAL_RANK={local}) must train on cuda:{own}, but its "
             f"train_loader is on {device}: build the loaders with device=None or 'cuda' (both mean "
             f"cuda:LOCAL_RANK under torchrun), or with fastdata.distributed.init_distributed()'s device")
 

@@ -159,6 +159,26 @@ def test_under_torchrun_the_default_cuda_device_is_local_rank(monkeypatch, four_
     assert resolve_device(None) == torch.device("cuda", 0)
 
 
+def test_under_torchrun_a_process_that_sees_only_its_own_gpu_trains_on_cuda_0(monkeypatch, four_gpus):
+    """SLURM's --gpus-per-task (CUDA_VISIBLE_DEVICES per rank): rank 3 sees one GPU, cuda:0."""
+    from fastdata.config import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert resolve_device(None) == torch.device("cuda", 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    # One GPU and no per-rank CUDA_VISIBLE_DEVICES: more processes than GPUs, refused as before.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=3 .* sees 1 CUDA device\(s\).*CUDA_VISIBLE_DEVICES"):
+        resolve_device("cuda")
+    # Two GPUs seen by a rank 3: no rule says which is its own.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=3 .* sees 2 CUDA device\(s\)"):
+        resolve_device("cuda")
+
+
 @pytest.mark.cuda
 def test_under_torchrun_the_default_cuda_device_is_local_rank_on_a_gpu(monkeypatch):
     from fastdata.config import resolve_device

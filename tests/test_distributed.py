@@ -38,9 +38,12 @@ def _torchrun(script_text, args, cwd, timeout=120):
 
 @pytest.fixture
 def torchrun_env(monkeypatch):
-    """This process looks like rank 1 of 2 under torchrun (no process group is started)."""
+    """This process looks like rank 1 of 2 under torchrun on a node whose 2 GPUs it sees (no process
+    group is started; torch.cuda.device_count stubbed)."""
     for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
 
 # -------------------------------------------------------------------------------------- CPU checks
@@ -57,6 +60,28 @@ def test_check_device_wants_cuda_local_rank_under_torchrun(torchrun_env):
     with pytest.raises(RuntimeError, match=r"rank 1 \(LOCAL_RANK=1\) must train on cuda:1, but its "
                                            r"train_loader is on cuda:0"):
         fdist.check_device(torch.device("cuda", 0))
+
+
+def test_a_rank_that_sees_only_its_own_gpu_trains_on_cuda_0(torchrun_env, monkeypatch):
+    """CUDA_VISIBLE_DEVICES set per rank (SLURM's --gpus-per-task): rank 1 sees one GPU, index 0.
+    The device check and the process group both take cuda:0 (torch.cuda stubbed, no group started)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    fdist.check_device(torch.device("cuda", 0))
+    with pytest.raises(RuntimeError, match=r"must train on cuda:0, but its train_loader is on cuda:1"):
+        fdist.check_device(torch.device("cuda", 1))
+    made_current, group = [], {}
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setattr(fdist.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(fdist.dist, "init_process_group", lambda **kw: group.update(kw))
+    assert fdist.init_distributed("cuda") == torch.device("cuda", 0)
+    assert made_current == [0]
+    assert group == {"backend": "nccl", "device_id": torch.device("cuda", 0)}
+    # Without a per-rank CUDA_VISIBLE_DEVICES, one GPU for two ranks is refused before NCCL sees it.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 .* sees 1 CUDA device"):
+        fdist.init_distributed("cuda")
 
 
 def test_check_device_is_a_no_op_in_a_single_process(monkeypatch):
