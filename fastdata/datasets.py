@@ -188,7 +188,7 @@ class ArraySource(Source):
     """Decoded uint8 images in memory: (N, H, W) grey or (N, H, W, C).
 
     Args:
-        images: uint8 array (numpy or torch).
+        images: uint8 array (numpy, or a torch tensor on any device: copied to the host).
         labels: integer labels, one per image, in ``[0, num_classes)``.
         mean, std: per-channel statistics in [0, 1] units; None → measured on the images.
         name: how messages and ``repr`` name the source.
@@ -202,8 +202,7 @@ class ArraySource(Source):
 
     def __init__(self, images, labels, *, mean=None, std=None, name: str = "array", digits: bool = False,
                  classes=None, num_classes: int | None = None):
-        images = images.numpy() if hasattr(images, "numpy") else np.asarray(images)
-        labels = labels.numpy() if hasattr(labels, "numpy") else np.asarray(labels)
+        images, labels = _host_array(images), _host_array(labels)
         if images.dtype != np.uint8:
             raise TypeError(f"images must be uint8, got {images.dtype}")
         if images.ndim == 3:
@@ -283,6 +282,16 @@ class ArraySource(Source):
 
         i = self._index(i)
         return torch.from_numpy(self.images[i]), int(self.labels[i])
+
+
+def _host_array(x) -> np.ndarray:
+    """A numpy view or copy of ``x``: a torch tensor on a GPU, or one that requires grad, is copied to
+    the host (``Tensor.numpy()`` alone refuses both); other array-likes go through ``np.asarray``."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numpy(force=True)
+    return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
 
 
 def _num_classes(classes, num_classes) -> int | None:

@@ -93,6 +93,23 @@ def test_as_source_accepts_arrays_and_rejects_others():
         ArraySource(np.zeros((4, 5, 5), np.float32), np.arange(4))
 
 
+def test_array_source_takes_tensors_wherever_they_are():
+    """torch tensors are copied to the host whatever their device or grad (Tensor.numpy() alone refuses
+    CUDA tensors and tensors that require grad): a requires-grad float tensor reaches the dtype check."""
+    src = ArraySource(torch.zeros((4, 5, 5), dtype=torch.uint8), torch.arange(4))
+    assert src.images.shape == (4, 5, 5, 1) and src.labels.tolist() == [0, 1, 2, 3]
+    with pytest.raises(TypeError, match="images must be uint8, got float32"):
+        ArraySource(torch.zeros((4, 5, 5), requires_grad=True), torch.arange(4))
+
+
+@pytest.mark.cuda
+def test_array_source_takes_cuda_tensors():
+    images = torch.arange(4 * 5 * 5, dtype=torch.uint8).reshape(4, 5, 5)
+    src = ArraySource(images.cuda(), torch.arange(4, device="cuda"))
+    np.testing.assert_array_equal(src.images[..., 0], images.numpy())
+    assert src.labels.tolist() == [0, 1, 2, 3]
+
+
 # ---------------------------------------------------------------- labels are integers >= 0
 @pytest.mark.parametrize("labels, match", [
     ([0, 1, 1.7, 2], r"labels\[2\] is 1\.7"),
