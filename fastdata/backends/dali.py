@@ -73,8 +73,11 @@ a broken one.
 
 Outputs: DALI 2.4's default executor (``exec_dynamic``) hands its buffers to torch through DLPack
 without a copy. They stay valid as long as torch holds them (DALI's ``TensorGPU.__dlpack__`` docs),
-and ``torch.from_dlpack`` passes torch's current stream, so DALI orders the hand-over with an event on
-that stream instead of a host wait.
+and ``torch.from_dlpack`` passes torch's current stream. The hand-over itself is a host wait:
+``DALIGenericIterator`` calls ``Pipeline.share_outputs()`` with no stream, which DALI 2.4 documents as
+"the outputs are synchronized with the host" (``nvidia/dali/pipeline.py``). It waits for the batch
+being handed over only, which DALI's prefetch queue (``prefetch_queue_depth``) has usually finished by
+then, not for torch's work on the GPU.
 """
 from __future__ import annotations
 
