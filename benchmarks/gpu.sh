@@ -7,7 +7,8 @@
 #
 # 1. `python -m fastdata doctor`: the driver, the CUDA build, what each backend gets.
 # 2. The whole test suite with FASTDATA_REQUIRE_CUDA set: every test marked `cuda` must run and pass
-#    (a missing or unusable GPU is a failure, not a skip), and every other test runs with CUDA present
+#    (a missing or unusable GPU, or a DALI/nvImageCodec that does not import, is a failure, not a skip;
+#    tests needing more GPUs than FASTDATA_REQUIRE_CUDA says still skip), and every other test runs with CUDA present
 #    (device=None means the GPU there). The log goes to benchmarks/results/tests-<tag>.txt.
 # 3. bench_loaders.py, bench_training.py and bench_accuracy.py (MNIST time to 99%, from ./data when
 #    MNIST is there), each writing benchmarks/results/<name>-cuda-<gpu>.{md,json,png}.

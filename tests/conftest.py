@@ -5,6 +5,8 @@ a usable GPU they skip, saying why. ``FASTDATA_REQUIRE_CUDA=N`` (N >= 1: the GPU
 turns those skips into failures: the first run on a GPU machine then cannot pass by skipping, and a
 machine whose ``nvidia-smi`` lists GPUs that torch cannot use (a driver older than torch's CUDA build
 needs) fails instead of quietly testing the CPU paths. Tests that need more GPUs than N still skip.
+It also fails, instead of skipping, a test whose GPU-path package (DALI, nvImageCodec) does not import
+(``skip_missing``; ``backend_params`` marks no backend skipped): a broken install there is a failure.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def backend_params(*, auto: bool = False) -> list:
     shows as skipped with its install hint, instead of silently dropping out of the run."""
     params = [pytest.param("auto", id="auto")] if auto else []
     for spec in registry.specs():
-        marks = [] if spec.available else [pytest.mark.skip(reason=spec.unavailable_reason)]
+        # Under FASTDATA_REQUIRE_CUDA no skip mark: the test runs and fails on the missing package.
+        marks = [] if spec.available or REQUIRED_GPUS else [pytest.mark.skip(reason=spec.unavailable_reason)]
         params.append(pytest.param(spec.name, marks=marks, id=spec.name))
     return params
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -80,6 +83,17 @@ def cuda_unavailable_reason(devices: int = 1) -> str | None:
 _NOT_RUN: list[str] = []
 
 
+def skip_missing(reason: str, *, allow_module_level: bool = False):
+    """Skip a test whose GPU-path package (DALI, nvImageCodec) is missing here, saying why; under
+    ``FASTDATA_REQUIRE_CUDA`` fail instead: the GPU run must exercise those paths, and a broken install
+    there (a DALI whose CUDA libraries do not load) must not pass by skipping."""
+    if REQUIRED_GPUS:
+        where = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0] or "(collecting a module)"
+        _NOT_RUN.append(f"{where}: {reason}")
+        pytest.fail(f"FASTDATA_REQUIRE_CUDA={REQUIRED_GPUS}: cannot run: {reason}", pytrace=False)
+    pytest.skip(reason, allow_module_level=allow_module_level)
+
+
 def pytest_runtest_setup(item):
     marker = item.get_closest_marker("cuda")
     if marker is None:
@@ -96,9 +110,9 @@ def pytest_runtest_setup(item):
 
 def pytest_terminal_summary(terminalreporter):
     if _NOT_RUN:
-        terminalreporter.section(f"FASTDATA_REQUIRE_CUDA={REQUIRED_GPUS}: CUDA tests that could not run")
-        for nodeid in _NOT_RUN:
-            terminalreporter.write_line(nodeid)
+        terminalreporter.section(f"FASTDATA_REQUIRE_CUDA={REQUIRED_GPUS}: tests that could not run")
+        for line in _NOT_RUN:
+            terminalreporter.write_line(line)
         terminalreporter.write_line(cuda_unavailable_reason(1) or "")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import procs
-from conftest import CONCRETE, decode_ids, indexed_source
+from conftest import CONCRETE, decode_ids, indexed_source, skip_missing
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ArraySource, DatasetSource, ImageFolder, make_image_folder
 
@@ -321,7 +321,7 @@ def test_backends_that_augment_whole_batches_refuse_a_per_sample_transform(backe
     from fastdata import registry
 
     if not registry.spec(backend).available:
-        pytest.skip(registry.spec(backend).unavailable_reason)
+        skip_missing(registry.spec(backend).unavailable_reason)
     src = _TransformedArrays(np.zeros((16, 4, 4), np.uint8), np.arange(16) % 2)
     with pytest.raises(TypeError, match=f"backend '{backend}' cannot run the per-sample transform.*"
                                         r"batch_transforms=\[\.\.\.\].*'torch' or 'prefetch'"):

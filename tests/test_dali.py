@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("nvidia.dali.plugin.pytorch", reason="the dali backend needs nvidia-dali-cuda120")
+from conftest import MEAN, STD, decode_ids, indexed_source, label_of, skip_missing  # noqa: E402
 
-from conftest import MEAN, STD, decode_ids, indexed_source, label_of  # noqa: E402
+try:
+    import nvidia.dali.plugin.pytorch  # noqa: F401
+except ImportError as e:
+    skip_missing(f"the dali backend needs nvidia-dali-cuda120 ({e})", allow_module_level=True)
 from fastdata import make_loader  # noqa: E402
 from fastdata.config import Augmentation  # noqa: E402
 from fastdata.datasets import ArraySource, ImageFolder  # noqa: E402

@@ -5,6 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import skip_missing
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits
 from fastdata.transforms import draw_params
@@ -571,7 +572,7 @@ def test_fast_builds_cache_the_process_builds_pixels(mixed_folder, build, worker
     from fastdata.backends import memory
 
     if build == "nvimgcodec" and memory._nvimgcodec() is None:
-        pytest.skip("nvImageCodec is not installed")
+        skip_missing("nvImageCodec is not installed")
     src = ImageFolder(mixed_folder)
     ref = _cache(src, "processes", cache_workers=2)
     got = _cache(src, build, cache_workers=workers)
@@ -595,7 +596,7 @@ def test_a_broken_file_is_named_or_skipped_once_by_every_build(tmp_path, build):
     from fastdata.errors import DecodeError
 
     if build == "nvimgcodec" and memory._nvimgcodec() is None:
-        pytest.skip("nvImageCodec is not installed")
+        skip_missing("nvImageCodec is not installed")
     src = ImageFolder(_mixed_folder(tmp_path / "broken", broken=True))
     with pytest.raises(DecodeError, match="img_00001.jpg"):
         _cache(src, build, cache_workers=2)
@@ -641,7 +642,7 @@ def test_nvimgcodec_builds_the_cache_on_the_gpu(mixed_folder):
     from fastdata.backends import memory
 
     if memory._nvimgcodec() is None:
-        pytest.skip("nvImageCodec is not installed")
+        skip_missing("nvImageCodec is not installed")
     src = ImageFolder(mixed_folder)
     ref = _cache(src, "threads")
     aug = Augmentation.imagenet_train(size=64)
@@ -681,7 +682,7 @@ def test_nvimgcodec_turns_exif_rotated_photos_as_pil_does(tmp_path, orientation)
     from fastdata.backends.memory import NvWholeDecoder, WholePhotos, _nvimgcodec
 
     if _nvimgcodec() is None:
-        pytest.skip("nvImageCodec is not installed")
+        skip_missing("nvImageCodec is not installed")
     d = tmp_path / "c"
     d.mkdir()
     exif = Image.Exif()
@@ -704,7 +705,7 @@ def test_nvimgcodec_splits_its_decode_calls_by_decoded_bytes(mixed_folder, monke
     from fastdata.backends import memory
 
     if memory._nvimgcodec() is None:
-        pytest.skip("nvImageCodec is not installed")
+        skip_missing("nvImageCodec is not installed")
     src = ImageFolder(mixed_folder)
     ref = _cache(src, "threads", cache_size=320)   # photos under 640 px: nvImageCodec decodes them on the CPU
     calls = []

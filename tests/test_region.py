@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import skip_missing
 from fastdata import region
 from fastdata.datasets import make_image_folder
 from fastdata.errors import DecodeError
 from fastdata.transforms import rrc_params
 
-pytestmark = pytest.mark.skipif(not region.region_available(), reason=region.region_decoder_status())
+if not region.region_available():
+    skip_missing(region.region_decoder_status(), allow_module_level=True)
 
 MAX_DIFF, MEAN_DIFF = 1, 0.01
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BACKENDS, backend_params, decode_ids, indexed_source
+from conftest import BACKENDS, backend_params, decode_ids, indexed_source, skip_missing
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import DatasetSource
 from procs import children, wait_until
@@ -258,12 +258,13 @@ FORK_AFTER_DALI = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif("dali" not in BACKENDS, reason="needs nvidia-dali")
 def test_workers_forked_while_a_dead_dali_pipeline_awaits_collection_do_not_hang(tmp_path):
     """Found here: a dead DALI pipeline collected inside a forked DataLoader worker deadlocks that worker
     in the pipeline's destructor (pthread_cond_destroy) and the main process waits for its batch forever;
     the decode layer now collects such garbage in the parent before it forks
     (fastdata.decode.collect_before_fork)."""
+    if "dali" not in BACKENDS:
+        skip_missing("needs nvidia-dali")
     script = tmp_path / "fork_after_dali.py"
     script.write_text(FORK_AFTER_DALI.format(tests=str(ROOT / "tests"), root=str(tmp_path / "photos")))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

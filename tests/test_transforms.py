@@ -6,6 +6,7 @@ import pickle
 import numpy as np
 import pytest
 
+from conftest import skip_missing
 from fastdata import Augmentation
 from fastdata.config import Crop
 from fastdata.datasets import SourceKind, SyntheticDigits
@@ -228,7 +229,7 @@ def _region_or_skip():
     from fastdata.region import region_available, region_decoder_status
 
     if not region_available():
-        pytest.skip(region_decoder_status())
+        skip_missing(region_decoder_status())
 
 
 def test_load_photo_decodes_only_the_window_with_the_full_decodes_pixels(photo_folder, monkeypatch):
