@@ -54,8 +54,9 @@ def init_distributed(device=None) -> torch.device:
     """Initialize the process group when launched by ``torchrun``; return this process's device.
 
     nccl for CUDA, gloo for CPU. On CUDA each process takes its GPU (``config.rank_gpu``:
-    ``cuda:LOCAL_RANK``, or ``cuda:0`` where it sees only its own) and makes it the current device *before* loaders are built, so ``device=None`` resolves to the right GPU and NCCL
-    does not pile every rank onto GPU 0.
+    ``cuda:LOCAL_RANK``, or ``cuda:0`` where it sees only its own) and makes it the current device
+    *before* loaders are built, so ``device=None`` resolves to the right GPU and NCCL does not pile
+    every rank onto GPU 0.
 
     Args:
         device: ``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``; an explicit index is
@@ -240,6 +241,12 @@ def gather_objects(obj, group=None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def gather_on_cpu(obj) -> list:
+    """Every rank's ``obj`` in rank order, through a gloo group (CPU objects such as RNG states need no
+    trip through a GPU under nccl); ``[obj]`` in a single process. Collective: every rank calls it."""
+    return gather_objects(obj, group=_cpu_group(None)) if is_distributed() else [obj]
 
 
 def _supports(group, device: torch.device) -> bool:

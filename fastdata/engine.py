@@ -632,14 +632,18 @@ class TrainingState:
                 print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}"
                       f"{resplit}", flush=True)
 
-    def state_dict(self, position: dict, partial: list[float]) -> dict:
-        """The checkpoint's contents at ``position`` (the loader's state_dict) with ``partial`` sums."""
+    def state_dict(self, position: dict, partial: list[float], rng_ranks: list[dict] | None = None) -> dict:
+        """The checkpoint's contents at ``position`` (the loader's state_dict) with ``partial`` sums.
+        ``rng_ranks``: every rank's ``ckpt.rng_state()`` in rank order (default: this process's alone).
+        ``"rng"`` is rank 0's (what a checkpoint before ``"rng_ranks"`` held, and what a resume on
+        another world size restores on every rank)."""
         step = self.step
+        rng_ranks = rng_ranks or [ckpt.rng_state()]
         return {
             "format": self.FORMAT, "model": step.raw.state_dict(), "optimizer": step.optimizer.state_dict(),
             "scaler": step.scaler.state_dict(),
             "scheduler": step.scheduler.state_dict() if step.scheduler is not None else None,
-            "loader": position, "rng": ckpt.rng_state(), "partial": list(partial),
+            "loader": position, "rng": rng_ranks[0], "rng_ranks": rng_ranks, "partial": list(partial),
             "history": list(self.history), "amp": step.mode, "world_size": fdist.world_size(),
         }
 
@@ -659,7 +663,11 @@ class TrainingState:
         if step.scheduler is not None and state["scheduler"] is not None:
             step.scheduler.load_state_dict(state["scheduler"])
         self.loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
+        # Each rank its own generators (dropout and a model's other random ops draw from them; under DDP
+        # rank r's GPU generator is cuda:r's, which only rank r's process ever advanced). Resumed on
+        # another world size, every rank takes rank 0's, as before "rng_ranks" existed.
+        ranks = state.get("rng_ranks") or []
+        ckpt.set_rng_state(ranks[fdist.rank()] if len(ranks) == fdist.world_size() else state["rng"])
         # Read back from the loader, which has validated it: the one record of the position, in this
         # run's layout (a checkpoint of another world size or batch size re-splits the epoch's rest).
         position = self.loader.state_dict()
@@ -672,9 +680,12 @@ class TrainingState:
         self.partial = list(state["partial"]) if fdist.is_main() else [0.0, 0.0, 0.0]
 
     def save(self, path, position: dict, partial: list[float] | None = None) -> None:
-        """Save at ``position`` (rank 0 only: one file for the run)."""
+        """Save at ``position`` (rank 0 writes one file for the run). Collective under DDP: every rank
+        calls it at the same batch, and sends rank 0 its RNG states."""
+        rng_ranks = fdist.gather_on_cpu(ckpt.rng_state())
         if fdist.is_main():
-            ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0]), path, storage=self.storage)
+            ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0], rng_ranks), path,
+                      storage=self.storage)
 
     def mid_epoch(self, epoch: int) -> bool:
         """Whether ``epoch`` is a resumed half-done epoch (its loader must not be ``set_epoch``'d: that

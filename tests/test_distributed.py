@@ -174,6 +174,77 @@ def test_ddp_rank_with_empty_batches_stays_in_step(tmp_path):
     assert all(math.isfinite(v) for v in r0["params"])
 
 
+# ------------------------------------------------------------------------------ resume: each rank's RNG
+RNG_RESUME_SCRIPT = """
+import json, sys
+import numpy as np
+import torch
+from torch import nn
+from fastdata import Augmentation, make_loader
+from fastdata import distributed as fdist
+from fastdata.datasets import ArraySource
+from fastdata.engine import fit
+
+phase, path = sys.argv[1], sys.argv[2]
+device = fdist.init_distributed("cpu")
+rank = fdist.rank()
+images = np.random.default_rng(0).integers(0, 256, (64, 8, 8), dtype=np.uint8)
+loader = make_loader(ArraySource(images, np.arange(64) % 10), "torch", batch_size=8, num_workers=0, seed=3,
+                     augment=Augmentation.none(), device=device)
+
+class Crash(Exception):
+    pass
+
+class Draws:
+    \"\"\"Each batch draws from the global generator, as dropout does; phase "crash" stops in epoch 2.\"\"\"
+    def __init__(self, inner):
+        self.inner, self.device, self.draws, self.epoch = inner, inner.device, [], 0
+    def __len__(self): return len(self.inner)
+    def set_epoch(self, e): self.epoch = e; self.inner.set_epoch(e)
+    def state_dict(self): return self.inner.state_dict()
+    def load_state_dict(self, s): self.inner.load_state_dict(s); self.epoch = s["epoch"]
+    def __iter__(self):
+        for k, batch in enumerate(self.inner):
+            if phase == "crash" and self.epoch == 1 and k == 2:
+                raise Crash
+            self.draws.append(torch.rand(1).item())
+            yield batch
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Flatten(1), nn.Dropout(0.5), nn.Linear(64, 10))
+torch.manual_seed(1000 + rank)   # each rank's own stream of dropout masks
+data = Draws(loader)
+try:
+    fit(model, data, epochs=2, checkpoint=path, resume=phase == "resume", progress=False)
+except Crash:
+    pass
+params = torch.cat([p.detach().flatten() for p in model.parameters()])
+with open(f"rank{rank}.json", "w") as f:
+    json.dump({"draws": data.draws, "params": params.tolist()}, f)
+fdist.cleanup()
+"""
+
+
+@pytest.mark.slow
+def test_a_resumed_ddp_run_gives_each_rank_its_own_rng_back(tmp_path):
+    """Each rank draws its own dropout masks (its own global generator). Crashed in epoch 2 and resumed
+    from epoch 1's checkpoint on 2 ranks, every rank draws what the uninterrupted run drew, and the
+    weights end equal. Before checkpoints held every rank's RNG, rank 1 resumed with rank 0's."""
+    runs = {}
+    for phase in ("full", "crash", "resume"):
+        cwd = tmp_path / phase
+        cwd.mkdir()
+        checkpoint = tmp_path / ("full.pt" if phase == "full" else "c.pt")
+        runs[phase] = _torchrun(RNG_RESUME_SCRIPT, [phase, str(checkpoint)], cwd)
+    per_epoch = len(runs["full"][0]["draws"]) // 2
+    for rank in (0, 1):
+        full, crash, resume = (runs[p][rank] for p in ("full", "crash", "resume"))
+        assert crash["draws"][:per_epoch] == full["draws"][:per_epoch]
+        assert resume["draws"] == full["draws"][per_epoch:], f"rank {rank}"
+        assert resume["params"] == full["params"], f"rank {rank}"
+    assert runs["full"][0]["draws"] != runs["full"][1]["draws"]
+
+
 # ------------------------------------------------------------------------------------- two GPUs
 TWO_GPU_SCRIPT = """
 import json, os
