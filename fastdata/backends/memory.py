@@ -472,6 +472,13 @@ class NvWholeDecoder:
                 place(host[j], small)
                 sizes[j] = (H, W, *small.shape[:2])
                 ok[j] = True
+            if self.cuda:
+                # The resizes and row copies above still read the decoded images on the GPU; which stream
+                # nvImageCodec 0.9 frees an Image's buffer on is not documented (Image.cuda_stream is
+                # the decode's, torch's current one, but the Python binding does not say it frees
+                # there), so the images go only once the work reading them is done: one wait per
+                # group of up to 64 photos while the cache is built, never per batch.
+                torch.cuda.current_stream(self.device).synchronize()
             del images   # this group's decoded photos go before the next group's are allocated
         for j in sorted(fallback):
             try:
