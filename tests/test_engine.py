@@ -1250,3 +1250,51 @@ def test_a_scheduler_on_another_optimizer_is_refused():
     with pytest.raises(ValueError, match=r"scheduler was built on another optimizer.*fit\(optimizer=opt"):
         fit(model, loader, epochs=1, scheduler=sched, progress=False)
     assert loader.iters == 0
+
+
+# ---------------------------------------------------------------- torch.compile
+def _compiled_fit(device: str, compile: bool, amp: str = "off"):
+    """Two epochs of 44 samples in batches of 16 (the last one 12: a second shape) with evaluation."""
+    import numpy as np
+
+    images = np.random.default_rng(0).integers(0, 256, (44, 8, 8), dtype=np.uint8)
+    src = ArraySource(images, np.arange(44) % 4)
+    train = make_loader(src, "memory", batch_size=16, drop_last=False, device=device, augment=Augmentation.none())
+    evaluation = make_loader(src, "memory", batch_size=16, drop_last=False, device=device, train=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(1), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 4))
+    return fit(model, train, epochs=2, eval_loader=evaluation, compile=compile, amp=amp, progress=False)
+
+
+def _check_compiled_fit(monkeypatch, device: str, amp: str = "off"):
+    compiled = []
+    real = torch.compile
+
+    def counting(model, *args, **kwargs):
+        compiled.append(type(model).__name__)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting)
+    eager = _compiled_fit(device, compile=False, amp=amp)
+    assert compiled == []
+    history = _compiled_fit(device, compile=True, amp=amp)
+    assert compiled == ["Sequential"]
+    # Autocast's reduced precision lets fused kernels round differently: a loose bound there (one sample
+    # of 44 may flip its prediction), a tight one in fp32.
+    loss_tol, acc_tol = (2e-2, 0.05) if amp != "off" else (1e-4, 1e-6)
+    for a, b in zip(history, eager, strict=True):
+        for key in ("train_loss", "eval_loss"):
+            assert math.isclose(a[key], b[key], rel_tol=loss_tol), (key, a, b)
+        for key in ("train_accuracy", "eval_accuracy"):
+            assert abs(a[key] - b[key]) <= acc_tol, (key, a, b)
+
+
+def test_fit_compiles_the_model_and_trains_as_eager_does(monkeypatch):
+    """compile=True runs the model through torch.compile (inductor's C++ backend on the CPU): a short
+    last batch (a second shape) and evaluation under no_grad both run, and the figures are eager's."""
+    _check_compiled_fit(monkeypatch, "cpu")
+
+
+@pytest.mark.cuda
+def test_fit_compiles_the_model_on_a_gpu(monkeypatch):
+    _check_compiled_fit(monkeypatch, "cuda", amp="auto")   # bf16 where the GPU has it, else fp16
