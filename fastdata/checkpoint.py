@@ -89,6 +89,12 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be read back: empty, truncated, corrupt or not a checkpoint."""
 
 
+class ResumeError(CheckpointError):
+    """A checkpoint that reads but cannot continue this run: another dataset or sample order, or a
+    one-cycle schedule the run would step past its end. A CheckpointError, so a caller that turns an
+    unusable checkpoint into one line of error catches both."""
+
+
 def load(path, map_location="cpu", storage=None) -> dict:
     """Load a checkpoint written by ``save`` (``weights_only=True``: no arbitrary code runs).
 

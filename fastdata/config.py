@@ -118,7 +118,7 @@ def _real(name: str, value) -> float:
     return float(value)
 
 
-def _flag(name: str, value, *, optional: bool = False):
+def check_flag(name: str, value, *, optional: bool = False):
     # numpy's bool_ is accepted (it is what comparisons return); 0/1 are not: an int here is a mistake.
     if optional and value is None:
         return None
@@ -439,10 +439,10 @@ class LoaderConfig:
                 raise ValueError(f"num_workers must be an integer >= 0 (0 loads in the main process), "
                                  f"got {self.num_workers!r}")
             fix("num_workers", int(self.num_workers))
-        fix("train", _flag("train", self.train))
-        fix("shuffle", _flag("shuffle", self.shuffle, optional=True))
-        fix("drop_last", _flag("drop_last", self.drop_last, optional=True))
-        fix("channels_last", _flag("channels_last", self.channels_last))
+        fix("train", check_flag("train", self.train))
+        fix("shuffle", check_flag("shuffle", self.shuffle, optional=True))
+        fix("drop_last", check_flag("drop_last", self.drop_last, optional=True))
+        fix("channels_last", check_flag("channels_last", self.channels_last))
         # seed_for() mixes 32-bit words: seeds 2**32 apart would give identical orders.
         fix("seed", check_integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1))
         if not isinstance(self.on_error, str) or self.on_error not in ON_ERROR:

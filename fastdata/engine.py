@@ -153,7 +153,7 @@ def _check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int
     most = start_epoch + max(0, (total - taken + (start_batch if unit == "batch" else 0)) // per_epoch)
     passed = (f" (the one passed to fit was built for {built_total}, but a checkpoint's scheduler state "
               f"replaces it)" if built_total is not None and built_total != total else "")
-    raise ValueError(f"resuming: the checkpoint's OneCycleLR has total_steps={total}{passed} and has taken "
+    raise ckpt.ResumeError(f"resuming: the checkpoint's OneCycleLR has total_steps={total}{passed} and has taken "
                      f"{taken}; epochs={epochs} needs {left} more ({needed} in all, {shape}, stepped per "
                      f"{unit}): a one-cycle schedule cannot be stretched once it has started. Resume with "
                      f"epochs <= {most}, or start a new run (resume=False) from the checkpoint's weights with "
@@ -323,7 +323,10 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
     batch. Under DDP the model must therefore accept an empty batch (``x.flatten(1)``, not
     ``x.view(x.shape[0], -1)``).
     """
-    _check_fit_arguments(epochs, checkpoint, resume, checkpoint_every)
+    _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, epochs=epochs,
+                         checkpoint=checkpoint, resume=resume, checkpoint_every=checkpoint_every,
+                         flags={"compile": compile, "channels_last": channels_last, "progress": progress,
+                                "cudnn_benchmark": cudnn_benchmark, "tf32": tf32})
     resolve_scheduler_interval(None, scheduler_interval)  # an unknown value fails before anything starts
     device = _loader_device(train_loader)
     if eval_loader is not None and _loader_device(eval_loader) != device:
@@ -376,13 +379,44 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         return state.history
 
 
-def _check_fit_arguments(epochs, checkpoint, resume, checkpoint_every) -> None:
-    if not isinstance(epochs, int) or epochs < 0:
-        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-        raise ValueError(f"checkpoint_every must be a positive integer or None, got {checkpoint_every!r}")
+def _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, *, epochs,
+                         checkpoint, resume, checkpoint_every, flags: dict) -> None:
+    """Every argument of ``fit`` of the wrong kind, refused before anything starts and named: a string
+    where a scheduler belongs would otherwise fail only when the first epoch ends, and ``progress="no"``
+    or ``epochs=True`` would be taken as truthy values."""
+    from .config import check_flag, check_integer
+
+    check_integer("epochs", epochs, minimum=0)
+    if checkpoint_every is not None:
+        check_integer("checkpoint_every", checkpoint_every, minimum=1)
+    for name, value in flags.items():   # True or False, not 1 or "no"
+        check_flag(name, value)
+    check_flag("resume", resume)
     if (resume or checkpoint_every) and checkpoint is None:
         raise ValueError("resume and checkpoint_every need a checkpoint path")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {model!r} ({type(model).__name__})")
+    for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
+        if name == "eval_loader" and loader is None:
+            continue
+        missing = [a for a in ("device", "__iter__", "__len__") if not hasattr(loader, a)]
+        if missing:
+            plain = isinstance(loader, torch.utils.data.DataLoader)
+            hint = (": a torch DataLoader does not say where its batches are; build the loader with "
+                    "fastdata.make_loader(source, 'torch', ...)") if plain else ""
+            raise TypeError(f"{name} must be a fastdata loader (fastdata.make_loader) or an object with its "
+                            f"contract (.device, len(), iteration over (images, labels)); got "
+                            f"{type(loader).__name__} without {', '.join(missing)}{hint}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer on the model's parameters (or None: "
+                        f"AdamW), got {optimizer!r} ({type(optimizer).__name__})")
+    if scheduler is not None and not all(callable(getattr(scheduler, a, None)) for a in ("step", "state_dict")):
+        raise TypeError(f"scheduler must be a torch.optim.lr_scheduler scheduler built on the optimizer (an "
+                        f"object with step() and state_dict()), or None; got {scheduler!r} "
+                        f"({type(scheduler).__name__})")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(logits, labels) (e.g. nn.CrossEntropyLoss()), "
+                        f"or None; got {loss_fn!r} ({type(loss_fn).__name__})")
 
 
 @contextlib.contextmanager
@@ -662,7 +696,10 @@ class TrainingState:
             step.scaler.load_state_dict(state["scaler"])
         if step.scheduler is not None and state["scheduler"] is not None:
             step.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["loader"])
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except (ValueError, TypeError) as e:   # another dataset, order or loader kind: not this run's
+            raise ckpt.ResumeError(f"'{path}' cannot resume this run: {e}") from e
         # Each rank its own generators (dropout and a model's other random ops draw from them; under DDP
         # rank r's GPU generator is cuda:r's, which only rank r's process ever advanced). Resumed on
         # another world size, every rank takes rank 0's, as before "rng_ranks" existed.

@@ -1217,8 +1217,8 @@ def test_resuming_beyond_a_finished_one_cycle_schedule_is_refused_up_front(tmp_p
 
     run(2, ListLoader(_batches(3)), False)
     loader = ListLoader(_batches(3))
-    with pytest.raises(ValueError, match=r"resuming: the checkpoint's OneCycleLR has total_steps=6 \(the one passed "
-                                         r"to fit was built for 9, but a checkpoint's scheduler state replaces "
+    with pytest.raises(ckpt.ResumeError, match=r"resuming: the checkpoint's OneCycleLR has total_steps=6 \(the one "
+                                         r"passed to fit was built for 9, but a checkpoint's scheduler state replaces "
                                          r"it\) and has taken 6; epochs=3 needs 3 more \(9 in all, 3 epochs x 3 "
                                          r"batches, stepped per batch\).*Resume with epochs <= 2, or start a new "
                                          r"run \(resume=False\)"):
@@ -1298,3 +1298,56 @@ def test_fit_compiles_the_model_and_trains_as_eager_does(monkeypatch):
 @pytest.mark.cuda
 def test_fit_compiles_the_model_on_a_gpu(monkeypatch):
     _check_compiled_fit(monkeypatch, "cuda", amp="auto")   # bf16 where the GPU has it, else fp16
+
+
+# ---------------------------------------------------------------- fit's arguments
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"epochs": True}, TypeError, r"epochs must be an integer, got True"),
+    ({"epochs": 1.5}, TypeError, r"epochs must be an integer, got 1.5"),
+    ({"epochs": -1}, ValueError, r"epochs must be an integer >= 0, got -1"),
+    ({"checkpoint_every": True}, TypeError, r"checkpoint_every must be an integer, got True"),
+    ({"compile": "yes"}, TypeError, r"compile must be True or False, got 'yes'"),
+    ({"progress": "no"}, TypeError, r"progress must be True or False, got 'no'"),
+    ({"channels_last": 1}, TypeError, r"channels_last must be True or False, got 1"),
+    ({"cudnn_benchmark": "x"}, TypeError, r"cudnn_benchmark must be True or False"),
+    ({"tf32": None}, TypeError, r"tf32 must be True or False, got None"),
+    ({"resume": "yes"}, TypeError, r"resume must be True or False, got 'yes'"),
+    ({"scheduler": "cos"}, TypeError, r"scheduler must be a torch.optim.lr_scheduler scheduler .* got 'cos' \(str\)"),
+    ({"optimizer": "sgd"}, TypeError, r"optimizer must be a torch.optim.Optimizer .* got 'sgd' \(str\)"),
+    ({"loss_fn": "ce"}, TypeError, r"loss_fn must be callable .* got 'ce' \(str\)"),
+    ({"eval_loader": "x"}, TypeError, r"eval_loader must be a fastdata loader .* got str without device"),
+])
+def test_fit_refuses_an_argument_of_the_wrong_kind_before_training(kwargs, error, match):
+    """Before: a string scheduler failed after a whole epoch, "no" showed the bar, True trained an epoch."""
+    loader = ListLoader(_batches(2))
+    args = {"epochs": 1, "progress": False, **kwargs}
+    with pytest.raises(error, match=match):
+        fit(SmallCNN(width=4), loader, **args)
+    assert loader.iters == 0
+
+
+def test_fit_names_a_plain_dataloader_and_a_model_that_is_not_a_module():
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 1, 8, 8),
+                                                                      torch.zeros(4, dtype=torch.long)))
+    with pytest.raises(TypeError, match=r"train_loader must be a fastdata loader .* got DataLoader without device: "
+                                        r"a torch DataLoader .* fastdata.make_loader\(source, 'torch', ...\)"):
+        fit(SmallCNN(width=4), data, epochs=1, progress=False)
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got 'cnn' \(str\)"):
+        fit("cnn", ListLoader(_batches(2)), epochs=1, progress=False)
+
+
+def test_resuming_on_another_dataset_is_a_resume_error_naming_the_checkpoint(tmp_path):
+    """A CheckpointError (ResumeError): the examples turn it into one line instead of a traceback."""
+    import numpy as np
+
+    def loader(seed):
+        images = np.random.default_rng(seed).integers(0, 256, (32, 8, 8), dtype=np.uint8)
+        return make_loader(ArraySource(images, np.arange(32) % 4), "memory", batch_size=8, device="cpu",
+                           augment=Augmentation.none())
+
+    path = tmp_path / "c.pt"
+    fit(nn.Sequential(nn.Flatten(1), nn.Linear(64, 4)), loader(0), epochs=1, checkpoint=path, progress=False)
+    with pytest.raises(ckpt.ResumeError, match=r"'.*c.pt' cannot resume this run: cannot resume this loader"):
+        fit(nn.Sequential(nn.Flatten(1), nn.Linear(64, 4)), loader(1), epochs=2, checkpoint=path, resume=True,
+            progress=False)
+    assert issubclass(ckpt.ResumeError, ckpt.CheckpointError)
