@@ -25,6 +25,7 @@ import pickle
 import random
 import re
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,9 @@ def _atomic_write(path: Path, write) -> None:
         raise FileNotFoundError(f"cannot save checkpoint '{path}': folder '{folder}' does not exist")
     fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=folder)  # raises if not writable
     try:
+        # mkstemp makes the file 0600 and os.replace keeps that: give it the mode open() would, so a
+        # team's shared run folder can read (and resume from) the checkpoint as from torch.save's.
+        os.chmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -70,6 +74,13 @@ def _atomic_write(path: Path, write) -> None:
             pass
         raise
     _fsync_folder(folder)  # makes the rename itself durable
+
+
+def _umask() -> int:
+    """The process's umask. os.umask can only be read by setting it, so it is set back at once."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -136,6 +147,7 @@ def _torch_load(source, path, size: int, map_location) -> dict:
     if size == 0:
         raise CheckpointError(f"checkpoint '{path}' is empty (0 bytes): it was never written completely; "
                               f"delete it to start afresh")
+    _check_crcs(source, path, size)
     try:
         state = torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -152,6 +164,26 @@ def _torch_load(source, path, size: int, map_location) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint '{path}' holds a {type(state).__name__}, not a checkpoint dict")
     return state
+
+
+def _check_crcs(source, path, size: int) -> None:
+    """Refuse a checkpoint whose bytes changed after it was written (a flipped block on a disk or in a
+    copy). torch.save writes a zip archive with each entry's CRC-32, but torch.load does not check
+    them: a damaged tensor loads as wrong weights and training goes on from them. Checking reads the
+    file once more (about a second per GB). Not a zip archive, or a cut-off one: torch.load's own
+    errors say so below."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        bad = None
+    finally:
+        if hasattr(source, "seek"):
+            source.seek(0)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is corrupt: its entry '{bad}' fails its "
+                              f"CRC-32 check, so the file changed after it was written (a damaged disk or "
+                              f"copy); delete it to start afresh or point to an intact copy")
 
 
 def _first_line(e: BaseException) -> str:

@@ -21,6 +21,17 @@ def test_roundtrip_loads_with_weights_only(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
 
 
+def test_a_checkpoint_gets_the_mode_the_umask_gives(tmp_path):
+    """Not mkstemp's 0600: other users of a shared run folder can read it, as a torch.save file."""
+    before = os.umask(0o027)
+    try:
+        path = ckpt.save(_state(1.0), tmp_path / "c.pt")
+        (tmp_path / "plain").write_bytes(b"x")
+    finally:
+        os.umask(before)
+    assert path.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o640
+
+
 def test_rng_state_restores_every_generator():
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     np.random.normal()  # leaves a cached gaussian in numpy's state

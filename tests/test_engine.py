@@ -442,12 +442,28 @@ def test_an_unusable_checkpoint_path_is_refused_before_training(tmp_path):
     assert (tmp_path / "new" / "deeper" / "c.pt").is_file()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def _flip_a_tensor_byte(data: bytes) -> bytes:
+    """``data`` (a torch.save zip archive) with one byte of its largest tensor's storage inverted."""
+    import io
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        entry = max(archive.infolist(), key=lambda i: i.file_size)
+    name_len, extra_len = struct.unpack("<HH", data[entry.header_offset + 26: entry.header_offset + 30])
+    at = entry.header_offset + 30 + name_len + extra_len + entry.file_size // 2
+    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "corrupt"])
 def test_resuming_from_a_damaged_checkpoint_names_it(tmp_path, damage):
+    """"corrupt": one flipped byte in a weight. torch.load does not check the archive's CRCs, so the
+    run resumed from the damaged weights without a word."""
     path = tmp_path / "c.pt"
     fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, checkpoint=path, progress=False)
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
+    path.write_bytes({"truncated": data[: len(data) // 2], "empty": b"",
+                      "corrupt": _flip_a_tensor_byte(data)}[damage])
     loader = ListLoader(_batches(2))
     with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint '.*c.pt'.* is {damage}"):
         fit(SmallCNN(width=4), loader, epochs=2, checkpoint=path, resume=True, progress=False)
