@@ -611,6 +611,21 @@ class EpochMeter:
 
 
 # ---------------------------------------------------------------------------- the training state
+def _state_dict_mismatch(saved: dict, now: dict, shown: int = 3) -> str:
+    """What differs between a saved model state_dict and this model's (names missing, unexpected, of
+    another shape), the first few of each, or "" when they match."""
+    missing = [k for k in now if k not in saved]
+    unexpected = [k for k in saved if k not in now]
+    shapes = [f"{k} {tuple(saved[k].shape)} saved, {tuple(now[k].shape)} here" for k in now
+              if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(now[k].shape)]
+    parts = []
+    for what, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)):
+        if names:
+            more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+            parts.append(f"{len(names)} {what} ({', '.join(names[:shown])}{more})")
+    return "; ".join(parts)
+
+
 class TrainingState:
     """Everything a resumed run needs, saved to and restored from one checkpoint.
 
@@ -679,13 +694,55 @@ class TrainingState:
             "scheduler": step.scheduler.state_dict() if step.scheduler is not None else None,
             "loader": position, "rng": rng_ranks[0], "rng_ranks": rng_ranks, "partial": list(partial),
             "history": list(self.history), "amp": step.mode, "world_size": fdist.world_size(),
+            # Class names, checked on resume: an optimizer's or scheduler's state loads into any other
+            # class without complaint and fails (or silently misbehaves) later.
+            "optimizer_class": type(step.optimizer).__name__,
+            "scheduler_class": type(step.scheduler).__name__ if step.scheduler is not None else None,
         }
 
-    def load_state_dict(self, state: dict, path="checkpoint") -> None:
-        """Restore a checkpoint's contents; the loader checks and takes the position."""
+    #: What every checkpoint this version reads holds (format 1 as well as 2).
+    KEYS = ("model", "optimizer", "scaler", "scheduler", "loader", "rng", "partial", "history", "amp")
+
+    def check_restorable(self, state: dict, path="checkpoint") -> None:
+        """Refuse, before anything is restored, a checkpoint this run cannot take: another format, keys
+        missing, another model (names or shapes), another optimizer class or parameter layout, another
+        scheduler class. ``CheckpointError`` for a file that is not a whole fastdata checkpoint,
+        ``ResumeError`` for one of another run. Without these checks torch's own errors came after the
+        model was overwritten (hundreds of key names, no path), or not at all (an AdamW state loaded
+        into SGD failed at its first step with KeyError: 'momentum')."""
         if state.get("format") not in self.READS:
-            raise ValueError(f"'{path}' is not a fastdata checkpoint this version reads (format "
-                             f"{state.get('format')!r}; reads {list(self.READS)})")
+            raise ckpt.CheckpointError(f"'{path}' is not a fastdata checkpoint this version reads (format "
+                                       f"{state.get('format')!r}; reads {list(self.READS)})")
+        missing = [k for k in self.KEYS if k not in state]
+        if missing:
+            raise ckpt.CheckpointError(f"'{path}' is a {state['format']} checkpoint without {missing}: it was "
+                                       f"not written whole by fit")
+        step = self.step
+        problems = _state_dict_mismatch(state["model"], step.raw.state_dict())
+        if problems:
+            raise ckpt.ResumeError(f"'{path}' holds the weights of another model than "
+                                   f"{type(step.raw).__name__}: {problems}")
+        for part, now in (("optimizer", step.optimizer), ("scheduler", step.scheduler)):
+            saved = state.get(f"{part}_class")
+            if saved is not None and now is not None and saved != type(now).__name__:
+                raise ckpt.ResumeError(f"'{path}' was trained with a {saved} {part}; this run's is "
+                                       f"{type(now).__name__}: its state does not fit it. Resume with the "
+                                       f"{part} of that run, or start a new run (resume=False)")
+        layout = [len(g["params"]) for g in state["optimizer"].get("param_groups", [])]
+        here = [len(g["params"]) for g in step.optimizer.param_groups]
+        if layout != here:
+            raise ckpt.ResumeError(f"'{path}' has an optimizer of {len(layout)} parameter group(s) of "
+                                   f"{layout} parameters; this run's has {len(here)} of {here}")
+
+    def load_state_dict(self, state: dict, path="checkpoint") -> None:
+        """Restore a checkpoint's contents, all or nothing: ``check_restorable`` first, then the loader
+        (it checks the position against its dataset and order before taking it), and only then the
+        model, optimizer and the rest, so a refused checkpoint leaves every object as it was."""
+        self.check_restorable(state, path)
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except (ValueError, TypeError) as e:   # another dataset, order or loader kind: not this run's
+            raise ckpt.ResumeError(f"'{path}' cannot resume this run: {e}") from e
         step = self.step
         step.raw.load_state_dict(state["model"])
         step.optimizer.load_state_dict(state["optimizer"])
@@ -696,10 +753,6 @@ class TrainingState:
             step.scaler.load_state_dict(state["scaler"])
         if step.scheduler is not None and state["scheduler"] is not None:
             step.scheduler.load_state_dict(state["scheduler"])
-        try:
-            self.loader.load_state_dict(state["loader"])
-        except (ValueError, TypeError) as e:   # another dataset, order or loader kind: not this run's
-            raise ckpt.ResumeError(f"'{path}' cannot resume this run: {e}") from e
         # Each rank its own generators (dropout and a model's other random ops draw from them; under DDP
         # rank r's GPU generator is cuda:r's, which only rank r's process ever advanced). Resumed on
         # another world size, every rank takes rank 0's, as before "rng_ranks" existed.

@@ -1367,3 +1367,70 @@ def test_resuming_on_another_dataset_is_a_resume_error_naming_the_checkpoint(tmp
         fit(nn.Sequential(nn.Flatten(1), nn.Linear(64, 4)), loader(1), epochs=2, checkpoint=path, resume=True,
             progress=False)
     assert issubclass(ckpt.ResumeError, ckpt.CheckpointError)
+
+
+# ---------------------------------------------------------------- checkpoints of another run
+def _saved_run(path, model=None, optimizer=None):
+    model = model or SmallCNN(width=4)
+    fit(model, ListLoader(_batches(2)), epochs=1, checkpoint=path, optimizer=optimizer, progress=False)
+    return model
+
+
+def _resume(path, model, loader=None, **kwargs):
+    return fit(model, loader or ListLoader(_batches(2)), epochs=2, checkpoint=path, resume=True, progress=False,
+               **kwargs)
+
+
+def test_a_file_that_is_not_a_whole_fastdata_checkpoint_is_a_checkpoint_error(tmp_path):
+    path = tmp_path / "c.pt"
+    torch.save(SmallCNN(width=4).state_dict(), path)   # a plain state_dict, as torch users save them
+    with pytest.raises(ckpt.CheckpointError, match=r"c.pt' is not a fastdata checkpoint this version reads "
+                                                   r"\(format None"):
+        _resume(path, SmallCNN(width=4))
+    _saved_run(path)
+    state = ckpt.load(path)
+    del state["optimizer"]
+    ckpt.save(state, path)
+    with pytest.raises(ckpt.CheckpointError, match=r"c.pt' is a fastdata-checkpoint-2 checkpoint without "
+                                                   r"\['optimizer'\]"):
+        _resume(path, SmallCNN(width=4))
+
+
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused_before_anything_is_restored(tmp_path):
+    path = tmp_path / "c.pt"
+    _saved_run(path)                                      # SmallCNN(width=4), fit's AdamW
+    wider = SmallCNN(width=8)
+    before = _params(wider).clone()
+    with pytest.raises(ckpt.ResumeError, match=r"holds the weights of another model than SmallCNN: \d+ of another "
+                                               r"shape \(.*\(4, 1, 3, 3\) saved, \(8, 1, 3, 3\) here"):
+        _resume(path, wider)
+    assert torch.equal(_params(wider), before)
+    other = nn.Sequential(nn.Flatten(1), nn.Linear(256, 10))
+    with pytest.raises(ckpt.ResumeError, match=r"another model than Sequential: 2 missing \(1.weight, 1.bias\); "
+                                               r"\d+ unexpected"):
+        _resume(path, other)
+    model = SmallCNN(width=4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = _params(model).clone()
+    # Before: accepted, then the first step died inside torch with KeyError: 'momentum'.
+    with pytest.raises(ckpt.ResumeError, match=r"was trained with a AdamW optimizer; this run's is SGD"):
+        _resume(path, model, optimizer=sgd)
+    assert torch.equal(_params(model), before) and sgd.state_dict()["state"] == {}
+
+
+def test_a_refused_position_leaves_the_model_and_optimizer_as_they_were(tmp_path):
+    """The loader refuses the position (another dataset here) before the model or optimizer is touched."""
+    path = tmp_path / "c.pt"
+    _saved_run(path)
+
+    class OtherData(ListLoader):
+        def load_state_dict(self, state):
+            raise ValueError("seed was 0 and is now 1")
+
+    model = SmallCNN(width=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    before = _params(model).clone()
+    with pytest.raises(ckpt.ResumeError, match=r"c.pt' cannot resume this run: seed was 0 and is now 1"):
+        _resume(path, model, loader=OtherData(_batches(2)), optimizer=opt)
+    assert torch.equal(_params(model), before)
+    assert opt.param_groups[0]["lr"] == 0.5 and opt.state_dict()["state"] == {}
