@@ -184,7 +184,9 @@ def main(args) -> dict:
                           eval_loader=test_loader, amp=args.amp, compile=args.compile,
                           channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
                           checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
-        except CheckpointError as e:   # --resume from a file that is not a checkpoint: no traceback
+        # A file that is not a checkpoint, or one of another run: one line, no traceback. Under torchrun
+        # the other ranks get rank 0's verdict as a PreparationError: the same line, not a traceback.
+        except (CheckpointError, fdist.PreparationError) as e:
             raise SystemExit(f"error: --checkpoint: {e}") from None
         # --json-out records what ran: every flag as given (the resolved device and amp are the result's
         # own keys), and what the defaults resolved to.

@@ -339,6 +339,19 @@ def test_resuming_from_a_file_that_is_not_a_checkpoint_is_one_line(mnist_example
         mnist_example.main(args)
 
 
+def test_resuming_a_run_with_more_epochs_than_its_schedule_is_one_line(mnist_example, tmp_path):
+    """The checkpoint's OneCycleLR was built for 1 epoch: --epochs 2 --resume cannot continue it (a
+    ResumeError, printed as one line where it was a traceback)."""
+    common = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "64",
+              "--backend", "memory", "--device", "cpu", "--workers", "0", "--no-progress", "--batch-size", "128",
+              "--checkpoint", str(tmp_path / "ck.pt")]
+    mnist_example.main(mnist_example.get_args_parser().parse_args([*common, "--epochs", "1"]))
+    args = mnist_example.get_args_parser().parse_args([*common, "--epochs", "2", "--resume"])
+    with pytest.raises(SystemExit, match=r"error: --checkpoint: resuming: the checkpoint's OneCycleLR .* Resume "
+                                         r"with epochs <= 1"):
+        mnist_example.main(args)
+
+
 def test_imagefolder_example_skips_a_broken_file_with_on_error_and_trains_four_steps(folder_example, tmp_path):
     """ImageNet's training set holds a PNG named .JPEG: ``--on-error skip`` trains past it. 4 steps in all
     is the run OneCycleLR(pct_start=0.25) divided by zero on."""
