@@ -140,6 +140,13 @@ def _check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int
     unit = "batch" if interval == "step" else "epoch"
     left = (epochs - start_epoch) * batches - start_batch if unit == "batch" else epochs - start_epoch
     needed = taken + left
+    resumed = taken > 0 or start_epoch > 0 or start_batch > 0
+    if resumed and needed < total and unit == "batch":
+        # Resumed with more samples a step (another world size or batch size): fewer steps are left than
+        # the schedule has, and the run would stop mid-anneal at a high rate without a word.
+        warnings.warn(f"resuming: the checkpoint's OneCycleLR has total_steps={total} but this run ends it at "
+                      f"step {needed} (the steps per epoch changed: another world size or batch size), so "
+                      f"its learning rate stops before annealing to its end", RuntimeWarning, stacklevel=3)
     if needed <= total:
         return
     per_epoch = batches if unit == "batch" else 1

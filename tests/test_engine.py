@@ -1219,6 +1219,28 @@ def test_a_one_cycle_schedule_too_short_for_a_fresh_run_is_refused_up_front():
     assert exact.last_epoch == 6
 
 
+def test_resuming_a_one_cycle_schedule_with_fewer_steps_left_warns_that_it_stops_mid_anneal(tmp_path):
+    """Resumed on more ranks (or bigger batches) an epoch has fewer steps: the schedule, built for the
+    old count, would end at a high rate without a word."""
+    path = tmp_path / "c.pt"
+
+    def run(epochs, batches, resume):
+        model = SmallCNN(width=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=2, steps_per_epoch=4)
+        return fit(model, ListLoader(_batches(batches)), epochs=epochs, optimizer=opt, scheduler=sched,
+                   checkpoint=path, resume=resume, progress=False)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a fresh run of fewer steps than built for: no warning
+        run(1, 4, False)
+    with pytest.warns(RuntimeWarning, match=r"OneCycleLR has total_steps=8 but this run ends it at step 6 "
+                                            r"\(the steps per epoch changed"):
+        run(2, 2, True)
+
+
 def test_resuming_beyond_a_finished_one_cycle_schedule_is_refused_up_front(tmp_path):
     """Extending a finished one-cycle run by an epoch used to fail with torch's "Tried to step 7 times"
     after a whole epoch of work."""
