@@ -256,10 +256,11 @@ def warn_skipped(backend: str, count: int, epoch: int) -> None:
     Args:
         backend: the backend's name, first in the message.
         count: samples skipped (0: no warning).
-        epoch: the epoch they were skipped in.
+        epoch: the epoch they were skipped in, from 0 (``set_epoch``'s); the message counts from 1, as
+            ``fit``'s lines ("epoch 1/3") do.
     """
     if count:
-        warnings.warn(f"{backend}: skipped {count} undecodable sample(s) in epoch {epoch} "
+        warnings.warn(f"{backend}: skipped {count} undecodable sample(s) in epoch {epoch + 1} "
                       f"(on_error='skip')", RuntimeWarning, stacklevel=3)
 
 

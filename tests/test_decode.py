@@ -70,8 +70,24 @@ def test_the_batch_decoder_refuses_a_bad_on_error_and_photos_without_a_fixed_siz
     assert len(images) == len(labels) == len(kept) == 6
 
 
+def test_under_ddp_files_the_memory_cache_left_out_are_reported_by_rank_0_alone(folder_with_a_bad_file,
+                                                                                monkeypatch):
+    """Every rank's cache leaves the same broken file out: rank 1 (RANK/WORLD_SIZE, no process group)
+    counts it in loader.skipped but does not warn, so a 2-rank job warns once per file, not twice."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loader = make_loader(ImageFolder(folder_with_a_bad_file), "memory", batch_size=2, train=False,
+                             device="cpu", num_workers=0, augment=EVAL, on_error="skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        n = sum(len(y) for _, y in loader)
+    assert n == 3 and loader.skipped == 1
+
+
 def test_one_warning_text():
-    with pytest.warns(RuntimeWarning, match=r"^torch: skipped 2 undecodable sample\(s\) in epoch 3 "
+    with pytest.warns(RuntimeWarning, match=r"^torch: skipped 2 undecodable sample\(s\) in epoch 4 "
                                             r"\(on_error='skip'\)$"):
         warn_skipped("torch", 2, 3)
     with warnings.catch_warnings():
@@ -94,7 +110,7 @@ def test_every_backend_counts_skips_in_loader_skipped_and_warns_once_per_epoch(b
             n = sum(len(y) for _, y in loader)
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert n == 6 and loader.skipped == 1, (backend, epoch, n, loader.skipped)
-        assert messages == [f"{backend}: skipped 1 undecodable sample(s) in epoch {epoch} (on_error='skip')"]
+        assert messages == [f"{backend}: skipped 1 undecodable sample(s) in epoch {epoch + 1} (on_error='skip')"]
     loader.close()
 
 

@@ -252,7 +252,9 @@ class Loader:
         # load_state_dict said otherwise meanwhile, which set _next themselves).
         if self._next == (epoch, offset):
             self._next = (epoch + 1, 0)
-        warn_skipped(self.name, self.skipped, epoch)
+        # Samples left out for good (memory's cache) are the same on every rank: rank 0 reports them,
+        # so a DDP job warns once per broken file, not once per rank.
+        warn_skipped(self.name, self.skipped - (self._dropped if self.plan.rank else 0), epoch)
 
     @property
     def epoch(self) -> int:
