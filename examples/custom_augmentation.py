@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastdata import available_backends, make_loader
+from fastdata import cli, make_loader
 from fastdata.batch_transforms import BatchTransform, Cutout
 from fastdata.datasets import SyntheticDigits
 from fastdata.engine import fit, report_run, run_result
@@ -52,12 +52,14 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The command line, as a parser other scripts and the tests reuse."""
     p = argparse.ArgumentParser(description="Train a small CNN on synthetic digits with a custom batch "
                                             "transform and Cutout", add_help=add_help)
-    p.add_argument("--backend", default="auto", choices=available_backends(), help="data-loading backend")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: CUDA when available)")
-    p.add_argument("--limit", type=int, default=20_000, help="training images (the test set is a fifth)")
-    p.add_argument("--seed", type=int, default=0)
+    # fastdata.cli's types: a bad value is argparse's one-line error naming the flag (exit 2), before any work.
+    p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
+                   help="data-loading backend")
+    p.add_argument("--epochs", type=cli.positive_int, default=3)
+    p.add_argument("--batch-size", type=cli.positive_int, default=256)
+    p.add_argument("--device", default=None, type=cli.device, help="cpu, cuda or cuda:N (default: CUDA when available)")
+    p.add_argument("--limit", type=cli.positive_int, default=20_000, help="training images (the test set is a fifth)")
+    p.add_argument("--seed", type=cli.seed, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -67,11 +69,13 @@ def main(args) -> dict:
     torch.manual_seed(args.seed)
     train_src = SyntheticDigits(args.limit, train=True, seed=args.seed)
     test_src = SyntheticDigits(max(args.limit // 5, 1), train=False, seed=args.seed)
-    train = make_loader(train_src, args.backend, batch_size=args.batch_size, device=args.device, seed=args.seed,
-                        # after the digits' own ±2 px translation: ours, then a 10x10 hole
-                        batch_transforms=[RandomGainAndNoise(gain=0.2, noise=0.1), Cutout(10)])
-    # Evaluation sees the plain images: no batch transforms, the training set's statistics.
-    test = make_loader(test_src, args.backend, like=train, batch_size=max(args.batch_size, 512))
+    with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
+        train = make_loader(train_src, args.backend, batch_size=args.batch_size, device=args.device,
+                            seed=args.seed,
+                            # after the digits' own ±2 px translation: ours, then a 10x10 hole
+                            batch_transforms=[RandomGainAndNoise(gain=0.2, noise=0.1), Cutout(10)])
+        # Evaluation sees the plain images: no batch transforms, the training set's statistics.
+        test = make_loader(test_src, args.backend, like=train, batch_size=max(args.batch_size, 512))
     start = time.perf_counter()
     history = fit(SmallCNN(num_classes=10, in_channels=1), train, epochs=args.epochs, eval_loader=test,
                   progress=not args.no_progress)

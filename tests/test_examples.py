@@ -25,6 +25,7 @@ CONFIG_KEYS = {"backend", "epochs", "batch_size", "lr", "seed", "workers", "num_
 def _load(name):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -278,6 +279,19 @@ def test_a_bad_flag_is_one_line_naming_it_before_anything_runs(name, flag, value
     parser = _load(name).get_args_parser()
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["--data-root", "x", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    *[case for case in BAD_FLAGS if case[0] in ("--batch-size", "--epochs", "--seed", "--device", "--backend")],
+    ("--limit", "0", "must be an integer >= 1"),
+])
+def test_custom_augmentation_example_checks_its_flags_too(flag, value, message, capsys):
+    """It parsed with plain int: --seed -1 was a numpy traceback, --device foo a torch one."""
+    with pytest.raises(SystemExit) as info:
+        _load("custom_augmentation").get_args_parser().parse_args([flag, value])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and message in err and "Traceback" not in err, err
