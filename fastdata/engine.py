@@ -74,8 +74,13 @@ def choose_amp(amp: str, device_type: str, bf16_supported: bool = False) -> str:
     return "off"
 
 
-def resolve_amp(amp: str, device: torch.device) -> str:
-    """``choose_amp`` with this machine's capabilities filled in."""
+_WARNED_FP16_ON_CPU = False
+
+
+def resolve_amp(amp: str, device: torch.device, *, warn: bool = True, stacklevel: int = 1) -> str:
+    """``choose_amp`` with this machine's capabilities filled in. ``warn``: say once per process that
+    fp16 on the CPU is slow, attributed to the line ``stacklevel`` frames above resolve_amp (1: its
+    caller; fit and evaluate pass 2, their caller's); ``run_result`` only records the mode."""
     device = torch.device(device)
     bf16 = False
     if device.type == "cuda":
@@ -84,11 +89,14 @@ def resolve_amp(amp: str, device: torch.device) -> str:
         with torch.cuda.device(device):
             bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
     mode = choose_amp(amp, device.type, bf16)
-    if mode == "fp16" and device.type == "cpu":
-        # Asked for, so honoured; but a run that silently takes 50x longer looks like a hang.
+    global _WARNED_FP16_ON_CPU
+    if mode == "fp16" and device.type == "cpu" and warn and not _WARNED_FP16_ON_CPU:
+        # Asked for, so honoured; but a run that silently takes 50x longer looks like a hang. Once: fit
+        # evaluates every epoch with the same mode, and the warning said the same thing each time.
+        _WARNED_FP16_ON_CPU = True
         warnings.warn("amp='fp16' on the CPU: torch's CPU kernels have few fp16 paths, and a SmallCNN step "
                       "measured about 50x slower than fp32 here (bf16 2x slower); use amp='off' (or 'bf16' on "
-                      "a CPU with AMX)", RuntimeWarning, stacklevel=2)
+                      "a CPU with AMX)", RuntimeWarning, stacklevel=stacklevel + 1)
     return mode
 
 
@@ -210,7 +218,7 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
 
 
 def _evaluate(model, loader, device, amp, loss_fn) -> dict:
-    mode = resolve_amp(amp, device)
+    mode = resolve_amp(amp, device, stacklevel=2)
     loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     was_training = model.training
@@ -346,7 +354,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         # Before the device scope below: init_distributed makes cuda:LOCAL_RANK current for good.
         fdist.init_distributed(device.type)
     with _device_scope(device), cuda_switches(device, cudnn_benchmark=cudnn_benchmark, tf32=tf32):
-        mode = resolve_amp(amp, device)
+        mode = resolve_amp(amp, device, stacklevel=2)
         step = TrainStep.build(raw, optimizer, scheduler, loss_fn, device, mode, channels_last=channels_last,
                                scheduler_interval=scheduler_interval)
         for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
@@ -1100,7 +1108,7 @@ def run_result(history: list[dict], *, train_loader, backend: str, device, amp: 
         "world_size": fdist.world_size(),
         **details,
         **({"config": jsonable(config)} if config is not None else {}),
-        "amp": resolve_amp(amp, device),
+        "amp": resolve_amp(amp, device, warn=False),
         **summarize(history),
         "wall_seconds": wall_seconds,
         "history": history,

@@ -104,16 +104,36 @@ def test_invalid_amp_lists_choices():
     assert resolve_amp("auto", torch.device("cpu")) == "off"
 
 
-def test_fp16_on_the_cpu_is_honoured_with_a_warning_and_nothing_else_warns():
+def test_fp16_on_the_cpu_is_honoured_with_a_warning_and_nothing_else_warns(monkeypatch):
     """fp16 autocast on the CPU measured ~50x slower than fp32: a run that silently crawls looks hung."""
     import warnings
 
+    import fastdata.engine as engine
+
+    monkeypatch.setattr(engine, "_WARNED_FP16_ON_CPU", False)
     with pytest.warns(RuntimeWarning, match="amp='fp16' on the CPU.*50x slower"):
         assert resolve_amp("fp16", torch.device("cpu")) == "fp16"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for amp in ("auto", "off", "bf16"):
             resolve_amp(amp, torch.device("cpu"))
+
+
+def test_fit_warns_about_fp16_on_the_cpu_once_at_its_callers_line(monkeypatch):
+    """It warned three times (fit, its evaluation, run_result after the run), at fastdata's own lines."""
+    import warnings
+
+    import fastdata.engine as engine
+
+    monkeypatch.setattr(engine, "_WARNED_FP16_ON_CPU", False)
+    loader = ListLoader(_batches(1, size=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = fit(SmallCNN(width=4), loader, eval_loader=loader, epochs=1, amp="fp16", progress=False)
+        run_result(history, train_loader=loader, backend="list", device=torch.device("cpu"), amp="fp16",
+                   wall_seconds=1.0, dataset="x", epochs=1, batch_size=4)
+    fp16 = [w for w in caught if "amp='fp16' on the CPU" in str(w.message)]
+    assert len(fp16) == 1 and fp16[0].filename == __file__, [(w.filename, w.lineno) for w in fp16]
 
 
 class AutocastProbe(nn.Module):
