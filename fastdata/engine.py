@@ -33,7 +33,6 @@ What keeps the GPU busy here:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -1138,11 +1137,13 @@ def jsonable(value):
 
 
 def write_json(result: dict, path) -> Path:
-    """Write ``result`` to ``path`` as indented JSON, creating its folder; returns the path."""
+    """Write ``result`` to ``path`` as indented JSON, creating its folder; returns the path. Standard
+    JSON: a figure that is NaN (a diverged loss, nothing evaluated) is written as null."""
+    from .report import write_json as write_atomically
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    write_atomically(path, result)
     return path
 
 

@@ -167,17 +167,29 @@ def machine_markdown(info: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ files
+def null_for_nonfinite(value):
+    """``value`` with every NaN or infinite float (in dicts, lists and tuples) replaced by None. JSON has
+    no NaN: ``json.dumps`` writes the bare token ``NaN``, which strict parsers (JavaScript's JSON.parse,
+    serde, jq --strict) refuse, so one diverged figure would make the whole file unreadable."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: null_for_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [null_for_nonfinite(v) for v in value]
+    return value
+
+
 def write_json(path: Path, payload: dict) -> None:
     """Write ``payload`` as JSON atomically (dataclasses as dicts, non-finite floats as null)."""
     def default(o):
         if hasattr(o, "__dataclass_fields__"):
-            return asdict(o)
-        if isinstance(o, float) and not math.isfinite(o):
-            return None
+            return null_for_nonfinite(asdict(o))
         return str(o)
 
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=default) + "\n")
+    text = json.dumps(null_for_nonfinite(payload), indent=2, default=default, allow_nan=False)
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)  # a reader never sees half a file
 
 
