@@ -327,8 +327,8 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             Both switches are process-wide, so fit sets them for the run only and restores the
             caller's values on the way out (``cuda_switches``); on the CPU it touches neither.
 
-    Each record is an ``epoch_record``; its ``lr`` is read when the epoch's training pass ends, before
-    an epoch-interval scheduler steps. Empty batches (``on_error="skip"`` emptied one; a rank's share of
+    Each record is an ``epoch_record``; its ``lr`` is the rate the epoch's last step trained at
+    (``TrainStep.epoch_lr``). Empty batches (``on_error="skip"`` emptied one; a rank's share of
     the last batch under DDP with ``drop_last=False``) are left out of every figure. In a single
     process they are skipped without an optimizer step, so weights, momentum and the fp16 loss scale do
     not move on no data. Under DDP the rank runs a zero-loss step through the DDP module instead (its
@@ -372,13 +372,14 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
                 train_loader.set_epoch(epoch)
             bar = _Progress.open(progress and fdist.is_main(), len(train_loader), first, epoch, epochs)
             meter = EpochMeter(device, state.carried(epoch))
+            step.last_step_lrs = None   # an epoch with no step (all of it resumed past) reports the rate now
             saver = _PeriodicSave(state, checkpoint, checkpoint_every, epoch, meter)
             train_one_epoch(step, train_loader, meter, first_batch=first, after_batch=saver, progress=bar)
             # The position, taken before evaluation: eval_loader may be this very loader, and iterating
             # it again would move the position a whole epoch on (a resume would skip an epoch).
             position = train_loader.state_dict()
-            # The lr before the epoch's own scheduler step: for an epoch schedule, the one it trained at.
-            record = meter.record(epoch + 1, lr=current_lr(step.optimizer))
+            # The rate the epoch's last step trained at (before an epoch schedule's own step).
+            record = meter.record(epoch + 1, lr=step.epoch_lr())
             if eval_loader is not None:
                 result = evaluate(step.eval_net, eval_loader, amp=mode, loss_fn=step.loss_fn)
                 record["eval_loss"], record["eval_accuracy"] = result["loss"], result["accuracy"]
@@ -871,6 +872,9 @@ class TrainStep:
         self.interval = resolve_scheduler_interval(scheduler, scheduler_interval)
         self.params = [p for p in raw.parameters() if p.requires_grad]
         self.model_dtype = next((p.dtype for p in raw.parameters() if p.is_floating_point()), None)
+        # The rates the latest step trained at, kept before a per-step scheduler moves them on: the
+        # epoch's lr figure (see ``epoch_lr``). A tensor lr is cloned on its device, not read: no sync.
+        self.last_step_lrs: list | None = None
 
     @classmethod
     def build(cls, raw, optimizer, scheduler, loss_fn, device, mode, *, channels_last: bool,
@@ -909,6 +913,16 @@ class TrainStep:
     def check_dtype(self, dtype, name: str) -> None:
         """Refuse batches of ``dtype`` from loader ``name`` when amp is off and the model differs."""
         _check_input_dtype(dtype, self.model_dtype, self.mode, name)
+
+    def epoch_lr(self) -> float | list[float]:
+        """The epoch's lr figure, read once when its training pass ends: the rate its last step trained
+        at. For an epoch schedule that is the optimizer's rate now (the scheduler has not stepped yet);
+        a per-step schedule has already moved it on to the next step's, which after a OneCycleLR's
+        last step is torch's extrapolation past the schedule's end, a rate no step used."""
+        if self.interval == "step" and self.last_step_lrs is not None:
+            lrs = [float(lr) for lr in self.last_step_lrs]
+            return lrs[0] if len(set(lrs)) == 1 else lrs
+        return current_lr(self.optimizer)
 
     def end_epoch(self, record: dict) -> None:
         """Step an epoch-interval scheduler once, at the end of the epoch ``record`` describes.
@@ -955,6 +969,8 @@ class TrainStep:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         if self.interval == "step":
+            self.last_step_lrs = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+                                  for g in self.optimizer.param_groups]
             self.scheduler.step()
         if n:
             # Device-side sums: reading them here (.item()) would stall the host on every step.

@@ -1476,3 +1476,22 @@ def test_a_refused_position_leaves_the_model_and_optimizer_as_they_were(tmp_path
         _resume(path, model, loader=OtherData(_batches(2)), optimizer=opt)
     assert torch.equal(_params(model), before)
     assert opt.param_groups[0]["lr"] == 0.5 and opt.state_dict()["state"] == {}
+
+
+def test_a_per_step_schedule_records_the_rate_the_epochs_last_step_used():
+    """After a OneCycleLR's last step torch extrapolates past its end (the rate rises again): the last
+    epoch recorded 0.0346 where its steps had annealed to ~0. Each record is now its last step's rate."""
+    model = SmallCNN(width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=3, steps_per_epoch=4)
+    used = []
+
+    class Log(ListLoader):
+        def __iter__(self):
+            for batch in super().__iter__():
+                used.append(opt.param_groups[0]["lr"])   # the rate this batch's step will use
+                yield batch
+
+    hist = fit(model, Log(_batches(4)), epochs=3, optimizer=opt, scheduler=sched, progress=False)
+    assert [r["lr"] for r in hist] == [used[3], used[7], used[11]]
+    assert hist[-1]["lr"] < 1e-4 < opt.param_groups[0]["lr"]   # not the extrapolated rate after the end
