@@ -667,3 +667,23 @@ def test_a_plain_dataset_says_what_memory_and_dali_read_instead():
     with pytest.raises(TypeError, match=r"cannot read .*: memory and dali read arrays or files.*use the torch "
                                         r"backend"):
         make_loader(src, "memory", batch_size=2, device="cpu")
+
+
+def test_channel_stats_are_exact_and_bounded_in_memory():
+    """They were numpy's float32 mean/std of a float32 copy of up to 10,000 images: 2.4 GB of RAM
+    for a 215 MB array of photos, and std off in the 4th digit. Now a per-channel histogram, in chunks."""
+    import tracemalloc
+
+    from fastdata.datasets import channel_stats
+
+    images = np.random.default_rng(0).integers(0, 256, (40, 64, 64, 3), dtype=np.uint8)
+    mean, std = channel_stats(images, chunk_bytes=10_000)   # many chunks
+    exact = images.astype(np.float64) / 255
+    np.testing.assert_allclose(mean, exact.mean(axis=(0, 1, 2)), rtol=1e-12)
+    np.testing.assert_allclose(std, exact.std(axis=(0, 1, 2)), rtol=1e-12)
+    tracemalloc.start()
+    channel_stats(images)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4 * images.nbytes + 2**20, peak   # not a float64 copy (8x) and its square
+    assert channel_stats(np.zeros((2, 3, 3, 1), np.uint8)) == ((0.0,), (1e-3,))
