@@ -299,7 +299,8 @@ def channel_stats(images: np.ndarray, *, most: int = 10_000, most_values: int = 
     offsets = (np.arange(channels, dtype=np.int32) * 256)
     counts = np.zeros(256 * channels, np.int64)
     for a in range(0, len(sub), step):
-        block = sub[a: a + step].reshape(-1, channels).astype(np.int32) + offsets   # channel c: bins c*256..
+        block = sub[a: a + step].reshape(-1, channels).astype(np.int32)
+        block += offsets   # channel c counts into bins c*256 .. c*256+255
         counts += np.bincount(block.ravel(), minlength=256 * channels)
     hist = counts.reshape(channels, 256).astype(np.float64)
     values = np.arange(256, dtype=np.float64) / 255.0
