@@ -218,10 +218,11 @@ class ArraySource(Source):
                              f"images {images.shape}")
         num_classes = _num_classes(classes, num_classes)
         labels = check_labels(labels, num_classes=num_classes)
-        # Writable and contiguous: torch.from_numpy shares it without a copy, and warns on read-only
-        # buffers (read_idx's frombuffer is one).
-        images = np.ascontiguousarray(images)
-        self.images = images if images.flags.writeable else images.copy()  # (N, H, W, C)
+        labels = labels if labels.flags.writeable else labels.copy()   # small: shared with torch freely
+        # Contiguous, and never copied when it already is: a read-only array (np.load(mmap_mode="r"),
+        # read_idx's frombuffer) is kept as it is, so a memmap larger than RAM stays on disk. Nothing
+        # in fastdata writes to it; __getitem__ hands out a writable copy of such a sample.
+        self.images = np.ascontiguousarray(images)  # (N, H, W, C)
         self.labels = labels
         self.name = name
         self.digits = digits
@@ -280,7 +281,10 @@ class ArraySource(Source):
         import torch
 
         i = self._index(i)
-        return torch.from_numpy(self.images[i]), int(self.labels[i])
+        image = self.images[i]
+        # A read-only array's sample is copied (one image): torch.from_numpy warns on such buffers, and
+        # a caller writing into the tensor would fault on a read-only memory map.
+        return torch.from_numpy(image if image.flags.writeable else image.copy()), int(self.labels[i])
 
 
 def channel_stats(images: np.ndarray, *, most: int = 10_000, most_values: int = 2**26,

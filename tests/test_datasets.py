@@ -687,3 +687,26 @@ def test_channel_stats_are_exact_and_bounded_in_memory():
     tracemalloc.stop()
     assert peak < 16 * 2**16 < images.nbytes / 2, peak   # a few chunks' worth, whatever the array's size
     assert channel_stats(np.zeros((2, 3, 3, 1), np.uint8)) == ((0.0,), (1e-3,))
+
+
+@pytest.mark.parametrize("backend", ["torch", "memory"])
+def test_a_read_only_memmap_is_not_copied_into_ram(tmp_path, backend):
+    """np.load(mmap_mode="r") is numpy's usual way to open an array larger than RAM: ArraySource copied
+    every read-only array whole. It is now kept as it is, and read without torch's not-writable warning."""
+    import warnings
+
+    images = np.random.default_rng(0).integers(0, 256, (64, 8, 8, 3), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", images)
+    np.save(tmp_path / "y.npy", np.arange(64) % 4)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        src = ArraySource(mapped, np.load(tmp_path / "y.npy", mmap_mode="r"), mean=(0.5,) * 3, std=(0.25,) * 3)
+        assert np.shares_memory(src.images, mapped)
+        image, label = src[3]
+        image += 1                                     # a writable copy: the file's map is untouched
+        assert np.array_equal(np.asarray(mapped[3]), images[3]) and label == 3
+        loader = make_loader(src, backend, batch_size=16, device="cpu", num_workers=0, train=False)
+        x = torch.cat([x for x, _ in loader])
+    expected = (torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.25
+    torch.testing.assert_close(x, expected)

@@ -610,7 +610,11 @@ class MemoryLoader(Loader):
         # Photos under the evaluation recipe: the slots hold the recipe's output, only flips remain.
         self._applied = source.kind is SourceKind.FILES and aug.crop is Crop.CENTER
         if source.kind is SourceKind.ARRAY:
-            cache = torch.from_numpy(source.images)          # shares the array's memory on the CPU
+            with warnings.catch_warnings():
+                # A read-only array (np.load(mmap_mode="r"), MNIST's IDX bytes) is shared too: the
+                # cache is only read (gathers, and the padded or normalized copies made from it).
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                cache = torch.from_numpy(source.images)      # shares the array's memory on the CPU
             labels = torch.from_numpy(source.labels)
             self.kept = None
         else:
