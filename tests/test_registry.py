@@ -52,7 +52,7 @@ def test_auto_picks_memory_when_the_cache_fits_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="fastdata"):
         loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu")
     assert loader.name == "memory"
-    assert "picked 'memory'" in caplog.text and "fits in the free RAM" in caplog.text
+    assert "picked 'memory'" in caplog.text and "fits in half the free RAM" in caplog.text
 
 
 def test_auto_falls_back_to_torch_when_the_cache_does_not_fit(monkeypatch, caplog):
@@ -217,9 +217,19 @@ def test_like_takes_a_fastdata_loader():
         make_loader(indexed_source(64), "memory", like=object(), device="cpu")
 
 
-def test_auto_says_memory_reads_an_array_in_place_rather_than_a_0_mib_cache(caplog):
+def test_auto_says_what_memory_allocates_for_an_array(caplog, monkeypatch):
+    """An array normalized ahead (float32, 4x the uint8 bytes) was reported as "no copy to make";
+    one read in place, as a 0.0 MiB cache."""
+    import fastdata.backends.memory as memory
+
     with caplog.at_level(logging.INFO, logger="fastdata"):
-        loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", train=False)
-    assert loader.name == "memory"
+        loader = make_loader(SyntheticDigits(2000), batch_size=50, device="cpu", train=False)
+    assert loader.name == "memory" and loader.ready is not None
+    assert f"normalized ahead in float32 ({loader.footprint / 2**20:.1f} MiB" in caplog.text, caplog.text
+    caplog.clear()
+    monkeypatch.setattr(memory, "uses_ready", lambda *a: False)    # too large to normalize ahead
+    with caplog.at_level(logging.INFO, logger="fastdata"):
+        loader = make_loader(SyntheticDigits(2000), batch_size=50, device="cpu", train=False)
+    assert loader.ready is None and loader.footprint < 2000 * 28 * 28   # its labels only, no image copy
     assert "reads the source's array in RAM as it is (no copy to make)" in caplog.text
     assert "0.0 MiB" not in caplog.text
