@@ -221,11 +221,23 @@ def measure_step(model, sample_batch, steps: int, warmup: int, amp: str = "auto"
     return steps * images.shape[0] / (time.perf_counter() - t0)
 
 
+def _one_line(e: BaseException) -> str:
+    """An error as one line that still names its file: a DataLoader worker's error is "Caught DecodeError
+    in DataLoader worker process 0." then the traceback, and its last line is the one that says which
+    file and why."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Caught "):
+        name, _, message = lines[-1].partition(": ")   # "fastdata.errors.DecodeError: cannot decode ..."
+        return f"{name.rsplit('.', 1)[-1]}: {message}" if message else lines[-1]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=None, batches: int = 200,
         warmup: int = 10, num_workers=None, amp: str = "auto", progress: bool = True,
-        backends=None, model=None) -> dict:
+        backends=None, model=None, on_error: str = "raise") -> dict:
     """Measure every backend and the model on ``source``; returns the report's payload. ``model``: the
-    one ``make_model(model_name, source)`` built already (``check_model``), else built here."""
+    one ``make_model(model_name, source)`` built already (``check_model``), else built here.
+    ``on_error``: the loaders' (``"skip"`` measures past undecodable files, counting them)."""
     import torch
 
     from .config import resolve_device
@@ -238,7 +250,8 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
         row = Measurement(name)
         try:
             kw = {} if num_workers is None else {"num_workers": num_workers}
-            loader = make_loader(source, name, batch_size=batch_size, device=device, train=True, **kw)
+            loader = make_loader(source, name, batch_size=batch_size, device=device, train=True,
+                                 on_error=on_error, **kw)
             try:
                 row.images_per_second, pieces = measure_loader_spread(loader, batches, warmup, progress)
                 row.spread = (min(pieces), max(pieces)) if len(pieces) > 1 else None
@@ -247,11 +260,16 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
             finally:
                 loader.close()
         except Exception as e:  # one backend that cannot read this source must not hide the others
-            row.status = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            row.status = _one_line(e)
         rows.append(row)
     if sample is None:
-        raise SystemExit("fastdata bench: no backend could read the source:\n" +
-                         "\n".join(f"  {r.backend}: {r.status}" for r in rows))
+        statuses = {r.status for r in rows}
+        lines = ([f"  every backend: {statuses.pop()}"] if len(statuses) == 1
+                 else [f"  {r.backend}: {r.status}" for r in rows])
+        hint = ("\n  (--on-error skip measures past undecodable files, counting them)"
+                if on_error == "raise" and any("DecodeError" in r.status for r in rows) else "")
+        raise SystemExit(f"fastdata bench --batch-size {batch_size}: no backend could read the source:\n"
+                         + "\n".join(lines) + hint)
     model = make_model(model_name, source) if model is None else model
     step_rate = measure_step(model, sample, steps=max(5, batches // 10), warmup=3, amp=amp)
     for row in rows:
@@ -305,6 +323,8 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
     p.add_argument("--backends", nargs="+", default=None, type=_measured_backend,
                    help="default: every available backend")
+    p.add_argument("--on-error", default="raise", choices=("raise", "skip"),
+                   help="an undecodable file: stop naming it (raise), or skip it and count it (skip)")
     p.add_argument("--quick", action="store_true",
                    help="30 batches (unless --batches) on 6,000 digits: does it run, not how fast")
     p.add_argument("--out", default="fastdata-bench", help="folder for bench-<tag>.{md,json,png}")
@@ -334,7 +354,7 @@ def main(args) -> dict:
     model = check_model(args.model, source)
     payload = run(source, model_name=args.model, model=model, batch_size=args.batch_size, device=args.device,
                   batches=batches, warmup=3 if args.quick else 10, num_workers=args.workers, amp=args.amp,
-                  progress=args.progress, backends=args.backends)
+                  progress=args.progress, backends=args.backends, on_error=args.on_error)
     body = report_markdown(payload)
     print(body, flush=True)
     machine = machine_info()

@@ -190,3 +190,37 @@ def test_batches_overrides_quick():
     parser = bench.get_args_parser()
     assert parser.parse_args(["digits", "--quick"]).batches is None   # main: 30 with --quick, else 200
     assert parser.parse_args(["digits", "--quick", "--batches", "100"]).batches == 100
+
+
+def test_a_folder_with_an_undecodable_file_names_it_and_on_error_skip_measures_past_it(tmp_path):
+    """ImageNet's training set holds a PNG named .JPEG: bench could not run on it at all (no --on-error),
+    and the torch rows cut the worker's error to "Caught DecodeError in DataLoader worker process 0.",
+    without the file."""
+    from fastdata.bench import run
+    from fastdata.datasets import ImageFolder, make_image_folder
+
+    root = make_image_folder(tmp_path / "photos", classes=2, per_class=3, seed=0, size_range=((40, 50), (30, 40)))
+    bad = root / "class_000" / "img_00000_png.jpg"
+    bad.write_bytes((root / "class_000").joinpath(sorted(p.name for p in (root / "class_000").iterdir())[1])
+                    .read_bytes()[:50])   # a truncated JPEG
+    common = dict(batch_size=4, device="cpu", batches=4, warmup=0, num_workers=1, progress=False,
+                  backends=["torch", "memory"])   # 4 batches: every file is read
+    with pytest.raises(SystemExit) as info:
+        run(ImageFolder(root), **common)
+    message = str(info.value)
+    assert "every backend: DecodeError: cannot decode image" in message, message   # one line for both
+    assert message.count("img_00000_png.jpg") == 1 and "Caught" not in message, message
+    assert "--on-error skip" in message
+    payload = run(ImageFolder(root), on_error="skip", **common)
+    assert {r["backend"]: r["status"] for r in payload["rows"]} == {"torch": "ok", "memory": "ok"}
+
+
+def test_a_batch_larger_than_the_data_is_one_line_naming_the_flag(tmp_path):
+    from fastdata.bench import run
+
+    with pytest.raises(SystemExit) as info:
+        run(SyntheticDigits(20), batch_size=64, device="cpu", batches=2, warmup=0, progress=False,
+            backends=["torch", "memory"])
+    message = str(info.value)
+    assert message.startswith("fastdata bench --batch-size 64: no backend could read the source:")
+    assert message.count("\n") == 1 and "every backend: " in message, message
