@@ -666,7 +666,11 @@ class ImageFolder(Source):
         visited = {real_root} | {os.path.realpath(root / c) for c in classes}
         paths, labels = [], []
         for label, cls in enumerate(classes):
-            files = sorted(_walk_images(root / cls, exts, visited, real_root))
+            # torchvision's order: folders by path, then the files of each by name (its
+            # sorted(os.walk(...)) then sorted(fnames)), so a nested class folder lists "z.jpg" before
+            # "more/b.jpg" in both, and sample i is the same file in both (fingerprints, indices=).
+            files = sorted(_walk_images(root / cls, exts, visited, real_root),
+                           key=lambda p: (os.path.dirname(p), os.path.basename(p)))
             if not files:
                 raise FileNotFoundError(f"class folder '{root / cls}' has no images with endings {list(exts)}")
             paths += files

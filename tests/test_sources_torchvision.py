@@ -8,6 +8,7 @@ still read by torchvision's loading code.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import struct
@@ -151,6 +152,22 @@ def test_torchvision_imagefolder_becomes_fastdatas_file_list(photo_folder):
     # The same files give the same fingerprint: a checkpoint resumes across the two.
     assert src.fingerprint() == ImageFolder(photo_folder).fingerprint()
     assert src.default_augmentation(True) == Augmentation.imagenet_train()
+
+
+def test_a_nested_class_folder_lists_its_files_in_torchvisions_order(tmp_path):
+    """torchvision lists a folder's files before its sub-folder's (sorted os.walk, then names): cat/z.jpg
+    before cat/more/b.jpg. fastdata sorted whole paths, so sample i was another file and a checkpoint
+    would not resume across the two."""
+    from PIL import Image
+
+    for rel in ("cat/a.jpg", "cat/z.jpg", "cat/more/b.jpg", "cat/more/deeper/c.jpg", "cat/n/d.jpg", "dog/c.jpg"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), (len(rel), 0, 0)).save(tmp_path / rel)
+    tv = torchvision.datasets.ImageFolder(str(tmp_path))
+    ours = ImageFolder(tmp_path)
+    assert ours.paths == [p for p, _ in tv.samples]
+    assert [os.path.relpath(p, tmp_path) for p in ours.paths][:3] == ["cat/a.jpg", "cat/z.jpg", "cat/more/b.jpg"]
+    assert ours.fingerprint() == as_source(tv).fingerprint()
 
 
 def test_a_subclass_with_its_own_getitem_is_called_not_bypassed(photo_folder):
