@@ -119,7 +119,8 @@ def _real(name: str, value) -> float:
 
 
 def check_flag(name: str, value, *, optional: bool = False):
-    # numpy's bool_ is accepted (it is what comparisons return); 0/1 are not: an int here is a mistake.
+    """``value`` as a bool: True or False (or None when ``optional``), else a TypeError naming ``name``.
+    numpy's bool_ is accepted (it is what comparisons return); 0/1 are not: an int here is a mistake."""
     if optional and value is None:
         return None
     if not isinstance(value, (bool, np.bool_)):
