@@ -895,9 +895,24 @@ def _describe(transform, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _fastdata_samples(dataset) -> bool:
+    """Whether every sample of ``dataset`` comes from a fastdata source (``source[i]`` is an (H, W, C)
+    tensor): such a source, or torch's ``Subset``/``ConcatDataset`` of them, nested."""
+    from torch.utils.data import ConcatDataset, Subset
+
+    if isinstance(dataset, Source):
+        return True
+    if isinstance(dataset, ConcatDataset):
+        return all(_fastdata_samples(d) for d in dataset.datasets)
+    if isinstance(dataset, Subset):
+        return _fastdata_samples(dataset.dataset)
+    return False
+
+
 class DatasetSource(Source):
     """Any map-style torch Dataset returning (PIL image or uint8 tensor (C,H,W) or (H,W), int).
-    torch and prefetch backends.
+    torch and prefetch backends. fastdata's own sources inside torch's ``Subset``/``ConcatDataset``
+    hand out (H, W, C) tensors, read as such.
 
     Every sample comes out with ``channels`` channels (``as_array``). With ``channels=None`` the first
     sample decides: colour → 3, and later grey samples are replicated to RGB (lossless, as ImageFolder
@@ -923,6 +938,10 @@ class DatasetSource(Source):
         if n == 0:
             raise ValueError(f"dataset {type(dataset).__name__} is empty")
         self._convert_colour = channels is not None  # RGB → grey only when asked for
+        # fastdata's own sources hand out (H, W, C) tensors: wrapped in torch's Subset/ConcatDataset,
+        # their tensors are read as such, not as torch's (C, H, W) (which refused them, or silently
+        # transposed an image 3 or 4 px high).
+        self._hwc_tensors = _fastdata_samples(dataset)
         if channels is None:
             first = self.pair(dataset[0], 0)[0]
             self._refuse_float(first, 0)
@@ -1050,6 +1069,8 @@ class DatasetSource(Source):
         t = torch.as_tensor(image)
         if t.dtype != torch.uint8:
             raise TypeError(f"{self.name} returned a {t.dtype} tensor; {_EXPECTED_IMAGES}")
+        if self._hwc_tensors and t.dim() == 3:   # a fastdata source's sample: (H, W, C) already
+            return t.numpy()
         if t.dim() == 2:
             t = t[None]
         if t.dim() != 3 or t.shape[0] not in (1, 3, 4):

@@ -710,3 +710,22 @@ def test_a_read_only_memmap_is_not_copied_into_ram(tmp_path, backend):
         x = torch.cat([x for x, _ in loader])
     expected = (torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.25
     torch.testing.assert_close(x, expected)
+
+
+def test_fastdatas_own_sources_wrapped_in_concat_or_subset_keep_their_layout():
+    """source[i] is an (H, W, C) tensor: wrapped in ConcatDataset it was read as (C, H, W), refused for
+    28x28 digits ("expected uint8 (C, H, W)") and silently transposed for images 3 px high."""
+    from torch.utils.data import ConcatDataset, Subset
+
+    digits = ConcatDataset([SyntheticDigits(6, seed=1), SyntheticDigits(4, train=False, seed=2)])
+    x, y = next(iter(make_loader(Subset(digits, range(10)), "torch", batch_size=10, device="cpu", num_workers=0,
+                                 train=False, mean=(0.5,), std=(0.25,))))
+    assert x.shape == (10, 1, 28, 28)
+    first = digits[0][0]
+    torch.testing.assert_close(x[0, 0], (first[..., 0].float() / 255 - 0.5) / 0.25)
+    flat = np.arange(4 * 3 * 8 * 3, dtype=np.uint8).reshape(4, 3, 8, 3)   # 3 px high, 8 wide
+    both = ConcatDataset([ArraySource(flat, np.arange(4) % 2), ArraySource(flat, np.arange(4) % 2)])
+    x, _ = next(iter(make_loader(both, "torch", batch_size=8, device="cpu", num_workers=0, train=False,
+                                 mean=(0.0,) * 3, std=(1.0,) * 3)))
+    assert x.shape == (8, 3, 3, 8)
+    torch.testing.assert_close(x[1].permute(1, 2, 0) * 255, torch.from_numpy(flat[1]).float())
