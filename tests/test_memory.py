@@ -471,9 +471,12 @@ def test_the_budget_is_total_memory_minus_a_reserve(gpu_16g):
     b = memory.budget(gpu)
     assert b.stable == 12 * 2**30 and b.limit == 2**30
     assert "only 1073741824 bytes" in b.explain() and "memory_reserve" in b.explain()
-    for bad in (-1, 1.0, 1.5, "1G", True):
+    for bad in (-1, 1.0, 1.5, "1G", True, np.float32(1.0), np.bool_(True), float("nan")):
         with pytest.raises(ValueError, match="memory_reserve must be"):
             memory.budget(gpu, bad)
+    # numpy's scalars are numbers like any other (they were refused)
+    assert memory.budget(gpu, np.int64(2**30)).limit == memory.budget(gpu, 2**30).limit
+    assert memory.budget(gpu, np.float32(0.5)).limit == memory.budget(gpu, 0.5).limit
 
 
 def test_two_live_caches_count_against_one_budget(gpu_16g, monkeypatch):

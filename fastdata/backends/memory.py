@@ -43,6 +43,7 @@ raises, naming the file. Arrays are not decoded: each rank's cache is its own ar
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import threading
 import warnings
@@ -120,11 +121,14 @@ def reserve_bytes(reserve, device: torch.device, total: int) -> int:
     in [0, 1), or a number of bytes."""
     if reserve is None:
         reserve = DEFAULT_RESERVE[device.type]
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0 \
-            or (isinstance(reserve, float) and reserve >= 1):
-        raise ValueError(f"memory_reserve must be a fraction of the device's memory in [0, 1) or a number "
-                         f"of bytes >= 0, got {reserve!r}")
-    return int(total * reserve) if isinstance(reserve, float) else int(reserve)
+    # numpy's scalars count (np.int64(10**9) is a number of bytes); an integer is bytes, a float a
+    # fraction, so 1 is one byte and 1.0 is refused (all of the device).
+    integral = isinstance(reserve, numbers.Integral) and not isinstance(reserve, (bool, np.bool_))
+    fraction = isinstance(reserve, numbers.Real) and not integral and not isinstance(reserve, (bool, np.bool_))
+    if not (integral and reserve >= 0) and not (fraction and 0 <= reserve < 1):
+        raise ValueError(f"memory_reserve must be a fraction of the device's memory in [0, 1) (a float) or a "
+                         f"number of bytes >= 0 (an integer), got {reserve!r}")
+    return int(total * float(reserve)) if fraction else int(reserve)
 
 
 def live_cache_bytes(device: torch.device, exclude=None) -> int:
