@@ -308,6 +308,51 @@ def compact_blocks(t: torch.Tensor, starts, counts) -> int:
     return pos
 
 
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+#: A shared-memory file of a process that is gone, this much older than now, is stale (see below).
+STALE_SHARED_SECONDS = 600
+
+
+def remove_stale_shared_files(directory: str = "/dev/shm") -> list[str]:
+    """Remove the ``fastdata-*`` files in ``directory`` that a killed job left: ``node_shared_tensor``
+    unlinks its file once every rank has mapped it (seconds after creating it), so one whose creating
+    process (the pid in its name) no longer runs here and that is older than ``STALE_SHARED_SECONDS``
+    can only be a leftover of a SIGKILL or an OOM kill during that window. Returns the paths removed."""
+    import time
+
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if not name.startswith("fastdata-") or len(parts) < 4 or not parts[-2].isdigit():
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.kill(int(parts[-2]), 0)
+            continue                     # its process still runs (or is another user's)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, ValueError):
+            continue
+        try:
+            if time.time() - os.stat(path).st_mtime < STALE_SHARED_SECONDS:
+                continue
+        except OSError:
+            continue
+        _unlink(path)
+        removed.append(path)
+    return removed
+
+
 def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/dev/shm"):
     """``(uint8 tensor of nbytes, path, None)`` backed by ONE shared-memory file for the ranks of
     ``group`` (this node's, see ``node_group``), or ``(None, path, why)`` where one cannot be made
@@ -319,12 +364,15 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
     here, not a SIGBUS at the first write), mapped by every rank, and unlinked as soon as every rank has
     mapped it. The mappings keep the memory alive; it is freed when the last rank drops the tensor
     (its loader closed or collected), and a crash after that point leaves nothing behind in ``directory``.
+    An error or Ctrl-C before it removes the file on the way out; a SIGKILL in that window leaves it, and
+    ``remove_stale_shared_files`` clears such leftovers when the next cache is shared.
     """
     import secrets
 
     local = dist.get_rank(group)
     path, why = None, None
     if local == 0:
+        remove_stale_shared_files(directory)
         path = os.path.join(directory, f"fastdata-{tag}-{os.getpid()}-{secrets.token_hex(6)}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -337,25 +385,28 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
                 os.close(fd)
         except OSError as e:
             why = f"cannot create {nbytes} bytes in {path}: {e.strerror or e}"
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-    path, why = gather_objects((path, why), group)[0]
-    if why is not None:
-        return None, path, why
-    tensor, mine = None, None
+        except BaseException:   # Ctrl-C while fallocate zeroes a large file's pages: it must not stay
+            _unlink(path)
+            raise
+        if why is not None:
+            _unlink(path)
     try:
-        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
-    except Exception as e:   # another /dev/shm (a container of its own), a permission: keep private copies
-        mine = f"local rank {local} cannot map {path}: {type(e).__name__}: {e}"
-    problems = [p for p in gather_objects(mine, group) if p is not None]
-    if local == 0:
+        path, why = gather_objects((path, why), group)[0]
+        if why is not None:
+            return None, path, why
+        tensor, mine = None, None
         try:
-            os.unlink(path)
-        except OSError:
-            pass
+            tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) if nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+        except Exception as e:   # another /dev/shm (a container of its own), a permission: private copies
+            mine = f"local rank {local} cannot map {path}: {type(e).__name__}: {e}"
+        problems = [p for p in gather_objects(mine, group) if p is not None]
+    finally:
+        # After the second gather every rank has mapped it (or said it cannot); on the way out of an
+        # error or an interrupt (a peer died, Ctrl-C) the file goes too: /dev/shm is RAM, and nothing
+        # else would ever remove it.
+        if local == 0 and path is not None:
+            _unlink(path)
     if problems:
         return None, path, problems[0]
     return tensor, path, None

@@ -288,6 +288,48 @@ def test_node_shared_tensor_in_a_one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("where", ["fallocate", "gather"])
+def test_an_interrupt_while_the_shared_file_is_set_up_leaves_nothing_in_dev_shm(tmp_path, monkeypatch, where):
+    """Ctrl-C while fallocate zeroed a large cache's pages, or a peer dying in the gathers, left the file
+    (1.2 GB in /dev/shm) for good: only OSError was cleaned up, and only before the gathers."""
+    import torch.distributed as dist
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(os if where == "fallocate" else fdist, "posix_fallocate" if where == "fallocate"
+                            else "gather_objects", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            fdist.node_shared_tensor(4096, None, tag="t", directory=str(tmp_path))
+        assert not list(tmp_path.glob("fastdata-*"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stale_shared_files_of_dead_processes_are_removed(tmp_path):
+    """A SIGKILL between creating the file and unlinking it leaves it: the next shared cache removes
+    files whose process is gone and that are older than STALE_SHARED_SECONDS, and nothing else."""
+    import subprocess
+    import sys
+    import time
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    old = time.time() - fdist.STALE_SHARED_SECONDS - 60
+    files = {name: tmp_path / name for name in (f"fastdata-memory-abc-{dead}-0a1b", f"fastdata-memory-abc-{dead}-fresh",
+                                                f"fastdata-memory-abc-{os.getpid()}-live", "fastdata-other",
+                                                f"someone-else-{dead}-0a1b")}
+    for name, path in files.items():
+        path.write_bytes(b"x")
+        if name != f"fastdata-memory-abc-{dead}-fresh":
+            os.utime(path, (old, old))
+    assert fdist.remove_stale_shared_files(str(tmp_path)) == [str(files[f"fastdata-memory-abc-{dead}-0a1b"])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(files) - {f"fastdata-memory-abc-{dead}-0a1b"})
+    assert fdist.remove_stale_shared_files(str(tmp_path / "missing")) == []
+
+
 def test_node_key_keeps_torchrun_agents_on_one_machine_apart(monkeypatch):
     monkeypatch.setenv("GROUP_RANK", "0")
     first = fdist.node_key()
