@@ -143,6 +143,22 @@ def _dali_dir() -> str:
     return os.path.dirname(os.path.abspath(nvidia.dali.__file__)) + os.sep
 
 
+def _free_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames in ``error``'s traceback (and its causes'). A failure
+    raised inside DALI's iteration carries DALI's frames (the iterator's ``_schedule_runs`` down to the
+    feeder's callback), which hold the iterator and its pipeline in a reference cycle: dropped by
+    ``_release``, the pipeline's threads and buffers lived on until the cyclic GC ran (47 threads and
+    +55 MB RSS after 20 failed epochs here; on a GPU, its device buffers too). The traceback keeps its
+    lines; frames still running (the caller's) cannot be cleared and are left as they are."""
+    import traceback
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
 def is_dali_failure(e: BaseException) -> bool:
     """True for an error that DALI's executor raised while running a pipeline (an operator failed,
     e.g. the decoder on a broken file); False for anything else, which is re-raised untouched.
@@ -618,8 +634,9 @@ class DaliLoader(Loader):
                     pos += 1
                     yield out
                 self._clean = True
-            except DecodeError:
+            except DecodeError as e:
                 self._release()
+                _free_frames(e)
                 raise
             except GeneratorExit:
                 self._release()  # the pipeline still holds prefetched batches of this epoch
@@ -628,6 +645,7 @@ class DaliLoader(Loader):
                 self._release()
                 if not is_dali_failure(e):
                     raise
+                _free_frames(e)
                 self._handle_decode_failure(e)  # raises, or marks the files bad and feeds again
 
     def _outputs(self, remaining: int):
