@@ -802,3 +802,35 @@ def test_a_failed_epochs_pipeline_is_freed_at_once_not_by_the_cyclic_gc(tmp_path
         gc.enable()
         loader.close()
     assert max(counts) <= counts[0] + 2, counts
+
+
+def test_a_photo_replaced_in_place_between_epochs_is_read_again(tmp_path):
+    """dali kept each file's size from its first read: a photo replaced by one of another size got its
+    boxes drawn for the old size (a wrong crop, or a box outside the image). Now the next epoch equals
+    a fresh loader's, as the torch backend's does."""
+    import os
+
+    from PIL import Image
+
+    from fastdata.datasets import make_image_folder
+
+    root = make_image_folder(tmp_path / "photos", classes=2, per_class=6, seed=0, size_range=((60, 80), (50, 70)))
+    aug = Augmentation.imagenet_train(size=32)
+
+    def loader():
+        return make_loader(ImageFolder(root), "dali", batch_size=4, num_workers=2, device="cpu", augment=aug, seed=3)
+
+    used = loader()
+    for _ in used:
+        pass
+    target = sorted(root.rglob("*.jpg"))[3]
+    for size in ((200, 150), (30, 24)):        # larger, then smaller than the box drawn for the old size
+        Image.new("RGB", size, (200, 30, 90)).save(target, quality=95)
+        os.utime(target, ns=(os.stat(target).st_atime_ns, os.stat(target).st_mtime_ns + 10**9))
+        epoch = used.epoch
+        fresh = loader()
+        fresh.set_epoch(epoch)
+        for (a, ya), (b, yb) in zip(used, fresh, strict=True):
+            assert torch.equal(a, b) and torch.equal(ya, yb)
+        fresh.close()
+    used.close()
