@@ -48,6 +48,8 @@ class Source:
     """
 
     kind = SourceKind.ABSTRACT
+    #: ``source[i]``'s image is an (H, W, C) tensor (arrays, image folders), not a wrapped dataset's own.
+    hwc_samples = False
     name = "source"
     refusal_hint: str | None = None
     indices: np.ndarray | None = None
@@ -199,6 +201,7 @@ class ArraySource(Source):
     """
 
     kind = SourceKind.ARRAY
+    hwc_samples = True
 
     def __init__(self, images, labels, *, mean=None, std=None, name: str = "array", digits: bool = False,
                  classes=None, num_classes: int | None = None):
@@ -646,6 +649,7 @@ class ImageFolder(Source):
     """
 
     kind = SourceKind.FILES
+    hwc_samples = True
 
     def __init__(self, root, extensions=IMAGE_EXTENSIONS, *, mean=IMAGENET_MEAN, std=IMAGENET_STD,
                  transform=None):
@@ -896,12 +900,13 @@ def _describe(transform, limit: int = 120) -> str:
 
 
 def _fastdata_samples(dataset) -> bool:
-    """Whether every sample of ``dataset`` comes from a fastdata source (``source[i]`` is an (H, W, C)
-    tensor): such a source, or torch's ``Subset``/``ConcatDataset`` of them, nested."""
+    """Whether every sample of ``dataset`` comes from a fastdata source whose ``source[i]`` is an (H, W, C)
+    tensor (``hwc_samples``: arrays and image folders, not a DatasetSource, which hands out its dataset's
+    own samples): such a source, or torch's ``Subset``/``ConcatDataset`` of them, nested."""
     from torch.utils.data import ConcatDataset, Subset
 
     if isinstance(dataset, Source):
-        return True
+        return dataset.hwc_samples
     if isinstance(dataset, ConcatDataset):
         return all(_fastdata_samples(d) for d in dataset.datasets)
     if isinstance(dataset, Subset):

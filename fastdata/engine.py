@@ -76,10 +76,23 @@ def choose_amp(amp: str, device_type: str, bf16_supported: bool = False) -> str:
 _WARNED_FP16_ON_CPU = False
 
 
-def resolve_amp(amp: str, device: torch.device, *, warn: bool = True, stacklevel: int = 1) -> str:
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from the function calling this one, that names the first frame
+    outside fastdata and torch (``torch.no_grad``'s decorator adds a frame of its own): the user's
+    line, whichever of fit, evaluate or a direct call got there."""
+    import sys
+
+    inside = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def resolve_amp(amp: str, device: torch.device, *, warn: bool = True) -> str:
     """``choose_amp`` with this machine's capabilities filled in. ``warn``: say once per process that
-    fp16 on the CPU is slow, attributed to the line ``stacklevel`` frames above resolve_amp (1: its
-    caller; fit and evaluate pass 2, their caller's); ``run_result`` only records the mode."""
+    fp16 on the CPU is slow, at the user's line (``_user_stacklevel``); ``run_result`` only records the
+    mode."""
     device = torch.device(device)
     bf16 = False
     if device.type == "cuda":
@@ -95,7 +108,7 @@ def resolve_amp(amp: str, device: torch.device, *, warn: bool = True, stacklevel
         _WARNED_FP16_ON_CPU = True
         warnings.warn("amp='fp16' on the CPU: torch's CPU kernels have few fp16 paths, and a SmallCNN step "
                       "measured about 50x slower than fp32 here (bf16 2x slower); use amp='off' (or 'bf16' on "
-                      "a CPU with AMX)", RuntimeWarning, stacklevel=stacklevel + 1)
+                      "a CPU with AMX)", RuntimeWarning, stacklevel=_user_stacklevel())
     return mode
 
 
@@ -217,7 +230,7 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
 
 
 def _evaluate(model, loader, device, amp, loss_fn) -> dict:
-    mode = resolve_amp(amp, device, stacklevel=2)
+    mode = resolve_amp(amp, device)
     loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     was_training = model.training
@@ -353,7 +366,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         # Before the device scope below: init_distributed makes cuda:LOCAL_RANK current for good.
         fdist.init_distributed(device.type)
     with _device_scope(device), cuda_switches(device, cudnn_benchmark=cudnn_benchmark, tf32=tf32):
-        mode = resolve_amp(amp, device, stacklevel=2)
+        mode = resolve_amp(amp, device)
         step = TrainStep.build(raw, optimizer, scheduler, loss_fn, device, mode, channels_last=channels_last,
                                scheduler_interval=scheduler_interval)
         for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):

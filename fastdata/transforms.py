@@ -472,16 +472,19 @@ def apply_params(images: np.ndarray, aug: Augmentation, params: Params) -> np.nd
         return np.stack([resize_box(im, aug, box, flip) for im, box, flip in
                          zip(images, params.boxes, params.flips)])
     n, h, w, _ = images.shape
+    fresh = False   # whether ``images`` is an array made here, which may be written into
     if params.offsets is not None and n:   # an empty batch has nothing to pad (np.pad refuses reflect on it)
         p, off = aug.pad, params.offsets
         require_padding_fits((h, w), aug)   # a torch Dataset's images are first seen here
         padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)), mode=NUMPY_PAD_MODE[aug.padding])
         rows = off[:, 0, None] + np.arange(h)            # (n, h)
         cols = off[:, 1, None] + np.arange(w)            # (n, w)
-        images = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        images, fresh = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]], True
     flip = params.flips
     if flip.any():
-        images = images.copy() if not images.flags.writeable else images
+        # Never into the caller's array: a Dataset's sample (or a source's row) may be a view of its
+        # data, which a flip in place would mirror for good.
+        images = images if fresh else images.copy()
         images[flip] = images[flip, :, ::-1]
     return images
 

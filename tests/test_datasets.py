@@ -729,3 +729,23 @@ def test_fastdatas_own_sources_wrapped_in_concat_or_subset_keep_their_layout():
                                  mean=(0.0,) * 3, std=(1.0,) * 3)))
     assert x.shape == (8, 3, 3, 8)
     torch.testing.assert_close(x[1].permute(1, 2, 0) * 255, torch.from_numpy(flat[1]).float())
+    # Training flips: the batches mirror copies, never the sources' (and the caller's) arrays.
+    before = flat.copy()
+    for _ in make_loader(both, "torch", batch_size=8, device="cpu", num_workers=0, train=True,
+                         augment=Augmentation(crop="none", hflip=1.0), mean=(0.0,) * 3, std=(1.0,) * 3):
+        pass
+    assert np.array_equal(flat, before)
+    # A DatasetSource hands out its dataset's own (C, H, W) tensors: wrapped again, they stay (C, H, W).
+    from fastdata.datasets import DatasetSource
+
+    class CHW(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.full((3, 10, 12), i, dtype=torch.uint8), i % 2
+
+    twice = ConcatDataset([DatasetSource(CHW()), DatasetSource(CHW())])
+    x, _ = next(iter(make_loader(twice, "torch", batch_size=4, device="cpu", num_workers=0, train=False,
+                                 mean=(0.0,) * 3, std=(1.0,) * 3)))
+    assert x.shape == (4, 3, 10, 12)

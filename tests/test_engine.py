@@ -134,6 +134,12 @@ def test_fit_warns_about_fp16_on_the_cpu_once_at_its_callers_line(monkeypatch):
                    wall_seconds=1.0, dataset="x", epochs=1, batch_size=4)
     fp16 = [w for w in caught if "amp='fp16' on the CPU" in str(w.message)]
     assert len(fp16) == 1 and fp16[0].filename == __file__, [(w.filename, w.lineno) for w in fp16]
+    monkeypatch.setattr(engine, "_WARNED_FP16_ON_CPU", False)
+    with warnings.catch_warnings(record=True) as caught:   # evaluate alone (torch.no_grad wraps it)
+        warnings.simplefilter("always")
+        evaluate(SmallCNN(width=4), loader, amp="fp16")
+    fp16 = [w for w in caught if "amp='fp16' on the CPU" in str(w.message)]
+    assert len(fp16) == 1 and fp16[0].filename == __file__, [(w.filename, w.lineno) for w in fp16]
 
 
 class AutocastProbe(nn.Module):

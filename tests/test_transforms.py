@@ -507,3 +507,13 @@ def test_a_webp_file_this_pillow_cannot_read_says_why(tmp_path):
         warnings.simplefilter("ignore", UserWarning)   # Pillow's own "WEBP support not installed"
         with pytest.raises(DecodeError, match=r"built without WEBP support \(PIL.features.check\('webp'\) is False\)"):
             open_image(path)
+
+
+def test_a_flip_never_writes_into_the_callers_array():
+    """apply_params flipped a writable input in place: a Dataset whose samples are views of its data
+    (np arrays returned by __getitem__) had its data mirrored for good by the first epoch's flips."""
+    images = np.arange(2 * 3 * 4 * 1, dtype=np.uint8).reshape(2, 3, 4, 1)
+    before = images.copy()
+    out = augment_batch(images, Augmentation(crop="none", hflip=1.0), np.random.default_rng(0))
+    assert np.array_equal(images, before)
+    assert np.array_equal(out, before[:, :, ::-1])
