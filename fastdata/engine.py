@@ -403,7 +403,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             if fdist.is_main():
                 print(format_record(record, epochs), flush=True)
             if checkpoint is not None:
-                state.save(checkpoint, position)
+                state.save(checkpoint, position, every_rank=True)
         return state.history
 
 
@@ -797,10 +797,13 @@ class TrainingState:
         # one rank carries them on.
         self.partial = list(state["partial"]) if fdist.is_main() else [0.0, 0.0, 0.0]
 
-    def save(self, path, position: dict, partial: list[float] | None = None) -> None:
-        """Save at ``position`` (rank 0 writes one file for the run). Collective under DDP: every rank
-        calls it at the same batch, and sends rank 0 its RNG states."""
-        rng_ranks = fdist.gather_on_cpu(ckpt.rng_state())
+    def save(self, path, position: dict, partial: list[float] | None = None, *, every_rank: bool = False) -> None:
+        """Save at ``position`` (rank 0 writes one file for the run). ``every_rank`` (what ``fit`` does):
+        a collective under DDP, every rank calls it at the same batch and sends rank 0 its RNG states, so
+        a resume gives each rank its own; without it only rank 0 needs to call it (a loop of your own
+        that saves ``if is_main()``), and the checkpoint holds rank 0's RNG states alone."""
+        state = ckpt.rng_state()
+        rng_ranks = fdist.gather_on_cpu(state) if every_rank else [state]
         if fdist.is_main():
             ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0], rng_ranks), path,
                       storage=self.storage)
@@ -857,7 +860,7 @@ class _PeriodicSave:
     def __call__(self, batch: int) -> None:
         if self.path is None or not self.every or (self.offset + batch) % self.every or batch >= self.length:
             return
-        self.state.save(self.path, self.state.loader.state_dict(), self.meter.global_sums())
+        self.state.save(self.path, self.state.loader.state_dict(), self.meter.global_sums(), every_rank=True)
 
 
 # ------------------------------------------------------------------------------------- the step
