@@ -427,7 +427,9 @@ def _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler,
     for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
         if name == "eval_loader" and loader is None:
             continue
-        missing = [a for a in ("device", "__iter__", "__len__") if not hasattr(loader, a)]
+        # evaluate never asks an eval_loader its length; fit counts the training batches.
+        needed = ("device", "__iter__", "__len__") if name == "train_loader" else ("device", "__iter__")
+        missing = [a for a in needed if not hasattr(loader, a)]
         if missing:
             plain = isinstance(loader, torch.utils.data.DataLoader)
             hint = (": a torch DataLoader does not say where its batches are; build the loader with "
@@ -435,12 +437,19 @@ def _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler,
             raise TypeError(f"{name} must be a fastdata loader (fastdata.make_loader) or an object with its "
                             f"contract (.device, len(), iteration over (images, labels)); got "
                             f"{type(loader).__name__} without {', '.join(missing)}{hint}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer on the model's parameters (or None: "
-                        f"AdamW), got {optimizer!r} ({type(optimizer).__name__})")
-    if scheduler is not None and not all(callable(getattr(scheduler, a, None)) for a in ("step", "state_dict")):
+    # By what fit uses, not by class: an optimizer or scheduler of another library that does not
+    # subclass torch's still trains. state_dict() is needed only to write checkpoints.
+    saving = checkpoint is not None
+    wants = ("step", "zero_grad", "state_dict", "load_state_dict") if saving else ("step", "zero_grad")
+    if optimizer is not None and (not hasattr(optimizer, "param_groups")
+                                  or not all(callable(getattr(optimizer, a, None)) for a in wants)):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer on the model's parameters (or an object "
+                        f"with param_groups and {', '.join(a + '()' for a in wants)}), or None (AdamW); got "
+                        f"{optimizer!r} ({type(optimizer).__name__})")
+    wants = ("step", "state_dict", "load_state_dict") if saving else ("step",)
+    if scheduler is not None and not all(callable(getattr(scheduler, a, None)) for a in wants):
         raise TypeError(f"scheduler must be a torch.optim.lr_scheduler scheduler built on the optimizer (an "
-                        f"object with step() and state_dict()), or None; got {scheduler!r} "
+                        f"object with {', '.join(a + '()' for a in wants)}), or None; got {scheduler!r} "
                         f"({type(scheduler).__name__})")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(logits, labels) (e.g. nn.CrossEntropyLoss()), "

@@ -1378,6 +1378,7 @@ def test_fit_compiles_the_model_on_a_gpu(monkeypatch):
     ({"resume": "yes"}, TypeError, r"resume must be True or False, got 'yes'"),
     ({"scheduler": "cos"}, TypeError, r"scheduler must be a torch.optim.lr_scheduler scheduler .* got 'cos' \(str\)"),
     ({"optimizer": "sgd"}, TypeError, r"optimizer must be a torch.optim.Optimizer .* got 'sgd' \(str\)"),
+    ({"eval_loader": [1, 2]}, TypeError, r"eval_loader must be a fastdata loader .* got list without device"),
     ({"loss_fn": "ce"}, TypeError, r"loss_fn must be callable .* got 'ce' \(str\)"),
     ({"eval_loader": "x"}, TypeError, r"eval_loader must be a fastdata loader .* got str without device"),
 ])
@@ -1388,6 +1389,31 @@ def test_fit_refuses_an_argument_of_the_wrong_kind_before_training(kwargs, error
     with pytest.raises(error, match=match):
         fit(SmallCNN(width=4), loader, **args)
     assert loader.iters == 0
+
+
+def test_fit_takes_a_scheduler_optimizer_and_eval_loader_by_what_it_uses():
+    """The checks refused what trained before: a hand-written scheduler with step() alone (state_dict
+    is needed only for checkpoints), and an eval_loader without len() (evaluate never asks)."""
+    model = SmallCNN(width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Warmup:
+        def __init__(self):
+            self.steps = 0
+
+        def step(self):
+            self.steps += 1
+
+    class NoLen:
+        device = torch.device("cpu")
+
+        def __iter__(self):
+            return iter(_batches(1))
+
+    warmup = Warmup()
+    hist = fit(model, ListLoader(_batches(2)), epochs=1, optimizer=opt, scheduler=warmup, eval_loader=NoLen(),
+               progress=False)
+    assert warmup.steps == 1 and hist[0]["eval_accuracy"] is not None
 
 
 def test_fit_names_a_plain_dataloader_and_a_model_that_is_not_a_module():
