@@ -77,7 +77,16 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def _umask() -> int:
-    """The process's umask. os.umask can only be read by setting it, so it is set back at once."""
+    """The process's umask: Linux's /proc/self/status says it without changing it; elsewhere os.umask
+    can only read it by setting it (set back at once; another thread creating a file in between would
+    get 022's mode)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

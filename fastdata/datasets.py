@@ -300,7 +300,7 @@ def channel_stats(images: np.ndarray, *, most: int = 10_000, most_values: int = 
     time: exact, and the memory used is bounded whatever the image size (a float32 copy of 10,000
     photos of 224² was 6 GB, and numpy's std made a second one)."""
     per_image = max(1, int(np.prod(images.shape[1:])))
-    sub = images[:: max(1, len(images) // most, -(-len(images) * per_image // most_values))]
+    sub = images[:: max(1, -(-len(images) // most), -(-len(images) * per_image // most_values))]
     channels = sub.shape[-1]
     step = max(1, chunk_bytes // per_image)
     offsets = (np.arange(channels, dtype=np.int32) * 256)

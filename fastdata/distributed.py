@@ -315,15 +315,27 @@ def _unlink(path) -> None:
         pass
 
 
+def _close(fd) -> None:
+    """Close ``fd`` when it is one (None: nothing to close); returns None, the closed state."""
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 #: A shared-memory file of a process that is gone, this much older than now, is stale (see below).
 STALE_SHARED_SECONDS = 600
 
 
 def remove_stale_shared_files(directory: str = "/dev/shm") -> list[str]:
     """Remove the ``fastdata-*`` files in ``directory`` that a killed job left: ``node_shared_tensor``
-    unlinks its file once every rank has mapped it (seconds after creating it), so one whose creating
-    process (the pid in its name) no longer runs here and that is older than ``STALE_SHARED_SECONDS``
-    can only be a leftover of a SIGKILL or an OOM kill during that window. Returns the paths removed."""
+    unlinks its file once every rank has mapped it, and holds an flock on it until then, so one whose
+    creating process (the pid in its name) no longer runs here, that is older than
+    ``STALE_SHARED_SECONDS`` and whose lock is free can only be a leftover of a SIGKILL or an OOM kill
+    during that window (a lock dies with its process; a pid in another container's namespace looks
+    dead here, but its lock is still held). Returns the paths removed."""
+    import fcntl
     import time
 
     removed = []
@@ -346,10 +358,18 @@ def remove_stale_shared_files(directory: str = "/dev/shm") -> list[str]:
         try:
             if time.time() - os.stat(path).st_mtime < STALE_SHARED_SECONDS:
                 continue
+            fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue
-        _unlink(path)
-        removed.append(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:   # held: its job is setting it up right now
+            continue
+        else:
+            _unlink(path)
+            removed.append(path)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -367,29 +387,32 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
     An error or Ctrl-C before it removes the file on the way out; a SIGKILL in that window leaves it, and
     ``remove_stale_shared_files`` clears such leftovers when the next cache is shared.
     """
+    import fcntl
     import secrets
 
     local = dist.get_rank(group)
-    path, why = None, None
+    path, why, fd = None, None, None
     if local == 0:
         remove_stale_shared_files(directory)
         path = os.path.join(directory, f"fastdata-{tag}-{os.getpid()}-{secrets.token_hex(6)}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                if nbytes:
-                    if not hasattr(os, "posix_fallocate"):   # macOS: no way to reserve the pages up front
-                        raise OSError(f"os.posix_fallocate is not available on {sys.platform}")
-                    os.posix_fallocate(fd, 0, nbytes)
-            finally:
-                os.close(fd)
+            # Held until the file is unlinked: the stale-file sweep of another job (another container
+            # sharing /dev/shm, where this pid means nothing) sees the lock and leaves the file alone.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if nbytes:
+                if not hasattr(os, "posix_fallocate"):   # macOS: no way to reserve the pages up front
+                    raise OSError(f"os.posix_fallocate is not available on {sys.platform}")
+                os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
             why = f"cannot create {nbytes} bytes in {path}: {e.strerror or e}"
         except BaseException:   # Ctrl-C while fallocate zeroes a large file's pages: it must not stay
             _unlink(path)
+            _close(fd)
             raise
         if why is not None:
             _unlink(path)
+            fd = _close(fd)
     try:
         path, why = gather_objects((path, why), group)[0]
         if why is not None:
@@ -407,6 +430,7 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
         # else would ever remove it.
         if local == 0 and path is not None:
             _unlink(path)
+            _close(fd)
     if problems:
         return None, path, problems[0]
     return tensor, path, None

@@ -325,8 +325,20 @@ def test_stale_shared_files_of_dead_processes_are_removed(tmp_path):
         path.write_bytes(b"x")
         if name != f"fastdata-memory-abc-{dead}-fresh":
             os.utime(path, (old, old))
-    assert fdist.remove_stale_shared_files(str(tmp_path)) == [str(files[f"fastdata-memory-abc-{dead}-0a1b"])]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(files) - {f"fastdata-memory-abc-{dead}-0a1b"})
+    # Another container's job setting its file up: its pid means nothing here, but it holds the lock.
+    import fcntl
+
+    locked = tmp_path / f"fastdata-memory-abc-{dead}-0c0d"   # a dead pid here, but locked
+    locked.write_bytes(b"x")
+    os.utime(locked, (old, old))
+    fd = os.open(locked, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert fdist.remove_stale_shared_files(str(tmp_path)) == [str(files[f"fastdata-memory-abc-{dead}-0a1b"])]
+    finally:
+        os.close(fd)
+    kept = set(files) - {f"fastdata-memory-abc-{dead}-0a1b"} | {locked.name}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     assert fdist.remove_stale_shared_files(str(tmp_path / "missing")) == []
 
 

@@ -593,8 +593,8 @@ class MemoryLoader(Loader):
             ready = ready_bytes(source, config, recipe(source, config))
             dtype = str(config.dtype).replace("torch.", "")
             return True, (f"its cache, normalized ahead in {dtype} ({_fmt(ready)}, a batch is one "
-                          f"gather), fits in half the free {where} ({_fmt(limit)} after the memory_reserve "
-                          f"and other caches)")
+                          f"gather), fits in half the free {where} ({_fmt(limit // 2)} of {_fmt(limit)} after "
+                          f"the memory_reserve and other caches)")
         if need == 0:  # an array on the CPU, read where it is: nothing to allocate
             return True, f"it reads the source's array in {where} as it is (no copy to make)"
         if need <= limit:
