@@ -76,7 +76,32 @@ def init_distributed(device=None) -> torch.device:
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", **kwargs)
+        if dev.type == "cuda":
+            import socket
+
+            # rank_gpu takes cuda:0 where each process sees one GPU, trusting a per-rank
+            # CUDA_VISIBLE_DEVICES; a job-wide one (the same GPU for every rank) is caught here.
+            me = (socket.gethostname(), str(torch.cuda.get_device_properties(dev).uuid), local_rank(),
+                  os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+            problem = duplicate_gpus(gather_objects(me))
+            if problem:
+                raise RuntimeError(problem)
     return dev
+
+
+def duplicate_gpus(ranks: list) -> str | None:
+    """Why two ranks would train on one GPU, or None: ``ranks[r]`` is rank r's (host, GPU uuid,
+    LOCAL_RANK, CUDA_VISIBLE_DEVICES)."""
+    first = {}
+    for rank, (host, uuid, local, visible) in enumerate(ranks):
+        if (host, uuid) in first:
+            other = first[(host, uuid)]
+            return (f"ranks {other} and {rank} (LOCAL_RANK {ranks[other][2]} and {local}) on {host} would both "
+                    f"train on GPU {uuid} (CUDA_VISIBLE_DEVICES={ranks[other][3]!r} and {visible!r}): each "
+                    f"process sees one GPU, but not its own; set CUDA_VISIBLE_DEVICES per rank (or not at "
+                    f"all, so that rank r takes cuda:LOCAL_RANK), or start as many processes per node as GPUs")
+        first[(host, uuid)] = rank
+    return None
 
 
 def cleanup(barrier: bool = True) -> None:

@@ -75,9 +75,20 @@ def test_a_rank_that_sees_only_its_own_gpu_trains_on_cuda_0(torchrun_env, monkey
     monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
     monkeypatch.setattr(fdist.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(fdist.dist, "init_process_group", lambda **kw: group.update(kw))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"uuid": "GPU-b"})())
+    monkeypatch.setattr(fdist, "gather_objects", lambda me: [("node", "GPU-a", 0, "0"), me])
     assert fdist.init_distributed("cuda") == torch.device("cuda", 0)
     assert made_current == [0]
     assert group == {"backend": "nccl", "device_id": torch.device("cuda", 0)}
+    # A job-wide CUDA_VISIBLE_DEVICES (every rank sees the same one GPU) is refused once the group exists.
+    monkeypatch.setattr(fdist, "gather_objects", lambda me: [("node", "GPU-b", 0, "1"), me])
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node")
+    with pytest.raises(RuntimeError, match=r"ranks 0 and 1 \(LOCAL_RANK 0 and 1\) on node would both train on "
+                                           r"GPU GPU-b \(CUDA_VISIBLE_DEVICES='1' and '1'\)"):
+        fdist.init_distributed("cuda")
+    assert fdist.duplicate_gpus([("a", "GPU-1", 0, ""), ("b", "GPU-1", 0, "")]) is None   # two hosts
     # Without a per-rank CUDA_VISIBLE_DEVICES, one GPU for two ranks is refused before NCCL sees it.
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 .* sees 1 CUDA device"):
