@@ -190,7 +190,12 @@ def _check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int
 def current_lr(optimizer) -> float | list[float]:
     """The optimizer's learning rate: one float when every parameter group has the same, else one per
     group (a list, in group order). A tensor lr is read on the host (once per epoch in ``fit``)."""
-    lrs = [float(group["lr"]) for group in optimizer.param_groups]
+    return _one_or_each([group["lr"] for group in optimizer.param_groups])
+
+
+def _one_or_each(lrs) -> float | list[float]:
+    """Learning rates (floats or tensors) as one float when every group has the same, else a list."""
+    lrs = [float(lr) for lr in lrs]
     return lrs[0] if len(set(lrs)) == 1 else lrs
 
 
@@ -945,8 +950,7 @@ class TrainStep:
         a per-step schedule has already moved it on to the next step's, which after a OneCycleLR's
         last step is torch's extrapolation past the schedule's end, a rate no step used."""
         if self.interval == "step" and self.last_step_lrs is not None:
-            lrs = [float(lr) for lr in self.last_step_lrs]
-            return lrs[0] if len(set(lrs)) == 1 else lrs
+            return _one_or_each(self.last_step_lrs)
         return current_lr(self.optimizer)
 
     def end_epoch(self, record: dict) -> None:
