@@ -295,7 +295,9 @@ def report_markdown(payload: dict) -> str:
     lines = []
     for r in payload["rows"]:
         if r["status"] != "ok":
-            lines.append([r["backend"], "-", "-", "-", "-", r["status"]])
+            # The table's cell: a '|' would end it, and the whole error is in the JSON and on screen.
+            note = r["status"].replace("|", "/")
+            lines.append([r["backend"], "-", "-", "-", "-", note if len(note) <= 300 else note[:297] + "..."])
             continue
         mark = " (recommended)" if r["backend"] == payload["recommended"] else ""
         spread = f" ({fmt_num(r['spread'][0])}–{fmt_num(r['spread'][1])})" if r.get("spread") else ""
