@@ -64,7 +64,8 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
     ids = np.asarray(ids, dtype=np.int64)
     check_transform_and_augment(source, aug)
     if source.kind is SourceKind.ARRAY:
-        images = np.ascontiguousarray(augment_batch(source.images[ids], aug, rng))
+        # The gather is a copy of the rows: the flips may go into it (no second copy of the batch).
+        images = np.ascontiguousarray(augment_batch(source.images[ids], aug, rng, owned=True))
         return Decoded(images, source.labels[ids], ids)
     if source.kind is SourceKind.FILES:
         if source.sample_transform is not None:
@@ -200,7 +201,7 @@ def _dataset(source, ids, aug, rng) -> Decoded:
             raise ValueError(f"{source.name} returned images of different sizes {sorted(shapes)[:3]}; {fix}")
     batch = np.stack(images) if images else np.empty((0, 0, 0, source.channels), np.uint8)
     if aug.crop is Crop.TRANSLATE:
-        batch = augment_batch(batch, aug, rng)
+        batch = augment_batch(batch, aug, rng, owned=True)   # np.stack made it
     return Decoded(np.ascontiguousarray(batch), np.asarray(labels, dtype=np.int64), ids)
 
 

@@ -458,9 +458,11 @@ def resize_box(image: np.ndarray, aug: Augmentation, box, flip: bool) -> np.ndar
     return out[..., None] if out.ndim == 2 else out
 
 
-def apply_params(images: np.ndarray, aug: Augmentation, params: Params) -> np.ndarray:
+def apply_params(images: np.ndarray, aug: Augmentation, params: Params, *, owned: bool = False) -> np.ndarray:
     """The recipe on a (N, H, W, C) uint8 batch with drawn ``params``: translate and flip with array
-    ops (no per-sample Python), resizing crops through PIL per sample.
+    ops (no per-sample Python), resizing crops through PIL per sample. ``owned``: the caller made
+    ``images`` for this call (a gather, a stack), so a flip may write into it; otherwise it is copied
+    first, since a Dataset's sample (or a source's row) may be a view of its data.
 
     Translation pads by ``aug.pad`` with ``aug.padding`` (``NUMPY_PAD_MODE``) and crops the original
     size at each sample's offset (dy, dx): output pixel (y, x) is padded pixel (y + dy, x + dx), as in
@@ -472,7 +474,7 @@ def apply_params(images: np.ndarray, aug: Augmentation, params: Params) -> np.nd
         return np.stack([resize_box(im, aug, box, flip) for im, box, flip in
                          zip(images, params.boxes, params.flips)])
     n, h, w, _ = images.shape
-    fresh = False   # whether ``images`` is an array made here, which may be written into
+    fresh = owned   # whether ``images`` may be written into
     if params.offsets is not None and n:   # an empty batch has nothing to pad (np.pad refuses reflect on it)
         p, off = aug.pad, params.offsets
         require_padding_fits((h, w), aug)   # a torch Dataset's images are first seen here
@@ -482,9 +484,7 @@ def apply_params(images: np.ndarray, aug: Augmentation, params: Params) -> np.nd
         images, fresh = padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]], True
     flip = params.flips
     if flip.any():
-        # Never into the caller's array: a Dataset's sample (or a source's row) may be a view of its
-        # data, which a flip in place would mirror for good.
-        images = images if fresh else images.copy()
+        images = images if fresh else images.copy()   # never into data a flip would mirror for good
         images[flip] = images[flip, :, ::-1]
     return images
 
@@ -499,7 +499,9 @@ def translate_offsets(rng: np.random.Generator, n: int, pad: int) -> np.ndarray:
     return rng.integers(0, 2 * pad + 1, size=(n, 2))
 
 
-def augment_batch(images: np.ndarray, aug: Augmentation, rng: np.random.Generator) -> np.ndarray:
-    """Draw the batch's parameters and apply them to a (N, H, W, C) uint8 batch."""
+def augment_batch(images: np.ndarray, aug: Augmentation, rng: np.random.Generator, *,
+                  owned: bool = False) -> np.ndarray:
+    """Draw the batch's parameters and apply them to a (N, H, W, C) uint8 batch (``owned``: see
+    ``apply_params``)."""
     n, h, w, _ = images.shape
-    return apply_params(images, aug, draw_params(aug, rng, n, (h, w)))
+    return apply_params(images, aug, draw_params(aug, rng, n, (h, w)), owned=owned)
