@@ -295,10 +295,9 @@ def channel_stats(images: np.ndarray, *, most: int = 10_000, most_values: int = 
     """Per-channel (mean, std) in [0, 1] units of uint8 (N, H, W, C) ``images``, each std at least
     1e-3. A strided subset of at most ``most`` images and about ``most_values`` pixel values (CIFAR's and
     MNIST's 10,000 images are under it; large photos are sampled more sparsely) gives them to 3 digits
-    without a pass over a large array. It
-    is counted into one 256-bin histogram per channel, a chunk of about ``chunk_bytes`` of pixels at a
-    time: exact, and the memory used is bounded whatever the image size (a float32 copy of 10,000
-    photos of 224² was 6 GB, and numpy's std made a second one)."""
+    without a pass over a large array. The subset is counted into one 256-bin histogram per channel, a
+    chunk of about ``chunk_bytes`` of pixels at a time: exact, and the memory used is bounded whatever
+    the image size (a float32 copy of 10,000 photos of 224² was 6 GB, and numpy's std made a second)."""
     per_image = max(1, int(np.prod(images.shape[1:])))
     sub = images[:: max(1, -(-len(images) // most), -(-len(images) * per_image // most_values))]
     channels = sub.shape[-1]

@@ -341,7 +341,7 @@ def _unlink(path) -> None:
 
 
 def _close(fd) -> None:
-    """Close ``fd`` when it is one (None: nothing to close); returns None, the closed state."""
+    """Close ``fd`` when it is one (None: nothing to close)."""
     if fd is not None:
         try:
             os.close(fd)
@@ -416,29 +416,23 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
     import secrets
 
     local = dist.get_rank(group)
-    path, why, fd = None, None, None
-    if local == 0:
-        remove_stale_shared_files(directory)
-        path = os.path.join(directory, f"fastdata-{tag}-{os.getpid()}-{secrets.token_hex(6)}")
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            # Held until the file is unlinked: the stale-file sweep of another job (another container
-            # sharing /dev/shm, where this pid means nothing) sees the lock and leaves the file alone.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if nbytes:
-                if not hasattr(os, "posix_fallocate"):   # macOS: no way to reserve the pages up front
-                    raise OSError(f"os.posix_fallocate is not available on {sys.platform}")
-                os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            why = f"cannot create {nbytes} bytes in {path}: {e.strerror or e}"
-        except BaseException:   # Ctrl-C while fallocate zeroes a large file's pages: it must not stay
-            _unlink(path)
-            _close(fd)
-            raise
-        if why is not None:
-            _unlink(path)
-            fd = _close(fd)
+    path, fd = None, None
     try:
+        why = None
+        if local == 0:
+            remove_stale_shared_files(directory)
+            path = os.path.join(directory, f"fastdata-{tag}-{os.getpid()}-{secrets.token_hex(6)}")
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                # Held until the file is unlinked: the stale-file sweep of another job (another container
+                # sharing /dev/shm, where this pid means nothing) sees the lock and leaves the file alone.
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if nbytes:
+                    if not hasattr(os, "posix_fallocate"):   # macOS: no way to reserve the pages up front
+                        raise OSError(f"os.posix_fallocate is not available on {sys.platform}")
+                    os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                why = f"cannot create {nbytes} bytes in {path}: {e.strerror or e}"
         path, why = gather_objects((path, why), group)[0]
         if why is not None:
             return None, path, why
@@ -450,9 +444,9 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
             mine = f"local rank {local} cannot map {path}: {type(e).__name__}: {e}"
         problems = [p for p in gather_objects(mine, group) if p is not None]
     finally:
-        # After the second gather every rank has mapped it (or said it cannot); on the way out of an
-        # error or an interrupt (a peer died, Ctrl-C) the file goes too: /dev/shm is RAM, and nothing
-        # else would ever remove it.
+        # After the second gather every rank has mapped it (or said it cannot). On the way out of a
+        # failed creation, an error or an interrupt (Ctrl-C while fallocate zeroes a large file's pages,
+        # a peer dying in a gather) the file goes too: /dev/shm is RAM, and nothing else would remove it.
         if local == 0 and path is not None:
             _unlink(path)
             _close(fd)

@@ -80,8 +80,6 @@ def _user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, from the function calling this one, that names the first frame
     outside fastdata and torch (``torch.no_grad``'s decorator adds a frame of its own): the user's
     line, whichever of fit, evaluate or a direct call got there."""
-    import sys
-
     inside = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
     level, frame = 1, sys._getframe(1)
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
@@ -180,11 +178,11 @@ def _check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int
     most = start_epoch + max(0, (total - taken + (start_batch if unit == "batch" else 0)) // per_epoch)
     passed = (f" (the one passed to fit was built for {built_total}, but a checkpoint's scheduler state "
               f"replaces it)" if built_total is not None and built_total != total else "")
-    raise ckpt.ResumeError(f"resuming: the checkpoint's OneCycleLR has total_steps={total}{passed} and has taken "
-                     f"{taken}; epochs={epochs} needs {left} more ({needed} in all, {shape}, stepped per "
-                     f"{unit}): a one-cycle schedule cannot be stretched once it has started. Resume with "
-                     f"epochs <= {most}, or start a new run (resume=False) from the checkpoint's weights with "
-                     f"the scheduler built for the new epochs")
+    raise ckpt.ResumeError(
+        f"resuming: the checkpoint's OneCycleLR has total_steps={total}{passed} and has taken {taken}; "
+        f"epochs={epochs} needs {left} more ({needed} in all, {shape}, stepped per {unit}): a one-cycle "
+        f"schedule cannot be stretched once it has started. Resume with epochs <= {most}, or start a new run "
+        f"(resume=False) from the checkpoint's weights with the scheduler built for the new epochs")
 
 
 def current_lr(optimizer) -> float | list[float]:

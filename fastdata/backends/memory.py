@@ -589,8 +589,9 @@ class MemoryLoader(Loader):
         need, b = cache_bytes(source, config), budget(config.device, reserve)
         limit = b.stable if stable else b.limit
         where = f"GPU {config.device}" if config.device.type == "cuda" else "RAM"
-        if uses_ready(source, config, recipe(source, config), limit):
-            ready = ready_bytes(source, config, recipe(source, config))
+        aug = recipe(source, config)
+        if uses_ready(source, config, aug, limit):
+            ready = ready_bytes(source, config, aug)
             dtype = str(config.dtype).replace("torch.", "")
             return True, (f"its cache, normalized ahead in {dtype} ({_fmt(ready)}, a batch is one "
                           f"gather), fits in half the free {where} ({_fmt(limit // 2)} of {_fmt(limit)} after "
