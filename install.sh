@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets fastdata up on a fresh machine: a virtual environment (.venv) with torch and
-# torchvision pinned by constraints.txt, NVIDIA DALI, the test tools, and Pillow-SIMD in place of Pillow.
+# torchvision pinned by constraints.txt, NVIDIA DALI, the test tools, the trainers fastdata is tested
+# inside (Lightning, accelerate, timm), and Pillow-SIMD in place of Pillow.
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -15,7 +16,7 @@ PIP=("$PY" -m pip --disable-pip-version-check)
 
 # The constraints keep pip on torch 2.14.1 / torchvision 0.29.1: unpinned it fetches newer releases
 # and several GB of CUDA packages.
-"${PIP[@]}" install -q -c constraints.txt -e ".[dali,dev]"
+"${PIP[@]}" install -q -c constraints.txt -e ".[dali,dev,integrations]"
 
 # Pillow-SIMD replaces Pillow under the same `import PIL` (measured here: a 1024²→224² resize takes
 # 5.2 ms with Pillow, 0.8 ms with Pillow-SIMD, 0.5 ms with its AVX2 build). pip cannot express
