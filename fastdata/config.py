@@ -392,7 +392,13 @@ class LoaderConfig:
             by every backend (``fastdata.batch_transforms``: Cutout, ColorJitter, MixUp, ...; or a
             torchvision v2 transform that takes batched tensors). Their random draws derive from
             ``(seed, epoch, batch)``, so runs and resumes repeat exactly.
-        rank, world_size: the shard to read; None → from torch.distributed or the torchrun variables.
+        rank, world_size: the shard to read; None → from torch.distributed or the launcher's variables
+            (``RANK``, else ``NODE_RANK`` × ``LOCAL_WORLD_SIZE`` + ``LOCAL_RANK``, and ``WORLD_SIZE``).
+        even_batches: with ``drop_last=False`` under several ranks, pad the epoch's last step as
+            DistributedSampler does (with samples from the epoch's start) so every rank's last batch has
+            the same size: collectives that need equal shapes (``accelerator.gather_for_metrics``, an
+            all-gather of predictions) then work. ``loader.remainder`` says how many samples of the last
+            step are real (accelerate reads it and drops the padding from the gathered metric).
         on_error: ``"raise"`` an error naming a file that cannot be decoded, or ``"skip"`` it (counted).
         cache_size: the longest side at which ``memory`` caches each training photo, whole (aspect kept;
             a smaller photo is kept as it is), in an (N, cache_size, cache_size, 3) uint8 tensor. Crops
@@ -420,6 +426,7 @@ class LoaderConfig:
     cache_size: int = 256
     scale: float = 1
     batch_transforms: tuple = ()
+    even_batches: bool = False
 
     def __post_init__(self):
         def fix(name, value):  # frozen: normalized values are written once, here
@@ -444,6 +451,7 @@ class LoaderConfig:
         fix("shuffle", check_flag("shuffle", self.shuffle, optional=True))
         fix("drop_last", check_flag("drop_last", self.drop_last, optional=True))
         fix("channels_last", check_flag("channels_last", self.channels_last))
+        fix("even_batches", check_flag("even_batches", self.even_batches))
         # seed_for() mixes 32-bit words: seeds 2**32 apart would give identical orders.
         fix("seed", check_integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1))
         if not isinstance(self.on_error, str) or self.on_error not in ON_ERROR:
