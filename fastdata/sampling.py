@@ -13,7 +13,14 @@ import numpy as np
 
 
 def distributed_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """(rank, world_size): explicit values, else torch.distributed, else torchrun's env vars, else (0, 1)."""
+    """(rank, world_size): explicit values, else torch.distributed, else the launcher's variables, else (0, 1).
+
+    Launchers differ in what they export before the process group exists: torchrun and SLURM-style
+    launchers set ``RANK``; Lightning's DDP launcher sets only ``LOCAL_RANK``, ``NODE_RANK`` and
+    ``WORLD_SIZE``. So the rank is ``RANK``, else ``NODE_RANK`` x ``LOCAL_WORLD_SIZE`` + ``LOCAL_RANK``
+    (``LOCAL_RANK`` alone on node 0), and with ``WORLD_SIZE`` > 1 and neither, an error naming what is
+    missing: a silent rank 0 of N would read rank 0's shard on every process.
+    """
     if rank is not None and world_size is not None:
         return rank, world_size
     import torch.distributed as dist
@@ -21,8 +28,32 @@ def distributed_info(rank: int | None = None, world_size: int | None = None) -> 
     if dist.is_available() and dist.is_initialized():
         r, w = dist.get_rank(), dist.get_world_size()
     else:
-        r, w = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        w = _env_int("WORLD_SIZE", 1)
+        r = _env_rank(w if world_size is None else world_size) if rank is None else rank
     return (r if rank is None else rank), (w if world_size is None else world_size)
+
+
+def _env_rank(world: int) -> int:
+    """The global rank from the launcher's variables (see distributed_info)."""
+    if os.environ.get("RANK", "").strip():
+        return _env_int("RANK", 0)
+    local, node = os.environ.get("LOCAL_RANK", "").strip(), os.environ.get("NODE_RANK", "").strip()
+    if local:
+        node_rank = _env_int("NODE_RANK", 0)
+        if node_rank == 0:
+            return _env_int("LOCAL_RANK", 0)
+        if os.environ.get("LOCAL_WORLD_SIZE", "").strip():
+            return node_rank * _env_int("LOCAL_WORLD_SIZE", 1) + _env_int("LOCAL_RANK", 0)
+        missing = "LOCAL_WORLD_SIZE"
+    else:
+        missing = "RANK (or LOCAL_RANK with NODE_RANK)"
+    if world > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but this process's rank is unknown: {missing} is not set"
+            f"{f' (NODE_RANK={node}, LOCAL_RANK={local})' if local else ''}. Build the loader after the "
+            f"process group exists (Lightning: in the DataModule's setup() or *_dataloader(); accelerate: "
+            f"after Accelerator()), or pass rank= and world_size= to make_loader")
+    return 0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -49,6 +80,11 @@ class EpochPlan:
     With ``drop_last=False`` every sample is read exactly once across ranks: the final global step's
     remainder is split as evenly as possible, so every rank has the same number of batches and at most
     the last one is smaller (it is empty on a rank only when fewer samples than ranks remain).
+    ``even`` (``drop_last=False``): the last step is split in equal contiguous parts instead, padded at
+    its end with samples from the start of the epoch's order, as DistributedSampler pads: every rank's
+    last batch has the same size (collectives that need equal shapes work), the ranks' batches laid end
+    to end in rank order are the epoch's order, and the first ``remainder()`` samples of the gathered
+    last step are the real ones.
     """
 
     num_samples: int
@@ -58,6 +94,7 @@ class EpochPlan:
     seed: int
     rank: int = 0
     world_size: int = 1
+    even: bool = False
 
     def __post_init__(self):
         if self.num_samples < 0:
@@ -117,9 +154,28 @@ class EpochPlan:
             step = rest[b * gb:(b + 1) * gb]
             if len(step) == gb:
                 out.append(step[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+            elif self.even and self.world_size > 1:  # equal parts, the padding at the end of the step
+                part = -(-len(step) // self.world_size)
+                pad = part * self.world_size - len(step)
+                step = np.concatenate([step, np.resize(self.order(epoch), pad)])
+                out.append(step[self.rank * part:(self.rank + 1) * part])
             else:  # the partial last step (drop_last=False): split evenly over the ranks
                 out.append(np.array_split(step, self.world_size)[self.rank])
         return out
+
+    def remainder(self, offset: int = 0) -> int:
+        """Real samples in the last step of a pass from ``offset`` when it is partial, else 0 (what
+        accelerate calls the remainder: the gathered last step's first ``remainder`` are real)."""
+        return 0 if self.drop_last else (self.num_samples - offset) % self.global_batch
+
+    def rank_samples(self) -> int:
+        """Samples this rank reads in a whole epoch (padding included), as ``len(DistributedSampler)``."""
+        full, rest = divmod(self.num_samples, self.global_batch)
+        if self.drop_last or rest == 0:
+            return full * self.batch_size
+        if self.even:
+            return full * self.batch_size + -(-rest // self.world_size)
+        return full * self.batch_size + rest // self.world_size + (self.rank < rest % self.world_size)
 
     def consumed(self, offset: int, batches: int) -> int:
         """The global sample offset after ``batches`` more steps of this plan from ``offset``."""

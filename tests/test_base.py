@@ -292,6 +292,59 @@ def test_a_loader_answers_what_code_written_for_a_dataloader_asks(photo_folder):
     assert folder.classes == ImageFolder(photo_folder).classes and len(folder.dataset) == len(folder.source)
 
 
+@pytest.mark.parametrize("backend", CONCRETE)
+def test_the_dataloader_attributes_are_plain_values_and_sampler_set_epoch_picks_the_order(backend):
+    loader = make_loader(indexed_source(100), backend, batch_size=16, device="cpu", num_workers=0,
+                         drop_last=False, augment=Augmentation.none(), seed=2)
+    assert loader.drop_last is False and loader.num_workers == 0 and loader.pin_memory is False
+    assert len(loader.sampler) == 100 and len(loader.batch_sampler) == len(loader) == 7
+    assert loader.sampler.num_replicas == 1 and loader.sampler.rank == 0 and loader.sampler.shuffle
+    assert loader.batch_sampler.batch_size == 16 and loader.batch_sampler.sampler.seed == 2
+    # The sampler lists the coming pass's samples, in its order.
+    listed = list(loader.sampler)
+    np.testing.assert_array_equal(np.concatenate([decode_ids(x) for x, _ in loader]), listed)
+    # The standard DDP loop: sampler.set_epoch(e) before each epoch reads epoch e.
+    loader.sampler.set_epoch(4)
+    assert loader.epoch == 4 and loader.sampler.epoch == 4
+    e4 = np.concatenate([decode_ids(x) for x, _ in loader])
+    other = make_loader(indexed_source(100), backend, batch_size=16, device="cpu", num_workers=0,
+                        drop_last=False, augment=Augmentation.none(), seed=2)
+    other.set_epoch(4)
+    np.testing.assert_array_equal(np.concatenate([decode_ids(x) for x, _ in other]), e4)
+    # A position restored in the middle of epoch e survives set_epoch(e), which Lightning calls at the
+    # start of the resumed epoch; another epoch's set_epoch starts that epoch.
+    other.set_epoch(2)
+    it = iter(other)
+    done = np.concatenate([decode_ids(next(it)[0]) for _ in range(3)])
+    state = other.state_dict()
+    resumed = make_loader(indexed_source(100), backend, batch_size=16, device="cpu", num_workers=0,
+                          drop_last=False, augment=Augmentation.none(), seed=2)
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(2)
+    rest = [decode_ids(x) for x, _ in resumed]
+    assert len(rest) == 4  # the 7 of the epoch less the 3 done
+    rest = np.concatenate(rest)
+    np.testing.assert_array_equal(np.sort(np.concatenate([done, rest])), np.arange(100))
+    resumed.sampler.set_epoch(3)
+    assert resumed.state_dict()["epoch"] == 3 and len(resumed) == 7
+
+
+def test_accelerate_learns_the_end_of_a_pass_and_the_padding_to_drop():
+    """accelerate's gather_for_metrics and accumulate() read GradientState, which only its own
+    DataLoader wrappers feed: a fastdata loader tells it the end of the pass and the remainder."""
+    pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[integrations]')")
+    from accelerate.state import GradientState
+
+    loader = make_loader(indexed_source(70), "memory", batch_size=16, device="cpu", train=False,
+                         rank=0, world_size=2, even_batches=True, num_workers=0)
+    state = GradientState()
+    seen = []
+    for x, _ in loader:
+        seen.append((state.end_of_dataloader, state.remainder, len(x)))
+    assert seen == [(False, 6, 16), (False, 6, 16), (True, 6, 3)]  # 70 = 2 steps of 32 + 6 real, split 3 + 3
+    assert not state.in_dataloader  # the pass ended: accelerate no longer reads this loader
+
+
 def test_a_loader_is_stateful_for_torch_and_lightning():
     from torch.distributed.checkpoint.stateful import Stateful
 

@@ -259,3 +259,60 @@ def test_torch_dataset_source_works_with_torch_backends():
         assert x.shape == (40, 3, 12, 10)
         np.testing.assert_array_equal(torch.round(x[:, 0, 0, 0] * 255).long().numpy(), np.arange(40))
         np.testing.assert_array_equal(y.numpy(), np.arange(40) % 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_consumer_that_takes_exactly_len_batches_gets_a_new_epoch_each_pass(backend):
+    """Lightning's fetcher, islice(loader, len(loader)) and zip(range(n), loader) never ask for the batch
+    after the last: the pass must end when its last batch is handed out, or every pass replays epoch 0."""
+    from itertools import islice
+
+    loader = make_loader(indexed_source(300), backend, batch_size=50, device="cpu", shuffle=True,
+                         drop_last=False, augment=NONE, num_workers=0, seed=5)
+    epochs = []
+    for e in range(2):
+        ids = np.concatenate([decode_ids(x) for x, _ in islice(loader, len(loader))])
+        np.testing.assert_array_equal(np.sort(ids), np.arange(300))
+        epochs.append(ids)
+        # The position, loader.epoch and state_dict() agree once the last batch is out.
+        assert loader.epoch == e + 1
+        assert (loader.state_dict()["epoch"], loader.state_dict()["samples"]) == (e + 1, 0)
+    assert not np.array_equal(epochs[0], epochs[1]), "the second pass replayed the first epoch"
+    # zip(range(n), loader) too, and the epoch it reads is the one a plain loop would read.
+    ref = make_loader(indexed_source(300), backend, batch_size=50, device="cpu", shuffle=True,
+                      drop_last=False, augment=NONE, num_workers=0, seed=5)
+    ref.set_epoch(2)
+    expected = np.concatenate([decode_ids(x) for x, _ in ref])
+    np.testing.assert_array_equal(np.concatenate([decode_ids(x) for _, (x, _) in zip(range(len(loader)), loader)]),
+                                  expected)
+    # A peek still changes nothing, and a pass left early is read again from its start.
+    first = decode_ids(next(iter(loader))[0])
+    assert loader.epoch == 3
+    for k, (x, _) in enumerate(loader):
+        if k == 2:
+            break
+    assert loader.epoch == 3
+    np.testing.assert_array_equal(decode_ids(next(iter(loader))[0]), first)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_even_batches_pad_the_last_step_like_distributed_sampler(backend, world):
+    """even_batches: every rank's batches have equal sizes (gather works); the gathered steps are the
+    epoch's order, whose first ``remainder`` samples of the last step are real."""
+    n, batch = 301, 32
+    per_rank = []
+    for rank in range(world):
+        loader = make_loader(indexed_source(n), backend, batch_size=batch, device="cpu", train=False,
+                             augment=NONE, rank=rank, world_size=world, num_workers=0, even_batches=True)
+        batches = [decode_ids(x) for x, _ in loader]
+        assert len(batches) == len(loader) and sum(map(len, batches)) == len(loader.sampler)
+        per_rank.append(batches)
+    for k in range(len(per_rank[0])):
+        assert len({len(b[k]) for b in per_rank}) == 1, f"step {k}: batch sizes differ between ranks"
+    gathered = [np.concatenate([b[k] for b in per_rank]) for k in range(len(per_rank[0]))]
+    remainder = loader.plan.remainder()
+    assert remainder == n % (batch * world) and remainder > 0
+    real = np.concatenate(gathered[:-1] + [gathered[-1][:remainder]])
+    np.testing.assert_array_equal(real, np.arange(n))   # every sample once, in the epoch's order
+    assert len(gathered[-1]) - remainder < world        # DistributedSampler's padding: fewer than the ranks

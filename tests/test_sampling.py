@@ -85,3 +85,56 @@ def test_batches_from_any_offset_re_split_the_rest_once_over_the_ranks():
         assert np.array_equal(np.sort(got), np.sort(order[offset:]))
     with pytest.raises(ValueError, match="sample offset 102 is outside"):
         EpochPlan(101, 5, True, False, seed=2).batches_from(0, 102)
+
+
+@pytest.fixture
+def no_launcher_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_the_rank_comes_from_lightnings_variables_without_rank(no_launcher_env):
+    """Lightning's DDP launcher exports LOCAL_RANK, NODE_RANK and WORLD_SIZE, not RANK: a loader built
+    before the process group exists took rank 0's shard on every process."""
+    env = no_launcher_env
+    env.setenv("WORLD_SIZE", "4")
+    env.setenv("LOCAL_RANK", "1")
+    env.setenv("NODE_RANK", "0")
+    assert distributed_info() == (1, 4)
+    env.setenv("NODE_RANK", "1")
+    env.setenv("LOCAL_WORLD_SIZE", "2")
+    assert distributed_info() == (3, 4)   # NODE_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK
+    env.setenv("RANK", "2")
+    assert distributed_info() == (2, 4)   # RANK, where it is set, wins
+
+
+def test_an_unknown_rank_of_several_is_an_error_naming_the_missing_variable(no_launcher_env):
+    env = no_launcher_env
+    env.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=4 .* RANK \(or LOCAL_RANK with NODE_RANK\) is not set"):
+        distributed_info()
+    env.setenv("LOCAL_RANK", "1")
+    env.setenv("NODE_RANK", "1")
+    with pytest.raises(RuntimeError, match="LOCAL_WORLD_SIZE is not set"):
+        distributed_info()
+    assert distributed_info(rank=3, world_size=4) == (3, 4)  # explicit values need nothing
+    env.setenv("WORLD_SIZE", "1")
+    env.delenv("NODE_RANK")
+    env.delenv("LOCAL_RANK")
+    assert distributed_info() == (0, 1)
+
+
+@pytest.mark.parametrize("n,batch,world", [(10, 3, 4), (9, 5, 2), (3, 2, 4), (17, 4, 3), (8, 4, 2)])
+def test_even_plans_pad_the_last_step_and_lay_out_the_epochs_order(n, batch, world):
+    plans = [EpochPlan(n, batch, True, False, 1, r, world, even=True) for r in range(world)]
+    per_rank = [p.batches(0) for p in plans]
+    assert len({len(b) for b in per_rank}) == 1
+    steps = [np.concatenate([b[k] for b in per_rank]) for k in range(len(per_rank[0]))]
+    assert len({len(b[-1]) for b in per_rank}) == 1
+    remainder = plans[0].remainder() or len(steps[-1])
+    np.testing.assert_array_equal(np.concatenate(steps[:-1] + [steps[-1][:remainder]]), plans[0].order(0))
+    for r, plan in enumerate(plans):
+        assert plan.rank_samples() == sum(map(len, per_rank[r]))
+        uneven = EpochPlan(n, batch, True, False, 1, r, world)
+        assert uneven.rank_samples() == sum(map(len, uneven.batches(0)))

@@ -3,10 +3,12 @@
 - ``for images, labels in loader``: images float (N, C, H, W) normalized on ``loader.device``,
   labels int64 (N,) on the same device.
   With ``batch_transforms`` that mix samples (MixUp, CutMix), labels are soft: float (N, classes).
-- ``len(loader)`` equals the batches one pass yields. The epoch advances when a pass runs to its end
-  (or ``set_epoch`` is called), not on ``iter()``: so ``next(iter(loader))`` peeks at the first batch
-  of the coming epoch without changing the run, and a pass left early (``break``) is read again from
-  its start by the next ``iter()``, as a DataLoader does.
+- ``len(loader)`` equals the batches one pass yields. The epoch advances when a pass hands out its
+  last batch (or ``set_epoch`` is called), not on ``iter()`` and not only on StopIteration: a consumer
+  that takes exactly ``len(loader)`` batches (Lightning, ``islice``) gets a new epoch each pass, while
+  ``next(iter(loader))`` peeks at the first batch of the coming epoch without changing the run (of an
+  epoch of more than one batch), and a pass left early (``break``) is read again from its start by the
+  next ``iter()``, as a DataLoader does.
 - A new ``iter()`` supersedes the previous one: the older epoch is closed first (its workers, threads
   and pipelines released), and using the older iterator afterwards raises RuntimeError. Two
   interleaved epochs are an error, never wrong data.
@@ -19,6 +21,7 @@ A subclass implements ``_epoch(epoch, batches)`` → iterator of (images, labels
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import ClassVar, Iterator
 
@@ -66,6 +69,130 @@ class EpochIterator:
         # close() runs the epoch's finally blocks now: workers, threads and pipelines are released
         # before the newer epoch starts using them.
         self._batches.close()
+
+
+class _AccelerateTracker:
+    """Tells Hugging Face accelerate where a pass stands, as its own DataLoader wrappers do.
+
+    ``accelerator.gather_for_metrics`` drops the padding of an evenly split evaluation set on the last
+    batch, and ``accumulate()`` syncs gradients at the end of a loader: both read the GradientState
+    singleton, which accelerate's DataLoaderShard feeds (``begin``/``end`` in accelerate/data_loader.py)
+    and a loader passed through ``prepare()`` unchanged never would. Only when the user's program has
+    imported accelerate (no import here); a change of its private API leaves the loader working, the
+    metric then un-trimmed.
+    """
+
+    __slots__ = ("state", "loader")
+
+    def __init__(self, loader: "Loader", offset: int):
+        self.state = self.loader = None
+        if "accelerate.state" not in sys.modules:
+            return
+        try:
+            state = sys.modules["accelerate.state"].GradientState()
+            loader.end_of_dataloader = False
+            # accelerate's meaning: how many samples of the last global step are real (0: no padding;
+            # -1: unknown, gather_for_metrics then returns everything gathered).
+            loader.remainder = loader.plan.remainder(offset)
+            state._add_dataloader(loader)
+        except Exception:  # pragma: no cover - another accelerate version's internals
+            return
+        self.state, self.loader = state, loader
+
+    def last_batch(self) -> None:
+        if self.loader is not None:
+            self.loader.end_of_dataloader = True
+
+    def close(self) -> None:
+        if self.state is not None:
+            try:
+                self.state._remove_dataloader(self.loader)
+            except Exception:  # pragma: no cover
+                pass
+            self.state = self.loader = None
+
+
+class LoaderSampler:
+    """``loader.sampler``: what code written for a DataLoader with a DistributedSampler asks of it.
+
+    ``set_epoch(e)`` picks epoch ``e``'s order (Lightning calls it before every epoch, DDP loops by
+    hand); a position restored by ``load_state_dict`` in that same epoch is kept, as a
+    StatefulDataLoader keeps its iterator's state when its sampler's epoch is set. ``len`` is the
+    samples this rank reads per epoch; iterating gives them, in the coming pass's order.
+    """
+
+    def __init__(self, loader: "Loader"):
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        epoch = check_integer("epoch", epoch, minimum=0)
+        if epoch != self._loader._next[0]:
+            self._loader.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self._loader.epoch
+
+    @property
+    def num_replicas(self) -> int:
+        return self._loader.plan.world_size
+
+    @property
+    def rank(self) -> int:
+        return self._loader.plan.rank
+
+    @property
+    def shuffle(self) -> bool:
+        return self._loader.plan.shuffle
+
+    @property
+    def seed(self) -> int:
+        return self._loader.plan.seed
+
+    @property
+    def drop_last(self) -> bool:
+        return self._loader.plan.drop_last
+
+    @property
+    def num_samples(self) -> int:
+        return len(self)
+
+    def __len__(self) -> int:
+        return self._loader.plan.rank_samples()
+
+    def __iter__(self) -> Iterator[int]:
+        for ids in self._loader.plan.batches_from(*self._loader._next):
+            yield from ids.tolist()
+
+    def __repr__(self):
+        return (f"LoaderSampler(epoch={self.epoch}, rank={self.rank}, num_replicas={self.num_replicas}, "
+                f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last})")
+
+
+class LoaderBatchSampler:
+    """``loader.batch_sampler``: the coming pass's batches of sample ids (``len`` = ``len(loader)``)."""
+
+    def __init__(self, loader: "Loader"):
+        self._loader = loader
+
+    @property
+    def sampler(self) -> LoaderSampler:
+        return LoaderSampler(self._loader)
+
+    @property
+    def batch_size(self) -> int:
+        return self._loader.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self._loader.plan.drop_last
+
+    def __len__(self) -> int:
+        return len(self._loader.plan.batches_from(*self._loader._next))
+
+    def __iter__(self) -> Iterator[list]:
+        for ids in self._loader.plan.batches_from(*self._loader._next):
+            yield ids.tolist()
 
 
 class Loader:
@@ -118,7 +245,7 @@ class Loader:
         self.mean, self.std = tuple(mean), tuple(std)
         rank, world = distributed_info(config.rank, config.world_size)
         self.plan = EpochPlan(len(source), config.batch_size, config.shuffle, config.drop_last,
-                              config.seed, rank, world)
+                              config.seed, rank, world, even=config.even_batches)
         if len(self.plan) == 0:
             raise ValueError(
                 f"{source!r} has {len(source)} samples, fewer than one batch of {config.batch_size}"
@@ -156,6 +283,33 @@ class Loader:
     def batch_size(self) -> int:
         """Samples per batch on this rank, as ``DataLoader.batch_size``."""
         return self.config.batch_size
+
+    @property
+    def sampler(self) -> LoaderSampler:
+        """The order, as a DataLoader's sampler: ``loader.sampler.set_epoch(epoch)``, ``len``."""
+        # Made per access, not kept: a loader holding an object that holds it back would be a reference
+        # cycle, and a dropped loader's workers would then wait for the cyclic GC.
+        return LoaderSampler(self)
+
+    @property
+    def batch_sampler(self) -> LoaderBatchSampler:
+        """The coming pass's batches of sample ids, as a DataLoader's ``batch_sampler``."""
+        return LoaderBatchSampler(self)
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether the partial last step is left out (the config's, derived from ``train``)."""
+        return self.plan.drop_last
+
+    @property
+    def num_workers(self) -> int:
+        """The worker processes (threads for DALI) the backend was given (``config.num_workers``)."""
+        return self.config.num_workers
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host batches are pinned before their copy to the device (the torch backends on CUDA)."""
+        return False
 
     @property
     def classes(self) -> list:
@@ -232,8 +386,9 @@ class Loader:
         # numbers its steps by where they start in the new layout.
         start = offset // self.plan.global_batch
         it = self._epoch(epoch, batches, start)
-        done = 0
+        done, ended = 0, False
         pipeline = self.batch_pipeline
+        tracker = _AccelerateTracker(self, offset)
         try:
             for batch in it:
                 if pipeline is not None:
@@ -243,13 +398,25 @@ class Loader:
                                                       0xBA7C))
                 done += 1
                 self._position = (epoch, offset, done, len(batches))
+                if done == len(batches):
+                    # The pass ends when its last batch is handed out, not when the consumer asks for one
+                    # more: Lightning's fetcher, islice(loader, len(loader)) and zip(range(n), loader)
+                    # never ask, and would otherwise replay this epoch forever.
+                    ended = True
+                    self._end_pass(epoch, offset)
+                    tracker.last_batch()
                 yield batch
         finally:
+            tracker.close()
             close = getattr(it, "close", None)
             if close is not None:
                 close()
-        # The pass ran to its end: the next iter() starts the next epoch (unless set_epoch or
-        # load_state_dict said otherwise meanwhile, which set _next themselves).
+        if not ended:  # an empty pass (resumed at its end), or a backend that yielded fewer batches
+            self._end_pass(epoch, offset)
+
+    def _end_pass(self, epoch: int, offset: int) -> None:
+        # The next iter() starts the next epoch (unless set_epoch or load_state_dict said otherwise
+        # meanwhile, which set _next themselves).
         if self._next == (epoch, offset):
             self._next = (epoch + 1, 0)
         # Samples left out for good (memory's cache) are the same on every rank: rank 0 reports them,

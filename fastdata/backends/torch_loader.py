@@ -146,6 +146,10 @@ class TorchLoader(Loader):
         self._loader = make_dataloader(self.fetcher, self._sampler, workers, self.pin, self.opts,
                                        seed=seed_for(self.plan.seed, self.plan.rank, 0x5EED))
 
+    @property
+    def pin_memory(self) -> bool:
+        return self.pin
+
     def host_batches(self, epoch, batches, start):
         """uint8 (images, labels) batches in host memory (pinned on CUDA), in order; counts skips."""
         jobs = [(ids, self.plan.batch_seed(epoch, start + k)) for k, ids in enumerate(batches)]
