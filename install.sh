@@ -16,7 +16,7 @@ PIP=("$PY" -m pip --disable-pip-version-check)
 
 # The constraints keep pip on torch 2.14.1 / torchvision 0.29.1: unpinned it fetches newer releases
 # and several GB of CUDA packages.
-"${PIP[@]}" install -q -c constraints.txt -e ".[dali,dev,integrations]"
+"${PIP[@]}" install -q -c constraints.txt -e ".[dali,dev,integrations,shards]"
 
 # Pillow-SIMD replaces Pillow under the same `import PIL` (measured here: a 1024²→224² resize takes
 # 5.2 ms with Pillow, 0.8 ms with Pillow-SIMD, 0.5 ms with its AVX2 build). pip cannot express
