@@ -225,8 +225,11 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
     Returns ``{"loss", "accuracy" (0-1), "samples"}``. The model's train/eval mode is restored after.
     Labels may be class indices (int64 (N,)) or soft targets (float (N, classes), as MixUp/CutMix make
     them): the default ``nn.CrossEntropyLoss`` takes both, and a soft label counts as right when
-    ``argmax(logits) == argmax(labels)``.
+    ``argmax(logits) == argmax(labels)``. ``loss_fn`` is the evaluation loss (``fit`` passes its
+    ``eval_loss_fn``): give a training loss here only if it takes the evaluation labels (timm's
+    ``SoftTargetCrossEntropy`` takes soft targets alone, and evaluation labels are usually class indices).
     """
+    _check_loss("loss_fn", loss_fn)
     device = _loader_device(loader)
     with _device_scope(device):
         return _evaluate(model, loader, device, amp, loss_fn)
@@ -283,7 +286,7 @@ def wants_fused(params, device) -> bool:
 def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, scheduler=None, eval_loader=None,
         amp: str = "auto", compile: bool = False, channels_last: bool = False, checkpoint=None,
         resume: bool = False, progress: bool = True, checkpoint_every: int | None = None,
-        loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True,
+        loss_fn=None, eval_loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True,
         scheduler_interval: str | None = None, checkpoint_storage=None) -> list[dict]:
     """Train ``model`` for ``epochs`` passes over ``train_loader``; return one record per epoch.
 
@@ -333,8 +336,16 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         checkpoint_storage: where ``checkpoint`` is read and written: any object with ``exists``,
             ``read_bytes`` and ``write_bytes`` (``fastdata.checkpoint.Storage``); None: the local file
             system for a path, fsspec for a URL.
-        loss_fn: default ``nn.CrossEntropyLoss()`` (class indices or class probabilities; under
-            autocast it computes in float32 whatever the logits' dtype).
+        loss_fn: the training loss, ``loss_fn(logits, labels)``; default ``nn.CrossEntropyLoss()``
+            (class indices or class probabilities; under autocast it computes in float32 whatever the
+            logits' dtype). It is not used for evaluation: see ``eval_loss_fn``.
+        eval_loss_fn: the loss ``evaluate`` reports as ``eval_loss``; default ``nn.CrossEntropyLoss()``
+            on the evaluation labels, hard or soft. Separate from ``loss_fn`` because a training loss
+            often does not take the evaluation labels: timm's recipe trains with
+            ``SoftTargetCrossEntropy`` on MixUp/CutMix's float (N, classes) targets, which fails on the
+            int64 class indices of an eval loader (it used to, after a whole epoch of training); a
+            label-smoothing loss would report a smoothed figure. Give one to evaluate with your own
+            (it also feeds ``ReduceLROnPlateau``).
         cudnn_benchmark: on CUDA, turn ``torch.backends.cudnn.benchmark`` on while fit runs (cuDNN
             times its algorithms once per input shape and keeps the fastest). ``False``: fit leaves
             the flag as the caller set it.
@@ -353,7 +364,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
     batch. Under DDP the model must therefore accept an empty batch (``x.flatten(1)``, not
     ``x.view(x.shape[0], -1)``).
     """
-    _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, epochs=epochs,
+    _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, eval_loss_fn, epochs=epochs,
                          checkpoint=checkpoint, resume=resume, checkpoint_every=checkpoint_every,
                          flags={"compile": compile, "channels_last": channels_last, "progress": progress,
                                 "cudnn_benchmark": cudnn_benchmark, "tf32": tf32})
@@ -397,7 +408,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             # The rate the epoch's last step trained at (before an epoch schedule's own step).
             record = meter.record(epoch + 1, lr=step.epoch_lr())
             if eval_loader is not None:
-                result = evaluate(step.eval_net, eval_loader, amp=mode, loss_fn=step.loss_fn)
+                result = evaluate(step.eval_net, eval_loader, amp=mode, loss_fn=eval_loss_fn)
                 record["eval_loss"], record["eval_accuracy"] = result["loss"], result["accuracy"]
             # Before the save: a checkpoint taken at an epoch's end holds the scheduler already stepped
             # for it, and a mid-epoch one the scheduler before it, so a resume steps it exactly once.
@@ -410,7 +421,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         return state.history
 
 
-def _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, *, epochs,
+def _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, eval_loss_fn, *, epochs,
                          checkpoint, resume, checkpoint_every, flags: dict) -> None:
     """Every argument of ``fit`` of the wrong kind, refused before anything starts and named: a string
     where a scheduler belongs would otherwise fail only when the first epoch ends, and ``progress="no"``
@@ -454,9 +465,14 @@ def _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler,
         raise TypeError(f"scheduler must be a torch.optim.lr_scheduler scheduler built on the optimizer (an "
                         f"object with {', '.join(a + '()' for a in wants)}), or None; got {scheduler!r} "
                         f"({type(scheduler).__name__})")
+    _check_loss("loss_fn", loss_fn)
+    _check_loss("eval_loss_fn", eval_loss_fn)
+
+
+def _check_loss(name: str, loss_fn) -> None:
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(logits, labels) (e.g. nn.CrossEntropyLoss()), "
-                        f"or None; got {loss_fn!r} ({type(loss_fn).__name__})")
+        raise TypeError(f"{name} must be callable as {name}(logits, labels) (e.g. nn.CrossEntropyLoss()), "
+                        f"or None (cross-entropy); got {loss_fn!r} ({type(loss_fn).__name__})")
 
 
 @contextlib.contextmanager

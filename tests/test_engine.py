@@ -1110,6 +1110,50 @@ def test_soft_labels_with_the_wrong_number_of_classes_are_named():
         evaluate(model, ListLoader([(images, labels)]))
 
 
+def test_fit_trains_on_timm_soft_target_loss_with_mixup_and_evaluates_on_class_indices():
+    """timm's recipe: SoftTargetCrossEntropy takes MixUp's (N, classes) targets only. fit used it for the
+    eval loader's int64 labels too and crashed after the whole first epoch; the eval loss is now
+    cross-entropy on the evaluation labels, whatever the training loss."""
+    timm_loss = pytest.importorskip("timm.loss", reason="timm is the 'integrations' extra")
+    from fastdata.batch_transforms import MixUp
+
+    train = make_loader(SyntheticDigits(64, seed=1), "memory", batch_size=32, device="cpu", seed=0,
+                        batch_transforms=[MixUp(alpha=0.4)])
+    test = make_loader(SyntheticDigits(48, train=False, seed=1), "memory", batch_size=16, train=False, device="cpu")
+    seen = []
+    soft_loss = timm_loss.SoftTargetCrossEntropy()
+    soft_loss.register_forward_pre_hook(lambda module, args: seen.append(args[1].shape))
+    torch.manual_seed(0)
+    model = SmallCNN(width=4)
+    hist = fit(model, train, epochs=2, eval_loader=test, loss_fn=soft_loss, progress=False)
+    assert len(hist) == 2 and seen == [(32, 10)] * 4      # trained on soft targets alone
+    # What the run reported is cross-entropy over the eval loader's class indices.
+    assert hist[-1]["eval_loss"] == pytest.approx(evaluate(model, test)["loss"], rel=1e-6)
+    assert math.isfinite(hist[0]["eval_loss"]) and hist[-1]["eval_accuracy"] is not None
+
+
+def test_fit_evaluates_with_the_eval_loss_fn_given_and_not_the_training_loss():
+    labels_seen = {"train": [], "eval": []}
+
+    def logged(kind, value):
+        def loss(logits, labels):
+            labels_seen[kind].append(labels.dtype)
+            return nn.functional.cross_entropy(logits, labels) * 0 + value if kind == "eval" else \
+                nn.functional.cross_entropy(logits, labels)
+        return loss
+
+    torch.manual_seed(0)
+    hist = fit(SmallCNN(width=4), ListLoader(_batches(3)), epochs=2, eval_loader=ListLoader(_batches(2, seed=1)),
+               loss_fn=logged("train", None), eval_loss_fn=logged("eval", 7.25), progress=False)
+    assert [r["eval_loss"] for r in hist] == [7.25, 7.25]
+    assert labels_seen == {"train": [torch.int64] * 6, "eval": [torch.int64] * 4}
+
+
+def test_evaluate_refuses_a_loss_that_is_not_callable():
+    with pytest.raises(TypeError, match=r"loss_fn must be callable .* got 'ce' \(str\)"):
+        evaluate(SmallCNN(width=4), ListLoader(_batches(1)), loss_fn="ce")
+
+
 # ---------------------------------------------------------------------------------- schedulers
 def _sched_run(make_scheduler, *, epochs=2, batches=3, interval=None, momentum=0.0, **kwargs):
     """fit a small model for ``epochs`` over ``batches`` fixed batches; returns (scheduler, optimizer,
@@ -1380,6 +1424,7 @@ def test_fit_compiles_the_model_on_a_gpu(monkeypatch):
     ({"optimizer": "sgd"}, TypeError, r"optimizer must be a torch.optim.Optimizer .* got 'sgd' \(str\)"),
     ({"eval_loader": [1, 2]}, TypeError, r"eval_loader must be a fastdata loader .* got list without device"),
     ({"loss_fn": "ce"}, TypeError, r"loss_fn must be callable .* got 'ce' \(str\)"),
+    ({"eval_loss_fn": 0.1}, TypeError, r"eval_loss_fn must be callable .* got 0.1 \(float\)"),
     ({"eval_loader": "x"}, TypeError, r"eval_loader must be a fastdata loader .* got str without device"),
 ])
 def test_fit_refuses_an_argument_of_the_wrong_kind_before_training(kwargs, error, match):
