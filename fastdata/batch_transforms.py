@@ -203,6 +203,17 @@ def _mix(a: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
     return a.mul(lam).add_(b, alpha=1.0 - lam)
 
 
+def _same_count(t, context: BatchContext) -> None:
+    """Refuse a transform's own num_classes that differs from the source's, when the loader is built: at
+    the first batch a label past it would be an index error (a device-side assert on CUDA), and a wider
+    one fails the pipeline's (N, num_classes) check of every batch."""
+    if context.num_classes and t.num_classes != context.num_classes:
+        raise ValueError(f"{type(t).__name__}(num_classes={t.num_classes}) does not match the source, which "
+                         f"has {context.num_classes} classes (soft labels are (N, {context.num_classes})): drop "
+                         f"num_classes= (the source's is used), or give the source its true count "
+                         f"(DatasetSource(dataset, num_classes=N))")
+
+
 def _need_stats(t, context: BatchContext):
     if t.mean is not None:
         return t
@@ -527,6 +538,7 @@ class _Mixing(BatchTransform):
 
     def bind(self, context):
         if self.num_classes is not None:
+            _same_count(self, context)
             return self
         if not context.num_classes:
             # A Dataset with neither .classes nor .targets: its class count is unknown until every label
@@ -672,8 +684,10 @@ class OneOf(BatchTransform):
         return any(_as_transform(t).soft_labels for t in self.transforms)
 
     def bind(self, context):
+        if self.num_classes is not None:
+            _same_count(self, context)
         return dataclasses.replace(self, transforms=tuple(_as_transform(t).bind(context) for t in self.transforms),
-                                   num_classes=context.num_classes)
+                                   num_classes=context.num_classes or self.num_classes)
 
     def __call__(self, images, labels, generator):
         w = np.asarray(self.weights if self.weights is not None else [1.0] * len(self.transforms))

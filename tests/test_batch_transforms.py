@@ -374,6 +374,18 @@ def test_pipeline_checks_its_inputs():
         BatchPipeline([MixUp()], num_classes=0, device="cpu")
 
 
+@pytest.mark.parametrize("t", [MixUp(num_classes=4), CutMix(num_classes=12), OneOf([MixUp()], num_classes=4),
+                               OneOf([CutMix(num_classes=4)])], ids=["MixUp", "CutMix", "OneOf", "OneOf-child"])
+def test_a_class_count_other_than_the_sources_is_refused_when_the_loader_is_built(t):
+    """Accepted, it failed at the first batch (a label past num_classes; a device-side assert on CUDA)."""
+    src = ArraySource(np.zeros((8, 4, 4, 3), np.uint8), np.arange(8) % 10, mean=MEAN, std=STD, classes=list(range(10)))
+    with pytest.raises(ValueError, match=rf"num_classes={t.num_classes or 4}\) does not match the source, "
+                                         r"which has 10 classes"):
+        make_loader(src, "torch", batch_size=4, device="cpu", num_workers=0, batch_transforms=[t])
+    ok = make_loader(src, "torch", batch_size=4, device="cpu", num_workers=0, batch_transforms=[MixUp(num_classes=10)])
+    assert next(iter(ok))[1].shape == (4, 10)
+
+
 def test_pipeline_labels_soft_when_any_transform_mixes():
     p = pipe([RandomHorizontalFlip(), MixUp(0.2)])
     assert p.soft_labels and not pipe([Cutout(3)]).soft_labels
