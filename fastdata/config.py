@@ -143,6 +143,16 @@ def check_unit_stats(name: str, values, where: str = "") -> None:
                          f"divide by 255")
 
 
+def check_pixel_stats(name: str, values, where: str = "") -> None:
+    """Refuse a mean/std in [0, 1] units where ``scale=255`` says 0-255 units: divided by 255 again, they
+    would give batches in the thousands (a std of 0.25 grey levels). The mirror of ``check_unit_stats``.
+    A mean of all zeros (no shift) is the same in both units, so only a std or a non-zero mean tells."""
+    if all(v <= 1 for v in values) and any(v != 0 for v in values):
+        raise ValueError(f"{name}={tuple(values)}{where} is at most 1 with scale=255: scale=255 means mean/std in "
+                         f"0-255 pixel units (FFCV's, DALI's convention), and these are fractions; for [0, 1] "
+                         f"units (pixel/255, torchvision's) drop scale=255, or multiply by 255")
+
+
 def check_reals(name: str, value) -> tuple[float, ...]:
     """``value`` (one number or a sequence) as a non-empty tuple of finite floats; errors name ``name``
     and the index."""
@@ -387,7 +397,8 @@ class LoaderConfig:
         mean, std: per-channel normalization in [0, 1] units (``scale=255``: in 0-255 pixel units, FFCV's
             and DALI's convention); None → the source's statistics.
         scale: the units of ``mean``/``std``: 1 (fractions, torchvision's convention) or 255. A mean or
-            std above 1 with ``scale=1`` is refused: it is 0-255 units by mistake, and would give garbage.
+            std above 1 with ``scale=1`` is refused: it is 0-255 units by mistake, and would give garbage;
+            so is one with every value at most 1 (a non-zero mean, or a std) with ``scale=255``: fractions.
         batch_transforms: callables applied to every normalized batch on the device, after the recipe,
             by every backend (``fastdata.batch_transforms``: Cutout, ColorJitter, MixUp, ...; or a
             torchvision v2 transform that takes batched tensors). Their random draws derive from
@@ -479,6 +490,7 @@ class LoaderConfig:
                 if self.scale == 1:
                     check_unit_stats(name, values)
                 else:
+                    check_pixel_stats(name, values)
                     fix(name, tuple(v / 255.0 for v in values))
         if self.std is not None and any(s <= 0 for s in self.std):
             raise ValueError(f"std must be positive, got {self.std}")

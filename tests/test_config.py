@@ -220,6 +220,20 @@ def test_mean_std_in_pixel_units_are_refused_unless_scale_255_is_said():
         LoaderConfig(scale=100, device="cpu")
 
 
+def test_fractions_under_scale_255_are_refused_with_the_units_of_each_convention():
+    """Accepted, mean=(0.5,), std=(0.25,), scale=255 normalized with a std of 0.25/255: batches in the thousands."""
+    with pytest.raises(ValueError, match=r"mean=\(0.5,\) is at most 1 with scale=255: scale=255 means mean/std in "
+                                         r"0-255 pixel units.*for \[0, 1\] units .* drop scale=255"):
+        LoaderConfig(mean=(0.5,), std=(0.25,), scale=255, device="cpu")
+    with pytest.raises(ValueError, match=r"std=\(0.25, 0.24, 0.26\) is at most 1 with scale=255"):
+        LoaderConfig(std=(0.25, 0.24, 0.26), scale=255, device="cpu")
+    src = ArraySource(np.zeros((16, 4, 4), np.uint8), np.arange(16) % 2)
+    with pytest.raises(ValueError, match="std=.* is at most 1 with scale=255"):
+        make_loader(src, "memory", batch_size=4, device="cpu", mean=(127.0,), std=(0.25,), scale=255)
+    # A mean of zeros is no shift in either unit; a pixel-unit std above 1 says the units.
+    assert LoaderConfig(mean=(0.0,), std=(255.0,), scale=255, device="cpu").std == (1.0,)
+
+
 def test_a_sources_own_statistics_in_pixel_units_are_refused_by_the_loader():
     src = ArraySource(np.zeros((16, 4, 4), np.uint8), np.arange(16) % 2, mean=(33.3,), std=(78.0,))
     with pytest.raises(ValueError, match=r"mean=\(33.3,\) \(the statistics of ArraySource.*is above 1"):
