@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .config import LoaderConfig
+from .config import LoaderConfig, check_pixel_stats, check_reals
 from .datasets import as_source
 from .errors import MissingDependency
 from .sampling import distributed_info
@@ -221,7 +221,8 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
         like: a training loader this one evaluates against: its device, dtype, layout, batch size,
             seed and, above all, its normalization statistics (a test set must be normalized with
             the training set's mean/std, not its own), with ``train=False``. Keyword arguments and
-            ``config`` fields still override.
+            ``config`` fields still override, except a config's ``train`` (True by default, not by
+            choice): only a ``train=True`` keyword makes it a training loader.
         quiet: do not report ``auto``'s choice.
         **kwargs: LoaderConfig fields (batch_size, device, train, ...) and backend-specific options.
     """
@@ -272,8 +273,27 @@ def _like(train_loader, source, config, kwargs) -> tuple:
                  "rank": base.rank, "world_size": base.world_size, "on_error": base.on_error}
     if config is not None:
         # An explicit config is the caller's choice of everything it sets; it still takes the training
-        # statistics (unless it names its own) and the training loader's device.
+        # statistics (unless it names its own) and the training loader's device. And it evaluates:
+        # like= promises an evaluation loader, and a config's train is True by default, not by choice
+        # (a dataclass cannot tell the two apart), so only a train= keyword overrides it.
         given = getattr(config, "_given", {})
-        extra = {k: inherited[k] for k in ("mean", "std", "device") if given.get(k) is None}
-        return config, {**extra, **kwargs}
-    return None, {**inherited, **kwargs}
+        inherited = {k: inherited[k] for k in ("mean", "std", "device", "train")
+                     if k == "train" or given.get(k) is None}
+    else:
+        given = {}
+    caller = {**given, **kwargs}   # what the caller set: its config's fields, then the keywords over them
+    taken = [k for k in ("mean", "std") if k in inherited and k not in kwargs]
+    scale = caller.get("scale", 1)
+    if taken and not isinstance(scale, bool) and scale == 255:
+        # The inherited statistics are in [0, 1] units, converted once already; the caller's scale=255
+        # would divide them by 255 again. So every statistic goes over in [0, 1] units with scale=1, the
+        # caller's own divided by 255 exactly as LoaderConfig divides them: eval batches of the same
+        # data then equal the training loader's.
+        for name in {"mean", "std"} - set(taken):
+            if caller.get(name) is None:   # mean=None said: the source's own, in [0, 1] units
+                continue
+            values = check_reals(name, caller[name])
+            check_pixel_stats(name, values)
+            kwargs = {**kwargs, name: tuple(v / 255.0 for v in values)}
+        kwargs = {**kwargs, "scale": 1}
+    return config, {**{k: v for k, v in inherited.items() if k not in kwargs}, **kwargs}

@@ -201,6 +201,47 @@ def test_an_eval_loader_like_the_training_loader_takes_its_statistics():
     assert make_loader(test, "memory", like=tl, batch_size=8).config.batch_size == 8
 
 
+def _train_and_eval_batches(train_loader, source, **kwargs):
+    """The training loader's normalization of ``source``'s first 16 images, and an eval loader's batch."""
+    want = train_loader.normalize(torch.from_numpy(source.images[:16]))
+    return want, next(iter(make_loader(source, "memory", like=train_loader, **kwargs)))[0]
+
+
+def test_like_under_scale_255_does_not_divide_the_inherited_statistics_again():
+    """The inherited mean/std are already in [0, 1] units; a scale=255 said again (with the config, or
+    with statistics of the caller's own) divided them by 255 a second time."""
+    from fastdata import LoaderConfig
+
+    rng = np.random.default_rng(0)
+    src = ArraySource(rng.integers(0, 256, (32, 8, 8, 3), dtype=np.uint8), np.arange(32) % 4)
+    pixel_units = dict(mean=(125.0, 120.0, 110.0), std=(60.0, 61.0, 62.0), scale=255)
+    cfg = LoaderConfig(batch_size=16, device="cpu", num_workers=0, **pixel_units)
+    tl = make_loader(src, "memory", config=cfg, quiet=True)
+    assert tl.mean == (125 / 255, 120 / 255, 110 / 255)
+    for kwargs in (dict(scale=255), dict(config=LoaderConfig(batch_size=16, device="cpu", scale=255)),
+                   dict(config=cfg), dict(scale=255, std=pixel_units["std"])):
+        want, got = _train_and_eval_batches(tl, src, **kwargs)
+        assert torch.equal(got, want), kwargs
+    # mean in pixel units of the caller's own, std inherited: still one division.
+    want, got = _train_and_eval_batches(tl, src, scale=255, mean=(125.0, 120.0, 110.0))
+    assert torch.equal(got, want)
+
+
+def test_like_with_a_config_evaluates_unless_train_is_said():
+    """config= with like= gave a training loader (shuffled, partial batches dropped, the training recipe)."""
+    from fastdata import LoaderConfig
+
+    rng = np.random.default_rng(0)
+    src = ArraySource(rng.integers(0, 256, (20, 8, 8, 3), dtype=np.uint8), np.arange(20) % 4)
+    tl = make_loader(src, "memory", batch_size=8, device="cpu", num_workers=0, quiet=True)
+    el = make_loader(src, "memory", like=tl, config=LoaderConfig(batch_size=8, device="cpu", num_workers=0))
+    assert not el.config.train and not el.config.shuffle and not el.config.drop_last
+    assert [len(y) for _, y in el] == [8, 8, 4]
+    assert torch.equal(torch.cat([y for _, y in el]), torch.arange(20) % 4)   # in order
+    told = make_loader(src, "memory", like=tl, config=LoaderConfig(batch_size=8, device="cpu"), train=True)
+    assert told.config.train and told.config.shuffle
+
+
 def test_like_refuses_a_test_folder_whose_classes_differ(tmp_path):
     from fastdata.datasets import make_image_folder
 
