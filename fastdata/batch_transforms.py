@@ -41,7 +41,7 @@ import torch
 
 from .sampling import seed_for
 
-__all__ = ["BatchTransform", "BatchContext", "BatchPipeline", "check_batch_transforms", "host_rng",
+__all__ = ["BatchTransform", "BatchContext", "BatchPipeline", "check_batch_transforms", "composition_parts", "host_rng",
            "RandomHorizontalFlip", "RandomVerticalFlip", "Cutout", "RandomErasing", "ColorJitter",
            "RandomGrayscale", "MixUp", "CutMix", "OneOf"]
 
@@ -755,15 +755,39 @@ def _check_torchvision(where: str, t) -> None:
         raise TypeError(f"{where} is torchvision's {name}, which needs the labels: use "
                         f"fastdata.batch_transforms.{'MixUp' if name == 'MixUp' else 'CutMix'} (same "
                         f"semantics, soft labels, draws from the batch's seed)")
+
+
+def composition_parts(t) -> list[tuple[str, object]]:
+    """The transforms ``t`` composes, each with its place (``.transforms[1]``, ``[0]``): a ``.transforms``
+    list or ModuleList (torchvision's Compose, RandomApply, RandomChoice, RandomOrder, v1 and v2), else
+    an ``nn.Module``'s children (``nn.Sequential``, torchvision's composition for scripted transforms,
+    and any module wrapping one). Empty for a leaf.
+
+    Args:
+        t: a transform.
+    """
     children = getattr(t, "transforms", None)
     if isinstance(children, (list, tuple, torch.nn.ModuleList)):
-        for i, child in enumerate(children):
-            if isinstance(child, BatchTransform):
-                raise TypeError(f"{where} is torchvision's {name} holding fastdata's {type(child).__name__}: "
-                                f"fastdata batch transforms go directly in the batch_transforms list "
-                                f"(OneOf chooses between them), not inside a torchvision container")
-            if callable(child) and type(child).__module__.startswith("torchvision"):
-                _check_torchvision(f"{where}.transforms[{i}]", child)
+        return [(f".transforms[{i}]", child) for i, child in enumerate(children)]
+    if isinstance(t, torch.nn.Module):
+        return [(f"[{n}]" if n.isdigit() else f".{n}", child) for n, child in t.named_children()]
+    return []
+
+
+def _check_composed(where: str, t, seen: set) -> None:
+    """``t`` and, recursively, every transform it composes: a refused torchvision transform inside an
+    ``nn.Sequential`` or a RandomApply is refused as it is on its own, named by its place."""
+    if type(t).__module__.startswith("torchvision"):
+        _check_torchvision(where, t)
+    seen.add(id(t))
+    for place, child in composition_parts(t):
+        if id(child) in seen:   # a module reachable twice (shared, or a cycle) is checked once
+            continue
+        if isinstance(child, BatchTransform):
+            raise TypeError(f"{where} holds fastdata's {type(child).__name__} at {place.lstrip('.')}: fastdata "
+                            f"batch transforms go directly in the batch_transforms list (OneOf chooses "
+                            f"between them), not inside a torchvision container or module")
+        _check_composed(f"{where}{place}", child, seen)
 
 
 def _check_one(where: str, t) -> None:
@@ -775,8 +799,8 @@ def _check_one(where: str, t) -> None:
                         f"fastdata.batch_transforms.BatchTransform or a callable taking the batch of images")
     if isinstance(t, BatchTransform):
         return
+    _check_composed(f"{where} ({_name(t)})", t, set())
     if type(t).__module__.startswith("torchvision"):
-        _check_torchvision(f"{where} ({_name(t)})", t)
         return
     try:
         signature = inspect.signature(t)
@@ -800,6 +824,8 @@ def check_batch_transforms(value) -> tuple:
     (``_PIXEL_RANGE``: colour jitter, grey, autocontrast, equalize, AutoAugment...), its PIL conversions
     (ToTensor, PILToTensor, ToImage, ToPILImage: a per-sample pipeline that belongs on the source), its
     MixUp/CutMix (use fastdata's), and fastdata transforms nested inside a torchvision container.
+    Compositions are walked recursively (``composition_parts``: ``nn.Sequential``, Compose, RandomApply,
+    RandomChoice, RandomOrder, a module's children), so a refused transform is refused wherever it sits.
 
     Args:
         value: None, one callable, or a list/tuple of callables.

@@ -788,12 +788,37 @@ _FLOAT_MAKERS = {"ToTensor", "Normalize"}        # always float out
 _DTYPE_SETTERS = {"ToDtype", "ConvertImageDtype"}  # float or uint8 out, by their dtype
 
 
-def _flat_transforms(transform) -> list:
-    """A (possibly nested) torchvision Compose as the flat list of its steps; anything else as itself."""
-    steps = getattr(transform, "transforms", None)
-    if isinstance(steps, (list, tuple)) and type(transform).__name__ in ("Compose", "Sequential"):
-        return [s for t in steps for s in _flat_transforms(t)]
-    return [transform]
+#: torchvision containers that run their steps only sometimes, or in a random order.
+_RANDOM_CONTAINERS = ("RandomApply", "RandomChoice", "RandomOrder")
+
+
+def _outcomes(transform, before: frozenset) -> frozenset:
+    """What ``transform`` may leave, from what may come in: a set of (floats, the step that made them)
+    pairs, (False, None) for uint8/PIL. Compositions are walked (``composition_parts``: Compose,
+    nn.Sequential, a module's children, in order); RandomApply may run or skip its steps, RandomChoice
+    runs one of them and RandomOrder runs them in any order, so each contributes every possible end."""
+    from itertools import islice, permutations
+
+    from .batch_transforms import composition_parts
+
+    parts = [child for _, child in composition_parts(transform)]
+    if not parts:
+        made = _makes_float(transform)
+        return before if made is None else frozenset({(made, type(transform).__name__)})
+    kind = type(transform).__name__ if type(transform).__module__.startswith("torchvision.") else None
+
+    def in_order(steps, states):
+        for step in steps:
+            states = _outcomes(step, states)
+        return states
+
+    if kind == "RandomApply":
+        return before | in_order(parts, before)
+    if kind == "RandomChoice":
+        return frozenset().union(*(_outcomes(p, before) for p in parts))
+    if kind == "RandomOrder":   # every order (720 for 6 steps; more steps: the first 720 orders)
+        return frozenset().union(*(in_order(order, before) for order in islice(permutations(parts), 720)))
+    return in_order(parts, before)
 
 
 def _makes_float(step) -> bool | None:
@@ -811,9 +836,10 @@ def _makes_float(step) -> bool | None:
 
 
 def check_sample_transform(transform, where: str = "the source"):
-    """Refuse, before any batch, a per-sample transform that cannot work here: not callable, or a
-    torchvision Compose whose steps leave the images float (ToTensor, Normalize or ToDtype(float) with
-    no later conversion back to uint8). Returns the transform.
+    """Refuse, before any batch, a per-sample transform that cannot work here: not callable, or one
+    whose steps may leave the images float (ToTensor, Normalize or ToDtype(float) with no later
+    conversion back to uint8), wherever they sit: in a Compose, an ``nn.Sequential``, or a RandomApply/
+    RandomChoice/RandomOrder that runs them only in some draws. Returns the transform.
 
     Args:
         transform: the callable.
@@ -821,13 +847,12 @@ def check_sample_transform(transform, where: str = "the source"):
     """
     if not callable(transform):
         raise TypeError(f"transform of {where} must be callable, got {transform!r}")
-    floating = False
-    for step in _flat_transforms(transform):
-        made = _makes_float(step)
-        if made is not None:
-            floating, last = made, step
+    ends = _outcomes(transform, frozenset({(False, None)}))
+    floating = sorted(maker for is_float, maker in ends if is_float)
     if floating:
-        raise TypeError(f"the transform of {where} ends with float images ({type(last).__name__}): {_FLOAT_FIX}")
+        when = "" if all(is_float for is_float, _ in ends) else " in some of its random draws"
+        raise TypeError(f"the transform of {where} ends with float images ({', '.join(floating)}){when}: "
+                        f"{_FLOAT_FIX}")
     return transform
 
 
@@ -946,6 +971,10 @@ class DatasetSource(Source):
         # their tensors are read as such, not as torch's (C, H, W) (which refused them, or silently
         # transposed an image 3 or 4 px high).
         self._hwc_tensors = _fastdata_samples(dataset)
+        if self.sample_transform is not None and _torchvision_names(dataset) and not _own_getitem(dataset):
+            # torchvision's datasets end __getitem__ with the transform, so its steps say what comes out
+            # (a user's Dataset may convert back after it: its samples are checked as they come).
+            check_sample_transform(self.sample_transform, self.name)
         if channels is None:
             first = self.pair(dataset[0], 0)[0]
             self._refuse_float(first, 0)

@@ -463,6 +463,17 @@ def _tv():
     return v1, v2
 
 
+class _Wrapper(torch.nn.Module):
+    """A user's module around a torchvision transform."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
 @pytest.mark.parametrize("make, error, words", [
     (lambda: 3, TypeError, "must be a list of callables"),
     (lambda: [3], TypeError, r"batch_transforms\[0\] is not callable"),
@@ -489,6 +500,17 @@ def _tv():
     (lambda: [_tv()[1].TrivialAugmentWide()], TypeError, r"TrivialAugmentWide, which takes images in \[0, 1\]"),
     (lambda: [_tv()[1].GaussianNoise(sigma=0.01)], TypeError, r"GaussianNoise, which takes images in \[0, 1\]"),
     (lambda: [_tv()[1].ColorJitter(hue=0.1)], TypeError, r"ColorJitter, which .*run it per sample on the source"),
+    # inside compositions, at any depth: nn.Sequential (torchvision's scripted composition), a module's children
+    (lambda: [torch.nn.Sequential(_tv()[1].RandomVerticalFlip(), _tv()[1].Normalize((0.5,), (0.2,)))], TypeError,
+     r"batch_transforms\[0\] \(Sequential.*\)\[1\] is torchvision's Normalize: .*pass mean=/std="),
+    (lambda: [_tv()[1].Compose([torch.nn.Sequential(_tv()[1].ToDtype(torch.float32, scale=True))])], TypeError,
+     r"\.transforms\[0\]\[0\] is torchvision's ToDtype"),
+    (lambda: [_tv()[1].RandomApply(torch.nn.ModuleList([_tv()[1].ColorJitter(0.1)]), p=0.01)], TypeError,
+     r"\.transforms\[0\] is torchvision's ColorJitter, which takes images in \[0, 1\]"),
+    (lambda: [_Wrapper(_tv()[1].RandomChoice([_tv()[1].Grayscale(3)]))], TypeError,
+     r"\.inner\.transforms\[0\] is torchvision's Grayscale"),
+    (lambda: [_tv()[1].RandomOrder([_tv()[1].RandomApply([_tv()[1].MixUp(num_classes=10)])])], TypeError,
+     r"transforms\[0\]\.transforms\[0\] is torchvision's MixUp"),
     (lambda: [_tv()[1].RandomChoice([Cutout(3)])], TypeError, "go directly in the batch_transforms list"),
     (lambda: [OneOf([Cutout(3), 5])], TypeError, r"OneOf transforms\[1\] is not callable"),
 ])
@@ -500,6 +522,8 @@ def test_what_cannot_work_is_refused_with_what_to_do(make, error, words):
 def test_torchvision_batch_transforms_are_accepted():
     v1, v2 = _tv()
     ok = [v2.RandomErasing(), v2.Compose([v2.RandomVerticalFlip(), v2.RandomErasing()]), v1.RandomHorizontalFlip(),
+          torch.nn.Sequential(v2.RandomVerticalFlip(), v2.RandomApply([v2.RandomErasing()])),
+          _Wrapper(v2.GaussianBlur(3)),
           v2.GaussianBlur(3),   # a blur commutes with the per-channel normalization: exact on normalized pixels
           v2.GaussianNoise(sigma=0.1, clip=False)]
     assert check_batch_transforms(ok) == tuple(ok)

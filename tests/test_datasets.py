@@ -199,6 +199,28 @@ def _tiny_folder(root, per_class=3):
     return root
 
 
+def test_a_float_step_inside_a_composition_is_refused_when_the_folder_is_made(tmp_path):
+    """nn.Sequential (torchvision's scripted composition) and RandomApply/RandomChoice/RandomOrder slipped past
+    the check: the float images then surfaced at some batch, or (RandomApply with a small p) at a random one."""
+    from torchvision.transforms import v2
+
+    _tiny_folder(tmp_path)
+    to_float = v2.ToDtype(torch.float32, scale=True)
+    for tf, words in ((torch.nn.Sequential(v2.ToImage(), to_float), r"\(ToDtype\): drop"),
+                      (v2.Compose([v2.ToImage(), torch.nn.Sequential(v2.RandomApply([to_float], p=0.01))]),
+                       r"\(ToDtype\) in some of its random draws"),
+                      (v2.Compose([v2.ToImage(), v2.RandomChoice([v2.Identity(), to_float])]), r"\(ToDtype\) in"),
+                      (v2.RandomOrder([v2.ToImage(), to_float, v2.ToDtype(torch.uint8)]), r"\(ToDtype\) in")):
+        with pytest.raises(TypeError, match=rf"transform of ImageFolder .* ends with float images {words}"):
+            ImageFolder(tmp_path, transform=tf)
+    # Converted back to uint8 in every draw: accepted.
+    back = v2.ToDtype(torch.uint8, scale=True)
+    for tf in (torch.nn.Sequential(v2.ToImage(), to_float, back),
+               v2.Compose([v2.ToImage(), v2.RandomApply([to_float, back], p=0.5)]),
+               v2.Compose([v2.ToImage(), v2.RandomChoice([back, v2.Compose([to_float, back])])])):
+        ImageFolder(tmp_path, transform=tf)
+
+
 def test_a_link_back_to_the_root_neither_loops_nor_relabels(tmp_path):
     root = _tiny_folder(tmp_path / "data")
     os.symlink("..", root / "a" / "loop")           # a/loop -> the root

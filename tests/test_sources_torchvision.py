@@ -259,6 +259,15 @@ def test_a_transform_ending_in_float_is_refused_naming_the_fix(cifar):
         make_loader(cifar, "torch", batch_size=8, device="cpu", num_workers=0)
 
 
+def test_a_float_step_a_random_container_rarely_runs_is_refused_before_any_batch(cifar):
+    """RandomApply([ToTensor()], p=0.01): the first sample (read for its channels) was a PIL image, so the float
+    images came out at some later batch, or not in a short test."""
+    cifar.transform = T.Compose([T.RandomCrop(32, padding=4), T.RandomApply([T.ToTensor()], p=0.01)])
+    with pytest.raises(TypeError, match=r"_LocalCIFAR10 ends with float images \(ToTensor\) in some of its random "
+                                        r"draws: drop ToDtype/Normalize/ToTensor"):
+        make_loader(cifar, "torch", batch_size=8, device="cpu", num_workers=0)
+
+
 # ---------------------------------------------------------------- every backend reads them
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", backend_params())
