@@ -18,6 +18,7 @@ import math
 import os
 import struct
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -938,6 +939,25 @@ def _fastdata_samples(dataset) -> bool:
     return False
 
 
+@contextmanager
+def _global_rngs_kept():
+    """Run a Dataset's ``__getitem__`` outside an epoch (to learn what its samples are) with the global
+    generators its transform draws from (torch's CPU one, ``random``, ``numpy.random``) restored after,
+    so that ``make_loader`` leaves the caller's random state where it was. CUDA's generators are not
+    touched: a per-sample transform runs on the host."""
+    import random
+
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        state = random.getstate(), np.random.get_state()
+        try:
+            yield
+        finally:
+            random.setstate(state[0])
+            np.random.set_state(state[1])
+
+
 class DatasetSource(Source):
     """Any map-style torch Dataset returning (PIL image or uint8 tensor (C,H,W) or (H,W), int).
     torch and prefetch backends. fastdata's own sources inside torch's ``Subset``/``ConcatDataset``
@@ -976,7 +996,8 @@ class DatasetSource(Source):
             # (a user's Dataset may convert back after it: its samples are checked as they come).
             check_sample_transform(self.sample_transform, self.name)
         if channels is None:
-            first = self.pair(dataset[0], 0)[0]
+            with _global_rngs_kept():   # building a loader must not move the caller's RNG (dropout, init)
+                first = self.pair(dataset[0], 0)[0]
             self._refuse_float(first, 0)
             channels = 3 if self._is_colour(first) else 1
         elif isinstance(channels, bool) or channels not in (1, 3):

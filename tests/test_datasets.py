@@ -417,6 +417,35 @@ def torch_dataset():
     return torch.utils.data.Dataset
 
 
+class _Drawing(torch.utils.data.Dataset):
+    """A Dataset whose __getitem__ draws from every global generator, as a random per-sample transform does."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import random
+
+        torch.rand(1), np.random.rand(), random.random()
+        return torch.full((3, 4, 4), i, dtype=torch.uint8), i % 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "prefetch", "auto"])
+def test_building_a_loader_leaves_the_callers_global_rngs_alone(backend):
+    """The first sample, read to learn the channels, moved torch's, numpy's and random's global state: a run's
+    dropout and initialization then depended on whether (and how many) loaders were built before them."""
+    import random
+
+    def states():
+        return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+
+    before = states()
+    loader = make_loader(_Drawing(), backend, batch_size=4, device="cpu", num_workers=0, quiet=True)
+    after = states()
+    assert loader.source.channels == 3
+    assert torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1]) and before[2] == after[2]
+
+
 def test_as_array_refuses_what_it_cannot_convert():
     import torch
 
