@@ -958,22 +958,41 @@ def _global_rngs_kept():
             np.random.set_state(state[1])
 
 
+def _grey_data(dataset) -> bool:
+    """Whether ``dataset`` holds grey pixels by construction: a ``data`` array or tensor of shape
+    (N, H, W), as torchvision's MNIST family, USPS and SEMEION keep theirs (their PIL samples are mode
+    "L"); torch's ConcatDataset of such datasets too."""
+    parts = getattr(dataset, "datasets", None)
+    if isinstance(parts, (list, tuple)) and parts:
+        return all(_grey_data(d) for d in parts)
+    shape = getattr(getattr(dataset, "data", None), "shape", None)   # numpy's tuple, torch's Size
+    return isinstance(shape, tuple) and len(shape) == 3
+
+
 class DatasetSource(Source):
     """Any map-style torch Dataset returning (PIL image or uint8 tensor (C,H,W) or (H,W), int).
     torch and prefetch backends. fastdata's own sources inside torch's ``Subset``/``ConcatDataset``
     hand out (H, W, C) tensors, read as such.
 
-    Every sample comes out with ``channels`` channels (``as_array``). With ``channels=None`` the first
-    sample decides: colour → 3, and later grey samples are replicated to RGB (lossless, as ImageFolder
-    does); grey → 1, and a later colour sample is an error rather than silently turned grey. Pass
-    ``channels=1`` to convert colour samples to grey (Pillow's luma) on purpose, or ``channels=3``.
+    Every sample comes out with ``channels`` channels (``as_array``). With ``channels=None``:
+
+    - PIL images: 3, every photo converted to RGB as torchvision's default loader does (grey, palette,
+      RGBA, CMYK, 16-bit alike), whatever the first photo's mode: a grey first photo (ImageNet has grey
+      JPEGs) does not make the colour ones after it an error. The exception is a dataset whose pixels
+      are grey by construction, a ``data`` array of shape (N, H, W) (torchvision's MNIST family, USPS):
+      its grey samples keep 1 channel.
+    - tensors and arrays: the first sample decides (one shape serves every sample): colour → 3, and
+      later grey samples are replicated to RGB (lossless); grey → 1 (MNIST-like tensors), and a later
+      colour sample is an error rather than silently turned grey.
+
+    Pass ``channels=1`` to convert colour samples to grey (Pillow's luma) on purpose, or ``channels=3``.
     A first sample that is a float tensor (a transform ending in ToTensor/Normalize) is refused here,
     naming the fix. ``source[i]`` is the dataset's own sample.
 
     Args:
         dataset: the Dataset; ``__getitems__`` is used for batched fetching when it exists.
         mean, std: normalization; None → ImageNet's for 3 channels, 0.5/0.5 otherwise.
-        channels: 1 or 3; None → from the first sample (see above).
+        channels: 1 or 3; None → from the samples' kind (see above).
         num_classes: None → ``len(dataset.classes)`` when it has them, else ``dataset.num_classes`` (an
             int), else from ``dataset.targets``; 0 when none of these exists (labels unread).
     """
@@ -999,7 +1018,7 @@ class DatasetSource(Source):
             with _global_rngs_kept():   # building a loader must not move the caller's RNG (dropout, init)
                 first = self.pair(dataset[0], 0)[0]
             self._refuse_float(first, 0)
-            channels = 3 if self._is_colour(first) else 1
+            channels = self._default_channels(first)
         elif isinstance(channels, bool) or channels not in (1, 3):
             raise ValueError(f"channels must be 1, 3 or None (from the first sample), got {channels!r}")
         self.channels = channels
@@ -1083,6 +1102,17 @@ class DatasetSource(Source):
             i: an integer in ``[-len, len)``.
         """
         return self.dataset[self.dataset_index(self._index(i))]
+
+    def _default_channels(self, first) -> int:
+        """The channels when none were given (see the class docstring), from the first sample's kind."""
+        if hasattr(first, "getbands"):
+            # Photos come out RGB whatever the first one's mode, as torchvision's loader converts every
+            # photo: ImageNet holds grey and CMYK JPEGs among its colour ones, and a grey first photo
+            # must not make the colour ones after it an error. Only a dataset whose pixels are grey by
+            # construction keeps one channel.
+            return 1 if _grey_data(self.dataset) and not self._is_colour(first) else 3
+        # Tensors and arrays have one shape for every sample (MNIST-like tensors stay grey).
+        return 3 if self._is_colour(first) else 1
 
     def _is_colour(self, image) -> bool:
         """Whether a sample has colour: 3 or more bands, or a palette with a colour in use (a palette

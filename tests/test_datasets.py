@@ -10,7 +10,16 @@ from PIL import Image
 
 from conftest import decode_ids, indexed_source
 from fastdata import Augmentation, make_loader
-from fastdata.datasets import MNIST, ArraySource, ImageFolder, SyntheticDigits, as_source, make_image_folder, split
+from fastdata.datasets import (
+    MNIST,
+    ArraySource,
+    DatasetSource,
+    ImageFolder,
+    SyntheticDigits,
+    as_source,
+    make_image_folder,
+    split,
+)
 
 
 def write_idx(path, array, compress=False):
@@ -333,9 +342,9 @@ def test_palette_samples_keep_their_colour_and_count_as_colour():
     assert src.channels == 3
     np.testing.assert_array_equal(src.as_array(red), np.full((4, 5, 3), (255, 0, 0), np.uint8))
     grey_palette = Image.fromarray(_rgb()[..., 0]).convert("P")
-    assert DatasetSource(_Samples([grey_palette])).channels == 1
-    with pytest.raises(ValueError, match=r"colour sample \(P\) but its first sample was grey"):
-        DatasetSource(_Samples([grey_palette, red])).as_array(red)
+    src = DatasetSource(_Samples([grey_palette, red]))   # photos are RGB, whatever the first one's mode
+    assert src.channels == 3
+    np.testing.assert_array_equal(src.as_array(red), np.full((4, 5, 3), (255, 0, 0), np.uint8))
 
 
 def test_numpy_samples_are_hwc_as_the_readme_says_and_tensors_chw():
@@ -486,10 +495,40 @@ def test_the_torch_backend_converts_mixed_channel_samples_as_the_source_decides(
     assert x.shape == (2, 3, 6, 5)
     # the grey sample is replicated to RGB: its three channels are equal, like PIL's convert("RGB")
     assert torch.equal(x[1, 0], x[1, 1]) and torch.equal(x[1, 1], x[1, 2])
-    grey_first = make_loader(_Samples([Image.fromarray(grey), Image.fromarray(rgb)]), "torch", batch_size=2,
-                             num_workers=0, train=False, device="cpu", augment=Augmentation.none())
+    # Tensors: the first sample decides (a grey first one makes 1 channel, and colour is then an error).
+    grey_tensor_first = make_loader(_Samples([torch.from_numpy(grey), torch.from_numpy(rgb).permute(2, 0, 1)]),
+                                    "torch", batch_size=2, num_workers=0, train=False, device="cpu")
     with pytest.raises(ValueError, match="colour sample"):
-        list(grey_first)
+        list(grey_tensor_first)
+
+
+class _GreyData(_Samples):
+    """Grey by construction, as torchvision's MNIST family: a (N, H, W) ``data`` array, "L" samples."""
+
+    def __init__(self, images):
+        super().__init__([Image.fromarray(im) for im in images])
+        self.data = np.stack(images)
+
+
+@pytest.mark.parametrize("modes", [("L", "RGB", "RGB"), ("L", "L", "RGB"), ("P", "CMYK", "RGBA"), ("L", "L", "L")])
+def test_photos_come_out_rgb_whatever_the_first_ones_mode(modes):
+    """A Dataset of PIL photos whose first photo is grey refused the colour ones after it (ImageNet has grey
+    JPEGs); photos now come out RGB as torchvision's default loader makes them, whatever comes first."""
+    import torch
+
+    rgb = [_rgb(seed) for seed in range(3)]
+    photos = [Image.fromarray(im).convert(mode) for im, mode in zip(rgb, modes)]
+    loader = make_loader(_Samples(photos), "torch", batch_size=3, num_workers=0, train=False, device="cpu",
+                         mean=(0.0,), std=(1.0,))
+    (x, _), = list(loader)
+    assert loader.source.channels == 3 and x.shape == (3, 3, 6, 5)
+    want = np.stack([np.asarray(p.convert("RGB")) for p in photos])   # torchvision's pil_loader
+    torch.testing.assert_close(x, torch.from_numpy(want).permute(0, 3, 1, 2).float() / 255)
+    # One channel when asked for, or when the dataset's pixels are grey by construction (MNIST-like).
+    assert DatasetSource(_Samples(photos), channels=1).channels == 1
+    grey = [im[..., 0] for im in rgb]
+    mnist_like = make_loader(_GreyData(grey), "torch", batch_size=3, num_workers=0, train=False, device="cpu")
+    assert next(iter(mnist_like))[0].shape == (3, 1, 6, 5)
 
 
 # ---------------------------------------------------------------- classes, num_classes, labels in range
