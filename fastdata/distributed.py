@@ -11,6 +11,7 @@ of blocks that kept fewer rows (``compact_blocks``), and map one shared-memory f
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -398,6 +399,37 @@ def remove_stale_shared_files(directory: str = "/dev/shm") -> list[str]:
     return removed
 
 
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While the block runs, SIGTERM raises ``SystemExit(143)`` (the exit status of a SIGTERM'd process)
+    instead of killing at once, so that ``finally`` blocks run: SIGTERM is how torchrun, SLURM and
+    Docker stop a job, and Python's default action for it exits without unwinding anything.
+
+    Only where SIGTERM's action is the default one, and only in the main thread (the only one that can
+    install a handler; elsewhere this does nothing). A handler of the user's is left in place, as it
+    already runs Python code here: raising from it unwinds the block, returning lets it go on. An
+    ignored SIGTERM stays ignored. The previous action is restored on the way out."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+# SIGTERM (a job stopped by torchrun, SLURM, Docker) while the file exists unwinds through the cleanup
+# below, like Ctrl-C: the default action would leave it in /dev/shm (RAM) until the next stale sweep.
+@_sigterm_raises()
 def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/dev/shm"):
     """``(uint8 tensor of nbytes, path, None)`` backed by ONE shared-memory file for the ranks of
     ``group`` (this node's, see ``node_group``), or ``(None, path, why)`` where one cannot be made
@@ -409,8 +441,11 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
     here, not a SIGBUS at the first write), mapped by every rank, and unlinked as soon as every rank has
     mapped it. The mappings keep the memory alive; it is freed when the last rank drops the tensor
     (its loader closed or collected), and a crash after that point leaves nothing behind in ``directory``.
-    An error or Ctrl-C before it removes the file on the way out; a SIGKILL in that window leaves it, and
-    ``remove_stale_shared_files`` clears such leftovers when the next cache is shared.
+    An error, Ctrl-C or SIGTERM (see ``_sigterm_raises``) before it removes the file on the way out; a
+    SIGKILL in that window leaves it, and ``remove_stale_shared_files`` clears such leftovers when the
+    next cache is shared. A SIGTERM while this rank waits inside a gather takes effect only when the
+    gather returns (gloo's wait does not run Python's signal handlers); torchrun's SIGKILL after its
+    grace period then leaves the file to that sweep.
     """
     import fcntl
     import secrets

@@ -308,6 +308,96 @@ def test_an_interrupt_while_the_shared_file_is_set_up_leaves_nothing_in_dev_shm(
         dist.destroy_process_group()
 
 
+SIGTERM_SCRIPT = """
+import os, signal, sys, time
+import torch.distributed as dist
+from fastdata import distributed as fdist
+
+directory, mode = sys.argv[1], sys.argv[2]
+if mode == "user":
+    def users(signum, frame):   # a training script's own handler: a marker, then its own exit
+        open(os.path.join(directory, "user-handler-ran"), "w").close()
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, users)
+
+def slow_fallocate(fd, offset, length):   # a large cache's pages being zeroed: the parent signals now
+    open(os.path.join(directory, "ready"), "w").close()
+    time.sleep(60)
+
+os.posix_fallocate = slow_fallocate
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(directory, "store"), 1), rank=0, world_size=1)
+fdist.node_shared_tensor(4096, None, tag="t", directory=directory)
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "user"])
+def test_sigterm_while_the_shared_file_is_set_up_leaves_nothing_in_dev_shm(tmp_path, mode):
+    """SIGTERM is how torchrun, SLURM and Docker stop a job, and Python's default action for it kills
+    without running the cleanup: the file stayed in /dev/shm. A handler of the user's runs as before."""
+    import signal
+    import time
+
+    script = tmp_path / "script.py"
+    script.write_text(SIGTERM_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", str(script), str(tmp_path), mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the set-up never reached fallocate"
+            time.sleep(0.05)
+        assert list(tmp_path.glob("fastdata-t-*"))    # the file exists while it is set up
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:   # still running: its stacks (faulthandler) say where it hangs
+            proc.send_signal(signal.SIGABRT)
+            raise AssertionError(f"still running 60 s after SIGTERM:\n{proc.communicate()[1][-3000:]}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not list(tmp_path.glob("fastdata-*")), err
+    if mode == "default":
+        assert proc.returncode == 128 + signal.SIGTERM, err     # as a SIGTERM'd process reports itself
+    else:
+        assert proc.returncode == 7 and (tmp_path / "user-handler-ran").exists(), err
+
+
+def test_sigterm_handlers_are_restored_after_the_shared_file_is_set_up(tmp_path):
+    """The SIGTERM handler installed for the set-up is gone afterwards (the default action, a user's
+    handler), and a set-up outside the main thread (no handler can be installed there) still works."""
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    def users(signum, frame):
+        pass
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        for handler in (signal.SIG_DFL, users):
+            signal.signal(signal.SIGTERM, handler)
+            t, _, why = fdist.node_shared_tensor(4096, None, tag="t", directory=str(tmp_path))
+            assert why is None and t.shape == (4096,)
+            assert signal.getsignal(signal.SIGTERM) is handler
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(
+            out=fdist.node_shared_tensor(4096, None, tag="t", directory=str(tmp_path))))
+        thread.start()
+        thread.join(30)
+        assert result["out"][2] is None and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert not list(tmp_path.glob("fastdata-*"))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        dist.destroy_process_group()
+
+
 def test_stale_shared_files_of_dead_processes_are_removed(tmp_path):
     """A SIGKILL between creating the file and unlinking it leaves it: the next shared cache removes
     files whose process is gone and that are older than STALE_SHARED_SECONDS, and nothing else."""
