@@ -48,3 +48,62 @@ def test_overfits_one_batch():
         loss.backward()
         opt.step()
     assert loss.item() < 0.1 * first
+
+
+def test_create_model_looks_in_fastdata_then_torchvision_then_timm():
+    import torchvision
+
+    from fastdata.models import create_model
+
+    assert isinstance(create_model("SmallCNN", num_classes=3, in_channels=1), SmallCNN)
+    # torchvision's resnet18 before timm's of the same name.
+    assert type(create_model("resnet18", num_classes=3)) is torchvision.models.ResNet
+    timm = pytest.importorskip("timm", reason="timm is the 'integrations' extra")
+    torch.manual_seed(0)
+    grey = create_model("test_vit", num_classes=3, in_channels=1).eval()   # timm's in_chans
+    assert type(grey).__module__.startswith("timm.") and grey(torch.zeros(2, 1, 160, 160)).shape == (2, 3)
+    assert timm.is_model("test_vit") and not torchvision.models.list_models(include="test_vit")
+
+
+def test_create_model_never_downloads_and_refuses_what_is_not_a_classifier(monkeypatch):
+    import torchvision.models._api as torchvision_weights
+
+    from fastdata.models import create_model
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("a download was attempted")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", no_download)
+    monkeypatch.setattr(torchvision_weights, "load_state_dict_from_url", no_download)
+    # Its builder takes num_classes too, and would fetch a pretrained ResNet-50 backbone by default.
+    with pytest.raises(ValueError, match=r"'fasterrcnn_resnet50_fpn' is a torchvision detection model, not an "
+                                         r"image classifier"):
+        create_model("fasterrcnn_resnet50_fpn", num_classes=3)
+    with pytest.raises(ValueError, match=r"unknown model 'hf-hub:timm/resnet18.a1_in1k'"):
+        create_model("hf-hub:timm/resnet18.a1_in1k", num_classes=3)   # timm would fetch its config
+
+
+def test_an_unknown_model_says_where_it_looked(monkeypatch):
+    from fastdata import models
+
+    with pytest.raises(ValueError, match=r"unknown model 'resnet9000'; choose from smallcnn, torchvision's "
+                                         r"classification models \[.*'resnet18'.*\], or timm's \d+ models"):
+        models.create_model("resnet9000", num_classes=3)
+    monkeypatch.setattr(models, "_timm", lambda: None)
+    with pytest.raises(ValueError, match=r"or timm's models: timm is not installed \(pip install timm\)$"):
+        models.create_model("resnet9000", num_classes=3)
+
+
+def test_a_model_that_cannot_be_built_names_the_call(monkeypatch):
+    import torchvision
+
+    from fastdata.models import create_model
+
+    def builder(**kwargs):
+        raise TypeError(f"got an unexpected keyword argument {sorted(kwargs)[0]!r}")
+
+    monkeypatch.setattr(torchvision.models, "get_model_builder", lambda name: builder)
+    with pytest.raises(ValueError, match=r"^torchvision.models.get_model_builder\('resnet18'\)\(weights=None, "
+                                         r"num_classes=3\) failed: TypeError: got an unexpected keyword argument "
+                                         r"'num_classes'$"):
+        create_model("resnet18", num_classes=3)
