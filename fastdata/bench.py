@@ -95,38 +95,51 @@ def open_source(spec: str, *, quick: bool):
 
 
 def make_model(name: str, source):
-    """``smallcnn`` (fastdata.SmallCNN) or any torchvision classification model by name."""
-    if name.lower() == "smallcnn":
-        from .models import SmallCNN
-
-        return SmallCNN(num_classes=max(source.num_classes, 2), in_channels=source.channels)
-    import torchvision
+    """The untrained model ``name`` for ``source``'s classes and channels (``fastdata.models.create_model``:
+    smallcnn, a torchvision classifier, or a timm model; never pretrained weights, so nothing is
+    downloaded). A name it cannot build ends the program with one line."""
+    from .models import create_model
 
     try:
-        builder = torchvision.models.get_model_builder(name)
-    except ValueError:
-        choices = ["smallcnn"] + sorted(torchvision.models.list_models(torchvision.models))
-        raise SystemExit(f"fastdata bench: unknown model {name!r}; choose from {choices}") from None
-    return builder(weights=None, num_classes=max(source.num_classes, 2))
+        return create_model(name, num_classes=max(source.num_classes, 2), in_channels=source.channels)
+    except ValueError as e:
+        raise SystemExit(f"fastdata bench: --model {name}: {e}") from None
 
 
 def check_model(name: str, source):
     """The model ``name`` for ``source`` (``make_model``), refused before any measuring when it cannot
-    take the source's images: one forward pass of two blank images of the source's shape on the CPU (a
-    torchvision model expects 3 channels, and digits have 1)."""
+    train on the source's images: one training step (forward, loss, backward) on two blank images of
+    the source's shape on the CPU. In training mode, as the bench measures it: a torchvision model
+    expects 3 channels (digits have 1), and inception_v3's auxiliary head, which runs only in
+    training, needs 299x299 images."""
     import torch
 
-    model = make_model(name, source).eval()
+    model = make_model(name, source).train()
     shape = _image_shape(source)
     try:
-        with torch.no_grad():
-            model(torch.zeros((2, *shape)))
-    except (RuntimeError, ValueError, AssertionError) as e:   # shape errors; torchvision's ViT asserts its size
+        logits = _logits(model(torch.zeros((2, *shape))))
+        torch.nn.functional.cross_entropy(logits, torch.zeros(2, dtype=torch.long)).backward()
+    except Exception as e:   # the model's own code: shape errors, ViT's size assert, a TypeError of its own
         hint = (" (it takes 3-channel images: use --model smallcnn, or a folder of colour photos)"
                 if shape[0] != 3 else "")
         raise SystemExit(f"fastdata bench: --model {name} cannot take this source's {shape[0]}x{shape[1]}x"
-                         f"{shape[2]} images{hint}: {str(e).splitlines()[0]}") from None
+                         f"{shape[2]} images{hint}: {_one_line(e)}") from None
+    model.zero_grad(set_to_none=True)
     return model
+
+
+def _logits(output):
+    """The logits of a model's training output: torchvision's googlenet and inception_v3 return a
+    named tuple (logits, aux_logits) in training mode."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(getattr(output, "logits", None), torch.Tensor):
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"the model returned a {type(output).__name__}, not a logits tensor")
 
 
 def _image_shape(source) -> tuple[int, int, int]:
@@ -169,6 +182,7 @@ def measure_loader_spread(loader, batches: int, warmup: int, progress: bool,
     marks = {warmup + round(batches * k / pieces) for k in range(1, pieces + 1)}
     done, images, t0, stamps = 0, 0, None, []
     while done < warmup + batches:
+        before = done
         for x, _ in loader:
             if done == warmup:
                 _sync(loader.device)
@@ -184,6 +198,8 @@ def measure_loader_spread(loader, batches: int, warmup: int, progress: bool,
                 stamps.append((time.perf_counter(), images))
             if done == warmup + batches:
                 break
+        if done == before:   # an empty epoch would repeat forever
+            raise ValueError(f"the {loader.name} loader yielded no batches in an epoch")
     _sync(loader.device)
     stamps.append((time.perf_counter(), images))
     if bar is not None:
@@ -213,12 +229,18 @@ def measure_step(model, sample_batch, steps: int, warmup: int, amp: str = "auto"
             t0 = time.perf_counter()
         dtype = torch.float16 if mode == "fp16" else torch.bfloat16
         with torch.autocast(device.type, dtype=dtype, enabled=mode != "off"):
-            loss = loss_fn(model(images), labels)
+            loss = loss_fn(_logits(model(images)), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     _sync(device)
     return steps * images.shape[0] / (time.perf_counter() - t0)
+
+
+def _nonempty_batch(loader):
+    """A batch of ``loader`` with images in it (``on_error="skip"`` can empty a batch), or None when a
+    whole epoch has none."""
+    return next(((x, y) for x, y in loader if x.shape[0]), None)
 
 
 def _one_line(e: BaseException) -> str:
@@ -245,6 +267,11 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
 
     device = resolve_device(device)
     names = [b for b in (backends or available_backends()) if b != "auto"]
+    if batch_size > len(source):
+        # A training loader drops a short last batch: a batch larger than the source yields nothing.
+        print(f"fastdata bench: batch size {len(source)}, not {batch_size}: the source has only {len(source)} "
+              f"images, fewer than one batch", file=sys.stderr, flush=True)
+        batch_size = len(source)
     rows, sample = [], None
     for name in names:
         row = Measurement(name)
@@ -255,8 +282,12 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
             try:
                 row.images_per_second, pieces = measure_loader_spread(loader, batches, warmup, progress)
                 row.spread = (min(pieces), max(pieces)) if len(pieces) > 1 else None
-                if sample is None:
-                    sample = next(iter(loader))
+                if not row.images_per_second:
+                    # on_error="skip" emptied every batch: a rate of 0 would divide by zero in predict.
+                    row.status, row.images_per_second, row.spread = (
+                        "delivered no images: every file it read was undecodable and skipped", None, None)
+                elif sample is None:
+                    sample = _nonempty_batch(loader)
             finally:
                 loader.close()
         except Exception as e:  # one backend that cannot read this source must not hide the others
@@ -268,10 +299,14 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
                  else [f"  {r.backend}: {r.status}" for r in rows])
         hint = ("\n  (--on-error skip measures past undecodable files, counting them)"
                 if on_error == "raise" and any("DecodeError" in r.status for r in rows) else "")
-        raise SystemExit(f"fastdata bench --batch-size {batch_size}: no backend could read the source:\n"
+        raise SystemExit(f"fastdata bench (batch size {batch_size}): no backend could read the source:\n"
                          + "\n".join(lines) + hint)
     model = make_model(model_name, source) if model is None else model
-    step_rate = measure_step(model, sample, steps=max(5, batches // 10), warmup=3, amp=amp)
+    try:
+        step_rate = measure_step(model, sample, steps=max(5, batches // 10), warmup=3, amp=amp)
+    except Exception as e:   # the model's own code (out of memory, a layer refusing the batch)
+        raise SystemExit(f"fastdata bench: --model {model_name}: its training step failed on a batch of "
+                         f"{tuple(sample[0].shape)} on {device} (amp={amp}): {_one_line(e)}") from None
     for row in rows:
         if row.status != "ok":
             continue
@@ -315,8 +350,11 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     """The ``fastdata bench`` argument parser (added to ``parser`` when given, for the CLI's subcommand)."""
     p = parser or argparse.ArgumentParser(prog="python -m fastdata bench", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="'digits', an MNIST root (holding MNIST/raw) or an image folder")
-    p.add_argument("--model", default="smallcnn", help="smallcnn or a torchvision model name (resnet18, ...)")
-    p.add_argument("--batch-size", type=cli.positive_int, default=256)
+    p.add_argument("--model", default="smallcnn",
+                   help="smallcnn, a torchvision classifier (resnet18, ...), or a timm model when timm is "
+                        "installed; untrained: no weights are downloaded")
+    p.add_argument("--batch-size", type=cli.positive_int, default=256,
+                   help="default 256; a source with fewer images is measured in one batch of all of them")
     p.add_argument("--device", default=None, type=cli.device,
                    help="cpu, cuda or cuda:N (default: CUDA when available)")
     p.add_argument("--workers", type=cli.nonnegative_int, default=None, help="loader workers (default: fastdata's)")

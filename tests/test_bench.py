@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -215,12 +217,124 @@ def test_a_folder_with_an_undecodable_file_names_it_and_on_error_skip_measures_p
     assert {r["backend"]: r["status"] for r in payload["rows"]} == {"torch": "ok", "memory": "ok"}
 
 
-def test_a_batch_larger_than_the_data_is_one_line_naming_the_flag(tmp_path):
-    from fastdata.bench import run
+def _photos(root, classes=2, per_class=3, broken=0):
+    """A small image folder written here: ``per_class`` 48x40 JPEGs per class, and ``broken`` files per
+    class that are .jpg only by name (random bytes)."""
+    from PIL import Image
 
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        folder = root / f"class_{c}"
+        folder.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(folder / f"{i}.jpg")
+        for i in range(broken):
+            (folder / f"broken_{i}.jpg").write_bytes(rng.integers(0, 256, 2000, dtype=np.uint8).tobytes())
+    return root
+
+
+def _bench(*argv, out):
+    """``python -m fastdata bench`` in this process, quick and on the CPU; returns the JSON report."""
+    from fastdata.__main__ import main
+
+    assert main(["bench", *map(str, argv), "--quick", "--batches", "2", "--device", "cpu", "--workers", "0",
+                 "--out", str(out), "--no-progress"]) == 0
+    (report,) = out.glob("bench-*.json")
+    return json.loads(report.read_text())
+
+
+def test_a_folder_smaller_than_the_batch_is_measured_in_one_batch_of_it_and_says_so(tmp_path, capsys):
+    """Issue 22.7: 160 photos and the default batch of 256 was "no backend could read the source"."""
+    payload = _bench(_photos(tmp_path / "photos"), "--backends", "memory", "torch", out=tmp_path / "out")
+    assert payload["batch_size"] == 6
+    assert {r["backend"]: r["status"] for r in payload["rows"]} == {"memory": "ok", "torch": "ok"}
+    err = [line for line in capsys.readouterr().err.splitlines() if "batch size" in line]
+    assert err == ["fastdata bench: batch size 6, not 256: the source has only 6 images, fewer than one batch"]
+
+
+def test_model_takes_a_timm_name_after_torchvision_names(tmp_path):
+    pytest.importorskip("timm", reason="timm is the 'integrations' extra")
+    payload = _bench(_photos(tmp_path / "photos"), "--model", "test_vit", "--backends", "memory",
+                     out=tmp_path / "out")
+    assert payload["model"] == "test_vit" and payload["model_images_per_second"] > 0
+
+
+def test_every_file_skipped_is_one_line_and_a_nonzero_exit_not_a_traceback(tmp_path):
+    """Issue 23.A5: every batch emptied by --on-error skip measured 0 images/s, and predict divided by it."""
+    root = _photos(tmp_path / "broken", per_class=0, broken=3)
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "fastdata", "bench", str(root), "--quick",
+                           "--batches", "2", "--device", "cpu", "--workers", "0", "--on-error", "skip",
+                           "--backends", "torch", "--out", str(tmp_path / "out"), "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "no backend could read the source:\n  every backend: delivered no images: every file it read was " \
+           "undecodable and skipped" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("model, message", [
+    # Its builder's default weights_backbone would download a ResNet-50; its call takes other arguments.
+    ("fasterrcnn_resnet50_fpn", r"--model fasterrcnn_resnet50_fpn: 'fasterrcnn_resnet50_fpn' is a torchvision "
+                                r"detection model, not an image classifier"),
+    ("resnet9000", r"--model resnet9000: unknown model 'resnet9000'; choose from smallcnn, torchvision's "
+                   r"classification models \[.*'resnet18'.*\], or timm's"),
+    # timm's test_maxvit is built for 160x160: its attention fails on the recipe's 224x224 crops.
+    ("test_maxvit", r"--model test_maxvit cannot take this source's 3x224x224 images: \w+Error: "),
+])
+def test_a_model_that_cannot_be_built_or_trained_here_is_one_line_and_downloads_nothing(tmp_path, monkeypatch,
+                                                                                       model, message):
+    pytest.importorskip("timm", reason="timm is the 'integrations' extra")
+    from fastdata import bench
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("a download was attempted")
+
+    import torchvision.models._api as torchvision_weights  # what torchvision's Weights.get_state_dict calls
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", no_download)
+    monkeypatch.setattr(torchvision_weights, "load_state_dict_from_url", no_download)
+    monkeypatch.setattr(bench, "run", no_download)   # refused before any measuring
     with pytest.raises(SystemExit) as info:
-        run(SyntheticDigits(20), batch_size=64, device="cpu", batches=2, warmup=0, progress=False,
-            backends=["torch", "memory"])
-    message = str(info.value)
-    assert message.startswith("fastdata bench --batch-size 64: no backend could read the source:")
-    assert message.count("\n") == 1 and "every backend: " in message, message
+        _bench(_photos(tmp_path / "photos"), "--model", model, out=tmp_path / "out")
+    text = str(info.value.code)
+    assert "\n" not in text and re.match(r"fastdata bench: " + message, text), text
+
+
+def test_a_model_whose_builder_fails_is_one_line_naming_the_call(tmp_path, monkeypatch):
+    """A builder that needs other arguments raised its TypeError as a traceback."""
+    import torchvision
+
+    def builder(**kwargs):
+        raise TypeError("__init__() missing 1 required positional argument: 'depth'")
+
+    monkeypatch.setattr(torchvision.models, "list_models", lambda module=None: ["needsdepth"])
+    monkeypatch.setattr(torchvision.models, "get_model_builder", lambda name: builder)
+    with pytest.raises(SystemExit) as info:
+        _bench(_photos(tmp_path / "photos"), "--model", "needsdepth", out=tmp_path / "out")
+    assert str(info.value.code) == (
+        "fastdata bench: --model needsdepth: torchvision.models.get_model_builder('needsdepth')(weights=None, "
+        "num_classes=2) failed: TypeError: __init__() missing 1 required positional argument: 'depth'")
+
+
+def test_a_training_step_that_fails_while_measuring_is_one_line(tmp_path, monkeypatch):
+    from fastdata import bench
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(bench, "measure_step", out_of_memory)
+    with pytest.raises(SystemExit) as info:
+        _bench(_photos(tmp_path / "photos"), "--backends", "memory", out=tmp_path / "out")
+    assert str(info.value.code) == ("fastdata bench: --model smallcnn: its training step failed on a batch of "
+                                    "(6, 3, 224, 224) on cpu (amp=auto): OutOfMemoryError: CUDA out of memory. "
+                                    "Tried to allocate 2.00 GiB")
+
+
+def test_the_step_of_a_model_with_auxiliary_outputs_is_measured_on_its_logits():
+    """torchvision's googlenet returns (logits, aux_logits, aux_logits) in training: cross-entropy of the
+    named tuple was a TypeError."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.googlenet(weights=None, num_classes=3, init_weights=False)
+    batch = torch.zeros(2, 3, 64, 64), torch.zeros(2, dtype=torch.long)
+    assert measure_step(model, batch, steps=1, warmup=0, amp="off") > 0
