@@ -130,7 +130,9 @@ class PrefetchStage:
         def produce():
             try:
                 for images, labels in host:
-                    if not put((normalize(images), labels)):
+                    # The consumer may have left while this batch was read (a break during a slow batch):
+                    # end now, without normalizing a batch nobody takes or asking the source for another.
+                    if stop.is_set() or not put((normalize(images), labels)):
                         return
                 put(_DONE)
             except BaseException as e:  # handed to the consumer, never swallowed
@@ -155,7 +157,8 @@ class PrefetchStage:
         except GeneratorExit:
             # A break: the producer sees `stop` within its put() timeout if it is between batches, so a
             # short wait usually lets it end here. If it is waiting for a slow batch, it is not waited
-            # for: the next epoch (or close()) does that (see _finish_producer).
+            # for: it ends as soon as that batch returns (unused), and the next epoch (or close()) waits
+            # for that (see _finish_producer).
             stop.set()
             worker.join(timeout=0.5)
             raise

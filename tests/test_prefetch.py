@@ -279,3 +279,50 @@ def test_the_stage_takes_a_plain_iterator_without_close():
     out = list(stage(iter(batches), Normalizer((0.0,), (1.0,), torch.device("cpu"))))
     assert len(out) == 3 and all(x.shape == (2, 1, 3, 3) for x, _ in out)
     stage.close()
+
+
+def test_a_break_during_a_slow_source_batch_ends_the_thread_when_that_batch_returns():
+    """The producer, inside a slow source batch when the consumer breaks, leaves as soon as that batch
+    returns: the batch is not normalized (it normalized a batch nobody took, the thread outliving the
+    break by that much more), the source is not asked for another, and it is closed."""
+    from fastdata.normalize import Normalizer
+    from fastdata.prefetch import PrefetchStage
+
+    gate, pulled, closed, normalized = threading.Event(), [], [], []
+    failsafe = threading.Timer(60, gate.set)   # a producer that never leaves must not hang the suite
+
+    def slow_source():
+        try:
+            for k in range(10):
+                if k == 1:
+                    gate.wait()                # batch 1 is slow: the consumer breaks meanwhile
+                pulled.append(k)
+                yield torch.full((2, 3, 3, 1), k, dtype=torch.uint8), torch.full((2,), k)
+        finally:
+            closed.append(True)
+
+    norm = Normalizer((0.0,), (1.0,), torch.device("cpu"))
+
+    def counting(images):
+        normalized.append(int(images[0, 0, 0, 0]))
+        return norm(images)
+
+    stage = PrefetchStage(torch.device("cpu"), depth=2)
+    failsafe.start()
+    try:
+        it = stage(slow_source(), counting)
+        next(it)
+        producer = next(t for t in threading.enumerate() if t.name == "fastdata-prefetch")
+        start = time.monotonic()
+        it.close()                              # the break
+        assert time.monotonic() - start < 5, "the break waited for the slow batch"
+        assert producer.is_alive() and not gate.is_set()
+        gate.set()                              # the slow batch returns
+        producer.join(10)
+        assert not producer.is_alive(), "the producer outlived the slow batch"
+    finally:
+        failsafe.cancel()
+        gate.set()
+    assert pulled == [0, 1] and closed == [True]
+    assert normalized == [0], "the batch read after the break was normalized"
+    stage.close()
