@@ -18,6 +18,7 @@ same bytes (its node has its own disk) gets them from rank 0.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import os
@@ -38,9 +39,13 @@ def save(obj: dict, path, storage=None):
     """Write ``obj`` to ``path`` atomically. On any error the previous file at ``path`` is untouched,
     the temporary is removed and the error propagates.
 
+    What is written is ``loadable(obj)``: numpy values become Python numbers and tensors, and a value
+    ``load`` could not read back is refused here, naming its key, instead of written.
+
     ``path`` may be a URL or ``storage`` given (see ``storage_for``): the checkpoint is then serialized
     in memory and handed to the storage's ``write_bytes`` in one piece. Returns the local ``Path`` it
     wrote, or the URL as given."""
+    obj = loadable(obj, f"checkpoint '{path}'")
     store = storage_for(path, storage)
     if store is not LOCAL:
         buffer = io.BytesIO()
@@ -50,6 +55,58 @@ def save(obj: dict, path, storage=None):
     path = _local_path(path)
     _atomic_write(path, lambda f: torch.save(obj, f))
     return path
+
+
+#: Values ``torch.load(weights_only=True)`` reads whatever torch version wrote them (their exact types:
+#: an IntEnum is an int and is not one of them).
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
+_TORCH_PLAIN = (torch.Tensor, torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format)
+
+
+def loadable(obj, name: str = "checkpoint"):
+    """``obj`` as ``load`` (``torch.load(weights_only=True)``) can read it back: numpy scalars as Python
+    numbers (``np.float64`` → float, ``np.int64`` → int), numeric numpy arrays as tensors (others as
+    lists), in a copy of the containers (the tensors are not copied).
+
+    A scheduler's state_dict is its ``__dict__``: a user's schedule computed with numpy holds
+    ``np.float64`` rates (and puts them in the optimizer's param_groups) and ``np.int64`` counters.
+    ``torch.save`` pickles them with numpy's globals, which ``weights_only`` refuses, so the run saved
+    fine and could never be resumed ("not a fastdata checkpoint or is corrupt").
+
+    Any other value of a type ``weights_only`` refuses (a Fraction, an Enum, a namedtuple; unless
+    allowed with ``torch.serialization.add_safe_globals``) is a TypeError naming its key in ``name``.
+    """
+    return _loadable(obj, name, "")
+
+
+def _loadable(v, name: str, keys: str):
+    if isinstance(v, np.generic):   # before the plain types: np.float64 subclasses float
+        v = v.item()
+    elif isinstance(v, np.ndarray):
+        if v.dtype.kind in "biufc":   # a copy: from_numpy refuses a read-only array's memory with a warning
+            return torch.from_numpy(np.array(v, order="C"))
+        v = v.tolist()
+    kind = type(v)
+    if kind in _PLAIN or isinstance(v, _TORCH_PLAIN):
+        return v
+    if kind in (dict, collections.OrderedDict):
+        return kind((_loadable(k, name, f"{keys} (a key)"), _loadable(x, name, f"{keys}[{k!r}]"))
+                    for k, x in v.items())
+    if kind in (list, tuple, set):
+        return kind(_loadable(x, name, f"{keys}[{i}]") for i, x in enumerate(v))
+    # Something else: loadable only when torch allows it (add_safe_globals). Try this value alone.
+    buffer = io.BytesIO()
+    try:
+        torch.save(v, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:
+        cls = f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{name}: {keys or 'the object'} is a {cls} ({v!r:.60}), which "
+                        f"torch.load(weights_only=True) cannot read back ({type(e).__name__}), so it is not "
+                        f"written: keep numbers, strings and tensors in that state_dict, or allow the class "
+                        f"with torch.serialization.add_safe_globals([{cls}])") from None
+    return v
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -323,7 +323,9 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         checkpoint: a path, or a URL (``s3://...``, ``gs://...``, ``memory://...``: through fsspec, see
             ``fastdata.checkpoint.storage_for``); saved at the end of every epoch and every
             ``checkpoint_every`` batches (see ``TrainingState``), by rank 0. Checked before training
-            starts: not a folder, and its folder writable (created if missing).
+            starts: not a folder, and its folder writable (created if missing). Numpy values in the
+            optimizer's or scheduler's state are saved as Python numbers and tensors
+            (``checkpoint.loadable``); a value no checkpoint can read back is refused, naming its key.
         resume: continue from ``checkpoint`` when it exists (mid-epoch included: the remaining batches
             are exactly those an uninterrupted run sees); start fresh when it does not. Under torchrun
             rank 0 decides whether it exists and what it holds: a rank that cannot read the same file
@@ -713,8 +715,10 @@ class TrainingState:
 
         Both are decided once, by rank 0, and shared: an unusable path fails on every rank (naming
         rank 0's error), and a checkpoint only rank 0 can see (its own disk) resumes every rank."""
-        # An unusable path fails now, not after an epoch of training.
+        # An unusable path fails now, not after an epoch of training; so does a state a checkpoint
+        # could not hold (a scheduler keeping a Fraction): it would fail at the first save.
         fdist.decide_on_main(ckpt.prepare, path, self.storage, what=f"checking checkpoint path '{path}'")
+        ckpt.loadable(self.state_dict(self.loader.state_dict(), self.partial), f"checkpoint '{path}'")
         if not resume:
             return
         main = fdist.is_main()

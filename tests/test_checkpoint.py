@@ -1,3 +1,5 @@
+import enum
+import fractions
 import os
 import random
 
@@ -422,3 +424,94 @@ def test_rank_0_decides_and_a_rank_that_cannot_read_its_file_gets_rank_0s(tmp_pa
     for rank in (1, 2):
         assert got[rank].startswith("PreparationError: reading checkpoint") and "rank 0" in got[rank]
         assert "CheckpointError" in got[rank]
+
+
+# ------------------------------------------------------------------------- what load can read back
+class NumpyCosine(torch.optim.lr_scheduler.LRScheduler):
+    """A user's schedule computed with numpy: its rates are np.float64 (in its own state and in the
+    optimizer's param_groups, so both state_dicts hold them), its step count an np.int64."""
+
+    def __init__(self, optimizer, total: int):
+        self.total, self.steps = np.int64(total), np.int64(0)
+        super().__init__(optimizer)
+
+    def get_lr(self):
+        return [base * 0.5 * (1 + np.cos(np.pi * self.steps / self.total)) for base in self.base_lrs]
+
+    def step(self):
+        self.steps += 1   # LRScheduler.__init__ steps once too
+        super().step()
+
+
+def test_a_numpy_scheduler_checkpoint_resumes_as_the_uninterrupted_run(tmp_path):
+    """Issue 23.A6: fit saved this scheduler's state, and the resume refused the file as "not a fastdata
+    checkpoint or is corrupt" (weights_only refuses numpy's globals)."""
+    from fastdata import SmallCNN, fit, make_loader
+    from fastdata.datasets import SyntheticDigits
+
+    src = SyntheticDigits(128, seed=2)
+
+    def run(epochs, **kw):
+        torch.manual_seed(0)
+        model = SmallCNN(width=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = NumpyCosine(opt, total=8)
+        loader = make_loader(src, "torch", batch_size=32, num_workers=0, device="cpu", seed=1)
+        history = fit(model, loader, epochs=epochs, optimizer=opt, scheduler=sched, scheduler_interval="step",
+                      progress=False, **kw)
+        return model, sched, history
+
+    ref, ref_sched, ref_history = run(2)
+    path = tmp_path / "c.pt"
+    run(1, checkpoint=path)
+    state = torch.load(path, weights_only=True)
+    assert state["scheduler"]["steps"] == 1 + 4 and type(state["scheduler"]["steps"]) is int
+    assert type(state["optimizer"]["param_groups"][0]["lr"]) is float
+    model, sched, history = run(2, checkpoint=path, resume=True)
+    assert [r["epoch"] for r in history] == [1, 2] and history[-1]["lr"] == ref_history[-1]["lr"]
+    assert sched.steps == ref_sched.steps == 1 + 8 and sched.get_last_lr() == ref_sched.get_last_lr()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_numpy_values_are_saved_as_python_numbers_and_tensors(tmp_path):
+    state = {"f": np.float64(0.5), "i": np.int64(3), "b": np.bool_(True), "s": np.str_("x"),
+             "a": np.arange(4, dtype=np.float32).reshape(2, 2)[:, ::-1], "words": np.array(["a", "b"]),
+             "nested": [(np.float32(1.5), {np.int64(7): np.uint8(2)})], "w": torch.ones(2)}
+    loaded = ckpt.load(ckpt.save(state, tmp_path / "c.pt"))
+    assert loaded["f"] == 0.5 and type(loaded["f"]) is float
+    assert loaded["i"] == 3 and type(loaded["i"]) is int and loaded["b"] is True and type(loaded["s"]) is str
+    assert torch.equal(loaded["a"], torch.tensor([[1.0, 0.0], [3.0, 2.0]])) and loaded["words"] == ["a", "b"]
+    assert loaded["nested"] == [(1.5, {7: 2})] and type(next(iter(loaded["nested"][0][1]))) is int
+    assert torch.equal(loaded["w"], torch.ones(2))
+    assert type(state["f"]) is np.float64   # the caller's objects are left as they were
+
+
+@pytest.mark.parametrize("value, kind", [(fractions.Fraction(1, 3), "fractions.Fraction"),
+                                         (enum.IntEnum("Phase", "WARMUP")(1), "Phase")])
+def test_a_value_load_could_not_read_back_is_refused_at_save_naming_its_key(tmp_path, value, kind):
+    path = tmp_path / "c.pt"
+    ckpt.save(_state(1.0), path)
+    with pytest.raises(TypeError, match=rf"checkpoint '{path}': \['scheduler'\]\['phases'\]\[1\] is a "
+                                        rf"\S*{kind} .*cannot read back.*add_safe_globals"):
+        ckpt.save({**_state(2.0), "scheduler": {"phases": [0.1, value]}}, path)
+    assert torch.equal(ckpt.load(path)["w"], torch.ones(3))   # the previous checkpoint stays
+
+
+def test_fit_refuses_a_scheduler_state_a_checkpoint_cannot_hold_before_training(tmp_path):
+    from fastdata import SmallCNN, fit, make_loader
+    from fastdata.datasets import SyntheticDigits
+
+    class Ratio(torch.optim.lr_scheduler.StepLR):
+        def __init__(self, optimizer):
+            self.ratio = fractions.Fraction(1, 2)   # in state_dict(): it is the scheduler's __dict__
+            super().__init__(optimizer, step_size=1)
+
+    model = SmallCNN(width=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = make_loader(SyntheticDigits(64, seed=2), "torch", batch_size=32, num_workers=0, device="cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"\['scheduler'\]\['ratio'\] is a fractions.Fraction"):
+        fit(model, loader, epochs=1, optimizer=opt, scheduler=Ratio(opt), checkpoint=tmp_path / "c.pt",
+            progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))   # nothing trained
+    assert not (tmp_path / "c.pt").exists()
