@@ -302,6 +302,8 @@ class Cutout(BatchTransform):
 
     def __call__(self, images, labels, generator):
         n, _, h, w = images.shape
+        if not images.numel():   # an empty batch, maybe (0, C, 0, 0): nothing to cut, no center to draw
+            return images, labels
         dev = images.device
         top = torch.randint(0, h, (n, self.holes), generator=generator, device=dev) - self.size // 2
         left = torch.randint(0, w, (n, self.holes), generator=generator, device=dev) - self.size // 2
@@ -606,6 +608,8 @@ class CutMix(_Mixing):
     def __call__(self, images, labels, generator):
         targets = self._targets(labels)
         h, w = images.shape[-2:]
+        if not images.numel():   # an empty batch, maybe (0, C, 0, 0): no box to draw in it
+            return images, targets
         rng = host_rng(generator)
         lam = float(rng.beta(self.alpha, self.alpha))
         cx, cy = int(rng.integers(w)), int(rng.integers(h))

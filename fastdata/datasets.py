@@ -1010,6 +1010,7 @@ class DatasetSource(Source):
         # their tensors are read as such, not as torch's (C, H, W) (which refused them, or silently
         # transposed an image 3 or 4 px high).
         self._hwc_tensors = _fastdata_samples(dataset)
+        first = None
         if self.sample_transform is not None and _torchvision_names(dataset) and not _own_getitem(dataset):
             # torchvision's datasets end __getitem__ with the transform, so its steps say what comes out
             # (a user's Dataset may convert back after it: its samples are checked as they come).
@@ -1020,8 +1021,11 @@ class DatasetSource(Source):
             self._refuse_float(first, 0)
             channels = self._default_channels(first)
         elif isinstance(channels, bool) or channels not in (1, 3):
-            raise ValueError(f"channels must be 1, 3 or None (from the first sample), got {channels!r}")
+            raise ValueError(f"channels must be 1, 3 or None (from the samples' kind), got {channels!r}")
         self.channels = channels
+        #: (H, W) of the first sample where it was read (channels=None), else None: what an empty batch's
+        #: images are shaped as before any batch was read (``transforms.output_size``).
+        self.sample_size = tuple(self.as_array(first).shape[:2]) if first is not None else None
         names = getattr(dataset, "classes", None)
         names = list(names) if isinstance(names, (list, tuple)) and names else None
         own = getattr(dataset, "num_classes", None)   # torchvision's FakeData, and many a user's Dataset

@@ -51,13 +51,41 @@ class Normalizer:
         self.scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1).to(self.device)
         self.shift = (-mean_t / std_t).view(1, -1, 1, 1).to(self.device)
         self._pool: list[tuple[torch.Tensor, int]] = []   # (buffer, its use count when nothing else holds it)
+        #: (H, W) of the loader's batches where known before any batch (``transforms.output_size``, set
+        #: by the loader); the (H, W) of the last batch normalized replaces it. An empty batch comes out
+        #: (0, C, H, W) with it (see ``empty_shape``).
+        self.size: tuple[int, int] | None = None
+
+    @property
+    def channels(self) -> int:
+        """C of every batch: one scale per channel."""
+        return self.scale.shape[1]
+
+    def empty_shape(self, images: torch.Tensor) -> torch.Tensor:
+        """``images`` (uint8 (N, H, W, C)) as it is, or, when it is an empty batch that lost its shape, a
+        (0, H, W, C) one of the loader's (H, W) and C.
+
+        A decode of no samples (a rank's share of a short last step with ``drop_last=False``, or a batch
+        whose files were all skipped) knows neither the height nor the width: it stacks nothing into
+        (0, 0, 0, C). Every other batch of the loader is (N, C, H, W), and a batch transform, a model
+        or a gather (``torch.cat`` of every rank's predictions) needs the same (C, H, W) on an empty one.
+        """
+        if images.shape[0] == 0 and self.size is not None and \
+                (tuple(images.shape[1:3]) != self.size or images.shape[3] != self.channels):
+            return images.new_empty((0, *self.size, self.channels))
+        return images
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (N, H, W, C) on the device → normalized (N, C, H, W) in the configured dtype/layout.
 
         ``permute`` of an NHWC tensor already has channels-last strides, so the channels_last layout
-        costs no copy; the contiguous (NCHW) layout costs one.
+        costs no copy; the contiguous (NCHW) layout costs one. An empty batch keeps the loader's
+        (C, H, W) (``empty_shape``).
         """
+        if images.shape[0]:
+            self.size = (images.shape[1], images.shape[2])
+        else:
+            images = self.empty_shape(images)
         x = images.permute(0, 3, 1, 2)
         if self.device.type == "cpu" and x.numel() > self.GRAIN:
             return self._chunked(x)

@@ -259,6 +259,27 @@ def require_fixed_size(source, aug: Augmentation) -> None:
                          f"crop={aug.crop!r}")
 
 
+def output_size(source, aug: Augmentation) -> tuple[int, int] | None:
+    """(H, W) of every batch a loader of ``source`` with the recipe ``aug`` hands out, where it is known
+    before any batch: a size-fixing crop's ``size``; an array source's image size (``none`` and
+    ``translate`` keep it); a torch Dataset's first sample's, its transform applied
+    (``DatasetSource.sample_size``, when it was read). None otherwise (an image folder's per-sample
+    transform: its output is known only once it ran).
+
+    The loader gives it to its ``Normalizer.size``: an empty batch (a rank's share of a short last
+    step) then comes out (0, C, H, W) like every other batch, not (0, C, 0, 0).
+
+    Args:
+        source: the loader's source.
+        aug: the loader's recipe.
+    """
+    if aug.crop.fixes_size:
+        return aug.size, aug.size
+    shape = getattr(source, "image_shape", None) if source.kind is SourceKind.ARRAY else \
+        getattr(source, "sample_size", None)
+    return (int(shape[0]), int(shape[1])) if shape else None
+
+
 def require_padding_fits(source_or_shape, aug: Augmentation) -> None:
     """Refuse a reflect-padded translation whose ``pad`` is not smaller than the image: a mirror of
     ``pad`` pixels needs ``pad + 1`` rows and columns to mirror. torch's reflect pad refuses it, and

@@ -359,9 +359,12 @@ def test_dtype_and_memory_format_kept(t, dtype, channels_last):
 
 
 @pytest.mark.parametrize("t", ALL, ids=lambda t: type(t).__name__)
-def test_an_empty_batch_passes(t):
-    out, labels = pipe([t])(norm(pixels(0)), labels_of(0), 1)
-    assert out.shape == (0, 3, 12, 12) and labels.shape == ((0, K) if t.soft_labels else (0,))
+@pytest.mark.parametrize("h, w", [(12, 12), (0, 0)])
+def test_an_empty_batch_passes(t, h, w):
+    """(0, C, 0, 0) too: an empty batch that lost its height and width (a decode of no samples) crashed
+    Cutout and CutMix drawing a position in an image of no pixels."""
+    out, labels = pipe([t])(norm(pixels(0, h=h, w=w)), labels_of(0), 1)
+    assert out.shape == (0, 3, h, w) and labels.shape == ((0, K) if t.soft_labels else (0,))
 
 
 def test_pipeline_checks_its_inputs():

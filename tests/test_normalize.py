@@ -46,6 +46,22 @@ def test_an_empty_batch_keeps_its_shape():
     assert out.shape == (0, 3, 5, 5) and out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype, channels_last", [(torch.float32, False), (torch.bfloat16, True)])
+def test_an_empty_batch_that_lost_its_shape_gets_the_loaders(dtype, channels_last):
+    """A decode of no samples stacks nothing into (0, 0, 0, C): it came out (0, C, 0, 0), unlike every other
+    batch of the loader, and a batch transform (Cutout) or a gather of every rank's batch then failed."""
+    lost = torch.empty((0, 0, 0, 3), dtype=torch.uint8)
+    norm = Normalizer(MEAN, STD, torch.device("cpu"), dtype=dtype, channels_last=channels_last)
+    assert norm(lost).shape == (0, 3, 0, 0)            # nothing known yet: as it came
+    norm.size = (6, 4)                                  # the loader's, known before any batch
+    out = norm(lost)
+    assert out.shape == (0, 3, 6, 4) and out.dtype == dtype
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    norm(torch.zeros((2, 9, 7, 3), dtype=torch.uint8))  # a batch seen: its size is the one kept
+    assert norm(lost).shape == (0, 3, 9, 7)
+    assert norm(torch.empty((0, 0, 0, 1), dtype=torch.uint8)).shape == (0, 3, 9, 7)   # C is the loader's too
+
+
 @pytest.mark.cuda
 def test_the_gpu_path_equals_the_cpu_path():
     images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8)

@@ -517,3 +517,29 @@ def test_a_flip_never_writes_into_the_callers_array():
     out = augment_batch(images, Augmentation(crop="none", hflip=1.0), np.random.default_rng(0))
     assert np.array_equal(images, before)
     assert np.array_equal(out, before[:, :, ::-1])
+
+
+def test_output_size_is_the_batches_size_where_known_before_any_batch(tmp_path):
+    """What an empty batch's (H, W) is before any batch showed it (Normalizer.size)."""
+    import torch
+
+    from fastdata.datasets import ArraySource, DatasetSource, ImageFolder, make_image_folder
+    from fastdata.transforms import output_size
+
+    arrays = ArraySource(np.zeros((4, 7, 5, 3), np.uint8), np.arange(4) % 2)
+    assert output_size(arrays, Augmentation.none()) == (7, 5)
+    assert output_size(arrays, Augmentation(crop="translate", pad=2)) == (7, 5)
+    assert output_size(arrays, Augmentation(crop="random_resized", size=3)) == (3, 3)
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return torch.zeros((3, 9, 4), dtype=torch.uint8), 0
+
+    assert output_size(DatasetSource(Samples()), Augmentation.none()) == (9, 4)
+    assert output_size(DatasetSource(Samples(), channels=3), Augmentation.none()) is None   # sample 0 unread
+    folder = make_image_folder(tmp_path, classes=2, per_class=1, size_range=((20, 24), (20, 24)))
+    assert output_size(ImageFolder(folder), Augmentation.imagenet_eval(size=8, resize=10)) == (8, 8)
+    assert output_size(ImageFolder(folder, transform=lambda im: im), Augmentation.none()) is None
