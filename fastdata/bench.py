@@ -267,16 +267,18 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
 
     device = resolve_device(device)
     names = [b for b in (backends or available_backends()) if b != "auto"]
-    if batch_size > len(source):
-        # A training loader drops a short last batch: a batch larger than the source yields nothing.
-        print(f"fastdata bench: batch size {len(source)}, not {batch_size}: the source has only {len(source)} "
-              f"images, fewer than one batch", file=sys.stderr, flush=True)
-        batch_size = len(source)
+    kw = {} if num_workers is None else {"num_workers": num_workers}
+    size = len(source) if hasattr(source, "__len__") else None
+    if size is not None and batch_size > size:
+        # A training loader drops a short last batch: a batch larger than the source yields nothing. And
+        # keep the short one: with on_error="skip" fewer files than the source's count may decode.
+        print(f"fastdata bench: batch size {size}, not {batch_size}: the source has only {size} images, "
+              f"fewer than one batch", file=sys.stderr, flush=True)
+        batch_size, kw["drop_last"] = size, False
     rows, sample = [], None
     for name in names:
         row = Measurement(name)
         try:
-            kw = {} if num_workers is None else {"num_workers": num_workers}
             loader = make_loader(source, name, batch_size=batch_size, device=device, train=True,
                                  on_error=on_error, **kw)
             try:

@@ -243,13 +243,18 @@ def _bench(*argv, out):
     return json.loads(report.read_text())
 
 
-def test_a_folder_smaller_than_the_batch_is_measured_in_one_batch_of_it_and_says_so(tmp_path, capsys):
-    """Issue 22.7: 160 photos and the default batch of 256 was "no backend could read the source"."""
-    payload = _bench(_photos(tmp_path / "photos"), "--backends", "memory", "torch", out=tmp_path / "out")
-    assert payload["batch_size"] == 6
+@pytest.mark.parametrize("broken, flags", [(0, []), (1, ["--on-error", "skip"])])
+def test_a_folder_smaller_than_the_batch_is_measured_in_one_batch_of_it_and_says_so(tmp_path, capsys, broken,
+                                                                                    flags):
+    """Issue 22.7: 160 photos and the default batch of 256 was "no backend could read the source". With a
+    file skipped, the one batch is short: memory refused a cache of fewer files than one batch."""
+    payload = _bench(_photos(tmp_path / "photos", broken=broken), "--backends", "memory", "torch", *flags,
+                     out=tmp_path / "out")
+    n = 6 + 2 * broken
+    assert payload["batch_size"] == n
     assert {r["backend"]: r["status"] for r in payload["rows"]} == {"memory": "ok", "torch": "ok"}
     err = [line for line in capsys.readouterr().err.splitlines() if "batch size" in line]
-    assert err == ["fastdata bench: batch size 6, not 256: the source has only 6 images, fewer than one batch"]
+    assert err == [f"fastdata bench: batch size {n}, not 256: the source has only {n} images, fewer than one batch"]
 
 
 def test_model_takes_a_timm_name_after_torchvision_names(tmp_path):
