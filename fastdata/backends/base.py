@@ -33,7 +33,7 @@ from ..datasets import Source, SourceKind, check_transform_and_augment
 from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
-from ..transforms import require_padding_fits
+from ..transforms import output_size, require_padding_fits
 
 _SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loader: each iter() closes "
                "the previous pass (two passes of one loader cannot run interleaved, they share its "
@@ -125,36 +125,44 @@ class LoaderSampler:
         self._loader = loader
 
     def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next (kept where a restored position is already in that epoch)."""
         epoch = check_integer("epoch", epoch, minimum=0)
         if epoch != self._loader._next[0]:
             self._loader.set_epoch(epoch)
 
     @property
     def epoch(self) -> int:
+        """The epoch the loader's next pass reads."""
         return self._loader.epoch
 
     @property
     def num_replicas(self) -> int:
+        """The ranks the epoch is split over (DistributedSampler's name)."""
         return self._loader.plan.world_size
 
     @property
     def rank(self) -> int:
+        """This process's share."""
         return self._loader.plan.rank
 
     @property
     def shuffle(self) -> bool:
+        """Whether each epoch is a new permutation of ``(seed, epoch)``."""
         return self._loader.plan.shuffle
 
     @property
     def seed(self) -> int:
+        """The seed the orders derive from."""
         return self._loader.plan.seed
 
     @property
     def drop_last(self) -> bool:
+        """Whether the partial last step is left out."""
         return self._loader.plan.drop_last
 
     @property
     def num_samples(self) -> int:
+        """Samples this rank reads per epoch (``len``), DistributedSampler's name."""
         return len(self)
 
     def __len__(self) -> int:
@@ -177,14 +185,17 @@ class LoaderBatchSampler:
 
     @property
     def sampler(self) -> LoaderSampler:
+        """The loader's sampler."""
         return LoaderSampler(self._loader)
 
     @property
     def batch_size(self) -> int:
+        """Samples per batch on this rank."""
         return self._loader.batch_size
 
     @property
     def drop_last(self) -> bool:
+        """Whether the partial last step is left out."""
         return self._loader.plan.drop_last
 
     def __len__(self) -> int:
@@ -265,6 +276,9 @@ class Loader:
         self.skipped = 0
         #: uint8 NHWC batches → normalized NCHW floats on the device (see fastdata/normalize.py).
         self.normalizer = Normalizer(self.mean, self.std, self.device, config.dtype, config.channels_last)
+        # An empty batch (a rank's share of a short last step) is (0, C, H, W) like every other, even
+        # before any batch showed H and W: a decode of no samples knows neither (Normalizer.empty_shape).
+        self.normalizer.size = output_size(source, self.augment)
         #: ``config.batch_transforms`` applied to every batch a backend yields (see ``_count``).
         self.batch_pipeline = None
         if config.batch_transforms:
