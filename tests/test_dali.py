@@ -608,6 +608,39 @@ def test_dali_decode_keeps_the_region_decoder_in_the_pipeline(photo_folder, monk
     assert called[1][1]["antialias"] is True
 
 
+def test_a_gpu_decodes_whole_photos_with_nvjpeg_and_crops_in_the_resize():
+    """nvJPEG (nvImageCodec 0.9, nvJPEG 12.x) refuses a region decode with fancy upsampling for
+    chroma-subsampled JPEGs, and DALI decoded those on its CPU fallback: the GPU pipeline was built with
+    image_slice on "mixed". It decodes whole photos on "mixed" (with fancy upsampling: libjpeg-turbo's
+    chroma); the CPU keeps its window decode."""
+    from fastdata.backends.dali import files_decoder
+
+    op, kw = files_decoder(gpu=True)
+    assert op == "image" and kw == {"device": "mixed", "jpeg_fancy_upsampling": True}
+    op, kw = files_decoder(gpu=False)
+    assert op == "image_slice" and kw["device"] == "cpu" and kw["axis_names"] == "HW"
+    assert kw["normalized_anchor"] is False and kw["normalized_shape"] is False
+
+
+def test_whole_photo_decode_crops_the_same_pixels_as_the_window_decode(photo_folder, monkeypatch):
+    """The GPU's graph (a whole photo, the box as the resize's ROI in the photo's coordinates), run on
+    the CPU's decoder: the same crops as the window decode (whose margin covers the filter's reach). A
+    ROI left relative to a window, or a window fed to a whole-photo decode, is off by tens of levels."""
+    import fastdata.backends.dali as dali_mod
+
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=6, train=True, seed=4, decode="dali")
+    window = torch.cat([x for x, _ in dali(src, **kw)])
+    whole_op, whole_kw = dali_mod.files_decoder(gpu=True)
+    monkeypatch.setattr(dali_mod, "files_decoder", lambda gpu: (whole_op, {**whole_kw, "device": "cpu"}))
+    called = _record_graph_ops(monkeypatch)
+    whole = torch.cat([x for x, _ in dali(src, **kw)])
+    assert [n for n, _ in called] == ["image", "resize"] and called[0][1]["device"] == "cpu"
+    levels = ((whole - window) * torch.tensor(src.std).view(1, 3, 1, 1) * 255).abs()
+    assert whole.shape == window.shape == (18, 3, 224, 224)
+    assert levels.max() <= 1.01 and levels.mean() < 0.05, (levels.max(), levels.mean())
+
+
 @pytest.mark.parametrize("region", [True, False], ids=["region_decode", "pil_decode"])
 def test_host_decode_gives_the_torch_backends_pixels(photo_folder, monkeypatch, region):
     # Eval boxes (256-resize, 224 centre crop of ~450x350 photos) are too small for a reduced-scale
@@ -753,6 +786,40 @@ def test_gpu_broken_file_raises_or_is_skipped(tmp_path, photo_folder, damage):
         list(loose)
     except DecodeError as e:
         assert e.path == str(bad)
+
+
+@pytest.mark.cuda
+def test_gpu_decodes_photos_on_the_gpu_not_on_dalis_cpu_fallback(tmp_path):
+    """A region decode with fancy upsampling is refused by nvJPEG 12.x for chroma-subsampled JPEGs and
+    DALI decoded them on its CPU fallback: the right pixels, at the CPU's speed. Measured as this
+    process's CPU time (every thread: DALI's, the readers') for an epoch of 2-megapixel 4:2:0 photos,
+    against PIL's CPU time to decode them in full (libjpeg-turbo, what the fallback runs). On the GPU
+    the host only reads and parses the files (and may spin while waiting for the GPU): well under half."""
+    import time
+
+    from PIL import Image
+
+    from fastdata.datasets import make_image_folder
+
+    root = make_image_folder(tmp_path / "big", classes=2, per_class=32, seed=7,
+                             size_range=((1600, 1800), (1150, 1250)))
+    src = ImageFolder(root)
+    start = time.process_time()
+    for path in src.paths:
+        with Image.open(path) as im:
+            assert im.mode == "RGB"
+            im.load()                       # a full decode (no draft)
+    full = time.process_time() - start
+    loader = gpu(src, batch_size=32, train=True, validate=False, num_threads=2)
+    assert sum(len(y) for _, y in loader) == 64   # warm-up: the pipeline, nvJPEG's handles, headers read
+    torch.cuda.synchronize()
+    start = time.process_time()
+    for _ in range(2):
+        assert sum(len(y) for _, y in loader) == 64
+    torch.cuda.synchronize()
+    used = (time.process_time() - start) / 2
+    assert used < 0.5 * full, f"an epoch took {used:.2f} s of CPU; decoding its photos with PIL {full:.2f} s"
+    loader.close()
 
 
 @pytest.mark.cuda

@@ -32,9 +32,11 @@ uses), drawn in Python from ``plan.batch_seed(epoch, batch)``, and fed to DALI a
 depends only on the seed, never on DALI's RNG, its threads or where a run was resumed; for array
 sources the output equals the torch backend's bit for bit before normalization.
 
-Files on a GPU (and ``decode="dali"``): ``fn.decoders.image_slice`` decodes only a window around the crop
-box (nvJPEG; on the CPU, nvImageCodec's libjpeg-turbo, which honours the window: rows below it are never
-read and rows above it only entropy-decoded), ``fn.resize`` maps the exact (fractional) box to ``size`` x
+Files on a GPU (and ``decode="dali"``): nvJPEG decodes whole photos (``fn.decoders.image``: it refuses a
+region decode with libjpeg-turbo's chroma upsampling, see ``files_decoder``); with ``decode="dali"`` on
+the CPU, ``fn.decoders.image_slice`` decodes only a window around the crop box (nvImageCodec's
+libjpeg-turbo honours the window: rows below it are never read and rows above it only
+entropy-decoded). ``fn.resize`` maps the exact (fractional) box to ``size`` x
 ``size`` with an antialiased linear filter (PIL's BILINEAR with ``box`` in the torch backend), and
 ``fn.crop_mirror_normalize`` flips, normalizes, converts the layout and the dtype in one pass.
 
@@ -125,6 +127,28 @@ SLICE_POLICY = {Padding.CONSTANT: "pad", Padding.REFLECT: "reflect_101", Padding
 
 #: The ``decode`` option's values (see DaliLoader).
 DECODE_CHOICES = ("auto", "host", "dali")
+
+
+def files_decoder(gpu: bool) -> tuple[str, dict]:
+    """The photo decoder of the in-pipeline files path (``decode="dali"``): the ``fn.decoders``
+    operator's name and its keyword arguments (besides the inputs and ``output_type``).
+
+    ``"image_slice"`` (the CPU) decodes a window around the crop box, given as (anchor, shape) inputs:
+    libjpeg-turbo never reads the rows below it. ``"image"`` (a GPU) decodes whole photos, and the crop
+    box is then ``fn.resize``'s ROI in the photo's own coordinates. Why not a region decode on the GPU:
+    nvImageCodec 0.9's nvJPEG extension (with nvJPEG 12.x) refuses a region decode with
+    ``jpeg_fancy_upsampling`` for chroma-subsampled JPEGs, nearly every photo ("ROI decode with fancy
+    upsampling may produce wrong results on image edge ... with nvJPEG < 13.2", in libnvjpeg_ext.so),
+    and DALI quietly decodes those on its CPU fallback: the pixels were right and every test passed,
+    but the GPU's decoding speed was gone. Without fancy upsampling nvJPEG's chroma differs from
+    libjpeg-turbo's (PIL, the other backends) by tens of levels along colour edges.
+    """
+    if gpu:
+        return "image", {"device": "mixed", "jpeg_fancy_upsampling": True}
+    # jpeg_fancy_upsampling: DALI 2.4 documents it for the mixed backend only; the CPU decoder
+    # upsamples so already (measured: same pixels, same speed). Kept for symmetry with the GPU.
+    return "image_slice", {"device": "cpu", "axis_names": "HW", "normalized_anchor": False,
+                           "normalized_shape": False, "jpeg_fancy_upsampling": True}
 
 
 def slice_has_policy(policy: str) -> bool:
@@ -272,7 +296,8 @@ class DaliLoader(Loader):
             1.4 ms per ImageNet-sized JPEG and core); False trusts the files and leaves broken ones
             to DALI's decoder, which fails only when a crop reaches the damage.
         decode: where photos are decoded and resized (files only). ``"dali"``: inside the pipeline
-            (``decoders.image_slice`` + ``fn.resize``; nvJPEG on a GPU). ``"host"``: in the reader
+            (``decoders.image_slice`` + ``fn.resize``; nvJPEG's whole-photo ``decoders.image`` on a
+            GPU). ``"host"``: in the reader
             threads, with the torch backend's decoders (nvImageCodec's region decode or PIL's reduced
             scale, then PIL's resize), DALI then flips and normalizes; CPU only. ``"auto"`` (default):
             ``"host"`` on the CPU, ``"dali"`` on a GPU. Why: on the CPU, DALI's ``fn.resize`` costs
@@ -310,6 +335,8 @@ class DaliLoader(Loader):
                              f"pipeline (decode='dali' or 'auto')")
         #: True: photos are decoded and resized in the reader threads and DALI only flips and normalizes.
         self.host_decode = source.kind is SourceKind.FILES and decode != "dali" and not self.gpu
+        #: The in-pipeline decoder (files_decoder): a window around each box, or whole photos.
+        self._decoder = files_decoder(self.gpu)
         aug = self.augment
         require_fixed_size(source, aug)   # (base.py has refused a reflect pad the images cannot mirror)
         # Reflect/edge translation where this DALI's slice lacks the border mode: pad on the host.
@@ -372,19 +399,16 @@ class DaliLoader(Loader):
                                                          layout=["HWC", None, None],
                                                          dtype=[types.UINT8, types.INT64, types.INT32])
             elif files:
-                enc, labels, anchor, shape, roi_start, roi_end, mirror = fn.external_source(
-                    source=self._feeder, num_outputs=7, batch=True,
-                    dtype=[types.UINT8, types.INT64, types.INT32, types.INT32, types.FLOAT, types.FLOAT,
-                           types.INT32])
-                # ROI decode: only the window around the crop box is decoded (and on "mixed", by nvJPEG).
-                # jpeg_fancy_upsampling: nvJPEG's default chroma upsampling (nearest) differs from
-                # libjpeg-turbo's (PIL, the torch backend, DALI's CPU decoder) by tens of levels along
-                # colour edges; this makes "mixed" upsample as they do. DALI 2.4 documents it for the
-                # mixed backend only: the CPU decoder does so already (measured: same pixels, same speed).
-                img = fn.decoders.image_slice(enc, anchor, shape, device="mixed" if gpu else "cpu",
-                                              output_type=types.RGB, axis_names="HW",
-                                              normalized_anchor=False, normalized_shape=False,
-                                              jpeg_fancy_upsampling=True)
+                # The CPU decodes only a window around the crop box (anchor, shape); a GPU decodes whole
+                # photos, as nvJPEG refuses a region decode with libjpeg-turbo's chroma upsampling
+                # (files_decoder). Either way the ROI below is the box in what was decoded.
+                op, kwargs = self._decoder
+                windowed = op == "image_slice"
+                enc, labels, *windows, roi_start, roi_end, mirror = fn.external_source(
+                    source=self._feeder, num_outputs=7 if windowed else 5, batch=True,
+                    dtype=[types.UINT8, types.INT64] + [types.INT32, types.INT32] * windowed
+                    + [types.FLOAT, types.FLOAT, types.INT32])
+                img = getattr(fn.decoders, op)(enc, *windows, output_type=types.RGB, **kwargs)
                 img = fn.resize(img, size=[aug.size, aug.size], roi_start=roi_start, roi_end=roi_end,
                                 roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
             else:
@@ -491,14 +515,14 @@ class DaliLoader(Loader):
                 crops.append((i, buf, (top, left, bh, bw)))
                 mirror.append(flip)
                 continue
-            if orientation == 1:
+            if orientation == 1 and self._decoder[0] == "image_slice":
                 # Decode a window around the box: the margin covers the antialiasing filter's reach
                 # (about one source pixel per output pixel of shrink), so the edge pixels match a full
                 # decode; the ROI inside the window keeps the box's fractional position.
                 m = math.ceil(max(bh, bw) / size) + 2
                 y0, x0 = max(0, math.floor(top) - m), max(0, math.floor(left) - m)
                 y1, x1 = min(height, math.ceil(top + bh) + m), min(width, math.ceil(left + bw) + m)
-            else:  # a rotated image: decode all of it (the ROI then applies to the rotated pixels)
+            else:  # a rotated image, or a GPU (whole photos): the ROI applies to all of it (rotated)
                 y0, x0, y1, x1 = 0, 0, height, width
             enc.append(buf)
             keep.append(i)
@@ -513,9 +537,10 @@ class DaliLoader(Loader):
         record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped}
         if not len(keep):
             return None, record
-        return (enc, self.source.labels[keep], np.asarray(anchor, np.int32), np.asarray(shape, np.int32),
-                np.asarray(roi0, np.float32), np.asarray(roi1, np.float32),
-                np.asarray(mirror, np.int32)), record
+        windows = (np.asarray(anchor, np.int32), np.asarray(shape, np.int32)) \
+            if self._decoder[0] == "image_slice" else ()
+        return (enc, self.source.labels[keep], *windows, np.asarray(roi0, np.float32),
+                np.asarray(roi1, np.float32), np.asarray(mirror, np.int32)), record
 
     #: Photos per reader-thread task when decoding on the host. Small: a batch split into one piece per
     #: thread left a core idle whenever one piece finished first (the threads were busy 76-84% of a
