@@ -113,12 +113,29 @@ def test_on_a_real_gpu_the_cache_decides_between_memory_and_the_next_cuda_row():
     device = f"cuda:{torch.cuda.current_device()}"
     src = indexed_source(1000)                      # a few MB of uint8: fits any GPU's budget
     name, why = registry.choose(src, config(device))
-    assert name == "memory" and f"fits in the free GPU {device}" in why
+    # A translation of an array is cached normalized ahead, which takes at most half the budget.
+    assert name == "memory" and "normalized ahead in float32" in why and f"fits in half the free GPU {device}" in why
     # A reserve of the whole GPU (in bytes): the next row on CUDA (dali if it imports, else prefetch).
     whole = torch.cuda.get_device_properties(device).total_memory
     name, why = registry.choose(src, config(device), {"memory_reserve": whole})
     assert name == ("dali" if registry.spec("dali").available else "prefetch")
     assert "not memory: the cache" in why and "does not fit" in why
+
+
+@pytest.mark.parametrize("crop", ["translate", "random_resized"])
+def test_the_reason_says_which_cache_fits_on_a_gpu(gpu_16g, crop):
+    """auto's reason on a GPU (a 16 GiB one, stubbed): an array translated is cached normalized ahead,
+    held to half the budget; a resampling crop keeps uint8. The real-GPU test above asserted the uint8
+    wording ("fits in the free GPU") for a translated array, whose reason says "fits in half the free
+    GPU": it could only fail where it runs."""
+    cfg = config("cuda:0")
+    cfg.augment = Augmentation(crop="translate", pad=2) if crop == "translate" else Augmentation(crop=crop, size=8)
+    name, why = registry.choose(indexed_source(1000), cfg)
+    assert name == "memory"
+    if crop == "translate":
+        assert "its cache, normalized ahead in float32" in why and "fits in half the free GPU cuda:0" in why
+    else:
+        assert "its uint8 cache" in why and "fits in the free GPU cuda:0" in why and "half" not in why
 
 
 def test_when_no_row_fits_the_error_names_each_reason(monkeypatch):
