@@ -1,0 +1,306 @@
+"""The index of a packed data set (``index.json``) and the per-tar DALI index files (``.idx``).
+
+``index.json`` says what ``fastdata.shards.pack`` wrote: the shards (name, bytes, samples, sha256) and,
+per sample, its shard, where its image's bytes lie in that tar (offset of the data, size), the image's
+extension and its label; the classes, the source's fingerprint and normalization statistics. Per-sample
+fields are parallel arrays, not one object per sample: ImageNet's 1.28 M samples stay a few tens of MB.
+
+An index may come from a remote server, so ``parse_index`` treats it as untrusted input: JSON only
+(never pickle), shard names that would leave the data folder, offsets and sizes that do not fit a tar
+of the stated size, members larger than an image limit and counts that disagree are refused, each
+error naming the index and the field.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORMAT = "fastdata-shards"
+VERSION = 1
+INDEX_NAME = "index.json"
+TAR_BLOCK = 512
+#: The largest image member an index may announce (a JPEG of 100 megapixels is about 30 MB).
+MAX_MEMBER_BYTES = 64 * 2**20
+
+_EXT = re.compile(r"[A-Za-z0-9]+\Z")
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+class BadIndex(ValueError):
+    """An index that is not what ``pack`` writes (a ``ValueError``, so ``cli.input_errors`` reports it)."""
+
+
+@dataclass
+class ShardInfo:
+    name: str       # path relative to the data folder (or URL prefix), "/"-separated
+    size: int       # bytes of the tar
+    samples: int
+    sha256: str
+
+
+@dataclass
+class ShardIndex:
+    """A validated ``index.json``. Sample ``i`` is member ``key(i) + "." + ext(i)`` of shard
+    ``shards[shard[i]]``, its bytes at ``[offset[i], offset[i] + size[i])`` of that tar."""
+
+    shards: list[ShardInfo]
+    classes: list[str]
+    shard: np.ndarray       # int64 (N,)
+    offset: np.ndarray      # int64 (N,)
+    size: np.ndarray        # int64 (N,)
+    ext_code: np.ndarray    # int64 (N,), into exts
+    exts: list[str]
+    labels: np.ndarray      # int64 (N,)
+    key_width: int
+    fingerprint: str
+    source: dict = field(default_factory=dict)   # name, split, channels, mean, std: informative
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def shard_sizes(self) -> np.ndarray:
+        """Samples per shard (for ``order.epoch_order``)."""
+        return np.array([s.samples for s in self.shards], dtype=np.int64)
+
+    def key(self, i: int) -> str:
+        return f"{int(i):0{self.key_width}d}"
+
+    def ext(self, i: int) -> str:
+        return self.exts[int(self.ext_code[i])]
+
+    def member(self, i: int) -> str:
+        return f"{self.key(i)}.{self.ext(i)}"
+
+
+def _fail(where: str, message: str):
+    raise BadIndex(f"shard index '{where}': {message}")
+
+
+def check_shard_name(name, where: str, what: str = "shard name") -> str:
+    """``name`` if it is a relative, "/"-separated path that stays inside the data folder; else an error
+    naming it: empty, absolute, with a drive or a backslash, a ``..`` or ``.`` or empty component,
+    or a control character (a file name from a remote index becomes a path in the local cache)."""
+    if not isinstance(name, str) or not name:
+        _fail(where, f"{what} {name!r} is empty or not a string")
+    if name.startswith("/") or "\\" in name or ":" in name or os.path.isabs(name):
+        _fail(where, f"{what} {name!r} is absolute or has a drive, a backslash or a ':'; "
+                     f"shard names are relative paths with '/'")
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        _fail(where, f"{what} {name!r} has an empty, '.' or '..' component: it would leave the data folder")
+    if any(ord(c) < 32 or c == "\x7f" for c in name):
+        _fail(where, f"{what} {name!r} has a control character")
+    return name
+
+
+def _int(value, where: str, what: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(where, f"{what} must be an integer, got {value!r}")
+    if value < low:
+        _fail(where, f"{what} is {value}; it must be >= {low}")
+    return value
+
+
+def _int_array(values, n: int, where: str, what: str) -> np.ndarray:
+    if not isinstance(values, list):
+        _fail(where, f"{what} must be a list of {n} integers, got {type(values).__name__}")
+    if len(values) != n:
+        _fail(where, f"{what} has {len(values)} entries but the index has {n} samples")
+    arr = np.array(values) if values else np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.dtype == np.uint64:
+        bad = next((i for i, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, int)
+                    or not -2**63 <= v < 2**63), None)
+        detail = f"entry {bad} is {values[bad]!r}" if bad is not None else f"dtype {arr.dtype}"
+        _fail(where, f"{what} must hold 64-bit integers; {detail}")
+    return arr.astype(np.int64)
+
+
+def _sample_error(where: str, index: int, what: str, message: str):
+    _fail(where, f"sample {index} ({what}): {message}")
+
+
+def parse_index(data, where: str, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
+    """A validated ``ShardIndex`` from the bytes (or text) of an ``index.json``.
+
+    Args:
+        data: the file's content (bytes or str). Parsed as JSON only.
+        where: the index's location, for the errors (a path or URL).
+        max_member_bytes: the largest image member accepted.
+    """
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        hint = " (it looks like a pickle, which is never loaded)" if isinstance(data, bytes) and \
+            data[:1] == b"\x80" else ""
+        raise BadIndex(f"shard index '{where}' is not JSON{hint}: {e}") from None
+    if not isinstance(doc, dict):
+        _fail(where, f"must be a JSON object, got {type(doc).__name__}")
+    if doc.get("format") != FORMAT:
+        _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by fastdata.shards.pack)")
+    if doc.get("version") != VERSION:
+        _fail(where, f"version is {doc.get('version')!r}; this fastdata reads version {VERSION}")
+    for key in ("shards", "classes", "samples", "num_samples", "fingerprint", "key_width"):
+        if key not in doc:
+            _fail(where, f"field '{key}' is missing")
+
+    classes = doc["classes"]
+    if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
+        _fail(where, "classes must be a non-empty list of names")
+    if not isinstance(doc["fingerprint"], str):
+        _fail(where, "fingerprint must be a string")
+    key_width = _int(doc["key_width"], where, "key_width", 1)
+    if key_width > 18:
+        _fail(where, f"key_width is {key_width}; at most 18 digits")
+    n = _int(doc["num_samples"], where, "num_samples")
+
+    raw_shards = doc["shards"]
+    if not isinstance(raw_shards, list):
+        _fail(where, "shards must be a list")
+    shards, names = [], set()
+    for j, s in enumerate(raw_shards):
+        if not isinstance(s, dict):
+            _fail(where, f"shards[{j}] must be an object with name, size, samples, sha256")
+        name = check_shard_name(s.get("name"), where, f"shards[{j}].name")
+        if name in names:
+            _fail(where, f"shards[{j}].name {name!r} appears twice")
+        names.add(name)
+        size = _int(s.get("size"), where, f"shards[{j}].size ({name})")
+        if size % TAR_BLOCK:
+            _fail(where, f"shards[{j}].size ({name}) is {size}, not a multiple of {TAR_BLOCK}: not a tar")
+        samples = _int(s.get("samples"), where, f"shards[{j}].samples ({name})")
+        sha = s.get("sha256")
+        if not isinstance(sha, str) or not _SHA256.match(sha):
+            _fail(where, f"shards[{j}].sha256 ({name}) must be 64 lowercase hex digits, got {sha!r}")
+        shards.append(ShardInfo(name, size, samples, sha))
+    if sum(s.samples for s in shards) != n:
+        _fail(where, f"the shards hold {sum(s.samples for s in shards)} samples but num_samples is {n}")
+
+    samples = doc["samples"]
+    if not isinstance(samples, dict):
+        _fail(where, "samples must be an object of parallel arrays")
+    for key in ("shard", "offset", "size", "ext", "label", "exts"):
+        if key not in samples:
+            _fail(where, f"field 'samples.{key}' is missing")
+    exts = samples["exts"]
+    if not isinstance(exts, list) or not exts or not all(isinstance(e, str) and _EXT.match(e) for e in exts):
+        _fail(where, f"samples.exts must be a non-empty list of extensions (letters and digits), got {exts!r}"[:300])
+    shard = _int_array(samples["shard"], n, where, "samples.shard")
+    offset = _int_array(samples["offset"], n, where, "samples.offset")
+    size = _int_array(samples["size"], n, where, "samples.size")
+    ext_code = _int_array(samples["ext"], n, where, "samples.ext")
+    labels = _int_array(samples["label"], n, where, "samples.label")
+
+    def first(mask) -> int:
+        return int(np.argmax(mask))
+
+    if n:
+        if ((shard < 0) | (shard >= len(shards))).any():
+            i = first((shard < 0) | (shard >= len(shards)))
+            _sample_error(where, i, "samples.shard", f"shard {shard[i]} is not one of the {len(shards)} shards")
+        counts = np.bincount(shard, minlength=len(shards))
+        for j, s in enumerate(shards):
+            if counts[j] != s.samples:
+                _fail(where, f"shards[{j}] ({s.name}) says {s.samples} samples but {counts[j]} samples name it")
+        if ((ext_code < 0) | (ext_code >= len(exts))).any():
+            i = first((ext_code < 0) | (ext_code >= len(exts)))
+            _sample_error(where, i, "samples.ext", f"code {ext_code[i]} is not one of the {len(exts)} exts")
+        if ((labels < 0) | (labels >= len(classes))).any():
+            i = first((labels < 0) | (labels >= len(classes)))
+            _sample_error(where, i, "samples.label", f"label {labels[i]} is outside [0, {len(classes)})")
+        if (size <= 0).any():
+            i = first(size <= 0)
+            _sample_error(where, i, "samples.size", f"size {size[i]} bytes: an image member is not empty")
+        if (size > max_member_bytes).any():
+            i = first(size > max_member_bytes)
+            _sample_error(where, i, "samples.size", f"size {size[i]} bytes is past the image limit of "
+                                                    f"{max_member_bytes} bytes (max_member_bytes)")
+        # A member's data follows its 512-byte header, on a block boundary.
+        if ((offset < TAR_BLOCK) | (offset % TAR_BLOCK != 0)).any():
+            i = first((offset < TAR_BLOCK) | (offset % TAR_BLOCK != 0))
+            _sample_error(where, i, "samples.offset", f"offset {offset[i]} is not a tar data offset "
+                                                      f"(a multiple of {TAR_BLOCK}, after a header)")
+        shard_bytes = np.array([s.size for s in shards], dtype=np.int64)[shard]
+        if (offset + size > shard_bytes).any():
+            i = first(offset + size > shard_bytes)
+            _sample_error(where, i, "samples.offset/size",
+                          f"bytes [{offset[i]}, {offset[i] + size[i]}) run past the end of "
+                          f"{shards[shard[i]].name} ({shard_bytes[i]} bytes)")
+        # Within a shard, each member must end (padded) before the next one's header.
+        by = np.lexsort((offset, shard))
+        same = shard[by][1:] == shard[by][:-1]
+        end = offset[by][:-1] + (size[by][:-1] + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK
+        clash = same & (offset[by][1:] < end + TAR_BLOCK)
+        if clash.any():
+            k = first(clash)
+            i, other = int(by[k + 1]), int(by[k])
+            _sample_error(where, i, "samples.offset", f"offset {offset[i]} overlaps sample {other}'s data "
+                                                      f"or its own header in {shards[shard[i]].name}")
+    source = doc.get("source", {})
+    return ShardIndex(shards=shards, classes=list(classes), shard=shard, offset=offset, size=size,
+                      ext_code=ext_code, exts=list(exts), labels=labels, key_width=key_width,
+                      fingerprint=doc["fingerprint"], source=source if isinstance(source, dict) else {})
+
+
+def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
+    """``parse_index`` of a local file: ``path`` is the ``index.json`` or the folder holding it."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, INDEX_NAME)
+    with open(path, "rb") as f:
+        return parse_index(f.read(), path, max_member_bytes=max_member_bytes)
+
+
+def index_document(*, shards: list[dict], classes, samples: dict, key_width: int, fingerprint: str,
+                   source: dict) -> dict:
+    """The JSON object of an ``index.json`` (``pack`` writes it; ``parse_index`` reads it)."""
+    return {"format": FORMAT, "version": VERSION, "num_samples": len(samples["label"]), "key_width": key_width,
+            "fingerprint": fingerprint, "classes": [str(c) for c in classes], "source": source,
+            "shards": shards, "samples": samples}
+
+
+def write_json_atomic(path, doc) -> None:
+    """Write ``doc`` as compact JSON to ``path`` through a temporary file and ``os.replace``: a reader
+    never sees half of it."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def dali_index_text(samples) -> str:
+    """The text of a DALI ``fn.readers.webdataset`` index (format v1.2, as ``wds2idx`` writes it): line 1
+    ``v1.2 <samples>``, then per sample ``<ext> <data offset> <size> <member name>`` for each member.
+
+    Args:
+        samples: per sample, a list of ``(ext, data_offset, size, member_name)``.
+    """
+    lines = [f"v1.2 {len(samples)}"]
+    for members in samples:
+        for ext, _offset, _size, name in members:
+            # The format is space-separated: a space would shift every later field of the line.
+            if any(c.isspace() for c in f"{ext}{name}"):
+                raise ValueError(f"DALI index member {name!r} has whitespace, which the v1.2 format cannot hold")
+        lines.append(" ".join(f"{e} {o} {s} {n}" for e, o, s, n in members))
+    return "\n".join(lines) + "\n"
+
+
+def write_dali_index(path, samples) -> None:
+    """Write ``dali_index_text(samples)`` to ``path`` atomically (temporary file, ``os.replace``)."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(dali_index_text(samples))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
