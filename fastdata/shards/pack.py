@@ -1,0 +1,574 @@
+"""``fastdata.shards.pack`` and ``python -m fastdata pack SOURCE OUT``: write a source as tar shards.
+
+The shards are plain tars in the WebDataset layout: per sample ``KEY.<image ext>`` (the file's original
+bytes, or a PNG of an array) and ``KEY.cls`` (the label as decimal text), KEY the zero-padded sample
+index. The real ``webdataset`` package reads them, and so does DALI's ``fn.readers.webdataset`` with the
+``.idx`` file written beside each tar. ``index.json`` (``fastdata.shards.index``) records, per sample, its
+shard and the byte range of its image, so a reader fetches one sample with one range read.
+
+Interruptions: each shard is written to ``NAME.tar.tmp-<pid>`` and renamed when complete, then its
+``.idx`` and its record ``NAME.json`` are published the same way; the index is written last. Shard
+boundaries are planned from the input sizes alone, so a re-run plans the same shards and skips each
+one whose record matches the plan and whose tar still has the recorded size and sha256.
+
+Parallelism: ``workers`` processes each write whole shards. Under torchrun (``WORLD_SIZE`` > 1) rank
+``r`` packs shards ``r, r + world, ...`` into the same OUT (a shared file system), writes
+``index.rank<r>.json``, and rank 0 merges the parts into ``index.json`` once all are there (after a
+``torch.distributed`` barrier when a process group exists, else by waiting for the files), as LitData's
+writer does.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .index import INDEX_NAME, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
+
+#: Bumped when the bytes a plan produces change, so a re-run does not keep shards packed the old way.
+PACK_VERSION = 1
+JPEG_QUALITY = 90
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*\Z", re.IGNORECASE)
+_EXT = re.compile(r"[a-z0-9]+\Z")
+
+
+def parse_size(text) -> int:
+    """Bytes from ``256MB``, ``1.5GiB``, ``100kb`` or a plain integer (decimal units: KB = 1000, binary
+    units: KiB = 1024). Anything else is a ``ValueError`` naming the accepted forms."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"shard size {text!r} is not a size; use bytes or a number with a unit: "
+                             f"256MB, 1GB, 512MiB ({', '.join(u for u in _UNITS if u)})")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 1:
+        raise ValueError(f"shard size {text!r} must be at least 1 byte")
+    return value
+
+
+def _padded(n: int) -> int:
+    return (n + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK
+
+
+def _image_ext(path: str) -> str:
+    ext = os.path.splitext(path)[1][1:].lower()
+    ext = {"jpeg": "jpg", "tif": "tiff"}.get(ext, ext)
+    if not _EXT.match(ext):
+        raise ValueError(f"'{path}' has no image extension (letters and digits after its last dot): the tar "
+                         f"member's extension says what the image is")
+    return ext
+
+
+def _png(array: np.ndarray) -> bytes:
+    from PIL import Image
+
+    image = Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array)
+    out = io.BytesIO()
+    # Level 6, not 9: a third faster to write for a few percent in size; decoding costs the same.
+    image.save(out, format="PNG", compress_level=6)
+    return out.getvalue()
+
+
+def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
+    """``data`` re-encoded as a JPEG (quality 90) whose longer side is ``max_side``, upright (EXIF
+    orientation applied: the copy carries no orientation tag), or None when its longer side is already
+    at most ``max_side`` (the original is kept). Grey stays grey; every other mode becomes RGB."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if max(img.size) <= max_side:
+                return None
+            # A square bound: downscaling before the rotation gives the same pixels as after it, and
+            # thumbnail() lets a JPEG decode at a reduced DCT scale (draft) instead of full size.
+            img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+            img = ImageOps.exif_transpose(img)
+            img = img.convert("L" if img.mode in ("L", "I;16", "I") else "RGB")
+            out = io.BytesIO()
+            img.save(out, format="JPEG", quality=JPEG_QUALITY)
+            return out.getvalue()
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: {e}") from None
+
+
+class _Reader:
+    """What ``pack`` needs from a source: per sample its image bytes, extension and label, a size
+    estimate to plan shards with, and an identity of each sample's input to recognise a finished shard."""
+
+    def __init__(self, source, max_side: int | None):
+        from ..config import SourceKind
+        from ..datasets import ArraySource, DatasetSource
+
+        self.source, self.max_side = source, max_side
+        self.labels = np.asarray(source.labels, dtype=np.int64)
+        if source.kind == SourceKind.FILES and hasattr(source, "paths"):
+            self.kind = "files"
+        elif isinstance(source, ArraySource):
+            self.kind = "array"
+        elif isinstance(source, DatasetSource):
+            self.kind = "dataset"
+        else:
+            raise TypeError(f"pack cannot read {type(source).__name__}: pass an image folder, MNIST, arrays or "
+                            f"a torchvision/map-style dataset")
+
+    def plan_inputs(self) -> tuple[np.ndarray, list]:
+        """(estimated image bytes per sample, per-sample identity of the input). Files: their sizes and
+        mtimes; arrays: raw pixel bytes (the PNG is smaller); datasets: the first sample's PNG size."""
+        n = len(self.labels)
+        if self.kind == "files":
+            sizes, ident = np.zeros(n, dtype=np.int64), []
+            root = getattr(self.source, "root", None)
+            for i, path in enumerate(self.source.paths):
+                try:
+                    st = os.stat(path)
+                except OSError as e:
+                    raise FileNotFoundError(f"pack: cannot read sample {i}, '{path}': {e.strerror}") from None
+                sizes[i] = st.st_size
+                rel = os.path.relpath(path, root) if root is not None else path
+                ident.append(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}")
+            return sizes, ident
+        if self.kind == "array":
+            per = int(np.prod(self.source.images.shape[1:]))
+            return np.full(n, per, dtype=np.int64), [None] * n
+        first = len(self.read(0)[1]) if n else 0
+        return np.full(n, first, dtype=np.int64), [None] * n
+
+    def shard_identity(self, start: int, stop: int, ident: list) -> str:
+        """A digest of what shard [start, stop) is made from: a finished shard is kept only when it matches."""
+        h = hashlib.sha256(f"v{PACK_VERSION} max_side={self.max_side} {start}:{stop}\n".encode())
+        h.update(self.labels[start:stop].tobytes())
+        if self.kind == "files":
+            h.update("\n".join(ident[start:stop]).encode())
+        elif self.kind == "array":
+            h.update(f"{zlib.crc32(np.ascontiguousarray(self.source.images[start:stop])):08x}".encode())
+        else:   # a Dataset's bytes are only known by reading it: its fingerprint is what there is
+            h.update(self.source.fingerprint().encode())
+        return h.hexdigest()
+
+    def read(self, i: int) -> tuple[str, bytes, int]:
+        """(extension, image bytes, label) of sample ``i``."""
+        label = int(self.labels[i])
+        if self.kind == "files":
+            path = self.source.paths[i]
+            with open(path, "rb") as f:
+                data = f.read()
+            if self.max_side is not None:
+                small = shrink(data, self.max_side, f"'{path}'")
+                if small is not None:
+                    return "jpg", small, label
+            return _image_ext(path), data, label
+        if self.kind == "array":
+            image = np.asarray(self.source.images[i])
+        else:
+            (pair,), (ds_index,) = self.source.fetch([i])
+            image = self.source.as_array(pair[0])
+            label = self.source.as_label(pair[1], ds_index)
+        if self.max_side is not None and max(image.shape[:2]) > self.max_side:
+            from PIL import Image
+
+            img = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
+            img.thumbnail((self.max_side, self.max_side), Image.Resampling.LANCZOS)
+            image = np.asarray(img).reshape(img.height, img.width, -1)
+        return "png", _png(image), label
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    name: str
+    start: int      # first sample id
+    stop: int       # one past the last
+    identity: str   # digest of the inputs (see _Reader.shard_identity)
+
+
+def plan_shards(estimates: np.ndarray, shard_size: int) -> list[tuple[int, int]]:
+    """[start, stop) sample ranges: consecutive samples until the next would take the shard's estimated
+    tar bytes past ``shard_size`` (a shard holds at least one sample). Depends on the estimates only,
+    so a re-run plans the same shards."""
+    # Per sample: the image's header and padded data, and the .cls member (header + one block).
+    cost = TAR_BLOCK + (estimates + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK + 2 * TAR_BLOCK
+    ranges, start, used = [], 0, 0
+    for i, c in enumerate(cost.tolist()):
+        if i > start and used + c > shard_size:
+            ranges.append((start, i))
+            start, used = i, 0
+        used += c
+    if len(cost):
+        ranges.append((start, len(cost)))
+    return ranges
+
+
+class _HashingFile:
+    """A write-only file that hashes and counts what passes through (tarfile asks for ``tell``)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.n = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.f.write(data)
+        self.sha.update(data)
+        self.n += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.n
+
+
+def _member(name: str, size: int) -> tarfile.TarInfo:
+    # Fixed metadata: a re-pack of the same data gives byte-identical tars (and the same sha256).
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o444
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def write_shard(reader: _Reader, plan: ShardPlan, out: str, key_width: int, progress=None) -> dict:
+    """Write shard ``plan`` into folder ``out`` (temporary name, then ``os.replace``), then its DALI ``.idx``
+    and its record ``NAME.json``; returns the record."""
+    final = os.path.join(out, plan.name)
+    for stale in glob.glob(glob.escape(final) + ".tmp-*"):   # left by a killed run: this shard is ours now
+        os.remove(stale)
+    tmp = f"{final}.tmp-{os.getpid()}"
+    offsets, sizes, exts, labels, dali = [], [], [], [], []
+    try:
+        with open(tmp, "wb") as f:
+            hashed = _HashingFile(f)
+            # USTAR: every header is exactly one block, so a member's data starts 512 bytes after it.
+            with tarfile.open(fileobj=hashed, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+                for i in range(plan.start, plan.stop):
+                    ext, data, label = reader.read(i)
+                    key = f"{i:0{key_width}d}"
+                    members = sorted([(ext, data), ("cls", str(label).encode())])
+                    entry = []
+                    for member_ext, payload in members:
+                        offset = tar.offset + TAR_BLOCK
+                        tar.addfile(_member(f"{key}.{member_ext}", len(payload)), io.BytesIO(payload))
+                        entry.append((member_ext, offset, len(payload), f"{key}.{member_ext}"))
+                        if member_ext == ext:
+                            offsets.append(offset)
+                            sizes.append(len(payload))
+                    exts.append(ext)
+                    labels.append(label)
+                    dali.append(entry)
+                    if progress is not None:
+                        progress(1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    stem = os.path.splitext(final)[0]
+    write_dali_index(stem + ".idx", dali)
+    record = {"name": plan.name, "size": hashed.n, "samples": plan.stop - plan.start, "sha256": hashed.sha.hexdigest(),
+              "start": plan.start, "identity": plan.identity,
+              "offset": offsets, "member_size": sizes, "ext": exts, "label": labels}
+    write_json_atomic(stem + ".json", record)
+    return record
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def finished_record(out: str, plan: ShardPlan) -> dict | None:
+    """The record of shard ``plan`` if a previous run finished it as planned: its record matches the plan,
+    and the tar (with its ``.idx``) is there with the recorded size and sha256. Else None (re-pack it)."""
+    stem = os.path.join(out, os.path.splitext(plan.name)[0])
+    try:
+        with open(stem + ".json") as f:
+            record = json.load(f)
+        if (record.get("identity") != plan.identity or record.get("start") != plan.start
+                or record.get("samples") != plan.stop - plan.start or not os.path.exists(stem + ".idx")):
+            return None
+        tar = os.path.join(out, plan.name)
+        if os.path.getsize(tar) != record["size"] or _sha256(tar) != record["sha256"]:
+            return None
+        return record
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# Worker processes get the reader once, not once per shard (an array source may be large).
+_WORKER_READER: _Reader | None = None
+
+
+def _init_worker(reader: _Reader) -> None:
+    global _WORKER_READER
+    _WORKER_READER = reader
+
+
+def _write_in_worker(plan: ShardPlan, out: str, key_width: int) -> dict:
+    return write_shard(_WORKER_READER, plan, out, key_width)
+
+
+@dataclass
+class PackReport:
+    """What ``pack`` did. ``index``: the ``index.json`` written (rank 0), else None (other ranks)."""
+
+    out: Path
+    index: Path | None
+    shards: int          # planned in all
+    written: int         # by this process
+    skipped: int         # by this process: finished by an earlier run
+    samples: int
+
+
+def _open_spec(spec, split: str | None):
+    """A source from a path or name, as the command line gives it: ``digits``, an MNIST root (holding
+    ``MNIST/raw``), or an image folder."""
+    from ..datasets import MNIST, ImageFolder, SyntheticDigits
+
+    train = split != "test"
+    if str(spec) == "digits":
+        return SyntheticDigits(60_000 if train else 10_000, train=train)
+    root = Path(spec)
+    if not root.is_dir():
+        raise FileNotFoundError(f"SOURCE '{spec}' is neither 'digits' nor a folder")
+    if (root / "MNIST" / "raw").is_dir():
+        return MNIST(root, train=train, download=False)
+    if split is not None:
+        raise ValueError(f"--split {split} applies to MNIST and digits; '{spec}' is an image folder (pack its "
+                         f"train/ or val/ folder instead)")
+    return ImageFolder(root)
+
+
+def _check_int_arg(value, name: str, low: int):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low} or None, got {value!r}")
+    return value
+
+
+def pack(source, out, *, shard_size="256MB", max_side: int | None = None, workers: int | None = None,
+         split: str | None = None, rank: int | None = None, world_size: int | None = None,
+         progress: bool = True, timeout: float | None = None) -> PackReport:
+    """Write ``source`` into folder ``out`` as tar shards, their DALI ``.idx`` files and ``index.json``.
+
+    Args:
+        source: ``"digits"``, an MNIST root or an image folder (a path), or anything
+            ``fastdata.registry.as_source`` accepts (a fastdata source, a torchvision dataset, ...).
+        out: the folder to write (created; finished shards already there are kept).
+        shard_size: target bytes per shard (``"256MB"``, ``"1GiB"`` or an int), planned on the input
+            sizes: re-encoded samples (``max_side``, arrays as PNG) make smaller shards.
+        max_side: re-encode photos whose longer side exceeds it as JPEG (quality 90) with that longer
+            side, upright; None keeps every file's original bytes.
+        workers: processes writing shards (None: the usable cores, at most one per shard; 0 or 1:
+            this process).
+        split: ``"train"`` or ``"test"``, for a path naming MNIST or ``digits`` (default train).
+        rank, world_size: this process's share under a launcher (None: torch.distributed, else the
+            launcher's variables, else a single process). Rank r packs shards r, r + world, ...;
+            rank 0 merges the ranks' parts into ``index.json``.
+        progress: show a progress bar.
+        timeout: seconds rank 0 waits for the other ranks' parts (None: as long as it takes).
+    """
+    from tqdm.auto import tqdm
+
+    from ..sampling import distributed_info
+
+    if split not in (None, "train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    shard_size = parse_size(shard_size)
+    max_side = _check_int_arg(max_side, "max_side", 1)
+    workers = _check_int_arg(workers, "workers", 0)
+    if isinstance(source, (str, os.PathLike)):
+        source = _open_spec(source, split)
+    else:
+        if split is not None:
+            raise ValueError("split applies to a source given by path ('digits', an MNIST root); "
+                             "pass the split's dataset itself")
+        from ..registry import as_source
+
+        source = as_source(source)
+    rank, world = distributed_info(rank, world_size)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside [0, world_size={world})")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"pack: OUT '{out}' is a file, not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+
+    reader = _Reader(source, max_side)
+    n = len(reader.labels)
+    if n == 0:
+        raise ValueError(f"pack: the source {source!r} has no samples")
+    key_width = max(8, len(str(n - 1)))
+    estimates, ident = reader.plan_inputs()
+    ranges = plan_shards(estimates, shard_size)
+    name_width = max(6, len(str(len(ranges) - 1)))
+    plans = [ShardPlan(j, f"shard-{j:0{name_width}d}.tar", a, b, reader.shard_identity(a, b, ident))
+             for j, (a, b) in enumerate(ranges)]
+    mine = plans[rank::world]
+
+    records, todo = {}, []
+    for plan in mine:
+        record = finished_record(str(out), plan)
+        if record is None:
+            todo.append(plan)
+        else:
+            records[plan.index] = record
+    bar = tqdm(total=sum(p.stop - p.start for p in mine), unit="img", disable=not progress,
+               desc=f"pack {out.name}" + (f" rank {rank}/{world}" if world > 1 else ""))
+    bar.update(sum(r["samples"] for r in records.values()))
+    n_workers = min(len(todo), workers if workers is not None else len(os.sched_getaffinity(0)))
+    try:
+        if n_workers <= 1:
+            for plan in todo:
+                records[plan.index] = write_shard(reader, plan, str(out), key_width, bar.update)
+        else:
+            from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+            pool = ProcessPoolExecutor(n_workers, initializer=_init_worker, initargs=(reader,))
+            try:
+                futures = {pool.submit(_write_in_worker, p, str(out), key_width): p for p in todo}
+                pending = set(futures)
+                while pending:
+                    done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                    for fut in done:
+                        record = fut.result()   # a worker's error stops the pack, naming its sample
+                        records[futures[fut].index] = record
+                        bar.update(record["samples"])
+            finally:
+                # On an error, shards not started are dropped rather than written after it.
+                pool.shutdown(wait=True, cancel_futures=True)
+    finally:
+        bar.close()
+
+    config = {"pack_version": PACK_VERSION, "world_size": world, "num_samples": n, "key_width": key_width,
+              "plan": hashlib.sha256("\n".join(p.identity for p in plans).encode()).hexdigest()}
+    report = PackReport(out=out, index=None, shards=len(plans), written=len(todo),
+                        skipped=len(mine) - len(todo), samples=n)
+    if world > 1:
+        write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank,
+                                                           "records": [records[p.index] for p in mine]})
+        _barrier()
+        if rank != 0:
+            return report
+        records = _merge_parts(out, world, config, timeout)
+    report.index = _write_index(out, source, plans, records, key_width, split, shard_size, max_side)
+    for r in range(world if world > 1 else 0):
+        (out / f"index.rank{r}.json").unlink(missing_ok=True)
+    return report
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _merge_parts(out: Path, world: int, config: dict, timeout: float | None) -> dict:
+    """Rank 0: the records of every rank's part, once each ``index.rank<r>.json`` of this pack is there.
+    A part of another pack (another plan or world size, left by an earlier run) counts as not there yet."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    records, missing, delay = {}, list(range(world)), 0.05
+    while True:
+        for r in list(missing):
+            try:
+                with open(out / f"index.rank{r}.json") as f:
+                    part = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if part.get("config") != config:
+                continue
+            for record in part["records"]:
+                records[record["name"]] = record
+            missing.remove(r)
+        if not missing:
+            return records
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"pack: rank 0 waited {timeout:g} s for the parts of ranks {missing} "
+                               f"({', '.join(f'index.rank{r}.json' for r in missing)} in '{out}'); run "
+                               f"those ranks with the same arguments, or a part there is from another pack")
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
+def _write_index(out: Path, source, plans: list[ShardPlan], records: dict, key_width: int, split,
+                 shard_size: int, max_side) -> Path:
+    by_index = {}
+    for plan in plans:
+        record = records.get(plan.index, records.get(plan.name))
+        if record is None or record["identity"] != plan.identity:
+            raise RuntimeError(f"pack: no finished record for shard {plan.name} in '{out}'")
+        by_index[plan.index] = record
+    shards, shard_ids, offsets, sizes, ext_names, labels = [], [], [], [], [], []
+    for plan in plans:
+        r = by_index[plan.index]
+        shards.append({"name": r["name"], "size": r["size"], "samples": r["samples"], "sha256": r["sha256"]})
+        shard_ids += [plan.index] * r["samples"]
+        offsets += r["offset"]
+        sizes += r["member_size"]
+        ext_names += r["ext"]
+        labels += r["label"]
+    exts = sorted(set(ext_names))
+    code = {e: k for k, e in enumerate(exts)}
+    info = {"name": source.name, "type": type(source).__name__, "split": split, "channels": source.channels,
+            "mean": list(source.mean), "std": list(source.std), "max_side": max_side, "shard_size": shard_size}
+    doc = index_document(shards=shards, classes=source.classes, key_width=key_width,
+                         fingerprint=source.fingerprint(), source=info,
+                         samples={"shard": shard_ids, "offset": offsets, "size": sizes, "exts": exts,
+                                  "ext": [code[e] for e in ext_names], "label": labels})
+    path = out / INDEX_NAME
+    write_json_atomic(path, doc)
+    return path
+
+
+def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``fastdata pack`` argument parser (added to ``parser`` when given, for the CLI's subcommand)."""
+    from .. import cli
+
+    p = parser or argparse.ArgumentParser(prog="python -m fastdata pack", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="'digits', an MNIST root (holding MNIST/raw) or an image folder (class folders)")
+    p.add_argument("out", help="folder for the shards, their .idx files and index.json")
+    p.add_argument("--split", choices=("train", "test"), default=None,
+                   help="MNIST or digits: which half (default train)")
+    p.add_argument("--shard-size", default="256MB", type=_size_arg, help="target bytes per shard (default 256MB)")
+    p.add_argument("--max-side", type=cli.positive_int, default=None,
+                   help="re-encode photos whose longer side exceeds N as JPEG (quality 90) with that longer side")
+    p.add_argument("--workers", type=cli.nonnegative_int, default=None,
+                   help="processes writing shards (default: the usable cores)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def main(args) -> PackReport:
+    """Run ``fastdata pack`` for parsed ``args``; prints where the index is."""
+    from .. import cli
+
+    cli.check_output(get_args_parser(), "OUT", args.out, folder=True)
+    with cli.input_errors(f"fastdata pack: SOURCE '{args.source}'"):
+        report = pack(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
+                      workers=args.workers, split=args.split, progress=args.progress)
+    what = f"{report.samples} samples in {report.shards} shards ({report.written} written, {report.skipped} kept)"
+    print(f"{what}: {report.index or report.out}", flush=True)
+    return report
