@@ -1,4 +1,5 @@
-"""Command line: ``python -m fastdata doctor`` and ``python -m fastdata bench SOURCE``."""
+"""Command line: ``python -m fastdata doctor``, ``python -m fastdata bench SOURCE`` and
+``python -m fastdata pack SOURCE OUT``."""
 import argparse
 import sys
 
@@ -11,6 +12,10 @@ def get_args_parser() -> argparse.ArgumentParser:
 
     bench_parser(sub.add_parser("bench", help="which backend keeps the GPU busy on your data and model: "
                                               "measures each backend and the model's step, predicts the data wait"))
+    from .shards.pack import get_args_parser as pack_parser
+
+    pack_parser(sub.add_parser("pack", help="write a source as tar shards (WebDataset layout) with an index, "
+                                            "for streaming and DALI"))
     return parser
 
 
@@ -24,6 +29,11 @@ def main(argv=None) -> int:
         from .bench import main as bench
 
         bench(args)
+        return 0
+    if args.command == "pack":
+        from .shards.pack import main as pack
+
+        pack(args)
         return 0
     return 2
 
