@@ -637,6 +637,52 @@ def test_resize_whole_is_pils_bilinear():
         assert np.abs(via_float.astype(int) - ref).max() <= 1
 
 
+def test_a_large_shrink_is_resized_in_steps_close_to_one_step(monkeypatch):
+    """CUDA's antialiased interpolate fails past ~94x per axis ("Too much shared memory required"), so a
+    panorama cached at 256 aborted the whole GPU build: resize_whole shrinks by at most MAX_CUDA_SHRINK
+    per axis and step (the default on CUDA, asked for explicitly here), and the result stays within a
+    level of one step's."""
+    from fastdata.backends import memory
+    from fastdata.backends.memory import MAX_CUDA_SHRINK, resize_whole, shrink_steps, whole_size
+
+    assert MAX_CUDA_SHRINK <= 32
+    assert shrink_steps((30000, 2000), (256, 17), 16) == [(1875, 125), (256, 17)]
+    assert shrink_steps((480, 640), (192, 256), 16) == [(192, 256)]            # within one step
+    assert shrink_steps((100_000, 50), (3, 1), 16) == [(6250, 4), (391, 1), (25, 1), (3, 1)]
+    assert shrink_steps((30000, 2000), (256, 17), None) == [(256, 17)]
+    calls = []
+    real = memory.F.interpolate
+
+    def spy(x, size, **kw):
+        calls.append((tuple(x.shape[-2:]), tuple(size)))
+        return real(x, size=size, **kw)
+
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:600, 0:9000]
+    smooth = 127 + 60 * np.sin(xx / 97.0) * np.cos(yy / 53.0)
+    arr = np.clip(smooth[..., None] + rng.normal(0, 20, (600, 9000, 3)), 0, 255).astype(np.uint8)
+    one = resize_whole(torch.from_numpy(arr), 64, via_float=True).int()
+    monkeypatch.setattr(memory.F, "interpolate", spy)
+    stepped = resize_whole(torch.from_numpy(arr), 64, via_float=True, max_shrink=MAX_CUDA_SHRINK).int()
+    assert stepped.shape == one.shape == (*whole_size(600, 9000, 64), 3) and len(calls) == 2
+    assert all(a / b <= MAX_CUDA_SHRINK for src, dst in calls for a, b in zip(src, dst))
+    diff = (stepped - one).abs().float()
+    assert diff.max() <= 2 and diff.mean() < 0.5, (diff.max(), diff.mean())
+
+
+@pytest.mark.cuda
+def test_a_panorama_is_resized_on_the_gpu():
+    """A 30,000-px-wide photo cached at 256 (117x per axis): one antialiased interpolate on CUDA raised
+    "Too much shared memory required"; the stepped resize gives the CPU's one-step pixels within 2."""
+    from fastdata.backends.memory import resize_whole
+
+    t = torch.randint(0, 256, (1200, 30000, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    got = resize_whole(t.cuda(), 256).cpu().int()
+    ref = resize_whole(t, 256, via_float=True).int()
+    assert got.shape == ref.shape == (10, 256, 3)
+    assert (got - ref).abs().max() <= 2
+
+
 @pytest.mark.cuda
 def test_nvimgcodec_builds_the_cache_on_the_gpu(mixed_folder):
     """On CUDA the default build decodes on the GPU (nvJPEG or the hardware decoder) and resizes there:

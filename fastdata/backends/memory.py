@@ -338,21 +338,51 @@ def whole_size(H: int, W: int, side: int) -> tuple[int, int]:
     return max(1, round(H * r)), max(1, round(W * r))
 
 
-def resize_whole(t: torch.Tensor, side: int, *, via_float: bool | None = None) -> torch.Tensor:
+#: The largest shrink per axis one antialiased ``F.interpolate`` does on CUDA (``resize_whole``): its
+#: kernel keeps each output pixel's filter weights in shared memory, and past ~94x per axis it fails
+#: with "Too much shared memory required" (a 30,000-px panorama cached at 256). 16x leaves a wide margin.
+MAX_CUDA_SHRINK = 16
+
+
+def shrink_steps(src: tuple[int, int], dst: tuple[int, int], max_shrink: int | None) -> list[tuple[int, int]]:
+    """The sizes an antialiased resize from ``src`` (h, w) to ``dst`` passes through, ``dst`` last: each
+    step shrinks an axis by at most ``max_shrink`` (None: one step). Intermediate sizes are the
+    largest such shrinks (ceil(size / max_shrink)), so the last step does what is left."""
+    if max_shrink is None or max_shrink < 2:
+        return [tuple(dst)]
+    steps, cur = [], tuple(src)
+    while True:
+        nxt = tuple(max(d, -(-c // max_shrink)) for c, d in zip(cur, dst))
+        if nxt == tuple(dst) or nxt == cur:
+            steps.append(tuple(dst))
+            return steps
+        steps.append(nxt)
+        cur = nxt
+
+
+def resize_whole(t: torch.Tensor, side: int, *, via_float: bool | None = None,
+                 max_shrink: int | None = None) -> torch.Tensor:
     """uint8 (H, W, 3) → uint8 (h, w, 3) at ``whole_size``, on t's device, bilinear with antialiasing:
     PIL's BILINEAR filter (a triangle widened by the reduction). On the CPU torch resizes uint8 directly,
     with PIL's integer arithmetic: PIL's pixels exactly (tested). On CUDA it resizes in float and rounds
     (``via_float``, its default there: the uint8 path measured here is the CPU kernel's), within 1 of
-    PIL's pixels (tested on the CPU with via_float=True)."""
+    PIL's pixels (tested on the CPU with via_float=True).
+
+    ``max_shrink`` (default on CUDA: ``MAX_CUDA_SHRINK``; the CPU has no such limit) splits a larger
+    shrink into steps (``shrink_steps``), in float without rounding between them: close to one step's
+    pixels (a slightly wider filter), where one step would abort the whole cache build."""
     H, W = t.shape[:2]
     h, w = whole_size(H, W, side)
     if (h, w) == (H, W):
         return t
     via_float = t.is_cuda if via_float is None else via_float
+    steps = shrink_steps((H, W), (h, w), MAX_CUDA_SHRINK if max_shrink is None and t.is_cuda else max_shrink)
     x = t.permute(2, 0, 1)[None]
-    if not via_float:
+    if not via_float and len(steps) == 1:
         return F.interpolate(x, size=(h, w), mode="bilinear", antialias=True, align_corners=False)[0].permute(1, 2, 0)
-    y = F.interpolate(x.float(), size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+    y = x.float()
+    for size in steps:
+        y = F.interpolate(y, size=size, mode="bilinear", antialias=True, align_corners=False)
     return y[0].round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0)
 
 
