@@ -683,8 +683,38 @@ def test_a_panorama_is_resized_on_the_gpu():
     assert (got - ref).abs().max() <= 2
 
 
+def _full_decode_cache(src, monkeypatch, **kw):
+    """The threads build with ``Image.draft`` turned off: every JPEG decoded at full scale, then PIL's
+    BILINEAR. The reference for a build that decodes in full (nvJPEG): the default threads build drafts
+    photos over twice the cached side (at 1/2, 1/4 or 1/8 scale in the DCT), other pixels."""
+    from PIL import JpegImagePlugin
+
+    with monkeypatch.context() as m:
+        m.setattr(JpegImagePlugin.JpegImageFile, "draft", lambda self, mode, size: None)
+        return _cache(src, "threads", **kw)
+
+
+def test_the_full_decode_reference_decodes_in_full(mixed_folder, monkeypatch):
+    """The GPU build's reference: a drafted photo's row is PIL's full decode resized, not the drafted
+    decode the default build caches (the reference compared nvJPEG's full decodes with drafted ones)."""
+    from fastdata.backends.memory import whole_size
+
+    src = ImageFolder(mixed_folder)
+    full, drafted = _full_decode_cache(src, monkeypatch), _cache(src, "threads")
+    i = src.paths.index(next(p for p in src.paths if str(p).endswith("class_000/img_00000.jpg")))
+    with Image.open(src.paths[i]) as im:
+        H, W = im.height, im.width
+        assert max(H, W) >= 2 * 160                      # large enough to be drafted
+        h, w = whole_size(H, W, 160)
+        expected = np.asarray(im.convert("RGB").resize((w, h), Image.BILINEAR))
+    np.testing.assert_array_equal(full.cache[i, :h, :w].numpy(), expected)
+    assert not np.array_equal(drafted.cache[i, :h, :w].numpy(), expected)
+    for a, b in zip(full.photo_sizes, drafted.photo_sizes):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.cuda
-def test_nvimgcodec_builds_the_cache_on_the_gpu(mixed_folder):
+def test_nvimgcodec_builds_the_cache_on_the_gpu(mixed_folder, monkeypatch):
     """On CUDA the default build decodes on the GPU (nvJPEG or the hardware decoder) and resizes there:
     the same sizes as the CPU build, the pixels within the decoders' IDCT differences (nvJPEG is not
     bit-exact to libjpeg-turbo) and the float resize's rounding."""
@@ -693,7 +723,7 @@ def test_nvimgcodec_builds_the_cache_on_the_gpu(mixed_folder):
     if memory._nvimgcodec() is None:
         skip_missing("nvImageCodec is not installed")
     src = ImageFolder(mixed_folder)
-    ref = _cache(src, "threads")
+    ref = _full_decode_cache(src, monkeypatch)   # the GPU decodes in full: so must its reference
     aug = Augmentation.imagenet_train(size=64)
     gpu = make_loader(src, "memory", batch_size=4, device="cuda", cache_size=160, augment=aug, drop_last=False)
     assert gpu._cache_build() == "nvimgcodec" and gpu.cache.is_cuda
