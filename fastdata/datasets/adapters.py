@@ -1,0 +1,181 @@
+"""as_source: what people already have (torchvision datasets, Subsets, arrays) as a fastdata source; split."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .arrays import ArraySource
+from .base import Source
+from .folders import ImageFolder
+from .sample_transforms import (
+    TV_CIFAR,
+    TV_FOLDERS,
+    TV_LOADERS,
+    TV_MNIST,
+    describe,
+    own_getitem,
+    own_transforms,
+    torchvision_names,
+)
+from .torch_datasets import DatasetSource
+
+
+def from_torchvision(obj) -> Source | None:
+    """A fastdata source for a torchvision dataset every backend can read, or None (not one, or one
+    that cannot be converted without changing what it returns; ``as_source`` then keeps it as a
+    ``DatasetSource`` with a ``refusal_hint`` saying why).
+
+    - ``ImageFolder``/``DatasetFolder`` (and subclasses, e.g. ImageNet) with PIL's loader →
+      ``ImageFolder.from_samples`` over ``.samples`` with its ``.classes``.
+    - ``CIFAR10``/``CIFAR100`` → ``ArraySource`` over ``.data`` (N, 32, 32, 3) and ``.targets``.
+    - ``MNIST``/``FashionMNIST``/``KMNIST``/``EMNIST`` → ``ArraySource`` over ``.data`` (N, 28, 28)
+      and ``.targets`` (digit recipe for MNIST itself only: the others are not digits).
+
+    Class names are kept, statistics are measured (arrays) or ImageNet's (files). A dataset with its own
+    ``transform``, ``target_transform`` or ``transforms`` is not converted: the transform would be
+    silently dropped. Nor is a subclass with a ``__getitem__`` of its own: what it returns is what the
+    user means, and only calling it gives that.
+
+    Args:
+        obj: any object.
+    """
+    names = torchvision_names(obj)
+    if not names:
+        return None
+    kind = next((n for n in names if n in TV_FOLDERS + TV_CIFAR + TV_MNIST), None)
+    if kind is None or "QMNIST" in names:  # QMNIST's targets are rows of 8 fields, not class indices
+        return None
+    if own_transforms(obj) or own_getitem(obj):
+        return None
+    classes = list(getattr(obj, "classes", None) or [])
+    label = type(obj).__name__
+    if kind in TV_FOLDERS:
+        loader = getattr(obj, "loader", None)
+        if getattr(loader, "__module__", "") != "torchvision.datasets.folder" or \
+                getattr(loader, "__name__", "") not in TV_LOADERS:
+            return None  # a loader of its own (npy files, ...): only its __getitem__ knows the pixels
+        root = getattr(obj, "root", None)
+        return ImageFolder.from_samples(obj.samples, classes, root=root,
+                                        name=f"{label.lower()}:{Path(root).name if root else ''}")
+    data, targets = getattr(obj, "data", None), getattr(obj, "targets", None)
+    if data is None or targets is None:
+        return None
+    digits = kind == "MNIST"  # the nearest known class: FashionMNIST, KMNIST, EMNIST are not digits
+    return ArraySource(data, np.asarray(targets), classes=classes or None, name=label.lower(), digits=digits)
+
+
+def _refusal_hint(obj) -> str | None:
+    """Why ``obj`` (a torchvision dataset kept as a DatasetSource) is not read by memory/dali, and what
+    to pass instead; None when there is nothing specific to say."""
+    names = torchvision_names(obj)
+    label = type(obj).__name__
+    own = own_transforms(obj)
+    getitem = own_getitem(obj) if names else None
+    if getitem:
+        return (f"{label} has its own __getitem__ ({getitem}.__getitem__), which only the torch and prefetch "
+                f"backends call; memory and dali read files or arrays: pass an ImageFolder.from_samples or an "
+                f"ArraySource holding what it returns, or use the torch backend")
+    if names and own:
+        return (f"{label} has its own {', '.join(own)}, which only the torch and prefetch backends run per "
+                f"sample; for memory/dali pass {label}(..., transform=None) and express the augmentation "
+                f"as augment=/batch_transforms=")
+    if any(n in TV_FOLDERS for n in names):
+        return (f"{label} has its own loader={describe(getattr(obj, 'loader', None))}, which only the torch "
+                f"and prefetch backends call; memory and dali read image files with PIL: use its default "
+                f"loader, or the torch backend")
+    return None
+
+
+def as_source(obj) -> Source:
+    """The fastdata source for what a user passes to ``make_loader``.
+
+    - a fastdata ``Source``: itself;
+    - an ``(images, labels)`` pair of uint8 arrays: an ``ArraySource``;
+    - a torchvision dataset: its files or arrays (``from_torchvision``), so every backend reads it;
+    - a ``torch.utils.data.Subset`` (what ``random_split`` returns): ``as_source(subset.dataset)
+      .subset(subset.indices)`` (nested Subsets compose);
+    - any other map-style Dataset (``__getitem__`` and ``__len__``): a ``DatasetSource`` (torch and
+      prefetch backends), whose ``refusal_hint`` tells the others' error what to do.
+
+    Args:
+        obj: the data.
+    """
+    if isinstance(obj, Source):
+        return obj
+    if isinstance(obj, tuple) and len(obj) == 2:
+        return ArraySource(*obj)
+    if _is_subset(obj):
+        return as_source(obj.dataset).subset(obj.indices)
+    converted = from_torchvision(obj)
+    if converted is not None:
+        return converted
+    if hasattr(obj, "__getitem__") and hasattr(obj, "__len__"):
+        src = DatasetSource(obj)
+        hint = _refusal_hint(obj)
+        if hint:
+            src.refusal_hint = hint
+        return src
+    raise TypeError(f"cannot load from {type(obj).__name__}: pass a fastdata source (MNIST, ImageFolder, "
+                    f"SyntheticDigits, ArraySource), a torchvision dataset, a map-style torch Dataset, or "
+                    f"(images, labels) arrays")
+
+
+def _is_subset(obj) -> bool:
+    import sys
+
+    data = sys.modules.get("torch.utils.data")  # a Subset exists only once torch is imported
+    return data is not None and isinstance(obj, data.Subset)
+
+
+def split(source, fractions, seed: int = 0) -> tuple[Source, ...]:
+    """Split ``source`` into disjoint subsets that together cover it, at random but deterministically by
+    ``seed``: e.g. ``train, val = split(CIFAR10(...), [0.9, 0.1])``.
+
+    Each part is ``source.subset(ids)`` (ids in ascending order, so files are read in folder order): it
+    keeps the source's classes and its mean/std, so a validation part is normalized like the training
+    part. Not stratified: class proportions vary by chance.
+
+    Args:
+        source: anything ``as_source`` accepts.
+        fractions: fractions that sum to 1 (each part gets ``floor(f * n)`` samples, and the samples left
+            over go one each to the first parts, as ``torch.utils.data.random_split`` does), or integer
+            counts that sum to ``len(source)``. Every part must get at least one sample.
+        seed: the same seed always gives the same parts.
+    """
+    import numbers
+
+    src = as_source(source)
+    n = len(src)
+    if isinstance(fractions, (str, bytes)) or not hasattr(fractions, "__len__") or len(fractions) == 0:
+        raise TypeError(f"fractions must be a non-empty list of fractions or counts, got {fractions!r}")
+    values = list(fractions)
+    for i, f in enumerate(values):
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or f < 0:
+            raise ValueError(f"fractions[{i}] is {f!r}; fractions and counts must be finite numbers >= 0")
+    if all(isinstance(f, numbers.Integral) for f in values) and sum(values) == n:
+        counts = [int(f) for f in values]
+    elif any(isinstance(f, numbers.Integral) and f > 1 for f in values):
+        raise ValueError(f"counts {values} sum to {sum(values)}, but {src!r} has {n} samples")
+    else:
+        total = math.fsum(values)
+        if abs(total - 1) > 1e-6:
+            raise ValueError(f"fractions {values} sum to {total:g}, not 1 (or give integer counts that sum to "
+                             f"{n})")
+        counts = [int(math.floor(f * n)) for f in values]
+        for i in range(n - sum(counts)):  # the remainder, round-robin, as random_split does
+            counts[i % len(counts)] += 1
+    empty = [i for i, c in enumerate(counts) if c == 0]
+    if empty:
+        raise ValueError(f"part {empty[0]} of split {values} gets no sample of the {n} in {src!r}; "
+                         f"make it larger")
+    from ..config import check_integer
+
+    seed = check_integer("seed", seed, minimum=0)
+    order = np.random.default_rng([seed, 0x5B1D]).permutation(n)
+    bounds = np.cumsum([0] + counts)
+    return tuple(src.subset(np.sort(order[a:b])) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+# ---------------------------------------------------------------------------- test/benchmark photos

@@ -1,0 +1,259 @@
+"""The Source base class and the checks every source shares (indices, labels, statistics)."""
+from __future__ import annotations
+
+import copy
+import zlib
+
+import numpy as np
+
+from ..config import Augmentation, SourceKind
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class Source:
+    """What every source has: ``labels`` (int64 array), ``num_classes``, ``classes`` (names), ``channels``,
+    ``mean``/``std`` (in [0, 1] units), ``len()``, ``subset()`` and the hooks backends read.
+
+    ``indices``: for a subset, the sample ids of the source it was taken from (composed through nested
+    subsets, so always into the first, full source); None for a full source.
+    ``refusal_hint``: None, or a sentence a backend that cannot read this source appends to its error
+    (set by ``as_source`` when it keeps a dataset it could not convert, saying why and what to do).
+    """
+
+    kind = SourceKind.ABSTRACT
+    #: ``source[i]``'s image is an (H, W, C) tensor (arrays, image folders), not a wrapped dataset's own.
+    hwc_samples = False
+    name = "source"
+    refusal_hint: str | None = None
+    indices: np.ndarray | None = None
+    labels: np.ndarray
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    channels: int
+    num_classes: int
+    _classes: list | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def classes(self) -> list:
+        """Class names, index = label: folder names, a dataset's ``classes``, or ``0 .. num_classes-1``."""
+        return list(self._classes) if self._classes is not None else list(range(self.num_classes))
+
+    @classes.setter
+    def classes(self, value) -> None:
+        """Set the class names (None: ``0 .. num_classes-1``)."""
+        self._classes = None if value is None else list(value)
+
+    @property
+    def sample_transform(self):
+        """The per-sample callable applied after decoding (``ImageFolder(transform=...)``, a torchvision
+        dataset's own ``transform``), or None. Only backends that decode per sample on the CPU run it."""
+        return None
+
+    def default_augmentation(self, train: bool) -> Augmentation:
+        """The recipe a loader uses when ``LoaderConfig.augment`` is None.
+
+        Args:
+            train: the training recipe (else the evaluation one).
+        """
+        return Augmentation.none()
+
+    def fingerprint(self) -> str:
+        """A short, readable identity of the data, stored with a loader's position: resuming on other
+        data of the same size would silently read different samples. Cheap, so not a full hash."""
+        return f"{type(self).__name__} n={len(self)}{self._subset_tag()}"
+
+    def _subset_tag(self) -> str:
+        # Resuming on another subset of the same data (another validation split) is refused by this.
+        return "" if self.indices is None else f" subset={crc(self.indices)}"
+
+    def subset(self, indices) -> "Source":
+        """A source of the same kind over the samples ``indices`` (in that order).
+
+        The subset keeps this source's ``classes``, ``num_classes``, ``channels``, ``name`` and its
+        ``mean``/``std``: a validation split must be normalized like its training split, not with its
+        own statistics. Sharding, order and resume then apply to the subset; its fingerprint includes
+        the indices, so a position saved on one subset is refused on another.
+
+        Args:
+            indices: 1-D integers in ``[0, len(self))`` (list, range, numpy array or tensor), each at most
+                once, or a boolean mask of length ``len(self)``. A duplicate or an index out of range is
+                an error naming the first one.
+        """
+        idx = check_indices(indices, len(self), f"{type(self).__name__}.subset")
+        sub = copy.copy(self)
+        sub._take(idx)
+        sub.indices = idx if self.indices is None else self.indices[idx]
+        return sub
+
+    def _take(self, idx: np.ndarray) -> None:
+        """Restrict this (copied) source to samples ``idx``; each kind keeps what its backends read."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement subset()")
+
+    def __getitem__(self, i):
+        """Sample ``i`` as ``(image, label)`` (each kind says what its image is). ``torch.utils.data.Subset``
+        and ``random_split`` need only ``len``; ``as_source`` turns their result into ``subset()``.
+
+        Args:
+            i: an integer in ``[-len, len)``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement __getitem__")
+
+    def _index(self, i) -> int:
+        import numbers
+
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{type(self).__name__} indices must be integers, got {i!r} ({type(i).__name__}); "
+                            f"for several samples use subset()")
+        n = len(self)
+        j = int(i) + n if i < 0 else int(i)
+        if not 0 <= j < n:
+            raise IndexError(f"index {i} is out of range for {type(self).__name__} with {n} samples")
+        return j
+
+    def __repr__(self):
+        return f"{type(self).__name__}(n={len(self)}, classes={self.num_classes}, name={self.name!r})"
+
+
+def check_indices(indices, n: int, what: str = "indices") -> np.ndarray:
+    """Sample ids as an int64 array: 1-D integers in [0, n), each at most once, or a boolean mask of
+    length n. Why no duplicates: a subset promises every selected sample once per epoch, and a repeated
+    id is far more often a bug (two overlapping splits concatenated) than an intended oversampling.
+
+    Args:
+        indices: list, range, numpy array or torch tensor of integers, or a boolean mask.
+        n: the number of samples of the source being indexed.
+        what: how errors name the argument.
+    """
+    if isinstance(indices, (set, frozenset, dict)):
+        raise TypeError(f"{what}: indices must be ordered (a list, range, array or tensor), got a "
+                        f"{type(indices).__name__}")
+    if hasattr(indices, "detach"):  # a torch tensor, possibly on a GPU
+        indices = indices.detach().cpu().numpy()
+    idx = np.asarray(indices)
+    if idx.dtype == np.bool_:
+        if idx.shape != (n,):
+            raise ValueError(f"{what}: a boolean mask must have one entry per sample ({n}), got shape {idx.shape}")
+        idx = np.flatnonzero(idx)
+    elif idx.size == 0 and idx.dtype == np.float64:
+        idx = idx.astype(np.int64)  # np.asarray([]) is float64: an empty list is not a float index
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"{what}: indices must be integers (or a boolean mask), got dtype {idx.dtype}")
+    if idx.ndim != 1:
+        raise ValueError(f"{what}: indices must be 1-D, got shape {idx.shape}")
+    if idx.size == 0:
+        raise ValueError(f"{what}: indices select no samples; a source needs at least one")
+    idx = idx.astype(np.int64)
+    bad = (idx < 0) | (idx >= n)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise IndexError(f"{what}: indices[{i}] is {idx[i]}, outside [0, {n}) (the source has {n} samples)")
+    _, first, inverse = np.unique(idx, return_index=True, return_inverse=True)
+    repeated = np.flatnonzero(first[inverse] != np.arange(len(idx)))
+    if repeated.size:
+        at = int(repeated[0])
+        raise ValueError(f"{what}: index {idx[at]} appears more than once (indices[{int(first[inverse[at]])}] "
+                         f"and indices[{at}]); a subset holds each sample once")
+    return idx
+
+
+def channel_stats(images: np.ndarray, *, most: int = 10_000, most_values: int = 2**26,
+                  chunk_bytes: int = 8 * 2**20):
+    """Per-channel (mean, std) in [0, 1] units of uint8 (N, H, W, C) ``images``, each std at least
+    1e-3. A strided subset of at most ``most`` images and about ``most_values`` pixel values (CIFAR's and
+    MNIST's 10,000 images are under it; large photos are sampled more sparsely) gives them to 3 digits
+    without a pass over a large array. The subset is counted into one 256-bin histogram per channel, a
+    chunk of about ``chunk_bytes`` of pixels at a time: exact, and the memory used is bounded whatever
+    the image size (a float32 copy of 10,000 photos of 224² was 6 GB, and numpy's std made a second)."""
+    per_image = max(1, int(np.prod(images.shape[1:])))
+    sub = images[:: max(1, -(-len(images) // most), -(-len(images) * per_image // most_values))]
+    channels = sub.shape[-1]
+    step = max(1, chunk_bytes // per_image)
+    offsets = (np.arange(channels, dtype=np.int32) * 256)
+    counts = np.zeros(256 * channels, np.int64)
+    for a in range(0, len(sub), step):
+        block = sub[a: a + step].reshape(-1, channels).astype(np.int32)
+        block += offsets   # channel c counts into bins c*256 .. c*256+255
+        counts += np.bincount(block.ravel(), minlength=256 * channels)
+    hist = counts.reshape(channels, 256).astype(np.float64)
+    values = np.arange(256, dtype=np.float64) / 255.0
+    n = hist.sum(axis=1)
+    mean = hist @ values / n
+    var = np.maximum(hist @ values**2 / n - mean**2, 0.0)
+    return tuple(float(m) for m in mean), tuple(max(float(v) ** 0.5, 1e-3) for v in var)
+
+
+def host_array(x) -> np.ndarray:
+    """A numpy view or copy of ``x``: a torch tensor on a GPU, or one that requires grad, is copied to
+    the host (``Tensor.numpy()`` alone refuses both); other array-likes go through ``np.asarray``."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numpy(force=True)
+    return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+
+def count_classes(classes, num_classes) -> int | None:
+    """``num_classes`` checked, or ``len(classes)``; the two must agree when both are given."""
+    if num_classes is not None:
+        import numbers
+
+        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
+            raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
+        num_classes = int(num_classes)
+    if classes is not None:
+        if isinstance(classes, (str, bytes)) or not hasattr(classes, "__len__"):
+            raise TypeError(f"classes must be a list of class names, got {type(classes).__name__}")
+        if num_classes is not None and num_classes != len(classes):
+            raise ValueError(f"num_classes={num_classes} but classes has {len(classes)} names")
+        return len(classes)
+    return num_classes
+
+
+def check_labels(labels, what: str = "labels", num_classes: int | None = None) -> np.ndarray:
+    """Labels as int64, refusing what a cast would silently change: fractions (1.7 → 1), NaN (→ INT64_MIN),
+    negatives (a negative class count), non-numbers, and, with ``num_classes``, labels past the last
+    class (a loss would index out of range, or a model silently get too few outputs). The error names
+    the first bad one and its index.
+
+    Args:
+        labels: array-like of numbers.
+        what: how errors name the labels.
+        num_classes: when given, labels must lie in ``[0, num_classes)``.
+    """
+    labels = np.asarray(labels)
+    if labels.dtype == np.bool_ or not (np.issubdtype(labels.dtype, np.integer)
+                                         or np.issubdtype(labels.dtype, np.floating)):
+        raise TypeError(f"{what} must be integers >= 0, got dtype {labels.dtype}")
+    if np.issubdtype(labels.dtype, np.floating):
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(labels) | (labels != np.round(labels))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i].item()!r}")
+    negative = labels < 0
+    if negative.any():
+        i = int(np.flatnonzero(negative)[0])
+        raise ValueError(f"{what} must be integers >= 0; {what}[{i}] is {labels[i].item()!r}")
+    if num_classes is not None:
+        over = labels >= num_classes
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise ValueError(f"{what} must be integers in [0, {num_classes}) (num_classes={num_classes}); "
+                             f"{what}[{i}] is {labels[i].item()!r}")
+    return labels.astype(np.int64)
+
+
+def crc(*arrays: np.ndarray) -> str:
+    """CRC-32 of the arrays' bytes, in order, as 8 hex digits (the sources' fingerprints)."""
+    value = 0
+    for a in arrays:
+        value = zlib.crc32(np.ascontiguousarray(a).data, value)
+    return f"{value:08x}"
+
+
+# ---------------------------------------------------------------------------------------------- MNIST

@@ -1,0 +1,265 @@
+"""ImageFolder: encoded photos on disk, one sub-folder per class (torchvision's layout and order)."""
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ..config import Augmentation, SourceKind
+from .base import IMAGENET_MEAN, IMAGENET_STD, Source, check_labels
+from .sample_transforms import check_sample_transform, transform_output
+
+#: torchvision's ``IMG_EXTENSIONS``: the same folder lists the same files in both ImageFolders (their
+#: fingerprints agree, so a checkpoint resumes across the two), and every file Pillow decodes counts.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _scandir(folder) -> list:
+    """os.scandir that names the folder it cannot read (os.walk skips it silently: its images vanish)."""
+    try:
+        with os.scandir(folder) as entries:
+            return list(entries)
+    except OSError as e:
+        raise type(e)(e.errno, f"cannot read folder '{folder}' of the image folder: {e.strerror}; its "
+                                f"images would be missing (fix its permissions or remove it)") from None
+
+
+def _walk_images(folder, exts, visited: set, real_root: str):
+    """Image files under ``folder``, following links to folders, each real folder once."""
+    for entry in _scandir(folder):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():  # follows links
+            real = os.path.realpath(entry.path)
+            if real_root.startswith(real.rstrip(os.sep) + os.sep):
+                raise ValueError(f"folder link '{entry.path}' points to '{real}', which contains the image "
+                                 f"folder '{real_root}' itself: reading it would loop")
+            if real in visited:  # a loop, or a folder already read (under its own class)
+                continue
+            visited.add(real)
+            yield from _walk_images(entry.path, exts, visited, real_root)
+        elif entry.name.lower().endswith(exts):
+            yield entry.path
+
+
+class ImageFolder(Source):
+    """One sub-folder per class of image files (ImageNet's layout); classes sorted by name. The files
+    are those torchvision's ImageFolder lists (``IMAGE_EXTENSIONS``: JPEG, PNG, BMP, TIFF, WebP, PPM/PGM),
+    except names starting with a dot (macOS's ``._`` AppleDouble files are not images).
+
+    ``ImageFolder.from_samples`` builds one over a given file list instead (what torchvision's
+    ImageFolder/DatasetFolder hold in ``.samples``). ``source[i]`` is ``(uint8 tensor (H, W, 3), label)``:
+    the file decoded at full size (EXIF orientation applied, converted to RGB), then ``transform``.
+
+    Args:
+        root: the folder whose sub-folders are the classes.
+        extensions: file endings that count as images (case-insensitive).
+        mean, std: normalization statistics in [0, 1] units (ImageNet's by default).
+        transform: a per-sample callable applied to each decoded RGB PIL image (after EXIF orientation
+            and RGB conversion) by the backends that decode per sample on the CPU (torch, prefetch). It
+            returns a PIL image, a uint8 tensor (C, H, W) or a uint8 array (H, W, C), of one size for
+            every sample (end it with a fixed-size crop or resize). A float output (ToTensor, ToDtype,
+            Normalize at the end) is refused: normalization happens on the device (pass mean=/std=).
+            With a transform the source's default augmentation is none (the transform is the
+            augmentation) and a loader's ``augment`` other than none is refused. Its random draws use
+            torch's, Python's and numpy's global generators, seeded per sample from the batch's seed,
+            so runs repeat whatever the number of workers (the caller's generators are restored).
+    """
+
+    kind = SourceKind.FILES
+    hwc_samples = True
+
+    def __init__(self, root, extensions=IMAGE_EXTENSIONS, *, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                 transform=None):
+        root = Path(root)
+        if not root.exists():
+            raise FileNotFoundError(f"image folder '{root}' does not exist")
+        if not root.is_dir():
+            raise NotADirectoryError(f"image folder '{root}' is not a directory")
+        exts = tuple(e.lower() for e in extensions)
+        classes = sorted(e.name for e in _scandir(root) if e.is_dir() and not e.name.startswith("."))
+        if not classes:
+            raise FileNotFoundError(f"image folder '{root}' has no class sub-folders "
+                                    f"(expected root/<class>/<image>{exts[0]})")
+        # Every real directory is walked once. The root and the class folders are marked up front, so a
+        # link back to them (a/loop -> ..) neither loops (os.walk(followlinks=True) re-reads the tree
+        # through it: 6 images became 2,706) nor relabels another class's images.
+        real_root = os.path.realpath(root)
+        visited = {real_root} | {os.path.realpath(root / c) for c in classes}
+        paths, labels = [], []
+        for label, cls in enumerate(classes):
+            # torchvision's order: folders by path, then the files of each by name (its
+            # sorted(os.walk(...)) then sorted(fnames)), so a nested class folder lists "z.jpg" before
+            # "more/b.jpg" in both, and sample i is the same file in both (fingerprints, indices=).
+            files = sorted(_walk_images(root / cls, exts, visited, real_root),
+                           key=lambda p: (os.path.dirname(p), os.path.basename(p)))
+            if not files:
+                raise FileNotFoundError(f"class folder '{root / cls}' has no images with endings {list(exts)}")
+            paths += files
+            labels += [label] * len(files)
+        self._init(root, classes, paths, np.asarray(labels, dtype=np.int64), mean, std, transform,
+                   f"imagefolder:{root.name}")
+
+    @classmethod
+    def from_samples(cls, samples, classes, *, root=None, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                     transform=None, name: str | None = None) -> "ImageFolder":
+        """An image-folder source over a given file list: torchvision's ``DatasetFolder.samples``, or
+        any list of ``(path, class index)``. Read by every backend, as a walked folder is.
+
+        Args:
+            samples: ``(path, label)`` pairs; labels are integers in ``[0, len(classes))``.
+            classes: the class names, index = label (classes with no file are allowed).
+            root: the folder paths are relative to in the fingerprint (a copy of the data elsewhere
+                still resumes); None → the paths' common folder.
+            mean, std, transform: as for ``ImageFolder``.
+            name: how messages name the source; None → ``imagefolder:<root's name>``.
+        """
+        samples = list(samples)
+        if not samples:
+            raise ValueError("samples is empty: an image-folder source needs at least one (path, label)")
+        for i, s in enumerate(samples):
+            if not isinstance(s, (tuple, list)) or len(s) != 2 or not isinstance(s[0], (str, os.PathLike)):
+                raise TypeError(f"samples[{i}] must be a (path, label) pair, got {s!r}")
+        classes = list(classes)
+        if not classes:
+            raise ValueError("classes is empty: name at least one class")
+        paths = [os.fspath(p) for p, _ in samples]
+        labels = check_labels([lab for _, lab in samples], "samples' labels", num_classes=len(classes))
+        root = Path(root) if root is not None else Path(os.path.commonpath([os.path.dirname(p) or "."
+                                                                            for p in paths]))
+        self = cls.__new__(cls)
+        self._init(root, classes, paths, labels, mean, std, transform, name or f"imagefolder:{root.name}")
+        return self
+
+    def _init(self, root, classes, paths, labels, mean, std, transform, name) -> None:
+        if transform is not None:
+            check_sample_transform(transform, f"ImageFolder '{root}'")
+        self.root = root
+        self.classes = classes
+        self.class_to_idx = {c: i for i, c in enumerate(classes)}
+        self.paths = paths
+        self.labels = labels
+        self.channels = 3
+        self.num_classes = len(classes)
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.name = name
+        self.transform = transform
+        self._fingerprint = None
+
+    @property
+    def sample_transform(self):
+        """The ``transform`` given, or None."""
+        return self.transform
+
+    def fingerprint(self) -> str:
+        # The file list (relative paths and labels) and the file sizes. Not the mtimes: copying a data
+        # set to a node's local disk changes them but not the data. Computed once (one stat per file).
+        if self._fingerprint is None:
+            crc = zlib.crc32("\n".join(self.classes).encode())
+            for path, label in zip(self.paths, self.labels):
+                try:
+                    size = os.stat(path).st_size
+                except OSError:  # gone since the walk: its batch will name it; a checkpoint must not fail
+                    size = -1
+                rel = os.path.relpath(path, self.root)
+                crc = zlib.crc32(f"{rel}\0{label}\0{size}\n".encode(), crc)
+            self._fingerprint = (f"{type(self).__name__} n={len(self)} classes={self.num_classes} "
+                                 f"files={crc:08x}{self._subset_tag()}")
+        return self._fingerprint
+
+    def default_augmentation(self, train: bool) -> Augmentation:
+        """Training: ``Augmentation.imagenet_train()``; evaluation: ``imagenet_eval()``. With a
+        ``transform``: none (the transform is the augmentation).
+
+        Args:
+            train: the training recipe (else the evaluation one).
+        """
+        if self.transform is not None:
+            return Augmentation.none()
+        return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
+
+    def _take(self, idx: np.ndarray) -> None:
+        self.paths = [self.paths[i] for i in idx]
+        self.labels = self.labels[idx]
+        self._fingerprint = None
+
+    def __getitem__(self, i):
+        """(uint8 tensor (H, W, 3), int label) of sample ``i``: decoded at full size, then ``transform``.
+
+        Args:
+            i: an integer in ``[-len, len)``.
+        """
+        import torch
+
+        from ..transforms import load_photo
+
+        i = self._index(i)
+        image = load_photo(self.paths[i], Augmentation.none(), np.random.default_rng(0))
+        if self.transform is not None:
+            from PIL import Image
+
+            image = transform_output(self.transform(Image.fromarray(image)), self, self.paths[i])
+        return torch.from_numpy(np.array(image)), int(self.labels[i])  # a writable copy: PIL's is read-only
+
+
+# ------------------------------------------------------------------------------ per-sample transforms
+
+
+def _natural_image(rng: np.random.Generator, h: int, w: int, label: int, classes: int) -> np.ndarray:
+    """1/f^2-spectrum colour noise (the statistics of photos) plus a class-dependent tint and shapes."""
+    fy = np.fft.fftfreq(h)[:, None]
+    fx = np.fft.rfftfreq(w)[None, :]
+    f = np.sqrt(fx * fx + fy * fy)
+    f[0, 0] = 1.0
+    amp = 1.0 / f ** 1.05
+    out = np.empty((h, w, 3), np.float32)
+    base = rng.normal(size=(h, w // 2 + 1)) + 1j * rng.normal(size=(h, w // 2 + 1))
+    for c in range(3):  # channels share most of their structure, as in photos
+        spec = (base + 0.5 * (rng.normal(size=base.shape) + 1j * rng.normal(size=base.shape))) * amp
+        spec[0, 0] = 0
+        ch = np.fft.irfft2(spec, s=(h, w))
+        out[..., c] = ch / (ch.std() + 1e-8)
+    hue = 2 * np.pi * label / max(classes, 1)
+    tint = np.array([np.cos(hue), np.cos(hue - 2.1), np.cos(hue + 2.1)], np.float32)
+    img = 118 + 42 * out + 35 * tint
+    # A few class-specific bright blobs so that classes are learnable from content, not only colour.
+    yy, xx = np.mgrid[0:h, 0:w]
+    for _ in range(2 + label % 3):
+        cy, cx, r = rng.uniform(0.2, 0.8) * h, rng.uniform(0.2, 0.8) * w, rng.uniform(0.06, 0.15) * min(h, w)
+        mask = ((yy - cy) ** 2 + (xx - cx) ** 2) < r * r
+        img[mask] += 60 * tint
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def make_image_folder(root, classes: int = 10, per_class: int = 20, seed: int = 0, *,
+                      size_range=((400, 500), (300, 400)), quality: int = 90) -> Path:
+    """Write a JPEG folder that looks like ImageNet's: 400-500 x 300-400 px, quality 90, ~80-120 KB.
+
+    Deterministic by seed; existing files of the same name are overwritten. Returns ``root``.
+
+    Args:
+        root: the folder to write (created if missing).
+        classes: number of class sub-folders.
+        per_class: photos per class.
+        seed: the same seed writes the same photos.
+        size_range: ((min width, max width), (min height, max height)) in pixels; half the photos are
+            then turned to portrait.
+        quality: JPEG quality.
+    """
+    from PIL import Image
+
+    root = Path(root)
+    rng = np.random.default_rng([seed, 0x1A6E])
+    for c in range(classes):
+        d = root / f"class_{c:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            w = int(rng.integers(size_range[0][0], size_range[0][1] + 1))
+            h = int(rng.integers(size_range[1][0], size_range[1][1] + 1))
+            if rng.random() < 0.5:  # ImageNet has portrait images too
+                w, h = h, w
+            arr = _natural_image(rng, h, w, c, classes)
+            Image.fromarray(arr).save(d / f"img_{i:05d}.jpg", quality=quality)
+    return root

@@ -1,0 +1,309 @@
+"""DatasetSource: any map-style torch Dataset, read through its own __getitem__."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..config import SourceKind
+from .base import IMAGENET_MEAN, IMAGENET_STD, Source, check_labels, count_classes, crc
+from .sample_transforms import (
+    EXPECTED_IMAGES,
+    check_sample_transform,
+    fastdata_samples,
+    own_getitem,
+    torchvision_names,
+)
+
+
+@contextmanager
+def _global_rngs_kept():
+    """Run a Dataset's ``__getitem__`` outside an epoch (to learn what its samples are) with the global
+    generators its transform draws from (torch's CPU one, ``random``, ``numpy.random``) restored after,
+    so that ``make_loader`` leaves the caller's random state where it was. CUDA's generators are not
+    touched: a per-sample transform runs on the host."""
+    import random
+
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        state = random.getstate(), np.random.get_state()
+        try:
+            yield
+        finally:
+            random.setstate(state[0])
+            np.random.set_state(state[1])
+
+
+def _grey_data(dataset) -> bool:
+    """Whether ``dataset`` holds grey pixels by construction: a ``data`` array or tensor of shape
+    (N, H, W), as torchvision's MNIST family, USPS and SEMEION keep theirs (their PIL samples are mode
+    "L"); torch's ConcatDataset of such datasets too."""
+    parts = getattr(dataset, "datasets", None)
+    if isinstance(parts, (list, tuple)) and parts:
+        return all(_grey_data(d) for d in parts)
+    shape = getattr(getattr(dataset, "data", None), "shape", None)   # numpy's tuple, torch's Size
+    return isinstance(shape, tuple) and len(shape) == 3
+
+
+class DatasetSource(Source):
+    """Any map-style torch Dataset returning (PIL image or uint8 tensor (C,H,W) or (H,W), int).
+    torch and prefetch backends. fastdata's own sources inside torch's ``Subset``/``ConcatDataset``
+    hand out (H, W, C) tensors, read as such.
+
+    Every sample comes out with ``channels`` channels (``as_array``). With ``channels=None``:
+
+    - PIL images: 3, every photo converted to RGB as torchvision's default loader does (grey, palette,
+      RGBA, CMYK, 16-bit alike), whatever the first photo's mode: a grey first photo (ImageNet has grey
+      JPEGs) does not make the colour ones after it an error. The exception is a dataset whose pixels
+      are grey by construction, a ``data`` array of shape (N, H, W) (torchvision's MNIST family, USPS):
+      its grey samples keep 1 channel.
+    - tensors and arrays: the first sample decides (one shape serves every sample): colour → 3, and
+      later grey samples are replicated to RGB (lossless); grey → 1 (MNIST-like tensors), and a later
+      colour sample is an error rather than silently turned grey.
+
+    Pass ``channels=1`` to convert colour samples to grey (Pillow's luma) on purpose, or ``channels=3``.
+    A first sample that is a float tensor (a transform ending in ToTensor/Normalize) is refused here,
+    naming the fix. ``source[i]`` is the dataset's own sample.
+
+    Args:
+        dataset: the Dataset; ``__getitems__`` is used for batched fetching when it exists.
+        mean, std: normalization; None → ImageNet's for 3 channels, 0.5/0.5 otherwise.
+        channels: 1 or 3; None → from the samples' kind (see above).
+        num_classes: None → ``len(dataset.classes)`` when it has them, else ``dataset.num_classes`` (an
+            int), else from ``dataset.targets``; 0 when none of these exists (labels unread).
+    """
+
+    kind = SourceKind.DATASET
+
+    def __init__(self, dataset, *, mean=None, std=None, channels: int | None = None, num_classes=None):
+        self.dataset = dataset
+        self.name = type(dataset).__name__
+        n = len(dataset)
+        if n == 0:
+            raise ValueError(f"dataset {type(dataset).__name__} is empty")
+        self._convert_colour = channels is not None  # RGB → grey only when asked for
+        # fastdata's own sources hand out (H, W, C) tensors: wrapped in torch's Subset/ConcatDataset,
+        # their tensors are read as such, not as torch's (C, H, W) (which refused them, or silently
+        # transposed an image 3 or 4 px high).
+        self._hwc_tensors = fastdata_samples(dataset)
+        first = None
+        if self.sample_transform is not None and torchvision_names(dataset) and not own_getitem(dataset):
+            # torchvision's datasets end __getitem__ with the transform, so its steps say what comes out
+            # (a user's Dataset may convert back after it: its samples are checked as they come).
+            check_sample_transform(self.sample_transform, self.name)
+        if channels is None:
+            with _global_rngs_kept():   # building a loader must not move the caller's RNG (dropout, init)
+                first = self.pair(dataset[0], 0)[0]
+            self._refuse_float(first, 0)
+            channels = self._default_channels(first)
+        elif isinstance(channels, bool) or channels not in (1, 3):
+            raise ValueError(f"channels must be 1, 3 or None (from the samples' kind), got {channels!r}")
+        self.channels = channels
+        #: (H, W) of the first sample where it was read (channels=None), else None: what an empty batch's
+        #: images are shaped as before any batch was read (``transforms.output_size``).
+        self.sample_size = tuple(self.as_array(first).shape[:2]) if first is not None else None
+        names = getattr(dataset, "classes", None)
+        names = list(names) if isinstance(names, (list, tuple)) and names else None
+        own = getattr(dataset, "num_classes", None)   # torchvision's FakeData, and many a user's Dataset
+        if num_classes is None and names is None and isinstance(own, int) and not isinstance(own, bool) and own > 0:
+            num_classes = own
+        num_classes = count_classes(names if num_classes is None else None, num_classes)
+        self._classes_known = num_classes is not None  # as_label then checks labels against it
+        targets = getattr(dataset, "targets", None)
+        known = targets is not None and len(targets) == n
+        self.labels = check_labels(targets, f"{self.name}.targets", num_classes) if known \
+            else np.full(n, -1, dtype=np.int64)  # unknown until loaded
+        self.num_classes = num_classes or (int(self.labels.max()) + 1 if known else 0)
+        if names is not None and len(names) == self.num_classes:
+            self.classes = names
+        self.mean = tuple(mean) if mean else (IMAGENET_MEAN if channels == 3 else (0.5,))
+        self.std = tuple(std) if std else (IMAGENET_STD if channels == 3 else (0.5,))
+        self.refusal_hint = ("memory and dali read arrays or files, not a Dataset's __getitem__: pass "
+                             "ArraySource(images, labels) or an image folder (ImageFolder(root), or "
+                             "ImageFolder.from_samples), or use the torch backend")
+
+    @property
+    def sample_transform(self):
+        """The dataset's own per-sample transform (torchvision's ``transform``/``transforms``), or None."""
+        ds = self.dataset
+        transform = getattr(ds, "transform", None)
+        if transform is not None:
+            return transform
+        joint = getattr(ds, "transforms", None)  # torchvision wraps transform/target_transform in one
+        if joint is not None and type(joint).__name__ == "StandardTransform":
+            return getattr(joint, "transform", None)   # a target_transform alone is not an image transform
+        return joint
+
+    def fingerprint(self) -> str:
+        # A Dataset's data cannot be read cheaply from here: its type, length and targets.
+        t = type(self.dataset)
+        known = bool(len(self.labels)) and self.labels[0] >= 0
+        return (f"{t.__module__}.{t.__qualname__} n={len(self)}"
+                + (f" targets={crc(self.labels)}" if known else "") + self._subset_tag())
+
+    def _take(self, idx: np.ndarray) -> None:
+        self.labels = self.labels[idx]
+
+    def dataset_index(self, i: int) -> int:
+        """The index in ``dataset`` of this source's sample ``i`` (they differ for a subset).
+
+        Args:
+            i: an index of this source.
+        """
+        return int(self.indices[i]) if self.indices is not None else int(i)
+
+    def fetch(self, ids) -> tuple[list, list[int]]:
+        """(the dataset's samples for this source's ``ids``, their indices in ``dataset``), batched
+        through ``__getitems__`` where the dataset offers it (one call, one lock, one seek pattern).
+
+        Args:
+            ids: indices of this source.
+        """
+        ds_ids = [self.dataset_index(i) for i in ids]
+        ds = self.dataset
+        samples = ds.__getitems__(ds_ids) if hasattr(ds, "__getitems__") else [ds[i] for i in ds_ids]
+        return [self.pair(sample, i) for sample, i in zip(samples, ds_ids)], ds_ids
+
+    def pair(self, sample, index: int) -> tuple:
+        """``sample`` as the (image, label) pair every fastdata source yields; anything else (a dict, as
+        Hugging Face datasets return, a triple, a bare image) is refused, naming the dataset and index."""
+        if isinstance(sample, (tuple, list)) and len(sample) == 2:
+            return sample
+        what = (f"a dict with keys {sorted(map(str, sample))[:6]}" if isinstance(sample, dict) else
+                f"a {len(sample)}-item {type(sample).__name__}" if isinstance(sample, (tuple, list)) else
+                f"an object of type {type(sample).__name__}")
+        raise TypeError(f"{self.name}[{index}] returned {what}; fastdata reads (image, label) pairs: wrap the "
+                        f"dataset so that __getitem__ returns (image, label), e.g. (s['image'], s['label'])")
+
+    def __getitem__(self, i):
+        """The dataset's own sample for this source's sample ``i``.
+
+        Args:
+            i: an integer in ``[-len, len)``.
+        """
+        return self.dataset[self.dataset_index(self._index(i))]
+
+    def _default_channels(self, first) -> int:
+        """The channels when none were given (see the class docstring), from the first sample's kind."""
+        if hasattr(first, "getbands"):
+            # Photos come out RGB whatever the first one's mode, as torchvision's loader converts every
+            # photo: ImageNet holds grey and CMYK JPEGs among its colour ones, and a grey first photo
+            # must not make the colour ones after it an error. Only a dataset whose pixels are grey by
+            # construction keeps one channel.
+            return 1 if _grey_data(self.dataset) and not self._is_colour(first) else 3
+        # Tensors and arrays have one shape for every sample (MNIST-like tensors stay grey).
+        return 3 if self._is_colour(first) else 1
+
+    def _is_colour(self, image) -> bool:
+        """Whether a sample has colour: 3 or more bands, or a palette with a colour in use (a palette
+        image has one band, but its entries are RGB: red stays red)."""
+        if hasattr(image, "getbands"):
+            if image.mode in ("P", "PA"):
+                rgb = np.asarray(image.convert("RGB"))
+                return not ((rgb[..., 0] == rgb[..., 1]).all() and (rgb[..., 1] == rgb[..., 2]).all())
+            return len(image.getbands()) >= 3
+        return self._array(image).shape[-1] >= 3
+
+    def _refuse_float(self, image, index=None) -> None:
+        dtype = getattr(image, "dtype", None)
+        if getattr(image, "mode", None) == "F":   # a float PIL image: its values would be clipped to 0..255
+            dtype = "float32 (PIL mode 'F')"
+        elif dtype is None or hasattr(image, "getbands") or not (
+                getattr(dtype, "is_floating_point", False) or
+                (isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating))):
+            return
+        where = self.name if index is None else f"{self.name}[{index}]"
+        raise TypeError(f"{where} returned a {dtype} image; {EXPECTED_IMAGES}")
+
+    def _array(self, image) -> np.ndarray:
+        """A tensor or array sample as uint8 (H, W, C): tensors are (C, H, W) or (H, W), torch's layout;
+        numpy arrays (H, W, C) or (H, W), PIL's and numpy's (what ``np.asarray(pil_image)`` gives)."""
+        import torch
+
+        if isinstance(image, np.ndarray):
+            if image.dtype != np.uint8:
+                self._refuse_float(image)
+                raise TypeError(f"{self.name} returned a {image.dtype} array; expected uint8 (H, W, C) or (H, W)")
+            if image.ndim == 2:
+                image = image[..., None]
+            if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
+                raise ValueError(f"{self.name} returned an array of shape {image.shape}; expected uint8 "
+                                 f"(H, W, C) with C in (1, 3, 4), or (H, W) (a tensor is (C, H, W))")
+            return image
+        t = torch.as_tensor(image)
+        if t.dtype != torch.uint8:
+            raise TypeError(f"{self.name} returned a {t.dtype} tensor; {EXPECTED_IMAGES}")
+        if self._hwc_tensors and t.dim() == 3:   # a fastdata source's sample: (H, W, C) already
+            return t.numpy()
+        if t.dim() == 2:
+            t = t[None]
+        if t.dim() != 3 or t.shape[0] not in (1, 3, 4):
+            raise ValueError(f"{self.name} returned a tensor of shape {tuple(image.shape)}; expected uint8 "
+                             f"(C, H, W) with C in (1, 3, 4), or (H, W) (an array is (H, W, C))")
+        return t.permute(1, 2, 0).numpy()
+
+    def as_array(self, image) -> np.ndarray:
+        """One sample's image → uint8 (H, W, ``self.channels``), converted the same way for every sample.
+
+        PIL images: any mode → RGB as ImageFolder does (grey replicated, alpha dropped, 16-bit scaled),
+        or → L with Pillow's luma. Tensors: uint8 (C, H, W) or (H, W); grey is replicated to RGB, RGB(A)
+        becomes grey exactly as Pillow's convert("L") computes it. A float tensor is refused, naming the
+        fix (drop ToTensor/ToDtype/Normalize from the transform, pass mean=/std=).
+
+        Args:
+            image: the dataset's sample image.
+        """
+        if hasattr(image, "getbands"):  # PIL image
+            from ..transforms import to_rgb
+
+            self._refuse_float(image)
+            if self.channels == 1 and not self._convert_colour and self._is_colour(image):
+                self._refuse_colour(image.mode)
+            arr = np.asarray(to_rgb(image) if self.channels == 3 else
+                             (image if image.mode == "L" else to_rgb(image).convert("L")))
+            return arr[..., None] if arr.ndim == 2 else arr
+        arr = self._array(image)
+        c = arr.shape[-1]
+        if c == 4:  # alpha dropped, as to_rgb does for PIL images
+            arr, c = arr[..., :3], 3
+        if c == self.channels:
+            return np.ascontiguousarray(arr)
+        if self.channels == 3:  # grey → RGB: lossless
+            return np.repeat(arr, 3, axis=-1)
+        if not self._convert_colour:
+            self._refuse_colour(f"{c}-channel tensor")
+        rgb = arr.astype(np.uint32)  # Pillow's L conversion (Convert.c, L24), bit for bit
+        luma = (rgb[..., 0] * 19595 + rgb[..., 1] * 38470 + rgb[..., 2] * 7471 + 0x8000) >> 16
+        return luma.astype(np.uint8)[..., None]
+
+    def as_label(self, label, index: int) -> int:
+        """One sample's label → int, refusing what int() would silently change (1.7, NaN, -3, "2") and,
+        when ``num_classes`` is known from the dataset, a label past the last class.
+
+        Args:
+            label: the dataset's sample label.
+            index: the sample's index in the dataset, named in errors.
+        """
+        import torch
+
+        if isinstance(label, torch.Tensor) and label.numel() == 1:
+            label = label.item()
+        if isinstance(label, np.generic):
+            label = label.item()
+        if isinstance(label, float) and label.is_integer():
+            label = int(label)
+        if isinstance(label, bool) or not isinstance(label, int) or label < 0:
+            raise ValueError(f"{self.name}[{index}] returned label {label!r}; labels must be integers >= 0")
+        if self._classes_known and label >= self.num_classes:
+            raise ValueError(f"{self.name}[{index}] returned label {label}; labels must be integers in "
+                             f"[0, {self.num_classes}) ({self.name} has {self.num_classes} classes)")
+        return label
+
+    def _refuse_colour(self, what) -> None:
+        raise ValueError(f"{self.name} returned a colour sample ({what}) but its first sample was grey, so "
+                         f"the source has 1 channel; pass DatasetSource(dataset, channels=3) to keep colour "
+                         f"(grey samples are replicated), or channels=1 to convert colour samples to grey")
+
+
+# --------------------------------------------------------------------- what people already have
