@@ -1,0 +1,398 @@
+"""Where shards live: a local folder or any fsspec URL, read with retries. The only code that sees URLs.
+
+``Storage(location)`` reads files *by name* under ``location``: ``read`` (a whole small file, the
+index), ``read_range``/``read_ranges`` (byte ranges of a shard), ``size`` and ``fetch`` (a whole shard
+to a local file, published by ``os.replace`` only once its size is right). A local folder is read with
+plain ``os`` calls, so it works without fsspec; anything with a scheme (``http(s)://``, ``s3://``,
+``gs://``, ``file://``, chained ``simplecache::s3://...``) goes through ``fsspec.core.url_to_fs``.
+
+Faults. Only transient errors are retried: a 5xx (and 408/429), a dropped connection, a timeout, a
+read that returned fewer bytes than asked. Each retry waits ``backoff * 2**k`` seconds times a random
+factor in [0.5, 1.5) (jitter, so the ranks of a job that failed together do not retry together), at
+most 30 s; after ``retries`` retries a ``StorageError`` names the shard and the URL. A 404/NoSuchKey
+(``ShardNotFound``) or a 403 is final at once: waiting does not make a missing file appear.
+
+Credentials come only from where fsspec and boto look (environment, ``~/.aws``, ``storage_options``
+passed by the caller); fastdata keeps none. Every message goes through ``redact``: user:password in a
+URL and the values of its query parameters (a presigned URL's signature *is* the credential) are
+never printed, including in the text of the underlying error, which is quoted rather than chained.
+"""
+from __future__ import annotations
+
+import errno
+import inspect
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import uuid
+
+__all__ = ["Storage", "StorageError", "ShardNotFound", "ShortRead", "redact", "check_name"]
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
+# user:password@ right after a scheme's //, and every query value: what a URL carries as credentials.
+_USERINFO = re.compile(r"(//)[^/@\s'\"]+@")
+_QUERY_VALUE = re.compile(r"([?&][^=&#\s'\"]+=)[^&#\s'\"]*")
+_MAX_WAIT = 30.0
+# errno values that mean "the network or the remote side failed this time" (s3fs maps an S3
+# InternalError to EREMOTEIO and an unknown one to EIO).
+_TRANSIENT_ERRNO = {errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                    errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN,
+                    getattr(errno, "EREMOTEIO", 121)}
+# The local disk is full: not the storage's fault, and not helped by waiting; the cache handles it.
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", 122)}
+
+
+def redact(text) -> str:
+    """``text`` with the credentials a URL can carry removed: ``https://user:pass@host/x?sig=abc`` becomes
+    ``https://host/x?sig=REDACTED``. Every query value is hidden, not a list of known names: presigned URLs
+    (X-Amz-Signature, X-Amz-Credential, GCS/Azure ``sig``, ``token``) differ per cloud."""
+    return _QUERY_VALUE.sub(r"\1REDACTED", _USERINFO.sub(r"\1", str(text)))
+
+
+def check_name(name) -> str:
+    """``name`` if it is a safe relative file name (``train/shard-000.tar``); ValueError otherwise.
+
+    Shard names come from an index that may be remote and is untrusted: one that is absolute, contains
+    ``..``, a backslash or a NUL would read or write outside the location or the cache folder."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"shard name {name!r}: expected a non-empty relative file name such as 'shard-000.tar'")
+    parts = name.split("/")
+    if (name.startswith("/") or "\\" in name or "\0" in name or ":" in parts[0]
+            or any(p in ("", ".", "..") for p in parts)):
+        raise ValueError(f"shard name {name!r} is refused: it must be a relative path of plain components "
+                         f"(no leading '/', no '..' or '.', no empty part, no backslash, no drive or scheme), "
+                         f"so that it cannot name a file outside the shard folder or the cache")
+    return name
+
+
+class StorageError(OSError):
+    """Reading a shard failed: ``.name`` (the file), ``.url`` (redacted), ``.attempts``, ``.transient``."""
+
+    def __init__(self, message: str, name: str | None = None, url: str | None = None, attempts: int = 1,
+                 transient: bool = False):
+        super().__init__(message)
+        self.name, self.url, self.attempts, self.transient = name, url, attempts, transient
+
+    def __str__(self):
+        return self.args[0] if self.args else ""
+
+    def __reduce__(self):  # survives a trip between processes (DataLoader workers, spawn)
+        return (type(self), (str(self), self.name, self.url, self.attempts, self.transient))
+
+
+class ShardNotFound(StorageError, FileNotFoundError):
+    """The location has no such file (404, NoSuchKey, ENOENT): final, never retried."""
+
+
+class ShortRead(StorageError):
+    """A read returned fewer (or more) bytes than asked: transient (retried), then final."""
+
+    def __init__(self, message: str, name: str | None = None, url: str | None = None, attempts: int = 1,
+                 transient: bool = True, *, expected: int | None = None, got: int | None = None):
+        super().__init__(message, name, url, attempts, transient)
+        self.expected, self.got = expected, got
+
+
+def _status(exc) -> int | None:
+    """The HTTP status an exception carries: aiohttp's ``.status``, botocore's response metadata."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return status
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(code, int):
+            return code
+    return None
+
+
+def _module_types(module: str, *names: str) -> tuple:
+    """Exception classes of ``module`` if it is already imported: an error of a package nobody imported
+    cannot occur, so the classification never imports aiohttp or botocore itself."""
+    mod = sys.modules.get(module)
+    return tuple(t for t in (getattr(mod, n, None) for n in names) if isinstance(t, type)) if mod else ()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether waiting and asking again may succeed: 5xx/408/429, dropped connections, timeouts, short
+    reads. A 404, a 403, a bad argument are final."""
+    if isinstance(exc, StorageError):
+        return exc.transient
+    if isinstance(exc, PermissionError):
+        return False
+    if isinstance(exc, FileNotFoundError):
+        # fsspec's HTTP info() reports a HEAD and a GET that both failed as FileNotFoundError, with the
+        # real reason (a 500, a refused connection) as its cause.
+        cause = exc.__cause__
+        return cause is not None and cause is not exc and is_transient(cause)
+    status = _status(exc)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    import asyncio
+
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    transient = (_module_types("aiohttp", "ClientConnectionError", "ClientPayloadError", "ServerTimeoutError")
+                 + _module_types("botocore.exceptions", "ConnectionError", "HTTPClientError"))
+    if transient and isinstance(exc, transient):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return redact(f"{type(exc).__name__}: {text[0] if text else '(no message)'}")
+
+
+class Storage:
+    """Files under one location, read with bounded retries.
+
+    Args:
+        location: a local folder, or an fsspec URL (``https://host/data``, ``s3://bucket/prefix``,
+            ``gs://...``, ``file:///...``, ``simplecache::s3://...``).
+        retries: how many times a transient failure is retried (0: never).
+        backoff: the first wait in seconds; it doubles per retry, times a random factor in [0.5, 1.5).
+        timeout: seconds a connection may take to open, and a read may wait for the next bytes, before
+            it counts as a (transient) failure. Not a limit on a whole download: a big shard over a slow
+            link takes as long as it takes while bytes keep coming. HTTP and S3; other file systems use
+            their own settings from ``storage_options``.
+        storage_options: passed to fsspec (credentials, ``client_kwargs={"endpoint_url": ...}``, ...).
+            They are used, never printed.
+    """
+
+    def __init__(self, location, *, retries: int = 5, backoff: float = 0.5, timeout: float = 60.0,
+                 storage_options: dict | None = None):
+        if retries < 0 or backoff < 0 or not timeout or timeout <= 0:
+            raise ValueError(f"Storage: retries={retries!r} and backoff={backoff!r} must be >= 0 and "
+                             f"timeout={timeout!r} > 0 seconds")
+        self.location = os.fspath(location) if isinstance(location, os.PathLike) else str(location)
+        self.retries, self.backoff, self.timeout = int(retries), float(backoff), float(timeout)
+        self.storage_options = dict(storage_options or {})
+        self.is_local = "::" not in self.location and _SCHEME.match(self.location) is None
+        self._fs = self._root = None
+        self._pid = None
+        if self.is_local and not os.path.isdir(self.location):
+            raise ShardNotFound(f"shard location '{self.location}' is not a folder", url=self.location)
+        if not self.is_local:
+            self._filesystem()   # an unknown scheme or a missing package is said now, not at the first read
+
+    def __repr__(self):
+        return f"Storage({redact(self.location)!r})"
+
+    def __getstate__(self):
+        # The file system holds a session and an event loop thread: each process builds its own.
+        state = self.__dict__.copy()
+        state["_fs"] = state["_root"] = state["_pid"] = None
+        return state
+
+    # -- names and URLs --------------------------------------------------------------------------
+
+    def url(self, name: str) -> str:
+        """The redacted address of ``name``: what messages print."""
+        return redact(self._path(name) if self.is_local else self._join(self.location, name))
+
+    def local_path(self, name: str) -> str | None:
+        """``name``'s path when the location is a local folder (it can be read in place), else None."""
+        return self._path(name) if self.is_local else None
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.location, *check_name(name).split("/"))
+
+    @staticmethod
+    def _join(base: str, name: str) -> str:
+        return base.rstrip("/") + "/" + check_name(name)
+
+    def _filesystem(self):
+        """(fs, root) for this process: fsspec's loop thread and HTTP session do not survive a fork."""
+        if self._fs is not None and self._pid == os.getpid():
+            return self._fs, self._root
+        scheme = (_SCHEME.match(self.location.split("::")[-1]) or _SCHEME.match(self.location)).group(1).lower()
+        try:
+            import fsspec
+            from fsspec.core import url_to_fs
+        except ImportError:
+            raise ImportError(f"shard location '{redact(self.location)}' is a URL, which is read through "
+                              f"fsspec, and fsspec is not installed: pip install fastdata[shards] (fsspec, "
+                              f"aiohttp for http(s)://, s3fs for s3://; gcsfs for gs://)") from None
+        options = self._options(scheme)
+        try:
+            fs, root = url_to_fs(self.location, **options)
+        except (ImportError, ValueError) as e:   # no such protocol, or its package is missing
+            known = ", ".join(sorted(fsspec.available_protocols())[:16])
+            package = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
+                       "https": "aiohttp", "az": "adlfs", "abfs": "adlfs"}.get(scheme)
+            hint = f"pip install {package}" if package else "install the package that provides it"
+            raise ImportError(f"shard location '{redact(self.location)}': fsspec cannot open {scheme}:// "
+                              f"URLs ({_describe(e)}); {hint} (pip install fastdata[shards] installs "
+                              f"fsspec, aiohttp and s3fs); fsspec knows {known}, ...") from None
+        self._fs, self._root, self._pid = fs, root.rstrip("/"), os.getpid()
+        return fs, self._root
+
+    def _options(self, scheme: str) -> dict:
+        """storage_options plus this Storage's timeout where the file system takes one and the caller
+        set none: aiohttp's defaults wait 5 minutes for a stalled read, botocore's a minute."""
+        options = dict(self.storage_options)
+        if scheme in ("http", "https"):
+            import aiohttp
+
+            client = dict(options.get("client_kwargs") or {})
+            client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
+                                                               sock_read=self.timeout))
+            options["client_kwargs"] = client
+        elif scheme in ("s3", "s3a"):
+            config = dict(options.get("config_kwargs") or {})
+            config.setdefault("connect_timeout", self.timeout)
+            config.setdefault("read_timeout", self.timeout)
+            options["config_kwargs"] = config
+        return options
+
+    def _remote(self, name: str):
+        fs, root = self._filesystem()
+        return fs, self._join(root, name)
+
+    # -- retries ---------------------------------------------------------------------------------
+
+    def _retry(self, what: str, name: str, attempt):
+        """``attempt()`` until it succeeds, a final error, or ``retries`` retries; errors name the shard."""
+        check_name(name)
+        started = time.monotonic()
+        for k in range(self.retries + 1):
+            try:
+                return attempt()
+            except OSError as e:
+                if e.errno in _DISK_FULL:
+                    raise          # the local disk: the caller (the cache) evicts or says how much is needed
+                error = e
+            except Exception as e:  # noqa: BLE001 - every file system has its own error types; classified below
+                error = e
+            transient = is_transient(error)
+            if isinstance(error, StorageError) and not transient:
+                raise error        # already names the shard and the URL
+            if not transient or k >= self.retries:
+                attempts = k + 1
+                tail = (f" (after {attempts} attempts over {time.monotonic() - started:.1f} s)" if transient
+                        else " (not retried: a missing file or a refused request does not change by waiting)")
+                message = f"cannot {what} shard '{name}' at {self.url(name)}: {_describe(error)}{tail}"
+                # from None: the original error's text and traceback can carry the unredacted URL.
+                if isinstance(error, ShortRead):
+                    raise ShortRead(message, name, self.url(name), attempts, transient,
+                                    expected=error.expected, got=error.got) from None
+                cls = ShardNotFound if isinstance(error, FileNotFoundError) and not transient else StorageError
+                raise cls(message, name, self.url(name), attempts, transient) from None
+            wait = min(_MAX_WAIT, self.backoff * 2 ** k) * (0.5 + random.random())
+            time.sleep(wait)
+
+    def _short(self, name: str, expected: int, got: int, what: str = "read") -> ShortRead:
+        more = "more" if got > expected else "fewer"
+        return ShortRead(f"{what} of shard '{name}' returned {more} bytes than asked: expected {expected}, "
+                         f"got {got}", name, self.url(name), expected=expected, got=got)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def read(self, name: str) -> bytes:
+        """The whole file ``name`` (meant for small files: the index)."""
+        def attempt():
+            if self.is_local:
+                with open(self._path(name), "rb") as f:
+                    return f.read()
+            fs, path = self._remote(name)
+            return fs.cat_file(path)
+        return self._retry("read", name, attempt)
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``name``; exactly ``end - start`` of them or an error."""
+        return self.read_ranges(name, [(start, end)])[0]
+
+    def read_ranges(self, name: str, ranges) -> list[bytes]:
+        """Bytes ``[start, end)`` of ``name`` for each range, in one call (concurrent requests on async
+        file systems such as HTTP and S3). All ranges are retried together when one fails."""
+        ranges = [(int(s), int(e)) for s, e in ranges]
+        for s, e in ranges:
+            if s < 0 or e < s:
+                raise ValueError(f"shard '{name}': byte range ({s}, {e}) is not a range [start, end) with "
+                                 f"0 <= start <= end")
+        if not ranges:
+            return []
+
+        # Empty ranges are not asked for: s3fs answers an empty Range ("bytes=10-9") with the whole file.
+        wanted = [(s, e) for s, e in ranges if e > s]
+
+        def attempt():
+            if not wanted:
+                out = []
+            elif self.is_local:
+                with open(self._path(name), "rb") as f:
+                    out = [os.pread(f.fileno(), e - s, s) for s, e in wanted]
+            else:
+                fs, path = self._remote(name)
+                starts, ends = [s for s, _ in wanted], [e for _, e in wanted]
+                kwargs = {"on_error": "raise"} if _takes(fs.cat_ranges, "on_error") else {}
+                out = fs.cat_ranges([path] * len(wanted), starts, ends, **kwargs)
+            for (s, e), data in zip(wanted, out):
+                if isinstance(data, BaseException):   # a file system without on_error returns errors as values
+                    raise data
+                if len(data) != e - s:
+                    raise self._short(name, e - s, len(data), f"range [{s}, {e})")
+            return dict(zip(wanted, out))
+        got = self._retry("read", name, attempt)
+        return [got.get((s, e), b"") for s, e in ranges]
+
+    def size(self, name: str) -> int:
+        """The size of ``name`` in bytes."""
+        def attempt():
+            if self.is_local:
+                return os.path.getsize(self._path(name))
+            fs, path = self._remote(name)
+            size = fs.info(path).get("size")
+            if size is None:
+                raise StorageError(f"the server reports no size for shard '{name}' at {self.url(name)} "
+                                   f"(no Content-Length)", name, self.url(name))
+            return int(size)
+        return self._retry("find the size of", name, attempt)
+
+    def fetch(self, name: str, dest, *, size: int | None = None) -> str:
+        """Download the whole file ``name`` to ``dest`` and return ``dest``.
+
+        The bytes go to ``dest.tmp-<pid>-<random>`` first and are published by ``os.replace`` only once
+        the file has the size it must have (``size``, else ``self.size(name)``): a dropped or interrupted
+        download never leaves a file under the final name, and a short one is retried. A full local disk
+        (ENOSPC) is raised as the OSError it is, for the caller to free space.
+        """
+        dest = os.fspath(dest)
+        expected = self.size(name) if size is None else int(size)
+        tmp = f"{dest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+        def attempt():
+            try:
+                if self.is_local:
+                    shutil.copyfile(self._path(name), tmp)
+                else:
+                    fs, path = self._remote(name)
+                    fs.get_file(path, tmp)
+                got = os.path.getsize(tmp)
+                if got != expected:
+                    raise self._short(name, expected, got, "download")
+            except BaseException:
+                _unlink(tmp)
+                raise
+            os.replace(tmp, dest)
+            return dest
+        return self._retry("download", name, attempt)
+
+
+def _takes(method, keyword: str) -> bool:
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
