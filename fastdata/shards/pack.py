@@ -523,11 +523,14 @@ def _write_index(out: Path, source, plans: list[ShardPlan], records: dict, key_w
         sizes += r["member_size"]
         ext_names += r["ext"]
         labels += r["label"]
+    classes = [str(c) for c in source.classes]
+    if labels and max(labels) >= len(classes):   # a Dataset with no targets or classes: labels seen while packing
+        classes += [str(k) for k in range(len(classes), max(labels) + 1)]
     exts = sorted(set(ext_names))
     code = {e: k for k, e in enumerate(exts)}
     info = {"name": source.name, "type": type(source).__name__, "split": split, "channels": source.channels,
             "mean": list(source.mean), "std": list(source.std), "max_side": max_side, "shard_size": shard_size}
-    doc = index_document(shards=shards, classes=source.classes, key_width=key_width,
+    doc = index_document(shards=shards, classes=classes, key_width=key_width,
                          fingerprint=source.fingerprint(), source=info,
                          samples={"shard": shard_ids, "offset": offsets, "size": sizes, "exts": exts,
                                   "ext": [code[e] for e in ext_names], "label": labels})

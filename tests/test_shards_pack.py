@@ -1,0 +1,463 @@
+import importlib
+import io
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from conftest import skip_missing
+from fastdata.datasets import ArraySource
+from fastdata.shards import index as shard_index
+from fastdata.shards import pack, read_index
+from fastdata.shards.index import BadIndex, dali_index_text, parse_index
+
+REPO = Path(__file__).resolve().parents[1]
+# The module, not the function fastdata.shards re-exports under the same name.
+pack_module = importlib.import_module("fastdata.shards.pack")
+
+
+def _jpeg(path, array, **save):
+    Image.fromarray(array).save(path, format="JPEG", quality=95, **save)
+
+
+@pytest.fixture
+def photos(tmp_path):
+    """Three classes of small photos: RGB JPEGs of several sizes, a PNG, a grey JPEG, an EXIF-rotated
+    JPEG (orientation 6: stored landscape, shown portrait) and one larger photo."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "photos"
+    for c in ("cat", "dog", "eel"):
+        (root / c).mkdir(parents=True)
+    for k in range(4):
+        _jpeg(root / "cat" / f"c{k}.jpg", rng.integers(0, 256, (20 + 3 * k, 30, 3), dtype=np.uint8))
+        _jpeg(root / "dog" / f"d{k}.JPEG", rng.integers(0, 256, (25, 18 + 2 * k, 3), dtype=np.uint8))
+    Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / "eel" / "png.png")
+    _jpeg(root / "eel" / "grey.jpg", rng.integers(0, 256, (24, 24), dtype=np.uint8))
+    # Stored 200 wide x 100 tall, top half red, bottom half blue; orientation 6 shows it rotated 90°
+    # clockwise: 100 wide x 200 tall, red on the right.
+    rotated = np.zeros((100, 200, 3), np.uint8)
+    rotated[:50, :, 0] = 255
+    rotated[50:, :, 2] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    _jpeg(root / "eel" / "rotated.jpg", rotated, exif=exif.tobytes())
+    _jpeg(root / "eel" / "zbig.jpg", rng.integers(0, 256, (120, 300, 3), dtype=np.uint8))
+    return root
+
+
+def _originals(root):
+    from fastdata.datasets import ImageFolder
+
+    src = ImageFolder(root)
+    return src, [Path(p).read_bytes() for p in src.paths]
+
+
+def _tars(out):
+    return sorted(str(p) for p in Path(out).glob("*.tar"))
+
+
+def test_webdataset_reads_every_original_file_and_label(photos, tmp_path):
+    out = tmp_path / "out"
+    report = pack(photos, out, shard_size="4KB", workers=0, progress=False)
+    src, originals = _originals(photos)
+    assert report.samples == len(src) and report.shards == len(_tars(out)) > 3
+    assert report.index == out / "index.json"
+
+    import webdataset as wds
+
+    seen = {}
+    for sample in wds.WebDataset(_tars(out), shardshuffle=False, empty_check=False):
+        i = int(sample["__key__"])
+        image = [k for k in sample if k not in ("__key__", "__url__", "__local_path__", "cls")]
+        assert len(image) == 1
+        seen[i] = (image[0], sample[image[0]], int(sample["cls"]))
+    assert sorted(seen) == list(range(len(src)))
+    for i, path in enumerate(src.paths):
+        ext, data, label = seen[i]
+        assert data == originals[i], path                      # the original bytes, not a re-encode
+        assert label == src.labels[i]
+        assert ext == {".JPEG": "jpg"}.get(Path(path).suffix, Path(path).suffix[1:].lower())
+
+
+def test_index_offsets_point_at_each_original_and_records_the_source(photos, tmp_path):
+    out = tmp_path / "out"
+    pack(photos, out, shard_size="4KB", workers=0, progress=False)
+    src, originals = _originals(photos)
+    idx = read_index(out)
+    assert len(idx) == len(src) and idx.classes == ["cat", "dog", "eel"]
+    assert idx.labels.tolist() == src.labels.tolist()
+    assert idx.fingerprint == src.fingerprint()
+    assert idx.source["mean"] == list(src.mean) and idx.source["channels"] == 3
+    for i in range(len(src)):
+        shard = idx.shards[idx.shard[i]]
+        blob = (out / shard.name).read_bytes()
+        assert blob[idx.offset[i]: idx.offset[i] + idx.size[i]] == originals[i]
+    for shard in idx.shards:
+        blob = (out / shard.name).read_bytes()
+        assert len(blob) == shard.size
+        import hashlib
+
+        assert hashlib.sha256(blob).hexdigest() == shard.sha256
+    # The index is compact: parallel arrays, not an object per sample.
+    doc = json.loads((out / "index.json").read_text())
+    assert isinstance(doc["samples"]["offset"], list) and doc["num_samples"] == len(src)
+
+
+def test_tar_headers_are_deterministic_and_workers_write_the_same_bytes(photos, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    pack(photos, a, shard_size="4KB", workers=0, progress=False)
+    report = pack(photos, b, shard_size="4KB", workers=2, progress=False)
+    assert report.written == report.shards > 1
+    assert [Path(p).name for p in _tars(a)] == [Path(p).name for p in _tars(b)]
+    for pa, pb in zip(_tars(a), _tars(b)):
+        assert Path(pa).read_bytes() == Path(pb).read_bytes()
+    assert (a / "index.json").read_bytes() == (b / "index.json").read_bytes()
+    with tarfile.open(_tars(a)[0]) as tar:
+        members = tar.getmembers()
+    assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 and m.mode == 0o444 for m in members)
+    names = [m.name for m in members]
+    assert names[:2] == ["00000000.cls", "00000000.jpg"]   # sorted per key, as webdataset's TarWriter does
+
+
+def test_dali_idx_files_are_v1_2_and_dali_reads_the_shards_with_them(photos, tmp_path):
+    out = tmp_path / "out"
+    pack(photos, out, shard_size="4KB", workers=0, progress=False)
+    src, originals = _originals(photos)
+    first = (out / "shard-000000.idx").read_text().splitlines()
+    assert first[0].split()[0] == "v1.2" and int(first[0].split()[1]) == len(first) - 1
+    fields = first[1].split()
+    assert len(fields) % 4 == 0 and fields[3] == "00000000.cls" and fields[7] == "00000000.jpg"
+    try:
+        from nvidia.dali import fn, pipeline_def
+    except ImportError as e:
+        skip_missing(f"DALI is not importable here: {e}")
+
+    tars = _tars(out)
+    idxs = [t[:-4] + ".idx" for t in tars]
+
+    @pipeline_def(batch_size=len(src), num_threads=1, device_id=None)
+    def pipe():
+        image, label = fn.readers.webdataset(paths=tars, index_paths=idxs, ext=["jpg;png", "cls"],
+                                             missing_component_behavior="error", random_shuffle=False)
+        return image, label
+
+    p = pipe()
+    p.build()
+    images, labels = p.run()
+    got = sorted((bytes(np.asarray(images.at(k))), int(bytes(np.asarray(labels.at(k))))) for k in range(len(src)))
+    assert got == sorted(zip(originals, src.labels.tolist()))
+
+
+def test_an_error_mid_shard_leaves_no_complete_looking_shard_and_a_rerun_skips_finished_ones(
+        photos, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real_read = pack_module._Reader.read
+
+    def failing_read(self, i):
+        if i == 5:
+            raise RuntimeError("disk on fire")
+        return real_read(self, i)
+
+    monkeypatch.setattr(pack_module._Reader, "read", failing_read)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        pack(photos, out, shard_size="2KB", workers=0, progress=False)   # one sample per shard
+    assert sorted(p.name for p in out.glob("*.tar")) == [f"shard-{j:06d}.tar" for j in range(5)]
+    assert not list(out.glob("*.tmp-*")) and not (out / "index.json").exists()
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+
+    monkeypatch.setattr(pack_module._Reader, "read", real_read)
+    time.sleep(0.01)
+    report = pack(photos, out, shard_size="2KB", workers=0, progress=False)
+    assert report.skipped == 5 and report.written == report.shards - 5
+    assert all((out / name).stat().st_mtime_ns == t for name, t in mtimes.items())   # not rewritten
+    assert len(read_index(out)) == report.samples
+
+
+def test_a_killed_pack_leaves_only_a_temporary_file_and_a_rerun_finishes(photos, tmp_path):
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import time
+        import importlib
+        m = importlib.import_module("fastdata.shards.pack")
+        real = m._Reader.read
+        def slow(self, i):
+            if i >= 3:
+                time.sleep(0.3)
+            return real(self, i)
+        m._Reader.read = slow
+        m.pack({str(photos)!r}, {str(out)!r}, shard_size="4KB", workers=0, progress=False)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("*.tar.tmp-*")) or not (out / "shard-000000.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "pack ended before it could be killed"
+            time.sleep(0.02)
+        time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    partial = list(out.glob("*.tar.tmp-*"))
+    assert partial, "the shard being written stays under its temporary name"
+    unfinished = partial[0].name.split(".tmp-")[0]
+    assert not (out / unfinished).exists() and not (out / "index.json").exists()
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+    assert "shard-000000.tar" in kept
+
+    report = pack(photos, out, shard_size="4KB", workers=0, progress=False)
+    assert report.skipped == len(kept) and report.written == report.shards - len(kept)
+    assert all((out / name).stat().st_mtime_ns == t for name, t in kept.items())
+    assert not list(out.glob("*.tmp-*"))
+    assert len(read_index(out)) == report.samples
+
+
+def test_a_damaged_finished_shard_is_rewritten(photos, tmp_path):
+    out = tmp_path / "out"
+    pack(photos, out, shard_size="4KB", workers=0, progress=False)
+    first = out / "shard-000000.tar"
+    good = first.read_bytes()
+    first.write_bytes(good[:600] + b"X" + good[601:])       # same size, one byte off
+    report = pack(photos, out, shard_size="4KB", workers=0, progress=False)
+    assert report.written == 1 and first.read_bytes() == good
+
+
+def test_max_side_re_encodes_larger_photos_upright_and_keeps_small_ones(photos, tmp_path):
+    out = tmp_path / "out"
+    pack(photos, out, max_side=64, workers=0, progress=False)
+    src, originals = _originals(photos)
+    idx = read_index(out)
+    blob = (out / idx.shards[0].name).read_bytes()
+    for i, path in enumerate(src.paths):
+        data = blob[idx.offset[i]: idx.offset[i] + idx.size[i]]
+        name = Path(path).name
+        if name in ("rotated.jpg", "zbig.jpg"):
+            assert idx.ext(i) == "jpg" and len(data) < len(originals[i])
+            shrunk = Image.open(io.BytesIO(data))
+            assert max(shrunk.size) == 64 and shrunk.getexif().get(0x0112) in (None, 1)
+            upright = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+            assert (shrunk.width / shrunk.height - upright.width / upright.height) < 0.05
+            reference = np.asarray(upright.resize(shrunk.size), dtype=np.float32)
+            assert np.abs(np.asarray(shrunk.convert("RGB"), dtype=np.float32) - reference).mean() < 12
+            if name == "rotated.jpg":
+                assert shrunk.size == (32, 64)                      # portrait, as shown
+                pixels = np.asarray(shrunk.convert("RGB"), dtype=np.int32)
+                assert pixels[:, -5:, 0].mean() > 200 and pixels[:, :5, 2].mean() > 200   # red right
+        else:
+            assert data == originals[i], name                      # small enough: original bytes
+
+
+def _write_idx(path, array):
+    header = struct.pack(">HBB", 0, 8, array.ndim) + struct.pack(">" + "I" * array.ndim, *array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_an_mnist_root_packs_the_split_asked_for_as_png(tmp_path):
+    raw = tmp_path / "mnist" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    images, labels = rng.integers(0, 256, (30, 28, 28), dtype=np.uint8), rng.integers(0, 10, 30, dtype=np.uint8)
+    _write_idx(raw / "t10k-images-idx3-ubyte", images)
+    _write_idx(raw / "t10k-labels-idx1-ubyte", labels)
+    out = tmp_path / "out"
+    report = pack(tmp_path / "mnist", out, split="test", shard_size="20KB", workers=0, progress=False)
+    assert report.samples == 30 and report.shards > 1
+    idx = read_index(out)
+    assert idx.exts == ["png"] and idx.labels.tolist() == labels.tolist()
+    assert idx.source["split"] == "test" and idx.source["channels"] == 1
+    for i in range(30):
+        blob = (out / idx.shards[idx.shard[i]].name).read_bytes()
+        png = Image.open(io.BytesIO(blob[idx.offset[i]: idx.offset[i] + idx.size[i]]))
+        assert png.mode == "L" and np.array_equal(np.asarray(png), images[i])
+    with pytest.raises(FileNotFoundError, match="train-images"):
+        pack(tmp_path / "mnist", tmp_path / "out2", split="train", progress=False)
+
+
+def test_python_api_takes_arrays_and_map_style_datasets(tmp_path):
+    import torch
+
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, (6, 10, 12, 3), dtype=np.uint8)
+    labels = np.arange(6) % 3
+
+    class Pairs(torch.utils.data.Dataset):   # a Dataset fastdata cannot convert: read through __getitem__
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            return torch.from_numpy(images[i]).permute(2, 0, 1), int(labels[i])
+
+    for name, data in (("arrays", ArraySource(images, labels)), ("dataset", Pairs())):
+        out = tmp_path / name
+        pack(data, out, shard_size="1KB", workers=0, progress=False)
+        idx = read_index(out)
+        assert idx.labels.tolist() == labels.tolist(), name
+        for i in range(6):
+            blob = (out / idx.shards[idx.shard[i]].name).read_bytes()
+            decoded = np.asarray(Image.open(io.BytesIO(blob[idx.offset[i]: idx.offset[i] + idx.size[i]])))
+            assert np.array_equal(decoded, images[i]), name
+    with pytest.raises(ValueError, match="split applies to a source given by path"):
+        pack(ArraySource(images, labels), tmp_path / "x", split="test", progress=False)
+
+
+def test_ranks_pack_disjoint_shards_and_rank_0_merges_their_parts(photos, tmp_path):
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    pack(photos, single, shard_size="4KB", workers=0, progress=False)
+    with pytest.raises(TimeoutError, match=r"ranks \[1\].*index.rank1.json"):
+        pack(photos, tmp_path / "alone", shard_size="4KB", workers=0, progress=False, rank=0, world_size=2,
+             timeout=0.2)
+    r1 = pack(photos, multi, shard_size="4KB", workers=0, progress=False, rank=1, world_size=2)
+    assert r1.index is None and (multi / "index.rank1.json").exists()
+    written_by_1 = sorted(p.name for p in multi.glob("*.tar"))
+    assert written_by_1 == [f"shard-{j:06d}.tar" for j in range(1, r1.shards, 2)]
+    r0 = pack(photos, multi, shard_size="4KB", workers=0, progress=False, rank=0, world_size=2, timeout=30)
+    assert r0.index == multi / "index.json" and r0.written == (r0.shards + 1) // 2
+    assert (multi / "index.json").read_bytes() == (single / "index.json").read_bytes()
+    assert not list(multi.glob("index.rank*.json"))
+
+
+def test_ranks_in_two_processes_at_once(photos, tmp_path):
+    out = tmp_path / "out"
+    code = ("import sys; from fastdata.shards import pack; "
+            f"pack({str(photos)!r}, {str(out)!r}, shard_size='4KB', workers=0, progress=False, "
+            "rank=int(sys.argv[1]), world_size=2, timeout=60)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=REPO) for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert len(read_index(out)) == len(_originals(photos)[0])
+
+
+# ------------------------------------------------------------------------------ index validation
+@pytest.fixture
+def index_doc(photos, tmp_path):
+    out = tmp_path / "out"
+    pack(photos, out, shard_size="10KB", workers=0, progress=False)   # several samples per shard
+    doc = json.loads((out / "index.json").read_text())
+    assert len(doc["shards"]) > 1 and max(s["samples"] for s in doc["shards"]) > 2
+    return doc
+
+
+def _parse(doc, **kw):
+    return parse_index(json.dumps(doc), "https://example.org/data/index.json", **kw)
+
+
+def test_a_valid_index_parses(index_doc):
+    idx = _parse(index_doc)
+    assert len(idx) == index_doc["num_samples"] and idx.member(0) == "00000000.jpg"
+
+
+@pytest.mark.parametrize("name", ["../escape.tar", "/etc/passwd", "a\\b.tar", "", "a/../../b.tar", "c:x.tar",
+                                  "./x.tar", "a//b.tar"])
+def test_shard_names_that_would_leave_the_folder_are_refused_naming_them(index_doc, name):
+    index_doc["shards"][1]["name"] = name
+    with pytest.raises(BadIndex, match=r"index.json.*shards\[1\]\.name"):
+        _parse(index_doc)
+
+
+def test_not_json_is_refused_and_a_pickle_is_never_loaded(tmp_path):
+    import pickle
+
+    with pytest.raises(BadIndex, match="not JSON.*pickle"):
+        parse_index(pickle.dumps({"format": "fastdata-shards"}), "idx.json")
+    with pytest.raises(BadIndex, match="format is"):
+        parse_index(b"{}", "idx.json")
+
+
+def _set(doc, field, i, value):
+    doc["samples"][field][i] = value
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: _set(d, "offset", 1, -512), r"sample 1 \(samples.offset\)"),
+    (lambda d: _set(d, "offset", 1, d["samples"]["offset"][1] + 7), r"sample 1 \(samples.offset\).*multiple of 512"),
+    (lambda d: _set(d, "offset", 0, 0), r"sample 0 \(samples.offset\)"),
+    (lambda d: _set(d, "offset", 2, d["shards"][d["samples"]["shard"][2]]["size"]),
+     r"sample 2 \(samples.offset/size\).*past the end"),
+    (lambda d: _set(d, "size", 1, -3), r"sample 1 \(samples.size\)"),
+    (lambda d: _set(d, "size", 3, 10**9), r"sample 3 \(samples.size\)"),
+    (lambda d: _set(d, "label", 0, 3), r"sample 0 \(samples.label\).*outside \[0, 3\)"),
+    (lambda d: _set(d, "offset", 4, "12"), r"samples.offset must hold 64-bit integers; entry 4"),
+    (lambda d: d.update(num_samples=d["num_samples"] + 1), "num_samples"),
+    (lambda d: d["shards"][0].update(samples=d["shards"][0]["samples"] + 1), r"samples"),
+    (lambda d: d["samples"]["label"].pop(), r"samples.label has \d+ entries"),
+    (lambda d: d["shards"][0].update(size=-512), r"shards\[0\].size"),
+    (lambda d: d["shards"][0].update(sha256="zz"), r"shards\[0\].sha256"),
+    (lambda d: d["shards"][1].update(name=d["shards"][0]["name"]), "appears twice"),
+    (lambda d: d.update(version=99), "version is 99"),
+])
+def test_lying_fields_are_refused_naming_the_index_and_the_field(index_doc, edit, match):
+    edit(index_doc)
+    with pytest.raises(BadIndex, match=r"^shard index 'https://example.org/data/index.json'") as info:
+        _parse(index_doc)
+    assert info.match(match)
+
+
+def test_members_overlapping_another_sample_are_refused(index_doc):
+    # Two samples in one shard: the second's data moved onto the first's.
+    shard = index_doc["samples"]["shard"]
+    i = next(k for k in range(1, len(shard)) if shard[k] == shard[k - 1])
+    index_doc["samples"]["offset"][i] = index_doc["samples"]["offset"][i - 1]
+    with pytest.raises(BadIndex, match=rf"sample ({i}|{i - 1}) \(samples.offset\).*overlaps"):
+        _parse(index_doc)
+
+
+def test_a_member_past_the_image_size_limit_is_refused(index_doc):
+    biggest = max(index_doc["samples"]["size"])
+    _parse(index_doc, max_member_bytes=biggest)
+    with pytest.raises(BadIndex, match="past the image limit"):
+        _parse(index_doc, max_member_bytes=biggest - 1)
+
+
+def test_dali_index_text_refuses_whitespace_in_member_names():
+    assert dali_index_text([[("cls", 512, 1, "0.cls"), ("jpg", 1536, 9, "0.jpg")]]) == \
+        "v1.2 1\ncls 512 1 0.cls jpg 1536 9 0.jpg\n"
+    with pytest.raises(ValueError, match="whitespace"):
+        dali_index_text([[("jpg", 512, 9, "a b.jpg")]])
+
+
+def test_read_index_takes_the_folder_or_the_file(index_doc, tmp_path):
+    assert len(read_index(tmp_path / "out")) == len(read_index(tmp_path / "out" / shard_index.INDEX_NAME))
+
+
+# ---------------------------------------------------------------------------------------- command line
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "fastdata", "pack", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_packs_a_folder_end_to_end(photos, tmp_path):
+    out = tmp_path / "out"
+    run = _cli(photos, out, "--shard-size", "4KB", "--workers", "1", "--no-progress")
+    assert run.returncode == 0, run.stderr
+    assert "index.json" in run.stdout
+    assert len(read_index(out)) == len(_originals(photos)[0])
+
+
+@pytest.mark.parametrize("args, rc, match", [
+    (["--shard-size", "12XB"], 2, "argument --shard-size: shard size '12XB' is not a size"),
+    (["--max-side", "0"], 2, "argument --max-side: must be an integer >= 1"),
+    (["--split", "val"], 2, "argument --split: invalid choice"),
+    (["--split", "test"], 1, "--split test applies to MNIST and digits"),
+])
+def test_cli_bad_arguments_are_one_line_errors(photos, tmp_path, args, rc, match):
+    run = _cli(photos, tmp_path / "out", *args)
+    assert run.returncode == rc
+    last = run.stderr.strip().splitlines()
+    assert match in last[-1] and "Traceback" not in run.stderr
+
+
+def test_cli_missing_source_and_a_file_as_out_are_one_line_errors(photos, tmp_path):
+    run = _cli(tmp_path / "nowhere", tmp_path / "out")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("error: fastdata pack: SOURCE")
+    (tmp_path / "file").write_text("x")
+    run = _cli(photos, tmp_path / "file")
+    assert run.returncode == 2 and "argument OUT: " in run.stderr and "is a file" in run.stderr
