@@ -335,6 +335,30 @@ def test_ranks_in_two_processes_at_once(photos, tmp_path):
     assert len(read_index(out)) == len(_originals(photos)[0])
 
 
+def test_under_a_process_group_every_rank_returns_once_the_index_exists(photos, tmp_path):
+    out = tmp_path / "out"
+    code = textwrap.dedent(f"""
+        import importlib, os, sys, time
+        import torch.distributed as dist
+        from fastdata.shards import pack
+        rank = int(sys.argv[1])
+        m = importlib.import_module("fastdata.shards.pack")
+        real = m._write_index
+        def slow_write(*args):   # rank 0 takes its time: the other rank must not return before it is done
+            time.sleep(1.0)
+            return real(*args)
+        m._write_index = slow_write
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=rank, world_size=2)
+        report = pack({str(photos)!r}, {str(out)!r}, shard_size="4KB", workers=0, progress=False)
+        assert os.path.exists({str(out / 'index.json')!r}), rank    # rank 1 too: it may read it next
+        assert (report.index is not None) == (rank == 0)
+        dist.destroy_process_group()
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=REPO) for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert len(read_index(out)) == len(_originals(photos)[0])
+
+
 # ------------------------------------------------------------------------------ index validation
 @pytest.fixture
 def index_doc(photos, tmp_path):

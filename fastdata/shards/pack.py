@@ -431,7 +431,7 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     bar = tqdm(total=sum(p.stop - p.start for p in mine), unit="img", disable=not progress,
                desc=f"pack {out.name}" + (f" rank {rank}/{world}" if world > 1 else ""))
     bar.update(sum(r["samples"] for r in records.values()))
-    n_workers = min(len(todo), workers if workers is not None else len(os.sched_getaffinity(0)))
+    n_workers = min(len(todo), workers if workers is not None else _usable_cores())
     try:
         if n_workers <= 1:
             for plan in todo:
@@ -459,17 +459,26 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
               "plan": hashlib.sha256("\n".join(p.identity for p in plans).encode()).hexdigest()}
     report = PackReport(out=out, index=None, shards=len(plans), written=len(todo),
                         skipped=len(mine) - len(todo), samples=n)
-    if world > 1:
-        write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank,
-                                                           "records": [records[p.index] for p in mine]})
-        _barrier()
-        if rank != 0:
-            return report
+    if world == 1:
+        report.index = _write_index(out, source, plans, records, key_width, split, shard_size, max_side)
+        return report
+    write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank,
+                                                       "records": [records[p.index] for p in mine]})
+    _barrier()
+    if rank == 0:
         records = _merge_parts(out, world, config, timeout)
-    report.index = _write_index(out, source, plans, records, key_width, split, shard_size, max_side)
-    for r in range(world if world > 1 else 0):
-        (out / f"index.rank{r}.json").unlink(missing_ok=True)
+        report.index = _write_index(out, source, plans, records, key_width, split, shard_size, max_side)
+        for r in range(world):
+            (out / f"index.rank{r}.json").unlink(missing_ok=True)
+    # With a process group every rank returns once the index exists (a rank may read it next); without
+    # one, the other ranks return after writing their part and rank 0 alone waits.
+    _barrier()
     return report
+
+
+def _usable_cores() -> int:
+    # The cores this process may run on (a container's or a job's share), not the machine's.
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _barrier() -> None:
