@@ -1,6 +1,12 @@
-"""A small CNN for digits: ≥99% on MNIST in a few GPU epochs, and quick enough to train on two CPU cores."""
+"""Models for training and benchmarks: a small CNN for digits (≥99% on MNIST in a few GPU epochs, quick enough
+to train on two CPU cores), classifiers by name (``create_model``), and gradient checkpointing over a
+model's sequential blocks (``checkpoint_blocks``)."""
 from __future__ import annotations
 
+import contextlib
+import functools
+
+import torch
 from torch import nn
 
 
@@ -113,3 +119,127 @@ def _built(call: str, build) -> nn.Module:
     except Exception as e:
         lines = str(e).strip().splitlines()
         raise ValueError(f"{call} failed: {type(e).__name__}" + (f": {lines[0]}" if lines else "")) from e
+
+
+# ------------------------------------------------------------------------ gradient checkpointing
+_SUPPORTED = ("SmallCNN (its features), a torchvision ResNet/ResNeXt/Wide ResNet (layer1..layer4), an "
+              "nn.Sequential (its children), or a timm model with set_grad_checkpointing()")
+
+
+def checkpoint_blocks(model: nn.Module, *, segments: int | None = None) -> nn.Module:
+    """Turn on gradient checkpointing over ``model``'s sequential blocks; returns ``model`` (changed in place).
+
+    A checkpointed block keeps only its input for the backward pass and runs its forward again there:
+    activation memory falls to about one block's worth plus the block boundaries, for roughly one
+    extra forward of compute (~30% more step time). It is what lets a large batch or a large model
+    fit on a small GPU when accumulation (``fit(accumulate=N)``) is not enough.
+
+    What is split: ``SmallCNN``'s ``features``; a torchvision ResNet's ``layer1``..``layer4`` (each block
+    of each layer); an ``nn.Sequential``'s children. A timm model is handed to its own
+    ``set_grad_checkpointing(True)``. Uses ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``,
+    which needs no input that requires grad and works with DDP, autocast and ``torch.compile``.
+
+    The model's ``state_dict`` keys, ``deepcopy`` and pickling are unchanged: the Sequentials only change
+    class (to a subclass whose forward checkpoints), no wrapper module is inserted. Under ``no_grad``
+    (evaluation) the forward runs as before. BatchNorm running statistics are updated once per step,
+    as without checkpointing: the recomputation in backward restores them (a plain checkpoint would
+    apply the momentum twice and drift the statistics used in evaluation).
+
+    Args:
+        model: the unwrapped model (before DDP or ``torch.compile``).
+        segments: checkpointed chunks per Sequential (consecutive blocks grouped); None: one per block,
+            the most memory saved. Fewer segments store fewer boundaries but recompute longer chunks.
+
+    Raises:
+        ValueError: a model of another kind (naming its type and the kinds supported), or a bad ``segments``.
+
+    How ``fit(gradient_checkpointing=True)`` wires it: ``checkpoint_blocks(raw)`` on the unwrapped model
+    in ``TrainStep.build``, before ``wrap`` (DDP, compile).
+    """
+    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
+        raise ValueError(f"segments must be a positive int (chunks per Sequential) or None (one per block), "
+                         f"got {segments!r}")
+    if hasattr(model, "set_grad_checkpointing"):
+        # timm's own switch knows each architecture's stages (and its own segment layout).
+        model.set_grad_checkpointing(True)
+        return model
+    if isinstance(model, SmallCNN):
+        targets = [model.features]
+    elif all(isinstance(getattr(model, f"layer{i}", None), nn.Sequential) for i in range(1, 5)):
+        targets = [getattr(model, f"layer{i}") for i in range(1, 5)]
+    elif isinstance(model, nn.Sequential):
+        targets = [model]
+    else:
+        raise ValueError(f"checkpoint_blocks cannot split a {type(model).__module__}.{type(model).__name__} into "
+                         f"blocks; it supports {_SUPPORTED}. For another model, wrap its blocks' calls in "
+                         f"torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) in its forward")
+    for seq in targets:
+        if not isinstance(seq, CheckpointedSequential):
+            seq.__class__ = _checkpointed_class(type(seq))
+        seq.checkpoint_segments = segments
+    return model
+
+
+class CheckpointedSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose forward checkpoints its blocks while gradients are recorded.
+
+    Made by ``checkpoint_blocks`` (which swaps a Sequential's class to this one); not built directly.
+    ``checkpoint_segments``: chunks of consecutive blocks, each one checkpoint (None: one per block).
+    """
+
+    checkpoint_segments: int | None = None
+
+    def forward(self, x):
+        """The blocks in order; each chunk under ``torch.utils.checkpoint`` when grad is enabled."""
+        blocks = list(self)
+        if not torch.is_grad_enabled() or not blocks:
+            return super().forward(x)
+        from torch.utils.checkpoint import checkpoint
+
+        n = len(blocks) if self.checkpoint_segments is None else min(self.checkpoint_segments, len(blocks))
+        bounds = [round(i * len(blocks) / n) for i in range(n + 1)]
+        for start, end in zip(bounds, bounds[1:]):
+            chunk = blocks[start:end]
+            x = checkpoint(_run_chunk, chunk, x, use_reentrant=False,
+                           context_fn=functools.partial(_contexts, chunk))
+        return x
+
+
+def _run_chunk(chunk, x):
+    for block in chunk:
+        x = block(x)
+    return x
+
+
+def _contexts(chunk):
+    return contextlib.nullcontext(), _frozen_batchnorm_stats(chunk)
+
+
+@contextlib.contextmanager
+def _frozen_batchnorm_stats(chunk):
+    """During the recomputation: put BatchNorm running statistics back as they were, so the momentum
+    is applied once per step (the forward already did), not twice."""
+    norms = [m for block in chunk for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             and m.track_running_stats and m.running_mean is not None]
+    saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (mean, var, count) in zip(norms, saved):
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                m.num_batches_tracked.copy_(count)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _checkpointed_class(base: type) -> type:
+    """``CheckpointedSequential`` itself for a plain Sequential; for a Sequential subclass, a class deriving
+    from both (its own methods kept, the checkpointing forward first)."""
+    if base is nn.Sequential:
+        return CheckpointedSequential
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Checkpointed{base.__name__}", (CheckpointedSequential, base), {})
+    return _CLASSES[base]
