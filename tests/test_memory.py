@@ -754,6 +754,159 @@ def test_bench_cache_quick_run_writes_its_reports(tmp_path):
     assert "| threads build >= 2x faster than processes" in (tmp_path / "out" / "cache-t.md").read_text()
 
 
+def test_read_ahead_reads_the_next_item_while_the_caller_works_on_this_one():
+    """The GPU cache build read, parsed and decoded one group at a time: read_ahead reads group k+1 on a
+    host thread while the caller decodes group k, in order, at most ``ahead`` items ahead; a read's
+    error is raised at its item; leaving early ends the thread."""
+    import threading
+
+    from fastdata.backends.memory import read_ahead
+
+    started = {k: threading.Event() for k in range(6)}
+    threads = set()
+
+    def read(k):
+        started[k].set()
+        threads.add(threading.current_thread().name)
+        if k == 4:
+            raise OSError("unreadable group 4")
+        return k * 10
+
+    got = []
+    it = read_ahead(range(6), read)
+    with pytest.raises(OSError, match="unreadable group 4"):
+        for k, value in it:
+            # While the caller holds item k, item k+1 is read (wait for it: it must happen meanwhile),
+            # and nothing beyond it (ahead=1).
+            assert k == 3 or started[k + 1].wait(10), f"item {k + 1} was not read while {k} was worked on"
+            assert not started[k + 2].is_set() if k + 2 < 6 else True
+            got.append((k, value))
+    assert got == [(0, 0), (1, 10), (2, 20), (3, 30)]
+    assert threads == {"fastdata-read_0"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("fastdata-read")]
+    early = read_ahead(range(100), lambda k: k, ahead=3)
+    assert next(early) == (0, 0)
+    early.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("fastdata-read")]
+    with pytest.raises(ValueError, match="ahead must be an integer >= 1"):
+        next(read_ahead(range(3), read, ahead=0))
+
+
+def test_decoded_groups_are_released_after_their_event_once_the_next_group_is_queued(mixed_folder, monkeypatch):
+    """The CUDA logic of NvWholeDecoder, run with its CPU decoder and torch.cuda's events and stream
+    stubbed: group k's photos are held until group k+1's decode is queued, then released after waiting
+    for group k's event (not a stream or device synchronize); hold=True keeps the last group for the
+    next call, flush() releases it; the rows are the CPU build's."""
+    from types import SimpleNamespace
+
+    from fastdata.backends import memory
+
+    if memory._nvimgcodec() is None:
+        skip_missing("nvImageCodec is not installed")
+    log = []
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            self.n, Event.count = Event.count, Event.count + 1
+
+        def record(self, stream):
+            log.append(f"record {self.n}")
+
+        def synchronize(self):
+            log.append(f"wait {self.n}")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    src = ImageFolder(mixed_folder)
+    photos = memory.WholePhotos(src, 320)
+    nv = memory.NvWholeDecoder(photos, torch.device("cpu"))
+    nv.cuda, nv.max_call_bytes = True, 1          # the CUDA path; one photo per group
+    real = nv.decoder.decode
+
+    def decode(streams, **kw):
+        log.append("decode")
+        return real(streams, **kw)
+
+    nv.decoder = SimpleNamespace(decode=decode)
+    ids = [i for i, p in enumerate(src.paths)
+           if str(p).endswith(("class_000/img_00000.jpg", "class_000/img_00001.jpg", "rotated.jpg"))]
+    assert len(ids) == 3
+    rows = torch.zeros((len(ids), 320, 320, 3), dtype=torch.uint8)
+    sizes = np.zeros((len(ids), 4), np.int64)
+    assert nv.decode_rows(ids, rows, sizes, nv.read(ids), hold=True).all()
+    assert log == ["decode", "record 0", "decode", "wait 0", "record 1", "decode", "wait 1", "record 2"]
+    assert nv._held is not None
+    nv.flush()
+    assert log[-1] == "wait 2" and nv._held is None
+    log.clear()
+    assert nv.decode_rows(ids[:1], rows[:1], sizes[:1]).all()      # hold=False: released before return
+    assert log == ["decode", "record 3", "wait 3"] and nv._held is None
+    ref = torch.zeros_like(rows)
+    ref_sizes = np.zeros_like(sizes)
+    from PIL import JpegImagePlugin
+
+    # What the GPU path does, nvImageCodec decodes every JPEG in full (rotated.jpg is 2x the side).
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", lambda self, mode, size: None)
+    assert photos.decode_rows(ids, ref, ref_sizes).all()
+    assert torch.equal(rows, ref)
+    np.testing.assert_array_equal(sizes, ref_sizes)
+
+
+@pytest.mark.cuda
+def test_the_gpu_build_reads_ahead_and_orders_by_events(mixed_folder, monkeypatch):
+    """The GPU build reads a group's files on a host thread while the previous group decodes, and never
+    synchronizes the stream or the device (events order the work): every read but the first starts
+    before the previous group's decode returns, and the cache is the one built in a single group."""
+    import threading
+    import time
+
+    from fastdata.backends import memory
+
+    if memory._nvimgcodec() is None:
+        skip_missing("nvImageCodec is not installed")
+    monkeypatch.setattr(memory.NvWholeDecoder, "batch", 4)          # several groups from a small folder
+    src = ImageFolder(mixed_folder)
+    aug = Augmentation.imagenet_train(size=64)
+
+    def build():
+        return make_loader(src, "memory", batch_size=4, device="cuda", cache_size=160, augment=aug,
+                           drop_last=False)
+
+    log = []
+    real_read, real_decode = memory.NvWholeDecoder.read, memory.NvWholeDecoder.decode_rows
+
+    def read(self, ids):
+        log.append(("read", time.monotonic(), threading.current_thread().name))
+        time.sleep(0.05)                            # a slow disk: reading must overlap the decodes
+        return real_read(self, ids)
+
+    def decode_rows(self, *args, **kwargs):
+        start = time.monotonic()
+        out = real_decode(self, *args, **kwargs)
+        log.append(("decode", start, time.monotonic()))
+        return out
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("the GPU cache build synchronized")
+
+    with monkeypatch.context() as m:
+        m.setattr(memory.NvWholeDecoder, "read", read)
+        m.setattr(memory.NvWholeDecoder, "decode_rows", decode_rows)
+        m.setattr(torch.cuda, "synchronize", no_sync)
+        m.setattr(torch.cuda.Stream, "synchronize", no_sync)
+        got = build()
+    reads = [e for e in log if e[0] == "read"]
+    decodes = [e for e in log if e[0] == "decode"]
+    assert len(reads) == len(decodes) == -(-len(src) // 4) and all(r[2].startswith("fastdata-read") for r in reads)
+    # read k+1 starts before decode k ends
+    assert all(reads[k + 1][1] < decodes[k][2] for k in range(len(decodes) - 1))
+    monkeypatch.setattr(memory.NvWholeDecoder, "batch", 1000)       # one group: nothing to overlap
+    ref = build()
+    assert torch.equal(got.cache, ref.cache)
+
+
 @pytest.mark.parametrize("orientation", [3, 6, 8])
 def test_nvimgcodec_turns_exif_rotated_photos_as_pil_does(tmp_path, orientation):
     """A rotated JPEG smaller than twice the cached side is decoded by nvImageCodec itself (not handed
@@ -769,7 +922,7 @@ def test_nvimgcodec_turns_exif_rotated_photos_as_pil_does(tmp_path, orientation)
     Image.fromarray(_ramp(300, 700)).save(d / "r.jpg", quality=92, exif=exif.tobytes())
     photos = WholePhotos(ImageFolder(tmp_path), 400)
     nv = NvWholeDecoder(photos, torch.device("cpu"))
-    assert nv._stream(photos.source.paths[0]) is not None          # 700 < 2 x 400: nvImageCodec's
+    assert nv._stream(nv.read([0])[0]) is not None                 # 700 < 2 x 400: nvImageCodec's
     got, ref = torch.empty((1, 400, 400, 3), dtype=torch.uint8), torch.empty((1, 400, 400, 3), dtype=torch.uint8)
     s_got, s_ref = np.zeros((1, 4), np.int64), np.zeros((1, 4), np.int64)
     assert nv.decode_rows([0], got, s_got).all() and photos.decode_rows([0], ref, s_ref).all()

@@ -42,6 +42,7 @@ raises, naming the file. Arrays are not decoded: each rank's cache is its own ar
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -386,6 +387,31 @@ def resize_whole(t: torch.Tensor, side: int, *, via_float: bool | None = None,
     return y[0].round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 0)
 
 
+def read_ahead(items, read, *, ahead: int = 1, name: str = "fastdata-read"):
+    """``(item, read(item))`` for each of ``items`` in order, with ``read`` of the next ``ahead`` items
+    running on one host thread while the caller works on the current one: the GPU cache build reads
+    the next group's files while this group decodes. An error of ``read`` is raised at its item.
+    Leaving early (an error in the caller's work, ``close()``) cancels the reads not started and
+    waits for the one running (one group's files: bounded)."""
+    import collections
+    import itertools
+    from concurrent.futures import ThreadPoolExecutor
+
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+        raise ValueError(f"ahead must be an integer >= 1, got {ahead!r}")
+    items = iter(items)
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    pending = collections.deque((item, pool.submit(read, item)) for item in itertools.islice(items, ahead))
+    try:
+        while pending:
+            item, future = pending.popleft()
+            # The next read is queued before this one is waited for: it runs while the caller works.
+            pending.extend((nxt, pool.submit(read, nxt)) for nxt in itertools.islice(items, 1))
+            yield item, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 class NvWholeDecoder:
     """Whole photos decoded by nvImageCodec in batches, written into cache rows (``WholePhotos``'s
     ``decode_rows``, for ``cache_build="nvimgcodec"``).
@@ -444,14 +470,30 @@ class NvWholeDecoder:
                                       options="libjpeg_turbo_decoder:fancy_upsampling=1")
         self.params = nv.DecodeParams(apply_exif_orientation=True, color_spec=nv.ColorSpec.SRGB,
                                       sample_format=nv.SampleFormat.I_RGB)
+        #: CUDA: the last group's decoded photos and the event after the GPU work that reads them (see
+        #: _release), kept while the next group is decoded.
+        self._held = None
 
-    def _stream(self, path):
-        """nvImageCodec's parsed header of the file, or None when it is not one it should decode."""
+    def read(self, ids) -> list:
+        """The files' bytes (None for one that cannot be read: ``load_whole`` then names the problem):
+        the host's part of ``decode_rows``, which a caller may do ahead on another thread."""
+        paths, out = self.photos.source.paths, []
+        for i in ids:
+            try:
+                with open(paths[i], "rb") as f:
+                    out.append(f.read())
+            except OSError:
+                out.append(None)
+        return out
+
+    def _stream(self, data):
+        """nvImageCodec's parsed header of a file's bytes, or None when it is not one it should decode."""
         from PIL import Image
 
+        if data is None:
+            return None
         try:
-            with open(path, "rb") as f:
-                cs = self.nv.CodeStream(f.read())
+            cs = self.nv.CodeStream(data)
             limit = Image.MAX_IMAGE_PIXELS
             ok = (cs.codec_name == "jpeg" and cs.num_channels in (1, 3) and cs.precision == 8
                   and not (limit and cs.width * cs.height > limit))
@@ -471,14 +513,36 @@ class NvWholeDecoder:
             return torch.as_tensor(img, device=self.device)   # __cuda_array_interface__: no copy
         return np.asarray(img.cpu())
 
-    def decode_rows(self, ids, rows: torch.Tensor, sizes: np.ndarray) -> np.ndarray:
-        """As ``WholePhotos.decode_rows``, into torch rows on the decoder's device."""
+    def _release(self) -> None:
+        """Drop the decoded photos held since the last group, once the GPU work reading them is done.
+
+        Which stream nvImageCodec 0.9 frees an Image's buffer on is not documented (Image.cuda_stream
+        is the decode's, torch's current one, but the Python binding does not say it frees there), so
+        the photos go only after the event recorded behind their resizes and row copies. Waited for
+        after the NEXT group's decode is queued: the host reads, parses and queues group k+1 while the
+        GPU still works on group k (a stream synchronize per group serialized them), for at most two
+        groups' photos (2 x ``max_call_bytes``) on the GPU at once."""
+        if self._held is not None:
+            images, done = self._held
+            self._held = None
+            done.synchronize()
+            del images
+
+    def flush(self) -> None:
+        """Release what ``decode_rows(..., hold=True)`` kept (see ``_release``); call it at the end."""
+        self._release()
+
+    def decode_rows(self, ids, rows: torch.Tensor, sizes: np.ndarray, data: list | None = None, *,
+                    hold: bool = False) -> np.ndarray:
+        """As ``WholePhotos.decode_rows``, into torch rows on the decoder's device. ``data``: the files'
+        bytes already read (``read``), else read here. ``hold`` (CUDA): keep the last group's decoded
+        photos until the next call or ``flush()`` instead of waiting for its GPU work here."""
         from PIL import Image
 
         paths, side = self.photos.source.paths, self.photos.side
+        data = self.read(ids) if data is None else data
         streams, where, fallback = [], [], []
-        for j, i in enumerate(ids):
-            cs = self._stream(paths[i])
+        for j, cs in enumerate(map(self._stream, data)):
             if cs is None:
                 fallback.append(j)
             else:
@@ -490,30 +554,36 @@ class NvWholeDecoder:
         # On the CPU the rows are written through numpy: torch's strided uint8 copies into a slot's
         # sub-rectangle measured ~20 ms a photo here, numpy's well under 1 ms.
         host = rows if rows.is_cuda else rows.numpy()
-        for group in self._groups(streams):
-            images = self.decoder.decode([streams[k] for k in group], params=self.params, cuda_stream=stream)
-            for k, img in zip(group, images, strict=True):
-                j, t = where[k], self._pixels(img)
-                if t is None or t.ndim != 3 or t.shape[2] != 3:
-                    fallback.append(j)   # nvImageCodec gave up on it: PIL decodes it or names the problem
-                    continue
-                H, W = t.shape[:2]
-                if isinstance(t, torch.Tensor):
-                    small = resize_whole(t, side)
-                else:   # PIL's resize: measured as fast as torch's uint8 one here, the same pixels
-                    h, w = whole_size(H, W, side)
-                    small = t if (h, w) == (H, W) else np.asarray(Image.fromarray(t).resize((w, h), Image.BILINEAR))
-                place(host[j], small)
-                sizes[j] = (H, W, *small.shape[:2])
-                ok[j] = True
-            if self.cuda:
-                # The resizes and row copies above still read the decoded images on the GPU; which stream
-                # nvImageCodec 0.9 frees an Image's buffer on is not documented (Image.cuda_stream is
-                # the decode's, torch's current one, but the Python binding does not say it frees
-                # there), so the images go only once the work reading them is done: one wait per
-                # group of up to 64 photos while the cache is built, never per batch.
-                torch.cuda.current_stream(self.device).synchronize()
-            del images   # this group's decoded photos go before the next group's are allocated
+        try:
+            for group in self._groups(streams):
+                images = self.decoder.decode([streams[k] for k in group], params=self.params, cuda_stream=stream)
+                self._release()   # the previous group's photos: this decode is queued behind its work
+                for k, img in zip(group, images, strict=True):
+                    j, t = where[k], self._pixels(img)
+                    if t is None or t.ndim != 3 or t.shape[2] != 3:
+                        fallback.append(j)   # nvImageCodec gave up on it: PIL decodes it or names the problem
+                        continue
+                    H, W = t.shape[:2]
+                    if isinstance(t, torch.Tensor):
+                        small = resize_whole(t, side)
+                    else:   # PIL's resize: measured as fast as torch's uint8 one here, the same pixels
+                        h, w = whole_size(H, W, side)
+                        small = t if (h, w) == (H, W) else \
+                            np.asarray(Image.fromarray(t).resize((w, h), Image.BILINEAR))
+                    place(host[j], small)
+                    sizes[j] = (H, W, *small.shape[:2])
+                    ok[j] = True
+                # No view of a decoded photo may outlive its group (a tensor keeps its Image alive): the
+                # photos go in _release, after their event, and nowhere else.
+                img = t = small = None
+                if self.cuda:
+                    done = torch.cuda.Event()
+                    done.record(torch.cuda.current_stream(self.device))
+                    self._held = (images, done)
+                del images
+        finally:
+            if not hold:
+                self._release()
         for j in sorted(fallback):
             try:
                 arr, H, W = load_whole(paths[ids[j]], side)
@@ -846,8 +916,21 @@ class MemoryLoader(Loader):
         workers = len(os.sched_getaffinity(0)) if workers is None else workers
         chunk = self._THREAD_CHUNK
         if nv and out.is_cuda:
-            # The GPU decodes a whole batch per call: one thread, batches of NvWholeDecoder.batch.
-            workers, chunk = 0, NvWholeDecoder.batch
+            # The GPU decodes a whole batch per call, on this thread; the next batch's files are read on
+            # a host thread meanwhile (read_ahead), and the GPU work is ordered by events, not waited
+            # for per group (NvWholeDecoder._release).
+            chunk = NvWholeDecoder.batch
+            gpu = rows_decoder()
+            spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+            # closing: a DecodeError's traceback would keep the generator, and its read thread, alive.
+            groups = contextlib.closing(read_ahead(spans, lambda span: gpu.read(range(lo + span[0], lo + span[1]))))
+            try:
+                with groups as files:
+                    for (a, b), data in files:
+                        ok[a:b] = gpu.decode_rows(np.arange(lo + a, lo + b), out[a:b], sizes[a:b], data, hold=True)
+            finally:
+                gpu.flush()
+            return _compact(out, ok, sizes, lo, applied=self._applied)
         spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
         if workers == 0 or len(spans) <= 1:
             for a, b in spans:
