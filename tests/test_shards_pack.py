@@ -231,6 +231,27 @@ def test_a_damaged_finished_shard_is_rewritten(photos, tmp_path):
     assert report.written == 1 and first.read_bytes() == good
 
 
+def test_a_repack_with_fewer_shards_removes_the_earlier_plans_extra_shards(photos, tmp_path):
+    out = tmp_path / "out"
+    many = pack(photos, out, shard_size="4KB", workers=0, progress=False).shards
+    few = pack(photos, out, shard_size="1MB", workers=0, progress=False).shards
+    assert few == 1 < many
+    assert [Path(p).name for p in _tars(out)] == ["shard-000000.tar"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.idx", "shard-000000.json",
+                                                     "shard-000000.tar"]
+    import webdataset as wds
+
+    keys = [s["__key__"] for s in wds.WebDataset(_tars(out), shardshuffle=False, empty_check=False)]
+    assert sorted(keys) == [f"{i:08d}" for i in range(len(_originals(photos)[0]))]   # each sample once
+
+
+def test_a_member_past_the_image_limit_is_refused_when_packing_naming_the_file(photos, tmp_path, monkeypatch):
+    monkeypatch.setattr(pack_module, "MAX_MEMBER_BYTES", 20_000)
+    with pytest.raises(ValueError, match=r"zbig\.jpg'\) is [\d,]+ bytes, past the image limit of 20,000 bytes"):
+        pack(photos, tmp_path / "out", workers=0, progress=False)
+    pack(photos, tmp_path / "out", max_side=64, workers=0, progress=False)   # re-encoded, it fits
+
+
 def test_max_side_re_encodes_larger_photos_upright_and_keeps_small_ones(photos, tmp_path):
     out = tmp_path / "out"
     pack(photos, out, max_side=64, workers=0, progress=False)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .index import INDEX_NAME, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
+from .index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 
 #: Bumped when the bytes a plan produces change, so a re-run does not keep shards packed the old way.
 PACK_VERSION = 1
@@ -160,6 +160,10 @@ class _Reader:
             h.update(self.source.fingerprint().encode())
         return h.hexdigest()
 
+    def describe(self, i: int) -> str:
+        """How errors name sample ``i``: its file, or its index in the source."""
+        return f"'{self.source.paths[i]}'" if self.kind == "files" else f"{self.source.name}[{i}]"
+
     def read(self, i: int) -> tuple[str, bytes, int]:
         """(extension, image bytes, label) of sample ``i``."""
         label = int(self.labels[i])
@@ -253,6 +257,10 @@ def write_shard(reader: _Reader, plan: ShardPlan, out: str, key_width: int, prog
             with tarfile.open(fileobj=hashed, mode="w", format=tarfile.USTAR_FORMAT) as tar:
                 for i in range(plan.start, plan.stop):
                     ext, data, label = reader.read(i)
+                    if len(data) > MAX_MEMBER_BYTES:   # read_index would refuse the whole index for it
+                        raise ValueError(f"pack: sample {i} ({reader.describe(i)}) is {len(data):,} bytes, past the "
+                                         f"image limit of {MAX_MEMBER_BYTES:,} bytes that shard readers accept; "
+                                         f"re-encode large photos with max_side (--max-side)")
                     key = f"{i:0{key_width}d}"
                     members = sorted([(ext, data), ("cls", str(label).encode())])
                     entry = []
@@ -431,7 +439,9 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     bar = tqdm(total=sum(p.stop - p.start for p in mine), unit="img", disable=not progress,
                desc=f"pack {out.name}" + (f" rank {rank}/{world}" if world > 1 else ""))
     bar.update(sum(r["samples"] for r in records.values()))
-    n_workers = min(len(todo), workers if workers is not None else _usable_cores())
+    # By default the ranks of one node share its cores rather than each starting a process per core.
+    per_rank = max(1, _usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    n_workers = min(len(todo), workers if workers is not None else per_rank)
     try:
         if n_workers <= 1:
             for plan in todo:
@@ -545,7 +555,20 @@ def _write_index(out: Path, source, plans: list[ShardPlan], records: dict, key_w
                                   "ext": [code[e] for e in ext_names], "label": labels})
     path = out / INDEX_NAME
     write_json_atomic(path, doc)
+    _remove_unplanned(out, plans)
     return path
+
+
+_SHARD_FILE = re.compile(r"shard-\d+\.(tar|idx|json)\Z")
+
+
+def _remove_unplanned(out: Path, plans: list[ShardPlan]) -> None:
+    """Delete shard files an earlier pack into ``out`` left beyond this plan (another shard size made
+    more shards): a reader that lists ``*.tar`` (webdataset, DALI) would read their samples twice."""
+    planned = {os.path.splitext(p.name)[0] for p in plans}
+    for entry in os.scandir(out):
+        if _SHARD_FILE.match(entry.name) and os.path.splitext(entry.name)[0] not in planned:
+            os.remove(entry.path)
 
 
 def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
