@@ -19,8 +19,9 @@ import torch
 from fastdata import cli, make_loader
 from fastdata.batch_transforms import BatchTransform, Cutout
 from fastdata.datasets import SyntheticDigits
-from fastdata.engine import fit, report_run, run_result
+from fastdata.engine import fit
 from fastdata.models import SmallCNN
+from fastdata.report import report_run, run_result
 
 
 @dataclass(frozen=True)  # frozen: one object serves every batch (and every DataLoader worker)
@@ -65,7 +66,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
 
 def main(args) -> dict:
-    """Train and evaluate as ``args`` says; return the run's result (``fastdata.engine.run_result``)."""
+    """Train and evaluate as ``args`` says; return the run's result (``fastdata.report.run_result``)."""
     torch.manual_seed(args.seed)
     train_src = SyntheticDigits(args.limit, train=True, seed=args.seed)
     test_src = SyntheticDigits(max(args.limit // 5, 1), train=False, seed=args.seed)

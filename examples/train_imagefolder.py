@@ -21,7 +21,8 @@ from fastdata import Augmentation, cli, make_loader
 from fastdata import distributed as fdist
 from fastdata.checkpoint import CheckpointError
 from fastdata.datasets import ImageFolder
-from fastdata.engine import AMP_CHOICES, fit, report_run, resolve_scheduler_interval, run_result
+from fastdata.engine import AMP_CHOICES, fit, resolve_scheduler_interval
+from fastdata.report import report_run, run_result
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -69,7 +70,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> t
 
 
 def main(args) -> dict:
-    """Train (and validate) as ``args`` says; return the run's result (``fastdata.engine.run_result``)."""
+    """Train (and validate) as ``args`` says; return the run's result (``fastdata.report.run_result``)."""
     import torchvision
 
     cli.check_training_args(get_args_parser(), args)   # --resume, output paths: before any work

@@ -34,8 +34,9 @@ from fastdata import cli, make_loader
 from fastdata import distributed as fdist
 from fastdata.checkpoint import CheckpointError
 from fastdata.datasets import MNIST, ArraySource, SyntheticDigits
-from fastdata.engine import AMP_CHOICES, fit, report_run, resolve_scheduler_interval, run_result
+from fastdata.engine import AMP_CHOICES, fit, resolve_scheduler_interval
 from fastdata.models import SmallCNN
+from fastdata.report import report_run, run_result
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -156,7 +157,7 @@ def _first(source, n):
 
 
 def main(args) -> dict:
-    """Train and evaluate as ``args`` says; return the run's result (``fastdata.engine.run_result``)."""
+    """Train and evaluate as ``args`` says; return the run's result (``fastdata.report.run_result``)."""
     cli.check_training_args(get_args_parser(), args)   # --resume, output paths: before any work
     device = fdist.init_distributed(args.device)
     ok = False  # a failed rank must not wait at a barrier its peers may never reach

@@ -3,8 +3,8 @@
 ``fit`` is split the way torchvision's references split ``train.py``: ``train_one_epoch`` runs the
 steps into an ``EpochMeter`` (device-side sums, data wait, CUDA event pairs), which yields the
 ``epoch_record``; a ``TrainingState`` saves and restores everything a resume needs, with the loader's
-``state_dict`` as the one record of the position. ``run_result``/``write_json`` are the examples'
-shared tail.
+``state_dict`` as the one record of the position. The examples' shared tail (``run_result``,
+``report_run``, ``write_result``) lives in ``fastdata.report``, above this module.
 
 The loop says ``for images, labels in loader`` and nothing else about data: batches arrive on
 ``loader.device`` already normalized, so any backend (or any object honouring the loader contract:
@@ -38,7 +38,6 @@ import os
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -89,8 +88,8 @@ def _user_stacklevel() -> int:
 
 def resolve_amp(amp: str, device: torch.device, *, warn: bool = True) -> str:
     """``choose_amp`` with this machine's capabilities filled in. ``warn``: say once per process that
-    fp16 on the CPU is slow, at the user's line (``_user_stacklevel``); ``run_result`` only records the
-    mode."""
+    fp16 on the CPU is slow, at the user's line (``_user_stacklevel``); ``report.run_result`` only records
+    the mode."""
     device = torch.device(device)
     bf16 = False
     if device.type == "cuda":
@@ -1127,99 +1126,6 @@ def format_record(r: dict, epochs: int | None = None) -> str:
         parts.append(f"gpu idle {r['gpu_idle_fraction']:.1%}")
     parts += [f"peak mem {r['peak_memory_mb']:,.0f} MB", f"{r['seconds']:.1f} s"]
     return "  ".join(parts)
-
-
-def summarize(history: list[dict]) -> dict:
-    """Whole-run figures from ``fit``'s records: time-weighted means and the final eval accuracy."""
-    seconds = sum(r["seconds"] for r in history)
-
-    def weighted(key):
-        if not history or seconds <= 0 or any(r[key] is None for r in history):
-            return None
-        return sum(r[key] * r["seconds"] for r in history) / seconds
-
-    return {
-        "train_seconds": seconds,
-        "images_per_second": weighted("images_per_second"),
-        "data_wait_fraction": weighted("data_wait_fraction"),
-        "gpu_idle_fraction": weighted("gpu_idle_fraction"),
-        "peak_memory_mb": max((r["peak_memory_mb"] for r in history), default=None),
-        "final_train_loss": history[-1]["train_loss"] if history else None,
-        "test_accuracy": history[-1]["eval_accuracy"] if history else None,
-    }
-
-
-# ------------------------------------------------------------------------------ examples' tail
-def run_result(history: list[dict], *, train_loader, backend: str, device, amp: str, wall_seconds: float,
-               config: dict | None = None, **details) -> dict:
-    """A training script's result as one JSON-ready dict: what ran, the whole-run figures, the epochs.
-
-    Keys: ``backend`` (the one that ran: ``auto`` names its choice), ``backend_requested``,
-    ``device``, ``world_size``, then ``details`` in the caller's order (dataset, epochs, batch size,
-    ...), ``config`` when given (the run's configuration as the script was told it: its flags and the
-    values they resolved to, made JSON-ready by ``jsonable``), ``amp`` (the precision used),
-    ``summarize(history)``'s figures, ``wall_seconds`` and ``history`` (``fit``'s records, each with
-    its ``lr``).
-    """
-    device = torch.device(device)
-    return {
-        # A contract object that is not a fastdata loader may have no name: the requested one stands.
-        "backend": getattr(train_loader, "name", backend),
-        "backend_requested": backend,
-        "device": str(device),
-        "world_size": fdist.world_size(),
-        **details,
-        **({"config": jsonable(config)} if config is not None else {}),
-        "amp": resolve_amp(amp, device, warn=False),
-        **summarize(history),
-        "wall_seconds": wall_seconds,
-        "history": history,
-    }
-
-
-def jsonable(value):
-    """``value`` as plain JSON types: a dataclass (an ``Augmentation``) becomes a dict of its fields, an
-    enum its value, a tuple a list, a ``torch.dtype``/``torch.device``/path its string; anything else
-    that JSON cannot hold its ``repr``."""
-    import dataclasses
-    import enum
-
-    if value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
-        return value
-    if isinstance(value, enum.Enum):
-        return jsonable(value.value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (torch.dtype, torch.device, os.PathLike)):
-        return str(value)
-    return repr(value)
-
-
-def write_json(result: dict, path) -> Path:
-    """Write ``result`` to ``path`` as indented JSON, creating its folder; returns the path. Standard
-    JSON: a figure that is NaN (a diverged loss, nothing evaluated) is written as null."""
-    from .report import write_json as write_atomically
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, result)
-    return path
-
-
-def report_run(result: dict, *, accuracy_name: str, json_out=None) -> None:
-    """Rank 0 prints the run's one line (final accuracy, training time, backend) and writes
-    ``json_out`` when given; the other ranks stay silent, so a torchrun log holds one copy."""
-    if not fdist.is_main():
-        return
-    acc = result["test_accuracy"]
-    print(f"{accuracy_name} {acc:.2%}" if acc is not None else f"{accuracy_name}: none (nothing was evaluated)",
-          f"| {result['train_seconds']:.1f} s training, backend {result['backend']}", flush=True)
-    if json_out:
-        write_json(result, json_out)
 
 
 # -------------------------------------------------------------------------------------- helpers

@@ -273,3 +273,110 @@ def write_reports(out_dir, stem: str, *, title: str, machine: dict, command: str
         del paths["png"]
     print("\nwrote " + ", ".join(str(p) for p in paths.values()), flush=True)
     return {k: str(v) for k, v in paths.items()}
+
+
+# ------------------------------------------------------------------------- a training run's result
+# The examples' shared tail (issue 24): it sits above the engine (``run_result`` asks it which precision
+# ``amp`` resolved to), and the engine imports nothing of this module, so a training loop never pulls in
+# the report machinery. ``format_record``, the one-line form of an epoch record, stays in the engine:
+# ``fit`` prints it every epoch.
+def summarize(history: list[dict]) -> dict:
+    """Whole-run figures from ``fit``'s records: time-weighted means and the final eval accuracy."""
+    seconds = sum(r["seconds"] for r in history)
+
+    def weighted(key):
+        if not history or seconds <= 0 or any(r[key] is None for r in history):
+            return None
+        return sum(r[key] * r["seconds"] for r in history) / seconds
+
+    return {
+        "train_seconds": seconds,
+        "images_per_second": weighted("images_per_second"),
+        "data_wait_fraction": weighted("data_wait_fraction"),
+        "gpu_idle_fraction": weighted("gpu_idle_fraction"),
+        "peak_memory_mb": max((r["peak_memory_mb"] for r in history), default=None),
+        "final_train_loss": history[-1]["train_loss"] if history else None,
+        "test_accuracy": history[-1]["eval_accuracy"] if history else None,
+    }
+
+
+def run_result(history: list[dict], *, train_loader, backend: str, device, amp: str, wall_seconds: float,
+               config: dict | None = None, **details) -> dict:
+    """A training script's result as one JSON-ready dict: what ran, the whole-run figures, the epochs.
+
+    Keys: ``backend`` (the one that ran: ``auto`` names its choice), ``backend_requested``,
+    ``device``, ``world_size``, then ``details`` in the caller's order (dataset, epochs, batch size,
+    ...), ``config`` when given (the run's configuration as the script was told it: its flags and the
+    values they resolved to, made JSON-ready by ``jsonable``), ``amp`` (the precision used),
+    ``summarize(history)``'s figures, ``wall_seconds`` and ``history`` (``fit``'s records, each with
+    its ``lr``).
+    """
+    # Imported here: torch and the engine are needed only by a training run's report, not by the
+    # benchmarks' tables and charts that import this module.
+    import torch
+
+    from . import distributed as fdist
+    from .engine import resolve_amp
+
+    device = torch.device(device)
+    return {
+        # A contract object that is not a fastdata loader may have no name: the requested one stands.
+        "backend": getattr(train_loader, "name", backend),
+        "backend_requested": backend,
+        "device": str(device),
+        "world_size": fdist.world_size(),
+        **details,
+        **({"config": jsonable(config)} if config is not None else {}),
+        "amp": resolve_amp(amp, device, warn=False),
+        **summarize(history),
+        "wall_seconds": wall_seconds,
+        "history": history,
+    }
+
+
+def jsonable(value):
+    """``value`` as plain JSON types: a dataclass (an ``Augmentation``) becomes a dict of its fields, an
+    enum its value, a tuple a list, a ``torch.dtype``/``torch.device``/path its string; anything else
+    that JSON cannot hold its ``repr``."""
+    import dataclasses
+    import enum
+
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (torch.dtype, torch.device, os.PathLike)):
+        return str(value)
+    return repr(value)
+
+
+def write_result(result: dict, path) -> Path:
+    """Write a run's ``result`` to ``path`` as indented JSON, creating its folder; returns the path.
+    Standard JSON: a figure that is NaN (a diverged loss, nothing evaluated) is written as null. (It was
+    ``fastdata.engine.write_json(result, path)``; this module's ``write_json`` takes the path first.)"""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, result)
+    return path
+
+
+def report_run(result: dict, *, accuracy_name: str, json_out=None) -> None:
+    """Rank 0 prints the run's one line (final accuracy, training time, backend) and writes
+    ``json_out`` when given; the other ranks stay silent, so a torchrun log holds one copy."""
+    from . import distributed as fdist
+
+    if not fdist.is_main():
+        return
+    acc = result["test_accuracy"]
+    print(f"{accuracy_name} {acc:.2%}" if acc is not None else f"{accuracy_name}: none (nothing was evaluated)",
+          f"| {result['train_seconds']:.1f} s training, backend {result['backend']}", flush=True)
+    if json_out:
+        write_result(result, json_out)

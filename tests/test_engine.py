@@ -1,4 +1,3 @@
-import json
 import math
 from types import SimpleNamespace
 
@@ -22,15 +21,13 @@ from fastdata.engine import (
     evaluate,
     fit,
     format_record,
-    report_run,
     resolve_amp,
     resolve_scheduler_interval,
-    run_result,
-    summarize,
     train_one_epoch,
     wants_fused,
 )
 from fastdata.models import SmallCNN
+from fastdata.report import run_result
 
 BACKENDS = [b for b in available_backends() if b != "auto"]
 RECORD_KEYS = {"epoch", "train_loss", "train_accuracy", "eval_loss", "eval_accuracy", "lr", "images_per_second",
@@ -241,18 +238,6 @@ def test_idle_fraction_from_event_pairs():
     starts, ends = [Ev(0), Ev(10), Ev(25)], [Ev(8), Ev(20), Ev(30)]
     assert _idle_fraction(starts, ends) == pytest.approx((2 + 5) / 30)
     assert _idle_fraction([], []) is None
-
-
-def test_summarize_weights_by_time():
-    h = [{"seconds": 1.0, "images_per_second": 100.0, "data_wait_fraction": 0.5, "gpu_idle_fraction": None,
-          "peak_memory_mb": 10.0, "train_loss": 1.0, "eval_accuracy": 0.5},
-         {"seconds": 3.0, "images_per_second": 200.0, "data_wait_fraction": 0.1, "gpu_idle_fraction": None,
-          "peak_memory_mb": 30.0, "train_loss": 0.5, "eval_accuracy": 0.9}]
-    s = summarize(h)
-    assert s["train_seconds"] == 4.0
-    assert s["images_per_second"] == pytest.approx(175.0)
-    assert s["data_wait_fraction"] == pytest.approx(0.2)
-    assert s["gpu_idle_fraction"] is None and s["peak_memory_mb"] == 30.0 and s["test_accuracy"] == 0.9
 
 
 @pytest.mark.parametrize("kwargs, match", [({"epochs": -1}, "epochs"), ({"epochs": 1, "resume": True}, "checkpoint"),
@@ -902,36 +887,6 @@ def test_a_checkpoint_of_an_unknown_format_is_refused_with_the_formats_read(tmp_
                                          r"'fastdata-checkpoint-2'\]\)"):
         fit(SmallCNN(width=4), loader, epochs=2, checkpoint=path, resume=True, progress=False)
     assert loader.iters == 0
-
-
-# ------------------------------------------------------------------------------ examples' tail
-def test_run_result_and_report_run_are_the_examples_shared_tail(tmp_path, capsys):
-    history = [{"seconds": 2.0, "images_per_second": 100.0, "data_wait_fraction": 0.25, "gpu_idle_fraction": None,
-                "peak_memory_mb": 5.0, "train_loss": 0.5, "eval_accuracy": 0.75}]
-    loader = SimpleNamespace(name="memory")
-    config = {"lr": 0.1, "seed": 0, "workers": None, "augment": Augmentation.digits_train(),
-              "dtype": torch.bfloat16, "sizes": (1, 2)}
-    result = run_result(history, train_loader=loader, backend="auto", device="cpu", amp="auto", wall_seconds=3.0,
-                        dataset="synthetic", epochs=1, config=config)
-    assert list(result)[:8] == ["backend", "backend_requested", "device", "world_size", "dataset", "epochs",
-                                "config", "amp"]
-    # The configuration as plain JSON types: a recipe as its fields, enums as their values.
-    augment = result["config"].pop("augment")
-    assert result["config"] == {"lr": 0.1, "seed": 0, "workers": None, "dtype": "torch.bfloat16", "sizes": [1, 2]}
-    assert (augment["crop"], augment["pad"], augment["padding"], augment["scale"]) == \
-        ("translate", 2, "constant", [0.08, 1.0])
-    assert type(augment["crop"]) is str and json.loads(json.dumps(augment)) == augment
-    result["config"]["augment"] = augment
-    assert "config" not in run_result(history, train_loader=loader, backend="auto", device="cpu", amp="auto",
-                                      wall_seconds=3.0)
-    assert (result["backend"], result["backend_requested"], result["device"]) == ("memory", "auto", "cpu")
-    assert result["amp"] == "off" and result["test_accuracy"] == 0.75 and result["history"] == history
-    out = tmp_path / "new" / "r.json"
-    report_run(result, accuracy_name="synthetic test accuracy", json_out=out)
-    assert capsys.readouterr().out.strip() == "synthetic test accuracy 75.00% | 2.0 s training, backend memory"
-    assert json.loads(out.read_text()) == result
-    report_run({**result, "test_accuracy": None}, accuracy_name="validation accuracy")
-    assert "validation accuracy: none" in capsys.readouterr().out
 
 
 def test_fit_sets_each_epoch_on_the_loader_except_a_resumed_half_epoch(tmp_path):

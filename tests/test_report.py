@@ -1,8 +1,13 @@
-"""Result files: JSON that strict parsers read."""
+"""Result files: JSON that strict parsers read; a training run's result (the examples' shared tail)."""
 import json
 import math
+from types import SimpleNamespace
 
-from fastdata.report import null_for_nonfinite, write_json
+import pytest
+import torch
+
+from fastdata import Augmentation
+from fastdata.report import null_for_nonfinite, report_run, run_result, summarize, write_json, write_result
 
 
 def strict_load(path):
@@ -21,7 +26,61 @@ def test_non_finite_figures_are_written_as_null(tmp_path):
 
 
 def test_the_training_result_of_a_diverged_run_is_standard_json(tmp_path):
-    from fastdata.engine import write_json as write_result
-
     path = write_result({"final_train_loss": math.nan, "history": [{"eval_loss": math.nan}]}, tmp_path / "a" / "r.json")
     assert strict_load(path) == {"final_train_loss": None, "history": [{"eval_loss": None}]}
+
+
+def test_summarize_weights_by_time():
+    h = [{"seconds": 1.0, "images_per_second": 100.0, "data_wait_fraction": 0.5, "gpu_idle_fraction": None,
+          "peak_memory_mb": 10.0, "train_loss": 1.0, "eval_accuracy": 0.5},
+         {"seconds": 3.0, "images_per_second": 200.0, "data_wait_fraction": 0.1, "gpu_idle_fraction": None,
+          "peak_memory_mb": 30.0, "train_loss": 0.5, "eval_accuracy": 0.9}]
+    s = summarize(h)
+    assert s["train_seconds"] == 4.0
+    assert s["images_per_second"] == pytest.approx(175.0)
+    assert s["data_wait_fraction"] == pytest.approx(0.2)
+    assert s["gpu_idle_fraction"] is None and s["peak_memory_mb"] == 30.0 and s["test_accuracy"] == 0.9
+
+
+def test_run_result_and_report_run_are_the_examples_shared_tail(tmp_path, capsys):
+    history = [{"seconds": 2.0, "images_per_second": 100.0, "data_wait_fraction": 0.25, "gpu_idle_fraction": None,
+                "peak_memory_mb": 5.0, "train_loss": 0.5, "eval_accuracy": 0.75}]
+    loader = SimpleNamespace(name="memory")
+    config = {"lr": 0.1, "seed": 0, "workers": None, "augment": Augmentation.digits_train(),
+              "dtype": torch.bfloat16, "sizes": (1, 2)}
+    result = run_result(history, train_loader=loader, backend="auto", device="cpu", amp="auto", wall_seconds=3.0,
+                        dataset="synthetic", epochs=1, config=config)
+    assert list(result)[:8] == ["backend", "backend_requested", "device", "world_size", "dataset", "epochs",
+                                "config", "amp"]
+    # The configuration as plain JSON types: a recipe as its fields, enums as their values.
+    augment = result["config"].pop("augment")
+    assert result["config"] == {"lr": 0.1, "seed": 0, "workers": None, "dtype": "torch.bfloat16", "sizes": [1, 2]}
+    assert (augment["crop"], augment["pad"], augment["padding"], augment["scale"]) == \
+        ("translate", 2, "constant", [0.08, 1.0])
+    assert type(augment["crop"]) is str and json.loads(json.dumps(augment)) == augment
+    result["config"]["augment"] = augment
+    assert "config" not in run_result(history, train_loader=loader, backend="auto", device="cpu", amp="auto",
+                                      wall_seconds=3.0)
+    assert (result["backend"], result["backend_requested"], result["device"]) == ("memory", "auto", "cpu")
+    assert result["amp"] == "off" and result["test_accuracy"] == 0.75 and result["history"] == history
+    out = tmp_path / "new" / "r.json"
+    report_run(result, accuracy_name="synthetic test accuracy", json_out=out)
+    assert capsys.readouterr().out.strip() == "synthetic test accuracy 75.00% | 2.0 s training, backend memory"
+    assert json.loads(out.read_text()) == result
+    report_run({**result, "test_accuracy": None}, accuracy_name="validation accuracy")
+    assert "validation accuracy: none" in capsys.readouterr().out
+
+
+def test_the_engine_imports_nothing_of_the_report():
+    """Issue 24: the examples' tail lives here, above the engine (run_result asks it how amp resolved); an
+    engine importing this module back would put the training loop under the report machinery again."""
+    import ast
+    from pathlib import Path
+
+    import fastdata.engine
+
+    tree = ast.parse(Path(fastdata.engine.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    assert not {"report", "fastdata.report"} & imported, imported
+    assert not any(hasattr(fastdata.engine, name) for name in ("run_result", "report_run", "summarize", "jsonable"))
