@@ -11,7 +11,10 @@
 #    tests needing more GPUs than FASTDATA_REQUIRE_CUDA says still skip), and every other test runs with CUDA present
 #    (device=None means the GPU there). The log goes to benchmarks/results/tests-<tag>.txt.
 # 3. bench_loaders.py, bench_training.py and bench_accuracy.py (MNIST time to 99%, from ./data when
-#    MNIST is there), each writing benchmarks/results/<name>-cuda-<gpu>.{md,json,png}.
+#    MNIST is there), each writing benchmarks/results/<name>-cuda-<gpu>.{md,json,png}; then
+#    bench_cache.py on the GPU (memory's cache built by nvImageCodec on the GPU against PIL threads and
+#    a copy: the GPU build's speed is measured nowhere else; cache-cuda-<gpu>.*). bench_decode.py and
+#    bench_pillow.py measure CPU decoders only and are not run here.
 # A failing stage does not stop the later ones (their figures are still worth having); the exit status
 # is non-zero when any stage failed.
 set -uo pipefail
@@ -43,6 +46,7 @@ if [[ "$stage" != tests ]]; then
   run "$PY" benchmarks/bench_loaders.py --out "$out"
   run "$PY" benchmarks/bench_training.py --out "$out"
   run "$PY" benchmarks/bench_accuracy.py --out "$out"
+  run "$PY" benchmarks/bench_cache.py --device cuda --contenders threads nvimgcodec --out "$out"
 fi
 echo; echo "gpu.sh: results in $out (tag $tag)$([[ $status != 0 ]] && echo '; some stages FAILED')"
 exit $status
