@@ -36,6 +36,8 @@ class BadIndex(ValueError):
 
 @dataclass
 class ShardInfo:
+    """One shard as the index describes it."""
+
     name: str       # path relative to the data folder (or URL prefix), "/"-separated
     size: int       # bytes of the tar
     samples: int
@@ -68,12 +70,15 @@ class ShardIndex:
         return np.array([s.samples for s in self.shards], dtype=np.int64)
 
     def key(self, i: int) -> str:
+        """Sample ``i``'s WebDataset key: its index, zero-padded to ``key_width`` digits."""
         return f"{int(i):0{self.key_width}d}"
 
     def ext(self, i: int) -> str:
+        """Sample ``i``'s image extension (``jpg``, ``png``, ...): what its bytes are."""
         return self.exts[int(self.ext_code[i])]
 
     def member(self, i: int) -> str:
+        """Sample ``i``'s image member name in its tar: ``KEY.ext``."""
         return f"{self.key(i)}.{self.ext(i)}"
 
 

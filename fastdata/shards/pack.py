@@ -576,14 +576,16 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     from .. import cli
 
     p = parser or argparse.ArgumentParser(prog="python -m fastdata pack", description=__doc__.split("\n\n")[0])
-    p.add_argument("source", help="'digits', an MNIST root (holding MNIST/raw) or an image folder (class folders)")
-    p.add_argument("out", help="folder for the shards, their .idx files and index.json")
+    p.add_argument("source", metavar="SOURCE",
+                   help="'digits', an MNIST root (holding MNIST/raw) or an image folder (class folders)")
+    p.add_argument("out", metavar="OUT", help="folder for the shards, their .idx files and index.json")
     p.add_argument("--split", choices=("train", "test"), default=None,
                    help="MNIST or digits: which half (default train)")
-    p.add_argument("--shard-size", default="256MB", type=_size_arg, help="target bytes per shard (default 256MB)")
-    p.add_argument("--max-side", type=cli.positive_int, default=None,
+    p.add_argument("--shard-size", default="256MB", type=_size_arg, metavar="SIZE",
+                   help="target bytes per shard: 256MB, 1GB, 512MiB (default 256MB)")
+    p.add_argument("--max-side", type=cli.positive_int, default=None, metavar="N",
                    help="re-encode photos whose longer side exceeds N as JPEG (quality 90) with that longer side")
-    p.add_argument("--workers", type=cli.nonnegative_int, default=None,
+    p.add_argument("--workers", type=cli.nonnegative_int, default=None, metavar="N",
                    help="processes writing shards (default: the usable cores)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
