@@ -1,0 +1,238 @@
+"""Train fastdata's SmallCNN on MNIST digits with Lightning: the DataModule hands Lightning fastdata loaders.
+
+    python examples/lightning_mnist.py --backend memory --epochs 3
+    python examples/lightning_mnist.py --data synthetic --devices 2            # DDP on the CPU (gloo)
+    python examples/lightning_mnist.py --ckpt-dir ck --ckpt-every 50 --max-steps 120   # stop mid-epoch ...
+    python examples/lightning_mnist.py --ckpt-dir ck --resume ck/last.ckpt             # ... and resume there
+
+Lightning needs nothing fastdata-specific. The loaders are built in ``DataModule.setup()``, where the
+process group exists (each rank reads its own shard) and the device is known (the rank's GPU, or the
+CPU). Lightning calls ``loader.sampler.set_epoch(epoch)`` before every epoch, saves the training
+loader's position (``state_dict``) in every checkpoint with its loops, and restores it with
+``fit(ckpt_path=...)``: a run stopped mid-epoch resumes with exactly the batches it had not trained on.
+
+``--data auto`` (the default) uses MNIST from ``--data-root`` (downloaded by ``prepare_data``, which
+Lightning runs once per node, unless ``--no-download``), else synthetic digits drawn on every rank
+alike (``--train-size`` keeps that short). ``--batch-size`` is per process.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+
+import torch
+
+from fastdata import cli, make_loader
+from fastdata.datasets import MNIST, ArraySource, SyntheticDigits
+from fastdata.models import SmallCNN
+
+
+def _limit(text: str) -> int | float:
+    """Lightning's ``limit_train_batches``: a count of batches (an integer >= 1) or a fraction in (0, 1]."""
+    try:
+        return cli.positive_int(text)
+    except argparse.ArgumentTypeError:
+        value = cli.positive_float(text)
+        if value > 1:
+            raise argparse.ArgumentTypeError(f"must be a whole number of batches or a fraction in (0, 1], "
+                                             f"got {text!r}") from None
+        return value
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The command line, as a parser other scripts and the tests reuse."""
+    p = argparse.ArgumentParser(description="Train a small CNN on MNIST digits with Lightning and a fastdata "
+                                            "backend", add_help=add_help)
+    p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
+                   help="data-loading backend")
+    p.add_argument("--epochs", type=cli.positive_int, default=3)
+    p.add_argument("--batch-size", type=cli.positive_int, default=256, help="per process")
+    p.add_argument("--lr", type=cli.positive_float, default=0.1, help="peak learning rate of the one-cycle schedule")
+    p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="Lightning's accelerator (auto: a GPU when there is one)")
+    p.add_argument("--devices", type=cli.positive_int, default=1,
+                   help="processes; more than 1 trains with DDP (gloo on the CPU, nccl on GPUs)")
+    p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
+                   help="auto: MNIST from --data-root (downloaded unless --no-download), else synthetic digits")
+    p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
+    p.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
+                   help="fetch MNIST through torchvision when it is not in --data-root")
+    p.add_argument("--train-size", type=cli.positive_int, default=None, help="use the first N training images")
+    p.add_argument("--test-size", type=cli.positive_int, default=None, help="use the first N test images")
+    p.add_argument("--workers", type=cli.nonnegative_int, default=None,
+                   help="loader workers per process (default: the usable cores / processes on the node)")
+    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--limit-train-batches", type=_limit, default=None, metavar="N|FRACTION",
+                   help="train on the first N batches (or this fraction) of each epoch")
+    p.add_argument("--max-steps", type=cli.positive_int, default=None,
+                   help="stop after this many optimizer steps (a stand-in for a preemption)")
+    p.add_argument("--ckpt-dir", default=None, metavar="DIR",
+                   help="save last.ckpt here at every epoch's end (or every --ckpt-every steps)")
+    p.add_argument("--ckpt-every", type=cli.positive_int, default=None, metavar="STEPS",
+                   help="save every STEPS steps instead: mid-epoch checkpoints")
+    p.add_argument("--resume", default=None, metavar="CKPT", help="continue from this checkpoint (ckpt_path=)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """What the flags need together, refused before Lightning starts anything."""
+    if args.ckpt_every and not args.ckpt_dir:
+        parser.error("argument --ckpt-every: needs --ckpt-dir DIR, where the checkpoints go")
+    cli.check_output(parser, "--ckpt-dir", args.ckpt_dir, folder=True)
+    if args.resume is not None and not os.path.isfile(args.resume):
+        parser.error(f"argument --resume: '{args.resume}' is not a file")
+
+
+def _digits(args, train: bool, use_mnist: bool) -> ArraySource:
+    n = args.train_size if train else args.test_size
+    if use_mnist:
+        src = MNIST(args.data_root, train=train, download=False)
+        if n is None or n >= len(src):
+            return src
+        return ArraySource(src.images[:n], src.labels[:n], mean=src.mean, std=src.std, name=src.name, digits=True)
+    return SyntheticDigits(n or (60_000 if train else 10_000), train=train, seed=args.seed)
+
+
+def build(args):
+    """(model, datamodule) for ``args``: the classes are defined here so that importing this file does not
+    need Lightning (the tests load it to read its parser)."""
+    import lightning as L
+
+    class Digits(L.LightningDataModule):
+        """MNIST (or synthetic digits) as fastdata loaders, built once the process group exists."""
+
+        def __init__(self):
+            super().__init__()
+            self.train_loader = self.val_loader = None
+            self.dataset = None
+
+        def prepare_data(self):
+            # Lightning runs this on local rank 0 of each node before setup(): the place for a download.
+            if args.data in ("auto", "mnist") and args.download:
+                with contextlib.suppress(FileNotFoundError), contextlib.redirect_stdout(io.StringIO()), \
+                        contextlib.redirect_stderr(io.StringIO()):
+                    for train in (True, False):
+                        MNIST(args.data_root, train=train, download=True)
+
+        def setup(self, stage):
+            if self.train_loader is not None:   # fit() then validate() call setup again
+                return
+            have = True
+            if args.data != "synthetic":
+                try:
+                    for train in (True, False):
+                        MNIST(args.data_root, train=train, download=False)
+                except FileNotFoundError as e:
+                    if args.data == "mnist":
+                        raise SystemExit(f"error: --data mnist: {e}") from None
+                    have = False
+            # Every rank must train on the same dataset: MNIST only when every node has it.
+            lacking = self.trainer.strategy.reduce(
+                torch.tensor(float(not have), device=self.trainer.strategy.root_device), reduce_op="sum")
+            use_mnist = args.data != "synthetic" and float(lacking) == 0
+            self.dataset = "mnist" if use_mnist else "synthetic"
+            if args.data == "auto" and not use_mnist and self.trainer.is_global_zero:
+                print(f"MNIST is not in '{args.data_root}': training on synthetic digits instead", flush=True)
+            device = self.trainer.strategy.root_device
+            with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
+                self.train_loader = make_loader(_digits(args, True, use_mnist), args.backend, device=device,
+                                                batch_size=args.batch_size, train=True, seed=args.seed,
+                                                num_workers=args.workers)
+                # like=: the test digits are normalized with the training set's statistics. Uneven shards
+                # are fine here: validation sums correct answers over the ranks (no gather of predictions).
+                self.val_loader = make_loader(_digits(args, False, use_mnist), args.backend,
+                                              like=self.train_loader, batch_size=max(args.batch_size, 512))
+
+        def train_dataloader(self):
+            return self.train_loader
+
+        def val_dataloader(self):
+            return self.val_loader
+
+        def teardown(self, stage):
+            if stage == "fit":
+                for loader in (self.train_loader, self.val_loader):
+                    loader.close()
+
+    class Classifier(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = SmallCNN(num_classes=10, in_channels=1)
+            self.val_sums = torch.zeros(3)   # correct, summed loss, samples
+
+        def training_step(self, batch, batch_idx):
+            images, labels = batch
+            loss = torch.nn.functional.cross_entropy(self.model(images), labels)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+
+        def on_validation_epoch_start(self):
+            self.val_sums = torch.zeros(3, device=self.device)
+
+        def validation_step(self, batch, batch_idx):
+            images, labels = batch
+            logits = self.model(images)
+            # Sums, not per-batch means: a rank's last batch may be smaller (or empty), and a mean of means
+            # would weigh it wrongly.
+            self.val_sums += torch.stack([(logits.argmax(1) == labels).sum().float(),
+                                          torch.nn.functional.cross_entropy(logits, labels, reduction="sum"),
+                                          torch.tensor(float(len(labels)), device=self.device)])
+
+        def on_validation_epoch_end(self):
+            correct, loss, n = self.trainer.strategy.reduce(self.val_sums, reduce_op="sum").tolist()
+            # Already summed over the ranks: every rank logs the same value.
+            self.log("val_acc", correct / max(n, 1))
+            self.log("val_loss", loss / max(n, 1))
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
+                                        weight_decay=5e-4)
+            # The steps come from the loader, not trainer.estimated_stepping_batches: reading that here
+            # made Lightning skip restoring the loader's position on resume (Lightning issue #20550).
+            steps = len(self.trainer.datamodule.train_loader)
+            limit = self.trainer.limit_train_batches
+            steps = min(steps, limit) if isinstance(limit, int) else max(1, int(steps * limit))
+            # Not shortened by --max-steps: a run stopped early must resume the same schedule, not one whose
+            # end it would step past.
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
+                                                            total_steps=steps * self.trainer.max_epochs)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return Classifier(), Digits()
+
+
+def main(args) -> dict:
+    """Train (and validate each epoch) as ``args`` says; return what the run reached."""
+    _check_args(get_args_parser(), args)
+    import lightning as L
+
+    L.seed_everything(args.seed, verbose=False)   # same initial weights on every rank
+    model, data = build(args)
+    callbacks = []
+    if args.ckpt_dir:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0,
+                                                             every_n_train_steps=args.ckpt_every))
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices,
+                        strategy="ddp" if args.devices > 1 else "auto", max_epochs=args.epochs,
+                        max_steps=args.max_steps or -1, limit_train_batches=args.limit_train_batches,
+                        callbacks=callbacks, enable_checkpointing=bool(args.ckpt_dir), logger=False,
+                        enable_progress_bar=not args.no_progress, enable_model_summary=False,
+                        num_sanity_val_steps=0)
+    trainer.fit(model, data, ckpt_path=args.resume)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    result = {"backend": args.backend, "dataset": data.dataset, "world_size": trainer.world_size,
+              "current_epoch": trainer.current_epoch, "global_step": trainer.global_step,
+              "val_accuracy": metrics.get("val_acc"), "val_loss": metrics.get("val_loss")}
+    if trainer.is_global_zero:
+        acc = "n/a" if result["val_accuracy"] is None else f"{result['val_accuracy']:.4f}"
+        print(f"{result['dataset']} validation accuracy {acc} after {result['global_step']} steps "
+              f"({result['world_size']} process(es), backend {args.backend})",
+              flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())
