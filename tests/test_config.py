@@ -183,11 +183,15 @@ def test_under_torchrun_a_process_that_sees_only_its_own_gpu_trains_on_cuda_0(mo
 def test_under_torchrun_the_default_cuda_device_is_local_rank_on_a_gpu(monkeypatch):
     from fastdata.config import resolve_device
 
+    torch.cuda.init()  # fixes the visible-GPU count: until CUDA is up, device_count() re-reads CUDA_VISIBLE_DEVICES
     last = torch.cuda.device_count() - 1
     monkeypatch.setenv("LOCAL_RANK", str(last))
     assert resolve_device(None) == torch.device("cuda", last)
     assert LoaderConfig(device="cuda").device == torch.device("cuda", last)
     monkeypatch.setenv("LOCAL_RANK", str(last + 1))
+    # An exported CUDA_VISIBLE_DEVICES naming one GPU (SLURM, containers) reads as "each rank sees its own
+    # GPU" (rank_gpu gives cuda:0; that rule has its own stubbed test): this test is about the other rule.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(RuntimeError, match=f"LOCAL_RANK={last + 1}"):
         resolve_device("cuda")
 
