@@ -31,7 +31,7 @@ How to wire it (``fit(profile=DIR)``)::
                 ...
             prof.step()                            # once per training step, after it (train_one_epoch)
 
-Regions outside the profiled steps cost nothing but a counter check; ``prof.rows`` holds the table as
+Regions outside the traced steps (warm-up and active) cost a counter check; ``prof.rows`` holds the table as
 dicts and ``prof.table()`` formats it (printed on rank 0 once the active steps end, or at ``stop()`` if the
 run ended in the middle of them). Every rank writes its own trace file. A run shorter than
 ``wait + warmup + 1`` steps writes no trace and warns.
@@ -169,9 +169,12 @@ class StepProfiler:
         if self._open is not None:
             raise RuntimeError(f"StepProfiler.region({name!r}) inside region {self._open!r}: regions do not "
                                f"nest (their times would be counted twice)")
-        timed = self._step_start is not None
         self._open = name
         try:
+            if not self.wait <= self._steps < self.wait + self.warmup + self.active:
+                yield   # a step the profiler neither warms up on nor records: no range, no marks
+                return
+            timed = self._step_start is not None
             with torch.profiler.record_function(name):
                 start = self._mark() if timed else None
                 yield
@@ -188,6 +191,8 @@ class StepProfiler:
         if self._step_start is not None:
             self._marks.append((self._steps, self._step_start, self._regions, self._mark()))
         self._steps += 1
+        if self._reported:
+            return   # the schedule is over (repeat=1): nothing left for torch's profiler to step
         self._prof.step()   # after the last active step this writes the trace and calls _report
         self._begin_step()
 

@@ -221,5 +221,7 @@ def test_checkpointing_lowers_peak_memory_of_a_resnet_at_batch_64():
         return torch.cuda.max_memory_allocated() - base
 
     plain, ckpt = peak(False), peak(True)
-    # Measured activations: the checkpointed run keeps only block inputs; expect well under 3/4 of the plain peak.
-    assert ckpt < 0.75 * plain, (plain, ckpt)
+    # The checkpointed run keeps the stem's activations and the blocks' inputs, not every block's
+    # intermediates: an estimate of resnet18's saved tensors at 160 px puts it near 0.6 of the plain
+    # peak; without checkpointing the two peaks are equal.
+    assert ckpt < 0.85 * plain, f"plain {plain / 2**20:.0f} MiB, checkpointed {ckpt / 2**20:.0f} MiB"

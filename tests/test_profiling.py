@@ -12,8 +12,10 @@ from fastdata.models import SmallCNN
 from fastdata.profiling import REGIONS, StepProfiler, format_table
 
 
-def _train(prof: StepProfiler, steps: int, device="cpu", *, sleep: float = 0.0, h2d: bool = True):
-    """A small model's loop with every region, as fit wires it; ``sleep`` makes the data wait measurable."""
+def _train(prof: StepProfiler, steps: int, device="cpu", *, sleep: float = 0.0, h2d: bool = True,
+           copy_in_wait: bool = False):
+    """A small model's loop with every region, as fit wires it; ``sleep`` makes the data wait measurable;
+    ``copy_in_wait`` copies to the device inside data_wait, as a fastdata loader's __next__ does."""
     torch.manual_seed(0)
     model = SmallCNN().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -23,6 +25,8 @@ def _train(prof: StepProfiler, steps: int, device="cpu", *, sleep: float = 0.0, 
         with prof.region("data_wait"):
             batch = next(it, None)
             time.sleep(sleep)
+            if batch is not None and copy_in_wait:
+                batch = tuple(t.to(device) for t in batch)
         if batch is None:
             break
         images, labels = batch
@@ -159,3 +163,13 @@ def test_cuda_kernels_are_in_the_trace_and_the_parts_are_gpu_time(tmp_path):
         assert all(p >= 0 for p in parts)
         assert sum(parts) == pytest.approx(row["step_ms"], rel=1e-3, abs=1e-3)
         assert row["forward_backward_ms"] > 0
+
+
+@pytest.mark.cuda
+def test_a_loaders_copies_inside_data_wait_are_h2d_on_a_gpu(tmp_path):
+    with StepProfiler(tmp_path, wait=1, warmup=1, active=3, device="cuda", print_table=False) as prof:
+        _train(prof, steps=6, device="cuda", h2d=False, copy_in_wait=True)
+    assert len(prof.rows) == 3
+    for row in prof.rows:
+        assert row["h2d_ms"] > 0, row     # read from the trace's Memcpy HtoD events under data_wait
+        assert sum(row[f"{n}_ms"] for n in (*REGIONS, "other")) == pytest.approx(row["step_ms"], rel=1e-3)
