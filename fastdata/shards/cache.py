@@ -1,0 +1,491 @@
+"""The per-node cache of whole shards: bounded, shared by the processes of one node, never half written.
+
+``ShardCache(storage, cache_dir, limit_bytes=..., expected_sizes=...)``: ``get(name)`` returns a local
+path (downloading the shard if needed) and marks it in use until ``release(name)``; ``prefetch(names)``
+downloads ahead in a background thread, as far as the budget allows; released shards are evicted least
+recently used first when a download needs room. A local-folder ``Storage`` is read in place: nothing is
+copied and the budget is not used.
+
+Why file locks (``fcntl.flock``), one per shard under ``cache_dir/.locks/``: the ranks of a node are
+separate processes, and the kernel drops a process's locks when it dies, so a ``kill -9`` cannot leave
+a count that blocks eviction forever (the lock-file refcounts of other loaders do). A process downloads
+a shard holding its lock exclusively (a second process waits on it, then finds the file published),
+and holds it shared while the shard is in use; eviction deletes only files whose lock it can take
+exclusively without waiting. Lock files are never deleted: unlinking a lock file that another process
+has open lets two processes hold "exclusive" locks on two different files; they are empty and there is
+one per shard of the manifest. A ``.budget`` lock serializes the decisions "is there room, what to
+evict" so that two processes do not both spend the same free bytes.
+
+A download goes to a temporary name and is published by ``os.replace`` only after its size matched
+``expected_sizes`` (``Storage.fetch``); a file with the wrong size under the final name (from an older
+run, or written by something else) is treated as missing and fetched again. Temporary files of dead
+processes are removed when the cache is opened and whenever it scans. Only the manifest's shards are
+counted and evicted: other files in ``cache_dir`` are left alone.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+
+from fastdata.shards.storage import check_name
+
+__all__ = ["ShardCache", "CacheFull"]
+
+_TMP = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-z]+$")
+_LOCKS = ".locks"
+_POLL = 0.05
+
+
+class CacheFull(OSError):
+    """The cache cannot make room for a shard: its budget is held by shards in use, or its disk is full."""
+
+
+class _NoRoom(Exception):
+    """Internal: the prefetcher found no room now; it waits for a release instead of failing."""
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:      # exists, owned by someone else
+        return True
+    return True
+
+
+class ShardCache:
+    """A bounded folder of whole shards, shared by the processes of one node.
+
+    Args:
+        storage: the ``Storage`` the shards come from.
+        cache_dir: the local folder (created if missing). Give the ranks of a node the same one.
+        limit_bytes: the most bytes of shards kept on disk, in-progress downloads included.
+        expected_sizes: ``{shard name: size in bytes}`` from the index; a download of another size is an
+            error (retried), a cached file of another size is fetched again.
+        window: how many shards the reader holds at once; the budget must hold the ``window`` largest
+            shards, which is checked here, before any download.
+        wait_timeout: seconds ``get`` waits for another process's download of the same shard, or for
+            room held by shards in use, before it raises.
+    """
+
+    def __init__(self, storage, cache_dir, *, limit_bytes: int, expected_sizes: dict, window: int = 1,
+                 wait_timeout: float = 600.0):
+        if not expected_sizes:
+            raise ValueError("ShardCache: expected_sizes is empty; it maps each shard name to its size")
+        sizes = {}
+        for name, size in expected_sizes.items():
+            check_name(name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ValueError(f"ShardCache: expected size of shard {name!r} is {size!r}; expected a byte "
+                                 f"count (an int >= 0)")
+            sizes[name] = size
+        if window < 1:
+            raise ValueError(f"ShardCache: window={window!r}; expected the number of shards read at once (>= 1)")
+        self.storage, self.expected_sizes, self.window = storage, sizes, int(window)
+        self.cache_dir = os.path.abspath(os.fspath(cache_dir))
+        self.limit_bytes, self.wait_timeout = int(limit_bytes), float(wait_timeout)
+        self.in_place = getattr(storage, "local_path", lambda n: None)(next(iter(sizes))) is not None
+        largest = sorted(sizes.values(), reverse=True)[:self.window]
+        need = sum(largest)
+        if not self.in_place and self.limit_bytes < need:
+            what = "the largest shard" if self.window == 1 else f"the {self.window} largest shards (window={window})"
+            raise ValueError(f"ShardCache: limit_bytes={self.limit_bytes} ({_human(self.limit_bytes)}) cannot "
+                             f"hold {what}: it needs at least {need} bytes ({_human(need)}) in "
+                             f"{self.cache_dir}; raise the limit or use smaller shards")
+        self._lock = threading.Condition(threading.RLock())
+        self._reset()
+        if not self.in_place:
+            os.makedirs(os.path.join(self.cache_dir, _LOCKS), exist_ok=True)
+            self._scan()   # removes what dead processes left half written
+
+    def _reset(self):
+        self._held: dict[str, list] = {}          # name -> [lock fd (shared), count]
+        self._pins: list[str] = []                # prefetched, held, not yet taken by get(), oldest first
+        self._plan: collections.deque = collections.deque()
+        self._failed: dict[str, BaseException] = {}
+        self._thread = None
+        self._stop = False
+        self._pid = os.getpid()
+
+    def __getstate__(self):
+        # Locks, the thread and held shards belong to the process that took them: a copy starts empty.
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Condition(threading.RLock())
+        self._reset()
+
+    def _check_process(self):
+        if self._pid != os.getpid():
+            # A forked child: the parent's lock descriptors are shared with the parent (closing our
+            # copies would not release its locks), and its prefetch thread did not come along.
+            self._lock = threading.Condition(threading.RLock())
+            self._reset()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- paths -----------------------------------------------------------------------------------
+
+    def path(self, name: str) -> str:
+        """Where ``name`` lives once cached (or, read in place, in the storage's folder)."""
+        self._known(name)
+        if self.in_place:
+            return self.storage.local_path(name)
+        return os.path.join(self.cache_dir, *name.split("/"))
+
+    def _lock_path(self, name: str) -> str:
+        return os.path.join(self.cache_dir, _LOCKS, *name.split("/")) + ".lock"
+
+    def _known(self, name: str) -> int:
+        check_name(name)
+        try:
+            return self.expected_sizes[name]
+        except KeyError:
+            raise KeyError(f"shard {name!r} is not in this cache's expected_sizes ({len(self.expected_sizes)} "
+                           f"shards, e.g. {next(iter(self.expected_sizes))!r})") from None
+
+    def _good(self, name: str) -> bool:
+        try:
+            return os.stat(self.path(name)).st_size == self.expected_sizes[name]
+        except FileNotFoundError:
+            return False
+
+    def _open_lock(self, name: str) -> int:
+        path = self._lock_path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def _flock(self, fd: int, mode: int, deadline: float, what: str):
+        """flock(fd, mode), waiting at most until ``deadline``: polled, so a stuck peer is an error, not
+        a hang."""
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"waited {self.wait_timeout:.0f} s for {what} in {self.cache_dir} "
+                                       f"(another process holds it; wait_timeout= sets the limit)") from None
+                time.sleep(_POLL)
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def get(self, name: str) -> str:
+        """The local path of shard ``name``, downloaded if needed and held (not evicted) until ``release``."""
+        self._check_process()
+        self._known(name)
+        if self.in_place:
+            return self.path(name)
+        with self._lock:
+            if name in self._held:
+                if name in self._pins:     # prefetched for this reader: the prefetcher's hold becomes ours
+                    self._pins.remove(name)
+                else:
+                    self._held[name][1] += 1
+                os.utime(self.path(name))
+                return self.path(name)
+            failed = self._failed.pop(name, None)
+        if failed is not None:
+            raise failed
+        fd = self._acquire(name, prefetch=False)
+        with self._lock:
+            if name in self._held:         # the prefetcher got it meanwhile
+                os.close(fd)
+                if name in self._pins:
+                    self._pins.remove(name)
+                else:
+                    self._held[name][1] += 1
+            else:
+                self._held[name] = [fd, 1]
+        return self.path(name)
+
+    def release(self, name: str) -> None:
+        """Done with ``name`` (once per ``get``): when no reader of this process holds it, it may be evicted."""
+        self._check_process()
+        self._known(name)
+        if self.in_place:
+            return
+        with self._lock:
+            entry = self._held.get(name)
+            if entry is None or (entry[1] == 1 and name in self._pins):
+                raise ValueError(f"release({name!r}): this cache does not hold that shard (one release per get)")
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._drop(name)
+            self._lock.notify_all()
+
+    def _drop(self, name: str):
+        fd, _ = self._held.pop(name)
+        try:
+            os.utime(self.path(name))      # least recently used = released longest ago
+        except FileNotFoundError:
+            pass
+        os.close(fd)                       # releases the shared lock: evictable from now on
+
+    def prefetch(self, names) -> None:
+        """Download ``names`` ahead, in order, in a background thread, as far as the budget allows.
+
+        Replaces the previous plan: names not yet fetched are forgotten, shards fetched for it and not
+        taken are released. Each fetched shard is held for the reader's ``get``."""
+        self._check_process()
+        names = list(names)
+        for name in names:
+            self._known(name)
+        if self.in_place:
+            return
+        with self._lock:
+            self._plan = collections.deque(names)
+            keep = set(names)
+            for name in [p for p in self._pins if p not in keep]:
+                self._unpin(name)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._prefetch_loop, name="fastdata-shard-prefetch",
+                                                daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    def _unpin(self, name: str):
+        self._pins.remove(name)
+        entry = self._held[name]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._drop(name)
+
+    def close(self) -> None:
+        """Stop the prefetcher (it finishes the download in progress) and release every shard held."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            self._stop = True
+            self._plan.clear()
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            for name in list(self._held):
+                self._drop(name)
+            self._pins.clear()
+            self._thread = None
+            self._stop = False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
+            pass
+
+    # -- the prefetcher --------------------------------------------------------------------------
+
+    def _prefetch_loop(self):
+        while True:
+            with self._lock:
+                while not self._stop and not self._plan:
+                    self._lock.wait()
+                if self._stop:
+                    return
+                name = self._plan[0]
+                if name in self._held:
+                    self._plan.popleft()
+                    continue
+            try:
+                fd = self._acquire(name, prefetch=True)
+            except _NoRoom:
+                with self._lock:
+                    self._lock.wait(0.2)   # a release here wakes it; another process's release is polled
+                continue
+            except Exception as e:  # noqa: BLE001 - kept for the reader's get(), which raises it
+                with self._lock:
+                    self._failed[name] = e
+                    if self._plan and self._plan[0] == name:
+                        self._plan.popleft()
+                continue
+            with self._lock:
+                if self._plan and self._plan[0] == name:
+                    self._plan.popleft()
+                if name in self._held or self._stop:
+                    os.close(fd)
+                else:
+                    self._held[name] = [fd, 1]
+                    self._pins.append(name)
+
+    # -- acquiring, downloading, evicting --------------------------------------------------------
+
+    def _acquire(self, name: str, *, prefetch: bool) -> int:
+        """A lock descriptor holding ``name`` shared, with the file published under its final name."""
+        deadline = time.monotonic() + self.wait_timeout
+        fd = self._open_lock(name)
+        try:
+            while True:
+                self._flock(fd, fcntl.LOCK_SH, deadline, f"shard {name!r}'s lock")
+                # Checked under the shared lock: from here on no one can evict it.
+                if self._good(name):
+                    os.utime(self.path(name))
+                    return fd
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                # Exclusive: we download it, or wait here while another process does.
+                self._flock(fd, fcntl.LOCK_EX, deadline, f"shard {name!r}'s lock")
+                if not self._good(name):
+                    try:
+                        os.unlink(self.path(name))   # wrong size: nobody holds it (we hold it exclusively)
+                    except FileNotFoundError:
+                        pass
+                    self._download(name, prefetch=prefetch, deadline=deadline)
+                # Loop: take it shared and check again (flock's conversion is not atomic).
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _download(self, name: str, *, prefetch: bool, deadline: float):
+        size, final = self.expected_sizes[name], self.path(name)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        freed_for_disk = None
+        for attempt in range(2):
+            reservation = self._reserve(name, size, prefetch=prefetch, deadline=deadline)
+            try:
+                self.storage.fetch(name, final, size=size)
+                return
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", 122)):
+                    raise
+                if attempt == 1:
+                    free = shutil.disk_usage(self.cache_dir).free
+                    raise CacheFull(errno.ENOSPC, f"the disk holding the shard cache {self.cache_dir} is full: "
+                                    f"shard {name!r} needs {size} bytes ({_human(size)}), {free} bytes "
+                                    f"({_human(free)}) are free after evicting {freed_for_disk} released "
+                                    f"shard(s); free space there, lower limit_bytes={self.limit_bytes} or give "
+                                    f"another cache_dir") from None
+            finally:
+                _unlink(reservation)
+            # The disk filled before the budget did (other files on it): evict what is released, retry once.
+            freed_for_disk = self._evict_for_disk(size, deadline)
+
+    def _reserve(self, name: str, size: int, *, prefetch: bool, deadline: float) -> str:
+        """Make room for ``size`` bytes and leave a marker that other processes count as ``size`` until
+        the download is published, so that two processes do not both spend the same free bytes."""
+        budget = os.open(os.path.join(self.cache_dir, _LOCKS, ".budget"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                self._flock(budget, fcntl.LOCK_EX, deadline, "the cache's budget lock")
+                try:
+                    if self._make_room(size, exclude=name):
+                        marker = f"{self.path(name)}.tmp-{os.getpid()}-reserved{uuid.uuid4().hex[:8]}"
+                        open(marker, "wb").close()
+                        return marker
+                finally:
+                    fcntl.flock(budget, fcntl.LOCK_UN)
+                if prefetch:
+                    raise _NoRoom()
+                with self._lock:           # this process's prefetched shards give way to the reader
+                    if self._pins:
+                        self._unpin(self._pins[-1])
+                        continue
+                if time.monotonic() >= deadline:
+                    usage, _ = self._scan()
+                    raise CacheFull(errno.ENOSPC, f"shard cache {self.cache_dir} cannot make room for shard "
+                                    f"{name!r} ({_human(size)}): {_human(usage)} of limit_bytes="
+                                    f"{self.limit_bytes} ({_human(self.limit_bytes)}) are held by shards in "
+                                    f"use for {self.wait_timeout:.0f} s; release shards after reading them, or "
+                                    f"raise the limit to hold every shard read at once")
+                time.sleep(_POLL * 4)
+        finally:
+            os.close(budget)
+
+    def _scan(self):
+        """(bytes counted against the budget, [(mtime, name, bytes) of published shards]). Removes the
+        temporary files of dead processes."""
+        usage, published, pending = 0, [], set()
+        root = self.cache_dir
+        for folder, dirs, files in os.walk(root):
+            if folder == root and _LOCKS in dirs:
+                dirs.remove(_LOCKS)
+            rel = os.path.relpath(folder, root)
+            for f in files:
+                name = f if rel == "." else "/".join([*rel.split(os.sep), f])
+                match = _TMP.match(name)
+                if match is not None:
+                    if not _alive(int(match["pid"])):
+                        _unlink(os.path.join(folder, f))
+                    elif match["base"] in self.expected_sizes:
+                        pending.add(match["base"])
+                    continue
+                if name in self.expected_sizes:
+                    try:
+                        st = os.stat(os.path.join(folder, f))
+                    except FileNotFoundError:
+                        continue
+                    usage += st.st_size
+                    published.append((st.st_mtime, name, st.st_size))
+        usage += sum(self.expected_sizes[n] for n in pending)
+        return usage, sorted(published)
+
+    def _evict(self, name: str) -> int:
+        """Delete ``name`` if no process holds it (its lock taken exclusively without waiting); its bytes."""
+        with self._lock:
+            if name in self._held:
+                return 0
+        fd = self._open_lock(name)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0                   # in use, or being downloaded, by some process
+            try:
+                size = os.stat(self.path(name)).st_size
+                os.unlink(self.path(name))
+                return size
+            except FileNotFoundError:
+                return 0
+        finally:
+            os.close(fd)                   # closing releases the lock
+
+    def _make_room(self, size: int, *, exclude: str) -> bool:
+        usage, published = self._scan()
+        for _, name, _ in published:       # least recently used first
+            if usage + size <= self.limit_bytes:
+                break
+            if name != exclude:
+                usage -= self._evict(name)
+        return usage + size <= self.limit_bytes
+
+    def _evict_for_disk(self, size: int, deadline: float) -> int:
+        budget = os.open(os.path.join(self.cache_dir, _LOCKS, ".budget"), os.O_RDWR | os.O_CREAT, 0o644)
+        evicted = 0
+        try:
+            self._flock(budget, fcntl.LOCK_EX, deadline, "the cache's budget lock")
+            for _, name, _ in self._scan()[1]:
+                if shutil.disk_usage(self.cache_dir).free >= size:
+                    break
+                evicted += bool(self._evict(name))
+        finally:
+            os.close(budget)
+        return evicted
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,293 @@
+"""fastdata.shards.cache: a bounded folder of whole shards, shared by processes, never half written.
+
+Shards come from a real HTTP server on 127.0.0.1 (so downloads can be counted) or from a ``file://``
+URL (a Storage that copies, unlike a plain folder, which is read in place)."""
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from fastdata.shards.cache import CacheFull, ShardCache
+from fastdata.shards.storage import Storage, StorageError
+from shard_servers import Faults, http_server
+
+pytest.importorskip("fsspec", reason="the shard cache tests need fastdata[shards] (fsspec, aiohttp)")
+
+FAST = {"retries": 2, "backoff": 0.01}
+SIZE = 1_000
+NAMES = ["s0.tar", "s1.tar", "s2.tar", "s3.tar", "sub/s4.tar"]
+
+
+@pytest.fixture
+def remote(tmp_path):
+    """Five shards of SIZE random bytes; returns (folder, {name: bytes})."""
+    root = tmp_path / "remote"
+    files = {name: os.urandom(SIZE) for name in NAMES}
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root, files
+
+
+def sizes(files):
+    return {name: len(data) for name, data in files.items()}
+
+
+def cached_bytes(cache_dir) -> int:
+    """Bytes of shards (and temporary files) in the cache folder, lock files excluded."""
+    total = 0
+    for folder, dirs, names in os.walk(cache_dir):
+        dirs[:] = [d for d in dirs if d != ".locks"]
+        total += sum(os.path.getsize(os.path.join(folder, n)) for n in names)
+    return total
+
+
+def leftovers(cache_dir) -> list[str]:
+    return sorted(n for _, dirs, names in os.walk(cache_dir) for n in names if ".tmp-" in n)
+
+
+def test_get_downloads_once_and_publishes_the_bytes(remote, tmp_path):
+    root, files = remote
+    with http_server(root) as server:
+        with ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=10 * SIZE,
+                        expected_sizes=sizes(files)) as cache:
+            path = cache.get("sub/s4.tar")
+            assert open(path, "rb").read() == files["sub/s4.tar"]
+            assert path == str(tmp_path / "cache" / "sub" / "s4.tar")
+            cache.release("sub/s4.tar")
+            assert cache.get("sub/s4.tar") == path
+            cache.release("sub/s4.tar")
+        assert server.count("/sub/s4.tar", "GET") == 1
+    assert leftovers(tmp_path / "cache") == []
+
+
+def _get_in_another_process(url, cache_dir, expected, name, start, out):
+    """A rank of the node: waits for the common start, gets ``name``, reports the bytes it read."""
+    cache = ShardCache(Storage(url, **FAST), cache_dir, limit_bytes=10 * SIZE, expected_sizes=expected)
+    start.wait(30)
+    path = cache.get(name)
+    with open(path, "rb") as f:
+        out.put(f.read())
+    cache.release(name)
+    cache.close()
+
+
+def test_two_processes_sharing_a_cache_download_a_shard_once(remote, tmp_path):
+    root, files = remote
+    ctx = multiprocessing.get_context("spawn")
+    # Each request is slowed down, so the second process asks while the first is still downloading.
+    with http_server(root, Faults(delay=0.5)) as server:
+        start, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_get_in_another_process,
+                             args=(server.url, str(tmp_path / "cache"), sizes(files), "s1.tar", start, out))
+                 for _ in range(2)]
+        for p in procs:
+            p.start()
+        start.set()
+        got = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        assert [p.exitcode for p in procs] == [0, 0]
+        assert got == [files["s1.tar"]] * 2
+        assert server.count("/s1.tar", "GET") == 1
+
+
+def test_eviction_keeps_the_cache_under_its_limit_and_spares_shards_in_use(remote, tmp_path):
+    root, files = remote
+    limit = 2 * SIZE + SIZE // 2                  # room for two shards
+    storage = Storage(f"file://{root}", **FAST)
+    cache = ShardCache(storage, tmp_path / "cache", limit_bytes=limit, expected_sizes=sizes(files))
+    # A second cache on the same folder holds its own locks, as another rank's process would.
+    other = ShardCache(storage, tmp_path / "cache", limit_bytes=limit, expected_sizes=sizes(files))
+    held = other.get("s0.tar")
+    for name in NAMES[1:]:
+        path = cache.get(name)
+        assert open(path, "rb").read() == files[name]
+        assert cached_bytes(tmp_path / "cache") <= limit
+        assert open(held, "rb").read() == files["s0.tar"]      # in use elsewhere: never evicted
+        cache.release(name)
+    other.release("s0.tar")
+    cache.get("s1.tar")                           # now s0 (least recently used, released) may go
+    assert not os.path.exists(held)
+    assert cached_bytes(tmp_path / "cache") <= limit
+    cache.close()
+    other.close()
+
+
+def test_least_recently_used_released_shards_go_first(remote, tmp_path):
+    root, files = remote
+    cache = ShardCache(Storage(f"file://{root}", **FAST), tmp_path / "cache", limit_bytes=3 * SIZE,
+                       expected_sizes=sizes(files))
+    for name in ["s0.tar", "s1.tar", "s2.tar"]:
+        cache.get(name)
+        cache.release(name)
+        time.sleep(0.02)                          # distinct modification times
+    cache.get("s0.tar")                           # used again: s1 is now the least recently used
+    cache.release("s0.tar")
+    cache.get("s3.tar")
+    left = sorted(os.listdir(tmp_path / "cache"))
+    assert left == [".locks", "s0.tar", "s2.tar", "s3.tar"]
+    cache.close()
+
+
+def test_no_room_while_every_shard_is_in_use_is_an_error_that_says_so(remote, tmp_path):
+    root, files = remote
+    cache = ShardCache(Storage(f"file://{root}", **FAST), tmp_path / "cache", limit_bytes=2 * SIZE,
+                       expected_sizes=sizes(files), wait_timeout=0.3)
+    cache.get("s0.tar")
+    cache.get("s1.tar")
+    with pytest.raises(CacheFull, match=r"cannot make room for shard 's2.tar'.*in use"):
+        cache.get("s2.tar")
+    assert leftovers(tmp_path / "cache") == [] and not (tmp_path / "cache" / "s2.tar").exists()
+    cache.release("s1.tar")
+    assert open(cache.get("s2.tar"), "rb").read() == files["s2.tar"]
+    cache.close()
+
+
+@pytest.mark.parametrize("window, need", [(1, 1_500), (2, 2_500)])
+def test_a_budget_that_cannot_hold_the_window_is_refused_up_front(tmp_path, window, need):
+    root = tmp_path / "remote"
+    root.mkdir()
+    expected = {"big.tar": 1_500, "mid.tar": 1_000, "small.tar": 10}
+    for name, size in expected.items():
+        (root / name).write_bytes(b"x" * size)
+    with pytest.raises(ValueError, match=f"needs at least {need} bytes .*{tmp_path / 'cache'}"):
+        ShardCache(Storage(f"file://{root}"), tmp_path / "cache", limit_bytes=need - 1,
+                   expected_sizes=expected, window=window)
+    ShardCache(Storage(f"file://{root}"), tmp_path / "cache", limit_bytes=need, expected_sizes=expected,
+               window=window).close()
+
+
+def test_a_cached_file_of_the_wrong_size_is_fetched_again(remote, tmp_path):
+    root, files = remote
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "s2.tar").write_bytes(b"truncated")     # an older run, cut short
+    with http_server(root) as server:
+        cache = ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=10 * SIZE,
+                           expected_sizes=sizes(files))
+        assert open(cache.get("s2.tar"), "rb").read() == files["s2.tar"]
+        assert server.count("/s2.tar", "GET") == 1
+        cache.close()
+
+
+def test_an_interrupted_download_leaves_no_file_under_the_final_name(remote, tmp_path):
+    root, files = remote
+    with http_server(root, Faults(drop_first=-1)) as server:
+        cache = ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=10 * SIZE,
+                           expected_sizes=sizes(files))
+        with pytest.raises(StorageError, match="s3.tar"):
+            cache.get("s3.tar")
+        cache.close()
+    assert not (tmp_path / "cache" / "s3.tar").exists() and leftovers(tmp_path / "cache") == []
+
+
+def test_temporary_files_of_dead_processes_are_removed(remote, tmp_path):
+    root, files = remote
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (tmp_path / "cache").mkdir()
+    stale = tmp_path / "cache" / f"s0.tar.tmp-{dead}-0a1b2c3d"
+    stale.write_bytes(b"half")
+    mine = tmp_path / "cache" / f"s1.tar.tmp-{os.getpid()}-0a1b2c3d"     # a live process's: kept
+    mine.write_bytes(b"half")
+    ShardCache(Storage(f"file://{root}"), tmp_path / "cache", limit_bytes=10 * SIZE,
+               expected_sizes=sizes(files)).close()
+    assert not stale.exists() and mine.exists()
+
+
+def test_prefetch_fetches_ahead_in_order_within_the_budget(remote, tmp_path):
+    root, files = remote
+    limit = 3 * SIZE
+    cache = ShardCache(Storage(f"file://{root}", **FAST), tmp_path / "cache", limit_bytes=limit,
+                       expected_sizes=sizes(files))
+    cache.prefetch(NAMES)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (tmp_path / "cache" / "s2.tar").exists():
+        time.sleep(0.01)
+    time.sleep(0.2)                               # had it ignored the budget, s3 would come now
+    assert sorted(os.listdir(tmp_path / "cache")) == [".locks", "s0.tar", "s1.tar", "s2.tar"]
+    for name in NAMES:                            # the reader takes them in order, releasing each
+        assert open(cache.get(name), "rb").read() == files[name]
+        assert cached_bytes(tmp_path / "cache") <= limit
+        cache.release(name)
+    threads = [t for t in threading.enumerate() if t.name == "fastdata-shard-prefetch"]
+    cache.close()
+    assert threads and not any(t.is_alive() for t in threads)
+
+
+class FullDisk(Storage):
+    """A Storage whose downloads fail with ENOSPC the first ``full`` times."""
+
+    def __init__(self, *args, full: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.full, self.fetches = full, 0
+
+    def fetch(self, name, dest, *, size=None):
+        self.fetches += 1
+        if self.fetches <= self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().fetch(name, dest, size=size)
+
+
+def test_a_full_disk_evicts_released_shards_and_retries_once(remote, tmp_path, monkeypatch):
+    root, files = remote
+    storage = FullDisk(f"file://{root}", full=0, **FAST)
+    cache = ShardCache(storage, tmp_path / "cache", limit_bytes=10 * SIZE, expected_sizes=sizes(files))
+    cache.get("s0.tar")
+    cache.release("s0.tar")
+    storage.full = storage.fetches + 1            # the next download finds the disk full
+    import shutil
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=0))   # "still full"
+    assert open(cache.get("s1.tar"), "rb").read() == files["s1.tar"]
+    assert not (tmp_path / "cache" / "s0.tar").exists()          # evicted to make room on the disk
+    cache.close()
+
+
+def test_a_disk_that_stays_full_is_an_error_saying_how_much_and_where(remote, tmp_path):
+    root, files = remote
+    cache = ShardCache(FullDisk(f"file://{root}", full=99, **FAST), tmp_path / "cache", limit_bytes=10 * SIZE,
+                       expected_sizes=sizes(files))
+    with pytest.raises(CacheFull, match=f"{tmp_path / 'cache'} is full: shard 's2.tar' needs {SIZE} bytes"):
+        cache.get("s2.tar")
+    assert cache.storage.fetches == 2 and leftovers(tmp_path / "cache") == []
+    cache.close()
+
+
+@pytest.mark.parametrize("name", ["../evil.tar", "/etc/passwd", "a/../../b.tar"])
+def test_names_that_would_escape_the_cache_are_refused(remote, tmp_path, name):
+    root, files = remote
+    with pytest.raises(ValueError, match="refused"):
+        ShardCache(Storage(f"file://{root}"), tmp_path / "cache", limit_bytes=10 * SIZE,
+                   expected_sizes={**sizes(files), name: 10})
+    cache = ShardCache(Storage(f"file://{root}"), tmp_path / "cache", limit_bytes=10 * SIZE,
+                       expected_sizes=sizes(files))
+    with pytest.raises(ValueError, match="refused"):
+        cache.get(name)
+    with pytest.raises(KeyError, match="not in this cache"):
+        cache.get("other.tar")
+    cache.close()
+
+
+def test_a_local_folder_is_read_in_place(remote, tmp_path):
+    root, files = remote
+    cache = ShardCache(Storage(root), tmp_path / "cache", limit_bytes=1, expected_sizes=sizes(files))
+    assert cache.get("s0.tar") == str(root / "s0.tar")
+    cache.release("s0.tar")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_release_without_get_is_an_error(remote, tmp_path):
+    root, files = remote
+    cache = ShardCache(Storage(f"file://{root}"), tmp_path / "cache", limit_bytes=10 * SIZE,
+                       expected_sizes=sizes(files))
+    with pytest.raises(ValueError, match="does not hold"):
+        cache.release("s0.tar")
+    cache.close()
