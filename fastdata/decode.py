@@ -100,7 +100,7 @@ def _files(source, ids, aug, rng, on_error, checked: np.ndarray) -> Decoded:
     keep = []
     for j, i in enumerate(ids):
         try:
-            out[len(keep)] = load_photo(source.paths[i], aug, rng, checked=bool(checked[i]))
+            out[len(keep)] = load_photo(source.read(i), source.sample_name(i), aug, rng, checked=bool(checked[i]))
             checked[i] = True
         except DecodeError:
             if on_error == "raise":
@@ -157,9 +157,9 @@ def _files_transformed(source, ids, rng, on_error) -> Decoded:
     images, keep = [], []
     with seeded_globals() as seed:
         for j, i in enumerate(ids):
-            path = source.paths[i]
+            path = source.sample_name(i)
             try:
-                photo = load_photo(path, _NO_RECIPE, rng)   # the empty recipe draws nothing
+                photo = load_photo(source.read(i), path, _NO_RECIPE, rng)   # the empty recipe draws nothing
             except DecodeError:
                 if on_error == "raise":
                     raise
@@ -168,7 +168,7 @@ def _files_transformed(source, ids, rng, on_error) -> Decoded:
             images.append(transform_output(transform(Image.fromarray(photo)), source, path))
             keep.append(j)
     kept = ids[keep]
-    _same_size(source, images, [source.paths[i] for i in kept])
+    _same_size(source, images, [source.sample_name(i) for i in kept])
     batch = np.stack(images) if images else np.empty((0, 0, 0, 3), np.uint8)
     return Decoded(batch, source.labels[kept], kept)
 

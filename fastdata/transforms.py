@@ -317,18 +317,6 @@ def region_decode_enabled() -> bool:
     return region_available()
 
 
-def _read_file(path) -> bytes:
-    """The file's bytes, read once (the header parse and the region decoder share them); a failure is
-    the DecodeError ``open_image`` would raise for it."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise DecodeError(str(path), "file not found") from None
-    except OSError as e:
-        raise DecodeError(str(path), f"cannot read the file ({type(e).__name__}: {e.strerror or e})") from None
-
-
 def _ends_whole(data: bytes) -> bool:
     """The JPEG ends with its end-of-image marker (trailing padding aside).
 
@@ -341,8 +329,10 @@ def _ends_whole(data: bytes) -> bool:
     return data[-64:].rstrip(b"\x00\r\n\t ").endswith(b"\xff\xd9")
 
 
-def load_photo(path, aug: Augmentation, rng: np.random.Generator, *, checked: bool = True) -> np.ndarray:
-    """Decode one file and apply the recipe; returns uint8 (H, W, 3).
+def load_photo(data: bytes, path, aug: Augmentation, rng: np.random.Generator, *,
+               checked: bool = True) -> np.ndarray:
+    """Decode one file's bytes (``Source.read``) and apply the recipe; returns uint8 (H, W, 3). ``path``
+    names the file in errors (``Source.sample_name``), and its extension is checked against the bytes.
 
     The box is drawn from the header's size before any pixel is decoded (``sample_box``), then
     ``crop_photo`` gets its pixels the cheapest exact way. ``checked``: see ``crop_photo``.
@@ -352,7 +342,6 @@ def load_photo(path, aug: Augmentation, rng: np.random.Generator, *, checked: bo
     """
     import io
 
-    data = _read_file(path)
     head = _jpeg_header(path, data)
     img = None
     try:

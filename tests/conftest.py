@@ -133,6 +133,12 @@ def indexed_source(n: int = 1000, size: int = 8, channels: int = 1) -> ArraySour
     return ArraySource(images, label_of(ids), mean=MEAN * channels, std=STD * channels, name="indexed")
 
 
+def file_bytes(path) -> tuple[bytes, str]:
+    """(a file's bytes, its path): the arguments ``transforms.load_photo`` takes (sources own their bytes)."""
+    with open(path, "rb") as f:
+        return f.read(), str(path)
+
+
 def decode_ids(images: torch.Tensor, mean=MEAN[0], std=STD[0]) -> np.ndarray:
     """Invert the normalization of indexed_source batches and read the ids back."""
     x = images.float().cpu()[:, 0, 0, :2] * std + mean

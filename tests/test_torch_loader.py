@@ -4,6 +4,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import file_bytes
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder
 from fastdata.transforms import load_photo
@@ -44,10 +45,10 @@ def test_draft_decodes_at_reduced_scale_without_changing_the_result_much(photo_f
         return out
 
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
-    fast = load_photo(path, aug, np.random.default_rng(0)).astype(np.float32)
+    fast = load_photo(*file_bytes(path), aug, np.random.default_rng(0)).astype(np.float32)
     assert calls and calls[0] is not None, "draft must be asked to shrink the JPEG decode"
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", lambda self, mode, size: None)
-    slow = load_photo(path, aug, np.random.default_rng(0)).astype(np.float32)
+    slow = load_photo(*file_bytes(path), aug, np.random.default_rng(0)).astype(np.float32)
     assert fast.shape == slow.shape == (56, 56, 3)
     assert np.abs(fast - slow).mean() < 3.0
 

@@ -6,7 +6,7 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import skip_missing
+from conftest import file_bytes, skip_missing
 from fastdata import Augmentation
 from fastdata.config import Crop
 from fastdata.datasets import SourceKind, SyntheticDigits
@@ -246,9 +246,9 @@ def test_load_photo_decodes_only_the_window_with_the_full_decodes_pixels(photo_f
     paths = ImageFolder(photo_folder).paths[:12]
     for i, path in enumerate(paths):
         monkeypatch.setenv("FASTDATA_REGION_DECODE", "1")
-        got = load_photo(path, aug, np.random.default_rng(i))
+        got = load_photo(*file_bytes(path), aug, np.random.default_rng(i))
         monkeypatch.setenv("FASTDATA_REGION_DECODE", "0")
-        want = load_photo(path, aug, np.random.default_rng(i))
+        want = load_photo(*file_bytes(path), aug, np.random.default_rng(i))
         diff = np.abs(got.astype(int) - want.astype(int))
         assert diff.max() <= 1 and diff.mean() < 0.01, path  # the same box, flip and pixels
     assert len(calls) == len(paths)  # the region path ran (and only with the switch on)
@@ -265,11 +265,11 @@ def test_a_truncated_jpeg_is_still_refused_when_regions_are_decoded(photo_folder
     cut.write_bytes(data[: int(len(data) * 0.9)])  # damage below any box near the top
     aug = Augmentation(crop="random_resized", size=32, scale=(0.01, 0.02))
     with pytest.raises(DecodeError, match="cut.jpg"):
-        load_photo(cut, aug, np.random.default_rng(0))
+        load_photo(*file_bytes(cut), aug, np.random.default_rng(0))
     # bytes after the end-of-image marker (cameras append data): decoded by the full path, not refused
     tail = tmp_path / "tail.jpg"
     tail.write_bytes(data + b"appended by a camera")
-    assert load_photo(tail, aug, np.random.default_rng(0)).shape == (32, 32, 3)
+    assert load_photo(*file_bytes(tail), aug, np.random.default_rng(0)).shape == (32, 32, 3)
 
 
 # ---------------------------------------------------------------- the JPEG header read without Pillow
@@ -411,10 +411,10 @@ def test_load_photo_gives_the_same_pixels_with_either_header_reader(tmp_path, mo
     seen = []
     real = T._jpeg_header
     monkeypatch.setattr(T, "_jpeg_header", lambda *a: seen.append(real(*a)) or seen[-1])
-    fast = [T.load_photo(path, aug, np.random.default_rng(s)) for s in range(6)]
+    fast = [T.load_photo(*file_bytes(path), aug, np.random.default_rng(s)) for s in range(6)]
     assert seen and all(h == (64, 96, orientation) for h in seen)   # read without Pillow
     monkeypatch.setattr(T, "_jpeg_header", lambda *a: None)
-    slow = [T.load_photo(path, aug, np.random.default_rng(s)) for s in range(6)]
+    slow = [T.load_photo(*file_bytes(path), aug, np.random.default_rng(s)) for s in range(6)]
     for a, b in zip(fast, slow):
         assert np.array_equal(a, b)
 
@@ -431,13 +431,13 @@ def test_files_pillow_must_refuse_still_go_through_pillow(tmp_path, monkeypatch)
     named_png.write_bytes(data)
     assert T._jpeg_header(named_png, data) is None
     with pytest.raises(DecodeError, match="named .png"):
-        T.load_photo(named_png, Augmentation(crop="random_resized", size=32), np.random.default_rng(0))
+        T.load_photo(*file_bytes(named_png), Augmentation(crop="random_resized", size=32), np.random.default_rng(0))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 96 * 64 - 1)
     bomb = tmp_path / "bomb.jpg"
     bomb.write_bytes(data)
     assert T._jpeg_header(bomb, data) is None
     with pytest.raises(DecodeError, match="decompression-bomb"):
-        T.load_photo(bomb, Augmentation(crop="random_resized", size=32), np.random.default_rng(0))
+        T.load_photo(*file_bytes(bomb), Augmentation(crop="random_resized", size=32), np.random.default_rng(0))
     monkeypatch.setenv("FASTDATA_REGION_DECODE", "0")
     assert T._jpeg_header(tmp_path / "x.jpg", data) is None
 

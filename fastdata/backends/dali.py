@@ -206,11 +206,11 @@ def is_dali_failure(e: BaseException) -> bool:
     return str(e).lstrip().startswith(_DALI_PREFIXES)
 
 
-def _pil_opinion(path) -> str:
+def _pil_opinion(data: bytes, path) -> str:
     """What PIL says about a file DALI failed on: DALI's own reason is often just 'Failed to decode
     sample #0' (its decoder logs the detail to stderr), PIL's names it ('image file is truncated')."""
     try:
-        with open_image(path) as img:
+        with open_image(path, io.BytesIO(data)) as img:
             img.load()
     except Exception as e:
         return f"; PIL: {e}"
@@ -500,7 +500,7 @@ class DaliLoader(Loader):
             state = self._state[i]
             if state == _NO_HEADER:
                 if self.config.on_error == "raise":
-                    raise DecodeError(self.source.paths[i], self._why[i])
+                    raise DecodeError(self.source.sample_name(i), self._why[i])
                 skipped += 1
                 continue
             height, width, orientation = (int(v) for v in self._dims[i])
@@ -508,7 +508,7 @@ class DaliLoader(Loader):
             j += 1
             if state == _BROKEN or isinstance(buf, str):
                 if self.config.on_error == "raise":
-                    raise DecodeError(self.source.paths[i], buf if isinstance(buf, str) else self._why[i])
+                    raise DecodeError(self.source.sample_name(i), buf if isinstance(buf, str) else self._why[i])
                 skipped += 1
                 continue
             if self.host_decode:
@@ -561,7 +561,7 @@ class DaliLoader(Loader):
                 self._why[i] = got
                 self._state[i] = _BROKEN   # refused from now on, as the torch backend refuses it each epoch
                 if self.config.on_error == "raise":
-                    raise DecodeError(self.source.paths[i], got)
+                    raise DecodeError(self.source.sample_name(i), got)
                 skipped += 1
                 continue
             images[len(keep)] = got
@@ -584,7 +584,7 @@ class DaliLoader(Loader):
         """
         height, width, orientation = (int(v) for v in self._dims[i])
         try:
-            return crop_photo(self.source.paths[i], buf.tobytes(), box, self.augment, orientation,
+            return crop_photo(self.source.sample_name(i), buf.tobytes(), box, self.augment, orientation,
                               (height, width), checked=self.opts["validate"])
         except DecodeError as e:
             return e.reason
@@ -608,23 +608,17 @@ class DaliLoader(Loader):
         state = self._state[i]
         if state in (_NO_HEADER, _BROKEN):
             return None
-        path = self.source.paths[i]
+        path = self.source.sample_name(i)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
-                st = os.fstat(f.fileno())
-            stamp = (st.st_size * 1_000_003 + st.st_mtime_ns) & 0x7FFF_FFFF_FFFF_FFFF
+            raw, stamp = self.source.read_stamped(i)   # the source owns the bytes (a file, a shard member)
             if state == _OK and self._stamps[i] != stamp:
                 state = _UNSEEN
-        except OSError as e:
-            if state == _UNSEEN:  # open_image names the problem (file not found, ...)
-                try:
-                    open_image(path).close()
-                except DecodeError as err:
-                    self._why[i] = err.reason
-                    self._state[i] = _NO_HEADER
-                    return None
-            return f"cannot read it now ({type(e).__name__}: {e})"
+        except DecodeError as err:
+            if state == _UNSEEN:  # never read: unusable for good (file not found, ...)
+                self._why[i] = err.reason
+                self._state[i] = _NO_HEADER
+                return None
+            return f"cannot read it now ({err.reason})"
         if state == _UNSEEN:
             try:
                 img = open_image(path, io.BytesIO(raw))
@@ -744,16 +738,21 @@ class DaliLoader(Loader):
         bad = self._probe(candidates)
         if not bad:
             raise RuntimeError(f"DALI failed on a batch of {len(candidates)} file(s) "
-                               f"({', '.join(repr(self.source.paths[i]) for i in candidates[:3])}"
+                               f"({', '.join(repr(self.source.sample_name(i)) for i in candidates[:3])}"
                                f"{', ...' if len(candidates) > 3 else ''}) although each decodes alone: "
                                f"{self._dali_reason(e)}") from e
         for i, why in bad:
-            path = self.source.paths[i]
-            self._why[i] = f"DALI cannot decode it ({why}){_pil_opinion(path)}"
+            self._why[i] = f"DALI cannot decode it ({why}){self._pil_opinion(i)}"
             self._state[i] = _BROKEN  # refused from now on without asking DALI again
         if self.config.on_error == "raise":
             i = bad[0][0]
-            raise DecodeError(self.source.paths[i], self._why[i]) from None
+            raise DecodeError(self.source.sample_name(i), self._why[i]) from None
+
+    def _pil_opinion(self, i: int) -> str:
+        try:
+            return _pil_opinion(self.source.read(i), self.source.sample_name(i))
+        except DecodeError as e:
+            return f"; cannot read it again ({e.reason})"
 
     def _probe(self, ids) -> list[tuple[int, str]]:
         """Decode files one at a time with DALI's decoder; return (id, reason) for those that fail.
@@ -776,7 +775,7 @@ class DaliLoader(Loader):
 
         bad = []
         for i in ids:
-            data = np.fromfile(self.source.paths[i], dtype=np.uint8)
+            data = np.frombuffer(self.source.read(i), dtype=np.uint8)
             for attempt in (0, 1):
                 if self._probe_pipe is None:
                     self._probe_pipe = probe()

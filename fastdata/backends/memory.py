@@ -43,6 +43,7 @@ raises, naming the file. Arrays are not decoded: each rank's cache is its own ar
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import numbers
 import os
@@ -228,17 +229,18 @@ def _chunks(n: int, per_item: int, limit: int = 64 * 2**20):
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
-def load_whole(path, side: int) -> tuple[np.ndarray, int, int]:
+def load_whole(data: bytes, path, side: int) -> tuple[np.ndarray, int, int]:
     """One photo, whole, as uint8 (h, w, 3) with its longer side at most ``side`` (aspect kept; a
     smaller photo is kept as it is), and its original (H, W) after EXIF orientation, the size the
-    recipe's boxes are drawn from. Errors are the DecodeErrors ``transforms.load_photo`` raises.
+    recipe's boxes are drawn from. ``data``: the file's bytes (``Source.read``); ``path`` names it.
+    Errors are the DecodeErrors ``transforms.load_photo`` raises.
 
     JPEGs decode at a reduced scale (``Image.draft``) when the target allows; the drafted image is
     resized from the exact region that covers the original (drafted sizes round up to whole blocks).
     """
     from PIL import Image
 
-    img = open_image(path)
+    img = open_image(path, io.BytesIO(data))
     try:
         orientation = exif_orientation(img, path)
         swap = orientation in (5, 6, 7, 8)
@@ -288,7 +290,7 @@ class WholePhotos(Dataset):
         rows = rows.numpy()   # numpy's copies into a slot's sub-rectangle: far cheaper than torch's
         for j, i in enumerate(ids):
             try:
-                arr, H, W = load_whole(self.source.paths[i], self.side)
+                arr, H, W = load_whole(self.source.read(i), self.source.sample_name(i), self.side)
             except DecodeError:
                 if self.on_error == "raise":
                     raise
@@ -477,12 +479,11 @@ class NvWholeDecoder:
     def read(self, ids) -> list:
         """The files' bytes (None for one that cannot be read: ``load_whole`` then names the problem):
         the host's part of ``decode_rows``, which a caller may do ahead on another thread."""
-        paths, out = self.photos.source.paths, []
+        source, out = self.photos.source, []
         for i in ids:
             try:
-                with open(paths[i], "rb") as f:
-                    out.append(f.read())
-            except OSError:
+                out.append(source.read(i))
+            except DecodeError:
                 out.append(None)
         return out
 
@@ -539,7 +540,7 @@ class NvWholeDecoder:
         photos until the next call or ``flush()`` instead of waiting for its GPU work here."""
         from PIL import Image
 
-        paths, side = self.photos.source.paths, self.photos.side
+        source, side = self.photos.source, self.photos.side
         data = self.read(ids) if data is None else data
         streams, where, fallback = [], [], []
         for j, cs in enumerate(map(self._stream, data)):
@@ -586,7 +587,9 @@ class NvWholeDecoder:
                 self._release()
         for j in sorted(fallback):
             try:
-                arr, H, W = load_whole(paths[ids[j]], side)
+                i = ids[j]
+                raw = source.read(i) if data[j] is None else data[j]   # None: unreadable, read again to name why
+                arr, H, W = load_whole(raw, source.sample_name(i), side)
             except DecodeError:
                 if self.photos.on_error == "raise":
                     raise

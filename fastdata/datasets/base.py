@@ -35,8 +35,41 @@ class Source:
     num_classes: int
     _classes: list | None = None
 
+    #: Whether samples cost the same read in any order (files, arrays), or the source is a stream best
+    #: read in its own order (shards: whole shards fetched a window at a time, see ``epoch_order``).
+    random_access = True
+
     def __len__(self) -> int:
         return len(self.labels)
+
+    # ------------------------------------------------------------------ the bytes (encoded sources)
+    # Sources of encoded images (SourceKind.FILES) own their bytes: every backend decodes what
+    # read(i) returns and names sample_name(i) in its errors; none opens a path itself. A new storage
+    # format (tar shards, an object store) is one Source subclass, read by every backend unchanged.
+    def read(self, i: int) -> bytes:
+        """Sample ``i``'s encoded bytes (a JPEG or PNG file's contents). A failure to read them is a
+        ``DecodeError`` naming ``sample_name(i)`` (with ``on_error="skip"``, the sample is skipped)."""
+        return self.read_stamped(i)[0]
+
+    def read_stamped(self, i: int) -> tuple[bytes, int]:
+        """(``read(i)``, a stamp that changes when the sample's bytes change): a backend that learns a
+        sample's header once (its size, for the crop boxes) learns it again when the stamp moves."""
+        raise TypeError(f"{self!r} holds decoded pixels or samples, not encoded files: it has no bytes to read")
+
+    def sample_name(self, i: int) -> str:
+        """What errors call sample ``i``: its file's path, or its shard and member (ending in the
+        format's extension, which decoders check the bytes against)."""
+        return f"{self.name}[{i}]"
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray | None:
+        """A shuffled epoch's order of sample ids when the source has its own (shards: shards shuffled,
+        then samples within a window of shards), from ``(seed, epoch)`` alone; None: a permutation of all
+        samples. It must not depend on the world size, so ranks split it and resume it elastically."""
+        return None
+
+    def will_read(self, ids: np.ndarray) -> None:
+        """The samples the current pass reads next, in order (over every rank): a streaming source
+        fetches ahead. Called by the loader in its own process when a pass starts; a hint only."""
 
     @property
     def classes(self) -> list:

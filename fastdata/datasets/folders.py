@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import Augmentation, SourceKind
+from ..errors import DecodeError
 from .base import IMAGENET_MEAN, IMAGENET_STD, Source, check_labels
 from .sample_transforms import check_sample_transform, transform_output
 
@@ -42,6 +43,20 @@ def _walk_images(folder, exts, visited: set, real_root: str):
             yield from _walk_images(entry.path, exts, visited, real_root)
         elif entry.name.lower().endswith(exts):
             yield entry.path
+
+
+def read_file(path) -> tuple[bytes, int]:
+    """(a file's bytes, a stamp of its size and mtime), read once; a failure is the DecodeError that
+    names the file, as every backend raises it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+            st = os.fstat(f.fileno())
+    except FileNotFoundError:
+        raise DecodeError(str(path), "file not found") from None
+    except OSError as e:
+        raise DecodeError(str(path), f"cannot read the file ({type(e).__name__}: {e.strerror or e})") from None
+    return data, (st.st_size * 1_000_003 + st.st_mtime_ns) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class ImageFolder(Source):
@@ -180,6 +195,15 @@ class ImageFolder(Source):
             return Augmentation.none()
         return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
 
+    def read_stamped(self, i: int) -> tuple[bytes, int]:
+        """File ``i``'s bytes and a stamp of its size and modification time, from the open file (no
+        second path lookup): a photo replaced in place is learnt again by a backend that keeps headers."""
+        return read_file(self.paths[i])
+
+    def sample_name(self, i: int) -> str:
+        """File ``i``'s path."""
+        return str(self.paths[i])
+
     def _take(self, idx: np.ndarray) -> None:
         self.paths = [self.paths[i] for i in idx]
         self.labels = self.labels[idx]
@@ -196,11 +220,11 @@ class ImageFolder(Source):
         from ..transforms import load_photo
 
         i = self._index(i)
-        image = load_photo(self.paths[i], Augmentation.none(), np.random.default_rng(0))
+        image = load_photo(self.read(i), self.sample_name(i), Augmentation.none(), np.random.default_rng(0))
         if self.transform is not None:
             from PIL import Image
 
-            image = transform_output(self.transform(Image.fromarray(image)), self, self.paths[i])
+            image = transform_output(self.transform(Image.fromarray(image)), self, self.sample_name(i))
         return torch.from_numpy(np.array(image)), int(self.labels[i])  # a writable copy: PIL's is read-only
 
 
