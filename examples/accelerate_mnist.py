@@ -1,0 +1,198 @@
+"""Train fastdata's SmallCNN on MNIST digits with Hugging Face accelerate and fastdata loaders.
+
+    python examples/accelerate_mnist.py --backend memory --epochs 3
+    accelerate launch --num_processes 2 --cpu examples/accelerate_mnist.py --data synthetic --cpu
+    torchrun --nproc-per-node 2 examples/accelerate_mnist.py --data synthetic --cpu
+    python examples/accelerate_mnist.py --ckpt-dir ck --ckpt-every 50 --max-steps 120   # stop mid-epoch ...
+    python examples/accelerate_mnist.py --ckpt-dir ck --resume                          # ... and go on there
+
+What fastdata needs from accelerate, and no more:
+
+- The loaders are built after ``Accelerator()`` (the process group exists: each rank reads its own shard)
+  on ``accelerator.device``. ``prepare()`` takes them with the model and optimizer and hands them back
+  unchanged: accelerate wraps only torch DataLoaders, and a fastdata loader already shards, moves and
+  normalizes.
+- ``accelerator.register_for_checkpointing(train_loader)``: ``save_state()`` saves only what it
+  prepared or was told about, so without this line a resume starts the epoch over, silently.
+- The evaluation loader has ``even_batches=True``: every rank's last batch has the same size (the last
+  step is padded, as DistributedSampler pads), which ``gather_for_metrics`` needs (uneven shapes abort
+  in gloo), and the loader tells accelerate how many gathered samples are real, so the metric counts
+  every test image exactly once.
+
+``--data auto`` (the default) uses MNIST from ``--data-root`` (downloaded by each node's local main
+process unless ``--no-download``), else synthetic digits drawn alike on every rank. ``--batch-size``
+is per process.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+
+import torch
+
+from fastdata import cli, make_loader
+from fastdata.datasets import MNIST, ArraySource, SyntheticDigits
+from fastdata.models import SmallCNN
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The command line, as a parser other scripts and the tests reuse."""
+    p = argparse.ArgumentParser(description="Train a small CNN on MNIST digits with accelerate and a fastdata "
+                                            "backend", add_help=add_help)
+    p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
+                   help="data-loading backend")
+    p.add_argument("--epochs", type=cli.positive_int, default=3)
+    p.add_argument("--batch-size", type=cli.positive_int, default=256, help="per process")
+    p.add_argument("--lr", type=cli.positive_float, default=0.1, help="peak learning rate of the one-cycle schedule")
+    p.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=False,
+                   help="train on the CPU even where there is a GPU (Accelerator(cpu=True))")
+    p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
+                   help="auto: MNIST from --data-root (downloaded unless --no-download), else synthetic digits")
+    p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
+    p.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
+                   help="fetch MNIST through torchvision when it is not in --data-root")
+    p.add_argument("--train-size", type=cli.positive_int, default=None, help="use the first N training images")
+    p.add_argument("--test-size", type=cli.positive_int, default=None, help="use the first N test images")
+    p.add_argument("--workers", type=cli.nonnegative_int, default=None,
+                   help="loader workers per process (default: the usable cores / processes on the node)")
+    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--max-steps", type=cli.positive_int, default=None,
+                   help="stop after this many optimizer steps (a stand-in for a preemption)")
+    p.add_argument("--ckpt-dir", default=None, metavar="DIR",
+                   help="accelerator.save_state() here at every epoch's end (and every --ckpt-every steps)")
+    p.add_argument("--ckpt-every", type=cli.positive_int, default=None, metavar="STEPS",
+                   help="also save every STEPS steps: a mid-epoch checkpoint")
+    p.add_argument("--resume", action="store_true", help="accelerator.load_state() from --ckpt-dir first")
+    p.add_argument("--json-out", default=None, metavar="PATH", help="write the result as one JSON object (rank 0)")
+    return p
+
+
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """What the flags need together, refused before anything starts."""
+    for flag in ("--ckpt-every", "--resume"):
+        if getattr(args, flag[2:].replace("-", "_")) and not args.ckpt_dir:
+            parser.error(f"argument {flag}: needs --ckpt-dir DIR")
+    cli.check_output(parser, "--ckpt-dir", args.ckpt_dir, folder=True)
+    cli.check_output(parser, "--json-out", args.json_out)
+    if args.resume and not os.path.isdir(args.ckpt_dir):
+        parser.error(f"argument --resume: '{args.ckpt_dir}' holds no saved state")
+
+
+def _digits(args, train: bool, use_mnist: bool) -> ArraySource:
+    n = args.train_size if train else args.test_size
+    if use_mnist:
+        src = MNIST(args.data_root, train=train, download=False)
+        if n is None or n >= len(src):
+            return src
+        return ArraySource(src.images[:n], src.labels[:n], mean=src.mean, std=src.std, name=src.name, digits=True)
+    return SyntheticDigits(n or (60_000 if train else 10_000), train=train, seed=args.seed)
+
+
+def _has_mnist(args) -> bool:
+    if args.data == "synthetic":
+        return False
+    try:
+        # torchvision's download chatter would bury the one line that matters.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            for train in (True, False):
+                MNIST(args.data_root, train=train, download=args.download)
+        return True
+    except FileNotFoundError as e:
+        if args.data == "mnist":
+            raise SystemExit(f"error: --data mnist: {e}") from None
+        return False
+
+
+def evaluate(accelerator, model, loader) -> tuple[float, int]:
+    """(accuracy, samples counted) over every rank's shard: each test image exactly once."""
+    model.eval()
+    correct = seen = 0
+    with torch.no_grad():
+        for images, labels in loader:
+            # gather_for_metrics drops the padding of the last step (the loader told accelerate how many
+            # gathered samples are real); plain gather() would count the padded ones twice.
+            preds, labels = accelerator.gather_for_metrics((model(images).argmax(1), labels))
+            correct += int((preds == labels).sum())
+            seen += len(labels)
+    model.train()
+    return correct / max(seen, 1), seen
+
+
+def main(args) -> dict:
+    """Train (and evaluate each epoch) as ``args`` says; return what the run reached."""
+    _check_args(get_args_parser(), args)
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    accelerator = Accelerator(cpu=args.cpu)
+    set_seed(args.seed)   # same initial weights on every rank
+    # One download per node, the node's other processes waiting; then one decision for every rank.
+    with accelerator.local_main_process_first():
+        have = _has_mnist(args)
+    lacking = accelerator.reduce(torch.tensor([float(not have)], device=accelerator.device), reduction="sum")
+    use_mnist = have and float(lacking) == 0
+    dataset = "mnist" if use_mnist else "synthetic"
+    if args.data == "auto" and not use_mnist:
+        accelerator.print(f"MNIST is not in '{args.data_root}': training on synthetic digits instead")
+
+    with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
+        train_loader = make_loader(_digits(args, True, use_mnist), args.backend, device=accelerator.device,
+                                   batch_size=args.batch_size, train=True, seed=args.seed, num_workers=args.workers)
+        eval_loader = make_loader(_digits(args, False, use_mnist), args.backend, like=train_loader,
+                                  batch_size=max(args.batch_size, 512), even_batches=True)
+    model = SmallCNN(num_classes=10, in_channels=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    steps_per_epoch = len(train_loader)   # before any resume: a resumed pass's len() is what is left of it
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, epochs=args.epochs,
+                                                    steps_per_epoch=steps_per_epoch)
+    # The loaders come back as they went in. The scheduler is not prepared: accelerate's wrapper steps it
+    # once per process per step, for DataLoaders it has split, and would run this one past its end.
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    accelerator.register_for_checkpointing(train_loader, scheduler)
+
+    if args.resume:
+        accelerator.load_state(args.ckpt_dir)
+        at = train_loader.state_dict()
+        accelerator.print(f"resumed from '{args.ckpt_dir}': epoch {at['epoch']}, batch {at['batch']}/"
+                          f"{steps_per_epoch}")
+    at = train_loader.state_dict()
+    step = at["epoch"] * steps_per_epoch + at["batch"]
+    accuracy = seen = None
+    stopped = False
+    for epoch in range(train_loader.epoch, args.epochs):
+        for images, labels in train_loader:
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if args.ckpt_every and step % args.ckpt_every == 0:
+                accelerator.save_state(args.ckpt_dir)
+            if args.max_steps and step >= args.max_steps:
+                stopped = True
+                break
+        if stopped:
+            break
+        accuracy, seen = evaluate(accelerator, model, eval_loader)
+        accelerator.print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}, {dataset} test accuracy "
+                          f"{accuracy:.4f} ({seen} images)")
+        if args.ckpt_dir:
+            # After the last batch the loader's position is the next epoch's start.
+            accelerator.save_state(args.ckpt_dir)
+    result = {"backend": args.backend, "dataset": dataset, "world_size": accelerator.num_processes,
+              "global_step": step, "epoch": train_loader.epoch, "test_accuracy": accuracy, "test_samples": seen}
+    if args.json_out and accelerator.is_main_process:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f)
+    for loader in (train_loader, eval_loader):
+        loader.close()
+    accelerator.end_training()
+    return result
+
+
+if __name__ == "__main__":
+    main(get_args_parser().parse_args())
