@@ -183,9 +183,10 @@ def build(args):
 
         def on_validation_epoch_end(self):
             correct, loss, n = self.trainer.strategy.reduce(self.val_sums, reduce_op="sum").tolist()
-            # Already summed over the ranks: every rank logs the same value.
-            self.log("val_acc", correct / max(n, 1))
-            self.log("val_loss", loss / max(n, 1))
+            # Already summed over the ranks, so every rank holds the same value; sync_dist only tells
+            # Lightning so (its mean of equal values changes nothing).
+            self.log("val_acc", correct / max(n, 1), sync_dist=True)
+            self.log("val_loss", loss / max(n, 1), sync_dist=True)
 
         def configure_optimizers(self):
             optimizer = torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9, nesterov=True,

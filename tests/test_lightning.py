@@ -288,6 +288,18 @@ def test_the_lightning_example_trains_checkpoints_and_resumes(backend, tmp_path)
     assert 0.0 <= again["val_accuracy"] <= 1.0
 
 
+def test_the_lightning_example_trains_with_ddp_on_two_cpu_processes(tmp_path):
+    """--devices 2: Lightning re-runs the script as its second process; each reads half the data."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_mnist.py"), "--devices", "2",
+                           "--accelerator", "cpu", "--backend", "memory", "--data", "synthetic", "--data-root",
+                           str(tmp_path / "d"), "--train-size", "256", "--test-size", "75", "--batch-size", "32",
+                           "--workers", "0", "--epochs", "1", "--no-progress"],
+                          cwd=tmp_path, env=_clean_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # 256 samples / (2 ranks x 32) = 4 steps (8 if a rank read all of them); rank 0 alone reports.
+    assert proc.stdout.count("after 4 steps (2 process(es), backend memory)") == 1, proc.stdout
+
+
 def test_the_lightning_example_takes_its_backends_from_the_registry():
     from fastdata import available_backends
 
