@@ -149,7 +149,8 @@ def main(args) -> dict:
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, epochs=args.epochs,
                                                     steps_per_epoch=steps_per_epoch)
     # The loaders come back as they went in. The scheduler is not prepared: accelerate's wrapper steps it
-    # once per process per step, for DataLoaders it has split, and would run this one past its end.
+    # once per process at every step (it expects a schedule counted in whole-dataset batches, as for a
+    # DataLoader it split), and this one counts this rank's batches: under 2 processes it would end halfway.
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     accelerator.register_for_checkpointing(train_loader, scheduler)
 
