@@ -7,7 +7,7 @@ another rank, or a rerun computes the same permutation without any saved RNG sta
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -95,6 +95,9 @@ class EpochPlan:
     rank: int = 0
     world_size: int = 1
     even: bool = False
+    #: The source's own shuffled order, ``(seed, epoch) -> ids`` or None (``Source.epoch_order``: shards
+    #: are shuffled by windows of shards); None → a permutation of every sample.
+    order_fn: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.num_samples < 0:
@@ -116,6 +119,9 @@ class EpochPlan:
         """Every sample id in epoch ``epoch``'s order (shuffled from ``(seed, epoch)`` when shuffle is on)."""
         if not self.shuffle:
             return np.arange(self.num_samples, dtype=np.int64)
+        own = self.order_fn(self.seed, epoch) if self.order_fn is not None else None
+        if own is not None:
+            return np.asarray(own, dtype=np.int64)
         return np.random.default_rng(seed_for(self.seed, epoch)).permutation(self.num_samples).astype(np.int64)
 
     def samples_read(self) -> int:

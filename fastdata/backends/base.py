@@ -256,7 +256,7 @@ class Loader:
         self.mean, self.std = tuple(mean), tuple(std)
         rank, world = distributed_info(config.rank, config.world_size)
         self.plan = EpochPlan(len(source), config.batch_size, config.shuffle, config.drop_last,
-                              config.seed, rank, world, even=config.even_batches)
+                              config.seed, rank, world, even=config.even_batches, order_fn=source.epoch_order)
         if len(self.plan) == 0:
             raise ValueError(
                 f"{source!r} has {len(source)} samples, fewer than one batch of {config.batch_size}"
@@ -403,7 +403,12 @@ class Loader:
         done, ended = 0, False
         pipeline = self.batch_pipeline
         tracker = _AccelerateTracker(self, offset)
+        # A streaming source (shards) fetches ahead of where the pass is: told here, in this process.
+        streaming = not self.source.random_access
+        order = self.plan.order(epoch) if streaming else None
         try:
+            if streaming:
+                self.source.reading(order, offset)
             for batch in it:
                 if pipeline is not None:
                     # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do
@@ -412,6 +417,8 @@ class Loader:
                                                       0xBA7C))
                 done += 1
                 self._position = (epoch, offset, done, len(batches))
+                if streaming:
+                    self.source.reading(order, self.plan.consumed(offset, done))
                 if done == len(batches):
                     # The pass ends when its last batch is handed out, not when the consumer asks for one
                     # more: Lightning's fetcher, islice(loader, len(loader)) and zip(range(n), loader)

@@ -22,11 +22,12 @@ from .digits import SyntheticDigits, render_digits
 from .folders import IMAGE_EXTENSIONS, ImageFolder, make_image_folder
 from .mnist import MNIST, MNIST_FILES, read_idx
 from .sample_transforms import check_sample_transform, check_transform_and_augment, transform_output
+from .shards import Shards
 from .torch_datasets import DatasetSource
 
 __all__ = [
     "IMAGE_EXTENSIONS", "IMAGENET_MEAN", "IMAGENET_STD", "MNIST", "MNIST_FILES", "ArraySource", "DatasetSource",
-    "ImageFolder", "Source", "SourceKind", "SyntheticDigits", "as_source", "channel_stats", "check_indices",
+    "ImageFolder", "Shards", "Source", "SourceKind", "SyntheticDigits", "as_source", "channel_stats", "check_indices",
     "check_labels", "check_sample_transform", "check_transform_and_augment", "from_torchvision",
     "make_image_folder", "read_idx", "render_digits", "split", "transform_output",
 ]

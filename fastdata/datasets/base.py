@@ -67,9 +67,10 @@ class Source:
         samples. It must not depend on the world size, so ranks split it and resume it elastically."""
         return None
 
-    def will_read(self, ids: np.ndarray) -> None:
-        """The samples the current pass reads next, in order (over every rank): a streaming source
-        fetches ahead. Called by the loader in its own process when a pass starts; a hint only."""
+    def reading(self, order: np.ndarray, position: int) -> None:
+        """The running pass reads ``order`` (the epoch's sample ids over every rank) and has handed out
+        its first ``position``: a streaming source fetches ahead. Called by the loader in its own
+        process, for sources without ``random_access``, when a pass starts and after each batch."""
 
     @property
     def classes(self) -> list:

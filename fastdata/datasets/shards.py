@@ -1,0 +1,286 @@
+"""Shards: a dataset packed by ``fastdata pack`` (WebDataset-layout tars plus ``index.json``), read from a
+local folder or any fsspec URL (``https://``, ``s3://``, ``gs://``), by every backend.
+
+The index gives every sample's shard, byte offset and size, so a sample is one read of its bytes (its
+512-byte tar header is read with it and checked against the index, which cannot otherwise prove which
+member sits at an offset). A remote location is read through a bounded per-node cache of whole shards
+(``fastdata.shards.cache``): small-file reads over a network are what make remote data slow, whole
+shards are not. The epoch's order (``epoch_order``) shuffles shards, then samples within a window of
+``window`` shards, from ``(seed, epoch)`` alone: every rank reads the current window's shards, and the
+order does not depend on the world size, so elastic resume reads every sample once, as for folders.
+While a pass runs, the loader tells the source where it is (``reading``), and the shards of the next
+window are fetched ahead on a thread of the loader's process; readers in worker processes find them
+published in the shared cache folder (or wait, on the shard's lock, for the download in progress).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+
+import numpy as np
+
+from ..config import Augmentation, SourceKind
+from ..errors import DecodeError
+from .base import IMAGENET_MEAN, IMAGENET_STD, Source, check_labels
+from .folders import ImageFolder
+
+_TAR_HEADER = 512
+
+
+def _tar_name(header: bytes) -> str:
+    """The member name in a ustar header (its prefix field joined, as tarfile does)."""
+    name = header[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
+    prefix = header[345:500].split(b"\0", 1)[0].decode("utf-8", "replace") if header[257:262] == b"ustar" else ""
+    return f"{prefix}/{name}" if prefix else name
+
+
+class Shards(Source):
+    """A packed dataset (``python -m fastdata pack``) at ``location``: a folder or an fsspec URL.
+
+    Args:
+        location: the folder ``pack`` wrote (``index.json`` and the tars), local or a URL.
+        cache_dir: where whole shards of a remote location are kept (give the ranks of a node the same
+            folder: one downloads, the others read); default a folder per dataset under the system's
+            temporary directory. A local folder is read in place, without a cache.
+        cache_limit: bytes of shards the cache may hold; default half the free space of ``cache_dir``'s
+            disk. It must hold ``2 x window`` of the largest shards (the window being read and the
+            next, fetched ahead), which is checked here.
+        window: shards whose samples are shuffled together; more windows mix better, more shards per
+            window cost cache space.
+        storage_options, retries, timeout: for the transport (``fastdata.shards.storage.Storage``):
+            credentials come from fsspec's and boto's usual places or ``storage_options``, never printed.
+        mean, std: normalization statistics in [0, 1] units; default the index's, else ImageNet's.
+        transform: a per-sample callable on the decoded PIL photo (torch/prefetch backends), as
+            ``ImageFolder(transform=...)``.
+    """
+
+    kind = SourceKind.FILES
+    hwc_samples = True
+    random_access = False
+
+    def __init__(self, location, *, cache_dir=None, cache_limit: int | None = None, window: int = 4,
+                 storage_options: dict | None = None, retries: int = 5, timeout: float = 60.0,
+                 mean=None, std=None, transform=None):
+        from ..config import check_integer
+        from ..shards.index import parse_index
+        from ..shards.storage import Storage, redact
+        from .sample_transforms import check_sample_transform
+
+        self.window = check_integer("window", window, minimum=1)
+        self.storage = Storage(location, retries=retries, timeout=timeout, storage_options=storage_options)
+        where = self.storage.url("index.json")
+        self.index = parse_index(self.storage.read("index.json"), where)
+        info = self.index.source or {}
+        self.classes = list(self.index.classes)
+        self.num_classes = len(self.classes)
+        self.labels = check_labels(self.index.labels, f"labels of {where}", self.num_classes)
+        self.channels = 3
+        self.mean = tuple(mean if mean is not None else info.get("mean") or IMAGENET_MEAN)
+        self.std = tuple(std if std is not None else info.get("std") or IMAGENET_STD)
+        if len(self.mean) == 1:
+            self.mean, self.std = self.mean * 3, self.std * 3 if len(self.std) == 1 else self.std
+        self.location = redact(self.storage.location)   # what messages show: no credentials
+        self.name = f"shards:{self.location}"
+        if transform is not None:
+            check_sample_transform(transform, f"Shards '{where}'")
+        self.transform = transform
+        self._ids = np.arange(len(self.labels), dtype=np.int64)   # into the index (a subset maps here)
+        self._cache = None
+        self._cache_dir, self._cache_limit = cache_dir, cache_limit
+        if not self.storage.is_local:
+            self._open_cache()   # the budget is checked now, not at the first read in a worker
+        self._prefetcher = None
+        self._fds: dict = {}
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ the cache
+    def _open_cache(self):
+        from ..shards.cache import ShardCache
+
+        cache_dir = self._cache_dir
+        if cache_dir is None:
+            tag = hashlib.sha1(f"{self.location}\0{self.index.fingerprint}".encode()).hexdigest()[:16]
+            cache_dir = os.path.join(tempfile.gettempdir(), "fastdata-shards", tag)
+        os.makedirs(cache_dir, exist_ok=True)
+        limit = self._cache_limit
+        if limit is None:
+            limit = shutil.disk_usage(cache_dir).free // 2
+        sizes = {s.name: int(s.size) for s in self.index.shards}
+        self._cache = ShardCache(self.storage, cache_dir, limit_bytes=int(limit), expected_sizes=sizes,
+                                 window=min(2 * self.window, len(sizes)))
+        self._cache_dir = cache_dir
+
+    def __getstate__(self):
+        # A copy (a DataLoader worker) opens its own files and cache handle; the prefetcher stays home.
+        state = self.__dict__.copy()
+        state["_fds"], state["_prefetcher"] = {}, None
+        return state
+
+    def _check_process(self):
+        if self._pid != os.getpid():   # forked: the parent's descriptors and thread are not ours
+            self._fds, self._prefetcher, self._pid = {}, None, os.getpid()
+
+    # ------------------------------------------------------------------ Source: the bytes
+    def sample_name(self, i: int) -> str:
+        """``location/shard.tar:KEY.ext``: the shard and member of sample ``i`` (errors name it)."""
+        j = int(self._ids[i])
+        return f"{self.storage.url(self.index.shards[int(self.index.shard[j])].name)}:{self.index.member(j)}"
+
+    def read_stamped(self, i: int) -> tuple[bytes, int]:
+        """Sample ``i``'s bytes from its shard (a shard's bytes never change under one index: stamp 0)."""
+        self._check_process()
+        j = int(self._ids[i])
+        shard = self.index.shards[int(self.index.shard[j])].name
+        offset, size = int(self.index.offset[j]), int(self.index.size[j])
+        cache = self._cache
+        try:
+            path = self.storage.local_path(shard) if cache is None else cache.get(shard)
+        except OSError as e:   # StorageError: the shard and URL are in its message; credentials are not
+            raise DecodeError(self.sample_name(i), f"cannot fetch its shard ({e})") from None
+        try:
+            raw = self._pread(path, offset - _TAR_HEADER, size + _TAR_HEADER)
+        except OSError as e:
+            raise DecodeError(self.sample_name(i), f"cannot read its shard ({type(e).__name__}: {e})") from None
+        finally:
+            if cache is not None:
+                cache.release(shard)
+        if len(raw) != size + _TAR_HEADER:
+            raise DecodeError(self.sample_name(i), f"its shard ends {size + _TAR_HEADER - len(raw)} bytes before "
+                                                   f"the member's end: a truncated shard")
+        member, expected = _tar_name(raw[:_TAR_HEADER]), self.index.member(j)
+        if member != expected:
+            raise DecodeError(self.sample_name(i), f"the shard holds {member!r} at offset {offset}, not "
+                                                   f"{expected!r}: the index does not describe this shard "
+                                                   f"(re-pack, or re-download both)")
+        return raw[_TAR_HEADER:], 0
+
+    def _pread(self, path: str, start: int, length: int) -> bytes:
+        fd = self._fds.get(path)
+        if fd is None:
+            if len(self._fds) >= 2 * self.window:   # a few shards open at a time, not one per shard ever
+                for old in list(self._fds)[: self.window]:
+                    os.close(self._fds.pop(old))
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, start)
+        except OSError:
+            os.close(self._fds.pop(path))   # a cached shard replaced or evicted: open it afresh once
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return os.pread(fd, length, start)
+
+    # ------------------------------------------------------------------ Source: order and streaming
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray | None:
+        """Shards shuffled, then samples within each window of ``window`` shards (``shards.order``)."""
+        if len(self._ids) != len(self.index) or not np.array_equal(self._ids[:1], [0]):
+            return None   # a subset: a plain permutation of its samples
+        from ..shards.order import epoch_order
+
+        return epoch_order(self.index.shard_sizes, seed, epoch, window=self.window, shuffle=True)
+
+    def reading(self, order: np.ndarray, position: int) -> None:
+        """The pass reads ``order`` and has handed out its first ``position`` samples: fetch the shards
+        of the next ``window`` shards ahead (remote locations only), in this process, on a thread."""
+        if self._cache is None:
+            return
+        self._check_process()
+        if self._prefetcher is None:
+            self._prefetcher = _Prefetcher(self)
+        self._prefetcher.want(order, position)
+
+    # ------------------------------------------------------------------ the rest of Source
+    def fingerprint(self) -> str:
+        # The index's fingerprint (the packed source's), not the location: a copy of the shards on
+        # another store or a local disk resumes.
+        return (f"Shards n={len(self)} classes={self.num_classes} index={self.index.fingerprint}"
+                f"{self._subset_tag()}")
+
+    @property
+    def sample_transform(self):
+        """The ``transform`` given, or None."""
+        return self.transform
+
+    default_augmentation = ImageFolder.default_augmentation
+    __getitem__ = ImageFolder.__getitem__
+
+    def _take(self, idx: np.ndarray) -> None:
+        self._ids = self._ids[idx]
+        self.labels = self.labels[idx]
+
+    def close(self) -> None:
+        """Stop fetching ahead, close the shards' files and release the cache's hold."""
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __repr__(self):
+        return f"Shards({self.location!r}, n={len(self)}, shards={len(self.index.shards)})"
+
+
+class _Prefetcher:
+    """Fetches the shards the pass reads next into the cache, a window ahead of the consumer.
+
+    Each shard is taken and released at once (``get`` then ``release``): held by nobody, it stays in
+    the cache as the most recently used, and the readers (worker processes) take it when they get
+    there. Only the next ``window`` shards after the consumer's are fetched, so it never runs through
+    the cache's budget ahead of the readers and evicts what they have not read yet.
+    """
+
+    def __init__(self, source: Shards):
+        self.cache, self.index, self.ids, self.ahead = source._cache, source.index, source._ids, source.window
+        self.names = [s.name for s in source.index.shards]
+        self._cond = threading.Condition()
+        self._wanted: list[str] = []
+        self._done: set[str] = set()
+        self._order_key = None
+        self._sequence = np.zeros(0, dtype=np.int64)
+        self._first = np.zeros(0, dtype=np.int64)
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fastdata-shards", daemon=True)
+        self._thread.start()
+
+    def want(self, order: np.ndarray, position: int) -> None:
+        key = (id(order), len(order))
+        if key != self._order_key:   # a new pass: the shards in the order they are first read
+            shards = self.index.shard[self.ids[order]]
+            _, first = np.unique(shards, return_index=True)
+            keep = np.sort(first)
+            self._sequence, self._first, self._order_key = shards[keep], keep, key
+            self._done = set()
+        if position >= len(order):
+            return
+        k = int(np.searchsorted(self._first, position, side="right")) - 1
+        wanted = [self.names[int(s)] for s in self._sequence[max(k, 0): max(k, 0) + 1 + self.ahead]]
+        with self._cond:
+            self._wanted = [n for n in wanted if n not in self._done]
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._wanted:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                name = self._wanted.pop(0)
+            try:
+                self.cache.get(name)
+                self.cache.release(name)
+                self._done.add(name)
+            except Exception as e:   # the reader's own get() retries and raises it, naming the shard
+                self.error = e
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=60)
+
+
+__all__ = ["Shards", "Augmentation"]

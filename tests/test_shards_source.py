@@ -1,0 +1,170 @@
+"""fastdata.datasets.Shards: packed shards read by every backend, from a folder, over HTTP and from S3
+(servers the tests start on 127.0.0.1), with the contract's order, sharding and resume."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BACKENDS
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ImageFolder, Shards, make_image_folder
+from fastdata.errors import DecodeError
+from shard_servers import http_server, s3_server
+
+NONE = Augmentation(crop="center", size=32)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A folder of 60 photos in 3 classes, and its shards (about 6 photos a shard)."""
+    from fastdata.shards import pack
+
+    root = tmp_path_factory.mktemp("shards")
+    folder = make_image_folder(root / "photos", classes=3, per_class=20, seed=1)
+    out = root / "packed"
+    pack(ImageFolder(folder), out, shard_size=6 * 100_000, progress=False)   # ~90 KB photos: ~6 a shard
+    return ImageFolder(folder), out
+
+
+def _batches(loader):
+    return [(x.cpu().numpy(), y.cpu().numpy()) for x, y in loader]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_reads_shards_as_it_reads_the_folder(packed, backend):
+    folder, out = packed
+    shards = Shards(out)
+    assert len(shards) == len(folder) and shards.classes == folder.classes
+    kw = dict(batch_size=16, device="cpu", train=False, augment=NONE, num_workers=2)
+    from_shards = _batches(make_loader(shards, backend, **kw))
+    from_folder = _batches(make_loader(folder, backend, **kw))
+    assert len(from_shards) == len(from_folder) == 4
+    for (xs, ys), (xf, yf) in zip(from_shards, from_folder):
+        np.testing.assert_array_equal(ys, yf)            # the packed order is the folder's
+        np.testing.assert_allclose(xs, xf, atol=1e-6)    # the same bytes decode to the same pixels
+
+
+def test_a_shuffled_epoch_reads_each_sample_once_window_by_window_and_resumes_exactly(packed):
+    _, out = packed
+    shards = Shards(out, window=2)
+    kw = dict(batch_size=8, device="cpu", augment=NONE, num_workers=0, shuffle=True, drop_last=False, seed=3)
+    loader = make_loader(shards, "torch", **kw)
+    order = loader.plan.order(0)
+    np.testing.assert_array_equal(np.sort(order), np.arange(len(shards)))
+    # The order is the shards' own (shard windows), not a permutation of everything: a window of 2
+    # shards spans at most 2 shards' samples.
+    shard_of = shards.index.shard[order]
+    starts = np.flatnonzero(np.r_[True, np.diff(shard_of) != 0])
+    assert len(set(shard_of[: starts[min(4, len(starts) - 1)]].tolist())) <= 4
+    first = _batches(loader)
+    assert not np.array_equal(loader.plan.order(1), order)
+    # Interrupted after 3 batches, resumed in a new loader: the rest is the uninterrupted run's.
+    again = make_loader(Shards(out, window=2), "torch", **kw)
+    it = iter(again)
+    for _ in range(3):
+        next(it)
+    state = again.state_dict()
+    resumed = make_loader(Shards(out, window=2), "torch", **kw)
+    resumed.load_state_dict(state)
+    rest = _batches(resumed)
+    assert len(rest) == len(first) - 3
+    for (a, la), (b, lb) in zip(rest, first[3:]):
+        np.testing.assert_array_equal(la, lb)
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_read_disjoint_parts_that_cover_the_epoch(packed, world):
+    _, out = packed
+    seen = []
+    for rank in range(world):
+        loader = make_loader(Shards(out), "memory", batch_size=4, device="cpu", augment=NONE, shuffle=True,
+                             drop_last=False, rank=rank, world_size=world, seed=1)
+        seen.append(np.concatenate([b for b in loader.batch_sampler]))
+    ids = np.concatenate(seen)
+    np.testing.assert_array_equal(np.sort(ids), np.arange(60))
+
+
+def test_shards_over_http_are_fetched_whole_into_the_cache_once(packed, tmp_path):
+    folder, out = packed
+    with http_server(out) as server:
+        shards = Shards(server.url, cache_dir=tmp_path / "cache", window=2)
+        loader = make_loader(shards, "torch", batch_size=16, device="cpu", train=False, augment=NONE,
+                             num_workers=2)
+        got = _batches(loader)
+        tars = [name for name in os.listdir(out) if name.endswith(".tar")]
+        # Each shard downloaded once (a GET each, whoever asked first: the prefetcher or a worker).
+        assert all(server.count(name, "GET") == 1 for name in tars), server.requests
+    ref = _batches(make_loader(folder, "torch", batch_size=16, device="cpu", train=False, augment=NONE,
+                               num_workers=0))
+    for (a, la), (b, lb) in zip(got, ref):
+        np.testing.assert_array_equal(la, lb)
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert sorted(p.name for p in (tmp_path / "cache").glob("*.tar")) == sorted(tars)
+
+
+def test_shards_from_s3_train_through_the_dali_and_memory_backends(packed, tmp_path):
+    _, out = packed
+    files = {p.name: p.read_bytes() for p in Path(out).iterdir() if p.is_file()}
+    with s3_server(files=files) as (url, options):
+        for backend in ("memory", "dali"):
+            shards = Shards(url, cache_dir=tmp_path / backend, storage_options=options)
+            loader = make_loader(shards, backend, batch_size=16, device="cpu", augment=Augmentation(
+                crop="random_resized", size=24, hflip=0.5), num_workers=1)
+            labels = np.concatenate([y.numpy() for _, y in loader])
+            assert len(labels) == 48 and set(labels.tolist()) <= {0, 1, 2}
+
+
+def test_a_corrupt_shard_is_a_decode_error_naming_the_member_and_skip_passes_it(packed, tmp_path):
+    import shutil
+
+    _, out = packed
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    tar = bad / "shard-000000.tar"
+    data = bytearray(tar.read_bytes())
+    data[600:2000] = b"\0" * 1400          # the first member's JPEG bytes, past its header
+    tar.write_bytes(bytes(data))
+    shards = Shards(bad)
+    with pytest.raises(DecodeError, match=r"shard-000000\.tar:00000000\.jpg"):
+        list(make_loader(shards, "torch", batch_size=8, device="cpu", train=False, augment=NONE, num_workers=0))
+    loader = make_loader(Shards(bad), "torch", batch_size=8, device="cpu", train=False, augment=NONE,
+                         num_workers=0, on_error="skip")
+    with pytest.warns(RuntimeWarning, match="skipped 1 undecodable"):
+        n = sum(len(y) for _, y in loader)
+    assert n == 59
+
+
+def test_offsets_that_lie_are_refused_and_a_shard_that_disagrees_with_its_index_too(packed, tmp_path):
+    import json
+    import shutil
+
+    from fastdata.shards.index import BadIndex
+
+    _, out = packed
+    bad = tmp_path / "lying"
+    shutil.copytree(out, bad)
+    doc = json.loads((bad / "index.json").read_text())
+    samples = doc["samples"]
+    assert samples["shard"][0] == samples["shard"][1]
+    samples["offset"][0], samples["offset"][1] = samples["offset"][1], samples["offset"][0]
+    (bad / "index.json").write_text(json.dumps(doc))
+    with pytest.raises(BadIndex, match="index.json"):
+        Shards(bad)
+    # An index true to itself over a shard that is not the one it describes (another pack's shard of
+    # the same layout): the member's tar header names another sample, and the read says so.
+    shutil.copy(out / "index.json", bad / "index.json")
+    tar = bad / "shard-000000.tar"
+    data = bytearray(tar.read_bytes())
+    start = samples["offset"][1] - 512   # the first image member's header (offset 0 swapped in above)
+    assert data[start:start + 12] == b"00000000.jpg"
+    data[start:start + 12] = b"00000099.jpg"
+    header = data[start:start + 512]
+    header[148:156] = b" " * 8
+    data[start + 148:start + 156] = b"%06o\0 " % sum(header)
+    tar.write_bytes(bytes(data))
+    with pytest.raises(DecodeError, match="holds '00000099.jpg' at offset .* the index does not describe"):
+        Shards(bad).read(0)
