@@ -1,0 +1,75 @@
+"""Checks of the transforms' constructor and bind-time arguments, each error naming the transform, the
+argument and what it accepts."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+from .base import BatchContext
+
+
+def probability(owner: str, name: str, value) -> float:
+    """``value`` as a float in [0, 1], else a ValueError naming ``owner`` and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+        raise ValueError(f"{owner}: {name} is a probability in [0, 1], got {value!r}")
+    return float(value)
+
+
+def positive(owner: str, name: str, value) -> float:
+    """``value`` as a finite float > 0, else a ValueError naming ``owner`` and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def value_range(owner: str, name: str, value, *, low: float = 0.0, high: float = math.inf) -> tuple[float, float]:
+    """``value`` as a ``(min, max)`` pair of floats with ``low <= min <= max <= high``, else a ValueError."""
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+    if not ok or not low <= value[0] <= value[1] <= high:
+        raise ValueError(f"{owner}: {name} must be a (min, max) pair with {low} <= min <= max <= {high}, "
+                         f"got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+def mean_std(owner: str, mean, std) -> tuple:
+    """``(mean, std)`` as tuples of floats (a number is one channel's), or ``(None, None)`` if neither is given."""
+    if (mean is None) != (std is None):
+        raise ValueError(f"{owner}: give both mean and std, or neither (the loader's are used)")
+    if mean is None:
+        return None, None
+    mean = tuple(float(m) for m in (mean if isinstance(mean, (tuple, list)) else (mean,)))
+    std = tuple(float(s) for s in (std if isinstance(std, (tuple, list)) else (std,)))
+    if not all(math.isfinite(v) for v in mean + std) or any(s <= 0 for s in std):
+        raise ValueError(f"{owner}: mean/std must be finite and std > 0, got mean={mean} std={std}")
+    return mean, std
+
+
+def set_field(obj, name, value):
+    """Write ``value`` to a frozen dataclass's field: normalized arguments are written once, in __post_init__."""
+    object.__setattr__(obj, name, value)
+
+
+def check_class_count(t, context: BatchContext) -> None:
+    """Refuse a transform's own num_classes that differs from the source's, when the loader is built: at
+    the first batch a label past it would be an index error (a device-side assert on CUDA), and a wider
+    one fails the pipeline's (N, num_classes) check of every batch."""
+    if context.num_classes and t.num_classes != context.num_classes:
+        raise ValueError(f"{type(t).__name__}(num_classes={t.num_classes}) does not match the source, which "
+                         f"has {context.num_classes} classes (soft labels are (N, {context.num_classes})): drop "
+                         f"num_classes= (the source's is used), or give the source its true count "
+                         f"(DatasetSource(dataset, num_classes=N))")
+
+
+def with_stats(t, context: BatchContext):
+    """``t`` holding the batches' mean/std: its own, else the loader's from ``context`` (an error if neither)."""
+    if t.mean is not None:
+        return t
+    if context.mean is None or context.std is None:
+        raise ValueError(f"{type(t).__name__} works on un-normalized pixels, so it needs the batches' "
+                         f"mean/std: the loader passes them; a BatchPipeline built by hand needs mean=/std= "
+                         f"(or give them to {type(t).__name__}(..., mean=, std=))")
+    return dataclasses.replace(t, mean=tuple(context.mean), std=tuple(context.std))
+
+

@@ -1,0 +1,69 @@
+"""OneOf: one of several batch transforms, chosen per batch on the host."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .arguments import check_class_count, set_field
+from .base import BatchTransform, as_transform, child_generator, host_rng
+from .ops import soft_targets
+from .validation import check_one
+
+
+@dataclass(frozen=True)
+class OneOf(BatchTransform):
+    """Apply one of ``transforms``, chosen per batch (torchvision's RandomChoice): ``OneOf([MixUp(0.8),
+    CutMix(1.0)])`` is timm's and torchvision's references' "mixup or cutmix".
+
+    The choice is drawn on the host (no device sync); only the chosen transform runs. If any choice
+    makes soft labels, every batch gets soft labels.
+
+    Args:
+        transforms: BatchTransforms or plain image callables.
+        weights: relative probabilities, one per transform; None → equal.
+    """
+
+    transforms: tuple
+    weights: tuple | None = None
+    num_classes: int | None = None
+
+    def __post_init__(self):
+        ts = self.transforms
+        if not isinstance(ts, (tuple, list)) or not ts:
+            raise ValueError(f"OneOf needs a non-empty list of transforms, got {ts!r}")
+        for i, t in enumerate(ts):
+            check_one(f"OneOf transforms[{i}]", t)
+        set_field(self, "transforms", tuple(ts))
+        if self.weights is not None:
+            w = self.weights
+            if not isinstance(w, (tuple, list)) or len(w) != len(ts) or any(
+                    isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0
+                    for x in w) or sum(w) <= 0:
+                raise ValueError(f"OneOf: weights must be {len(ts)} numbers >= 0 with a positive sum, got {w!r}")
+            set_field(self, "weights", tuple(float(x) for x in w))
+
+    @property
+    def soft_labels(self) -> bool:  # type: ignore[override]
+        return any(as_transform(t).soft_labels for t in self.transforms)
+
+    def bind(self, context):
+        if self.num_classes is not None:
+            check_class_count(self, context)
+        return dataclasses.replace(self, transforms=tuple(as_transform(t).bind(context) for t in self.transforms),
+                                   num_classes=context.num_classes or self.num_classes)
+
+    def __call__(self, images, labels, generator):
+        w = np.asarray(self.weights if self.weights is not None else [1.0] * len(self.transforms))
+        k = int(host_rng(generator).choice(len(self.transforms), p=w / w.sum()))
+        images, labels = as_transform(self.transforms[k])(images, labels, child_generator(generator, k))
+        if self.soft_labels and labels.ndim == 1:
+            if self.num_classes is None:
+                raise ValueError("OneOf needs num_classes to make soft labels: use it in a loader's "
+                                 "batch_transforms or a BatchPipeline")
+            labels = soft_targets(labels, self.num_classes)
+        return images, labels
+
