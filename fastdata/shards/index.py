@@ -136,6 +136,21 @@ def parse_index(data, where: str, *, max_member_bytes: int = MAX_MEMBER_BYTES) -
         where: the index's location, for the errors (a path or URL).
         max_member_bytes: the largest image member accepted.
     """
+    doc = _document(data, where)
+    classes, key_width, n = _header(doc, where)
+    shards = _shards(doc["shards"], where, n)
+    exts, shard, offset, size, ext_code, labels = _sample_arrays(doc["samples"], n, where)
+    if n:
+        _check_codes(where, shards, classes, exts, shard, ext_code, labels)
+        _check_members(where, shards, shard, offset, size, max_member_bytes)
+    source = doc.get("source", {})
+    return ShardIndex(shards=shards, classes=list(classes), shard=shard, offset=offset, size=size,
+                      ext_code=ext_code, exts=list(exts), labels=labels, key_width=key_width,
+                      fingerprint=doc["fingerprint"], source=source if isinstance(source, dict) else {})
+
+
+def _document(data, where: str) -> dict:
+    """The JSON object, of this format and version, with every top-level field present."""
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -151,7 +166,11 @@ def parse_index(data, where: str, *, max_member_bytes: int = MAX_MEMBER_BYTES) -
     for key in ("shards", "classes", "samples", "num_samples", "fingerprint", "key_width"):
         if key not in doc:
             _fail(where, f"field '{key}' is missing")
+    return doc
 
+
+def _header(doc: dict, where: str) -> tuple[list, int, int]:
+    """(classes, key_width, num_samples), checked."""
     classes = doc["classes"]
     if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
         _fail(where, "classes must be a non-empty list of names")
@@ -160,9 +179,11 @@ def parse_index(data, where: str, *, max_member_bytes: int = MAX_MEMBER_BYTES) -
     key_width = _int(doc["key_width"], where, "key_width", 1)
     if key_width > 18:
         _fail(where, f"key_width is {key_width}; at most 18 digits")
-    n = _int(doc["num_samples"], where, "num_samples")
+    return classes, key_width, _int(doc["num_samples"], where, "num_samples")
 
-    raw_shards = doc["shards"]
+
+def _shards(raw_shards, where: str, n: int) -> list[ShardInfo]:
+    """The shard list, each entry checked, holding ``n`` samples in all."""
     if not isinstance(raw_shards, list):
         _fail(where, "shards must be a list")
     shards, names = [], set()
@@ -183,8 +204,11 @@ def parse_index(data, where: str, *, max_member_bytes: int = MAX_MEMBER_BYTES) -
         shards.append(ShardInfo(name, size, samples, sha))
     if sum(s.samples for s in shards) != n:
         _fail(where, f"the shards hold {sum(s.samples for s in shards)} samples but num_samples is {n}")
+    return shards
 
-    samples = doc["samples"]
+
+def _sample_arrays(samples, n: int, where: str) -> tuple:
+    """(exts, shard, offset, size, ext_code, label): the per-sample parallel arrays, ``n`` integers each."""
     if not isinstance(samples, dict):
         _fail(where, "samples must be an object of parallel arrays")
     for key in ("shard", "offset", "size", "ext", "label", "exts"):
@@ -193,61 +217,62 @@ def parse_index(data, where: str, *, max_member_bytes: int = MAX_MEMBER_BYTES) -
     exts = samples["exts"]
     if not isinstance(exts, list) or not exts or not all(isinstance(e, str) and _EXT.match(e) for e in exts):
         _fail(where, f"samples.exts must be a non-empty list of extensions (letters and digits), got {exts!r}"[:300])
-    shard = _int_array(samples["shard"], n, where, "samples.shard")
-    offset = _int_array(samples["offset"], n, where, "samples.offset")
-    size = _int_array(samples["size"], n, where, "samples.size")
-    ext_code = _int_array(samples["ext"], n, where, "samples.ext")
-    labels = _int_array(samples["label"], n, where, "samples.label")
+    return (exts,) + tuple(_int_array(samples[key], n, where, f"samples.{key}")
+                           for key in ("shard", "offset", "size", "ext", "label"))
 
-    def first(mask) -> int:
-        return int(np.argmax(mask))
 
-    if n:
-        if ((shard < 0) | (shard >= len(shards))).any():
-            i = first((shard < 0) | (shard >= len(shards)))
-            _sample_error(where, i, "samples.shard", f"shard {shard[i]} is not one of the {len(shards)} shards")
-        counts = np.bincount(shard, minlength=len(shards))
-        for j, s in enumerate(shards):
-            if counts[j] != s.samples:
-                _fail(where, f"shards[{j}] ({s.name}) says {s.samples} samples but {counts[j]} samples name it")
-        if ((ext_code < 0) | (ext_code >= len(exts))).any():
-            i = first((ext_code < 0) | (ext_code >= len(exts)))
-            _sample_error(where, i, "samples.ext", f"code {ext_code[i]} is not one of the {len(exts)} exts")
-        if ((labels < 0) | (labels >= len(classes))).any():
-            i = first((labels < 0) | (labels >= len(classes)))
-            _sample_error(where, i, "samples.label", f"label {labels[i]} is outside [0, {len(classes)})")
-        if (size <= 0).any():
-            i = first(size <= 0)
-            _sample_error(where, i, "samples.size", f"size {size[i]} bytes: an image member is not empty")
-        if (size > max_member_bytes).any():
-            i = first(size > max_member_bytes)
-            _sample_error(where, i, "samples.size", f"size {size[i]} bytes is past the image limit of "
-                                                    f"{max_member_bytes} bytes (max_member_bytes)")
-        # A member's data follows its 512-byte header, on a block boundary.
-        if ((offset < TAR_BLOCK) | (offset % TAR_BLOCK != 0)).any():
-            i = first((offset < TAR_BLOCK) | (offset % TAR_BLOCK != 0))
-            _sample_error(where, i, "samples.offset", f"offset {offset[i]} is not a tar data offset "
-                                                      f"(a multiple of {TAR_BLOCK}, after a header)")
-        shard_bytes = np.array([s.size for s in shards], dtype=np.int64)[shard]
-        if (offset + size > shard_bytes).any():
-            i = first(offset + size > shard_bytes)
-            _sample_error(where, i, "samples.offset/size",
-                          f"bytes [{offset[i]}, {offset[i] + size[i]}) run past the end of "
-                          f"{shards[shard[i]].name} ({shard_bytes[i]} bytes)")
-        # Within a shard, each member must end (padded) before the next one's header.
-        by = np.lexsort((offset, shard))
-        same = shard[by][1:] == shard[by][:-1]
-        end = offset[by][:-1] + (size[by][:-1] + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK
-        clash = same & (offset[by][1:] < end + TAR_BLOCK)
-        if clash.any():
-            k = first(clash)
-            i, other = int(by[k + 1]), int(by[k])
-            _sample_error(where, i, "samples.offset", f"offset {offset[i]} overlaps sample {other}'s data "
-                                                      f"or its own header in {shards[shard[i]].name}")
-    source = doc.get("source", {})
-    return ShardIndex(shards=shards, classes=list(classes), shard=shard, offset=offset, size=size,
-                      ext_code=ext_code, exts=list(exts), labels=labels, key_width=key_width,
-                      fingerprint=doc["fingerprint"], source=source if isinstance(source, dict) else {})
+def _first(mask) -> int:
+    return int(np.argmax(mask))
+
+
+def _check_codes(where, shards, classes, exts, shard, ext_code, labels) -> None:
+    """Every sample names a shard, an extension and a class that exist, and each shard's count agrees."""
+    if ((shard < 0) | (shard >= len(shards))).any():
+        i = _first((shard < 0) | (shard >= len(shards)))
+        _sample_error(where, i, "samples.shard", f"shard {shard[i]} is not one of the {len(shards)} shards")
+    counts = np.bincount(shard, minlength=len(shards))
+    for j, s in enumerate(shards):
+        if counts[j] != s.samples:
+            _fail(where, f"shards[{j}] ({s.name}) says {s.samples} samples but {counts[j]} samples name it")
+    if ((ext_code < 0) | (ext_code >= len(exts))).any():
+        i = _first((ext_code < 0) | (ext_code >= len(exts)))
+        _sample_error(where, i, "samples.ext", f"code {ext_code[i]} is not one of the {len(exts)} exts")
+    if ((labels < 0) | (labels >= len(classes))).any():
+        i = _first((labels < 0) | (labels >= len(classes)))
+        _sample_error(where, i, "samples.label", f"label {labels[i]} is outside [0, {len(classes)})")
+
+
+def _check_members(where, shards, shard, offset, size, max_member_bytes) -> None:
+    """Every sample's bytes are a tar member's data: not empty, within the limit, block-aligned after a
+    header, inside its shard, and clear of the next member's header."""
+    if (size <= 0).any():
+        i = _first(size <= 0)
+        _sample_error(where, i, "samples.size", f"size {size[i]} bytes: an image member is not empty")
+    if (size > max_member_bytes).any():
+        i = _first(size > max_member_bytes)
+        _sample_error(where, i, "samples.size", f"size {size[i]} bytes is past the image limit of "
+                                                f"{max_member_bytes} bytes (max_member_bytes)")
+    # A member's data follows its 512-byte header, on a block boundary.
+    if ((offset < TAR_BLOCK) | (offset % TAR_BLOCK != 0)).any():
+        i = _first((offset < TAR_BLOCK) | (offset % TAR_BLOCK != 0))
+        _sample_error(where, i, "samples.offset", f"offset {offset[i]} is not a tar data offset "
+                                                  f"(a multiple of {TAR_BLOCK}, after a header)")
+    shard_bytes = np.array([s.size for s in shards], dtype=np.int64)[shard]
+    if (offset + size > shard_bytes).any():
+        i = _first(offset + size > shard_bytes)
+        _sample_error(where, i, "samples.offset/size",
+                      f"bytes [{offset[i]}, {offset[i] + size[i]}) run past the end of "
+                      f"{shards[shard[i]].name} ({shard_bytes[i]} bytes)")
+    # Within a shard, each member must end (padded) before the next one's header.
+    by = np.lexsort((offset, shard))
+    same = shard[by][1:] == shard[by][:-1]
+    end = offset[by][:-1] + (size[by][:-1] + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK
+    clash = same & (offset[by][1:] < end + TAR_BLOCK)
+    if clash.any():
+        k = _first(clash)
+        i, other = int(by[k + 1]), int(by[k])
+        _sample_error(where, i, "samples.offset", f"offset {offset[i]} overlaps sample {other}'s data "
+                                                  f"or its own header in {shards[shard[i]].name}")
 
 
 def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:

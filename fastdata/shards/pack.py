@@ -400,15 +400,7 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     shard_size = parse_size(shard_size)
     max_side = _check_int_arg(max_side, "max_side", 1)
     workers = _check_int_arg(workers, "workers", 0)
-    if isinstance(source, (str, os.PathLike)):
-        source = _open_spec(source, split)
-    else:
-        if split is not None:
-            raise ValueError("split applies to a source given by path ('digits', an MNIST root); "
-                             "pass the split's dataset itself")
-        from ..registry import as_source
-
-        source = as_source(source)
+    source = _pack_source(source, split)
     rank, world = distributed_info(rank, world_size)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside [0, world_size={world})")
@@ -422,56 +414,24 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     if n == 0:
         raise ValueError(f"pack: the source {source!r} has no samples")
     key_width = max(8, len(str(n - 1)))
-    estimates, ident = reader.plan_inputs()
-    ranges = plan_shards(estimates, shard_size)
-    name_width = max(6, len(str(len(ranges) - 1)))
-    plans = [ShardPlan(j, f"shard-{j:0{name_width}d}.tar", a, b, reader.shard_identity(a, b, ident))
-             for j, (a, b) in enumerate(ranges)]
+    plans = _plan(reader, shard_size)
     mine = plans[rank::world]
-
-    records, todo = {}, []
-    for plan in mine:
-        record = finished_record(str(out), plan)
-        if record is None:
-            todo.append(plan)
-        else:
-            records[plan.index] = record
+    records, todo = _finished_records(out, mine)
     bar = tqdm(total=sum(p.stop - p.start for p in mine), unit="img", disable=not progress,
                desc=f"pack {out.name}" + (f" rank {rank}/{world}" if world > 1 else ""))
     bar.update(sum(r["samples"] for r in records.values()))
-    # By default the ranks of one node share its cores rather than each starting a process per core.
-    per_rank = max(1, _usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
-    n_workers = min(len(todo), workers if workers is not None else per_rank)
     try:
-        if n_workers <= 1:
-            for plan in todo:
-                records[plan.index] = write_shard(reader, plan, str(out), key_width, bar.update)
-        else:
-            from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
-
-            pool = ProcessPoolExecutor(n_workers, initializer=_init_worker, initargs=(reader,))
-            try:
-                futures = {pool.submit(_write_in_worker, p, str(out), key_width): p for p in todo}
-                pending = set(futures)
-                while pending:
-                    done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                    for fut in done:
-                        record = fut.result()   # a worker's error stops the pack, naming its sample
-                        records[futures[fut].index] = record
-                        bar.update(record["samples"])
-            finally:
-                # On an error, shards not started are dropped rather than written after it.
-                pool.shutdown(wait=True, cancel_futures=True)
+        _write_shards(reader, todo, out, key_width, workers, records, bar.update)
     finally:
         bar.close()
 
-    config = {"pack_version": PACK_VERSION, "world_size": world, "num_samples": n, "key_width": key_width,
-              "plan": hashlib.sha256("\n".join(p.identity for p in plans).encode()).hexdigest()}
     report = PackReport(out=out, index=None, shards=len(plans), written=len(todo),
                         skipped=len(mine) - len(todo), samples=n)
     if world == 1:
         report.index = _write_index(out, source, plans, records, key_width, split, shard_size, max_side)
         return report
+    config = {"pack_version": PACK_VERSION, "world_size": world, "num_samples": n, "key_width": key_width,
+              "plan": hashlib.sha256("\n".join(p.identity for p in plans).encode()).hexdigest()}
     write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank,
                                                        "records": [records[p.index] for p in mine]})
     _barrier()
@@ -484,6 +444,66 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     # one, the other ranks return after writing their part and rank 0 alone waits.
     _barrier()
     return report
+
+
+def _pack_source(source, split):
+    """The fastdata source ``pack`` reads: opened from a path, or through ``as_source``."""
+    if isinstance(source, (str, os.PathLike)):
+        return _open_spec(source, split)
+    if split is not None:
+        raise ValueError("split applies to a source given by path ('digits', an MNIST root); "
+                         "pass the split's dataset itself")
+    from ..registry import as_source
+
+    return as_source(source)
+
+
+def _plan(reader: _Reader, shard_size: int) -> list[ShardPlan]:
+    """Every shard of the pack (all ranks'), planned on the inputs' estimated sizes."""
+    estimates, ident = reader.plan_inputs()
+    ranges = plan_shards(estimates, shard_size)
+    name_width = max(6, len(str(len(ranges) - 1)))
+    return [ShardPlan(j, f"shard-{j:0{name_width}d}.tar", a, b, reader.shard_identity(a, b, ident))
+            for j, (a, b) in enumerate(ranges)]
+
+
+def _finished_records(out: Path, mine: list[ShardPlan]) -> tuple[dict, list[ShardPlan]]:
+    """(records of the shards already written, by index; the plans still to write)."""
+    records, todo = {}, []
+    for plan in mine:
+        record = finished_record(str(out), plan)
+        if record is None:
+            todo.append(plan)
+        else:
+            records[plan.index] = record
+    return records, todo
+
+
+def _write_shards(reader: _Reader, todo: list[ShardPlan], out: Path, key_width: int, workers: int | None,
+                  records: dict, progress) -> None:
+    """Write the ``todo`` shards, here or on a process pool, adding each one's record to ``records``."""
+    # By default the ranks of one node share its cores rather than each starting a process per core.
+    per_rank = max(1, _usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    n_workers = min(len(todo), workers if workers is not None else per_rank)
+    if n_workers <= 1:
+        for plan in todo:
+            records[plan.index] = write_shard(reader, plan, str(out), key_width, progress)
+        return
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    pool = ProcessPoolExecutor(n_workers, initializer=_init_worker, initargs=(reader,))
+    try:
+        futures = {pool.submit(_write_in_worker, p, str(out), key_width): p for p in todo}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                record = fut.result()   # a worker's error stops the pack, naming its sample
+                records[futures[fut].index] = record
+                progress(record["samples"])
+    finally:
+        # On an error, shards not started are dropped rather than written after it.
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _usable_cores() -> int:
