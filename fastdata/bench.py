@@ -263,7 +263,7 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
     import torch
 
     from .config import resolve_device
-    from .registry import available_backends, make_loader
+    from .registry import available_backends
 
     device = resolve_device(device)
     names = [b for b in (backends or available_backends()) if b != "auto"]
@@ -277,24 +277,10 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
         batch_size, kw["drop_last"] = size, False
     rows, sample = [], None
     for name in names:
-        row = Measurement(name)
-        try:
-            loader = make_loader(source, name, batch_size=batch_size, device=device, train=True,
-                                 on_error=on_error, **kw)
-            try:
-                row.images_per_second, pieces = measure_loader_spread(loader, batches, warmup, progress)
-                row.spread = (min(pieces), max(pieces)) if len(pieces) > 1 else None
-                if not row.images_per_second:
-                    # on_error="skip" emptied every batch: a rate of 0 would divide by zero in predict.
-                    row.status, row.images_per_second, row.spread = (
-                        "delivered no images: every file it read was undecodable and skipped", None, None)
-                elif sample is None:
-                    sample = _nonempty_batch(loader)
-            finally:
-                loader.close()
-        except Exception as e:  # one backend that cannot read this source must not hide the others
-            row.status = _one_line(e)
+        loader_kw = dict(batch_size=batch_size, device=device, train=True, on_error=on_error, **kw)
+        row, batch = _measure_backend(source, name, loader_kw, batches, warmup, progress, sample is None)
         rows.append(row)
+        sample = batch if sample is None else sample
     if sample is None:
         statuses = {r.status for r in rows}
         lines = ([f"  every backend: {statuses.pop()}"] if len(statuses) == 1
@@ -323,6 +309,30 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
             "batch_size": batch_size, "device": str(device), "batches": batches,
             "model_images_per_second": step_rate, "recommended": best.backend,
             "rows": [asdict(r) for r in rows]}
+
+
+def _measure_backend(source, name: str, loader_kw: dict, batches: int, warmup: int, progress: bool,
+                     want_sample: bool):
+    """(the backend's Measurement, one non-empty batch of it if ``want_sample`` and it delivered any)."""
+    from .registry import make_loader
+
+    row, sample = Measurement(name), None
+    try:
+        loader = make_loader(source, name, **loader_kw)
+        try:
+            row.images_per_second, pieces = measure_loader_spread(loader, batches, warmup, progress)
+            row.spread = (min(pieces), max(pieces)) if len(pieces) > 1 else None
+            if not row.images_per_second:
+                # on_error="skip" emptied every batch: a rate of 0 would divide by zero in predict.
+                row.status, row.images_per_second, row.spread = (
+                    "delivered no images: every file it read was undecodable and skipped", None, None)
+            elif want_sample:
+                sample = _nonempty_batch(loader)
+        finally:
+            loader.close()
+    except Exception as e:  # one backend that cannot read this source must not hide the others
+        row.status = _one_line(e)
+    return row, sample
 
 
 def report_markdown(payload: dict) -> str:
