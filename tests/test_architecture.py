@@ -61,12 +61,26 @@ def test_the_import_graph_has_no_cycle():
             visit(m, [m])
 
 
+def _backend(module: str) -> str | None:
+    """The backend a module belongs to: ``fastdata.backends.memory.cache`` → ``memory`` (a backend may be a
+    package of modules); None for a module outside backends/ or for the shared ones."""
+    parts = module.split(".")
+    if parts[:2] != ["fastdata", "backends"] or len(parts) < 3 or parts[2] == "base":
+        return None
+    return parts[2]
+
+
 def test_no_backend_imports_a_sibling_backend():
-    shared = {"fastdata.backends", "fastdata.backends.base"}
     for m, deps in _graph().items():
-        if m.startswith("fastdata.backends."):
-            siblings = {t for t, _ in deps if t.startswith("fastdata.backends.") and t not in shared}
+        if _backend(m):
+            siblings = {t for t, _ in deps if _backend(t) not in (None, _backend(m))}
             assert not siblings, f"{m} imports {sorted(siblings)}: share code through a module outside backends/"
+
+
+def test_a_backends_own_modules_are_not_its_siblings():
+    assert _backend("fastdata.backends.memory.cache") == _backend("fastdata.backends.memory") == "memory"
+    assert _backend("fastdata.backends.dali") == "dali" and _backend("fastdata.backends.base") is None
+    assert _backend("fastdata.backends") is None and _backend("fastdata.decode") is None
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -106,3 +120,197 @@ def test_every_public_name_has_a_docstring():
                            for base in obj.__mro__[1:]):
                     missing.append(f"{module.__name__}.{name}.{attr}")
     assert not missing, f"public names without a docstring: {missing}"
+
+
+# ------------------------------------------------------------------------------------------- floors
+#: The package's floors, lowest first (issue 24): a module may import its own floor and the ones below,
+#: never one above, nested imports included. Derived from the import graph; a module is placed by its
+#: longest matching name (``shards.index`` is low, the ``shards`` package, which re-exports ``pack``, is
+#: at the top). A new module must be placed here.
+FLOORS = [
+    # Foundations: errors, seeds and order, the normalizer, region decoding, the shard format and storage.
+    ("errors", "sampling", "normalize", "prefetch", "models", "region",
+     "shards.storage", "shards.cache", "shards.index", "shards.order"),
+    # Tensor-only augmentation of device batches: needs only sampling's seed mixing. Below config because
+    # LoaderConfig checks its batch_transforms when it is built (a real dependency, not an accident).
+    ("batch_transforms",),
+    ("config",),
+    # Per-sample work and process groups, each built on the config alone.
+    ("transforms", "distributed"),
+    ("datasets",),
+    ("decode",),
+    ("backends",),
+    ("registry",),
+    # The training loop and what records it; it never names a backend, the registry or a report.
+    ("engine", "checkpoint", "profiling", "runlog"),
+    ("cli", "doctor"),
+    # The examples' reporting tail: above the engine (it asks it which precision amp resolved to).
+    ("report",),
+    # Commands and the package's front door.
+    ("bench", "shards.pack", "shards", "__main__", ""),
+]
+
+
+def _floor(module: str) -> int:
+    name = module.removeprefix("fastdata").removeprefix(".")
+    best = None
+    for level, names in enumerate(FLOORS):
+        for prefix in names:
+            if name == prefix or (prefix and name.startswith(prefix + ".")):
+                if best is None or len(prefix) > len(best[1]):
+                    best = (level, prefix)
+    assert best is not None, f"{module} is on no floor: place it in tests/test_architecture.py's FLOORS"
+    return best[0]
+
+
+def test_a_lower_floor_never_imports_a_higher_one():
+    modules = _modules()
+    wrong = []
+    for m, deps in _graph().items():
+        for target, names in deps:
+            # "from . import distributed" names the submodule (also listed as an edge), not the package's
+            # __init__; any other name taken from the package itself is an import of the top floor.
+            if target == "fastdata" and all(f"fastdata.{n}" in modules for n in names):
+                continue
+            if _floor(target) > _floor(m):
+                wrong.append(f"{m} (floor {_floor(m)}) imports {target} (floor {_floor(target)})")
+    assert not wrong, "imports up the floors:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_the_floors_place_the_modules_where_the_tests_rely_on():
+    # The floor test can only fail if _floor tells the floors apart: the longest prefix wins.
+    assert _floor("fastdata.shards.index") == 0 < _floor("fastdata.batch_transforms.ops") < _floor("fastdata.config")
+    assert _floor("fastdata.shards") == _floor("fastdata") == len(FLOORS) - 1
+    assert _floor("fastdata.backends.memory.cache") == _floor("fastdata.backends")
+
+
+# ----------------------------------------------------------------------------- private attributes
+#: Private attributes of other libraries that fastdata reads on purpose, each with its reason. A fastdata
+#: module never reads another fastdata module's private attribute: that one gets a public name instead.
+THIRD_PARTY_PRIVATE = {
+    "_add_dataloader": "accelerate's GradientState: a loader not prepared by accelerate registers itself so "
+                       "that end_of_dataloader and remainder work (backends/base.py)",
+    "_remove_dataloader": "accelerate's GradientState: the pair of _add_dataloader",
+    "_iterator": "torch's DataLoader: its live iterator, to shut persistent workers down on close()",
+    "_shutdown_workers": "torch's DataLoader iterator: stops the workers now, not at garbage collection",
+    "_getframe": "sys: the user's stack level for warnings, without inspect.stack()'s cost",
+    "_foreach_lerp_": "torch: the EMA update as one fused kernel, no host sync",
+    "_BatchNorm": "torch.nn: the base class of every BatchNorm layer",
+    "_C": "torch: _storage_Use_Count, the only way to know a pooled buffer is free",
+    "_storage_Use_Count": "torch._C: see _C",
+    "_cdata": "torch's UntypedStorage: the handle _storage_Use_Count takes",
+    "_parent": "fsspec: the parent folder of a path under the file system's own rules (protocols, buckets)",
+}
+
+
+def _private_reads(tree) -> list[tuple[int, str, str]]:
+    """(line, attribute, expression) for each read of ``x._name`` or ``getattr(x, "_name")`` (hasattr
+    too) where ``x`` is not ``self``, ``cls`` or ``super()``; dunders are not private."""
+    def private(attr):
+        return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
+
+    def owner_is_self(v):
+        return (isinstance(v, ast.Name) and v.id in ("self", "cls")) or (
+            isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super")
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and private(node.attr) \
+                and not owner_is_self(node.value):
+            found.append((node.lineno, node.attr, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and private(node.args[1].value) \
+                and not owner_is_self(node.args[0]):
+            found.append((node.lineno, node.args[1].value, ast.unparse(node)))
+    return found
+
+
+def _defined(tree) -> set[str]:
+    """Names a module defines: functions, classes, assigned names and attributes (``x._a = ...``,
+    ``setattr(x, "_a", ...)``, ``object.__setattr__(x, "_a", ...)``), class fields."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Attribute):
+                        names.add(sub.attr)
+                    elif isinstance(sub, ast.Name):
+                        names.add(sub.id)
+        elif isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and ast.unparse(node.func) in ("setattr", "object.__setattr__"):
+            names.add(node.args[1].value)
+    return names
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    """Issue 24: registry.py read ``config._given``. A private attribute read on anything but ``self``,
+    ``cls`` or ``super()`` must be one the reading module defines itself; one that another fastdata
+    module defines is a cross-module read (make it public there); one that no fastdata module defines
+    belongs to another library and is listed, with its reason, in THIRD_PARTY_PRIVATE."""
+    trees = {m: ast.parse(p.read_text()) for m, p in _modules().items()}
+    defined = {m: _defined(t) for m, t in trees.items()}
+    wrong, unlisted = [], []
+    for m, tree in trees.items():
+        for line, attr, text in _private_reads(tree):
+            if attr in defined[m]:
+                continue
+            owners = sorted(o for o, names in defined.items() if attr in names)
+            if owners:
+                wrong.append(f"{m}:{line} reads {text}, which {', '.join(owners)} defines")
+            elif attr not in THIRD_PARTY_PRIVATE:
+                unlisted.append(f"{m}:{line} reads {text}")
+    assert not wrong, "private attributes read across modules:\n" + "\n".join(wrong)
+    assert not unlisted, ("private attributes of other libraries, not in THIRD_PARTY_PRIVATE (say why, or use "
+                          "a public API):\n" + "\n".join(unlisted))
+
+
+def test_the_private_read_rule_flags_what_it_should():
+    src = ("class A:\n    def f(self, other):\n        self._mine = 1\n        super()._base()\n"
+           "        return other._theirs, getattr(other, '_also'), self._mine, other.__dict__\n")
+    assert [(attr, text) for _, attr, text in _private_reads(ast.parse(src))] == [
+        ("_theirs", "other._theirs"), ("_also", "getattr(other, '_also')")]
+    assert {"A", "f", "_mine"} <= _defined(ast.parse(src)) and "_theirs" not in _defined(ast.parse(src))
+    assert "_given" in _defined(ast.parse("object.__setattr__(self, '_given', {})"))
+
+
+# ---------------------------------------------------------------------------------------- sizes
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 60
+
+
+def code_lines(source_lines: list[str], node) -> int:
+    """Lines of a function that hold code: its span without blank lines, comment lines and its
+    docstring (nested functions count in their parent too)."""
+    first = node.body[0]
+    doc = set()
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        doc = set(range(first.lineno, first.end_lineno + 1))
+    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return sum(1 for n in range(start, node.end_lineno + 1)
+               if n not in doc and source_lines[n - 1].strip() and not source_lines[n - 1].strip().startswith("#"))
+
+
+def test_no_module_is_over_700_lines():
+    long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
+
+
+def test_no_function_is_over_60_lines_of_code():
+    long = []
+    for m, p in _modules().items():
+        text = p.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and (n := code_lines(lines, node)) > MAX_FUNCTION_LINES:
+                long.append(f"{m}.{node.name}: {n}")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines of code (docstring and comments aside): {long}"
+
+
+def test_code_lines_leave_out_the_docstring_comments_and_blank_lines():
+    src = 'def f():\n    """Doc\n    string."""\n\n    # why\n    a = 1\n    return a\n'
+    assert code_lines(src.splitlines(), ast.parse(src).body[0]) == 3
