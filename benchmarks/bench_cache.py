@@ -127,7 +127,7 @@ def base_tree(cache, base: str) -> tuple[Path | None, str]:
     except (OSError, subprocess.CalledProcessError) as e:
         return None, f"no checkout of {base}: {getattr(e, 'stderr', '') or e}".strip()
     tree = Path(cache) / f"base-{sha[:12]}"
-    if not (tree / "fastdata" / "backends" / "memory.py").exists():
+    if not (tree / "fastdata" / "__init__.py").exists():   # any checkout: memory.py became a package
         got = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), sha],
                              capture_output=True, text=True)
         if got.returncode:

@@ -46,7 +46,7 @@ def _rank(rank, path, q):
     from fastdata.backends import memory as m
 
     if rank == 1:
-        m.free_bytes = lambda device: 1000                   # alone, rank 1 would not cache
+        m.budgeting.free_bytes = lambda device: 1000                   # alone, rank 1 would not cache
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
     try:
         q.put((rank, r.choose(indexed_source(1000), config("cpu")),
@@ -141,7 +141,7 @@ def test_the_reason_says_which_cache_fits_on_a_gpu(gpu_16g, crop):
 def test_when_no_row_fits_the_error_names_each_reason(monkeypatch):
     from fastdata import registry
 
-    monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: 1000)
     specs = [registry.spec("memory"), registry.spec("prefetch")]          # prefetch is CUDA-only
     with pytest.raises(ValueError, match=r"no backend fits .* not memory: the cache .* does not fit.*"
                                          r"backends allowed on cpu: \['memory'\]"):

@@ -274,8 +274,8 @@ def test_memory_fits_weighs_the_cache_against_the_reserve_and_stable_leaves_out_
     assert not ok and "does not fit" in why
     # On a GPU the free memory caps the budget, but not under stable=True (equal on every rank).
     gib = 2**30
-    monkeypatch.setattr(memory, "total_bytes", lambda device: 8 * gib)
-    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    monkeypatch.setattr(memory.budgeting, "total_bytes", lambda device: 8 * gib)
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: need - 1)
     gpu = LoaderConfig(device="cpu", num_workers=0, augment=cfg.augment)
     object.__setattr__(gpu, "device", torch.device("cuda", 0))   # no GPU here: only the budget is read
     assert not memory.MemoryLoader.fits(src, gpu)[0]

@@ -47,7 +47,7 @@ def test_padded_translation_equals_numpy_pad_and_the_torch_backend(padding, path
     from fastdata.backends import memory
 
     if path == "uint8":
-        monkeypatch.setattr(memory, "ready_bytes", lambda *a: 2**62)
+        monkeypatch.setattr(memory.budgeting, "ready_bytes", lambda *a: 2**62)
     src = _colour_arrays()
     aug = Augmentation(crop="translate", pad=3, padding=padding, hflip=0.5)
     kw = dict(batch_size=64, device="cpu", seed=6, augment=aug, drop_last=False)
@@ -243,10 +243,10 @@ def test_the_budget_refuses_one_byte_short(photo_folder, monkeypatch):
     kw = dict(batch_size=6, device="cpu", cache_size=100, memory_reserve=0, num_workers=0,
               augment=Augmentation.imagenet_train(size=32))
     need = 18 * 100 * 100 * 3
-    monkeypatch.setattr(memory, "free_bytes", lambda device: need - 1)
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: need - 1)
     with pytest.raises(CacheDoesNotFit, match=f"needs {need} bytes"):
         make_loader(src, "memory", **kw)
-    monkeypatch.setattr(memory, "free_bytes", lambda device: need)
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: need)
     assert make_loader(src, "memory", **kw).cache.untyped_storage().nbytes() == need
 
 
@@ -304,7 +304,7 @@ def test_gpu_digit_batches_are_bit_identical_to_the_cpu_path(path, monkeypatch):
     src = SyntheticDigits(1000, seed=3)
     cpu = make_loader(src, "memory", batch_size=100, device="cpu", seed=5)
     if path == "uint8":  # the normalized cache does not fit: the uint8 take + normalize path runs on the GPU
-        monkeypatch.setattr(memory, "ready_bytes", lambda *a: 2**62)
+        monkeypatch.setattr(memory.budgeting, "ready_bytes", lambda *a: 2**62)
     gpu = make_loader(src, "memory", batch_size=100, device="cuda", seed=5)
     assert (gpu.ready is None) == (path == "uint8")
     for epoch in range(2):   # whole passes: a pass left early does not advance the epoch
@@ -344,7 +344,7 @@ def test_uint8_path_when_the_normalized_cache_does_not_fit(monkeypatch):
     ready = make_loader(src, "memory", batch_size=100, device="cpu", seed=1)
     assert ready.ready is not None and ready.ready.dtype == torch.float32
     uint8_bytes = memory.cache_bytes(src, ready.config)
-    monkeypatch.setattr(memory, "free_bytes", lambda device: int(uint8_bytes * 3))  # ready needs 4x
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: int(uint8_bytes * 3))  # ready needs 4x
     small = make_loader(src, "memory", batch_size=100, device="cpu", seed=1)
     assert small.ready is None and small.cache.dtype == torch.uint8
     ref = make_loader(src, "torch", batch_size=100, device="cpu", seed=1, num_workers=0)
@@ -391,7 +391,7 @@ def test_the_per_batch_path_uploads_nothing(case, monkeypatch, photo_folder):
                              num_workers=0, augment=aug)
     else:
         if case == "uint8":
-            monkeypatch.setattr(memory, "ready_bytes", lambda *a: 2**62)
+            monkeypatch.setattr(memory.budgeting, "ready_bytes", lambda *a: 2**62)
         loader = make_loader(SyntheticDigits(600, seed=2), "memory", batch_size=50, device="cpu",
                              augment=Augmentation(crop="translate", pad=2, padding="reflect", hflip=0.5))
         assert (loader.ready is None) == (case == "uint8")
@@ -428,7 +428,7 @@ def test_an_empty_last_share_is_an_empty_batch(backend, train, photo_folder, mon
     arrays = indexed_source(7)                           # 7 = 3 ranks x 2 + 1: ranks 1, 2 get nothing
     for uint8 in (False, True):
         if uint8:
-            monkeypatch.setattr(memory, "ready_bytes", lambda *a: 2**62)
+            monkeypatch.setattr(memory.budgeting, "ready_bytes", lambda *a: 2**62)
         seen = []
         for rank in range(3):
             loader = make_loader(arrays, backend, batch_size=2, rank=rank, world_size=3, drop_last=False,
@@ -488,7 +488,7 @@ def test_two_live_caches_count_against_one_budget(gpu_16g, monkeypatch):
     gpu = torch.device("cuda", 0)
     photos = SimpleNamespace(kind="files", __len__=None)
     need = 5 * 2**30
-    monkeypatch.setattr(memory, "cache_bytes", lambda source, config: need)
+    monkeypatch.setattr(memory.budgeting, "cache_bytes", lambda source, config: need)
     config = SimpleNamespace(device=gpu)
     memory.check_fits(photos, config)                           # alone: 5 GiB of 12 fits
     train = _FakeCache("cuda:0", 8 * 2**30)
@@ -523,14 +523,18 @@ def test_a_loader_leaves_the_budget_when_closed_or_collected(monkeypatch):
 
 
 def test_memory_imports_no_sibling_backend():
-    """Its decoding goes through the shared decode layer (fastdata/decode.py), not another backend."""
+    """Its decoding goes through the shared decode layer (fastdata/decode/), not another backend: no module
+    of the memory package imports a backend module beside the package (``from ..x``) but ``base``."""
     import ast
     from pathlib import Path
 
     import fastdata.backends.memory as memory
 
-    tree = ast.parse(Path(memory.__file__).read_text())
-    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
+    files = sorted(Path(memory.__file__).parent.glob("*.py"))
+    assert len(files) > 1
+    trees = [ast.parse(f.read_text()) for f in files]
+    imported = {node.module for tree in trees for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.level == 2}
     assert imported <= {"base"}, f"memory imports sibling backend module(s) {sorted(imported - {'base'})}"
 
 
@@ -574,7 +578,7 @@ def test_fast_builds_cache_the_process_builds_pixels(mixed_folder, build, worker
     included, whether the threads run or the calling thread does the work."""
     from fastdata.backends import memory
 
-    if build == "nvimgcodec" and memory._nvimgcodec() is None:
+    if build == "nvimgcodec" and memory.nvimgcodec() is None:
         skip_missing("nvImageCodec is not installed")
     src = ImageFolder(mixed_folder)
     ref = _cache(src, "processes", cache_workers=2)
@@ -598,7 +602,7 @@ def test_a_broken_file_is_named_or_skipped_once_by_every_build(tmp_path, build):
     from fastdata.backends import memory
     from fastdata.errors import DecodeError
 
-    if build == "nvimgcodec" and memory._nvimgcodec() is None:
+    if build == "nvimgcodec" and memory.nvimgcodec() is None:
         skip_missing("nvImageCodec is not installed")
     src = ImageFolder(_mixed_folder(tmp_path / "broken", broken=True))
     with pytest.raises(DecodeError, match="img_00001.jpg"):
@@ -642,8 +646,8 @@ def test_a_large_shrink_is_resized_in_steps_close_to_one_step(monkeypatch):
     panorama cached at 256 aborted the whole GPU build: resize_whole shrinks by at most MAX_CUDA_SHRINK
     per axis and step (the default on CUDA, asked for explicitly here), and the result stays within a
     level of one step's."""
-    from fastdata.backends import memory
     from fastdata.backends.memory import MAX_CUDA_SHRINK, resize_whole, shrink_steps, whole_size
+    from fastdata.decode import whole
 
     assert MAX_CUDA_SHRINK <= 32
     assert shrink_steps((30000, 2000), (256, 17), 16) == [(1875, 125), (256, 17)]
@@ -651,7 +655,7 @@ def test_a_large_shrink_is_resized_in_steps_close_to_one_step(monkeypatch):
     assert shrink_steps((100_000, 50), (3, 1), 16) == [(6250, 4), (391, 1), (25, 1), (3, 1)]
     assert shrink_steps((30000, 2000), (256, 17), None) == [(256, 17)]
     calls = []
-    real = memory.F.interpolate
+    real = whole.F.interpolate
 
     def spy(x, size, **kw):
         calls.append((tuple(x.shape[-2:]), tuple(size)))
@@ -662,7 +666,7 @@ def test_a_large_shrink_is_resized_in_steps_close_to_one_step(monkeypatch):
     smooth = 127 + 60 * np.sin(xx / 97.0) * np.cos(yy / 53.0)
     arr = np.clip(smooth[..., None] + rng.normal(0, 20, (600, 9000, 3)), 0, 255).astype(np.uint8)
     one = resize_whole(torch.from_numpy(arr), 64, via_float=True).int()
-    monkeypatch.setattr(memory.F, "interpolate", spy)
+    monkeypatch.setattr(whole.F, "interpolate", spy)
     stepped = resize_whole(torch.from_numpy(arr), 64, via_float=True, max_shrink=MAX_CUDA_SHRINK).int()
     assert stepped.shape == one.shape == (*whole_size(600, 9000, 64), 3) and len(calls) == 2
     assert all(a / b <= MAX_CUDA_SHRINK for src, dst in calls for a, b in zip(src, dst))
@@ -720,7 +724,7 @@ def test_nvimgcodec_builds_the_cache_on_the_gpu(mixed_folder, monkeypatch):
     bit-exact to libjpeg-turbo) and the float resize's rounding."""
     from fastdata.backends import memory
 
-    if memory._nvimgcodec() is None:
+    if memory.nvimgcodec() is None:
         skip_missing("nvImageCodec is not installed")
     src = ImageFolder(mixed_folder)
     ref = _full_decode_cache(src, monkeypatch)   # the GPU decodes in full: so must its reference
@@ -801,7 +805,7 @@ def test_decoded_groups_are_released_after_their_event_once_the_next_group_is_qu
 
     from fastdata.backends import memory
 
-    if memory._nvimgcodec() is None:
+    if memory.nvimgcodec() is None:
         skip_missing("nvImageCodec is not installed")
     log = []
 
@@ -864,7 +868,7 @@ def test_the_gpu_build_reads_ahead_and_orders_by_events(mixed_folder, monkeypatc
 
     from fastdata.backends import memory
 
-    if memory._nvimgcodec() is None:
+    if memory.nvimgcodec() is None:
         skip_missing("nvImageCodec is not installed")
     monkeypatch.setattr(memory.NvWholeDecoder, "batch", 4)          # several groups from a small folder
     src = ImageFolder(mixed_folder)
@@ -911,9 +915,9 @@ def test_the_gpu_build_reads_ahead_and_orders_by_events(mixed_folder, monkeypatc
 def test_nvimgcodec_turns_exif_rotated_photos_as_pil_does(tmp_path, orientation):
     """A rotated JPEG smaller than twice the cached side is decoded by nvImageCodec itself (not handed
     to PIL): its EXIF turn, sizes and pixels are PIL's (the GPU build relies on the same decoder flag)."""
-    from fastdata.backends.memory import NvWholeDecoder, WholePhotos, _nvimgcodec
+    from fastdata.backends.memory import NvWholeDecoder, WholePhotos, nvimgcodec
 
-    if _nvimgcodec() is None:
+    if nvimgcodec() is None:
         skip_missing("nvImageCodec is not installed")
     d = tmp_path / "c"
     d.mkdir()
@@ -936,7 +940,7 @@ def test_nvimgcodec_splits_its_decode_calls_by_decoded_bytes(mixed_folder, monke
     bound below one photo every file is its own call, and the cache is the same."""
     from fastdata.backends import memory
 
-    if memory._nvimgcodec() is None:
+    if memory.nvimgcodec() is None:
         skip_missing("nvImageCodec is not installed")
     src = ImageFolder(mixed_folder)
     ref = _cache(src, "threads", cache_size=320)   # photos under 640 px: nvImageCodec decodes them on the CPU

@@ -65,7 +65,7 @@ import torch
 from fastdata import distributed as fdist, make_loader
 from fastdata.datasets import ImageFolder
 from fastdata.errors import DecodeError
-import fastdata.backends.memory as mem
+import fastdata.decode.whole as mem   # the whole-photo decoders
 import fastdata.decode as dec
 from fastdata.config import Augmentation
 
@@ -74,12 +74,12 @@ LOG = os.path.abspath("decodes.log")
 PHASE = {"name": ""}
 
 def counted(fn):
-    def wrapper(path, *args, **kwargs):
+    def wrapper(data, path, *args, **kwargs):   # load_whole/load_photo(bytes, name, ...)
         # O_APPEND: whole short lines from every rank and every DataLoader worker.
         fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.write(fd, f"{PHASE['name']}\\t{os.environ['RANK']}\\t{path}\\n".encode())
         os.close(fd)
-        return fn(path, *args, **kwargs)
+        return fn(data, path, *args, **kwargs)
     return wrapper
 
 mem.load_whole = counted(mem.load_whole)     # the training recipe's decode of one photo
@@ -453,8 +453,9 @@ def test_the_budget_counts_every_private_copy_of_a_node(photo_folder, monkeypatc
     src = ImageFolder(photo_folder)
     cfg = LoaderConfig(batch_size=6, device="cpu", cache_size=64)
     need = memory.cache_bytes(src, cfg)
-    monkeypatch.setattr(memory, "available_ram", lambda: int(need * 2.5 / 0.8))   # 2.5 caches after the reserve
-    monkeypatch.setattr(memory, "live_cache_bytes", lambda *a: 0)   # other tests' loaders still alive
+    # 2.5 caches after the reserve
+    monkeypatch.setattr(memory.budgeting, "available_ram", lambda: int(need * 2.5 / 0.8))
+    monkeypatch.setattr(memory.budgeting, "live_cache_bytes", lambda *a: 0)   # other tests' loaders still alive
     memory.check_fits(src, cfg, copies=2)
     with pytest.raises(CacheDoesNotFit, match=r"\(3 copies, one per rank of this node\)"):
         memory.check_fits(src, cfg, copies=3)
@@ -474,15 +475,15 @@ import torch
 from fastdata import distributed as fdist, make_loader
 from fastdata.config import Augmentation
 from fastdata.datasets import ImageFolder
-import fastdata.backends.memory as mem
+import fastdata.decode.whole as mem   # the whole-photo decoders
 
 LOG = os.path.abspath("decodes.log")
 def counted(fn):
-    def wrapper(path, *args, **kwargs):
+    def wrapper(data, path, *args, **kwargs):   # load_whole/load_photo(bytes, name, ...)
         fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.write(fd, f"{os.environ['RANK']}\\t{path}\\n".encode())
         os.close(fd)
-        return fn(path, *args, **kwargs)
+        return fn(data, path, *args, **kwargs)
     return wrapper
 mem.load_whole = counted(mem.load_whole)
 

@@ -58,7 +58,7 @@ def test_auto_picks_memory_when_the_cache_fits_and_says_why(caplog):
 def test_auto_falls_back_to_torch_when_the_cache_does_not_fit(monkeypatch, caplog):
     import fastdata.backends.memory as memory
 
-    monkeypatch.setattr(memory, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: 1000)
     with caplog.at_level(logging.INFO, logger="fastdata"):
         loader = make_loader(SyntheticDigits(200), batch_size=50, device="cpu", num_workers=0)
     assert loader.name == "torch"
@@ -268,7 +268,7 @@ def test_auto_says_what_memory_allocates_for_an_array(caplog, monkeypatch):
     assert loader.name == "memory" and loader.ready is not None
     assert f"normalized ahead in float32 ({loader.footprint / 2**20:.1f} MiB" in caplog.text, caplog.text
     caplog.clear()
-    monkeypatch.setattr(memory, "uses_ready", lambda *a: False)    # too large to normalize ahead
+    monkeypatch.setattr(memory.loader, "uses_ready", lambda *a: False)    # too large to normalize ahead
     with caplog.at_level(logging.INFO, logger="fastdata"):
         loader = make_loader(SyntheticDigits(2000), batch_size=50, device="cpu", train=False)
     assert loader.ready is None and loader.footprint < 2000 * 28 * 28   # its labels only, no image copy

@@ -398,7 +398,7 @@ def test_a_memory_cache_that_does_not_fit_is_refused_before_allocating(monkeypat
     import fastdata.backends.memory as memory
 
     free = 1_000_000
-    monkeypatch.setattr(memory, "free_bytes", lambda device: free)
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: free)
 
     def no_decoding(self):
         raise AssertionError("the cache was being built before the size check")

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .config import ON_ERROR, Augmentation, Crop
-from .datasets import SourceKind, check_transform_and_augment, transform_output
-from .errors import DecodeError
-from .transforms import augment_array, augment_batch, load_photo, require_fixed_size
+from ..config import Augmentation, Crop
+from ..datasets import SourceKind, check_transform_and_augment, transform_output
+from ..transforms import augment_array, augment_batch, load_photo, require_fixed_size
+from .on_error import OnError
 
 
 class Decoded(NamedTuple):
@@ -43,7 +43,7 @@ class Decoded(NamedTuple):
     kept: np.ndarray     # int64 sample ids, in the order asked for; fewer only with on_error="skip"
 
 
-def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str = "raise", *,
+def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str | OnError = "raise", *,
            checked: np.ndarray | None = None) -> Decoded:
     """Samples ``ids`` of ``source`` with the recipe ``aug`` applied (random parameters from ``rng``).
 
@@ -57,11 +57,12 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
         aug: the recipe; None or ``Augmentation()`` for a source with a per-sample transform (a recipe
             on top of one is refused: ``datasets.check_transform_and_augment``).
         rng: the batch's generator; every random draw comes from it.
-        on_error: ``"raise"`` or ``"skip"`` for files that do not decode.
+        on_error: ``"raise"`` or ``"skip"`` (or its ``OnError``) for files that do not decode.
         checked: bool (len(source),): which files some process already decoded whole (see
             ``_CHECKED``); this process's own flags when None.
     """
     ids = np.asarray(ids, dtype=np.int64)
+    on_error = OnError(on_error)
     check_transform_and_augment(source, aug)
     if source.kind is SourceKind.ARRAY:
         # The gather is a copy of the rows: the flips may go into it (no second copy of the batch).
@@ -93,22 +94,25 @@ def _checked(source) -> np.ndarray:
     return flags
 
 
-def _files(source, ids, aug, rng, on_error, checked: np.ndarray) -> Decoded:
+def _files(source, ids, aug, rng, on_error: OnError, checked: np.ndarray) -> Decoded:
     size = aug.size
     # Written in place, kept ones contiguous: no list of arrays and no second copy in np.stack.
     out = np.empty((len(ids), size, size, 3), dtype=np.uint8)
     keep = []
     for j, i in enumerate(ids):
-        try:
-            out[len(keep)] = load_photo(source.read(i), source.sample_name(i), aug, rng, checked=bool(checked[i]))
-            checked[i] = True
-        except DecodeError:
-            if on_error == "raise":
-                raise
+        photo = on_error.attempt(_photo, source, i, aug, rng, bool(checked[i]))
+        if photo is None:
             continue
+        out[len(keep)] = photo
+        checked[i] = True
         keep.append(j)
     kept = ids[keep]
     return Decoded(out[: len(keep)], source.labels[kept], kept)
+
+
+def _photo(source, i, aug, rng, checked: bool = False) -> np.ndarray:
+    """Sample ``i``'s bytes decoded with the recipe (``transforms.load_photo``)."""
+    return load_photo(source.read(i), source.sample_name(i), aug, rng, checked=checked)
 
 
 _NO_RECIPE = Augmentation()
@@ -147,7 +151,7 @@ def _same_size(source, images: list, where: list) -> None:
                          f"CenterCrop(224))")
 
 
-def _files_transformed(source, ids, rng, on_error) -> Decoded:
+def _files_transformed(source, ids, rng, on_error: OnError) -> Decoded:
     """Files through the source's per-sample transform: the full decode (EXIF orientation applied,
     RGB) as a PIL image → the transform → uint8 (H, W, 3). No recipe (the transform is the recipe)."""
     from PIL import Image
@@ -157,13 +161,10 @@ def _files_transformed(source, ids, rng, on_error) -> Decoded:
     images, keep = [], []
     with seeded_globals() as seed:
         for j, i in enumerate(ids):
-            path = source.sample_name(i)
-            try:
-                photo = load_photo(source.read(i), path, _NO_RECIPE, rng)   # the empty recipe draws nothing
-            except DecodeError:
-                if on_error == "raise":
-                    raise
+            photo = on_error.attempt(_photo, source, i, _NO_RECIPE, rng)   # the empty recipe draws nothing
+            if photo is None:
                 continue
+            path = source.sample_name(i)
             seed(int(seeds[j]))
             images.append(transform_output(transform(Image.fromarray(photo)), source, path))
             keep.append(j)
@@ -215,12 +216,11 @@ class BatchDecoder(Dataset):
     Args:
         source: the fastdata source.
         augment: the recipe (see ``decode``).
-        on_error: ``"raise"`` or ``"skip"``.
+        on_error: ``"raise"`` or ``"skip"`` (or its ``OnError``).
     """
 
-    def __init__(self, source, augment, on_error: str = "raise"):
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+    def __init__(self, source, augment, on_error: str | OnError = "raise"):
+        on_error = OnError(on_error)
         if source.sample_transform is None:   # with one, each batch checks that its outputs stack
             require_fixed_size(source, augment)
         check_transform_and_augment(source, augment)
