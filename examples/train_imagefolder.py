@@ -50,6 +50,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=cli.positive_int, default=None, metavar="STEPS",
                    help="also save every STEPS steps")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    cli.add_step_args(p)   # --accumulate, --clip-grad-norm, --ema
     p.add_argument("--on-error", default="raise", choices=("raise", "skip"),
                    help="an undecodable image: stop with an error naming it (raise), or leave it out, count "
                         "it and warn (skip; ImageNet's training set holds a few PNG files named .JPEG)")
@@ -101,19 +102,22 @@ def main(args) -> dict:
                                          augment=Augmentation.imagenet_eval(size=size,
                                                                             resize=round(size * 256 / 224)))
         model = torchvision.models.resnet18(num_classes=train_src.num_classes)
-        lr = args.lr * args.batch_size * fdist.world_size() / 256
+        # The linear scaling rule on the samples of one optimizer step (--accumulate batches of each rank).
+        lr = args.lr * args.batch_size * args.accumulate * fdist.world_size() / 256
         optimizer = make_optimizer(model, lr, device)
+        steps = -(-len(train_loader) // args.accumulate)   # optimizer steps per epoch: the schedule's unit
         # A quarter of the steps warm up; OneCycleLR divides by the warm-up's last step index
         # (pct_start * total - 1), so a run of exactly 4 steps warms up over 2 instead.
-        pct = 0.25 if args.epochs * len(train_loader) != 4 else 0.5
+        pct = 0.25 if args.epochs * steps != 4 else 0.5
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, epochs=args.epochs,
-                                                        steps_per_epoch=len(train_loader), pct_start=pct)
+                                                        steps_per_epoch=steps, pct_start=pct)
         start = time.perf_counter()
         try:
             history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
                           eval_loader=val_loader, amp=args.amp, compile=args.compile,
                           channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
-                          checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+                          checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
+                          accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, ema=args.ema)
         # A file that is not a checkpoint, or one of another run: one line, no traceback. Under torchrun
         # the other ranks get rank 0's verdict as a PreparationError: the same line, not a traceback.
         except (CheckpointError, fdist.PreparationError) as e:

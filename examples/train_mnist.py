@@ -70,6 +70,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=cli.positive_int, default=None, metavar="STEPS",
                    help="also save every STEPS steps")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    cli.add_step_args(p)   # --accumulate, --clip-grad-norm, --ema
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json-out", default=None, metavar="PATH", help="write the results as one JSON object")
     return p
@@ -178,13 +179,14 @@ def main(args) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                     weight_decay=5e-4, fused=True if device.type == "cuda" else None)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, epochs=max(args.epochs, 1),
-                                                        steps_per_epoch=len(train_loader))
+                                                        steps_per_epoch=-(-len(train_loader) // args.accumulate))
         start = time.perf_counter()
         try:
             history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
                           eval_loader=test_loader, amp=args.amp, compile=args.compile,
                           channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
-                          checkpoint_every=args.checkpoint_every, progress=not args.no_progress)
+                          checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
+                          accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, ema=args.ema)
         # A file that is not a checkpoint, or one of another run: one line, no traceback. Under torchrun
         # the other ranks get rank 0's verdict as a PreparationError: the same line, not a traceback.
         except (CheckpointError, fdist.PreparationError) as e:

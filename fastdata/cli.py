@@ -59,6 +59,28 @@ def positive_float(text: str) -> float:
     return value
 
 
+def ema_decay(text: str) -> float:
+    """A weight-average decay in (0, 1) (0.999: about the last 1,000 steps; 1 would never move)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value < 1):
+        raise argparse.ArgumentTypeError(f"must be a decay in (0, 1) such as 0.999, got {text!r}")
+    return value
+
+
+def add_step_args(parser: argparse.ArgumentParser) -> None:
+    """The training scripts' flags for ``fit``'s step: ``--accumulate``, ``--clip-grad-norm``, ``--ema``
+    (each checked by its type, so a bad value is argparse's one-line error)."""
+    parser.add_argument("--accumulate", type=positive_int, default=1, metavar="N",
+                        help="batches per optimizer step (gradient accumulation: N x --batch-size per step)")
+    parser.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="MAX",
+                        help="clip the gradients' total norm to MAX before each step (the record gets grad_norm)")
+    parser.add_argument("--ema", type=ema_decay, default=None, metavar="DECAY",
+                        help="evaluate an exponential moving average of the weights (e.g. 0.999)")
+
+
 def device(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N``, checked against this machine (a GPU that is not there is an
     error, not a fallback). Returned as given: under torchrun ``cuda`` means the rank's own GPU."""

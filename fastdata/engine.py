@@ -33,7 +33,9 @@ What keeps the GPU busy here:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import numbers
 import os
 import sys
 import time
@@ -114,6 +116,32 @@ def _autocast(device: torch.device, mode: str):
     return torch.autocast(device.type, dtype=_AMP_DTYPES.get(mode, torch.bfloat16), enabled=mode != "off")
 
 
+#: ``fit(compile=...)``: off, ``torch.compile``'s default mode, or its CUDA-graph mode.
+COMPILE_CHOICES = (False, True, "reduce-overhead")
+
+
+def resolve_compile(compile, device) -> str | None:
+    """``torch.compile``'s mode for ``fit(compile=...)`` on ``device``: None (not compiled), ``"default"``
+    or ``"reduce-overhead"``.
+
+    ``"reduce-overhead"`` records the step into CUDA graphs: for a small CNN a GPU step is a few hundred
+    tiny kernels, and launching them from Python costs more than running them. CUDA graphs exist only on
+    CUDA, so on the CPU it falls back to ``compile=True``, saying so in one line.
+    """
+    if not isinstance(compile, (bool, str)):   # 1 or "yes" taken as truthy would hide a typo
+        raise TypeError(f"compile must be True, False or 'reduce-overhead', got {compile!r} "
+                        f"({type(compile).__name__})")
+    if isinstance(compile, str) and compile not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be True, False or 'reduce-overhead', got {compile!r}")
+    if compile is False:
+        return None
+    if compile == "reduce-overhead" and torch.device(device).type != "cuda":
+        warnings.warn(f"compile='reduce-overhead' (CUDA graphs) needs a CUDA device; on {torch.device(device)} "
+                      f"fit compiles with compile=True instead", RuntimeWarning, stacklevel=_user_stacklevel())
+        return "default"
+    return "default" if compile is True else "reduce-overhead"
+
+
 # ------------------------------------------------------------------------------------ schedulers
 def resolve_scheduler_interval(scheduler, interval: str | None = None) -> str | None:
     """When ``fit`` steps ``scheduler``: ``"step"`` (after every optimizer step) or ``"epoch"`` (once at
@@ -142,17 +170,21 @@ def resolve_scheduler_interval(scheduler, interval: str | None = None) -> str | 
 
 
 def _check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int, start_batch: int,
-                           batches: int, built_total: int | None = None) -> None:
+                           batches: int, built_total: int | None = None, accumulate: int = 1) -> None:
     """Refuse, before any training, a OneCycleLR that the run would step past its ``total_steps``.
 
     torch raises only when the step beyond the end comes ("Tried to step 51 times"), possibly hours
     in. The steps the run takes are counted from the scheduler's own count (``last_epoch``: restored
     from a checkpoint when resuming) plus the batches (or epochs) left; batches a single process skips
     (empty ones) only make the real count smaller. ``built_total``: the ``total_steps`` of the
-    scheduler as passed, before a checkpoint's state replaced it.
+    scheduler as passed, before a checkpoint's state replaced it. ``accumulate``: batches per optimizer
+    step, so an epoch is ``ceil(batches / accumulate)`` steps, of which a resume at ``start_batch`` (a
+    step boundary) has taken ``start_batch // accumulate``.
     """
     if not isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR) or epochs <= start_epoch:
         return
+    steps_hint = "len(train_loader)" if accumulate == 1 else f"math.ceil(len(train_loader) / {accumulate})"
+    batches, start_batch = -(-batches // accumulate), start_batch // accumulate
     total, taken = scheduler.total_steps, scheduler.last_epoch
     unit = "batch" if interval == "step" else "epoch"
     left = (epochs - start_epoch) * batches - start_batch if unit == "batch" else epochs - start_epoch
@@ -167,9 +199,10 @@ def _check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int
     if needed <= total:
         return
     per_epoch = batches if unit == "batch" else 1
-    shape = f"{epochs} epochs x {batches} batches" if unit == "batch" else f"{epochs} epochs"
+    per = "batches" if accumulate == 1 else f"optimizer steps of {accumulate} batches"
+    shape = f"{epochs} epochs x {batches} {per}" if unit == "batch" else f"{epochs} epochs"
     if taken == 0 and start_epoch == 0 and start_batch == 0:
-        build = (f"epochs={epochs}, steps_per_epoch=len(train_loader)" if unit == "batch"
+        build = (f"epochs={epochs}, steps_per_epoch={steps_hint}" if unit == "batch"
                  else f"total_steps={epochs}")
         raise ValueError(f"OneCycleLR has total_steps={total} but this run steps it {needed} times ({shape}, "
                          f"stepped per {unit}): torch would fail at step {total + 1}. Build it for this run: "
@@ -283,10 +316,11 @@ def wants_fused(params, device) -> bool:
 
 
 def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, scheduler=None, eval_loader=None,
-        amp: str = "auto", compile: bool = False, channels_last: bool = False, checkpoint=None,
+        amp: str = "auto", compile: bool | str = False, channels_last: bool = False, checkpoint=None,
         resume: bool = False, progress: bool = True, checkpoint_every: int | None = None,
         loss_fn=None, eval_loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True,
-        scheduler_interval: str | None = None, checkpoint_storage=None) -> list[dict]:
+        scheduler_interval: str | None = None, checkpoint_storage=None, accumulate: int = 1,
+        clip_grad_norm: float | None = None, ema=None) -> list[dict]:
     """Train ``model`` for ``epochs`` passes over ``train_loader``; return one record per epoch.
 
     Args:
@@ -317,7 +351,33 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         amp: ``"auto"``, ``"bf16"``, ``"fp16"`` or ``"off"`` (see ``choose_amp``). With amp off, a loader
             whose dtype differs from the model's (a bf16 loader, a float32 model) is refused at the
             start: casting every batch would throw away what the bf16 loader saves.
-        compile: ``torch.compile`` the model.
+        compile: ``True``: ``torch.compile`` the model; ``"reduce-overhead"``: compile it into CUDA graphs
+            (``torch.compile(mode="reduce-overhead")``), for small models whose GPU step is launch-bound.
+            On the CPU ``"reduce-overhead"`` falls back to ``True`` with a one-line warning. Graphs are
+            recorded for one shape: training batches of the first batch's size run the graphs, any other
+            size (the last short batch of an epoch, an empty one) runs the model eagerly, and so does
+            evaluation, so no shape records a graph it uses once or recompiles every epoch.
+        accumulate: batches per optimizer step (default 1): each batch's loss is scaled by 1/N, their
+            gradients add up, and the optimizer, the fp16 scaler, the EMA and a per-step scheduler step
+            once per N batches (a per-step schedule's length is counted in optimizer steps:
+            ``steps_per_epoch=math.ceil(len(train_loader) / N)``). Under DDP the first N-1 batches run in
+            ``no_sync``: one gradient all-reduce per step. An epoch's batches are grouped from its start;
+            when N does not divide them, the last group is the remainder, its losses scaled by 1/its size,
+            so every step's gradient is the mean over the batches it saw (with equal batches, the mean
+            over its samples: the gradient one batch of them all would give). Checkpoints fall on step
+            boundaries only (a ``checkpoint_every`` save due inside a step waits for the step's end), so a
+            resume gives the uninterrupted run's weights.
+        clip_grad_norm: clip the gradients' total norm to this before each optimizer step (after
+            ``scaler.unscale_`` under fp16, so the threshold is in the gradients' own units). The epoch
+            record gets ``grad_norm``: the mean pre-clip norm of its steps (steps fp16 skipped for
+            infinite gradients left out; a resumed epoch's mean covers the steps after the resume).
+        ema: keep an exponential moving average of the weights: a decay (a float in (0, 1), e.g. 0.999,
+            for a ``ModelEma``) or an object with ``update(model)`` and ``module`` (timm's
+            ``ModelEmaV3``), updated after every optimizer step without a host sync. The evaluation then
+            runs the averaged weights (the record says ``eval_ema: True``); the checkpoint keeps the
+            average (key ``"ema"``) and a resume continues it. ``model`` keeps its trained weights; to use
+            the average after fit, pass ``ModelEma(model, 0.999)`` and read its ``module`` (fit moves a
+            ``ModelEma`` to the loader's device with the model).
         channels_last: convert the model to channels-last (give the loaders ``channels_last=True`` too).
         checkpoint: a path, or a URL (``s3://...``, ``gs://...``, ``memory://...``: through fsspec, see
             ``fastdata.checkpoint.storage_for``); saved at the end of every epoch and every
@@ -367,8 +427,9 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
     """
     _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, eval_loss_fn, epochs=epochs,
                          checkpoint=checkpoint, resume=resume, checkpoint_every=checkpoint_every,
-                         flags={"compile": compile, "channels_last": channels_last, "progress": progress,
+                         flags={"channels_last": channels_last, "progress": progress,
                                 "cudnn_benchmark": cudnn_benchmark, "tf32": tf32})
+    _check_step_options(accumulate=accumulate, clip_grad_norm=clip_grad_norm, ema=ema, compile=compile)
     resolve_scheduler_interval(None, scheduler_interval)  # an unknown value fails before anything starts
     device = _loader_device(train_loader)
     if eval_loader is not None and _loader_device(eval_loader) != device:
@@ -383,7 +444,8 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
     with _device_scope(device), cuda_switches(device, cudnn_benchmark=cudnn_benchmark, tf32=tf32):
         mode = resolve_amp(amp, device)
         step = TrainStep.build(raw, optimizer, scheduler, loss_fn, device, mode, channels_last=channels_last,
-                               scheduler_interval=scheduler_interval)
+                               scheduler_interval=scheduler_interval, accumulate=accumulate,
+                               clip_grad_norm=clip_grad_norm, ema=ema)
         for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
             if loader is not None:
                 step.check_dtype(_loader_dtype(loader), name)
@@ -392,7 +454,8 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         if checkpoint is not None:
             state.start(checkpoint, resume, epochs)
         _check_schedule_length(step.scheduler, step.interval, epochs=epochs, start_epoch=state.epoch,
-                               start_batch=state.batch, batches=len(train_loader), built_total=built_total)
+                               start_batch=state.batch, batches=len(train_loader), built_total=built_total,
+                               accumulate=accumulate)
         step.wrap(compile=compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
         for epoch in range(state.epoch, epochs):
             first = state.first_batch(epoch)
@@ -406,11 +469,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             # The position, taken before evaluation: eval_loader may be this very loader, and iterating
             # it again would move the position a whole epoch on (a resume would skip an epoch).
             position = train_loader.state_dict()
-            # The rate the epoch's last step trained at (before an epoch schedule's own step).
-            record = meter.record(epoch + 1, lr=step.epoch_lr())
-            if eval_loader is not None:
-                result = evaluate(step.eval_net, eval_loader, amp=mode, loss_fn=eval_loss_fn)
-                record["eval_loss"], record["eval_accuracy"] = result["loss"], result["accuracy"]
+            record = _epoch_figures(step, meter, epoch, eval_loader, eval_loss_fn)
             # Before the save: a checkpoint taken at an epoch's end holds the scheduler already stepped
             # for it, and a mid-epoch one the scheduler before it, so a resume steps it exactly once.
             step.end_epoch(record)
@@ -420,6 +479,37 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             if checkpoint is not None:
                 state.save(checkpoint, position, every_rank=True)
         return state.history
+
+
+def _epoch_figures(step: TrainStep, meter: EpochMeter, epoch: int, eval_loader, eval_loss_fn) -> dict:
+    """The ``epoch_record`` of a finished training pass: the meter's figures, ``grad_norm`` when clipping,
+    and the evaluation, of the averaged weights when there is an EMA (``eval_ema`` says which)."""
+    # The rate the epoch's last step trained at (before an epoch schedule's own step).
+    record = meter.record(epoch + 1, lr=step.epoch_lr())
+    if step.clip_grad_norm is not None:
+        record["grad_norm"] = meter.grad_norm()
+    if eval_loader is not None:
+        model = step.ema.module if step.ema is not None else step.eval_net
+        result = evaluate(model, eval_loader, amp=step.mode, loss_fn=eval_loss_fn)
+        record["eval_loss"], record["eval_accuracy"] = result["loss"], result["accuracy"]
+    if step.ema is not None:
+        record["eval_ema"] = eval_loader is not None
+    return record
+
+
+def _check_step_options(*, accumulate, clip_grad_norm, ema, compile) -> None:
+    """``fit``'s options of the step itself, refused before anything starts and named."""
+    from .config import check_integer
+
+    check_integer("accumulate", accumulate, minimum=1)
+    if clip_grad_norm is not None:
+        if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, numbers.Real):
+            raise TypeError(f"clip_grad_norm must be a number > 0 (the gradients' largest total norm) or None, "
+                            f"got {clip_grad_norm!r} ({type(clip_grad_norm).__name__})")
+        if not (math.isfinite(clip_grad_norm) and clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be a finite number > 0, got {clip_grad_norm!r}")
+    _check_ema(ema)
+    resolve_compile(compile, "cuda")   # the value alone: the device's fallback is said when wrapping
 
 
 def _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, eval_loss_fn, *, epochs,
@@ -540,23 +630,33 @@ def _read_flag(owner, name):
 
 def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: int = 0, after_batch=None,
                     progress: _Progress | None = None) -> None:
-    """One pass over ``loader``: a training ``step`` per batch, its figures added to ``meter``.
+    """One pass over ``loader``: ``step.backward`` per batch, ``step.optimizer_step`` per ``step.accumulate``
+    batches (the last group of the epoch holds the remainder, see ``TrainStep.group``), their figures added
+    to ``meter``.
 
     ``first_batch`` is where a resumed epoch starts (the loader already skips the batches before it).
     ``after_batch(batch)`` runs after each batch with the count of batches done in the epoch (``fit``
-    saves periodic checkpoints there). An empty batch takes no step in a single process; under DDP it
-    takes a zero-loss one, which keeps this rank in its peers' gradient all-reduce.
+    saves periodic checkpoints there). An empty batch takes no backward in a single process (its
+    group still steps on the batches before it); under DDP it takes a zero-loss one, which keeps this
+    rank in its peers' gradient all-reduce.
     """
     step.net.train()  # evaluation (or the caller) may have left the model in eval mode
+    batches = len(loader) if step.accumulate > 1 else None
     batch = first_batch
     try:
         for images, labels in meter.timed(loader):
             if batch == first_batch:  # metadata only: no sync
                 step.check_dtype(images.dtype, "train_loader")
-            n = images.shape[0]
-            if n or step.ddp:
+            start, end = step.group(batch, first_batch, batches)
+            n, last = images.shape[0], batch + 1 == end
+            if n or step.ddp or (last and step.accumulated):
                 meter.timer.start()
-                step(images, labels, meter.sums)
+                if n or step.ddp:
+                    # Each batch's mean loss over 1/(batches in its group): the step's gradient is the mean
+                    # over the group's batches, as one batch of all their samples would give.
+                    step.backward(images, labels, meter.sums, scale=1.0 / (end - start), sync=last)
+                if last:
+                    meter.add_grad_norm(step.optimizer_step())
                 meter.timer.end()
             meter.images += n
             batch += 1
@@ -564,6 +664,8 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
                 progress.update(meter)
             if after_batch is not None:
                 after_batch(batch)
+        # A loader that ended before len() said: its last group's gradients still make a step.
+        meter.add_grad_norm(step.optimizer_step())
     finally:
         if progress is not None:
             progress.close()
@@ -625,9 +727,23 @@ class EpochMeter:
         self.sums = torch.tensor(carried or [0.0, 0.0, 0.0], dtype=torch.float64, device=device)
         self.images, self.wait = 0, 0.0
         self.timer = _StepTimer(device)
+        self.norms = torch.zeros(2, dtype=torch.float64, device=device)  # sum, count of finite grad norms
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.t0 = time.perf_counter()
+
+    def add_grad_norm(self, norm: torch.Tensor | None) -> None:
+        """Add one optimizer step's gradient norm (None: not clipped) on the device. A step fp16's scaler
+        skips has an infinite norm and changes no weight: it is left out of the mean."""
+        if norm is not None:
+            finite = torch.isfinite(norm)
+            self.norms += torch.stack([torch.where(finite, norm.double(), 0.0), finite.double()])
+
+    def grad_norm(self) -> float:
+        """The mean pre-clip gradient norm of the epoch's optimizer steps (NaN when none). Every rank
+        holds the same norms (the gradients are all-reduced before clipping): no collective."""
+        total, count = self.norms.tolist()
+        return total / count if count else math.nan
 
     def timed(self, loader):
         """Iterate ``loader``, adding the host time spent blocked in it to ``wait``."""
@@ -695,7 +811,9 @@ class TrainingState:
 
     A checkpoint also holds the model, optimizer, GradScaler and scheduler states, the RNG states,
     the finished epochs' records (``history``), a half-done epoch's global sums (``partial``), the
-    precision and the world size. Rank 0 writes it (atomically: ``checkpoint.save``).
+    precision, the world size and the weight average (``ema``, None without one). Rank 0 writes it
+    (atomically: ``checkpoint.save``). Under ``accumulate`` every save falls on an optimizer step's
+    boundary (``_PeriodicSave``): no checkpoint holds half-accumulated gradients.
     """
 
     FORMAT = CHECKPOINT_FORMAT
@@ -757,6 +875,8 @@ class TrainingState:
             # class without complaint and fails (or silently misbehaves) later.
             "optimizer_class": type(step.optimizer).__name__,
             "scheduler_class": type(step.scheduler).__name__ if step.scheduler is not None else None,
+            # The moving average of the weights (fit(ema=...)), or None: a resume continues the average.
+            "ema": step.ema.state_dict() if step.ema is not None else None,
         }
 
     #: What every checkpoint this version reads holds (format 1 as well as 2).
@@ -787,6 +907,10 @@ class TrainingState:
                 raise ckpt.ResumeError(f"'{path}' was trained with a {saved} {part}; this run's is "
                                        f"{type(now).__name__}: its state does not fit it. Resume with the "
                                        f"{part} of that run, or start a new run (resume=False)")
+        saved_ema = state.get("ema")
+        problems = _state_dict_mismatch(saved_ema, step.ema.state_dict()) if saved_ema and step.ema else ""
+        if problems:
+            raise ckpt.ResumeError(f"'{path}' holds a weight average (ema) of another model: {problems}")
         layout = [len(g["params"]) for g in state["optimizer"].get("param_groups", [])]
         here = [len(g["params"]) for g in step.optimizer.param_groups]
         if layout != here:
@@ -812,6 +936,7 @@ class TrainingState:
             step.scaler.load_state_dict(state["scaler"])
         if step.scheduler is not None and state["scheduler"] is not None:
             step.scheduler.load_state_dict(state["scheduler"])
+        self._restore_ema(state.get("ema"), path)
         # Each rank its own generators (dropout and a model's other random ops draw from them; under DDP
         # rank r's GPU generator is cuda:r's, which only rank r's process ever advanced). Resumed on
         # another world size, every rank takes rank 0's, as before "rng_ranks" existed.
@@ -827,6 +952,20 @@ class TrainingState:
         # The figures of a half-done epoch are global sums, whatever the world size that summed them;
         # one rank carries them on.
         self.partial = list(state["partial"]) if fdist.is_main() else [0.0, 0.0, 0.0]
+
+    def _restore_ema(self, saved: dict | None, path) -> None:
+        """The checkpoint's weight average, or, when it kept none (saved without ``ema``), a new one from
+        the restored weights, said in a warning: the average starts again from here."""
+        ema = self.step.ema
+        if ema is None:
+            return
+        if saved is not None:
+            ema.load_state_dict(saved)
+            return
+        warnings.warn(f"'{path}' holds no weight average (saved without ema): the average starts again from "
+                      f"its weights", RuntimeWarning, stacklevel=3)
+        if callable(getattr(ema, "set", None)):   # ModelEma and timm's ModelEmaV3 have it
+            ema.set(self.step.raw)
 
     def save(self, path, position: dict, partial: list[float] | None = None, *, every_rank: bool = False) -> None:
         """Save at ``position`` (rank 0 writes one file for the run). ``every_rank`` (what ``fit`` does):
@@ -881,26 +1020,38 @@ class _PeriodicSave:
     The batch count of the run is ``epoch × len(loader) + batch``, computed from the position, so a
     resumed run saves at the same batches as an uninterrupted one. No save at the epoch's last batch:
     the end-of-epoch save follows. A mid-epoch save carries the sums so far (a collective under DDP:
-    every rank reaches the same batch)."""
+    every rank reaches the same batch).
+
+    With ``accumulate`` > 1 a save falls only on an optimizer step's boundary (the first at or after
+    each ``every`` batches): the gradients of a half-accumulated step live only in memory, and a
+    checkpoint without them would resume to other weights than the uninterrupted run's."""
 
     def __init__(self, state: TrainingState, path, every: int | None, epoch: int, meter: EpochMeter):
         self.state, self.path, self.every, self.meter = state, path, every, meter
         self.length = len(state.loader)
         self.offset = epoch * self.length
+        self.accumulate = state.step.accumulate
+        self.due = False
 
     def __call__(self, batch: int) -> None:
-        if self.path is None or not self.every or (self.offset + batch) % self.every or batch >= self.length:
+        if self.path is None or not self.every:
             return
+        self.due = self.due or (self.offset + batch) % self.every == 0
+        if not self.due or batch % self.accumulate or batch >= self.length:
+            return
+        self.due = False
         self.state.save(self.path, self.state.loader.state_dict(), self.meter.global_sums(), every_rank=True)
 
 
 # ------------------------------------------------------------------------------------- the step
 class TrainStep:
-    """One training step: forward, backward, optimizer (and scaler, scheduler) step, device-side sums.
+    """One training step: forward, backward, optimizer (and scaler, scheduler, EMA) step, device-side sums.
 
     Nothing in it reads a device value on the host: with a fused optimizer (the default on CUDA) or
     bf16, a step never waits for the GPU (a GPU test runs steps under ``set_sync_debug_mode("error")``).
-    ``fit`` makes one with ``build`` and ``wrap``; ``train_one_epoch`` calls it once per batch.
+    ``fit`` makes one with ``build`` and ``wrap``; ``train_one_epoch`` calls ``backward`` once per batch
+    and ``optimizer_step`` once per ``accumulate`` batches. Calling the step itself does both for one
+    batch (a loop of your own without accumulation).
 
     Args:
         net: the module the step runs (``raw``, or its DDP / compiled wrapper).
@@ -910,10 +1061,13 @@ class TrainStep:
         ddp: whether ``net`` is DDP: an empty batch then still takes a (zero-loss) step.
         scheduler_interval: as in ``fit``: the step calls ``scheduler.step()`` itself when it resolves
             to ``"step"``; ``end_epoch`` steps it when it resolves to ``"epoch"``.
+        accumulate, clip_grad_norm: as in ``fit``. ema: None or an object with ``update(model)`` and
+            ``module`` (a ``ModelEma``, or timm's ``ModelEmaV3``), updated after every optimizer step.
     """
 
     def __init__(self, net, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp,
-                 scheduler_interval: str | None = None):
+                 scheduler_interval: str | None = None, *, accumulate: int = 1,
+                 clip_grad_norm: float | None = None, ema=None):
         self.net, self.raw, self.optimizer, self.scaler, self.scheduler = net, raw, optimizer, scaler, scheduler
         self.loss_fn, self.device, self.mode, self.ddp = loss_fn, device, mode, ddp
         self.interval = resolve_scheduler_interval(scheduler, scheduler_interval)
@@ -922,12 +1076,19 @@ class TrainStep:
         # The rates the latest step trained at, kept before a per-step scheduler moves them on: the
         # epoch's lr figure (see ``epoch_lr``). A tensor lr is cloned on its device, not read: no sync.
         self.last_step_lrs: list | None = None
+        self.accumulate, self.clip_grad_norm, self.ema = accumulate, clip_grad_norm, ema
+        self.accumulated = 0        # batches backpropagated since the last optimizer step
+        self.eager = net            # ``net`` before torch.compile: see ``_module_for``
+        self.graphs = False         # compiled with mode="reduce-overhead" (CUDA graphs)
+        self.static_batch: int | None = None
 
     @classmethod
     def build(cls, raw, optimizer, scheduler, loss_fn, device, mode, *, channels_last: bool,
-              scheduler_interval: str | None = None) -> TrainStep:
+              scheduler_interval: str | None = None, accumulate: int = 1, clip_grad_norm: float | None = None,
+              ema=None) -> TrainStep:
         """Put ``raw`` on ``device`` (channels-last if asked) and fill in the defaults: the optimizer, a
-        GradScaler and the loss. The step runs ``raw`` itself until ``wrap``."""
+        GradScaler, the loss, and a ``ModelEma`` when ``ema`` is a decay. The step runs ``raw`` itself
+        until ``wrap``."""
         raw.to(device)
         if channels_last:
             raw.to(memory_format=torch.channels_last)
@@ -941,21 +1102,33 @@ class TrainStep:
         # A disabled scaler passes the loss and the step straight through: one step path for all modes.
         scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
         loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+        # After the move: the average lives beside the weights it follows.
+        if isinstance(ema, float):
+            ema = ModelEma(raw, ema)
+        elif isinstance(ema, ModelEma):
+            ema.module.to(device)
         return cls(raw, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp=False,
-                   scheduler_interval=scheduler_interval)
+                   scheduler_interval=scheduler_interval, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
+                   ema=ema)
 
-    def wrap(self, *, compile: bool) -> None:
-        """DistributedDataParallel under torchrun (on the loader's GPU), then ``torch.compile`` if asked."""
+    def wrap(self, *, compile: bool | str) -> None:
+        """DistributedDataParallel under torchrun (on the loader's GPU), then ``torch.compile`` if asked
+        (``compile="reduce-overhead"``: CUDA graphs on CUDA, see ``resolve_compile``)."""
         net = fdist.wrap_ddp(self.raw, self.device)
         self.ddp = net is not self.raw
-        self.net = torch.compile(net) if compile else net
+        self.eager = net
+        mode = resolve_compile(compile, self.device)
+        self.graphs = mode == "reduce-overhead"
+        self.net = net if mode is None else torch.compile(net, mode=None if mode == "default" else mode)
 
     @property
     def eval_net(self) -> nn.Module:
         """The module ``evaluate`` runs: DDP's forward takes part in collectives, so evaluation goes
         around it (each rank evaluates its shard and the sums are reduced) and uneven eval batches
-        cannot deadlock."""
-        return self.raw if fdist.is_distributed() else self.net
+        cannot deadlock. Under CUDA graphs evaluation runs eagerly (``_module_for``)."""
+        if fdist.is_distributed():
+            return self.raw
+        return self.eager if self.graphs else self.net
 
     def check_dtype(self, dtype, name: str) -> None:
         """Refuse batches of ``dtype`` from loader ``name`` when amp is off and the model differs."""
@@ -983,11 +1156,65 @@ class TrainStep:
         else:
             self.scheduler.step()
 
-    def __call__(self, images, labels, sums):
+    def group(self, batch: int, first_batch: int, batches: int | None) -> tuple[int, int]:
+        """The accumulation group of the epoch's batch number ``batch``: ``(start, end)``, batch numbers.
+
+        Groups are ``accumulate`` batches aligned to multiples of it from the epoch's start, so a resumed
+        epoch (checkpoints fall on group ends) groups its batches as the uninterrupted run did; the last
+        group holds the remainder. A resume that started elsewhere (another world size re-split the
+        epoch) makes its first group the rest of the one it started in. A loader yielding more than
+        ``batches`` steps on each extra batch alone."""
+        n = self.accumulate
+        if n == 1 or batches is None:
+            return batch, batch + 1
+        aligned = batch - batch % n
+        return max(first_batch, aligned), max(min(aligned + n, batches), batch + 1)
+
+    def __call__(self, images, labels, sums, *, scale: float = 1.0, last: bool = True):
+        """``backward`` on one batch, then ``optimizer_step`` when ``last``; returns its grad norm."""
+        self.backward(images, labels, sums, scale=scale, sync=last)
+        return self.optimizer_step() if last else None
+
+    def backward(self, images, labels, sums, *, scale: float = 1.0, sync: bool = True) -> None:
+        """Forward and backward of one batch, its loss times ``scale`` (1/the batches accumulated for one
+        optimizer step), gradients added to those of the step's batches before it. ``sync=False``
+        (under DDP): inside ``no_sync``, no gradient all-reduce: one per optimizer step, at its last batch."""
         n = images.shape[0]
+        if self.accumulated == 0:
+            # set_to_none: no kernel writes zeros, and the first backward writes the gradients.
+            self.optimizer.zero_grad(set_to_none=True)
+        quiet = self.eager.no_sync() if self.ddp and not sync else contextlib.nullcontext()
+        with quiet:
+            logits, loss = self._forward(self._module_for(n), images, labels, n)
+            self.scaler.scale(loss * scale if scale != 1.0 else loss).backward()
+        self.accumulated += 1
+        if n:
+            # Device-side sums (the unscaled loss): reading them here (.item()) would stall the host on
+            # every step.
+            sums[0] += loss.detach().double() * n
+            sums[1] += _correct(logits.detach(), labels)
+            sums[2] += n
+
+    def _module_for(self, n: int) -> nn.Module:
+        """The compiled module, or the eager one for a batch of another size than the first under CUDA
+        graphs: a graph is recorded per input shape, and the last short batch of every epoch (or an empty
+        one) would record one more graph (and recompile) for a single use. Eager costs that one batch its
+        launch overhead only."""
+        if not self.graphs:
+            return self.net
+        if self.static_batch is None:
+            self.static_batch = n
+        if n != self.static_batch:
+            return self.eager
+        # A new iteration: the graphs' outputs of the previous one may be overwritten (torch's CUDA-graph
+        # trees otherwise guess iteration boundaries from forward/backward pairs).
+        torch.compiler.cudagraph_mark_step_begin()
+        return self.net
+
+    def _forward(self, net, images, labels, n):
         with _autocast(self.device, self.mode):
             try:
-                logits = self.net(images)
+                logits = net(images)
             except RuntimeError as e:
                 if n:
                     raise
@@ -1006,23 +1233,86 @@ class TrainStep:
             # CUDA, and outside it the product with log-probabilities promotes to the wider dtype.
             _check_labels(logits, labels)
             loss = self.loss_fn(logits, labels) if n else _zero_loss(logits, self.params)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        return logits, loss
+
+    def optimizer_step(self) -> torch.Tensor | None:
+        """Step the optimizer on the gradients accumulated since the last step (none: nothing happens),
+        clipping them first when ``clip_grad_norm`` is set; then the scaler, the EMA and a per-step
+        scheduler. Returns the total gradient norm before clipping (a device tensor), or None."""
+        if not self.accumulated:
+            return None
+        norm = None
+        if self.clip_grad_norm is not None:
+            # Under fp16 the gradients are scaled: unscale first, or the threshold applies to
+            # loss-scale times the norm. The scaler remembers it and does not unscale again in step.
+            self.scaler.unscale_(self.optimizer)
+            norm = nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
         # With fp16 the scaler reads its inf check on the host (one sync per step) unless the
         # optimizer is fused; bf16 needs no scaler, one reason it is preferred. Under DDP an empty
         # rank steps too: its gradients are the all-reduced ones, and a rank that skipped the step
         # would leave its replica behind the others'.
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.accumulated = 0
+        if self.ema is not None:
+            self.ema.update(self.raw)
         if self.interval == "step":
             self.last_step_lrs = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
                                   for g in self.optimizer.param_groups]
             self.scheduler.step()
-        if n:
-            # Device-side sums: reading them here (.item()) would stall the host on every step.
-            sums[0] += loss.detach().double() * n
-            sums[1] += _correct(logits.detach(), labels)
-            sums[2] += n
+        return norm
+
+
+class ModelEma:
+    """An exponential moving average of a model's weights, as timm's ``ModelEmaV3(exclude_buffers=True)``:
+    after every optimizer step ``ema = decay * ema + (1 - decay) * weights`` for the parameters (one
+    ``torch._foreach_lerp_``: no host sync), and the buffers (BatchNorm's running statistics) copied.
+
+    Args:
+        model: the model to follow (its copy, made now, starts the average).
+        decay: in (0, 1); 0.999 averages over about the last 1,000 steps.
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.999):
+        _check_ema(decay)
+        self.decay = float(decay)
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Move the average towards ``model``'s parameters; copy its buffers."""
+        torch._foreach_lerp_(list(self.module.parameters()), list(model.parameters()), 1.0 - self.decay)
+        for mine, theirs in zip(self.module.buffers(), model.buffers()):
+            mine.copy_(theirs)
+
+    @torch.no_grad()
+    def set(self, model: nn.Module) -> None:
+        """Restart the average at ``model``'s weights."""
+        for mine, theirs in zip(self.module.state_dict().values(), model.state_dict().values()):
+            mine.copy_(theirs)
+
+    def state_dict(self) -> dict:
+        """The averaged weights (the module's state_dict): what a checkpoint keeps."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the averaged weights."""
+        self.module.load_state_dict(state)
+
+
+def _check_ema(ema) -> None:
+    """``ema``: None, a decay in (0, 1), or an object with ``update(model)`` and a ``module``."""
+    if ema is None:
+        return
+    if isinstance(ema, float):
+        if not (math.isfinite(ema) and 0.0 < ema < 1.0):
+            raise ValueError(f"ema must be a decay in (0, 1) such as 0.999, got {ema!r}")
+        return
+    if isinstance(ema, bool) or not (callable(getattr(ema, "update", None))
+                                     and isinstance(getattr(ema, "module", None), nn.Module)):
+        raise TypeError(f"ema must be a decay (a float in (0, 1), e.g. 0.999), an object with update(model) "
+                        f"and a .module (fastdata.engine.ModelEma, timm's ModelEmaV3), or None; got {ema!r} "
+                        f"({type(ema).__name__})")
 
 
 def _zero_loss(logits, params) -> torch.Tensor:

@@ -1,3 +1,4 @@
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -722,18 +723,26 @@ def test_a_model_that_cannot_take_an_empty_batch_under_ddp_gets_a_clear_error():
 class CountingStep:
     """A stand-in training step: records the size of every batch it is given."""
 
-    ddp = False
+    ddp, accumulate = False, 1
 
     def __init__(self):
-        self.sizes = []
+        self.sizes, self.steps, self.accumulated = [], 0, 0
         self.net = nn.Linear(1, 1).eval()
 
     def check_dtype(self, dtype, name):
         pass
 
-    def __call__(self, images, labels, sums):
+    def group(self, batch, first_batch, batches):
+        return batch, batch + 1
+
+    def backward(self, images, labels, sums, *, scale, sync):
         self.sizes.append(images.shape[0])
+        self.accumulated += 1
         sums += torch.tensor([float(images.shape[0]), 1.0, float(images.shape[0])], dtype=torch.float64)
+
+    def optimizer_step(self):
+        self.steps += bool(self.accumulated)
+        self.accumulated = 0
 
 
 def test_train_one_epoch_steps_real_batches_and_fills_the_meter():
@@ -742,6 +751,7 @@ def test_train_one_epoch_steps_real_batches_and_fills_the_meter():
     step, meter, after = CountingStep(), EpochMeter(torch.device("cpu"), [10.0, 2.0, 10.0]), []
     train_one_epoch(step, ListLoader(batches), meter, first_batch=0, after_batch=after.append)
     assert step.sizes == [8, 8, 8] and step.net.training      # the step's module trains in train mode
+    assert step.steps == 3
     assert after == [1, 2, 3, 4]                              # batches done in the epoch, empty one included
     assert meter.images == 24 and meter.wait >= 0.0
     record = meter.record(3)
@@ -1369,7 +1379,8 @@ def test_fit_compiles_the_model_on_a_gpu(monkeypatch):
     ({"epochs": 1.5}, TypeError, r"epochs must be an integer, got 1.5"),
     ({"epochs": -1}, ValueError, r"epochs must be an integer >= 0, got -1"),
     ({"checkpoint_every": True}, TypeError, r"checkpoint_every must be an integer, got True"),
-    ({"compile": "yes"}, TypeError, r"compile must be True or False, got 'yes'"),
+    ({"compile": "yes"}, ValueError, r"compile must be True, False or 'reduce-overhead', got 'yes'"),
+    ({"compile": 1}, TypeError, r"compile must be True, False or 'reduce-overhead', got 1 \(int\)"),
     ({"progress": "no"}, TypeError, r"progress must be True or False, got 'no'"),
     ({"channels_last": 1}, TypeError, r"channels_last must be True or False, got 1"),
     ({"cudnn_benchmark": "x"}, TypeError, r"cudnn_benchmark must be True or False"),
@@ -1381,6 +1392,14 @@ def test_fit_compiles_the_model_on_a_gpu(monkeypatch):
     ({"loss_fn": "ce"}, TypeError, r"loss_fn must be callable .* got 'ce' \(str\)"),
     ({"eval_loss_fn": 0.1}, TypeError, r"eval_loss_fn must be callable .* got 0.1 \(float\)"),
     ({"eval_loader": "x"}, TypeError, r"eval_loader must be a fastdata loader .* got str without device"),
+    ({"accumulate": 0}, ValueError, r"accumulate must be an integer >= 1, got 0"),
+    ({"accumulate": 2.0}, TypeError, r"accumulate must be an integer, got 2.0"),
+    ({"clip_grad_norm": 0}, ValueError, r"clip_grad_norm must be a finite number > 0, got 0"),
+    ({"clip_grad_norm": math.inf}, ValueError, r"clip_grad_norm must be a finite number > 0, got inf"),
+    ({"clip_grad_norm": "1"}, TypeError, r"clip_grad_norm must be a number > 0 .* got '1' \(str\)"),
+    ({"ema": 1.0}, ValueError, r"ema must be a decay in \(0, 1\) such as 0.999, got 1.0"),
+    ({"ema": True}, TypeError, r"ema must be a decay .* got True \(bool\)"),
+    ({"ema": nn.Linear(1, 1)}, TypeError, r"ema must be a decay .*update\(model\) and a .module"),
 ])
 def test_fit_refuses_an_argument_of_the_wrong_kind_before_training(kwargs, error, match):
     """Before: a string scheduler failed after a whole epoch, "no" showed the bar, True trained an epoch."""
@@ -1527,3 +1546,239 @@ def test_a_per_step_schedule_records_the_rate_the_epochs_last_step_used():
     hist = fit(model, Log(_batches(4)), epochs=3, optimizer=opt, scheduler=sched, progress=False)
     assert [r["lr"] for r in hist] == [used[3], used[7], used[11]]
     assert hist[-1]["lr"] < 1e-4 < opt.param_groups[0]["lr"]   # not the extrapolated rate after the end
+
+
+# ------------------------------------------------------- accumulation, clipping, EMA (issue 26)
+def _plain_net():
+    """No BatchNorm, no dropout: a batch's gradient is the mean of its samples', whatever the split."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(1), nn.Linear(4 * 16 * 16, 10))
+
+
+def _concat(batches):
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
+def test_accumulating_4_batches_of_64_gives_the_weights_of_batches_of_256():
+    """10 batches of 64 with accumulate=4 step on groups of 4, 4 and a remainder of 2; the same samples in
+    batches of 256, 256 and 128 (each the group's batches concatenated, as fastdata's plan orders them)
+    train to the same weights, momentum and per-step schedule included: within atol 1e-5 in float32
+    (sums of the same terms in another order)."""
+    small = _batches(10, size=64, seed=5)
+    large = [_concat(small[i:i + 4]) for i in range(0, 10, 4)]
+    runs = []
+    for batches, accumulate in ((small, 4), (large, 1)):
+        model = _plain_net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=2, steps_per_epoch=3)
+        history = fit(model, ListLoader(batches), epochs=2, optimizer=opt, scheduler=sched, accumulate=accumulate,
+                      progress=False)
+        runs.append((model, history, sched.last_epoch))
+    (acc, acc_hist, acc_steps), (big, big_hist, big_steps) = runs
+    assert acc_steps == big_steps == 6                     # the schedule counts optimizer steps
+    torch.testing.assert_close(_params(acc), _params(big), atol=1e-5, rtol=0)
+    for a, b in zip(acc_hist, big_hist):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5) and a["lr"] == pytest.approx(b["lr"])
+    model = _plain_net()
+    fit(model, ListLoader(small), epochs=2, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        progress=False)
+    assert not torch.allclose(_params(model), _params(big), atol=1e-3)   # without accumulate: other weights
+
+
+def test_a_onecycle_schedule_built_for_batches_is_refused_under_accumulate():
+    model = _plain_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, epochs=2, steps_per_epoch=2)
+    with pytest.raises(ValueError, match=r"2 epochs x 3 optimizer steps of 4 batches.*steps_per_epoch="
+                                         r"math.ceil\(len\(train_loader\) / 4\)"):
+        fit(model, ListLoader(_batches(10, size=4)), epochs=2, optimizer=opt, scheduler=sched, accumulate=4,
+            progress=False)
+
+
+class _FakeDDP(nn.Module):
+    """Stands for DistributedDataParallel on the CPU: counts the batches run inside ``no_sync``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.quiet, self.inside = module, 0, False
+
+    def forward(self, x):
+        self.quiet += self.inside
+        return self.module(x)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def test_under_ddp_all_but_the_last_batch_of_a_step_run_in_no_sync():
+    """One gradient all-reduce per optimizer step: 10 batches in steps of 4, 4 and 2 run 3 + 3 + 1 of
+    them inside no_sync; an empty batch (a rank's share of a short last step) still runs its part."""
+    model = _plain_net()
+    ddp = _FakeDDP(model)
+    stepped = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.register_step_post_hook(lambda *a: stepped.append(1))
+    step = TrainStep(ddp, model, opt, torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(),
+                     torch.device("cpu"), "off", ddp=True, accumulate=4)
+    step.eager = ddp
+    batches = _batches(10, size=4)
+    batches[9] = (batches[9][0][:0], batches[9][1][:0])
+    train_one_epoch(step, ListLoader(batches), EpochMeter(torch.device("cpu")))
+    assert ddp.quiet == 7 and len(stepped) == 3
+
+
+def test_an_empty_last_batch_of_a_step_still_steps_on_the_batches_before_it():
+    batches = _batches(4, size=8)
+    emptied = batches[:1] + [(batches[1][0][:0], batches[1][1][:0])] + batches[2:]
+    model = _plain_net()
+    fit(model, ListLoader(emptied), epochs=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), accumulate=2,
+        progress=False)
+    # The first step saw one batch (its loss over 1/2: a step of its group's mean, with one batch missing).
+    ref = _plain_net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for group in ([batches[0]], batches[2:]):
+        opt.zero_grad()
+        for x, y in group:
+            (nn.functional.cross_entropy(ref(x), y) / 2).backward()
+        opt.step()
+    torch.testing.assert_close(_params(model), _params(ref), atol=1e-6, rtol=0)
+
+
+def test_clipping_bounds_a_huge_step_to_the_manually_clipped_one():
+    """lr 100: unclipped, the step is enormous; clipped to norm 0.5 it equals clip_grad_norm_ by hand, and
+    the record's grad_norm is the norm before clipping."""
+    (x, y), = _batches(1, size=16, seed=2)
+    ref = _plain_net()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 100 * p.grad
+    model = _plain_net()
+    (record,) = fit(model, ListLoader([(x, y)]), epochs=1, optimizer=torch.optim.SGD(model.parameters(), lr=100.0),
+                    clip_grad_norm=0.5, progress=False)
+    torch.testing.assert_close(_params(model), _params(ref), atol=1e-5, rtol=1e-5)
+    assert record["grad_norm"] == pytest.approx(norm.item(), rel=1e-5) and norm.item() > 0.5
+    start = _params(_plain_net())
+    assert (_params(model) - start).norm() <= 100 * 0.5 * 1.001          # bounded by lr x clip
+    unclipped = _plain_net()
+    (plain,) = fit(unclipped, ListLoader([(x, y)]), epochs=1, progress=False,
+                   optimizer=torch.optim.SGD(unclipped.parameters(), lr=100.0))
+    assert (_params(unclipped) - start).norm() > 100 * 0.5 * 1.5 and "grad_norm" not in plain
+
+
+def test_ema_after_k_steps_is_the_reference_recurrence_and_is_what_is_evaluated():
+    from fastdata.engine import ModelEma
+
+    model = _plain_net()
+    ema = ModelEma(model, 0.8)
+    avg = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def follow(*_):   # the recurrence, from the weights after every optimizer step
+        for a, p in zip(avg, model.parameters()):
+            a.mul_(0.8).add_(p.detach(), alpha=0.2)
+
+    opt.register_step_post_hook(follow)
+    loader = ListLoader(_batches(5, size=8))
+    (record,) = fit(model, loader, epochs=1, optimizer=opt, ema=ema, eval_loader=loader, progress=False)
+    for a, e in zip(avg, ema.module.parameters()):
+        torch.testing.assert_close(e, a, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(_params(ema.module), _params(model))
+    assert record["eval_ema"] is True
+    assert record["eval_loss"] == pytest.approx(evaluate(ema.module, loader)["loss"], rel=1e-6)
+    assert record["eval_loss"] != pytest.approx(evaluate(model, loader)["loss"], rel=1e-6)
+
+
+def test_a_resume_with_accumulate_clip_and_ema_gives_the_uninterrupted_run(tmp_path):
+    """checkpoint_every=3 under accumulate=2: the save due after batch 3 waits for the step's end (batch 4),
+    so no checkpoint holds half a step; the crash after 5 batches resumes from batch 4 to the uninterrupted
+    run's weights and weight average; the checkpoint keeps the average."""
+    from fastdata.engine import ModelEma
+
+    batches = _batches(7, size=8, seed=9)
+
+    def run(loader, path, resume):
+        model = _plain_net()
+        ema = ModelEma(model, 0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        fit(model, loader, epochs=2, optimizer=opt, accumulate=2, clip_grad_norm=1.0, ema=ema, checkpoint=path,
+            checkpoint_every=3, resume=resume, progress=False)
+        return model, ema
+
+    whole, whole_ema = run(ListLoader(batches), tmp_path / "whole.pt", False)
+    path = tmp_path / "c.pt"
+    with pytest.raises(Crash):
+        run(Recording(ListLoader(batches), crash_after=5), path, False)
+    saved = torch.load(path, weights_only=True)
+    assert saved["loader"] == {"epoch": 0, "batch": 4} and saved["ema"] is not None
+    model, ema = run(ListLoader(batches), path, True)
+    torch.testing.assert_close(_params(model), _params(whole), atol=0, rtol=0)
+    torch.testing.assert_close(_params(ema.module), _params(whole_ema.module), atol=0, rtol=0)
+
+
+def test_compile_reduce_overhead_on_the_cpu_falls_back_to_compile_with_one_warning(monkeypatch):
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: modes.append(mode) or model)
+    loader = ListLoader(_batches(2, size=4))
+    with pytest.warns(RuntimeWarning, match=r"compile='reduce-overhead' \(CUDA graphs\) needs a CUDA device; on "
+                                            r"cpu fit compiles with compile=True instead") as caught:
+        fit(_plain_net(), loader, epochs=1, compile="reduce-overhead", progress=False)
+    assert modes == [None] and len([w for w in caught if "reduce-overhead" in str(w.message)]) == 1
+    fit(_plain_net(), loader, epochs=1, compile=True, progress=False)
+    assert modes == [None, None]
+
+
+def test_under_cuda_graphs_only_batches_of_the_first_size_run_the_compiled_module():
+    """A CUDA graph is recorded per shape: the last short batch, an empty one and evaluation go eager,
+    so none records a graph used once (checked here with the graphs flag set by hand on the CPU)."""
+    class Seen(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.sizes = inner, []
+
+        def forward(self, x):
+            self.sizes.append(x.shape[0])
+            return self.inner(x)
+
+    model = _plain_net()
+    compiled = Seen(model)
+    step = TrainStep(compiled, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(), torch.device("cpu"),
+                     "off", ddp=False)
+    step.graphs, step.eager = True, model
+    batches = _batches(3, size=8) + [(b[0][:5], b[1][:5]) for b in _batches(1, size=8, seed=3)]
+    meter = EpochMeter(torch.device("cpu"))
+    train_one_epoch(step, ListLoader(batches), meter)
+    assert compiled.sizes == [8, 8, 8] and meter.sums[2].item() == 29
+    assert step.eval_net is model
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_accumulate_clip_and_ema_under_amp_on_a_gpu(amp):
+    from fastdata.engine import ModelEma
+
+    model = _plain_net()
+    ema = ModelEma(model, 0.9)
+    loader = ListLoader(_batches(7, size=16, device="cuda"), device="cuda")
+    history = fit(model, loader, epochs=2, amp=amp, accumulate=3, clip_grad_norm=1.0, ema=ema, eval_loader=loader,
+                  progress=False)
+    assert all(math.isfinite(r[k]) for r in history for k in ("train_loss", "eval_loss", "grad_norm"))
+    assert history[-1]["eval_ema"] is True and ema.module.training is False
+    assert not torch.allclose(_params(ema.module), _params(model))
+    assert all(torch.isfinite(p).all() for p in ema.module.parameters())
+
+
+@pytest.mark.cuda
+def test_compile_reduce_overhead_on_a_gpu_trains_with_a_short_last_batch_and_evaluates():
+    eager = _compiled_fit("cuda", compile=False)
+    graphs = _compiled_fit("cuda", compile="reduce-overhead")
+    for a, b in zip(graphs, eager, strict=True):
+        assert math.isclose(a["train_loss"], b["train_loss"], rel_tol=1e-2)
+        assert math.isfinite(a["eval_loss"])

@@ -108,6 +108,23 @@ def test_mnist_example_writes_its_result_as_json(mnist_example, tmp_path, backen
     assert all(isinstance(lr, float) for lr in lrs) and lrs[1] < lrs[0] / 100 and lrs[0] <= 0.1
 
 
+def test_mnist_example_accumulates_clips_and_averages_weights(mnist_example, tmp_path, no_network):
+    """--accumulate 3 over 8 batches: 3 optimizer steps an epoch, and the one-cycle schedule built for them
+    (built for 8 it would end mid-anneal); --clip-grad-norm puts grad_norm in each record; --ema
+    evaluates the average."""
+    out = tmp_path / "result.json"
+    args = mnist_example.get_args_parser().parse_args(
+        ["--backend", "memory", "--data", "synthetic", "--train-size", "512", "--test-size", "128", "--epochs", "2",
+         "--batch-size", "64", "--workers", "0", "--device", "cpu", "--no-progress", "--accumulate", "3",
+         "--clip-grad-norm", "5", "--ema", "0.5", "--json-out", str(out), "--data-root", str(tmp_path / "data")])
+    mnist_example.main(args)
+    result = json.loads(out.read_text())
+    assert (result["config"]["accumulate"], result["config"]["clip_grad_norm"], result["config"]["ema"]) == (3, 5, 0.5)
+    history = result["history"]
+    assert all(r["grad_norm"] > 0 and r["eval_ema"] is True for r in history)
+    assert history[1]["lr"] < 0.1 / 100   # annealed at the end: 6 optimizer steps of a 6-step schedule
+
+
 def test_mnist_auto_without_mnist_trains_on_synthetic_digits_and_says_so_once(mnist_example, tmp_path, capsys,
                                                                               no_network):
     args = mnist_example.get_args_parser().parse_args(
@@ -268,6 +285,10 @@ BAD_FLAGS = [
     ("--lr", "-1", "finite number > 0"),
     ("--lr", "nan", "finite number > 0"),
     ("--seed", "-1", "[0, 4294967295]"),
+    ("--accumulate", "0", "must be an integer >= 1"),
+    ("--clip-grad-norm", "0", "finite number > 0"),
+    ("--ema", "1", "must be a decay in (0, 1) such as 0.999, got '1'"),
+    ("--ema", "x", "must be a number, got 'x'"),
     ("--device", "gpu", "'gpu' is not a device; use cpu, cuda or cuda:N"),
     ("--backend", "nope", "unknown backend 'nope'; choose from"),
 ]

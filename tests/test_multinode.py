@@ -466,3 +466,54 @@ def test_a_position_whose_rest_is_a_whole_epoch_of_batches_is_still_resumed_not_
     assert len(first) == 4
     rest = run(24, resume=True)
     assert len(rest) == 96 and sorted(first + rest) == list(range(100))
+
+
+# ------------------------------------------------------------------ accumulation under DDP
+ACCUMULATE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import numpy as np
+    import torch
+    from torch import nn
+    from fastdata import Augmentation, make_loader
+    from fastdata import distributed as fdist
+    from fastdata.datasets import ArraySource
+    from fastdata.engine import ModelEma, fit
+
+    base = Path(sys.argv[1])
+    device = fdist.init_distributed("cpu")
+    rng = np.random.default_rng(0)
+    src = ArraySource(rng.integers(0, 256, (320, 8, 8), dtype=np.uint8), rng.integers(0, 10, 320))
+    out = {}
+    for name, batch, accumulate in (("acc", 16, 4), ("big", 64, 1)):
+        loader = make_loader(src, "memory", batch_size=batch, drop_last=False, augment=Augmentation.none(),
+                             num_workers=0, seed=3, device=device)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(1), nn.Linear(64, 10))
+        ema = ModelEma(model, 0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        fit(model, loader, epochs=2, optimizer=opt, accumulate=accumulate, clip_grad_norm=1.0, ema=ema,
+            progress=False)
+        out[name] = {"len": len(loader),
+                     "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
+                     "ema": torch.cat([p.flatten() for p in ema.module.parameters()]).tolist()}
+    (base / f"rank{fdist.rank()}.json").write_text(json.dumps(out))
+    fdist.cleanup()
+""")
+
+
+@pytest.mark.slow
+def test_accumulating_4_batches_of_16_on_2_ranks_gives_the_weights_of_batches_of_64(tmp_path):
+    """2 gloo ranks, 320 samples: 10 batches of 16 per rank in steps of 4, 4 and 2 (the first 3 of a step in
+    no_sync) reach the weights of 3 batches of 64 per rank (128, 128, 64 samples a step: each step reads
+    the same slice of the epoch's one permutation), with clipping and the weight average: atol 1e-5."""
+    script = tmp_path / "accumulate.py"
+    script.write_text(ACCUMULATE_SCRIPT)
+    results = _run_all([_standalone(2, script, tmp_path)], tmp_path, timeout=240)
+    assert all(code == 0 for code, _ in results), "\n".join(out[-3000:] for _, out in results)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert (ranks[0]["acc"]["len"], ranks[0]["big"]["len"]) == (10, 3)
+    for key in ("weights", "ema"):
+        assert ranks[0]["acc"][key] == ranks[1]["acc"][key]              # the replicas agree
+        torch.testing.assert_close(torch.tensor(ranks[0]["acc"][key]), torch.tensor(ranks[0]["big"][key]),
+                                   atol=1e-5, rtol=0)
