@@ -248,3 +248,49 @@ def test_a_dataset_transform_is_seeded_per_sample_too():
     torch.manual_seed(1)
     b = decode(src, np.arange(8), Augmentation(), np.random.default_rng(5))
     assert np.array_equal(a.images, b.images) and (a.images == 0).any()   # padded: the crop ran
+
+
+def test_on_error_raises_or_skips_decode_errors_only():
+    """OnError is the one place that decides raise-or-skip: a DecodeError is re-raised under "raise" and
+    turned into None under "skip"; any other error propagates under both; refuse() raises under "raise"
+    (without the handled exception's context) and returns under "skip"."""
+    from fastdata.decode.on_error import OnError
+    from fastdata.errors import DecodeError
+
+    def broken():
+        raise DecodeError("a.jpg", "truncated")
+
+    def buggy():
+        raise KeyError("not a decode failure")
+
+    skip, strict = OnError("skip"), OnError("raise")
+    assert skip.attempt(lambda x: x * 2, 21) == 42 and strict.attempt(lambda: 7) == 7
+    assert skip.attempt(broken) is None
+    with pytest.raises(DecodeError, match="a.jpg"):
+        strict.attempt(broken)
+    for policy in (skip, strict):
+        with pytest.raises(KeyError):
+            policy.attempt(buggy)
+    assert skip.refuse("b.jpg", "no header") is None
+    try:
+        raise RuntimeError("DALI's own error")
+    except RuntimeError:
+        with pytest.raises(DecodeError, match="b.jpg.*no header") as e:
+            strict.refuse("b.jpg", "no header")
+    assert e.value.__suppress_context__
+    assert OnError(skip).skips and not OnError("raise").skips
+    with pytest.raises(ValueError, match=r"on_error must be one of \['raise', 'skip'\], got 'ignore'"):
+        OnError("ignore")
+
+
+def test_no_backend_decides_raise_or_skip_itself():
+    """Every backend hands its per-file failures to OnError: none compares on_error itself."""
+    from pathlib import Path
+
+    import fastdata.backends
+
+    root = Path(fastdata.backends.__file__).parent
+    found = [f"{f.relative_to(root)}:{n}" for f in sorted(root.rglob("*.py"))
+             for n, line in enumerate(f.read_text().splitlines(), 1)
+             if "on_error ==" in line or "on_error !=" in line or "on_error in" in line]
+    assert not found, f"backends that compare on_error themselves (use fastdata.decode.on_error.OnError): {found}"

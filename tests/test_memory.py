@@ -493,12 +493,12 @@ def test_two_live_caches_count_against_one_budget(gpu_16g, monkeypatch):
     memory.check_fits(photos, config)                           # alone: 5 GiB of 12 fits
     train = _FakeCache("cuda:0", 8 * 2**30)
     other_gpu = _FakeCache("cuda:1", 8 * 2**30)                 # another device's cache does not count
-    memory._LIVE.add(train)
-    memory._LIVE.add(other_gpu)
+    memory.LIVE.add(train)
+    memory.LIVE.add(other_gpu)
     assert memory.live_cache_bytes(gpu) == 8 * 2**30
     with pytest.raises(CacheDoesNotFit, match="8589934592 bytes .* held by other live memory caches"):
         memory.check_fits(photos, config)                       # 8 + 5 > 12
-    memory._LIVE.discard(train)                                 # closing the other loader frees its share
+    memory.LIVE.discard(train)                                 # closing the other loader frees its share
     memory.check_fits(photos, config)
 
 

@@ -56,10 +56,8 @@ from ...decode.whole import (
     whole_size,
 )
 from .budgeting import (
-    _LIVE as _LIVE,  # the live caches, which tests fill and empty
-)
-from .budgeting import (
     DEFAULT_RESERVE,
+    LIVE,
     Budget,
     available_ram,
     budget,
@@ -78,7 +76,7 @@ from .cache import CACHE_BUILDS, CacheBuild, pad_images, read_ahead
 from .loader import MemoryLoader
 from .node import NodeCache
 
-__all__ = ["CACHE_BUILDS", "DEFAULT_RESERVE", "MAX_CUDA_SHRINK", "Budget", "CacheBuild", "MemoryLoader",
+__all__ = ["CACHE_BUILDS", "DEFAULT_RESERVE", "LIVE", "MAX_CUDA_SHRINK", "Budget", "CacheBuild", "MemoryLoader",
            "NodeCache", "NvWholeDecoder", "WholePhotos", "available_ram", "budget", "cache_bytes", "check_fits",
            "free_bytes", "live_cache_bytes", "load_whole", "nvimgcodec", "pad_images", "photo_side", "place",
            "read_ahead", "ready_bytes", "recipe", "reserve_bytes", "resize_whole", "shrink_steps", "total_bytes",

@@ -26,7 +26,7 @@ DEFAULT_RESERVE = {"cuda": 0.25, "cpu": 0.2}
 #: Live MemoryLoader caches of this process. Every new cache is budgeted against what the others already
 #: hold on the same device (a train and an eval cache must fit together); weak references, so a cache
 #: leaves the budget when its loader is closed or collected.
-_LIVE: weakref.WeakSet = weakref.WeakSet()
+LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def fmt_bytes(n: float) -> str:
@@ -79,7 +79,7 @@ def reserve_bytes(reserve, device: torch.device, total: int) -> int:
 
 def live_cache_bytes(device: torch.device, exclude=None) -> int:
     """Bytes held on ``device`` by this process's live memory-backend caches."""
-    return sum(m.footprint for m in list(_LIVE) if m is not exclude and m.device == device)
+    return sum(m.footprint for m in list(LIVE) if m is not exclude and m.device == device)
 
 
 class Budget(NamedTuple):

@@ -19,7 +19,7 @@ from ...transforms import (
 )
 from ..base import Loader
 from .budgeting import (
-    _LIVE,
+    LIVE,
     budget,
     cache_bytes,
     check_fits,
@@ -124,7 +124,7 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             check_fits(source, config, reserve)  # before any allocation
         else:   # every rank of the node raises, or none does (its peers would wait in the next collective)
             self._agree(lambda: check_fits(source, config, reserve))
-        _LIVE.add(self)
+        LIVE.add(self)
         p = aug.pad if aug.crop is Crop.TRANSLATE else 0
         # Per cache slot, on the host: the (H, W) boxes are drawn from and the (h, w) of the pixels
         # cached for it (photos: a whole photo, top-left in its slot); None: every slot is the
@@ -399,4 +399,4 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
     def close(self):
         self.cache = self.ready = self._shifted = self._pixel = self._sizes = self._scratch = None
         self.footprint = 0
-        _LIVE.discard(self)
+        LIVE.discard(self)
