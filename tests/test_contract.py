@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import BACKENDS as INSTALLED
-from conftest import DEVICES, decode_ids, indexed_source, label_of
+from conftest import DEVICES, MEAN, STD, decode_ids, indexed_source, label_of
 from fastdata import Augmentation, make_loader, registry
 from fastdata.datasets import ImageFolder, SyntheticDigits
 
@@ -18,16 +18,83 @@ NONE = Augmentation.none()
 BACKENDS = INSTALLED + ["simple"]
 
 
+def _load_example(name: str):
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module", autouse=True)
 def example_backend():
     """examples/custom_backend.py's SimpleLoader, registered for this module's tests only."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "custom_backend.py"
-    spec = importlib.util.spec_from_file_location("custom_backend", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_example("custom_backend")
     module.register()
     yield module.SimpleLoader
     registry.unregister("simple")
+
+
+@pytest.fixture(scope="module")
+def zip_source(tmp_path_factory):
+    """examples/custom_source.py's ZipImages over a ZIP of 16x16 PNGs whose pixels encode their id (as
+    indexed_source's; PNG keeps them exact), member ``c<label>/<id>.png``: the archive's order (by member
+    name) is not the ids', so an order the loader took from anywhere but the source shows."""
+    from PIL import Image
+
+    module = _load_example("custom_source")
+    folder = tmp_path_factory.mktemp("zipped")
+    n, size = 203, 16
+    for i in range(n):
+        pixels = np.tile(np.linspace(40, 200, size * size, dtype=np.uint8).reshape(size, size, 1), (1, 1, 3))
+        pixels[0, 0], pixels[0, 1] = i % 256, i // 256
+        (folder / f"c{label_of(i)}").mkdir(exist_ok=True)
+        Image.fromarray(pixels).save(folder / f"c{label_of(i)}" / f"{i:05d}.png")
+    src = module.ZipImages(module.zip_folder(folder, tmp_path_factory.mktemp("zip") / "data.zip"),
+                           mean=MEAN * 3, std=STD * 3)
+    src.ids = np.array([int(m.split("/")[1][:5]) for m in src.members])   # sample index -> encoded id
+    return src
+
+
+# A fixed-size crop of the whole 16x16 image: photos need one, and it keeps the encoded pixels exact.
+WHOLE = Augmentation(crop="center", size=16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_source_from_one_file_honours_the_contract_on_every_backend(backend, zip_source):
+    """examples/custom_source.py (a new storage format as one Source subclass, no registration): every
+    backend reads it through read()/sample_name() alone, with the contract's batches, order and resume."""
+    kw = dict(device="cpu", augment=WHOLE, num_workers=2)
+    loader = make_loader(zip_source, backend, batch_size=32, train=False, **kw)
+    batches = [(x, y) for x, y in loader]
+    assert len(batches) == len(loader) == 7   # ceil(203 / 32)
+    for x, y in batches:
+        assert x.dtype == torch.float32 and y.dtype == torch.int64 and x.shape[1:] == (3, 16, 16)
+        np.testing.assert_array_equal(y.numpy(), label_of(decode_ids(x)))
+    seen = np.concatenate([decode_ids(x) for x, _ in batches])
+    np.testing.assert_array_equal(seen, zip_source.ids)   # evaluation: the source's order, each once
+
+    # Order: a new one each epoch, each covering every sample once, from the seed alone.
+    kw.update(shuffle=True, drop_last=False, seed=3)
+    a = make_loader(zip_source, backend, batch_size=32, **kw)
+    e0, e1 = (np.concatenate([decode_ids(x) for x, _ in a]) for _ in range(2))
+    for e in (e0, e1):
+        np.testing.assert_array_equal(np.sort(e), np.arange(203))
+    assert not np.array_equal(e0, e1) and not np.array_equal(e0, zip_source.ids)
+    np.testing.assert_array_equal(np.concatenate([decode_ids(x) for x, _ in
+                                                  make_loader(zip_source, backend, batch_size=32, **kw)]), e0)
+
+    # Resume: a position saved after 3 batches of epoch 1 gives exactly the remaining batches.
+    a.set_epoch(1)
+    it = iter(a)
+    for _ in range(3):
+        next(it)
+    state = a.state_dict()
+    it.close()
+    b = make_loader(zip_source, backend, batch_size=32, **kw)
+    b.load_state_dict(state)
+    rest = np.concatenate([decode_ids(x) for x, _ in b])
+    np.testing.assert_array_equal(rest, e1[3 * 32:])
 
 
 def epoch_ids(loader):
