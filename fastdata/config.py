@@ -411,12 +411,6 @@ class LoaderConfig:
             all-gather of predictions) then work. ``loader.remainder`` says how many samples of the last
             step are real (accelerate reads it and drops the padding from the gathered metric).
         on_error: ``"raise"`` an error naming a file that cannot be decoded, or ``"skip"`` it (counted).
-        cache_size: the longest side at which ``memory`` caches each training photo, whole (aspect kept;
-            a smaller photo is kept as it is), in an (N, cache_size, cache_size, 3) uint8 tensor. Crops
-            are drawn from the original photo's size, as every backend draws them, then resampled from
-            the cached copy: 256 keeps the cache small (192 KiB a photo) at the cost of resolution for
-            small boxes; 512 keeps ImageNet-sized photos whole (see the README). The evaluation
-            recipe (``center``) is cached already applied, at ``size``², whatever ``cache_size``.
     """
 
     batch_size: int = 256
@@ -434,39 +428,53 @@ class LoaderConfig:
     rank: int | None = None
     world_size: int | None = None
     on_error: str = "raise"
-    cache_size: int = 256
     scale: float = 1
     batch_transforms: tuple = ()
     even_batches: bool = False
 
     def __post_init__(self):
-        def fix(name, value):  # frozen: normalized values are written once, here
-            object.__setattr__(self, name, value)
-
         # The values as given, before defaults are derived: replace() starts from these, so that
         # replace(train=False) re-derives shuffle/drop_last from the new train instead of keeping the
         # training config's derived True (evaluation would shuffle and drop its last batch).
         object.__setattr__(self, "_given", {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        self._check_counts()
+        self._check_flags()
+        self._check_recipe()
+        self._check_stats()
+        self._check_shard()
+        self._derive_defaults()
 
+    def _fix(self, name: str, value) -> None:
+        """Frozen: a normalized value is written once, by __post_init__'s checks."""
+        object.__setattr__(self, name, value)
+
+    def _check_counts(self) -> None:
+        """batch_size, num_workers and seed as ints in range."""
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) \
                 or self.batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
-        fix("batch_size", int(self.batch_size))
+        self._fix("batch_size", int(self.batch_size))
         if self.num_workers is not None:
             if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, numbers.Integral) \
                     or self.num_workers < 0:
                 raise ValueError(f"num_workers must be an integer >= 0 (0 loads in the main process), "
                                  f"got {self.num_workers!r}")
-            fix("num_workers", int(self.num_workers))
-        fix("train", check_flag("train", self.train))
-        fix("shuffle", check_flag("shuffle", self.shuffle, optional=True))
-        fix("drop_last", check_flag("drop_last", self.drop_last, optional=True))
-        fix("channels_last", check_flag("channels_last", self.channels_last))
-        fix("even_batches", check_flag("even_batches", self.even_batches))
+            self._fix("num_workers", int(self.num_workers))
         # seed_for() mixes 32-bit words: seeds 2**32 apart would give identical orders.
-        fix("seed", check_integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1))
+        self._fix("seed", check_integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1))
+
+    def _check_flags(self) -> None:
+        """The booleans (shuffle/drop_last may stay None until derived) and on_error's choice."""
+        self._fix("train", check_flag("train", self.train))
+        self._fix("shuffle", check_flag("shuffle", self.shuffle, optional=True))
+        self._fix("drop_last", check_flag("drop_last", self.drop_last, optional=True))
+        self._fix("channels_last", check_flag("channels_last", self.channels_last))
+        self._fix("even_batches", check_flag("even_batches", self.even_batches))
         if not isinstance(self.on_error, str) or self.on_error not in ON_ERROR:
             raise ValueError(f"unknown on_error {self.on_error!r}; choose from {list(ON_ERROR)}")
+
+    def _check_recipe(self) -> None:
+        """augment is an Augmentation (or None); batch_transforms are batched callables."""
         if self.augment is not None and not isinstance(self.augment, Augmentation):
             raise TypeError(
                 f"augment must be a fastdata.Augmentation (crop/pad/flip recipes every backend runs), got "
@@ -476,14 +484,16 @@ class LoaderConfig:
                 f"source, ImageFolder(root, transform=...), and run on the torch/prefetch backends")
         from .batch_transforms import check_batch_transforms  # here: it imports torch only, not config
 
-        fix("batch_transforms", check_batch_transforms(self.batch_transforms))
+        self._fix("batch_transforms", check_batch_transforms(self.batch_transforms))
+
+    def _check_stats(self) -> None:
+        """scale, then mean/std: numbers in the units scale says, kept in [0, 1] units."""
         if isinstance(self.scale, bool) or self.scale not in (1, 255):
             raise ValueError(f"scale (the units of mean/std) must be 1 or 255, got {self.scale!r}")
-        fix("scale", int(self.scale))
-        fix("cache_size", check_integer("cache_size", self.cache_size, minimum=1))
+        self._fix("scale", int(self.scale))
         for name in ("mean", "std"):
             if getattr(self, name) is not None:
-                fix(name, check_reals(name, getattr(self, name)))
+                self._fix(name, check_reals(name, getattr(self, name)))
         for name in ("mean", "std"):
             values = getattr(self, name)
             if values is not None:
@@ -491,25 +501,31 @@ class LoaderConfig:
                     check_unit_stats(name, values)
                 else:
                     check_pixel_stats(name, values)
-                    fix(name, tuple(v / 255.0 for v in values))
+                    self._fix(name, tuple(v / 255.0 for v in values))
         if self.std is not None and any(s <= 0 for s in self.std):
             raise ValueError(f"std must be positive, got {self.std}")
         if self.mean is not None and self.std is not None and len(self.mean) != len(self.std) \
                 and 1 not in (len(self.mean), len(self.std)):
             raise ValueError(f"mean and std must have one value per channel, got {len(self.mean)} and "
                              f"{len(self.std)} values")
+
+    def _check_shard(self) -> None:
+        """rank and world_size, each optional, and the rank inside the world."""
         if self.world_size is not None:
-            fix("world_size", check_integer("world_size", self.world_size, minimum=1))
+            self._fix("world_size", check_integer("world_size", self.world_size, minimum=1))
         if self.rank is not None:
-            fix("rank", check_integer("rank", self.rank, minimum=0))
+            self._fix("rank", check_integer("rank", self.rank, minimum=0))
         if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
-        fix("shuffle", self.train if self.shuffle is None else self.shuffle)
-        fix("drop_last", self.train if self.drop_last is None else self.drop_last)
-        fix("dtype", resolve_dtype(self.dtype))
-        fix("device", resolve_device(self.device))
+
+    def _derive_defaults(self) -> None:
+        """What None means: shuffle/drop_last follow train; the dtype, device and workers resolved."""
+        self._fix("shuffle", self.train if self.shuffle is None else self.shuffle)
+        self._fix("drop_last", self.train if self.drop_last is None else self.drop_last)
+        self._fix("dtype", resolve_dtype(self.dtype))
+        self._fix("device", resolve_device(self.device))
         if self.num_workers is None:
-            fix("num_workers", default_workers())
+            self._fix("num_workers", default_workers())
 
     @classmethod
     def from_kwargs(cls, config: "LoaderConfig | None", kwargs: dict) -> tuple["LoaderConfig", dict]:

@@ -13,7 +13,7 @@ from fastdata.backends import auto, memory
 def config(device, rank=None, world_size=None):
     # Translation keeps a padded uint8 copy, so the cache costs memory on the CPU too.
     return SimpleNamespace(device=torch.device(device), augment=Augmentation(crop="translate", pad=2),
-                           train=True, cache_size=256, rank=rank, world_size=world_size, dtype=torch.float32)
+                           train=True, rank=rank, world_size=world_size, dtype=torch.float32)
 
 
 def test_ranks_without_a_process_group_decide_on_equal_quantities(gpu_16g):

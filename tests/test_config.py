@@ -65,7 +65,6 @@ NAN, INF = float("nan"), float("inf")
     ("train", 1), ("train", "yes"), ("shuffle", 1), ("shuffle", "False"), ("drop_last", 0),
     ("seed", -1), ("seed", 2 ** 32), ("seed", 1.5), ("seed", "0"), ("seed", True),
     ("channels_last", 1), ("channels_last", "true"),
-    ("cache_size", 256.0), ("cache_size", "256"), ("cache_size", 0), ("cache_size", True),
     ("rank", 1.0), ("rank", "0"), ("rank", -1), ("rank", True),
     ("world_size", 2.0), ("world_size", "2"), ("world_size", 0), ("world_size", True),
     ("mean", "0.5"), ("mean", (0.5, "0.4")), ("mean", NAN), ("mean", (0.1, INF, 0.2)), ("mean", ()),

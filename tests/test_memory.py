@@ -190,7 +190,7 @@ def test_photo_cache_layout_and_budget(photo_folder, ramp_folder):
     loader = make_loader(src, "memory", batch_size=6, device="cpu", cache_size=128,
                          augment=Augmentation.imagenet_train(size=96))
     assert loader.cache.dtype == torch.uint8 and loader.cache.shape == (18, 128, 128, 3)
-    assert loader.cache.untyped_storage().nbytes() == memory.cache_bytes(src, loader.config)
+    assert loader.cache.untyped_storage().nbytes() == memory.cache_bytes(src, loader.config, cache_size=128)
     orig, cached = loader.photo_sizes
     assert (orig.max(1) > 128).all() and (cached.max(1) == 128).all()
     np.testing.assert_allclose(cached[:, 0] / cached[:, 1], orig[:, 0] / orig[:, 1], rtol=0.02)
@@ -206,7 +206,7 @@ def test_photo_cache_layout_and_budget(photo_folder, ramp_folder):
     evaluation = make_loader(src, "memory", batch_size=6, device="cpu", train=False, cache_size=128,
                              augment=Augmentation.imagenet_eval(size=64, resize=72))
     assert evaluation.cache.shape == (18, 64, 64, 3) and evaluation.photo_sizes is None
-    assert evaluation.cache.untyped_storage().nbytes() == memory.cache_bytes(src, evaluation.config)
+    assert evaluation.cache.untyped_storage().nbytes() == memory.cache_bytes(src, evaluation.config, cache_size=128)
 
 
 def test_whole_photo_cache_follows_exif_and_decodes_reduced(tmp_path):
@@ -488,7 +488,7 @@ def test_two_live_caches_count_against_one_budget(gpu_16g, monkeypatch):
     gpu = torch.device("cuda", 0)
     photos = SimpleNamespace(kind="files", __len__=None)
     need = 5 * 2**30
-    monkeypatch.setattr(memory.budgeting, "cache_bytes", lambda source, config: need)
+    monkeypatch.setattr(memory.budgeting, "cache_bytes", lambda source, config, cache_size=256: need)
     config = SimpleNamespace(device=gpu)
     memory.check_fits(photos, config)                           # alone: 5 GiB of 12 fits
     train = _FakeCache("cuda:0", 8 * 2**30)
@@ -966,3 +966,21 @@ def test_nvimgcodec_splits_its_decode_calls_by_decoded_bytes(mixed_folder, monke
     nv = object.__new__(memory.NvWholeDecoder)
     nv.max_call_bytes = 90_000
     assert real(nv, fake) == [[0, 1, 2], [3], [4, 5]]
+
+
+@pytest.mark.parametrize("bad", [256.0, "256", 0, True])
+def test_cache_size_is_a_memory_option_checked_and_named(bad, photo_folder):
+    """cache_size belongs to the memory backend, not to the shared LoaderConfig: memory checks it (naming
+    it) before decoding anything, auto hands it to memory when it picks it, and the config refuses it."""
+    from fastdata import LoaderConfig
+
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=4, device="cpu", num_workers=0, augment=Augmentation.imagenet_train(size=32))
+    with pytest.raises((TypeError, ValueError), match="cache_size"):
+        make_loader(src, "memory", cache_size=bad, **kw)
+    with pytest.raises((TypeError, ValueError), match="cache_size"):
+        make_loader(src, "auto", cache_size=bad, quiet=True, **kw)    # memory's fits() checks it too
+    with pytest.raises(TypeError, match="cache_size"):
+        LoaderConfig(device="cpu", cache_size=256)
+    picked = make_loader(src, "auto", cache_size=40, quiet=True, **kw)
+    assert picked.name == "memory" and picked.cache.shape[1:3] == (40, 40)

@@ -451,14 +451,14 @@ def test_the_budget_counts_every_private_copy_of_a_node(photo_folder, monkeypatc
     from fastdata.errors import CacheDoesNotFit
 
     src = ImageFolder(photo_folder)
-    cfg = LoaderConfig(batch_size=6, device="cpu", cache_size=64)
-    need = memory.cache_bytes(src, cfg)
+    cfg = LoaderConfig(batch_size=6, device="cpu")
+    need = memory.cache_bytes(src, cfg, cache_size=64)
     # 2.5 caches after the reserve
     monkeypatch.setattr(memory.budgeting, "available_ram", lambda: int(need * 2.5 / 0.8))
     monkeypatch.setattr(memory.budgeting, "live_cache_bytes", lambda *a: 0)   # other tests' loaders still alive
-    memory.check_fits(src, cfg, copies=2)
+    memory.check_fits(src, cfg, copies=2, cache_size=64)
     with pytest.raises(CacheDoesNotFit, match=r"\(3 copies, one per rank of this node\)"):
-        memory.check_fits(src, cfg, copies=3)
+        memory.check_fits(src, cfg, copies=3, cache_size=64)
 
 
 def test_a_decode_error_names_the_file_in_a_single_process_as_before(tmp_path):

@@ -19,6 +19,11 @@ LEVELS = 20 + 43 * np.arange(6)          # 20, 63, ..., 235: JPEG's error on a f
 N_IDS = 60
 CLASSES = 10                               # label_of(id) = (7 id + 3) % 10
 PLAIN = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+
+
+def memory_only(backend: str, **options) -> dict:
+    """The memory backend's own options (cache_size) for it, nothing for the others, which refuse them."""
+    return options if backend == "memory" else {}
 TRAIN_AUG = Augmentation(crop="random_resized", size=16, hflip=0.5)
 EVAL_AUG = Augmentation(crop="center", size=16, resize=16)
 
@@ -61,7 +66,7 @@ def test_ids_and_labels_survive_every_backend_shuffled_and_augmented(backend, tr
     assert len(src) == N_IDS and len(src.classes) == CLASSES
     loader = make_loader(src, backend, batch_size=8, device="cpu", num_workers=2, train=train,
                          shuffle=True, drop_last=False, augment=TRAIN_AUG if train else EVAL_AUG,
-                         cache_size=16, seed=7, **PLAIN)
+                         seed=7, **memory_only(backend, cache_size=16), **PLAIN)
     for epoch in range(2):   # the second epoch of memory reads its cache
         batches = read_all(loader)
         assert len(batches) == len(loader)
@@ -82,7 +87,7 @@ def test_image_folder_shards_are_disjoint_covering_and_equal(backend, world, dro
     for rank in range(world):
         loader = make_loader(src, backend, batch_size=7, device="cpu", num_workers=0, train=True,
                              augment=TRAIN_AUG, drop_last=drop_last, rank=rank, world_size=world,
-                             cache_size=16, seed=3, **PLAIN)
+                             seed=3, **memory_only(backend, cache_size=16), **PLAIN)
         batches = read_all(loader)
         assert len(batches) == len(loader), "len(loader) must equal the batches yielded"
         for ids, labels in batches:
@@ -103,7 +108,7 @@ def test_image_folder_shards_are_disjoint_covering_and_equal(backend, world, dro
 def test_same_seed_same_pixels_with_training_augmentation(backend, photo_folder):
     src = ImageFolder(photo_folder)
     kw = dict(batch_size=6, device="cpu", num_workers=2, train=True, seed=11,
-              augment=Augmentation.imagenet_train(size=48), cache_size=64)
+              augment=Augmentation.imagenet_train(size=48), **memory_only(backend, cache_size=64))
 
     def two_epochs():
         loader = make_loader(src, backend, **kw)
@@ -125,7 +130,7 @@ def test_same_seed_same_pixels_with_training_augmentation(backend, photo_folder)
 def test_same_seed_same_order_and_epochs_differ(backend, id_folder):
     src = ImageFolder(id_folder)
     kw = dict(batch_size=10, device="cpu", num_workers=2, train=True, augment=TRAIN_AUG, seed=5,
-              cache_size=16, **PLAIN)
+              **memory_only(backend, cache_size=16), **PLAIN)
     a, b = make_loader(src, backend, **kw), make_loader(src, backend, **kw)
     a0, a1 = np.concatenate([i for i, _ in read_all(a)]), np.concatenate([i for i, _ in read_all(a)])
     b0 = np.concatenate([i for i, _ in read_all(b)])
@@ -155,10 +160,10 @@ def test_cifar_recipe_gives_every_backend_the_torch_backends_pixels(backend):
 
     images = np.random.default_rng(8).integers(1, 256, (240, 14, 12, 3), dtype=np.uint8)   # no 0
     src = ArraySource(images, label_of(np.arange(240)), **PLAIN)
-    kw = dict(batch_size=48, device="cpu", train=True, seed=13, augment=CIFAR_AUG, cache_size=16)
+    kw = dict(batch_size=48, device="cpu", train=True, seed=13, augment=CIFAR_AUG)
 
     def two_epochs(name, workers):
-        loader = make_loader(src, name, num_workers=workers, **kw)
+        loader = make_loader(src, name, num_workers=workers, **kw, **memory_only(name, cache_size=16))
         return [torch.cat([x.clone() for x, _ in loader]) for _ in range(2)]
 
     ref = two_epochs("torch", 0)

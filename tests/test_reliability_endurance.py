@@ -62,8 +62,9 @@ def test_array_epochs_are_flat(backend, device):
 @pytest.mark.parametrize("backend", backend_params())
 def test_photo_epochs_are_flat(backend, endurance_photos):
     src = ImageFolder(endurance_photos)
-    kw = dict(batch_size=8, device="cpu", num_workers=2, seed=1, augment=Augmentation.imagenet_train(size=64),
-              cache_size=72)
+    kw = dict(batch_size=8, device="cpu", num_workers=2, seed=1, augment=Augmentation.imagenet_train(size=64))
+    if backend == "memory":
+        kw["cache_size"] = 72   # a memory option
     if backend in ("torch", "prefetch"):
         kw["persistent_workers"] = True
     loader = make_loader(src, backend, **kw)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ...config import Augmentation, Crop
+from ...config import Augmentation, Crop, check_integer
 from ...datasets import SourceKind
 from ...errors import CacheDoesNotFit
 
@@ -131,21 +131,31 @@ def recipe(source, config) -> Augmentation:
     return config.augment if config.augment is not None else source.default_augmentation(config.train)
 
 
+#: The ``cache_size`` option's default (see MemoryLoader): 192 KiB a photo.
+DEFAULT_CACHE_SIZE = 256
+
+
+def check_cache_size(value) -> int:
+    """The ``cache_size`` option as an int >= 1; TypeError/ValueError naming it otherwise."""
+    return check_integer("cache_size", value, minimum=1)
+
+
 def photo_side(aug: Augmentation, cache_size: int) -> int:
     """Side of the square slots photos are cached in: the evaluation crop (``center``) is cached
     already applied, at ``size``; any other recipe caches each photo whole, longer side <= cache_size."""
     return aug.size if aug.crop is Crop.CENTER else cache_size
 
 
-def cache_bytes(source, config) -> int:
-    """Bytes of the uint8 cache for ``source`` (new allocation only: an array on the CPU is shared)."""
+def cache_bytes(source, config, cache_size: int = DEFAULT_CACHE_SIZE) -> int:
+    """Bytes of the uint8 cache for ``source`` (new allocation only: an array on the CPU is shared);
+    ``cache_size``: the option of that name (photos' longer side in the training cache)."""
     aug = recipe(source, config)
     if source.kind is SourceKind.ARRAY:
         if aug.crop is Crop.TRANSLATE:  # kept pre-padded (see MemoryLoader), on any device
             n, h, w, c = source.images.shape
             return n * (h + 2 * aug.pad) * (w + 2 * aug.pad) * c
         return 0 if config.device.type == "cpu" else source.images.nbytes
-    side = photo_side(aug, config.cache_size)
+    side = photo_side(aug, check_cache_size(cache_size))
     return len(source) * side * side * 3
 
 
@@ -167,13 +177,13 @@ def uses_ready(source, config, aug, limit: int) -> bool:
             and ready_bytes(source, config, aug) <= limit // 2)
 
 
-def check_fits(source, config, reserve=None, copies: int = 1) -> Budget:
+def check_fits(source, config, reserve=None, copies: int = 1, *, cache_size: int = DEFAULT_CACHE_SIZE) -> Budget:
     """Raise CacheDoesNotFit, naming both sizes and the budget's parts, if the uint8 cache does not fit.
 
     ``copies``: caches of this size the device's memory must hold at once: 1 for a cache of one
     process, and for the one shared copy of a node's ranks on the host; k for the host copies of k ranks
     of a node that cannot share one (no room in /dev/shm). Each rank then checks its 1/k share."""
-    one, b = cache_bytes(source, config), budget(config.device, reserve)
+    one, b = cache_bytes(source, config, cache_size), budget(config.device, reserve)
     need = one * copies
     if need > b.limit:
         copies_text = f" ({copies} copies, one per rank of this node)" if copies > 1 else ""

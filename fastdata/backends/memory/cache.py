@@ -103,7 +103,7 @@ class CacheBuild:
         backend's decoding). Files skipped with on_error='skip' leave no gap: the good ones are written
         contiguously. Under a process group the node's ranks share the work (see ``_decode_node``)."""
         aug = self.augment
-        s = photo_side(aug, self.config.cache_size)
+        s = photo_side(aug, self.cache_size)
         if self._applied:
             # Flips are drawn per epoch and applied on the device; the crop itself draws nothing.
             decoder = BatchDecoder(self.source, Augmentation(crop="center", size=aug.size, resize=aug.resize),

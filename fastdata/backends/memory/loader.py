@@ -19,9 +19,11 @@ from ...transforms import (
 )
 from ..base import Loader
 from .budgeting import (
+    DEFAULT_CACHE_SIZE,
     LIVE,
     budget,
     cache_bytes,
+    check_cache_size,
     check_fits,
     fmt_bytes,
     ready_bytes,
@@ -48,6 +50,14 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
     """The whole source cached as one uint8 (N, H, W, C) tensor on the device.
 
     Options:
+        cache_size: the longest side at which each training photo is cached, whole (aspect kept; a
+            smaller photo is kept as it is), in an (N, cache_size, cache_size, 3) uint8 tensor (default
+            256). Crops are drawn from the original photo's size, as every backend draws them, then
+            resampled from the cached copy: 256 keeps the cache small (192 KiB a photo) at the cost of
+            resolution for small boxes; 512 keeps ImageNet-sized photos whole. The evaluation recipe
+            (``center``) is cached already applied, at ``size``², whatever ``cache_size``. A memory
+            option, not a shared one: ``make_loader(src, "memory", cache_size=512)``, and ``auto``
+            passes it on when it picks memory.
         cache_build: how photos are decoded into the cache: "threads" (threads writing straight into
             the cache's rows; PIL's decode and resize release the GIL), "processes" (DataLoader worker
             processes sending chunks through shared memory: the build before issue 13), "nvimgcodec"
@@ -71,7 +81,8 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
 
     name = "memory"
     reads = frozenset({SourceKind.ARRAY, SourceKind.FILES})   # a torch Dataset is not cached (yet)
-    options = {"cache_build": "auto", "cache_workers": None, "memory_reserve": None, "node_cache": True}
+    options = {"cache_size": DEFAULT_CACHE_SIZE, "cache_build": "auto", "cache_workers": None,
+               "memory_reserve": None, "node_cache": True}
 
     @classmethod
     def fits(cls, source, config, options=None, *, stable=False):
@@ -87,7 +98,8 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         if not ok:
             return ok, why
         reserve = (options or {}).get("memory_reserve")
-        need, b = cache_bytes(source, config), budget(config.device, reserve)
+        size = check_cache_size((options or {}).get("cache_size", DEFAULT_CACHE_SIZE))
+        need, b = cache_bytes(source, config, size), budget(config.device, reserve)
         limit = b.stable if stable else b.limit
         where = f"GPU {config.device}" if config.device.type == "cuda" else "RAM"
         aug = recipe(source, config)
@@ -108,6 +120,7 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
 
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
+        self.cache_size = check_cache_size(self.opts["cache_size"])   # before anything is decoded
         self.footprint = 0          # bytes this loader holds on its device (for the shared budget)
         self.cache = self.ready = self._shifted = None
         self._scratch = None        # CPU: resized crops' float input, reused batch to batch (_float_slots)
@@ -121,9 +134,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         self._node = self._node_ranks()
         reserve = self.opts["memory_reserve"]
         if self._node is None:
-            check_fits(source, config, reserve)  # before any allocation
+            check_fits(source, config, reserve, cache_size=self.cache_size)  # before any allocation
         else:   # every rank of the node raises, or none does (its peers would wait in the next collective)
-            self._agree(lambda: check_fits(source, config, reserve))
+            self._agree(lambda: check_fits(source, config, reserve, cache_size=self.cache_size))
         LIVE.add(self)
         p = aug.pad if aug.crop is Crop.TRANSLATE else 0
         # Per cache slot, on the host: the (H, W) boxes are drawn from and the (h, w) of the pixels

@@ -107,7 +107,8 @@ class NodeCache:
                               f"keeps its own copy of the cache (still decoded once per node). Give "
                               f"/dev/shm room for {fmt_bytes(n * slot)} (docker: --shm-size) to share one",
                               RuntimeWarning, stacklevel=4)
-                self._agree(lambda: check_fits(self.source, self.config, self.opts["memory_reserve"], copies=k))
+                self._agree(lambda: check_fits(self.source, self.config, self.opts["memory_reserve"], copies=k,
+                                                      cache_size=self.cache_size))
         shared = cache is not None
         if not shared:
             # k blocks of m rows: all_gather's equal blocks; the last one's unused rows go with the tail.
@@ -133,5 +134,5 @@ class NodeCache:
         """The job, the source and the recipe: part of the shared file's name (tells whose it is)."""
         job = os.environ.get("TORCHELASTIC_RUN_ID") or \
             f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
-        return f"{job}|{self.source.fingerprint()}|{self.augment!r}|{self.config.cache_size}|{self.config.on_error}"
+        return f"{job}|{self.source.fingerprint()}|{self.augment!r}|{self.cache_size}|{self.config.on_error}"
 
