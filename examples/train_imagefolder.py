@@ -70,6 +70,15 @@ def make_optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> t
                            fused=True if device.type == "cuda" else None)
 
 
+def make_schedule(optimizer, lr: float, epochs: int, steps: int):
+    """The one-cycle schedule over ``epochs`` of ``steps`` optimizer steps (``--accumulate`` batches each)."""
+    # A quarter of the steps warm up; OneCycleLR divides by the warm-up's last step index
+    # (pct_start * total - 1), so a run of exactly 4 steps warms up over 2 instead.
+    pct = 0.25 if epochs * steps != 4 else 0.5
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, epochs=epochs, steps_per_epoch=steps,
+                                               pct_start=pct)
+
+
 def main(args) -> dict:
     """Train (and validate) as ``args`` says; return the run's result (``fastdata.report.run_result``)."""
     import torchvision
@@ -105,12 +114,7 @@ def main(args) -> dict:
         # The linear scaling rule on the samples of one optimizer step (--accumulate batches of each rank).
         lr = args.lr * args.batch_size * args.accumulate * fdist.world_size() / 256
         optimizer = make_optimizer(model, lr, device)
-        steps = -(-len(train_loader) // args.accumulate)   # optimizer steps per epoch: the schedule's unit
-        # A quarter of the steps warm up; OneCycleLR divides by the warm-up's last step index
-        # (pct_start * total - 1), so a run of exactly 4 steps warms up over 2 instead.
-        pct = 0.25 if args.epochs * steps != 4 else 0.5
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, epochs=args.epochs,
-                                                        steps_per_epoch=steps, pct_start=pct)
+        scheduler = make_schedule(optimizer, lr, args.epochs, -(-len(train_loader) // args.accumulate))
         start = time.perf_counter()
         try:
             history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
