@@ -31,9 +31,17 @@ def is_distributed() -> bool:
 
 
 def rank() -> int:
-    """This process's global rank: the process group's, else ``RANK`` (torchrun sets it before the
-    group starts, so rank 0 alone prints even then), else 0."""
-    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", 0))
+    """This process's global rank: the process group's, else the launcher's variables as the loaders
+    read them (``RANK``; Lightning's ``NODE_RANK``/``LOCAL_RANK``: see ``sampling.distributed_info``),
+    so rank 0 alone prints even before the group starts; 0 where they do not say."""
+    if is_distributed():
+        return dist.get_rank()
+    from .sampling import distributed_info
+
+    try:
+        return distributed_info()[0]
+    except RuntimeError:   # several ranks, no rank variable: a loader refuses this; printing need not
+        return 0
 
 
 def world_size() -> int:

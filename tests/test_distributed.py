@@ -299,3 +299,18 @@ def test_two_gpus_under_torchrun_each_rank_on_its_own_gpu(tmp_path):
     assert {r["local_rank"] for r in ranks} == {0, 1}
     assert ranks[0]["first"] == ranks[1]["first"]
     assert ranks[0]["second"] == ranks[1]["second"]
+
+
+def test_rank_reads_lightnings_variables_as_the_loaders_do(monkeypatch):
+    """Lightning's DDP children have LOCAL_RANK/NODE_RANK/WORLD_SIZE and no RANK: rank 1 must not print
+    and write as if it were rank 0."""
+    from fastdata import distributed
+
+    for name in ("RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("NODE_RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.rank() == 1 and not distributed.is_main()
+    monkeypatch.setenv("NODE_RANK", "1")   # unknown without LOCAL_WORLD_SIZE: printing falls back to 0
+    assert distributed.rank() == 0
