@@ -12,9 +12,8 @@ from fastdata.datasets import ArraySource, SyntheticDigits
 from fastdata.engine import (
     CHECKPOINT_FORMAT,
     EpochMeter,
+    StepTimer,
     TrainStep,
-    _idle_fraction,
-    _StepTimer,
     choose_amp,
     cuda_switches,
     current_lr,
@@ -22,6 +21,7 @@ from fastdata.engine import (
     evaluate,
     fit,
     format_record,
+    idle_fraction,
     resolve_amp,
     resolve_scheduler_interval,
     train_one_epoch,
@@ -106,7 +106,7 @@ def test_fp16_on_the_cpu_is_honoured_with_a_warning_and_nothing_else_warns(monke
     """fp16 autocast on the CPU measured ~50x slower than fp32: a run that silently crawls looks hung."""
     import warnings
 
-    import fastdata.engine as engine
+    import fastdata.engine.amp as engine
 
     monkeypatch.setattr(engine, "_WARNED_FP16_ON_CPU", False)
     with pytest.warns(RuntimeWarning, match="amp='fp16' on the CPU.*50x slower"):
@@ -121,7 +121,7 @@ def test_fit_warns_about_fp16_on_the_cpu_once_at_its_callers_line(monkeypatch):
     """It warned three times (fit, its evaluation, run_result after the run), at fastdata's own lines."""
     import warnings
 
-    import fastdata.engine as engine
+    import fastdata.engine.amp as engine
 
     monkeypatch.setattr(engine, "_WARNED_FP16_ON_CPU", False)
     loader = ListLoader(_batches(1, size=4))
@@ -237,8 +237,8 @@ def test_idle_fraction_from_event_pairs():
             return other.t - self.t
 
     starts, ends = [Ev(0), Ev(10), Ev(25)], [Ev(8), Ev(20), Ev(30)]
-    assert _idle_fraction(starts, ends) == pytest.approx((2 + 5) / 30)
-    assert _idle_fraction([], []) is None
+    assert idle_fraction(starts, ends) == pytest.approx((2 + 5) / 30)
+    assert idle_fraction([], []) is None
 
 
 @pytest.mark.parametrize("kwargs, match", [({"epochs": -1}, "epochs"), ({"epochs": 1, "resume": True}, "checkpoint"),
@@ -534,13 +534,13 @@ def test_step_events_are_recorded_on_the_loaders_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("training stream of", device))
-    timer = _StepTimer(torch.device("cuda", 1))
+    timer = StepTimer(torch.device("cuda", 1))
     for _ in range(3):
         timer.start()
         timer.end()
     assert {e.stream for e in timer.starts + timer.ends} == {("training stream of", torch.device("cuda", 1))}
     assert timer.idle_fraction() == pytest.approx((2 + 5) / 30)
-    cpu = _StepTimer(torch.device("cpu"))
+    cpu = StepTimer(torch.device("cpu"))
     cpu.start(), cpu.end()
     assert cpu.idle_fraction() is None and cpu.starts == []
 
@@ -675,16 +675,16 @@ def test_gpu_idle_fraction_tells_a_slow_loader_from_a_fast_one():
 
 @pytest.mark.cuda(devices=2)
 def test_fit_on_the_second_gpu_times_the_second_gpu(monkeypatch):
-    from fastdata import engine
+    from fastdata.engine import meter
 
     timers = []
 
-    class Recorded(engine._StepTimer):
+    class Recorded(meter.StepTimer):
         def __init__(self, device):
             super().__init__(device)
             timers.append(self)
 
-    monkeypatch.setattr(engine, "_StepTimer", Recorded)
+    monkeypatch.setattr(meter, "StepTimer", Recorded)
     before = torch.cuda.current_device()
     loader = make_loader(SyntheticDigits(512, seed=1), "memory", batch_size=128, device="cuda:1")
     model = SmallCNN(width=8)

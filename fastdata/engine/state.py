@@ -1,0 +1,276 @@
+"""Everything a resume needs: ``TrainingState`` saves and restores one checkpoint, with the loader's
+``state_dict`` as the one record of the position (``resumed_batch`` re-splits it under another layout),
+and ``PeriodicSave`` saves every N batches on step boundaries."""
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from .. import checkpoint as ckpt
+from .. import distributed as fdist
+
+if TYPE_CHECKING:
+    from .meter import EpochMeter
+    from .step import TrainStep
+
+# Format 2 dropped format 1's ``global_step``: the loader's state is the one record of the position.
+CHECKPOINT_FORMAT = "fastdata-checkpoint-2"
+
+
+def _state_dict_mismatch(saved: dict, now: dict, shown: int = 3) -> str:
+    """What differs between a saved model state_dict and this model's (names missing, unexpected, of
+    another shape), the first few of each, or "" when they match."""
+    missing = [k for k in now if k not in saved]
+    unexpected = [k for k in saved if k not in now]
+    shapes = [f"{k} {tuple(saved[k].shape)} saved, {tuple(now[k].shape)} here" for k in now
+              if k in saved and hasattr(saved[k], "shape") and tuple(saved[k].shape) != tuple(now[k].shape)]
+    parts = []
+    for what, names in (("missing", missing), ("unexpected", unexpected), ("of another shape", shapes)):
+        if names:
+            more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+            parts.append(f"{len(names)} {what} ({', '.join(names[:shown])}{more})")
+    return "; ".join(parts)
+
+
+class TrainingState:
+    """Everything a resumed run needs, saved to and restored from one checkpoint.
+
+    The position has ONE record: the loader's ``state_dict()`` (epoch, the global sample offset and
+    batches done, plus what the position is valid for: seed and dataset, checked by the loader when it
+    is restored; the world size and batch size may differ, and the rest of the epoch is then re-split,
+    see ``resumed_batch``). Format 1 also kept a ``global_step`` beside it, which restore no longer needs: the
+    periodic-save count is ``epoch × len(loader) + batch``. Format 1 files still load (that key is
+    ignored); any other format is refused with the formats this version reads.
+
+    A checkpoint also holds the model, optimizer, GradScaler and scheduler states, the RNG states,
+    the finished epochs' records (``history``), a half-done epoch's global sums (``partial``), the
+    precision, the world size and the weight average (``ema``, None without one). Rank 0 writes it
+    (atomically: ``checkpoint.save``). Under ``accumulate`` every save falls on an optimizer step's
+    boundary (``PeriodicSave``): no checkpoint holds half-accumulated gradients.
+    """
+
+    FORMAT = CHECKPOINT_FORMAT
+    READS = ("fastdata-checkpoint-1", CHECKPOINT_FORMAT)
+
+    def __init__(self, step: TrainStep, loader, storage=None):
+        self.step, self.loader, self.storage = step, loader, storage
+        self.history: list[dict] = []
+        self.epoch, self.batch = 0, 0         # where training starts
+        self.samples = 0                      # the global sample offset into the start epoch's order
+        self.partial = [0.0, 0.0, 0.0]        # the sums the half-done start epoch carries
+
+    def start(self, path, resume: bool, epochs: int | None = None) -> None:
+        """Check ``path`` before any training, then restore from it when ``resume`` and it exists.
+        ``epochs``: the run's total, to say so when the checkpoint has finished them all already.
+
+        Both are decided once, by rank 0, and shared: an unusable path fails on every rank (naming
+        rank 0's error), and a checkpoint only rank 0 can see (its own disk) resumes every rank."""
+        # An unusable path fails now, not after an epoch of training; so does a state a checkpoint
+        # could not hold (a scheduler keeping a Fraction): it would fail at the first save.
+        fdist.decide_on_main(ckpt.prepare, path, self.storage, what=f"checking checkpoint path '{path}'")
+        ckpt.loadable(self.state_dict(self.loader.state_dict(), self.partial), f"checkpoint '{path}'")
+        if not resume:
+            return
+        main = fdist.is_main()
+        state = ckpt.load_shared(path, storage=self.storage)
+        if state is None:
+            if main:
+                print(f"no checkpoint at '{path}' yet: starting from scratch", flush=True)
+            return
+        self.load_state_dict(state, path)
+        if main:
+            saved, now = state.get("loader", {}), self.loader.state_dict()
+            layout = [(d.get("world_size"), d.get("batch_size")) for d in (saved, now)]
+            resplit = f" (saved by {layout[0][0]} rank(s) x batch {layout[0][1]}: the rest of the epoch is " \
+                      f"re-split over {layout[1][0]} x {layout[1][1]})" if layout[0] != layout[1] else ""
+            if epochs is not None and self.epoch >= epochs:
+                # Not "resumed at epoch 4" of a 3-epoch run: nothing trains, and fit returns the history.
+                print(f"'{path}' holds a finished run ({self.epoch} epoch(s), epochs={epochs}): nothing left to "
+                      f"train; its figures are the result", flush=True)
+            else:
+                print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}"
+                      f"{resplit}", flush=True)
+
+    def state_dict(self, position: dict, partial: list[float], rng_ranks: list[dict] | None = None) -> dict:
+        """The checkpoint's contents at ``position`` (the loader's state_dict) with ``partial`` sums.
+        ``rng_ranks``: every rank's ``ckpt.rng_state()`` in rank order (default: this process's alone).
+        ``"rng"`` is rank 0's (what a checkpoint before ``"rng_ranks"`` held, and what a resume on
+        another world size restores on every rank)."""
+        step = self.step
+        rng_ranks = rng_ranks or [ckpt.rng_state()]
+        return {
+            "format": self.FORMAT, "model": step.raw.state_dict(), "optimizer": step.optimizer.state_dict(),
+            "scaler": step.scaler.state_dict(),
+            "scheduler": step.scheduler.state_dict() if step.scheduler is not None else None,
+            "loader": position, "rng": rng_ranks[0], "rng_ranks": rng_ranks, "partial": list(partial),
+            "history": list(self.history), "amp": step.mode, "world_size": fdist.world_size(),
+            # Class names, checked on resume: an optimizer's or scheduler's state loads into any other
+            # class without complaint and fails (or silently misbehaves) later.
+            "optimizer_class": type(step.optimizer).__name__,
+            "scheduler_class": type(step.scheduler).__name__ if step.scheduler is not None else None,
+            # The moving average of the weights (fit(ema=...)), or None: a resume continues the average.
+            "ema": step.ema.state_dict() if step.ema is not None else None,
+        }
+
+    #: What every checkpoint this version reads holds (format 1 as well as 2).
+    KEYS = ("model", "optimizer", "scaler", "scheduler", "loader", "rng", "partial", "history", "amp")
+
+    def check_restorable(self, state: dict, path="checkpoint") -> None:
+        """Refuse, before anything is restored, a checkpoint this run cannot take: another format, keys
+        missing, another model (names or shapes), another optimizer class or parameter layout, another
+        scheduler class. ``CheckpointError`` for a file that is not a whole fastdata checkpoint,
+        ``ResumeError`` for one of another run. Without these checks torch's own errors came after the
+        model was overwritten (hundreds of key names, no path), or not at all (an AdamW state loaded
+        into SGD failed at its first step with KeyError: 'momentum')."""
+        if state.get("format") not in self.READS:
+            raise ckpt.CheckpointError(f"'{path}' is not a fastdata checkpoint this version reads (format "
+                                       f"{state.get('format')!r}; reads {list(self.READS)})")
+        missing = [k for k in self.KEYS if k not in state]
+        if missing:
+            raise ckpt.CheckpointError(f"'{path}' is a {state['format']} checkpoint without {missing}: it was "
+                                       f"not written whole by fit")
+        step = self.step
+        problems = _state_dict_mismatch(state["model"], step.raw.state_dict())
+        if problems:
+            raise ckpt.ResumeError(f"'{path}' holds the weights of another model than "
+                                   f"{type(step.raw).__name__}: {problems}")
+        for part, now in (("optimizer", step.optimizer), ("scheduler", step.scheduler)):
+            saved = state.get(f"{part}_class")
+            if saved is not None and now is not None and saved != type(now).__name__:
+                raise ckpt.ResumeError(f"'{path}' was trained with a {saved} {part}; this run's is "
+                                       f"{type(now).__name__}: its state does not fit it. Resume with the "
+                                       f"{part} of that run, or start a new run (resume=False)")
+        saved_ema = state.get("ema")
+        problems = _state_dict_mismatch(saved_ema, step.ema.state_dict()) if saved_ema and step.ema else ""
+        if problems:
+            raise ckpt.ResumeError(f"'{path}' holds a weight average (ema) of another model: {problems}")
+        layout = [len(g["params"]) for g in state["optimizer"].get("param_groups", [])]
+        here = [len(g["params"]) for g in step.optimizer.param_groups]
+        if layout != here:
+            raise ckpt.ResumeError(f"'{path}' has an optimizer of {len(layout)} parameter group(s) of "
+                                   f"{layout} parameters; this run's has {len(here)} of {here}")
+
+    def load_state_dict(self, state: dict, path="checkpoint") -> None:
+        """Restore a checkpoint's contents, all or nothing: ``check_restorable`` first, then the loader
+        (it checks the position against its dataset and order before taking it), and only then the
+        model, optimizer and the rest, so a refused checkpoint leaves every object as it was."""
+        self.check_restorable(state, path)
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except (ValueError, TypeError) as e:   # another dataset, order or loader kind: not this run's
+            raise ckpt.ResumeError(f"'{path}' cannot resume this run: {e}") from e
+        step = self.step
+        step.raw.load_state_dict(state["model"])
+        step.optimizer.load_state_dict(state["optimizer"])
+        if state["amp"] != step.mode:
+            warnings.warn(f"checkpoint was trained with amp={state['amp']!r}, resuming with {step.mode!r}",
+                          stacklevel=2)
+        if state["scaler"]:
+            step.scaler.load_state_dict(state["scaler"])
+        if step.scheduler is not None and state["scheduler"] is not None:
+            step.scheduler.load_state_dict(state["scheduler"])
+        self._restore_ema(state.get("ema"), path)
+        # Each rank its own generators (dropout and a model's other random ops draw from them; under DDP
+        # rank r's GPU generator is cuda:r's, which only rank r's process ever advanced). Resumed on
+        # another world size, every rank takes rank 0's, as before "rng_ranks" existed.
+        ranks = state.get("rng_ranks") or []
+        ckpt.set_rng_state(ranks[fdist.rank()] if len(ranks) == fdist.world_size() else state["rng"])
+        # Read back from the loader, which has validated it: the one record of the position, in this
+        # run's layout (a checkpoint of another world size or batch size re-splits the epoch's rest).
+        position = self.loader.state_dict()
+        self.epoch = position["epoch"]
+        self.samples = position.get("samples", position["batch"])
+        self.batch = resumed_batch(position, len(self.loader))
+        self.history = list(state["history"])
+        # The figures of a half-done epoch are global sums, whatever the world size that summed them;
+        # one rank carries them on.
+        self.partial = list(state["partial"]) if fdist.is_main() else [0.0, 0.0, 0.0]
+
+    def _restore_ema(self, saved: dict | None, path) -> None:
+        """The checkpoint's weight average, or, when it kept none (saved without ``ema``), a new one from
+        the restored weights, said in a warning: the average starts again from here."""
+        ema = self.step.ema
+        if ema is None:
+            return
+        if saved is not None:
+            ema.load_state_dict(saved)
+            return
+        warnings.warn(f"'{path}' holds no weight average (saved without ema): the average starts again from "
+                      f"its weights", RuntimeWarning, stacklevel=3)
+        if callable(getattr(ema, "set", None)):   # ModelEma and timm's ModelEmaV3 have it
+            ema.set(self.step.raw)
+
+    def save(self, path, position: dict, partial: list[float] | None = None, *, every_rank: bool = False) -> None:
+        """Save at ``position`` (rank 0 writes one file for the run). ``every_rank`` (what ``fit`` does):
+        a collective under DDP, every rank calls it at the same batch and sends rank 0 its RNG states, so
+        a resume gives each rank its own; without it only rank 0 needs to call it (a loop of your own
+        that saves ``if is_main()``), and the checkpoint holds rank 0's RNG states alone."""
+        state = ckpt.rng_state()
+        rng_ranks = fdist.gather_on_cpu(state) if every_rank else [state]
+        if fdist.is_main():
+            ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0], rng_ranks), path,
+                      storage=self.storage)
+
+    def mid_epoch(self, epoch: int) -> bool:
+        """Whether ``epoch`` is a resumed half-done epoch (its loader must not be ``set_epoch``'d: that
+        would restart it). Decided on the sample offset: under a re-split layout with ``drop_last`` a
+        few samples read can leave a whole epoch's batches still to run."""
+        return epoch == self.epoch and (self.samples > 0 or self.batch > 0)
+
+    def first_batch(self, epoch: int) -> int:
+        """The batch number ``epoch`` starts at: for the resumed epoch, ``len(loader)`` minus the
+        batches left (``resumed_batch``), so the epoch's count ends at ``len(loader)`` as a whole epoch
+        does; else 0."""
+        return self.batch if epoch == self.epoch else 0
+
+    def carried(self, epoch: int) -> list[float] | None:
+        """The sums ``epoch`` starts from: a resumed half-done epoch's, else None (zeros)."""
+        return self.partial if self.mid_epoch(epoch) else None
+
+
+def resumed_batch(position: dict, batches: int) -> int:
+    """Where a resumed epoch's batch count starts so that it ends at ``batches`` (``len(loader)``).
+
+    Under the layout that saved ``position`` this is its ``batch``. Under another world size or batch
+    size (elastic resume) the rest of the epoch, ``num_samples - samples`` samples, is re-split into
+    steps of ``batch_size x world_size`` (the loader's, as ``state_dict()`` reports them after the
+    restore), and ``ceil(samples / global batch)`` can be one more than the batches already run: the
+    step count, the periodic saves and a per-step schedule would run past the epoch's end. A position
+    without the sample keys (a loader of another kind) gives its ``batch`` as it is.
+    """
+    keys = ("samples", "num_samples", "batch_size", "world_size", "drop_last")
+    if any(k not in position for k in keys):
+        return position["batch"]
+    rest = max(0, position["num_samples"] - position["samples"])
+    step = position["batch_size"] * position["world_size"]
+    left = rest // step if position["drop_last"] else -(-rest // step)
+    return max(0, batches - left)
+
+
+class PeriodicSave:
+    """``train_one_epoch``'s ``after_batch`` in ``fit``: saves every ``every`` batches of the run.
+
+    The batch count of the run is ``epoch × len(loader) + batch``, computed from the position, so a
+    resumed run saves at the same batches as an uninterrupted one. No save at the epoch's last batch:
+    the end-of-epoch save follows. A mid-epoch save carries the sums so far (a collective under DDP:
+    every rank reaches the same batch).
+
+    With ``accumulate`` > 1 a save falls only on an optimizer step's boundary (the first at or after
+    each ``every`` batches): the gradients of a half-accumulated step live only in memory, and a
+    checkpoint without them would resume to other weights than the uninterrupted run's."""
+
+    def __init__(self, state: TrainingState, path, every: int | None, epoch: int, meter: EpochMeter):
+        self.state, self.path, self.every, self.meter = state, path, every, meter
+        self.length = len(state.loader)
+        self.offset = epoch * self.length
+        self.accumulate = state.step.accumulate
+        self.due = False
+
+    def __call__(self, batch: int) -> None:
+        if self.path is None or not self.every:
+            return
+        self.due = self.due or (self.offset + batch) % self.every == 0
+        if not self.due or batch % self.accumulate or batch >= self.length:
+            return
+        self.due = False
+        self.state.save(self.path, self.state.loader.state_dict(), self.meter.global_sums(), every_rank=True)
