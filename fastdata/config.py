@@ -539,6 +539,14 @@ class LoaderConfig:
             return cls(**ours), rest
         return config.replace(**ours), rest
 
+
+    @property
+    def given(self) -> dict:
+        """The fields as the caller gave them (name → value), before defaults were derived: what
+        ``replace`` starts from, and what ``make_loader(like=..., config=...)`` reads as the caller's
+        choices."""
+        return dict(self._given)
+
     def replace(self, **changes) -> "LoaderConfig":
         """A copy with ``changes``. Defaults derived from other fields (shuffle and drop_last from
         ``train``, the device, num_workers) are derived again unless they were given explicitly.

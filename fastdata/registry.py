@@ -276,7 +276,7 @@ def _like(train_loader, source, config, kwargs) -> tuple:
         # statistics (unless it names its own) and the training loader's device. And it evaluates:
         # like= promises an evaluation loader, and a config's train is True by default, not by choice
         # (a dataclass cannot tell the two apart), so only a train= keyword overrides it.
-        given = getattr(config, "_given", {})
+        given = config.given
         inherited = {k: inherited[k] for k in ("mean", "std", "device", "train")
                      if k == "train" or given.get(k) is None}
     else:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "fastdata"
 
 
@@ -251,7 +249,7 @@ def _defined(tree) -> set[str]:
 
 #: Cross-module private reads known when the test was written, each waiting for its public name: held by
 #: the xfail test below, so that every other module is checked now and the fix is noticed (strict).
-KNOWN_PRIVATE_READS = {("fastdata.registry", "_given")}
+KNOWN_PRIVATE_READS: set = set()
 
 
 def _cross_module_private_reads():
@@ -284,8 +282,6 @@ def test_no_module_reads_another_modules_private_attributes():
                           "a public API):\n" + "\n".join(unlisted))
 
 
-@pytest.mark.xfail(strict=True, reason="registry.py reads getattr(config, '_given'): config.py (H9's) needs a public "
-                                      "LoaderConfig.given, registry.py to read it; then drop this mark and the entry")
 def test_the_known_private_reads_are_gone():
     wrong, _ = _cross_module_private_reads()
     left = [message for m, attr, message in wrong if (m, attr) in KNOWN_PRIVATE_READS]

@@ -409,7 +409,7 @@ def test_validate_false_trusts_the_files_and_changes_no_pixel(tmp_path, photo_fo
 def test_files_read_off_the_training_thread_and_headers_once(photo_folder, monkeypatch):
     import threading
 
-    import fastdata.backends.dali_files as dali_mod  # where the files are opened
+    import fastdata.decode.dali_files as dali_mod  # where the files are opened
 
     opened, threads = [], set()
     real_open = dali_mod.open_image

@@ -94,6 +94,7 @@ import torch
 
 from ..config import Crop, Padding
 from ..datasets import SourceKind
+from ..decode.dali_files import BROKEN, DaliFiles
 from ..decode.on_error import OnError
 from ..errors import DecodeError
 from ..transforms import (
@@ -102,7 +103,6 @@ from ..transforms import (
     require_fixed_size,
 )
 from .base import Loader
-from .dali_files import BROKEN, DaliFiles
 
 # Pipelines inherited by forked children, kept alive there on purpose (see DaliLoader.__del__).
 _INHERITED: list = []

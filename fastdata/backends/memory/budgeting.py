@@ -30,6 +30,7 @@ LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def fmt_bytes(n: float) -> str:
+    """Bytes as messages show them: GiB from 1 GiB up, else MiB."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 

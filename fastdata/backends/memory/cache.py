@@ -94,6 +94,9 @@ def read_ahead(items, read, *, ahead: int = 1, name: str = "fastdata-read"):
 
 
 class CacheBuild:
+    """The memory loader's cache building (a mixin of ``MemoryLoader``): decoding every sample once into
+    the device cache, in chunks, through the decode layer's whole-photo decoders."""
+
     _CHUNK = 64
 
     def _decode_files(self):

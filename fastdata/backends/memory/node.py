@@ -22,6 +22,9 @@ from .budgeting import check_fits, fmt_bytes
 
 
 class NodeCache:
+    """The memory loader's node sharing (a mixin of ``MemoryLoader``): one cache per node in /dev/shm,
+    built by the node's ranks together and mapped by each of them."""
+
     # ------------------------------------------------------------------ one cache per node
     def _node_ranks(self):
         """(gloo group, local rank, local world size, data group) when this node's ranks build the cache
