@@ -1782,3 +1782,105 @@ def test_compile_reduce_overhead_on_a_gpu_trains_with_a_short_last_batch_and_eva
     for a, b in zip(graphs, eager, strict=True):
         assert math.isclose(a["train_loss"], b["train_loss"], rel_tol=1e-2)
         assert math.isfinite(a["eval_loss"])
+
+
+# ------------------------------------------------------------- profiler, run log, checkpointing (issue 26)
+def test_fit_profile_writes_a_trace_with_the_step_regions_and_prints_the_table(tmp_path, capsys):
+    import json
+
+    loader = ListLoader(_batches(10, size=8))   # 1 skipped + 2 warm-up + 5 recorded steps fit in one epoch
+    fit(SmallCNN(width=4), loader, epochs=1, amp="off", progress=False, profile=tmp_path / "prof")
+    traces = list((tmp_path / "prof").glob("*.pt.trace.json"))
+    assert len(traces) == 1, traces
+    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    assert {"data_wait", "forward_backward", "optimizer"} <= names
+    assert sum(1 for n in names if str(n).startswith("ProfilerStep#")) == 5
+    out = capsys.readouterr().out
+    assert "profile: where each step's time went" in out and "mean" in out
+    assert out.index("epoch 1/1") < out.index("profile: where each step's time went")   # at the end of the run
+
+
+def test_fit_log_dir_writes_every_epoch_record_the_steps_and_tensorboard_scalars(tmp_path):
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    loader = ListLoader(_batches(6, size=8))
+    history = fit(SmallCNN(width=4), loader, eval_loader=loader, epochs=3, amp="off", progress=False,
+                  log_dir=tmp_path / "log", log_every=4)
+    with open(tmp_path / "log" / "epochs.csv", newline="") as f:
+        epochs = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in epochs] == [1, 2, 3]
+    for row, record in zip(epochs, history):
+        assert float(row["train_loss"]) == pytest.approx(record["train_loss"])
+        assert float(row["eval_accuracy"]) == pytest.approx(record["eval_accuracy"])   # after the evaluation
+    with open(tmp_path / "log" / "steps.csv", newline="") as f:
+        steps = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in steps] == [0, 4, 8, 12, 16]   # batches 0..17 of the run, every 4th
+    assert all(float(r["loss"]) > 0 and float(r["lr"]) == pytest.approx(1e-3) and float(r["images_per_s"]) > 0
+               and 0.0 <= float(r["data_wait"]) <= 1.0 for r in steps)
+    events = EventAccumulator(str(tmp_path / "log"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [1, 2, 3]
+    assert [e.step for e in events.Scalars("step/loss")] == [0, 4, 8, 12, 16]
+
+
+def test_fit_gradient_checkpointing_trains_the_same_weights(tmp_path):
+    batches = _batches(4, size=16)
+    trained = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = SmallCNN(width=4)
+        fit(model, ListLoader(batches), epochs=1, amp="off", progress=False, optimizer=torch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9), gradient_checkpointing=checkpointing)
+        trained.append(model)
+    assert type(trained[1].features).__name__ == "CheckpointedSequential"   # it was switched on
+    torch.testing.assert_close(_params(trained[1]), _params(trained[0]), atol=1e-5, rtol=0)
+    for a, b in zip(trained[0].buffers(), trained[1].buffers()):   # BatchNorm statistics moved once per step
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_fit_refuses_a_model_gradient_checkpointing_cannot_split_before_training():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(256, 10)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1))
+
+    loader = ListLoader(_batches(2))
+    with pytest.raises(ValueError, match=r"gradient_checkpointing=True.*cannot split a .*Plain"):
+        fit(Plain(), loader, epochs=1, progress=False, gradient_checkpointing=True)
+    assert loader.iters == 0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"gradient_checkpointing": "yes"}, TypeError, "gradient_checkpointing"),
+    ({"profile": 3}, TypeError, "profile must be a folder path"),
+    ({"log_dir": "FILE"}, ValueError, r"log_dir=.*is a file"),
+    ({"profile": "FILE/sub"}, ValueError, r"profile=.*cannot be written"),
+    ({"log_every": 0}, ValueError, "log_every"),
+])
+def test_fit_checks_the_profiler_and_log_arguments_up_front(tmp_path, kwargs, error, match):
+    (tmp_path / "FILE").write_text("not a folder")
+    kwargs = {k: str(tmp_path / v) if isinstance(v, str) and v.startswith("FILE") else v for k, v in kwargs.items()}
+    loader = ListLoader(_batches(2))
+    with pytest.raises(error, match=match):
+        fit(SmallCNN(width=4), loader, epochs=1, progress=False, **kwargs)
+    assert loader.iters == 0
+
+
+def test_fit_refuses_a_log_dir_it_cannot_write(tmp_path):
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as root: a read-only folder is still writable")
+        with pytest.raises(ValueError, match=r"log_dir=.*cannot be written.*not a writable folder"):
+            fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, progress=False, log_dir=locked / "run")
+    finally:
+        locked.chmod(0o700)

@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import distributed as fdist
 from .amp import autocast, cuda_switches, device_scope, resolve_amp, resolve_compile
+from .hooks import RunHooks, check_output_dir
 from .meter import EpochMeter, Progress, format_record
 from .schedule import check_schedule_length, resolve_scheduler_interval
 from .state import PeriodicSave, TrainingState
@@ -66,7 +67,8 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         resume: bool = False, progress: bool = True, checkpoint_every: int | None = None,
         loss_fn=None, eval_loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True,
         scheduler_interval: str | None = None, checkpoint_storage=None, accumulate: int = 1,
-        clip_grad_norm: float | None = None, ema=None) -> list[dict]:
+        clip_grad_norm: float | None = None, ema=None, gradient_checkpointing: bool = False, profile=None,
+        log_dir=None, log_every: int = 50) -> list[dict]:
     """Train ``model`` for ``epochs`` passes over ``train_loader``; return one record per epoch.
 
     Args:
@@ -124,6 +126,21 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             average (key ``"ema"``) and a resume continues it. ``model`` keeps its trained weights; to use
             the average after fit, pass ``ModelEma(model, 0.999)`` and read its ``module`` (fit moves a
             ``ModelEma`` to the loader's device with the model).
+        gradient_checkpointing: recompute each block's activations in backward instead of keeping them
+            (``fastdata.models.checkpoint_blocks``, applied to the model on its device before DDP and
+            compile): SmallCNN, torchvision ResNets, an ``nn.Sequential``, timm models. Same gradients, less
+            activation memory, about one more forward of compute. Another model is refused, named, before
+            training.
+        profile: a folder: a ``torch.profiler`` trace of a few steps after warm-up (``StepProfiler``'s
+            defaults: 1 skipped, 2 warm-up, 5 recorded; a run of fewer batches writes none and warns),
+            readable in TensorBoard or ui.perfetto.dev, one file per rank; its per-step table (data wait vs
+            host-to-device copy vs forward/backward vs optimizer) is printed when the run ends, by rank 0.
+        log_dir: a folder: the run log (``fastdata.runlog.RunLog``, rank 0 writes): ``epochs.csv`` with every
+            epoch record, ``steps.csv`` with the loss, lr, images/s and data wait of every ``log_every``-th
+            batch (numbered ``epoch * len(train_loader) + batch`` so a resume continues), and TensorBoard
+            scalars when the tensorboard package is installed. ``fastdata.runlog.plot_curves`` draws it.
+            Both folders are checked before training (writable; a file is refused).
+        log_every: the batches between two rows of ``steps.csv`` (default 50).
         channels_last: convert the model to channels-last (give the loaders ``channels_last=True`` too).
         checkpoint: a path, or a URL (``s3://...``, ``gs://...``, ``memory://...``: through fsspec, see
             ``fastdata.checkpoint.storage_for``); saved at the end of every epoch and every
@@ -174,8 +191,10 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
     _check_fit_arguments(model, train_loader, eval_loader, optimizer, scheduler, loss_fn, eval_loss_fn, epochs=epochs,
                          checkpoint=checkpoint, resume=resume, checkpoint_every=checkpoint_every,
                          flags={"channels_last": channels_last, "progress": progress,
-                                "cudnn_benchmark": cudnn_benchmark, "tf32": tf32})
+                                "cudnn_benchmark": cudnn_benchmark, "tf32": tf32,
+                                "gradient_checkpointing": gradient_checkpointing})
     _check_step_options(accumulate=accumulate, clip_grad_norm=clip_grad_norm, ema=ema, compile=compile)
+    _check_records(profile=profile, log_dir=log_dir, log_every=log_every)
     resolve_scheduler_interval(None, scheduler_interval)  # an unknown value fails before anything starts
     device = _loader_device(train_loader)
     if eval_loader is not None and _loader_device(eval_loader) != device:
@@ -191,7 +210,8 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         mode = resolve_amp(amp, device)
         step = TrainStep.build(raw, optimizer, scheduler, loss_fn, device, mode, channels_last=channels_last,
                                scheduler_interval=scheduler_interval, accumulate=accumulate,
-                               clip_grad_norm=clip_grad_norm, ema=ema)
+                               clip_grad_norm=clip_grad_norm, ema=ema,
+                               gradient_checkpointing=gradient_checkpointing)
         for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
             if loader is not None:
                 step.check_dtype(_loader_dtype(loader), name)
@@ -200,31 +220,52 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         if checkpoint is not None:
             state.start(checkpoint, resume, epochs)
         check_schedule_length(step.scheduler, step.interval, epochs=epochs, start_epoch=state.epoch,
-                               start_batch=state.batch, batches=len(train_loader), built_total=built_total,
-                               accumulate=accumulate)
+                              start_batch=state.batch, batches=len(train_loader), built_total=built_total,
+                              accumulate=accumulate)
         step.wrap(compile=compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
-        for epoch in range(state.epoch, epochs):
-            first = state.first_batch(epoch)
-            if not state.mid_epoch(epoch):  # a resumed half epoch keeps the position its loader restored
-                train_loader.set_epoch(epoch)
-            bar = Progress.open(progress and fdist.is_main(), len(train_loader), first, epoch, epochs)
-            meter = EpochMeter(device, state.carried(epoch))
-            step.last_step_lrs = None   # an epoch with no step (all of it resumed past) reports the rate now
-            saver = PeriodicSave(state, checkpoint, checkpoint_every, epoch, meter)
-            train_one_epoch(step, train_loader, meter, first_batch=first, after_batch=saver, progress=bar)
-            # The position, taken before evaluation: eval_loader may be this very loader, and iterating
-            # it again would move the position a whole epoch on (a resume would skip an epoch).
-            position = train_loader.state_dict()
-            record = _epoch_figures(step, meter, epoch, eval_loader, eval_loss_fn)
-            # Before the save: a checkpoint taken at an epoch's end holds the scheduler already stepped
-            # for it, and a mid-epoch one the scheduler before it, so a resume steps it exactly once.
-            step.end_epoch(record)
-            state.history.append(record)
-            if fdist.is_main():
-                print(format_record(record, epochs), flush=True)
-            if checkpoint is not None:
-                state.save(checkpoint, position, every_rank=True)
+        with RunHooks(device, profile=profile, log_dir=log_dir, log_every=log_every) as hooks:
+            step.region = hooks.region
+            run = _Run(step, state, hooks, eval_loader, eval_loss_fn, epochs, checkpoint, checkpoint_every, progress)
+            for epoch in range(state.epoch, epochs):
+                run.epoch(epoch)
         return state.history
+
+
+class _Run:
+    """The epochs of one ``fit`` call, with what every epoch needs: the step, the state, the hooks."""
+
+    def __init__(self, step, state, hooks, eval_loader, eval_loss_fn, epochs, checkpoint, checkpoint_every,
+                 progress):
+        self.step, self.state, self.hooks, self.loader = step, state, hooks, state.loader
+        self.eval_loader, self.eval_loss_fn, self.epochs = eval_loader, eval_loss_fn, epochs
+        self.checkpoint, self.checkpoint_every, self.progress = checkpoint, checkpoint_every, progress
+
+    def epoch(self, epoch: int) -> None:
+        """Train one epoch, evaluate, record (printed, logged) and save."""
+        step, state, loader = self.step, self.state, self.loader
+        first = state.first_batch(epoch)
+        if not state.mid_epoch(epoch):  # a resumed half epoch keeps the position its loader restored
+            loader.set_epoch(epoch)
+        bar = Progress.open(self.progress and fdist.is_main(), len(loader), first, epoch, self.epochs)
+        meter = EpochMeter(step.device, state.carried(epoch))
+        step.last_step_lrs = None   # an epoch with no step (all of it resumed past) reports the rate now
+        saver = PeriodicSave(state, self.checkpoint, self.checkpoint_every, epoch, meter)
+        self.hooks.begin_epoch(epoch, len(loader), meter.wait)
+        train_one_epoch(step, loader, meter, first_batch=first, after_batch=saver, progress=bar, hooks=self.hooks)
+        # The position, taken before evaluation: eval_loader may be this very loader, and iterating
+        # it again would move the position a whole epoch on (a resume would skip an epoch).
+        position = loader.state_dict()
+        record = _epoch_figures(step, meter, epoch, self.eval_loader, self.eval_loss_fn)
+        # Before the save: a checkpoint taken at an epoch's end holds the scheduler already stepped
+        # for it, and a mid-epoch one the scheduler before it, so a resume steps it exactly once.
+        step.end_epoch(record)
+        state.history.append(record)
+        if fdist.is_main():
+            print(format_record(record, self.epochs), flush=True)
+        # With its eval figures, before the save: a crash in between re-runs the epoch, whose row RunLog replaces.
+        self.hooks.epoch(record)
+        if self.checkpoint is not None:
+            state.save(self.checkpoint, position, every_rank=True)
 
 
 def _epoch_figures(step: TrainStep, meter: EpochMeter, epoch: int, eval_loader, eval_loss_fn) -> dict:
@@ -241,6 +282,15 @@ def _epoch_figures(step: TrainStep, meter: EpochMeter, epoch: int, eval_loader, 
     if step.ema is not None:
         record["eval_ema"] = eval_loader is not None
     return record
+
+
+def _check_records(*, profile, log_dir, log_every) -> None:
+    """``fit``'s profiler and run-log options, refused before anything starts and named."""
+    from ..config import check_integer
+
+    check_output_dir("profile", profile)
+    check_output_dir("log_dir", log_dir)
+    check_integer("log_every", log_every, minimum=1)
 
 
 def _check_step_options(*, accumulate, clip_grad_norm, ema, compile) -> None:
@@ -313,7 +363,7 @@ def _check_loss(name: str, loss_fn) -> None:
 
 
 def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: int = 0, after_batch=None,
-                    progress: Progress | None = None) -> None:
+                    progress: Progress | None = None, hooks: RunHooks | None = None) -> None:
     """One pass over ``loader``: ``step.backward`` per batch, ``step.optimizer_step`` per ``step.accumulate``
     batches (the last group of the epoch holds the remainder, see ``TrainStep.group``), their figures added
     to ``meter``.
@@ -322,27 +372,31 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
     ``after_batch(batch)`` runs after each batch with the count of batches done in the epoch (``fit``
     saves periodic checkpoints there). An empty batch takes no backward in a single process (its
     group still steps on the batches before it); under DDP it takes a zero-loss one, which keeps this
-    rank in its peers' gradient all-reduce.
+    rank in its peers' gradient all-reduce. ``hooks`` (``fit(profile=, log_dir=)``): the wait for each
+    batch is the profiler's ``data_wait``, and ``hooks.batch_done`` ends every batch.
     """
     step.net.train()  # evaluation (or the caller) may have left the model in eval mode
     batches = len(loader) if step.accumulate > 1 else None
     batch = first_batch
     try:
-        for images, labels in meter.timed(loader):
+        for images, labels in meter.timed(loader, hooks.region if hooks is not None else None):
             if batch == first_batch:  # metadata only: no sync
                 step.check_dtype(images.dtype, "train_loader")
             start, end = step.group(batch, first_batch, batches)
-            n, last = images.shape[0], batch + 1 == end
+            n, last, loss = images.shape[0], batch + 1 == end, None
             if n or step.ddp or (last and step.accumulated):
                 meter.timer.start()
                 if n or step.ddp:
                     # Each batch's mean loss over 1/(batches in its group): the step's gradient is the mean
                     # over the group's batches, as one batch of all their samples would give.
-                    step.backward(images, labels, meter.sums, scale=1.0 / (end - start), sync=last)
+                    loss = step.backward(images, labels, meter.sums, scale=1.0 / (end - start), sync=last)
                 if last:
                     meter.add_grad_norm(step.optimizer_step())
                 meter.timer.end()
             meter.images += n
+            if hooks is not None:
+                hooks.batch_done(batch, loss=loss if n else None, images=n, wait=meter.wait,
+                                 optimizer=step.optimizer)
             batch += 1
             if progress is not None:
                 progress.update(meter)

@@ -3,6 +3,7 @@
 (``Progress``)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -85,16 +86,18 @@ class EpochMeter:
         total, count = self.norms.tolist()
         return total / count if count else math.nan
 
-    def timed(self, loader):
-        """Iterate ``loader``, adding the host time spent blocked in it to ``wait``."""
+    def timed(self, loader, region=None):
+        """Iterate ``loader``, adding the host time spent blocked in it to ``wait``. ``region``: a
+        profiler's ``region`` (``RunHooks.region``), entered as ``"data_wait"`` around each ``next``."""
         t = time.perf_counter()
         it = iter(loader)
         self.wait += time.perf_counter() - t  # starting workers / pipelines is waiting for data too
+        end = object()
         while True:
             t = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
+            with region("data_wait") if region is not None else contextlib.nullcontext():
+                batch = next(it, end)
+            if batch is end:
                 return
             self.wait += time.perf_counter() - t
             yield batch

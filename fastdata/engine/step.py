@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from .. import distributed as fdist
+from ..models import checkpoint_blocks
 from .amp import autocast, resolve_compile
+from .hooks import no_region
 from .schedule import current_lr, one_or_each, resolve_scheduler_interval
 
 
@@ -90,14 +92,22 @@ class TrainStep:
         self.eager = net            # ``net`` before torch.compile: see ``_module_for``
         self.graphs = False         # compiled with mode="reduce-overhead" (CUDA graphs)
         self.static_batch: int | None = None
+        # A labelled part of the step for fit's profiler (``RunHooks.region``); a no-op without one.
+        self.region = no_region
 
     @classmethod
     def build(cls, raw, optimizer, scheduler, loss_fn, device, mode, *, channels_last: bool,
               scheduler_interval: str | None = None, accumulate: int = 1, clip_grad_norm: float | None = None,
-              ema=None) -> TrainStep:
+              ema=None, gradient_checkpointing: bool = False) -> TrainStep:
         """Put ``raw`` on ``device`` (channels-last if asked) and fill in the defaults: the optimizer, a
-        GradScaler, the loss, and a ``ModelEma`` when ``ema`` is a decay. The step runs ``raw`` itself
-        until ``wrap``."""
+        GradScaler, the loss, and a ``ModelEma`` when ``ema`` is a decay. ``gradient_checkpointing``:
+        ``models.checkpoint_blocks(raw)`` on the unwrapped model, before ``wrap`` (DDP, compile); a model
+        it cannot split is refused (ValueError naming it). The step runs ``raw`` itself until ``wrap``."""
+        if gradient_checkpointing:
+            try:
+                checkpoint_blocks(raw)   # before anything else: a refusal leaves the model as it was
+            except ValueError as e:
+                raise ValueError(f"fit(gradient_checkpointing=True): {e}") from e
         raw.to(device)
         if channels_last:
             raw.to(memory_format=torch.channels_last)
@@ -184,16 +194,17 @@ class TrainStep:
         self.backward(images, labels, sums, scale=scale, sync=last)
         return self.optimizer_step() if last else None
 
-    def backward(self, images, labels, sums, *, scale: float = 1.0, sync: bool = True) -> None:
+    def backward(self, images, labels, sums, *, scale: float = 1.0, sync: bool = True) -> torch.Tensor:
         """Forward and backward of one batch, its loss times ``scale`` (1/the batches accumulated for one
         optimizer step), gradients added to those of the step's batches before it. ``sync=False``
-        (under DDP): inside ``no_sync``, no gradient all-reduce: one per optimizer step, at its last batch."""
+        (under DDP): inside ``no_sync``, no gradient all-reduce: one per optimizer step, at its last batch.
+        Returns the batch's (unscaled) loss, a detached device tensor: nothing is read on the host."""
         n = images.shape[0]
         if self.accumulated == 0:
             # set_to_none: no kernel writes zeros, and the first backward writes the gradients.
             self.optimizer.zero_grad(set_to_none=True)
         quiet = self.eager.no_sync() if self.ddp and not sync else contextlib.nullcontext()
-        with quiet:
+        with self.region("forward_backward"), quiet:
             logits, loss = self._forward(self._module_for(n), images, labels, n)
             self.scaler.scale(loss * scale if scale != 1.0 else loss).backward()
         self.accumulated += 1
@@ -203,6 +214,7 @@ class TrainStep:
             sums[0] += loss.detach().double() * n
             sums[1] += correct_count(logits.detach(), labels)
             sums[2] += n
+        return loss.detach()
 
     def _module_for(self, n: int) -> nn.Module:
         """The compiled module, or the eager one for a batch of another size than the first under CUDA
@@ -250,6 +262,10 @@ class TrainStep:
         scheduler. Returns the total gradient norm before clipping (a device tensor), or None."""
         if not self.accumulated:
             return None
+        with self.region("optimizer"):
+            return self._step()
+
+    def _step(self) -> torch.Tensor | None:
         norm = None
         if self.clip_grad_norm is not None:
             # Under fp16 the gradients are scaled: unscale first, or the threshold applies to
