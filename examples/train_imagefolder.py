@@ -39,8 +39,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=cli.positive_int, default=224, help="training / evaluation crop size")
     p.add_argument("--device", default=None, type=cli.device, help="cpu, cuda or cuda:N (default: CUDA when available)")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 (or fp16) on CUDA, off on CPU")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="torch.compile the model")
+    cli.add_loop_args(p)   # --compile [MODE], --gradient-checkpointing, --profile DIR, --log-dir DIR
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
                    help="channels-last model and batches (faster convolutions on tensor cores)")
     p.add_argument("--workers", type=cli.nonnegative_int, default=None,
@@ -118,7 +117,7 @@ def main(args) -> dict:
         start = time.perf_counter()
         try:
             history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
-                          eval_loader=val_loader, amp=args.amp, compile=args.compile,
+                          eval_loader=val_loader, amp=args.amp, **cli.loop_kwargs(args),
                           channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
                           checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
                           accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, ema=args.ema)
@@ -140,6 +139,7 @@ def main(args) -> dict:
                             classes=train_src.num_classes, epochs=args.epochs, batch_size=args.batch_size,
                             image_size=size, config=config)
         report_run(result, accuracy_name="validation accuracy", json_out=args.json_out)
+        cli.plot_run_log(args.log_dir)   # --log-dir: DIR/curves.png (one line without matplotlib)
         for loader in (train_loader, val_loader):
             if loader is not None:
                 loader.close()

@@ -17,6 +17,12 @@ runs load them instead of drawing them again (70,000 digits take over a minute o
 ``--json-out`` writes the result as one JSON object: the whole-run figures, ``history`` (each epoch's
 record, with its ``lr``) and ``config`` (every flag as given, the workers, recipe, optimizer and
 scheduler they resolved to).
+
+What the loop records: ``--profile DIR`` writes a torch.profiler trace of a few steps (TensorBoard or
+ui.perfetto.dev open it) and prints where each step's time went (data wait, copy, forward/backward,
+optimizer); ``--log-dir DIR`` writes the run log (epochs.csv, steps.csv, TensorBoard scalars) and, at the
+end, ``DIR/curves.png``. ``--compile reduce-overhead`` records the step into CUDA graphs (MNIST's small
+CNN is launch-bound on a GPU); ``--gradient-checkpointing`` trades compute for activation memory.
 """
 from __future__ import annotations
 
@@ -51,8 +57,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, type=cli.device, help="cpu, cuda or cuda:N (default: CUDA when available)")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES,
                    help="auto: bf16 (or fp16) on CUDA, off on CPU")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="torch.compile the model")
+    cli.add_loop_args(p)   # --compile [MODE], --gradient-checkpointing, --profile DIR, --log-dir DIR
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False,
                    help="channels-last model and batches")
     p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
@@ -183,7 +188,7 @@ def main(args) -> dict:
         start = time.perf_counter()
         try:
             history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
-                          eval_loader=test_loader, amp=args.amp, compile=args.compile,
+                          eval_loader=test_loader, amp=args.amp, **cli.loop_kwargs(args),
                           channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
                           checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
                           accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, ema=args.ema)
@@ -201,6 +206,7 @@ def main(args) -> dict:
                             wall_seconds=time.perf_counter() - start, dataset=dataset, epochs=args.epochs,
                             batch_size=args.batch_size, config=config)
         report_run(result, accuracy_name=f"{dataset} test accuracy", json_out=args.json_out)
+        cli.plot_run_log(args.log_dir)   # --log-dir: DIR/curves.png (one line without matplotlib)
         for loader in (train_loader, test_loader):
             loader.close()
         ok = True

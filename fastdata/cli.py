@@ -81,6 +81,62 @@ def add_step_args(parser: argparse.ArgumentParser) -> None:
                         help="evaluate an exponential moving average of the weights (e.g. 0.999)")
 
 
+#: ``--compile``'s modes and the ``fit(compile=...)`` value of each.
+COMPILE_MODES = {"off": False, "default": True, "reduce-overhead": "reduce-overhead"}
+
+
+def compile_mode(text: str):
+    """A ``--compile`` mode (``COMPILE_MODES``) as ``fit``'s ``compile`` value: False, True or ``"reduce-overhead"``."""
+    if text not in COMPILE_MODES:
+        raise argparse.ArgumentTypeError(f"unknown mode {text!r}; choose from {list(COMPILE_MODES)}")
+    return COMPILE_MODES[text]
+
+
+def add_loop_args(parser: argparse.ArgumentParser) -> None:
+    """The training scripts' flags for how ``fit`` runs and what it records: ``--compile [MODE]``,
+    ``--gradient-checkpointing``, ``--profile DIR``, ``--log-dir DIR`` (``loop_kwargs`` hands them to fit;
+    ``check_training_args`` checks the folders before any work)."""
+    parser.add_argument("--compile", nargs="?", const="default", default="off", type=compile_mode,
+                        metavar="{" + ",".join(COMPILE_MODES) + "}",
+                        help="torch.compile the model (--compile alone: default); reduce-overhead records CUDA "
+                             "graphs, for small models whose GPU step is launch-bound (on the CPU: default)")
+    # The flag was a boolean before the modes: --no-compile keeps working.
+    parser.add_argument("--no-compile", dest="compile", action="store_const", const=False, help=argparse.SUPPRESS)
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+                        help="recompute each block's activations in backward: less memory, ~30%% more compute")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="write a torch.profiler trace of a few steps to DIR and print where a step's time goes")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="write the run log to DIR (epochs.csv, steps.csv, TensorBoard scalars) and its "
+                             "curves to DIR/curves.png at the end")
+
+
+def loop_kwargs(args: argparse.Namespace) -> dict:
+    """``fit``'s keyword arguments for the flags of ``add_loop_args``."""
+    return {"compile": args.compile, "gradient_checkpointing": args.gradient_checkpointing,
+            "profile": args.profile, "log_dir": args.log_dir}
+
+
+def plot_run_log(log_dir) -> str | None:
+    """At the end of a run with ``--log-dir``: its curves as ``log_dir/curves.png`` (rank 0), said in one
+    line; without matplotlib, one line saying so. Returns the PNG's path, or None when none was drawn."""
+    from . import distributed as fdist
+
+    if log_dir is None or not fdist.is_main():
+        return None
+    from .runlog import plot_curves
+
+    out = os.path.join(log_dir, "curves.png")
+    try:
+        plot_curves(log_dir, out)
+    except ImportError:
+        print(f"--log-dir: no curves.png: matplotlib is not installed (pip install matplotlib); the CSVs are in "
+              f"{log_dir}", flush=True)
+        return None
+    print(f"curves: {out}", flush=True)
+    return out
+
+
 def device(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N``, checked against this machine (a GPU that is not there is an
     error, not a fallback). Returned as given: under torchrun ``cuda`` means the rank's own GPU."""
@@ -174,9 +230,12 @@ def input_errors(what: str):
 def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """The checks the training scripts' flags need together, made right after parsing: ``--resume``
     needs ``--checkpoint``; ``--checkpoint`` and ``--json-out`` must be writable files (a folder there
-    would fail only when the first checkpoint, or the result at the very end, is written)."""
+    would fail only when the first checkpoint, or the result at the very end, is written); ``--profile``
+    and ``--log-dir`` writable folders."""
     if getattr(args, "resume", False) and not getattr(args, "checkpoint", None):
         parser.error("argument --resume: needs --checkpoint PATH, the file to continue from")
     for flag in ("--checkpoint", "--json-out"):
         check_output(parser, flag, getattr(args, flag[2:].replace("-", "_"), None))
+    for flag in ("--profile", "--log-dir"):   # folders: a file there would fail only when the run starts
+        check_output(parser, flag, getattr(args, flag[2:].replace("-", "_"), None), folder=True)
     return args

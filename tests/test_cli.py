@@ -81,3 +81,27 @@ def test_a_root_that_does_not_exist_ends_the_walk_up(monkeypatch):
     monkeypatch.setattr(ntpath, "exists", lambda p: False)
     monkeypatch.setattr(ntpath, "isdir", lambda p: False)
     assert cli.output_problem(r"Z:\runs\r.json") == r"'Z:\' does not exist"
+
+
+def test_compile_modes_are_fits_values_and_an_unknown_one_lists_them():
+    assert [cli.compile_mode(m) for m in ("off", "default", "reduce-overhead")] == [False, True, "reduce-overhead"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown mode 'max'; choose from \['off', 'default'"):
+        cli.compile_mode("max")
+
+
+def test_plot_run_log_draws_the_curves_or_says_in_one_line_that_matplotlib_is_missing(tmp_path, monkeypatch, capsys):
+    import fastdata.runlog as runlog
+
+    assert cli.plot_run_log(None) is None
+    with runlog.RunLog(tmp_path, tensorboard=False) as log:
+        log.epoch({"epoch": 1, "train_loss": 1.0})
+    assert cli.plot_run_log(str(tmp_path)) == str(tmp_path / "curves.png") and (tmp_path / "curves.png").exists()
+
+    def missing(*args, **kwargs):
+        raise ImportError("plot_curves needs matplotlib: pip install matplotlib")
+
+    monkeypatch.setattr(runlog, "plot_curves", missing)
+    capsys.readouterr()
+    assert cli.plot_run_log(str(tmp_path)) is None
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"--log-dir: no curves.png: matplotlib is not installed (pip install matplotlib); the CSVs are in {tmp_path}"]

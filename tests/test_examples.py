@@ -48,7 +48,12 @@ def test_parsers_take_choices_from_the_registry_and_no_type_bool(name):
         assert parser.parse_args(["--data-root", "x", "--backend", backend]).backend == backend
     assert list(actions["amp"].choices) == ["auto", "bf16", "fp16", "off"]
     assert all(a.type is not bool for a in parser._actions)
-    assert isinstance(actions["compile"], argparse.BooleanOptionalAction)
+    assert isinstance(actions["gradient_checkpointing"], argparse.BooleanOptionalAction)
+    # --compile takes fit's modes (alone: the default mode); --no-compile still turns it off.
+    parse = parser.parse_args
+    assert [parse(["--data-root", "x", *flags]).compile for flags in
+            ([], ["--compile"], ["--compile", "off"], ["--compile", "reduce-overhead"], ["--no-compile"])] == \
+        [False, True, False, "reduce-overhead", False]
     with pytest.raises(SystemExit):
         parser.parse_args(["--data-root", "x", "--backend", "nope"])
 
@@ -123,6 +128,29 @@ def test_mnist_example_accumulates_clips_and_averages_weights(mnist_example, tmp
     history = result["history"]
     assert all(r["grad_norm"] > 0 and r["eval_ema"] is True for r in history)
     assert history[1]["lr"] < 0.1 / 100   # annealed at the end: 6 optimizer steps of a 6-step schedule
+
+
+def test_mnist_example_profiles_and_logs_the_run_and_draws_its_curves(mnist_example, tmp_path, capsys, no_network):
+    """--profile DIR: a trace of a few steps and the table; --log-dir DIR: the CSVs and DIR/curves.png."""
+    import csv
+
+    prof, log = tmp_path / "prof", tmp_path / "log"
+    args = mnist_example.get_args_parser().parse_args(
+        ["--backend", "memory", "--data", "synthetic", "--train-size", "512", "--test-size", "128", "--epochs", "2",
+         "--batch-size", "64", "--workers", "0", "--device", "cpu", "--no-progress", "--gradient-checkpointing",
+         "--profile", str(prof), "--log-dir", str(log), "--data-root", str(tmp_path / "data")])
+    result = mnist_example.main(args)
+    traces = list(prof.glob("*.pt.trace.json"))
+    assert len(traces) == 1 and "forward_backward" in traces[0].read_text()
+    out = capsys.readouterr().out
+    assert "profile: where each step's time went" in out and f"curves: {log / 'curves.png'}" in out
+    with open(log / "epochs.csv", newline="") as f:
+        epochs = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in epochs] == [1, 2]
+    assert float(epochs[1]["eval_accuracy"]) == pytest.approx(result["history"][1]["eval_accuracy"])
+    assert (log / "steps.csv").read_text().startswith("step,loss,lr,")
+    assert (log / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["config"]["gradient_checkpointing"] is True and result["config"]["compile"] is False
 
 
 def test_mnist_auto_without_mnist_trains_on_synthetic_digits_and_says_so_once(mnist_example, tmp_path, capsys,
@@ -290,6 +318,7 @@ BAD_FLAGS = [
     ("--ema", "1", "must be a decay in (0, 1) such as 0.999, got '1'"),
     ("--ema", "x", "must be a number, got 'x'"),
     ("--device", "gpu", "'gpu' is not a device; use cpu, cuda or cuda:N"),
+    ("--compile", "max", "unknown mode 'max'; choose from ['off', 'default', 'reduce-overhead']"),
     ("--backend", "nope", "unknown backend 'nope'; choose from"),
 ]
 
@@ -335,6 +364,8 @@ def test_output_paths_and_resume_are_checked_before_training(name, tmp_path, cap
         (["--checkpoint", str(tmp_path)], "argument --checkpoint: "),
         (["--json-out", str(tmp_path)], "is a folder"),
         (["--json-out", str(tmp_path / "afile" / "r.json")], "which is a file, not a folder"),
+        (["--profile", str(tmp_path / "afile")], "argument --profile: "),
+        (["--log-dir", str(tmp_path / "afile")], "argument --log-dir: "),
     ]
     for extra, message in cases:
         with pytest.raises(SystemExit) as info:   # main checks them first, however it is called
