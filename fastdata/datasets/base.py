@@ -53,7 +53,8 @@ class Source:
 
     def read_stamped(self, i: int) -> tuple[bytes, int]:
         """(``read(i)``, a stamp that changes when the sample's bytes change): a backend that learns a
-        sample's header once (its size, for the crop boxes) learns it again when the stamp moves."""
+        sample's header once (its size, for the crop boxes) learns it again when the stamp moves. The
+        stamp is an int in ``[0, 2**63)`` (dali keeps them in an int64 array)."""
         raise TypeError(f"{self!r} holds decoded pixels or samples, not encoded files: it has no bytes to read")
 
     def sample_name(self, i: int) -> str:
