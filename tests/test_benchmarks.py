@@ -101,8 +101,6 @@ def test_bench_loaders_quick(tmp_path):
 
 
 def test_bench_training_quick(tmp_path):
-    if not (ROOT / "fastdata" / "engine.py").exists():
-        pytest.skip("fastdata/engine.py is not written yet")
     bench = load("bench_training")
     args = bench.get_args_parser().parse_args(
         ["--quick", "--out", str(tmp_path), "--steps", "4", "--tag", "test", "--cache", str(tmp_path / "c")])
