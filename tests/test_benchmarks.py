@@ -393,3 +393,71 @@ def test_bench_decode_quick(tmp_path):
     assert {t["label"] for t in payload["targets"]} == {t["label"] for t in on_disk["targets"]}
     for t in payload["targets"]:
         assert t["label"] in md
+
+
+def test_bench_shards_quick(tmp_path):
+    """Folder, local shards, shards over the HTTP server (cold cache each epoch) and --max-side shards
+    each measured on the torch backend; the decode workload pairs originals with their small copies."""
+    pytest.importorskip("aiohttp", reason="Shards over HTTP read through fsspec's aiohttp file system")
+    bench = load("bench_shards")
+    args = bench.get_args_parser().parse_args(
+        ["--quick", "--backends", "torch", "--jpeg-images", "20", "--jpeg-batch", "10", "--shard-size", "300KB",
+         "--window", "2", "--decode-photos", "4", "--decode-passes", "1", "--out", str(tmp_path), "--tag", "test",
+         "--cache", str(tmp_path / "c")])
+    payload = bench.main(args)
+    on_disk, md = check_reports(payload, "shards-test")
+    group = {r["name"]: r for r in payload["rows"] if r["workload"] == "torch"}
+    assert set(group) == {"folder", "shards", "shards http", "shards max-side 256"}
+    for name, r in group.items():
+        assert r["status"] == "ok" and r["rate"] > 0 and len(r["passes"]) == 1 and r["paired"], r
+        assert f"| {name} " in md
+    http = payload["http"]["torch"]
+    assert http["shards"] >= 3
+    # The warm-up epoch and the timed one each downloaded what the eviction before it removed.
+    assert len(http["requests"]) == 2
+    for got, held in zip(http["requests"], http["held"], strict=True):
+        assert got >= http["shards"] - held > 0
+    decode = {r["name"]: r for r in payload["rows"] if r["workload"] == "decode"}
+    assert set(decode) == {f"{copy}, {path}" for copy in ("originals", "max-side 256") for path in bench.DECODE_PATHS}
+    assert all(r["rate"] > 0 for r in decode.values())
+    rows = {(r["workload"], r["name"]): r for r in payload["rows"]}
+    for t in payload["targets"]:
+        assert t["label"] in md
+        ref, row = rows[(t["workload"], t["reference"])], rows[(t["workload"], t["name"])]
+        assert math.isclose(t["value"], row["passes"][0] / ref["passes"][0], rel_tol=1e-9)  # one round: paired
+    assert len(payload["targets"]) == 5
+
+
+def test_bench_shards_evicts_only_the_shards_no_process_holds(tmp_path):
+    """Deleting a shard that a process holds would leave its readers waiting forever for a download
+    under a lock that is never released: the benchmark's eviction takes each lock as the cache does."""
+    import fcntl
+    import os
+
+    bench = load("bench_shards")
+    (tmp_path / ".locks" / "sub").mkdir(parents=True)
+    (tmp_path / "sub").mkdir()
+    names = ["a.tar", "sub/b.tar", "c.tar", "never-fetched.tar"]
+    for name in names[:3]:
+        (tmp_path / name).write_bytes(b"x" * 512)
+    held = os.open(tmp_path / ".locks" / "sub" / "b.tar.lock", os.O_RDWR | os.O_CREAT)
+    other = os.fork()
+    if other == 0:   # the hold must be another process's: flock locks of one process do not conflict
+        fcntl.flock(held, fcntl.LOCK_SH)
+        os.close(os.open(tmp_path / "ready", os.O_CREAT))
+        import time
+
+        time.sleep(30)
+        os._exit(0)
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bench.empty_cache(tmp_path, names) == 1
+        assert [name for name in names if (tmp_path / name).exists()] == ["sub/b.tar"]
+    finally:
+        os.kill(other, 9)
+        os.waitpid(other, 0)
+        os.close(held)
