@@ -232,6 +232,13 @@ def main(args) -> dict:
         print(f"{result['dataset']} validation accuracy {acc} after {result['global_step']} steps "
               f"({result['world_size']} process(es), backend {args.backend})",
               flush=True)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # Leave the process group before the interpreter tears gloo down at exit: a rank whose gloo
+        # threads were destroyed while its peer was still leaving aborted ("terminate called without an
+        # active exception", exit -6) now and then on a loaded machine.
+        dist.destroy_process_group()
     return result
 
 
