@@ -291,3 +291,30 @@ def test_release_without_get_is_an_error(remote, tmp_path):
     with pytest.raises(ValueError, match="does not hold"):
         cache.release("s0.tar")
     cache.close()
+
+
+def test_a_forked_child_does_not_keep_the_parents_shard_locked(remote, tmp_path):
+    """A DataLoader worker forked while the parent held a shard inherited its flock; kept open, that copy
+    held the shard unevictable for the worker's whole life, after the parent had released it."""
+    root, files = remote
+    limit = 2 * SIZE + SIZE // 2                  # room for two shards
+    storage = Storage(f"file://{root}", **FAST)
+    cache = ShardCache(storage, tmp_path / "cache", limit_bytes=limit, expected_sizes=sizes(files))
+    held = cache.get("s0.tar")
+    ctx = multiprocessing.get_context("fork")
+    go, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=lambda: (go.wait(30), done.set(), time.sleep(30)), daemon=True)
+    child.start()                                 # alive, and never touches the cache itself
+    try:
+        go.set()
+        assert done.wait(30)
+        cache.release("s0.tar")
+        cache.get("s1.tar")
+        cache.release("s1.tar")
+        cache.get("s2.tar")                       # needs room: s0, released, must be evictable
+        assert not os.path.exists(held)
+        cache.release("s2.tar")
+    finally:
+        child.kill()
+        child.join()
+        cache.close()

@@ -407,8 +407,9 @@ class Loader:
         streaming = not self.source.random_access
         order = self.plan.order(epoch) if streaming else None
         try:
-            if streaming:
-                self.source.reading(order, offset)
+            # Told after each batch, not before the first: the torch backend forks its workers at the
+            # first batch, and a worker forked while the source's fetch-ahead thread held a shard's lock
+            # would inherit that lock and keep the shard unevictable.
             for batch in it:
                 if pipeline is not None:
                     # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do

@@ -33,6 +33,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 
 from fastdata.shards.storage import check_name
 
@@ -110,6 +111,9 @@ class ShardCache:
                              f"{self.cache_dir}; raise the limit or use smaller shards")
         self._lock = threading.Condition(threading.RLock())
         self._reset()
+        # In a forked child, drop the inherited lock copies at once, not at its first use of the cache.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (c := ref()) is not None and c._check_process())
         if not self.in_place:
             os.makedirs(os.path.join(self.cache_dir, _LOCKS), exist_ok=True)
             self._scan()   # removes what dead processes left half written
@@ -135,8 +139,16 @@ class ShardCache:
 
     def _check_process(self):
         if self._pid != os.getpid():
-            # A forked child: the parent's lock descriptors are shared with the parent (closing our
-            # copies would not release its locks), and its prefetch thread did not come along.
+            # A forked child: its prefetch thread did not come along, and the lock descriptors it
+            # inherited are copies of the parent's, sharing their flock. Our copies are closed (close,
+            # never LOCK_UN: that would release the parent's lock too): kept open, they would hold the
+            # parent's shards locked after the parent released them, and a DataLoader worker forked
+            # while the parent read a shard kept that shard unevictable for the worker's whole life.
+            for fd, _ in self._held.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
             self._lock = threading.Condition(threading.RLock())
             self._reset()
 
