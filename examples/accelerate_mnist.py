@@ -49,13 +49,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=cli.positive_float, default=0.1, help="peak learning rate of the one-cycle schedule")
     p.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=False,
                    help="train on the CPU even where there is a GPU (Accelerator(cpu=True))")
-    p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
-                   help="auto: MNIST from --data-root (downloaded unless --no-download), else synthetic digits")
-    p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
-    p.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
-                   help="fetch MNIST through torchvision when it is not in --data-root")
-    p.add_argument("--train-size", type=cli.positive_int, default=None, help="use the first N training images")
-    p.add_argument("--test-size", type=cli.positive_int, default=None, help="use the first N test images")
+    cli.add_digits_args(p)   # --data, --data-root, --download, --train-size, --test-size
     p.add_argument("--workers", type=cli.nonnegative_int, default=None,
                    help="loader workers per process (default: the usable cores / processes on the node)")
     p.add_argument("--seed", type=cli.seed, default=0)

@@ -54,13 +54,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="Lightning's accelerator (auto: a GPU when there is one)")
     p.add_argument("--devices", type=cli.positive_int, default=1,
                    help="processes; more than 1 trains with DDP (gloo on the CPU, nccl on GPUs)")
-    p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
-                   help="auto: MNIST from --data-root (downloaded unless --no-download), else synthetic digits")
-    p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
-    p.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
-                   help="fetch MNIST through torchvision when it is not in --data-root")
-    p.add_argument("--train-size", type=cli.positive_int, default=None, help="use the first N training images")
-    p.add_argument("--test-size", type=cli.positive_int, default=None, help="use the first N test images")
+    cli.add_digits_args(p)   # --data, --data-root, --download, --train-size, --test-size
     p.add_argument("--workers", type=cli.nonnegative_int, default=None,
                    help="loader workers per process (default: the usable cores / processes on the node)")
     p.add_argument("--seed", type=cli.seed, default=0)

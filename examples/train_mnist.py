@@ -60,14 +60,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     cli.add_loop_args(p)   # --compile [MODE], --gradient-checkpointing, --profile DIR, --log-dir DIR
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False,
                    help="channels-last model and batches")
-    p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
-                   help="auto: MNIST from --data-root (downloaded unless --no-download), else synthetic digits")
-    p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
-    p.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
-                   help="fetch MNIST through torchvision when it is not in --data-root "
-                        "(--no-download: never touch the network, e.g. in tests)")
-    p.add_argument("--train-size", type=cli.positive_int, default=None, help="use the first N training images")
-    p.add_argument("--test-size", type=cli.positive_int, default=None, help="use the first N test images")
+    cli.add_digits_args(p)   # --data, --data-root, --download, --train-size, --test-size
     p.add_argument("--workers", type=cli.nonnegative_int, default=None,
                    help="loader workers (default: the usable cores)")
     p.add_argument("--seed", type=cli.seed, default=0)

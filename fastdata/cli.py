@@ -70,6 +70,19 @@ def ema_decay(text: str) -> float:
     return value
 
 
+def add_digits_args(parser: argparse.ArgumentParser) -> None:
+    """The digits examples' data flags (train_mnist, lightning_mnist, accelerate_mnist): ``--data``,
+    ``--data-root``, ``--download``, ``--train-size``, ``--test-size``."""
+    parser.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
+                        help="auto: MNIST from --data-root (downloaded unless --no-download), else synthetic digits")
+    parser.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
+    parser.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
+                        help="fetch MNIST through torchvision when it is not in --data-root "
+                             "(--no-download: never touch the network, e.g. in tests)")
+    parser.add_argument("--train-size", type=positive_int, default=None, help="use the first N training images")
+    parser.add_argument("--test-size", type=positive_int, default=None, help="use the first N test images")
+
+
 def add_step_args(parser: argparse.ArgumentParser) -> None:
     """The training scripts' flags for ``fit``'s step: ``--accumulate``, ``--clip-grad-norm``, ``--ema``
     (each checked by its type, so a bad value is argparse's one-line error)."""
