@@ -168,3 +168,16 @@ def test_offsets_that_lie_are_refused_and_a_shard_that_disagrees_with_its_index_
     tar.write_bytes(bytes(data))
     with pytest.raises(DecodeError, match="holds '00000099.jpg' at offset .* the index does not describe"):
         Shards(bad).read(0)
+
+
+def test_a_subset_of_shards_reads_its_own_samples_in_a_plain_permutation(packed):
+    _, out = packed
+    shards = Shards(out)
+    picked = np.random.default_rng(0).permutation(len(shards))   # every sample, in another order
+    sub = shards.subset(picked)
+    assert sub.epoch_order(1, 0) is None and shards.epoch_order(1, 0) is not None
+    loader = make_loader(sub, "torch", batch_size=16, device="cpu", augment=NONE, num_workers=0,
+                         shuffle=True, drop_last=False)
+    labels = np.concatenate([y.numpy() for _, y in loader])
+    np.testing.assert_array_equal(np.sort(labels), np.sort(shards.labels))
+    assert sub.read(0) == shards.read(int(picked[0]))

@@ -174,8 +174,8 @@ class Shards(Source):
     # ------------------------------------------------------------------ Source: order and streaming
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray | None:
         """Shards shuffled, then samples within each window of ``window`` shards (``shards.order``)."""
-        if len(self._ids) != len(self.index) or not np.array_equal(self._ids[:1], [0]):
-            return None   # a subset: a plain permutation of its samples
+        if self.indices is not None:
+            return None   # a subset: a plain permutation of its samples (positions are not index ids)
         from ..shards.order import epoch_order
 
         return epoch_order(self.index.shard_sizes, seed, epoch, window=self.window, shuffle=True)
