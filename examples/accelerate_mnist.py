@@ -185,6 +185,10 @@ def main(args) -> dict:
             json.dump(result, f)
     for loader in (train_loader, eval_loader):
         loader.close()
+    # Leave together: a rank still tearing gloo down when rank 0 (the rendezvous store's host) has
+    # already exited aborted now and then on a loaded machine ("terminate called without an active
+    # exception", exit -6), after all its work was done.
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
 

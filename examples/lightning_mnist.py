@@ -229,9 +229,10 @@ def main(args) -> dict:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        # Leave the process group before the interpreter tears gloo down at exit: a rank whose gloo
-        # threads were destroyed while its peer was still leaving aborted ("terminate called without an
-        # active exception", exit -6) now and then on a loaded machine.
+        # Leave together, and leave the process group before the interpreter tears gloo down at exit: a
+        # rank still tearing it down when rank 0 (the rendezvous store's host) had exited aborted now
+        # and then on a loaded machine ("terminate called without an active exception", exit -6).
+        dist.barrier()
         dist.destroy_process_group()
     return result
 

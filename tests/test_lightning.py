@@ -222,7 +222,8 @@ DDP_SCRIPT = textwrap.dedent("""
               "early": None if early is None else [early.sampler.rank, early.sampler.num_replicas]}
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
-    torch.distributed.destroy_process_group()   # before exit: gloo torn down at exit may abort a rank
+    torch.distributed.barrier()                 # leave together, and the process group before exit:
+    torch.distributed.destroy_process_group()   # gloo torn down at exit while a peer left may abort a rank
 """)
 
 
