@@ -133,6 +133,21 @@ def indexed_source(n: int = 1000, size: int = 8, channels: int = 1) -> ArraySour
     return ArraySource(images, label_of(ids), mean=MEAN * channels, std=STD * channels, name="indexed")
 
 
+def load_example(name: str):
+    """examples/<name>.py as a module (registered in sys.modules first: dataclasses and pickle look a
+    class's module up by name)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def file_bytes(path) -> tuple[bytes, str]:
     """(a file's bytes, its path): the arguments ``transforms.load_photo`` takes (sources own their bytes)."""
     with open(path, "rb") as f:

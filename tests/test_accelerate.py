@@ -5,7 +5,6 @@ step trained on, or which a metric counted, and compare with what must be.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import backend_params, decode_ids, indexed_source, label_of
+from conftest import backend_params, decode_ids, indexed_source, label_of, load_example
 from fastdata import Augmentation, available_backends, make_loader
 
 accelerate = pytest.importorskip("accelerate", reason="the 'integrations' extra is not installed: pip install "
@@ -189,11 +188,7 @@ def test_gather_for_metrics_over_an_even_batches_loader_counts_every_sample_once
 
 # ------------------------------------------------------------------------------------- the example
 def _example():
-    spec = importlib.util.spec_from_file_location("accelerate_mnist", ROOT / "examples" / "accelerate_mnist.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["accelerate_mnist"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("accelerate_mnist")
 
 
 @pytest.mark.parametrize("backend", backend_params(auto=True))

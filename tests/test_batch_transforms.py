@@ -2,17 +2,14 @@
 checks and refusals, end to end through every backend, fit on soft labels, the example, and CUDA."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import pickle
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import backend_params
+from conftest import backend_params, load_example
 from fastdata import Augmentation, LoaderConfig, make_loader
 from fastdata.batch_transforms import (
     BatchPipeline,
@@ -669,13 +666,7 @@ def test_fit_trains_on_soft_labels_on_every_backend(cifar, backend):
 
 # ----------------------------------------------------------------------------------- the example
 def _example():
-    path = Path(__file__).resolve().parents[1] / "examples" / "custom_augmentation.py"
-    spec = importlib.util.spec_from_file_location("custom_augmentation", path)
-    module = importlib.util.module_from_spec(spec)
-    # Registered before it runs: dataclasses look their module up by name (the example defines one).
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("custom_augmentation")
 
 
 def test_example_parser_takes_backends_from_the_registry():

@@ -1,15 +1,12 @@
 """The batch contract, held against every backend by the same tests."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from conftest import BACKENDS as INSTALLED
-from conftest import DEVICES, MEAN, STD, decode_ids, indexed_source, label_of
+from conftest import DEVICES, MEAN, STD, decode_ids, indexed_source, label_of, load_example
 from fastdata import Augmentation, make_loader, registry
 from fastdata.datasets import ImageFolder, SyntheticDigits
 
@@ -18,18 +15,10 @@ NONE = Augmentation.none()
 BACKENDS = INSTALLED + ["simple"]
 
 
-def _load_example(name: str):
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module", autouse=True)
 def example_backend():
     """examples/custom_backend.py's SimpleLoader, registered for this module's tests only."""
-    module = _load_example("custom_backend")
+    module = load_example("custom_backend")
     module.register()
     yield module.SimpleLoader
     registry.unregister("simple")
@@ -42,7 +31,7 @@ def zip_source(tmp_path_factory):
     name) is not the ids', so an order the loader took from anywhere but the source shows."""
     from PIL import Image
 
-    module = _load_example("custom_source")
+    module = load_example("custom_source")
     folder = tmp_path_factory.mktemp("zipped")
     n, size = 203, 16
     for i in range(n):

@@ -1,5 +1,4 @@
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_example
 from fastdata import available_backends
 from fastdata.datasets import make_image_folder
 
@@ -23,11 +23,7 @@ CONFIG_KEYS = {"backend", "epochs", "batch_size", "lr", "seed", "workers", "num_
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module   # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_example(name)
 
 
 @pytest.fixture(scope="module")

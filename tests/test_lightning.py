@@ -8,7 +8,6 @@ run trained on after the checkpoint's step.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import backend_params, decode_ids, indexed_source, label_of
+from conftest import backend_params, decode_ids, indexed_source, label_of, load_example
 from fastdata import Augmentation, make_loader
 
 L = pytest.importorskip("lightning", reason="the 'integrations' extra is not installed: pip install "
@@ -266,11 +265,7 @@ def test_two_process_ddp_ranks_read_disjoint_shards_that_cover_the_data(backend,
 
 # ------------------------------------------------------------------------------------- the example
 def _example():
-    spec = importlib.util.spec_from_file_location("lightning_mnist", ROOT / "examples" / "lightning_mnist.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["lightning_mnist"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("lightning_mnist")
 
 
 @pytest.mark.parametrize("backend", backend_params(auto=True))
