@@ -34,7 +34,7 @@ import os
 import torch
 
 from fastdata import cli, make_loader
-from fastdata.datasets import MNIST, ArraySource, SyntheticDigits
+from fastdata.datasets import MNIST
 from fastdata.models import SmallCNN
 
 
@@ -73,16 +73,6 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     cli.check_output(parser, "--json-out", args.json_out)
     if args.resume and not os.path.isdir(args.ckpt_dir):
         parser.error(f"argument --resume: '{args.ckpt_dir}' holds no saved state")
-
-
-def _digits(args, train: bool, use_mnist: bool) -> ArraySource:
-    n = args.train_size if train else args.test_size
-    if use_mnist:
-        src = MNIST(args.data_root, train=train, download=False)
-        if n is None or n >= len(src):
-            return src
-        return ArraySource(src.images[:n], src.labels[:n], mean=src.mean, std=src.std, name=src.name, digits=True)
-    return SyntheticDigits(n or (60_000 if train else 10_000), train=train, seed=args.seed)
 
 
 def _has_mnist(args) -> bool:
@@ -133,9 +123,9 @@ def main(args) -> dict:
         accelerator.print(f"MNIST is not in '{args.data_root}': training on synthetic digits instead")
 
     with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
-        train_loader = make_loader(_digits(args, True, use_mnist), args.backend, device=accelerator.device,
+        train_loader = make_loader(cli.digits_source(args, True, use_mnist), args.backend, device=accelerator.device,
                                    batch_size=args.batch_size, train=True, seed=args.seed, num_workers=args.workers)
-        eval_loader = make_loader(_digits(args, False, use_mnist), args.backend, like=train_loader,
+        eval_loader = make_loader(cli.digits_source(args, False, use_mnist), args.backend, like=train_loader,
                                   batch_size=max(args.batch_size, 512), even_batches=True)
     model = SmallCNN(num_classes=10, in_channels=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)

@@ -25,7 +25,7 @@ import os
 import torch
 
 from fastdata import cli, make_loader
-from fastdata.datasets import MNIST, ArraySource, SyntheticDigits
+from fastdata.datasets import MNIST
 from fastdata.models import SmallCNN
 
 
@@ -80,16 +80,6 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"argument --resume: '{args.resume}' is not a file")
 
 
-def _digits(args, train: bool, use_mnist: bool) -> ArraySource:
-    n = args.train_size if train else args.test_size
-    if use_mnist:
-        src = MNIST(args.data_root, train=train, download=False)
-        if n is None or n >= len(src):
-            return src
-        return ArraySource(src.images[:n], src.labels[:n], mean=src.mean, std=src.std, name=src.name, digits=True)
-    return SyntheticDigits(n or (60_000 if train else 10_000), train=train, seed=args.seed)
-
-
 def build(args):
     """(model, datamodule) for ``args``: the classes are defined here so that importing this file does not
     need Lightning (the tests load it to read its parser)."""
@@ -132,12 +122,12 @@ def build(args):
                 print(f"MNIST is not in '{args.data_root}': training on synthetic digits instead", flush=True)
             device = self.trainer.strategy.root_device
             with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
-                self.train_loader = make_loader(_digits(args, True, use_mnist), args.backend, device=device,
+                self.train_loader = make_loader(cli.digits_source(args, True, use_mnist), args.backend, device=device,
                                                 batch_size=args.batch_size, train=True, seed=args.seed,
                                                 num_workers=args.workers)
                 # like=: the test digits are normalized with the training set's statistics. Uneven shards
                 # are fine here: validation sums correct answers over the ranks (no gather of predictions).
-                self.val_loader = make_loader(_digits(args, False, use_mnist), args.backend,
+                self.val_loader = make_loader(cli.digits_source(args, False, use_mnist), args.backend,
                                               like=self.train_loader, batch_size=max(args.batch_size, 512))
 
         def train_dataloader(self):

@@ -134,7 +134,7 @@ def load_digits(args, device) -> tuple[object, object, str]:
     if have == "mnist" and not lacking:
         train = MNIST(args.data_root, train=True, download=False)
         test = MNIST(args.data_root, train=False, download=False)
-        return _first(train, args.train_size), _first(test, args.test_size), "mnist"
+        return cli.first_digits(train, args.train_size), cli.first_digits(test, args.test_size), "mnist"
     if args.data == "auto" and fdist.is_main():
         how = "could not be downloaded" if args.download else "--no-download was given"
         where = f"on {int(lacking)} of {fdist.world_size()} ranks" if fdist.world_size() > 1 else ""
@@ -144,15 +144,6 @@ def load_digits(args, device) -> tuple[object, object, str]:
     train = _synthetic(args, True, args.train_size or 60_000)
     test = _synthetic(args, False, args.test_size or 10_000)
     return train, test, "synthetic"
-
-
-def _first(source, n):
-    if n is None or n >= len(source):
-        return source
-    from fastdata.datasets import ArraySource
-
-    return ArraySource(source.images[:n], source.labels[:n], mean=source.mean, std=source.std,
-                       name=source.name, digits=True)
 
 
 def main(args) -> dict:

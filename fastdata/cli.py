@@ -83,6 +83,28 @@ def add_digits_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--test-size", type=positive_int, default=None, help="use the first N test images")
 
 
+def first_digits(source, n: int | None):
+    """The first ``n`` samples of a digits array source (``--train-size``/``--test-size``); all of it
+    when ``n`` is None or not smaller. Keeps the source's statistics and name."""
+    if n is None or n >= len(source):
+        return source
+    from .datasets import ArraySource
+
+    return ArraySource(source.images[:n], source.labels[:n], mean=source.mean, std=source.std,
+                       name=source.name, digits=True)
+
+
+def digits_source(args: argparse.Namespace, train: bool, use_mnist: bool):
+    """The training or test digits ``add_digits_args``' flags ask for: MNIST from ``--data-root``
+    (already there: nothing is downloaded here), else the synthetic digits, cut to the sizes given."""
+    from .datasets import MNIST, SyntheticDigits
+
+    n = args.train_size if train else args.test_size
+    if use_mnist:
+        return first_digits(MNIST(args.data_root, train=train, download=False), n)
+    return SyntheticDigits(n or (60_000 if train else 10_000), train=train, seed=args.seed)
+
+
 def add_step_args(parser: argparse.ArgumentParser) -> None:
     """The training scripts' flags for ``fit``'s step: ``--accumulate``, ``--clip-grad-norm``, ``--ema``
     (each checked by its type, so a bad value is argparse's one-line error)."""
