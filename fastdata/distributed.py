@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import weakref
 from datetime import timedelta
 
 import torch
@@ -121,6 +122,8 @@ def cleanup(barrier: bool = True) -> None:
     seen here in the 2-rank CPU test; pytorch/pytorch#190489). After a failure pass
     ``barrier=False``: the peers may be inside a collective that never completes, and the barrier
     would wait for the process group's timeout (30 minutes) instead of letting torchrun stop them."""
+    _NODE_GROUPS.forget()   # fastdata's own groups go with the default group, not at interpreter exit
+    _CPU_GROUPS.forget()
     if dist.is_available() and dist.is_initialized():
         if barrier:
             try:
@@ -198,10 +201,41 @@ def all_max(values: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ one node
-# node_group()'s groups, per backend, for the default process group they were made under (a group
-# destroyed and started again, as the tests and fit's set-up do, gets new ones).
-_NODE_GROUPS: dict = {}
-_NODE_WORLD = None
+class _PerWorld:
+    """Values made under one default process group (groups fastdata made, the node layout), forgotten
+    when that group goes: a group destroyed and started again, as the tests and fit's set-up do, gets
+    new ones.
+
+    It holds the default group only by a weak reference, and lets go of its own groups as soon as the
+    default group is freed (or ``cleanup`` runs). Holding them past ``destroy_process_group`` kept gloo's
+    groups alive until the interpreter shut down, and a gloo group freed during shutdown can abort the
+    process ("terminate called without an active exception"; pytorch/pytorch#179291 describes the
+    mechanism): under load it failed a 3-rank run after every rank had finished its work."""
+
+    def __init__(self):
+        self.values: dict = {}
+        self._world = None
+
+    def current(self) -> dict:
+        """The values for the default process group now in place (emptied if it changed)."""
+        world = dist.group.WORLD
+        if self._world is None or self._world() is not world:
+            self.values.clear()
+            self._world = weakref.ref(world, self._gone)
+        return self.values
+
+    def _gone(self, ref) -> None:
+        if self._world is ref:   # an older group freed late must not empty a newer group's values
+            self.forget()
+
+    def forget(self) -> None:
+        """Drop every value and the reference to the default group."""
+        self.values.clear()
+        self._world = None
+
+
+# node_group()'s groups, per backend, and node_layout()'s layout.
+_NODE_GROUPS = _PerWorld()
 
 
 def node_key() -> str:
@@ -221,23 +255,15 @@ def node_layout() -> list[list[int]]:
     with node_group's groups)."""
     if not is_distributed():
         return [[0]]
-    _check_node_cache()
-    if "layout" not in _NODE_GROUPS:
+    cache = _NODE_GROUPS.current()
+    if "layout" not in cache:
         keys = [None] * dist.get_world_size()
         dist.all_gather_object(keys, node_key())
         nodes: dict = {}
         for r, key in enumerate(keys):
             nodes.setdefault(key, []).append(r)
-        _NODE_GROUPS["layout"] = sorted(nodes.values())
-    return _NODE_GROUPS["layout"]
-
-
-def _check_node_cache() -> None:
-    global _NODE_WORLD
-    world = dist.group.WORLD
-    if _NODE_WORLD is not world:
-        _NODE_GROUPS.clear()
-        _NODE_WORLD = world
+        cache["layout"] = sorted(nodes.values())
+    return cache["layout"]
 
 
 def node_group(backend: str | None = None):
@@ -257,14 +283,15 @@ def node_group(backend: str | None = None):
         return None, 0, 1
     layout = node_layout()
     name = str(backend or dist.get_backend()).lower()
-    if name not in _NODE_GROUPS:
+    cache = _NODE_GROUPS.current()
+    if name not in cache:
         me, mine = dist.get_rank(), None
         for i, ranks in enumerate(layout):
             g = dist.new_group(ranks, backend=name, group_desc=f"fastdata_node{i}_{name}")
             if me in ranks:
                 mine = (g, ranks.index(me), len(ranks))
-        _NODE_GROUPS[name] = mine
-    return _NODE_GROUPS[name]
+        cache[name] = mine
+    return cache[name]
 
 
 def gather_objects(obj, group=None) -> list:
@@ -506,8 +533,7 @@ def node_shared_tensor(nbytes: int, group, *, tag: str = "", directory: str = "/
 # the pickled objects on the host where an nccl group would route them through a GPU.
 PREPARE_TIMEOUT = timedelta(hours=24)
 # gloo groups by timeout, for the default process group they were made under (see _cpu_group).
-_CPU_GROUPS: dict = {}
-_CPU_GROUPS_WORLD = None
+_CPU_GROUPS = _PerWorld()
 
 
 class PreparationError(RuntimeError):
@@ -623,14 +649,10 @@ def _cpu_group(timeout: timedelta | None):
     can close its sockets while a peer still reads from them. Collective the first time (every rank
     calls ``new_group`` in the same order, as the callers above guarantee). The default group itself
     when it is gloo and no timeout is asked for."""
-    global _CPU_GROUPS_WORLD
-    world = dist.group.WORLD
-    if _CPU_GROUPS_WORLD is not world:
-        _CPU_GROUPS.clear()
-        _CPU_GROUPS_WORLD = world
+    cache = _CPU_GROUPS.current()
     if timeout is None and "gloo" in str(dist.get_backend()).lower():
         return None
-    if timeout not in _CPU_GROUPS:
+    if timeout not in cache:
         seconds = int(timeout.total_seconds()) if timeout else 0
-        _CPU_GROUPS[timeout] = dist.new_group(backend="gloo", timeout=timeout, group_desc=f"fastdata_cpu_{seconds}")
-    return _CPU_GROUPS[timeout]
+        cache[timeout] = dist.new_group(backend="gloo", timeout=timeout, group_desc=f"fastdata_cpu_{seconds}")
+    return cache[timeout]

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _torchrun(script_text, args, cwd, timeout=120):
     script = Path(cwd) / "script.py"
     script.write_text(textwrap.dedent(script_text))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
@@ -314,3 +314,37 @@ def test_rank_reads_lightnings_variables_as_the_loaders_do(monkeypatch):
     assert distributed.rank() == 1 and not distributed.is_main()
     monkeypatch.setenv("NODE_RANK", "1")   # unknown without LOCAL_WORLD_SIZE: printing falls back to 0
     assert distributed.rank() == 0
+
+
+GROUPS_FREED_SCRIPT = """
+import gc, json, os, weakref
+from datetime import timedelta
+import torch.distributed as dist
+from fastdata import distributed as fdist
+
+def made():
+    fdist.init_distributed("cpu")
+    groups = [dist.group.WORLD, fdist.node_group("gloo")[0], fdist._cpu_group(timedelta(seconds=60))]
+    fdist.node_layout()
+    return [weakref.ref(g) for g in groups]
+
+out = {}
+refs = made()
+dist.barrier()
+dist.destroy_process_group()   # the user's own teardown, not fastdata's
+gc.collect()
+out["destroyed"] = [r() is None for r in refs]
+refs = made()   # a new default group gets new groups
+fdist.cleanup()
+gc.collect()
+out["cleanup"] = [r() is None for r in refs]
+with open(f"rank{os.environ['RANK']}.json", "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_fastdatas_groups_go_with_the_default_group(tmp_path):
+    """After ``destroy_process_group`` (the user's) or ``fdist.cleanup``, nothing of fastdata keeps a
+    gloo group alive: one freed at interpreter shutdown can abort a rank that finished its work."""
+    for result in _torchrun(GROUPS_FREED_SCRIPT, [], tmp_path):
+        assert result == {"destroyed": [True] * 3, "cleanup": [True] * 3}
