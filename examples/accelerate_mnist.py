@@ -34,6 +34,7 @@ import os
 import torch
 
 from fastdata import cli, make_loader
+from fastdata import distributed as fdist
 from fastdata.datasets import MNIST
 from fastdata.models import SmallCNN
 
@@ -175,10 +176,10 @@ def main(args) -> dict:
             json.dump(result, f)
     for loader in (train_loader, eval_loader):
         loader.close()
-    # Leave together: a rank still tearing gloo down when rank 0 (the rendezvous store's host) has
-    # already exited aborted now and then on a loaded machine ("terminate called without an active
-    # exception", exit -6), after all its work was done.
-    accelerator.wait_for_everyone()
+    # Leave together, and let gloo's threads finish before the interpreter shuts down: without it a rank
+    # aborted now and then on a loaded machine after its work was done (exit -6; see fdist.cleanup).
+    # end_training then finds the process group gone and only stops the trackers.
+    fdist.cleanup()
     accelerator.end_training()
     return result
 

@@ -25,6 +25,7 @@ import os
 import torch
 
 from fastdata import cli, make_loader
+from fastdata import distributed as fdist
 from fastdata.datasets import MNIST
 from fastdata.models import SmallCNN
 
@@ -216,14 +217,9 @@ def main(args) -> dict:
         print(f"{result['dataset']} validation accuracy {acc} after {result['global_step']} steps "
               f"({result['world_size']} process(es), backend {args.backend})",
               flush=True)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        # Leave together, and leave the process group before the interpreter tears gloo down at exit: a
-        # rank still tearing it down when rank 0 (the rendezvous store's host) had exited aborted now
-        # and then on a loaded machine ("terminate called without an active exception", exit -6).
-        dist.barrier()
-        dist.destroy_process_group()
+    # Leave together, and let gloo's threads finish before the interpreter shuts down: without it a rank
+    # aborted now and then on a loaded machine after its work was done (exit -6; see fdist.cleanup).
+    fdist.cleanup()
     return result
 
 

@@ -115,22 +115,49 @@ def duplicate_gpus(ranks: list) -> str | None:
 
 
 def cleanup(barrier: bool = True) -> None:
-    """Tear the process group down, on every rank together after a successful run.
+    """Tear the process group down, on every rank together after a successful run, and give gloo's
+    worker threads the moment they need to let go of the last collectives' tensors before the
+    interpreter shuts down. Call it last, where a script ends.
 
     The barrier first: a rank that destroys its group and exits while a peer's gloo threads still
-    talk to it can make that peer abort at exit ("terminate called without an active exception",
-    seen here in the 2-rank CPU test; pytorch/pytorch#190489). After a failure pass
-    ``barrier=False``: the peers may be inside a collective that never completes, and the barrier
-    would wait for the process group's timeout (30 minutes) instead of letting torchrun stop them."""
+    talk to it can make that peer abort at exit. After a failure pass ``barrier=False``: the peers may
+    be inside a collective that never completes, and the barrier would wait for the process group's
+    timeout (30 minutes) instead of letting torchrun stop them."""
     _NODE_GROUPS.forget()   # fastdata's own groups go with the default group, not at interpreter exit
     _CPU_GROUPS.forget()
     if dist.is_available() and dist.is_initialized():
+        gloo = "gloo" in str(dist.get_backend()).lower()
         if barrier:
             try:
                 dist.barrier()
             except Exception:  # a peer already failed: still release this rank's resources
                 pass
         dist.destroy_process_group()
+        if gloo:
+            _let_gloo_threads_finish()
+
+
+# How long cleanup() leaves the GIL to gloo's worker threads (see _let_gloo_threads_finish).
+GLOO_EXIT_GRACE_S = 0.25
+
+
+def _let_gloo_threads_finish() -> None:
+    """Sleep (the GIL released) for GLOO_EXIT_GRACE_S, so gloo's worker threads drop what they hold.
+
+    A gloo worker thread frees a finished collective after the caller has already been told it is
+    done, and a barrier's work also holds the collectives queued before it. Freeing a tensor that
+    Python code passed in takes the GIL. When the main thread has meanwhile reached interpreter
+    shutdown, CPython 3.11 ends the worker thread inside that C++ destructor (pthread_exit), and
+    the process aborts: "terminate called without an active exception", exit -6, after every rank
+    had finished its work. Seen about once in 20 3-rank CPU runs on a loaded 2-core machine; the
+    core dump shows ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllreduceWork ->
+    TensorImpl::decref_pyobject -> take_gil -> pthread_exit. destroy_process_group does not stop
+    gloo's threads (its shutdown is a no-op), and DDP keeps the group alive until shutdown, so
+    there is nothing to join: the drop takes microseconds once the thread runs, and a quarter of a
+    second with the GIL free is ample even when 2 cores run several ranks."""
+    import time
+
+    time.sleep(GLOO_EXIT_GRACE_S)
 
 
 def barrier() -> None:

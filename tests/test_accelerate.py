@@ -119,6 +119,7 @@ GATHER_SCRIPT = textwrap.dedent("""
     import numpy as np, torch
     from accelerate import Accelerator
     from fastdata import Augmentation, make_loader
+    from fastdata import distributed as fdist
     from fastdata.datasets import ArraySource
 
     backends, out = sys.argv[1].split(","), sys.argv[2]
@@ -149,6 +150,7 @@ GATHER_SCRIPT = textwrap.dedent("""
         loader.close()
     with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
         json.dump(record, f)
+    fdist.cleanup()   # leave together; gloo's threads finish before exit (a rank aborted without it)
     accelerator.end_training()
 """)
 

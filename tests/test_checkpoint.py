@@ -381,7 +381,9 @@ def _shared_rank(rank, store, paths, queue):
     except Exception as e:  # reported, not raised: the parent asserts on it
         queue.put((rank, f"{type(e).__name__}: {e}"))
     finally:
-        dist.destroy_process_group()
+        from fastdata import distributed as fdist
+
+        fdist.cleanup(barrier=False)   # gloo's threads finish before exit
 
 
 def _load_on_three_ranks(tmp_path, paths):

@@ -348,3 +348,22 @@ def test_fastdatas_groups_go_with_the_default_group(tmp_path):
     gloo group alive: one freed at interpreter shutdown can abort a rank that finished its work."""
     for result in _torchrun(GROUPS_FREED_SCRIPT, [], tmp_path):
         assert result == {"destroyed": [True] * 3, "cleanup": [True] * 3}
+
+
+def test_cleanup_leaves_gloos_threads_the_gil_before_the_interpreter_exits(tmp_path, monkeypatch):
+    """Under gloo, cleanup sleeps (the GIL free) after destroying the group: a gloo worker thread that
+    frees a finished collective's tensors during interpreter shutdown aborts the rank (see
+    fdist._let_gloo_threads_finish)."""
+    import time
+
+    import torch.distributed as dist
+
+    slept = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (slept.append(s), real_sleep(0)))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.all_reduce(torch.ones(3))
+    fdist.cleanup()
+    assert not dist.is_initialized() and slept == [fdist.GLOO_EXIT_GRACE_S]
+    fdist.cleanup()   # a second call, with no group left, neither fails nor waits
+    assert slept == [fdist.GLOO_EXIT_GRACE_S]

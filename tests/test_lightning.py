@@ -173,6 +173,7 @@ DDP_SCRIPT = textwrap.dedent("""
     import numpy as np, torch
     import lightning as L
     from fastdata import Augmentation, make_loader
+    from fastdata import distributed as fdist
     from fastdata.datasets import ArraySource
 
     backend, out = sys.argv[1], sys.argv[2]
@@ -221,8 +222,7 @@ DDP_SCRIPT = textwrap.dedent("""
               "early": None if early is None else [early.sampler.rank, early.sampler.num_replicas]}
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
-    torch.distributed.barrier()                 # leave together, and the process group before exit:
-    torch.distributed.destroy_process_group()   # gloo torn down at exit while a peer left may abort a rank
+    fdist.cleanup()   # leave together; gloo's threads finish before exit (a rank aborted without it)
 """)
 
 

@@ -42,7 +42,7 @@ def _rank_main(rank, world, local_ranks, store, queue, job):
     except Exception as e:  # reported, not raised: the parent asserts on it
         queue.put((rank, "raised", f"{type(e).__name__}: {e}"))
     finally:
-        dist.destroy_process_group()
+        fdist.cleanup(barrier=False)   # gloo's threads finish before exit
 
 
 def _forked(tmp_path, job, local_ranks, timeout=60):
