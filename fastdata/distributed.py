@@ -117,7 +117,7 @@ def duplicate_gpus(ranks: list) -> str | None:
 def cleanup(barrier: bool = True) -> None:
     """Tear the process group down, on every rank together after a successful run, and give gloo's
     worker threads the moment they need to let go of the last collectives' tensors before the
-    interpreter shuts down. Call it last, where a script ends.
+    interpreter shuts down (a quarter of a second, once). Call it last, where a script ends.
 
     The barrier first: a rank that destroys its group and exits while a peer's gloo threads still
     talk to it can make that peer abort at exit. After a failure pass ``barrier=False``: the peers may
@@ -126,15 +126,14 @@ def cleanup(barrier: bool = True) -> None:
     _NODE_GROUPS.forget()   # fastdata's own groups go with the default group, not at interpreter exit
     _CPU_GROUPS.forget()
     if dist.is_available() and dist.is_initialized():
-        gloo = "gloo" in str(dist.get_backend()).lower()
         if barrier:
             try:
                 dist.barrier()
             except Exception:  # a peer already failed: still release this rank's resources
                 pass
         dist.destroy_process_group()
-        if gloo:
-            _let_gloo_threads_finish()
+        # Under nccl too: fastdata's preparation and decisions travel over gloo groups of their own.
+        _let_gloo_threads_finish()
 
 
 # How long cleanup() leaves the GIL to gloo's worker threads (see _let_gloo_threads_finish).

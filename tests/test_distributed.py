@@ -351,7 +351,7 @@ def test_fastdatas_groups_go_with_the_default_group(tmp_path):
 
 
 def test_cleanup_leaves_gloos_threads_the_gil_before_the_interpreter_exits(tmp_path, monkeypatch):
-    """Under gloo, cleanup sleeps (the GIL free) after destroying the group: a gloo worker thread that
+    """cleanup sleeps (the GIL free) after destroying the group: a gloo worker thread that
     frees a finished collective's tensors during interpreter shutdown aborts the rank (see
     fdist._let_gloo_threads_finish)."""
     import time
