@@ -318,3 +318,45 @@ def test_a_forked_child_does_not_keep_the_parents_shard_locked(remote, tmp_path)
         child.kill()
         child.join()
         cache.close()
+
+
+class HeldDownload(Storage):
+    """A Storage whose fetch waits for ``go`` after saying it started: a download in progress on demand."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def fetch(self, name, dest, *, size=None):
+        self.started.set()
+        assert self.go.wait(30)
+        return super().fetch(name, dest, size=size)
+
+
+def test_a_child_forked_during_a_download_does_not_keep_that_shard_locked(remote, tmp_path):
+    """A DataLoader worker forked while the prefetcher downloaded a shard inherited the download's lock
+    descriptor, which the cache does not know as held; closing the parent's copy left the shard locked
+    for the worker's whole life, never evicted, and the cache full."""
+    root, files = remote
+    storage = HeldDownload(f"file://{root}", **FAST)
+    cache = ShardCache(storage, tmp_path / "cache", limit_bytes=2 * SIZE + SIZE // 2, expected_sizes=sizes(files),
+                       wait_timeout=3)
+    cache.prefetch(["s0.tar"])
+    assert storage.started.wait(30)               # the prefetcher holds s0's lock, downloading
+    ctx = multiprocessing.get_context("fork")
+    alive = ctx.Event()
+    child = ctx.Process(target=lambda: (alive.set(), time.sleep(60)), daemon=True)
+    child.start()
+    try:
+        assert alive.wait(30)
+        storage.go.set()
+        first = cache.get("s0.tar")
+        cache.release("s0.tar")
+        for name in ("s1.tar", "s2.tar"):         # s2 needs room: s0, released, must be evictable
+            cache.get(name)
+            cache.release(name)
+        assert not os.path.exists(first)
+    finally:
+        child.kill()
+        child.join()
+        cache.close()

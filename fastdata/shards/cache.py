@@ -224,7 +224,7 @@ class ShardCache:
         fd = self._acquire(name, prefetch=False)
         with self._lock:
             if name in self._held:         # the prefetcher got it meanwhile
-                os.close(fd)
+                _unlock_close(fd)
                 if name in self._pins:
                     self._pins.remove(name)
                 else:
@@ -254,7 +254,7 @@ class ShardCache:
             os.utime(self.path(name))      # least recently used = released longest ago
         except FileNotFoundError:
             pass
-        os.close(fd)                       # releases the shared lock: evictable from now on
+        _unlock_close(fd)                  # evictable from now on
 
     def prefetch(self, names) -> None:
         """Download ``names`` ahead, in order, in a background thread, as far as the budget allows.
@@ -338,7 +338,7 @@ class ShardCache:
                 if self._plan and self._plan[0] == name:
                     self._plan.popleft()
                 if name in self._held or self._stop:
-                    os.close(fd)
+                    _unlock_close(fd)
                 else:
                     self._held[name] = [fd, 1]
                     self._pins.append(name)
@@ -367,7 +367,7 @@ class ShardCache:
                     self._download(name, prefetch=prefetch, deadline=deadline)
                 # Loop: take it shared and check again (flock's conversion is not atomic).
         except BaseException:
-            os.close(fd)
+            _unlock_close(fd)
             raise
 
     def _download(self, name: str, *, prefetch: bool, deadline: float):
@@ -471,7 +471,7 @@ class ShardCache:
             except FileNotFoundError:
                 return 0
         finally:
-            os.close(fd)                   # closing releases the lock
+            _unlock_close(fd)
 
     def _make_room(self, size: int, *, exclude: str) -> bool:
         usage, published = self._scan()
@@ -492,8 +492,23 @@ class ShardCache:
                     break
                 evicted += bool(self._evict(name))
         finally:
-            os.close(budget)
+            _unlock_close(budget)
         return evicted
+
+
+def _unlock_close(fd: int) -> None:
+    """Unlock, then close. Closing alone is not enough: a process forked while ``fd`` was open (a
+    DataLoader worker started while the prefetcher was downloading, or while a shard was being
+    evicted) holds a copy of it, and a flock lives until the last copy closes. A shard downloaded
+    during such a fork stayed locked for the worker's whole life, so it was never evicted, and a lock
+    taken to evict would have blocked that shard for every process. LOCK_UN releases the lock for
+    every copy at once. (The child itself only closes its copies: see ``_check_process``.)"""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:
