@@ -381,3 +381,33 @@ def test_backends_that_augment_whole_batches_refuse_a_per_sample_transform(backe
         make_loader(src, backend, batch_size=4, device="cpu")
     # auto does not pick them for it
     assert make_loader(src, "auto", batch_size=4, device="cpu", quiet=True).name in ("torch", "prefetch")
+
+
+@pytest.mark.parametrize("takes_next", [True, False], ids=["next_order", "two_arguments"])
+def test_a_stream_is_told_where_the_pass_is_from_its_start_to_its_end(takes_next):
+    """``reading`` is called before the first batch (position 0), after each batch, and with the whole
+    order once the last batch is out; a stream whose ``reading`` takes ``next_order`` also gets the next
+    epoch's order, and one written with two arguments still works."""
+    calls = []
+    base = indexed_source(40)
+
+    class Stream(type(base)):
+        random_access = False
+
+        if takes_next:
+            def reading(self, order, position, next_order=None):
+                calls.append((len(order), position, None if next_order is None else next_order()))
+        else:
+            def reading(self, order, position):
+                calls.append((len(order), position, None))
+
+    stream = Stream.__new__(Stream)
+    stream.__dict__.update(base.__dict__)
+    loader = make_loader(stream, "torch", batch_size=8, device="cpu", augment=Augmentation.none(), num_workers=0,
+                         seed=3, drop_last=True)
+    assert sum(1 for _ in loader) == 5
+    assert [c[1] for c in calls] == [0, 8, 16, 24, 32, 40]
+    assert all(c[0] == 40 for c in calls)
+    if takes_next:
+        np.testing.assert_array_equal(calls[-1][2], loader.plan.order(1))
+        assert not np.array_equal(loader.plan.order(0), loader.plan.order(1))

@@ -181,3 +181,37 @@ def test_a_subset_of_shards_reads_its_own_samples_in_a_plain_permutation(packed)
     labels = np.concatenate([y.numpy() for _, y in loader])
     np.testing.assert_array_equal(np.sort(labels), np.sort(shards.labels))
     assert sub.read(0) == shards.read(int(picked[0]))
+
+
+def test_the_next_epochs_first_shards_are_fetched_while_a_pass_ends(packed, tmp_path):
+    """With a cache that holds only the window being read and the next (the smallest allowed), the
+    window the next epoch starts with is downloaded during this pass's last batches, not while every
+    reader of the next pass waits for it, and nothing evicts it before the next pass reads it."""
+    import time
+
+    _, out = packed
+    with http_server(out) as server:
+        from fastdata.shards.index import read_index
+
+        largest = max(s.size for s in read_index(out / "index.json").shards)
+        shards = Shards(server.url, cache_dir=tmp_path / "cache", window=2, cache_limit=4 * largest)
+        loader = make_loader(shards, "torch", batch_size=8, device="cpu", augment=NONE, num_workers=0, seed=5)
+        first_pass = sum(1 for _ in loader)
+        assert first_pass == len(loader) and loader.epoch == 1
+        upcoming = shards.epoch_order(5, 1)
+        seen, names = set(), []
+        for j in shards._ids[upcoming]:          # the next epoch's shards, in the order it first reads them
+            name = shards.index.shards[int(shards.index.shard[j])].name
+            if name not in seen:
+                seen.add(name)
+                names.append(name)
+        start = names[:2]                        # its first window
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all((tmp_path / "cache" / n).exists() for n in start):
+            time.sleep(0.05)
+        assert all((tmp_path / "cache" / n).exists() for n in start), (start, server.requests, shards._prefetcher.error)
+        gets = server.count(method="GET")
+        next(iter(loader))                       # the next pass starts on shards already here
+        assert all(server.count(n, "GET") >= 1 for n in start)
+        assert server.count(method="GET") - gets <= len(names) - len(start)
+        shards.close()

@@ -21,6 +21,8 @@ A subclass implements ``_epoch(epoch, batches)`` → iterator of (images, labels
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import weakref
 from typing import ClassVar, Iterator
@@ -39,6 +41,18 @@ _SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loade
                "the previous pass (two passes of one loader cannot run interleaved, they share its "
                "workers). Keep one iterator per pass; to look at a batch outside the loop use "
                "next(iter(loader)) before it (a peek does not advance the epoch), or a second loader")
+
+
+def _reading_call(source: Source, next_order):
+    """``source.reading``, given the next epoch's order where it takes one (a stream written before
+    ``next_order`` existed takes ``order`` and ``position`` only)."""
+    try:
+        takes = "next_order" in inspect.signature(source.reading).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if takes:
+        return lambda order, position: source.reading(order, position, next_order)
+    return source.reading
 
 
 class EpochIterator:
@@ -406,10 +420,13 @@ class Loader:
         # A streaming source (shards) fetches ahead of where the pass is: told here, in this process.
         streaming = not self.source.random_access
         order = self.plan.order(epoch) if streaming else None
+        if streaming:
+            # Told before the first batch too, so the fetch-ahead starts with the pass (a worker forked
+            # meanwhile keeps no shard locked: the shard cache unlocks before it closes a descriptor),
+            # and given the next epoch's order, whose first shards it fetches while this pass ends.
+            told = _reading_call(self.source, functools.partial(self.plan.order, epoch + 1))
+            told(order, self.plan.consumed(offset, 0))
         try:
-            # Told after each batch, not before the first: the torch backend forks its workers at the
-            # first batch, and a worker forked while the source's fetch-ahead thread held a shard's lock
-            # would inherit that lock and keep the shard unevictable.
             for batch in it:
                 if pipeline is not None:
                     # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do
@@ -418,8 +435,8 @@ class Loader:
                                                       0xBA7C))
                 done += 1
                 self._position = (epoch, offset, done, len(batches))
-                if streaming:
-                    self.source.reading(order, self.plan.consumed(offset, done))
+                if streaming:   # after the last batch: all it reads (drop_last leaves the rest unread)
+                    told(order, len(order) if done == len(batches) else self.plan.consumed(offset, done))
                 if done == len(batches):
                     # The pass ends when its last batch is handed out, not when the consumer asks for one
                     # more: Lightning's fetcher, islice(loader, len(loader)) and zip(range(n), loader)

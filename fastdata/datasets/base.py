@@ -68,10 +68,13 @@ class Source:
         samples. It must not depend on the world size, so ranks split it and resume it elastically."""
         return None
 
-    def reading(self, order: np.ndarray, position: int) -> None:
+    def reading(self, order: np.ndarray, position: int, next_order=None) -> None:
         """The running pass reads ``order`` (the epoch's sample ids over every rank) and has handed out
         its first ``position``: a streaming source fetches ahead. Called by the loader in its own
-        process, for sources without ``random_access``, when a pass starts and after each batch."""
+        process, for sources without ``random_access``, when a pass starts and after each batch.
+        ``next_order``: a callable that gives the next epoch's order (computed when called), for
+        fetching its start while this pass ends; a source whose ``reading`` takes only ``order`` and
+        ``position`` is called without it."""
 
     @property
     def classes(self) -> list:

@@ -180,15 +180,17 @@ class Shards(Source):
 
         return epoch_order(self.index.shard_sizes, seed, epoch, window=self.window, shuffle=True)
 
-    def reading(self, order: np.ndarray, position: int) -> None:
-        """The pass reads ``order`` and has handed out its first ``position`` samples: fetch the shards
-        of the next ``window`` shards ahead (remote locations only), in this process, on a thread."""
+    def reading(self, order: np.ndarray, position: int, next_order=None) -> None:
+        """The pass reads ``order`` and has handed out its first ``position`` samples: fetch the next
+        ``window`` shards ahead (remote locations only), in this process, on a thread. ``next_order``
+        (a callable giving the next epoch's order): once this pass is in its last shards, the next
+        epoch's first ones are fetched too, so a pass does not start with every reader waiting."""
         if self._cache is None:
             return
         self._check_process()
         if self._prefetcher is None:
             self._prefetcher = _Prefetcher(self)
-        self._prefetcher.want(order, position)
+        self._prefetcher.want(order, position, next_order)
 
     # ------------------------------------------------------------------ the rest of Source
     def fingerprint(self) -> str:
@@ -235,31 +237,48 @@ class _Prefetcher:
         self.cache, self.index, self.ids, self.ahead = source._cache, source.index, source._ids, source.window
         self.names = [s.name for s in source.index.shards]
         self._cond = threading.Condition()
-        self._wanted: list[str] = []
-        self._done: set[str] = set()
+        # (shard name, for the next epoch?): a shard this pass fetched early on and has since evicted
+        # is fetched again when the next epoch starts with it.
+        self._wanted: list[tuple[str, bool]] = []
+        self._done: set[tuple[str, bool]] = set()
         self._order_key = None
         self._sequence = np.zeros(0, dtype=np.int64)
         self._first = np.zeros(0, dtype=np.int64)
+        self._next = None                  # the next epoch's shard sequence, once the pass nears its end
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fastdata-shards", daemon=True)
         self._thread.start()
 
-    def want(self, order: np.ndarray, position: int) -> None:
+    def want(self, order: np.ndarray, position: int, next_order=None) -> None:
         key = (id(order), len(order))
         if key != self._order_key:   # a new pass: the shards in the order they are first read
-            shards = self.index.shard[self.ids[order]]
-            _, first = np.unique(shards, return_index=True)
-            keep = np.sort(first)
-            self._sequence, self._first, self._order_key = shards[keep], keep, key
-            self._done = set()
-        if position >= len(order):
-            return
-        k = int(np.searchsorted(self._first, position, side="right")) - 1
-        wanted = [self.names[int(s)] for s in self._sequence[max(k, 0): max(k, 0) + 1 + self.ahead]]
+            self._sequence, self._first = self._shard_sequence(order)
+            self._order_key, self._next, self._done = key, None, set()
+        wanted = []
+        if position < len(order):
+            k = max(int(np.searchsorted(self._first, position, side="right")) - 1, 0)
+            wanted = [(self.names[int(s)], False) for s in self._sequence[k: k + 1 + self.ahead]]
+        if len(wanted) < 1 + self.ahead and next_order is not None:
+            # The pass is in its last shards: the next epoch's first window is fetched while it ends. No
+            # more than that window: the cache holds 2 windows, and the one this pass ends on is its most
+            # recently used, so a longer look-ahead would evict the first shards it fetched.
+            if self._next is None:
+                upcoming = next_order()
+                self._next = self._shard_sequence(upcoming)[0] if upcoming is not None else np.zeros(0, np.int64)
+            now = {name for name, _ in wanted}
+            more = [(self.names[int(s)], True) for s in self._next[: self.ahead]]
+            wanted += [w for w in more if w[0] not in now][: 1 + self.ahead - len(wanted)]
         with self._cond:
             self._wanted = [n for n in wanted if n not in self._done]
             self._cond.notify()
+
+    def _shard_sequence(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shards in the order ``order`` first reads them, the position of each one's first sample)."""
+        shards = self.index.shard[self.ids[np.asarray(order, dtype=np.int64)]]
+        _, first = np.unique(shards, return_index=True)
+        keep = np.sort(first)
+        return shards[keep], keep
 
     def _run(self) -> None:
         while True:
@@ -268,11 +287,11 @@ class _Prefetcher:
                     self._cond.wait()
                 if self._stop:
                     return
-                name = self._wanted.pop(0)
+                name, upcoming = self._wanted.pop(0)
             try:
                 self.cache.get(name)
                 self.cache.release(name)
-                self._done.add(name)
+                self._done.add((name, upcoming))
             except Exception as e:   # the reader's own get() retries and raises it, naming the shard
                 self.error = e
 
