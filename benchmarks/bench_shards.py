@@ -13,6 +13,10 @@ ratios are paired round by round):
   shard cache is emptied before every epoch, so each pass downloads every shard it reads (through the
   loader's read-ahead) and the download is timed; the server's files are in the OS page cache, as the
   folder's are;
+- ``shards http small cache``: the same server, ``Shards(url, window=2)`` with the smallest cache it
+  accepts (2 windows of the largest shard: 4 of the 9 shards), left to evict on its own: a data set
+  larger than its cache, read epoch after epoch, where each pass fetches the window the next one starts
+  with while it ends. The server's GETs per epoch are reported;
 - ``shards max-side N``: the ``--max-side`` pack, read in place: what smaller photos save the loader.
 
 Why ``--shard-size 16MB`` by default: the set is 130 MB, and the issue's 256 MB would make one shard,
@@ -59,7 +63,8 @@ import fastdata
 from fastdata.config import usable_cores
 
 BACKENDS = ("torch", "dali", "prefetch")
-LOADER_CONTENDERS = ("folder", "shards", "shards http")   # + f"shards max-side {N}"
+LOADER_CONTENDERS = ("folder", "shards", "shards http", "shards http small cache")   # + f"shards max-side {N}"
+SMALL_WINDOW = 2   # the small-cache contender's window: its cache holds 2 windows, fewer shards than the set
 DECODE_PATHS = ("load_photo", "PIL full decode")
 TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
 
@@ -139,6 +144,7 @@ class ServedFolder:
     )
 
     def __init__(self, root: Path, delay: float):
+        self.root = root
         self.proc = subprocess.Popen([sys.executable, "-c", self._PROGRAM, str(TESTS_DIR), str(root), str(delay)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.url = self.proc.stdout.readline().strip()
@@ -167,9 +173,8 @@ def empty_cache(cache_dir: Path, names) -> int:
     lock under ``.locks/`` taken exclusively without waiting, then the file deleted), so the next epoch
     downloads it again. Returns how many shards stayed because a process holds them.
 
-    Why not simply delete the files: a shard some process holds (see the report: forked DataLoader
-    workers keep the lock of a shard the main process held when they were forked) would then have to
-    be downloaded again under a lock that is never released, and the readers would wait forever."""
+    Why not simply delete the files: a shard some process holds (a reader between its get and its
+    release) would then be downloaded again under a lock that process still holds shared."""
     held = 0
     for name in names:
         shard = cache_dir.joinpath(*name.split("/"))
@@ -244,6 +249,14 @@ def run_backend(backend, args, device, data, rows, sources, http_stats) -> None:
 
             c.run = bench_loaders.repeated(cold_epoch, args.min_pass)
             built.append(c)
+        if served is not None:
+            c = bench_loaders.build(rows, backend, "shards http small cache", "fastdata",
+                                    lambda: _small_cache_contender(served, args, loader_of, cache_dir / "small"),
+                                    device, min_pass=args.min_pass)
+            if c is not None:
+                c.run = _counting(c.loader, served, device, args.min_pass,
+                                  http_stats[backend].setdefault("small_cache_requests", []))
+                built.append(c)
         c = bench_loaders.build(rows, backend, small_name(args), "fastdata",
                                 lambda: (loader_of(Shards(data["small"], window=args.window)),
                                          f"Shards(folder) packed with --max-side {args.max_side}, read in place"),
@@ -257,6 +270,30 @@ def run_backend(backend, args, device, data, rows, sources, http_stats) -> None:
             served.close()
         shutil.rmtree(cache_dir, ignore_errors=True)
     bench_loaders.add_rows(rows, built)
+
+
+def _small_cache_contender(served, args, loader_of, cache_dir: Path):
+    from fastdata.datasets import Shards
+    from fastdata.shards.index import read_index
+
+    window = min(SMALL_WINDOW, args.window)
+    index = read_index(Path(served.root) / "index.json")
+    limit = 2 * window * max(s.size for s in index.shards)
+    shards = Shards(served.url, cache_dir=cache_dir, window=window, cache_limit=limit)
+    return loader_of(shards), (f"Shards(http://127.0.0.1, window={window}, cache_limit={limit / 1e6:.0f} MB: "
+                               f"{limit / max(1, sum(s.size for s in index.shards)):.0%} of the shards), +"
+                               f"{args.delay * 1000:.0f} ms a request, evicting on its own")
+
+
+def _counting(loader, served, device, min_pass: float, counts: list):
+    """A timed pass of ``loader`` that records the GETs the server answered during each epoch."""
+    def epoch():
+        before = served.requests()
+        n = bench_loaders.consume(loader, device)
+        counts.append(served.requests() - before)
+        return n
+
+    return bench_loaders.repeated(epoch, min_pass)
 
 
 # ------------------------------------------------------------------------------------ decode
@@ -378,9 +415,12 @@ def results_markdown(rows, sources, targets, args, http_stats, packs) -> str:
             req, held = stats["requests"], stats["held"]
             http = (f" `shards http`: the server answered {common.fmt_spread((min(req), max(req)), str)} GET "
                     f"requests per epoch for {stats['shards']} shards; before each epoch every cached shard was "
-                    f"evicted except {common.fmt_spread((min(held), max(held)), str)} that a process still held "
-                    f"(forked workers keep the lock of a shard the main process held when they started), so those "
-                    f"were read from the cache.")
+                    f"evicted except {common.fmt_spread((min(held), max(held)), str)} that a process still held, "
+                    f"so those were read from the cache.")
+            small = stats.get("small_cache_requests")
+            if small:
+                http += (f" `shards http small cache`: {common.fmt_spread((min(small), max(small)), str)} GET "
+                         f"requests per epoch for the same {stats['shards']} shards.")
         parts.append(f"## {backend}\n\n{sources[backend]}. Every contender is built first, then each runs one "
                      f"warm-up pass, then {args.passes} round(s) in which each runs one timed pass (the order "
                      f"rotating); rates are the median pass (slowest–fastest in brackets), ratios the median of the "

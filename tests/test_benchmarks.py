@@ -396,8 +396,8 @@ def test_bench_decode_quick(tmp_path):
 
 
 def test_bench_shards_quick(tmp_path):
-    """Folder, local shards, shards over the HTTP server (cold cache each epoch) and --max-side shards
-    each measured on the torch backend; the decode workload pairs originals with their small copies."""
+    """Folder, local shards, shards over the HTTP server (cold cache each epoch, and a small cache left to
+    evict) and --max-side shards each measured on the torch backend; the decode workload pairs originals with their small copies."""
     pytest.importorskip("aiohttp", reason="Shards over HTTP read through fsspec's aiohttp file system")
     bench = load("bench_shards")
     args = bench.get_args_parser().parse_args(
@@ -407,7 +407,7 @@ def test_bench_shards_quick(tmp_path):
     payload = bench.main(args)
     on_disk, md = check_reports(payload, "shards-test")
     group = {r["name"]: r for r in payload["rows"] if r["workload"] == "torch"}
-    assert set(group) == {"folder", "shards", "shards http", "shards max-side 256"}
+    assert set(group) == {"folder", "shards", "shards http", "shards http small cache", "shards max-side 256"}
     for name, r in group.items():
         assert r["status"] == "ok" and r["rate"] > 0 and len(r["passes"]) == 1 and r["paired"], r
         assert f"| {name} " in md
@@ -417,6 +417,11 @@ def test_bench_shards_quick(tmp_path):
     assert len(http["requests"]) == 2
     for got, held in zip(http["requests"], http["held"], strict=True):
         assert got >= http["shards"] - held > 0
+    # The small cache (2 windows of 2 of the largest shard) cannot hold every shard: each epoch downloads
+    # some, the first (warm-up) epoch every one it reads.
+    small = http["small_cache_requests"]
+    assert len(small) == 2 and small[0] >= http["shards"] - 1 and all(n > 0 for n in small)
+    assert "small cache`:" in md
     decode = {r["name"]: r for r in payload["rows"] if r["workload"] == "decode"}
     assert set(decode) == {f"{copy}, {path}" for copy in ("originals", "max-side 256") for path in bench.DECODE_PATHS}
     assert all(r["rate"] > 0 for r in decode.values())
