@@ -397,7 +397,8 @@ def test_bench_decode_quick(tmp_path):
 
 def test_bench_shards_quick(tmp_path):
     """Folder, local shards, shards over the HTTP server (cold cache each epoch, and a small cache left to
-    evict) and --max-side shards each measured on the torch backend; the decode workload pairs originals with their small copies."""
+    evict) and --max-side shards each measured on the torch backend; the decode workload pairs originals
+    with their small copies."""
     pytest.importorskip("aiohttp", reason="Shards over HTTP read through fsspec's aiohttp file system")
     bench = load("bench_shards")
     args = bench.get_args_parser().parse_args(

@@ -215,3 +215,36 @@ def test_the_next_epochs_first_shards_are_fetched_while_a_pass_ends(packed, tmp_
         assert all(server.count(n, "GET") >= 1 for n in start)
         assert server.count(method="GET") - gets <= len(names) - len(start)
         shards.close()
+
+
+def test_many_threads_reading_through_few_open_files_get_every_samples_own_bytes(packed):
+    """dali's reader threads read one Shards at once. With window=1 two shard files stay open, so the
+    threads keep closing and opening them under each other: each must still get its own sample's bytes
+    (an unlocked cache of descriptors raised KeyError and EBADF, and a closed number reused by another
+    shard's open would have read that shard)."""
+    import threading
+
+    folder, out = packed
+    reference = Shards(out, window=4)
+    expected = [reference.read(i) for i in range(len(reference))]
+    shards = Shards(out, window=1)
+    errors, rng = [], np.random.default_rng(0)
+    orders = [rng.permutation(len(shards)) for _ in range(6)]
+
+    def reader(order):
+        try:
+            for _ in range(3):
+                for i in order:
+                    assert shards.read(int(i)) == expected[int(i)], int(i)
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=reader, args=(o,)) for o in orders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert len(shards._files._open) <= 2
+    shards.close()
+    reference.close()

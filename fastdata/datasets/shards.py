@@ -93,7 +93,7 @@ class Shards(Source):
         if not self.storage.is_local:
             self._open_cache()   # the budget is checked now, not at the first read in a worker
         self._prefetcher = None
-        self._fds: dict = {}
+        self._files = _OpenFiles(2 * self.window)
         self._pid = os.getpid()
 
     # ------------------------------------------------------------------ the cache
@@ -116,12 +116,12 @@ class Shards(Source):
     def __getstate__(self):
         # A copy (a DataLoader worker) opens its own files and cache handle; the prefetcher stays home.
         state = self.__dict__.copy()
-        state["_fds"], state["_prefetcher"] = {}, None
+        state["_files"], state["_prefetcher"] = _OpenFiles(2 * self.window), None
         return state
 
     def _check_process(self):
         if self._pid != os.getpid():   # forked: the parent's descriptors and thread are not ours
-            self._fds, self._prefetcher, self._pid = {}, None, os.getpid()
+            self._files, self._prefetcher, self._pid = _OpenFiles(2 * self.window), None, os.getpid()
 
     # ------------------------------------------------------------------ Source: the bytes
     def sample_name(self, i: int) -> str:
@@ -141,7 +141,7 @@ class Shards(Source):
         except OSError as e:   # StorageError: the shard and URL are in its message; credentials are not
             raise DecodeError(self.sample_name(i), f"cannot fetch its shard ({e})") from None
         try:
-            raw = self._pread(path, offset - _TAR_HEADER, size + _TAR_HEADER)
+            raw = self._files.pread(path, offset - _TAR_HEADER, size + _TAR_HEADER)
         except OSError as e:
             raise DecodeError(self.sample_name(i), f"cannot read its shard ({type(e).__name__}: {e})") from None
         finally:
@@ -156,20 +156,6 @@ class Shards(Source):
                                                    f"{expected!r}: the index does not describe this shard "
                                                    f"(re-pack, or re-download both)")
         return raw[_TAR_HEADER:], 0
-
-    def _pread(self, path: str, start: int, length: int) -> bytes:
-        fd = self._fds.get(path)
-        if fd is None:
-            if len(self._fds) >= 2 * self.window:   # a few shards open at a time, not one per shard ever
-                for old in list(self._fds)[: self.window]:
-                    os.close(self._fds.pop(old))
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        try:
-            return os.pread(fd, length, start)
-        except OSError:
-            os.close(self._fds.pop(path))   # a cached shard replaced or evicted: open it afresh once
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            return os.pread(fd, length, start)
 
     # ------------------------------------------------------------------ Source: order and streaming
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray | None:
@@ -216,12 +202,76 @@ class Shards(Source):
         if self._prefetcher is not None:
             self._prefetcher.stop()
             self._prefetcher = None
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        self._files.close()
 
     def __repr__(self):
         return f"Shards({self.location!r}, n={len(self)}, shards={len(self.index.shards)})"
+
+
+class _OpenFiles:
+    """The shard files a Shards keeps open (at most ``limit``, the oldest closed first), shared by the
+    threads that read through it: dali's reader threads read samples of one source at once.
+
+    A descriptor is closed only when no thread is reading from it. Closed under a reader, its number
+    could be reused by the next ``open`` of another shard, and the reader would get another shard's
+    bytes (the tar header check would then fail the sample); the dict alone, unlocked, also raced
+    (KeyError, EBADF in the dali benchmark with a small cache)."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, int(limit))
+        self._lock = threading.Lock()
+        self._open: dict[str, list] = {}   # path -> [fd, readers, retired]
+
+    def pread(self, path: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``path`` from ``start``; a read that fails (a cached shard replaced
+        under us) opens the file afresh once."""
+        for attempt in (0, 1):
+            entry = self._take(path, fresh=attempt == 1)
+            try:
+                return os.pread(entry[0], length, start)
+            except OSError:
+                if attempt == 1:
+                    raise
+                with self._lock:
+                    if self._open.get(path) is entry:
+                        del self._open[path]
+                    entry[2] = True
+            finally:
+                self._give(entry)
+        raise AssertionError("unreachable")
+
+    def _take(self, path: str, fresh: bool) -> list:
+        with self._lock:
+            entry = None if fresh else self._open.get(path)
+            if entry is None:
+                entry = [os.open(path, os.O_RDONLY), 0, False]
+                old = self._open.pop(path, None)
+                if old is not None:
+                    self._retire(old)
+                self._open[path] = entry
+                while len(self._open) > self.limit:   # the oldest first (dicts keep insertion order)
+                    self._retire(self._open.pop(next(iter(self._open))))
+            entry[1] += 1
+            return entry
+
+    def _give(self, entry: list) -> None:
+        with self._lock:
+            entry[1] -= 1
+            if entry[2] and entry[1] == 0:
+                os.close(entry[0])
+
+    @staticmethod
+    def _retire(entry: list) -> None:
+        """Close ``entry`` now if no one reads from it, else when its last reader is done."""
+        entry[2] = True
+        if entry[1] == 0:
+            os.close(entry[0])
+
+    def close(self) -> None:
+        with self._lock:
+            for entry in self._open.values():
+                self._retire(entry)
+            self._open.clear()
 
 
 class _Prefetcher:
