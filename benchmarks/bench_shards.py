@@ -236,26 +236,18 @@ def run_backend(backend, args, device, data, rows, sources, http_stats) -> None:
                                        f"cached shards evicted before every epoch")
 
         c = bench_loaders.build(rows, backend, "shards http", "fastdata", make_http, device, min_pass=args.min_pass)
+        counts = http_stats.setdefault(backend, {"shards": len(names), "requests": [], "held": [],
+                                                 "small_cache_requests": []})
         if c is not None:
-            loader = c.loader
-            counts = http_stats.setdefault(backend, {"shards": len(names), "requests": [], "held": []})
-
-            def cold_epoch():
-                counts["held"].append(empty_cache(cache_dir, names))
-                before = served.requests()
-                n = bench_loaders.consume(loader, device)
-                counts["requests"].append(served.requests() - before)
-                return n
-
-            c.run = bench_loaders.repeated(cold_epoch, args.min_pass)
+            c.run = _counting(c.loader, served, device, args.min_pass, counts["requests"],
+                              before=lambda: counts["held"].append(empty_cache(cache_dir, names)))
             built.append(c)
         if served is not None:
             c = bench_loaders.build(rows, backend, "shards http small cache", "fastdata",
                                     lambda: _small_cache_contender(served, args, loader_of, cache_dir / "small"),
                                     device, min_pass=args.min_pass)
             if c is not None:
-                c.run = _counting(c.loader, served, device, args.min_pass,
-                                  http_stats[backend].setdefault("small_cache_requests", []))
+                c.run = _counting(c.loader, served, device, args.min_pass, counts["small_cache_requests"])
                 built.append(c)
         c = bench_loaders.build(rows, backend, small_name(args), "fastdata",
                                 lambda: (loader_of(Shards(data["small"], window=args.window)),
@@ -285,12 +277,15 @@ def _small_cache_contender(served, args, loader_of, cache_dir: Path):
                                f"{args.delay * 1000:.0f} ms a request, evicting on its own")
 
 
-def _counting(loader, served, device, min_pass: float, counts: list):
-    """A timed pass of ``loader`` that records the GETs the server answered during each epoch."""
+def _counting(loader, served, device, min_pass: float, counts: list, before=None):
+    """A timed pass of ``loader`` that records the GETs the server answered during each epoch;
+    ``before()`` runs ahead of each epoch, inside the timing (the cold contender empties the cache)."""
     def epoch():
-        before = served.requests()
+        if before is not None:
+            before()
+        start = served.requests()
         n = bench_loaders.consume(loader, device)
-        counts.append(served.requests() - before)
+        counts.append(served.requests() - start)
         return n
 
     return bench_loaders.repeated(epoch, min_pass)

@@ -234,9 +234,10 @@ class _PerWorld:
 
     It holds the default group only by a weak reference, and lets go of its own groups as soon as the
     default group is freed (or ``cleanup`` runs). Holding them past ``destroy_process_group`` kept gloo's
-    groups alive until the interpreter shut down, and a gloo group freed during shutdown can abort the
-    process ("terminate called without an active exception"; pytorch/pytorch#179291 describes the
-    mechanism): under load it failed a 3-rank run after every rank had finished its work."""
+    groups, and their worker threads, alive until the interpreter shut down, where a thread still
+    freeing work aborts the process (see ``_let_gloo_threads_finish``; pytorch/pytorch#179291). The
+    abort seen in CI came from the default group's threads, which DDP keeps alive anyway: this is not
+    its fix, only one thing fewer to free at shutdown."""
 
     def __init__(self):
         self.values: dict = {}

@@ -225,30 +225,26 @@ class _OpenFiles:
     def pread(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes of ``path`` from ``start``; a read that fails (a cached shard replaced
         under us) opens the file afresh once."""
-        for attempt in (0, 1):
-            entry = self._take(path, fresh=attempt == 1)
-            try:
-                return os.pread(entry[0], length, start)
-            except OSError:
-                if attempt == 1:
-                    raise
-                with self._lock:
-                    if self._open.get(path) is entry:
-                        del self._open[path]
-                    entry[2] = True
-            finally:
-                self._give(entry)
-        raise AssertionError("unreachable")
+        entry = self._take(path)
+        try:
+            return os.pread(entry[0], length, start)
+        except OSError:
+            with self._lock:   # forgotten: the next _take opens the file afresh
+                if self._open.get(path) is entry:
+                    self._retire(self._open.pop(path))
+        finally:
+            self._give(entry)
+        entry = self._take(path)
+        try:
+            return os.pread(entry[0], length, start)
+        finally:
+            self._give(entry)
 
-    def _take(self, path: str, fresh: bool) -> list:
+    def _take(self, path: str) -> list:
         with self._lock:
-            entry = None if fresh else self._open.get(path)
+            entry = self._open.get(path)
             if entry is None:
-                entry = [os.open(path, os.O_RDONLY), 0, False]
-                old = self._open.pop(path, None)
-                if old is not None:
-                    self._retire(old)
-                self._open[path] = entry
+                entry = self._open[path] = [os.open(path, os.O_RDONLY), 0, False]
                 while len(self._open) > self.limit:   # the oldest first (dicts keep insertion order)
                     self._retire(self._open.pop(next(iter(self._open))))
             entry[1] += 1
