@@ -15,9 +15,10 @@ between its edges (``data_wait`` then counts the stream standing idle until the 
 queued: host time would count the wait even while the GPU was still busy with the previous step's
 kernels); on the CPU, host ``perf_counter``. A step runs from one ``step()`` call to the next; ``other`` is
 the rest of it (the loss sums, the scheduler, Python between regions), so the parts sum to the step.
-On CUDA, a loader that copies inside its ``__next__`` (every fastdata backend) puts its host-to-device
-copies inside ``data_wait``: their device time, read from the trace's ``Memcpy HtoD`` events launched in
-that region, is moved to ``h2d`` (a step that uses its own ``h2d`` region keeps that instead).
+On CUDA, a loader that copies inside its ``__next__`` (fastdata's ``torch`` and ``prefetch`` backends) puts
+its host-to-device copies inside ``data_wait``: their device time, read from the trace's ``Memcpy HtoD``
+events whose launch (matched by correlation id) the training thread made in that region, is moved to
+``h2d`` (a step that uses its own ``h2d`` region keeps that instead).
 
 How to wire it (``fit(profile=DIR)``)::
 
@@ -39,6 +40,7 @@ run ended in the middle of them). Every rank writes its own trace file. A run sh
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 import warnings
@@ -107,8 +109,9 @@ class StepProfiler:
         def on_trace_ready(prof):
             before = set(self.out_dir.glob("*.pt.trace.json"))
             handler(prof)
-            self.trace_files += sorted(set(self.out_dir.glob("*.pt.trace.json")) - before)
-            self._report(prof)
+            written = sorted(set(self.out_dir.glob("*.pt.trace.json")) - before)
+            self.trace_files += written
+            self._report(written)
 
         with warnings.catch_warnings():   # warmup=0 is the user's choice; torch warns about it at length
             warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
@@ -197,10 +200,10 @@ class StepProfiler:
         self._begin_step()
 
     # ------------------------------------------------------------------ the table
-    def _report(self, prof) -> None:
+    def _report(self, written: list[Path]) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)   # once, after the active steps: the events are read now
-        copies = _htod_ms_per_step(prof.events()) if self.cuda else {}
+        copies = _htod_ms_per_step(_read_trace(written[-1])) if self.cuda and written else {}
         self.rows = []
         for step, start, regions, end in self._marks:
             total = self._ms(start, end)
@@ -255,28 +258,64 @@ def format_table(rows: list[dict], *, device=None, trace_files=()) -> str:
     return "\n".join(lines)
 
 
-def _htod_ms_per_step(events) -> dict[int, float]:
-    """Device ms of host-to-device copies launched inside each step's ``data_wait`` regions, from the
-    trace's events (``prof.events()``): step index -> ms."""
-    steps = [(int(e.name.split("#", 1)[1]), e.time_range) for e in events
-             if e.name.startswith("ProfilerStep#") and e.name.split("#", 1)[1].isdigit()]
+# Which events of the chrome trace (kineto's ``output_json``: "cat" is kineto's ActivityType name) say what.
+_CPU_RANGES = ("user_annotation", "cpu_op")      # host-side ranges: record_function, ProfilerStep#N, ops
+_LAUNCHES = ("cuda_runtime", "cuda_driver")     # the host's API call that queued the device work
+
+
+def _htod_ms_per_step(trace_events) -> dict[int, float]:
+    """Device ms of the host-to-device copies launched inside each step's ``data_wait`` regions: step
+    index -> ms, from the chrome trace ``tensorboard_trace_handler`` wrote (its ``traceEvents`` list).
+
+    Why the trace file and not ``prof.events()``: a GPU copy is no event under the CPU range it was
+    queued in. It runs later on the device clock, and is tied to its launch only by the CUPTI correlation
+    id. The trace says that in plain fields: the ``gpu_memcpy`` event and the ``cuda_runtime`` call that
+    launched it (``cudaMemcpyAsync``, on the launching thread's pid/tid and host timestamp) share
+    ``args.correlation``, and every event has a ``cat`` telling host ranges from the GPU-side copies of
+    ``ProfilerStep#N`` and of ``record_function`` ranges (``gpu_user_annotation``, on the device clock, which
+    lag and overlap the next step's host range). ``prof.events()`` gives the same data through torch's
+    post-processing: its FunctionEvents lose the category (a runtime call and an op are both "CPU" and
+    their ids come from two counters that overlap), hold the GPU-side ranges under the same names, and its
+    fields move between torch releases; the trace file is kineto's stable output, already written, and
+    is what TensorBoard and Perfetto show, so the table agrees with what the user opens.
+
+    So: a copy counts for step N when the host call that launched it falls inside a host ``data_wait``
+    range on the same process and thread, and inside the host ``ProfilerStep#N`` range.
+    """
+    waits: dict[tuple, list[tuple[float, float]]] = {}
+    steps: list[tuple[object, float, float, int]] = []
+    launches: dict[object, dict] = {}
+    copies: list[dict] = []
+    for e in trace_events:
+        if e.get("ph") != "X":
+            continue
+        cat, name = e.get("cat"), e.get("name", "")
+        if cat in _CPU_RANGES:
+            span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+            if name == "data_wait":
+                waits.setdefault((e.get("pid"), e.get("tid")), []).append(span)
+            elif name.startswith("ProfilerStep#") and name.split("#", 1)[1].isdigit():
+                steps.append((e.get("pid"), *span, int(name.split("#", 1)[1])))
+        elif cat in _LAUNCHES and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+        elif cat == "gpu_memcpy" and "HtoD" in name:
+            copies.append(e)
     out: dict[int, float] = {}
-    for e in events:
-        if e.name != "data_wait":
+    for copy in copies:
+        launch = launches.get(copy.get("args", {}).get("correlation"))
+        if launch is None:
             continue
-        us = _htod_us(e)
-        if not us:
+        ts, pid = float(launch["ts"]), launch.get("pid")
+        if not any(a <= ts <= b for a, b in waits.get((pid, launch.get("tid")), ())):
             continue
-        for index, span in steps:
-            if span.start <= e.time_range.start <= span.end:
-                out[index] = out.get(index, 0.0) + us / 1000.0
+        for step_pid, a, b, index in steps:
+            if step_pid == pid and a <= ts <= b:
+                out[index] = out.get(index, 0.0) + float(copy.get("dur", 0.0)) / 1000.0
                 break
     return out
 
 
-def _htod_us(event, depth: int = 0) -> float:
-    us = sum(k.duration for k in event.kernels if "HtoD" in k.name)
-    if depth < 64:   # the op tree is shallow; the bound guards against a malformed one
-        us += sum(_htod_us(child, depth + 1) for child in event.cpu_children)
-    return us
-
+def _read_trace(path) -> list[dict]:
+    """The ``traceEvents`` of a chrome trace file."""
+    with open(path) as f:
+        return json.load(f).get("traceEvents", [])
