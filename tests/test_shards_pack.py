@@ -336,14 +336,21 @@ def test_ranks_pack_disjoint_shards_and_rank_0_merges_their_parts(photos, tmp_pa
     with pytest.raises(TimeoutError, match=r"ranks \[1\].*index.rank1.json"):
         pack(photos, tmp_path / "alone", shard_size="4KB", workers=0, progress=False, rank=0, world_size=2,
              timeout=0.2)
-    r1 = pack(photos, multi, shard_size="4KB", workers=0, progress=False, rank=1, world_size=2)
-    assert r1.index is None and (multi / "index.rank1.json").exists()
+    # Rank 1 alone writes its shards and its part, then waits for rank 0's index, which never comes.
+    with pytest.raises(TimeoutError, match=r"rank 1 waited 0.3 s for rank 0 to write .*index.json"):
+        pack(photos, multi, shard_size="4KB", workers=0, progress=False, rank=1, world_size=2, timeout=0.3)
+    assert (multi / "index.rank1.json").exists() and not (multi / "index.json").exists()
     written_by_1 = sorted(p.name for p in multi.glob("*.tar"))
-    assert written_by_1 == [f"shard-{j:06d}.tar" for j in range(1, r1.shards, 2)]
+    shards = len(read_index(single).shards)
+    assert written_by_1 == [f"shard-{j:06d}.tar" for j in range(1, shards, 2)]
     r0 = pack(photos, multi, shard_size="4KB", workers=0, progress=False, rank=0, world_size=2, timeout=30)
     assert r0.index == multi / "index.json" and r0.written == (r0.shards + 1) // 2
     assert (multi / "index.json").read_bytes() == (single / "index.json").read_bytes()
     assert not list(multi.glob("index.rank*.json"))
+    # Run again, rank 1 finds its shards done and this pack's index there: it returns at once.
+    r1 = pack(photos, multi, shard_size="4KB", workers=0, progress=False, rank=1, world_size=2, timeout=0.3)
+    assert r1.index is None and r1.written == 0 and (multi / "index.json").read_bytes() == \
+        (single / "index.json").read_bytes()
 
 
 def test_ranks_in_two_processes_at_once(photos, tmp_path):

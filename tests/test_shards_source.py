@@ -103,7 +103,10 @@ def test_shards_over_http_are_fetched_whole_into_the_cache_once(packed, tmp_path
     for (a, la), (b, lb) in zip(got, ref):
         np.testing.assert_array_equal(la, lb)
         np.testing.assert_allclose(a, b, atol=1e-6)
-    assert sorted(p.name for p in (tmp_path / "cache").glob("*.tar")) == sorted(tars)
+    # Cached under their identity: STEM.<16 hex digits of the sha256>.tar.
+    digests = {s.name: s.sha256[:16] for s in Shards(out).index.shards}
+    assert sorted(p.name for p in (tmp_path / "cache").glob("*.tar")) == \
+        sorted(f"{name[:-4]}.{digests[name]}.tar" for name in tars)
 
 
 def test_shards_from_s3_train_through_the_dali_and_memory_backends(packed, tmp_path):
@@ -128,14 +131,18 @@ def test_a_corrupt_shard_is_a_decode_error_naming_the_member_and_skip_passes_it(
     data = bytearray(tar.read_bytes())
     data[600:2000] = b"\0" * 1400          # the first member's JPEG bytes, past its header
     tar.write_bytes(bytes(data))
-    shards = Shards(bad)
-    with pytest.raises(DecodeError, match=r"shard-000000\.tar:00000000\.jpg"):
+    shards = Shards(bad, cache_dir=tmp_path / "verdicts")
+    with pytest.raises(DecodeError, match=r"shard-000000\.tar:00000000\.jpg.*not the one the index describes"
+                                          r".*sha256"):
         list(make_loader(shards, "torch", batch_size=8, device="cpu", train=False, augment=NONE, num_workers=0))
-    loader = make_loader(Shards(bad), "torch", batch_size=8, device="cpu", train=False, augment=NONE,
-                         num_workers=0, on_error="skip")
-    with pytest.warns(RuntimeWarning, match="skipped 1 undecodable"):
+    # The shard's digest is not the index's: every sample of it is refused (its other members' bytes are
+    # intact, but nothing proves they are the ones the index describes), the other shards are read.
+    in_first = int((shards.index.shard == 0).sum())
+    loader = make_loader(Shards(bad, cache_dir=tmp_path / "verdicts"), "torch", batch_size=8, device="cpu",
+                         train=False, augment=NONE, num_workers=0, on_error="skip")
+    with pytest.warns(RuntimeWarning, match=f"skipped {in_first} undecodable"):
         n = sum(len(y) for _, y in loader)
-    assert n == 59
+    assert n == 60 - in_first and in_first > 1
 
 
 def test_offsets_that_lie_are_refused_and_a_shard_that_disagrees_with_its_index_too(packed, tmp_path):
@@ -166,16 +173,31 @@ def test_offsets_that_lie_are_refused_and_a_shard_that_disagrees_with_its_index_
     header[148:156] = b" " * 8
     data[start + 148:start + 156] = b"%06o\0 " % sum(header)
     tar.write_bytes(bytes(data))
+    with pytest.raises(DecodeError, match=r"not the one the index describes.*sha256"):
+        Shards(bad, cache_dir=tmp_path / "verdicts").read(0)     # the shard's digest is not the index's
+    # Even with the index's digest of that shard, its member headers are checked at each read.
+    import hashlib
+
+    doc = json.loads((out / "index.json").read_text())
+    doc["shards"][0]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    (bad / "index.json").write_text(json.dumps(doc))
     with pytest.raises(DecodeError, match="holds '00000099.jpg' at offset .* the index does not describe"):
-        Shards(bad).read(0)
+        Shards(bad, cache_dir=tmp_path / "verdicts").read(0)
 
 
-def test_a_subset_of_shards_reads_its_own_samples_in_a_plain_permutation(packed):
+def test_a_subset_of_shards_reads_its_own_samples_window_by_window(packed):
     _, out = packed
-    shards = Shards(out)
+    shards = Shards(out, window=2)
     picked = np.random.default_rng(0).permutation(len(shards))   # every sample, in another order
     sub = shards.subset(picked)
-    assert sub.epoch_order(1, 0) is None and shards.epoch_order(1, 0) is not None
+    order = sub.epoch_order(1, 0)                                  # positions into the subset
+    np.testing.assert_array_equal(np.sort(order), np.arange(len(sub)))
+    shard_of = shards.index.shard[picked[order]]
+    # A window of 2 shards at a time: each shard's samples are read in one stretch of at most 2 shards.
+    first_seen = {int(s): k for k, s in reversed(list(enumerate(shard_of)))}
+    last_seen = {int(s): k for k, s in enumerate(shard_of)}
+    for s in first_seen:
+        assert len(set(shard_of[first_seen[s]: last_seen[s] + 1].tolist())) <= 2
     loader = make_loader(sub, "torch", batch_size=16, device="cpu", augment=NONE, num_workers=0,
                          shuffle=True, drop_last=False)
     labels = np.concatenate([y.numpy() for _, y in loader])
@@ -207,9 +229,10 @@ def test_the_next_epochs_first_shards_are_fetched_while_a_pass_ends(packed, tmp_
                 names.append(name)
         start = names[:2]                        # its first window
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all((tmp_path / "cache" / n).exists() for n in start):
+        while time.monotonic() < deadline and not all(os.path.exists(shards._cache.path(n)) for n in start):
             time.sleep(0.05)
-        assert all((tmp_path / "cache" / n).exists() for n in start), (start, server.requests, shards._prefetcher.error)
+        assert all(os.path.exists(shards._cache.path(n)) for n in start), (start, server.requests,
+                                                                            shards._prefetcher.error)
         gets = server.count(method="GET")
         next(iter(loader))                       # the next pass starts on shards already here
         assert all(server.count(n, "GET") >= 1 for n in start)

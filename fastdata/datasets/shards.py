@@ -11,6 +11,15 @@ order does not depend on the world size, so elastic resume reads every sample on
 While a pass runs, the loader tells the source where it is (``reading``), and the shards of the next
 window are fetched ahead on a thread of the loader's process; readers in worker processes find them
 published in the shared cache folder (or wait, on the shard's lock, for the download in progress).
+
+A shard is checked against the index when it is opened, not per sample: its size at every open, its
+sha256 once per version of a local file (``shards.cache.Verdicts``) and before a download is published
+(the cache keys shards by digest). A shard that is not what the index says is a ``DecodeError`` for its
+samples (``on_error="skip"``: skipped and counted), never another pack's labels on its pixels.
+
+A pack of arrays (MNIST, digits, ``ArraySource``, a Dataset of one image size: ``image_shape`` in the
+index) reads back as arrays: every PNG is decoded once when ``Shards`` is created, and loaders see
+what the source gave (its channels, pixels, default augmentation and statistics), not 3-channel photos.
 """
 from __future__ import annotations
 
@@ -24,7 +33,9 @@ import numpy as np
 
 from ..config import Augmentation, SourceKind
 from ..errors import DecodeError
-from .base import IMAGENET_MEAN, IMAGENET_STD, Source, check_labels
+from ..shards.storage import ShardMismatch
+from .arrays import ArraySource
+from .base import IMAGENET_MEAN, IMAGENET_STD, Source, channel_stats, check_labels
 from .folders import ImageFolder
 
 _TAR_HEADER = 512
@@ -54,7 +65,7 @@ class Shards(Source):
             credentials come from fsspec's and boto's usual places or ``storage_options``, never printed.
         mean, std: normalization statistics in [0, 1] units; default the index's, else ImageNet's.
         transform: a per-sample callable on the decoded PIL photo (torch/prefetch backends), as
-            ``ImageFolder(transform=...)``.
+            ``ImageFolder(transform=...)``; not for a pack of arrays (use ``augment=``).
     """
 
     kind = SourceKind.FILES
@@ -77,24 +88,34 @@ class Shards(Source):
         self.classes = list(self.index.classes)
         self.num_classes = len(self.classes)
         self.labels = check_labels(self.index.labels, f"labels of {where}", self.num_classes)
-        self.channels = 3
-        self.mean = tuple(mean if mean is not None else info.get("mean") or IMAGENET_MEAN)
-        self.std = tuple(std if std is not None else info.get("std") or IMAGENET_STD)
-        if len(self.mean) == 1:
-            self.mean, self.std = self.mean * 3, self.std * 3 if len(self.std) == 1 else self.std
         self.location = redact(self.storage.location)   # what messages show: no credentials
         self.name = f"shards:{self.location}"
+        shape = _image_shape(info.get("image_shape"))
         if transform is not None:
+            if shape is not None:
+                raise ValueError(f"Shards '{where}' holds arrays of {shape[0]}x{shape[1]}x{shape[2]} (packed from "
+                                 f"{info.get('type', 'an array source')}): transform= applies to photos; "
+                                 f"give the loader augment= instead")
             check_sample_transform(transform, f"Shards '{where}'")
         self.transform = transform
         self._ids = np.arange(len(self.labels), dtype=np.int64)   # into the index (a subset maps here)
         self._cache = None
         self._cache_dir, self._cache_limit = cache_dir, cache_limit
-        if not self.storage.is_local:
+        self._verdicts = None
+        if self.storage.is_local:
+            from ..shards.cache import Verdicts
+
+            self._verdicts = Verdicts(os.path.join(cache_dir, ".verified") if cache_dir is not None else
+                                      os.path.join(tempfile.gettempdir(), "fastdata-shards", "verified"))
+        else:
             self._open_cache()   # the budget is checked now, not at the first read in a worker
         self._prefetcher = None
         self._files = _OpenFiles(2 * self.window)
         self._pid = os.getpid()
+        self.channels, self.images = 3, None
+        if shape is not None:
+            self._load_arrays(shape, info)
+        self.mean, self.std = self._statistics(mean, std, info)
 
     # ------------------------------------------------------------------ the cache
     def _open_cache(self):
@@ -109,9 +130,56 @@ class Shards(Source):
         if limit is None:
             limit = shutil.disk_usage(cache_dir).free // 2
         sizes = {s.name: int(s.size) for s in self.index.shards}
+        # Keyed by digest: a location re-packed under the same shard names is never read from old copies.
         self._cache = ShardCache(self.storage, cache_dir, limit_bytes=int(limit), expected_sizes=sizes,
-                                 window=min(2 * self.window, len(sizes)))
+                                 window=min(2 * self.window, len(sizes)),
+                                 digests={s.name: s.sha256 for s in self.index.shards})
         self._cache_dir = cache_dir
+
+    # ------------------------------------------------------------------ a pack of arrays
+    def _load_arrays(self, shape: tuple, info: dict) -> None:
+        """Decode every sample once into ``images`` (N, H, W, C) uint8: this source then is an array
+        source (``kind`` ARRAY), as the one that was packed."""
+        import io
+
+        from PIL import Image
+
+        images = np.empty((len(self.index), *shape), dtype=np.uint8)
+        for i in np.argsort(self.index.shard, kind="stable"):   # shard by shard: each one fetched once
+            data = self.read(int(i))
+            try:
+                with Image.open(io.BytesIO(data)) as img:
+                    arr = np.asarray(img)
+            except Exception as e:  # noqa: BLE001 - any decoder failure is this sample's
+                raise DecodeError(self.sample_name(int(i)), f"{type(e).__name__}: {e}") from None
+            arr = arr.reshape(*arr.shape[:2], -1)
+            if arr.shape != shape or arr.dtype != np.uint8:
+                raise DecodeError(self.sample_name(int(i)), f"decodes to {arr.dtype} {arr.shape}, but the index "
+                                                            f"says every image is uint8 {shape}")
+            images[i] = arr
+        self.close()          # every shard is read: no file stays open, nothing is fetched ahead
+        self.images, self.channels = images, shape[2]
+        self.kind, self.random_access = SourceKind.ARRAY, True
+        self.digits = bool(info.get("digits"))
+
+    def _statistics(self, mean, std, info: dict) -> tuple[tuple, tuple]:
+        """(mean, std): the ones given, else the index's (the packed source's), else ImageNet's for photos
+        and the pixels' own for arrays; one value per channel."""
+        packed_mean, packed_std = info.get("mean"), info.get("std")
+        if self.images is not None and (not packed_mean or len(packed_mean) != self.channels):
+            packed_mean, packed_std = channel_stats(self.images)
+        mean = tuple(mean if mean is not None else packed_mean or IMAGENET_MEAN)
+        std = tuple(std if std is not None else packed_std or IMAGENET_STD)
+        if len(mean) == 1 and self.channels == 3:
+            mean, std = mean * 3, std * 3 if len(std) == 1 else std
+        return mean, std
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(H, W, C) of every image of a pack of arrays (an AttributeError for photos)."""
+        if self.images is None:
+            raise AttributeError(f"{self!r} holds photos of their own sizes, not arrays of one shape")
+        return self.images.shape[1:]
 
     def __getstate__(self):
         # A copy (a DataLoader worker) opens its own files and cache handle; the prefetcher stays home.
@@ -138,10 +206,15 @@ class Shards(Source):
         cache = self._cache
         try:
             path = self.storage.local_path(shard) if cache is None else cache.get(shard)
+        except ShardMismatch as e:
+            raise DecodeError(self.sample_name(i), f"its shard is not the one the index describes: {e}") from None
         except OSError as e:   # StorageError: the shard and URL are in its message; credentials are not
             raise DecodeError(self.sample_name(i), f"cannot fetch its shard ({e})") from None
         try:
-            raw = self._files.pread(path, offset - _TAR_HEADER, size + _TAR_HEADER)
+            raw = self._files.pread(path, offset - _TAR_HEADER, size + _TAR_HEADER,
+                                    check=lambda fd: self._check_shard(j, path, fd))
+        except ShardMismatch as e:
+            raise DecodeError(self.sample_name(i), f"its shard is not the one the index describes: {e}") from None
         except OSError as e:
             raise DecodeError(self.sample_name(i), f"cannot read its shard ({type(e).__name__}: {e})") from None
         finally:
@@ -157,13 +230,29 @@ class Shards(Source):
                                                    f"(re-pack, or re-download both)")
         return raw[_TAR_HEADER:], 0
 
+    def _check_shard(self, j: int, path: str, fd: int) -> None:
+        """Called when a shard file is opened: it is the shard the index describes. Local files: size and
+        sha256 (``Verdicts``: hashed once per file version). Cached downloads were hashed before they were
+        published under their digest's name: their size is checked."""
+        info = self.index.shards[int(self.index.shard[j])]
+        where = self.storage.url(info.name)
+        if self._verdicts is not None:
+            self._verdicts.check(path, fd, size=info.size, sha256=info.sha256, name=info.name, where=where)
+        elif os.fstat(fd).st_size != info.size:
+            raise ShardMismatch(f"the cached copy of shard '{info.name}' is {os.fstat(fd).st_size} bytes, "
+                                f"its index says {info.size}", info.name, where)
+
     # ------------------------------------------------------------------ Source: order and streaming
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray | None:
-        """Shards shuffled, then samples within each window of ``window`` shards (``shards.order``)."""
-        if self.indices is not None:
-            return None   # a subset: a plain permutation of its samples (positions are not index ids)
-        from ..shards.order import epoch_order
+        """Shards shuffled, then samples within each window of ``window`` shards (``shards.order``); a
+        subset: the same over the shards it touches. None for a pack of arrays (in memory: a plain
+        permutation, as the packed source's)."""
+        if self.images is not None:
+            return None
+        from ..shards.order import epoch_order, subset_epoch_order
 
+        if self.indices is not None:
+            return subset_epoch_order(self.index.shard[self._ids], seed, epoch, window=self.window)
         return epoch_order(self.index.shard_sizes, seed, epoch, window=self.window, shuffle=True)
 
     def reading(self, order: np.ndarray, position: int, next_order=None) -> None:
@@ -190,12 +279,24 @@ class Shards(Source):
         """The ``transform`` given, or None."""
         return self.transform
 
-    default_augmentation = ImageFolder.default_augmentation
-    __getitem__ = ImageFolder.__getitem__
+    def default_augmentation(self, train: bool):
+        """A pack of arrays: the array source's recipe (digits, CIFAR-like, none); photos: ImageFolder's."""
+        if self.images is not None:
+            return ArraySource.default_augmentation(self, train)
+        return ImageFolder.default_augmentation(self, train)
+
+    def __getitem__(self, i):
+        """(image, label) of sample ``i``: as ``ArraySource[i]`` for a pack of arrays, else as ``ImageFolder[i]``."""
+        if self.images is not None:
+            return ArraySource.__getitem__(self, i)
+        return ImageFolder.__getitem__(self, i)
 
     def _take(self, idx: np.ndarray) -> None:
         self._ids = self._ids[idx]
-        self.labels = self.labels[idx]
+        if self.images is not None:
+            ArraySource._take(self, idx)   # images and labels
+        else:
+            self.labels = self.labels[idx]
 
     def close(self) -> None:
         """Stop fetching ahead, close the shards' files and release the cache's hold."""
@@ -222,10 +323,11 @@ class _OpenFiles:
         self._lock = threading.Lock()
         self._open: dict[str, list] = {}   # path -> [fd, readers, retired]
 
-    def pread(self, path: str, start: int, length: int) -> bytes:
+    def pread(self, path: str, start: int, length: int, check=None) -> bytes:
         """``length`` bytes of ``path`` from ``start``; a read that fails (a cached shard replaced
-        under us) opens the file afresh once."""
-        entry = self._take(path)
+        under us) opens the file afresh once. ``check(fd)`` runs on each new descriptor before it is
+        used (and shared): it raises when the file is not what it must be."""
+        entry = self._take(path, check)
         try:
             return os.pread(entry[0], length, start)
         except OSError:
@@ -234,17 +336,33 @@ class _OpenFiles:
                     self._retire(self._open.pop(path))
         finally:
             self._give(entry)
-        entry = self._take(path)
+        entry = self._take(path, check)
         try:
             return os.pread(entry[0], length, start)
         finally:
             self._give(entry)
 
-    def _take(self, path: str) -> list:
+    def _take(self, path: str, check=None) -> list:
         with self._lock:
             entry = self._open.get(path)
-            if entry is None:
-                entry = self._open[path] = [os.open(path, os.O_RDONLY), 0, False]
+            if entry is not None:
+                entry[1] += 1
+                return entry
+        # Opened and checked outside the lock: a first open may hash the file, and the other threads
+        # keep reading the shards already open meanwhile.
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if check is not None:
+                check(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            entry = self._open.get(path)
+            if entry is not None:               # another thread opened it meanwhile: use that one
+                os.close(fd)
+            else:
+                entry = self._open[path] = [fd, 0, False]
                 while len(self._open) > self.limit:   # the oldest first (dicts keep insertion order)
                     self._retire(self._open.pop(next(iter(self._open))))
             entry[1] += 1
@@ -346,6 +464,14 @@ class _Prefetcher:
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout=60)
+
+
+def _image_shape(value) -> tuple[int, int, int] | None:
+    """The index's ``source.image_shape`` ([H, W, C], C 1 or 3: a pack of arrays of one shape), or None."""
+    if (isinstance(value, list) and len(value) == 3 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                            and v > 0 for v in value) and value[2] in (1, 3)):
+        return tuple(value)
+    return None
 
 
 __all__ = ["Shards", "Augmentation"]

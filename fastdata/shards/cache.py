@@ -17,10 +17,15 @@ one per shard of the manifest. A ``.budget`` lock serializes the decisions "is t
 evict" so that two processes do not both spend the same free bytes.
 
 A download goes to a temporary name and is published by ``os.replace`` only after its size matched
-``expected_sizes`` (``Storage.fetch``); a file with the wrong size under the final name (from an older
-run, or written by something else) is treated as missing and fetched again. Temporary files of dead
-processes are removed when the cache is opened and whenever it scans. Only the manifest's shards are
-counted and evicted: other files in ``cache_dir`` are left alone.
+``expected_sizes`` and its sha256 ``digests`` (``Storage.fetch``); a file with the wrong size under the
+final name (from an older run, or written by something else) is treated as missing and fetched again.
+Temporary files of dead processes are removed when the cache is opened and whenever it scans.
+
+Why the digest is in the file name (``shard-000.<16 hex digits of its sha256>.tar``): a location that is
+re-packed keeps its shard names, often their sizes too, so a cache keyed by name alone served the old
+shards under the new index. Keyed by identity, a new version of a shard is a new file, never the old
+copy; the old versions' files (same stem and extension, another digest) count against the budget and
+are evicted first once no process holds them. Other files in ``cache_dir`` are left alone.
 """
 from __future__ import annotations
 
@@ -35,11 +40,14 @@ import time
 import uuid
 import weakref
 
-from fastdata.shards.storage import check_name
+from fastdata.shards.storage import ShardMismatch, check_name
 
-__all__ = ["ShardCache", "CacheFull"]
+__all__ = ["ShardCache", "CacheFull", "Verdicts"]
 
 _TMP = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-z]+$")
+# A cached shard's file name with its identity: STEM.<16 hex digits of its sha256>[.EXT].
+_VERSIONED = re.compile(r"^(?P<stem>(?:.*/)?\.?[^/.]+)\.(?P<digest>[0-9a-f]{16})(?P<ext>\.[^/]+)?$")
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _LOCKS = ".locks"
 _POLL = 0.05
 
@@ -79,6 +87,9 @@ class ShardCache:
         limit_bytes: the most bytes of shards kept on disk, in-progress downloads included.
         expected_sizes: ``{shard name: size in bytes}`` from the index; a download of another size is an
             error (retried), a cached file of another size is fetched again.
+        digests: ``{shard name: sha256 hex}`` from the index, or None. Given, a shard is cached under a
+            name that carries its digest, and a download with another digest is a ``ShardMismatch``
+            (never published; later ``get`` calls of this cache raise it again without downloading).
         window: how many shards the reader holds at once; the budget must hold the ``window`` largest
             shards, which is checked here, before any download.
         wait_timeout: seconds ``get`` waits for another process's download of the same shard, or for
@@ -86,7 +97,7 @@ class ShardCache:
     """
 
     def __init__(self, storage, cache_dir, *, limit_bytes: int, expected_sizes: dict, window: int = 1,
-                 wait_timeout: float = 600.0):
+                 wait_timeout: float = 600.0, digests: dict | None = None):
         if not expected_sizes:
             raise ValueError("ShardCache: expected_sizes is empty; it maps each shard name to its size")
         sizes = {}
@@ -99,6 +110,9 @@ class ShardCache:
         if window < 1:
             raise ValueError(f"ShardCache: window={window!r}; expected the number of shards read at once (>= 1)")
         self.storage, self.expected_sizes, self.window = storage, sizes, int(window)
+        self.digests = self._check_digests(digests or {}, sizes)
+        self._files = {name: _versioned(name, self.digests.get(name)) for name in sizes}   # name -> file
+        self._names = {file: name for name, file in self._files.items()}                 # file -> name
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         self.limit_bytes, self.wait_timeout = int(limit_bytes), float(wait_timeout)
         self.in_place = getattr(storage, "local_path", lambda n: None)(next(iter(sizes))) is not None
@@ -118,11 +132,22 @@ class ShardCache:
             os.makedirs(os.path.join(self.cache_dir, _LOCKS), exist_ok=True)
             self._scan()   # removes what dead processes left half written
 
+    @staticmethod
+    def _check_digests(digests: dict, sizes: dict) -> dict:
+        for name, digest in digests.items():
+            if name not in sizes:
+                raise ValueError(f"ShardCache: digests names shard {name!r}, which expected_sizes does not")
+            if not isinstance(digest, str) or not _SHA256.match(digest):
+                raise ValueError(f"ShardCache: digest of shard {name!r} is {digest!r}; expected 64 lowercase "
+                                 f"hex digits (a sha256)")
+        return dict(digests)
+
     def _reset(self):
         self._held: dict[str, list] = {}          # name -> [lock fd (shared), count]
         self._pins: list[str] = []                # prefetched, held, not yet taken by get(), oldest first
         self._plan: collections.deque = collections.deque()
         self._failed: dict[str, BaseException] = {}
+        self._mismatched: dict[str, BaseException] = {}   # shards whose download is another shard
         self._thread = None
         self._stop = False
         self._pid = os.getpid()
@@ -165,10 +190,13 @@ class ShardCache:
         self._known(name)
         if self.in_place:
             return self.storage.local_path(name)
-        return os.path.join(self.cache_dir, *name.split("/"))
+        return os.path.join(self.cache_dir, *self._files[name].split("/"))
 
     def _lock_path(self, name: str) -> str:
-        return os.path.join(self.cache_dir, _LOCKS, *name.split("/")) + ".lock"
+        return self._lock_of(self._files[name])
+
+    def _lock_of(self, file: str) -> str:
+        return os.path.join(self.cache_dir, _LOCKS, *file.split("/")) + ".lock"
 
     def _known(self, name: str) -> int:
         check_name(name)
@@ -184,8 +212,8 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
-    def _open_lock(self, name: str) -> int:
-        path = self._lock_path(name)
+    def _open_lock(self, name: str, file: str | None = None) -> int:
+        path = self._lock_path(name) if file is None else self._lock_of(file)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
@@ -218,10 +246,15 @@ class ShardCache:
                     self._held[name][1] += 1
                 os.utime(self.path(name))
                 return self.path(name)
-            failed = self._failed.pop(name, None)
+            failed = self._failed.pop(name, None) or self._mismatched.get(name)
         if failed is not None:
             raise failed
-        fd = self._acquire(name, prefetch=False)
+        try:
+            fd = self._acquire(name, prefetch=False)
+        except ShardMismatch as e:
+            with self._lock:
+                self._mismatched[name] = e
+            raise
         with self._lock:
             if name in self._held:         # the prefetcher got it meanwhile
                 _unlock_close(fd)
@@ -330,7 +363,10 @@ class ShardCache:
                 continue
             except Exception as e:  # noqa: BLE001 - kept for the reader's get(), which raises it
                 with self._lock:
-                    self._failed[name] = e
+                    if isinstance(e, ShardMismatch):
+                        self._mismatched[name] = e
+                    else:
+                        self._failed[name] = e
                     if self._plan and self._plan[0] == name:
                         self._plan.popleft()
                 continue
@@ -377,7 +413,9 @@ class ShardCache:
         for attempt in range(2):
             reservation = self._reserve(name, size, prefetch=prefetch, deadline=deadline)
             try:
-                self.storage.fetch(name, final, size=size)
+                # Only with a digest: a Storage written before digests existed takes size alone.
+                digest = {"sha256": self.digests[name]} if name in self.digests else {}
+                self.storage.fetch(name, final, size=size, **digest)
                 return
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", 122)):
@@ -426,9 +464,10 @@ class ShardCache:
             os.close(budget)
 
     def _scan(self):
-        """(bytes counted against the budget, [(mtime, name, bytes) of published shards]). Removes the
-        temporary files of dead processes."""
-        usage, published, pending = 0, [], set()
+        """(bytes counted against the budget, [(mtime, file, bytes) of published shards, older versions of
+        the manifest's shards first]). ``file`` is relative to the cache folder. Removes the temporary
+        files of dead processes."""
+        usage, published, stale, pending = 0, [], [], set()
         root = self.cache_dir
         for folder, dirs, files in os.walk(root):
             if folder == root and _LOCKS in dirs:
@@ -440,33 +479,42 @@ class ShardCache:
                 if match is not None:
                     if not _alive(int(match["pid"])):
                         _unlink(os.path.join(folder, f))
-                    elif match["base"] in self.expected_sizes:
-                        pending.add(match["base"])
+                    elif match["base"] in self._names:
+                        pending.add(self._names[match["base"]])
                     continue
-                if name in self.expected_sizes:
-                    try:
-                        st = os.stat(os.path.join(folder, f))
-                    except FileNotFoundError:
-                        continue
-                    usage += st.st_size
-                    published.append((st.st_mtime, name, st.st_size))
+                ours = name in self._names
+                if not ours and not self._old_version(name):
+                    continue
+                try:
+                    st = os.stat(os.path.join(folder, f))
+                except FileNotFoundError:
+                    continue
+                usage += st.st_size
+                (published if ours else stale).append((st.st_mtime, name, st.st_size))
         usage += sum(self.expected_sizes[n] for n in pending)
-        return usage, sorted(published)
+        return usage, sorted(stale) + sorted(published)
 
-    def _evict(self, name: str) -> int:
-        """Delete ``name`` if no process holds it (its lock taken exclusively without waiting); its bytes."""
+    def _old_version(self, file: str) -> bool:
+        """Whether ``file`` is another version (another digest) of one of the manifest's shards."""
+        match = _VERSIONED.match(file)
+        return match is not None and f"{match['stem']}{match['ext'] or ''}" in self._files
+
+    def _evict(self, file: str) -> int:
+        """Delete cached ``file`` if no process holds it (its lock taken exclusively without waiting);
+        its bytes."""
         with self._lock:
-            if name in self._held:
+            if self._names.get(file) in self._held:
                 return 0
-        fd = self._open_lock(name)
+        fd = self._open_lock(None, file)
+        path = os.path.join(self.cache_dir, *file.split("/"))
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return 0                   # in use, or being downloaded, by some process
             try:
-                size = os.stat(self.path(name)).st_size
-                os.unlink(self.path(name))
+                size = os.stat(path).st_size
+                os.unlink(path)
                 return size
             except FileNotFoundError:
                 return 0
@@ -475,11 +523,11 @@ class ShardCache:
 
     def _make_room(self, size: int, *, exclude: str) -> bool:
         usage, published = self._scan()
-        for _, name, _ in published:       # least recently used first
+        for _, file, _ in published:       # old versions, then least recently used first
             if usage + size <= self.limit_bytes:
                 break
-            if name != exclude:
-                usage -= self._evict(name)
+            if file != self._files[exclude]:
+                usage -= self._evict(file)
         return usage + size <= self.limit_bytes
 
     def _evict_for_disk(self, size: int, deadline: float) -> int:
@@ -487,13 +535,25 @@ class ShardCache:
         evicted = 0
         try:
             self._flock(budget, fcntl.LOCK_EX, deadline, "the cache's budget lock")
-            for _, name, _ in self._scan()[1]:
+            for _, file, _ in self._scan()[1]:
                 if shutil.disk_usage(self.cache_dir).free >= size:
                     break
-                evicted += bool(self._evict(name))
+                evicted += bool(self._evict(file))
         finally:
             _unlock_close(budget)
         return evicted
+
+
+def _versioned(name: str, digest: str | None) -> str:
+    """The cache's file name of shard ``name``: ``dir/stem.<16 hex digits>.ext`` (``name`` without a digest)."""
+    if digest is None:
+        return name
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not stem:                     # ".hidden": no extension to keep apart
+        stem, dot, ext = base, "", ""
+    versioned = f"{stem}.{digest[:16]}{dot}{ext}"
+    return f"{folder}/{versioned}" if folder else versioned
 
 
 def _unlock_close(fd: int) -> None:
@@ -516,3 +576,80 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class Verdicts:
+    """Whether local shard files are the shards their index describes, hashed once per file version.
+
+    A shard read in place (a local folder) is checked when a reader opens it: its size against the
+    index at every open (an ``fstat``), its sha256 once per version of the file, the version being
+    ``(path, size, mtime_ns, inode)``. Hashing a 256 MB shard costs a fraction of a second, far less
+    than decoding it, but every DataLoader worker and rank opens every shard: so the verdict is kept in
+    ``folder`` (one small file per shard path, written under a lock by the first process that hashes it)
+    and in this process's memory, and a file rewritten in place gets a new mtime and is hashed again.
+
+    Args:
+        folder: where the verdicts are kept (created); None, or a folder that cannot be written: this
+            process's memory only.
+    """
+
+    def __init__(self, folder):
+        self.folder = None if folder is None else os.fspath(folder)
+        self._lock = threading.Lock()
+        self._seen: dict[tuple, str] = {}   # file version -> its sha256
+
+    def check(self, path: str, fd: int, *, size: int, sha256: str, name: str, where: str) -> None:
+        """Raise ``ShardMismatch`` naming shard ``name`` (at ``where``) unless the open file ``fd`` has
+        ``size`` bytes and the digest ``sha256``."""
+        st = os.fstat(fd)
+        if st.st_size != size:
+            raise ShardMismatch(f"shard '{name}' at {where} is {st.st_size} bytes, but its index says {size}: it "
+                                f"is not the shard the index describes (re-packed or changed since)", name, where)
+        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+        with self._lock:
+            digest = self._seen.get(key)
+        if digest is None:
+            digest = self._stored(key, fd)
+            with self._lock:
+                self._seen[key] = digest
+        if digest != sha256:
+            raise ShardMismatch(f"shard '{name}' at {where} is not the shard its index describes: its sha256 is "
+                                f"{digest[:16]}..., the index says {sha256[:16]}... (re-packed or changed "
+                                f"since the index was written)", name, where)
+
+    def _stored(self, key: tuple, fd: int) -> str:
+        """The digest of file version ``key``: from its verdict file, else hashed (and written there)."""
+        from .storage import file_sha256
+
+        if self.folder is None:
+            return file_sha256(None, fd)
+        import hashlib
+        import json
+
+        stem = os.path.join(self.folder, hashlib.sha1(key[0].encode()).hexdigest())
+        version = list(key[1:])
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            lock = os.open(stem + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return file_sha256(None, fd)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # one process hashes, the others wait and read its verdict
+            try:
+                with open(stem + ".json") as f:
+                    record = json.load(f)
+                if record.get("path") == key[0] and record.get("version") == version:
+                    return str(record["sha256"])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass
+            digest = file_sha256(None, fd)
+            tmp = f"{stem}.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "w") as f:
+                    json.dump({"path": key[0], "version": version, "sha256": digest}, f)
+                os.replace(tmp, stem + ".json")
+            except OSError:
+                _unlink(tmp)
+            return digest
+        finally:
+            _unlock_close(lock)

@@ -285,11 +285,15 @@ def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
 
 
 def index_document(*, shards: list[dict], classes, samples: dict, key_width: int, fingerprint: str,
-                   source: dict) -> dict:
-    """The JSON object of an ``index.json`` (``pack`` writes it; ``parse_index`` reads it)."""
-    return {"format": FORMAT, "version": VERSION, "num_samples": len(samples["label"]), "key_width": key_width,
-            "fingerprint": fingerprint, "classes": [str(c) for c in classes], "source": source,
-            "shards": shards, "samples": samples}
+                   source: dict, plan: str | None = None) -> dict:
+    """The JSON object of an ``index.json`` (``pack`` writes it; ``parse_index`` reads it). ``plan``:
+    a digest of what the pack was made from, which tells ranks and re-runs whose index it is."""
+    doc = {"format": FORMAT, "version": VERSION, "num_samples": len(samples["label"]), "key_width": key_width,
+           "fingerprint": fingerprint, "classes": [str(c) for c in classes], "source": source,
+           "shards": shards, "samples": samples}
+    if plan is not None:
+        doc["plan"] = plan
+    return doc
 
 
 def write_json_atomic(path, doc) -> None:

@@ -94,3 +94,34 @@ def epoch_order(shard_sizes, seed: int, epoch: int, window: int = 1, shuffle: bo
         ids = np.concatenate([np.arange(starts[j], starts[j] + sizes[j], dtype=np.int64) for j in shards])
         parts.append(np.random.default_rng(seed_for(seed, epoch, _WINDOW_STREAM, w)).permutation(ids))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def subset_epoch_order(sample_shards, seed: int, epoch: int, window: int = 1) -> np.ndarray:
+    """``epoch_order`` for a subset of the samples (a ``split()`` part, a ``subset()``): every position
+    ``0 .. len(sample_shards) - 1`` once, the shards the subset touches permuted from ``(seed, epoch)``,
+    then the positions of each window of ``window`` of those shards shuffled among themselves.
+
+    A plain permutation of a subset's samples would visit its shards in random order sample by sample:
+    with a cache smaller than the set, nearly one shard download per sample. Windows over the shards it
+    touches keep what ``epoch_order`` keeps: each touched shard read once per epoch, a window at a time.
+
+    Args:
+        sample_shards: per position of the subset, the shard its sample is in (int, any order).
+        seed, epoch: integers >= 0.
+        window: shards per window, >= 1.
+    """
+    shards = np.asarray(sample_shards, dtype=np.int64)
+    if shards.ndim != 1:
+        raise ValueError(f"sample_shards must be 1-D (one shard id per sample), got shape {shards.shape}")
+    if not len(shards):
+        return np.zeros(0, dtype=np.int64)
+    _, compact = np.unique(shards, return_inverse=True)   # touched shards renumbered 0 .. k-1, in id order
+    sizes = np.bincount(compact)
+    windows = epoch_windows(sizes, seed, epoch, window, shuffle=True)
+    by_shard = np.argsort(compact, kind="stable")          # positions grouped by shard, ascending within
+    starts = shard_starts(sizes)
+    parts = []
+    for w, members in enumerate(windows):
+        ids = np.concatenate([by_shard[starts[j]: starts[j] + sizes[j]] for j in members])
+        parts.append(np.random.default_rng(seed_for(seed, epoch, _WINDOW_STREAM, w)).permutation(ids))
+    return np.concatenate(parts).astype(np.int64)

@@ -6,16 +6,20 @@ index. The real ``webdataset`` package reads them, and so does DALI's ``fn.reade
 ``.idx`` file written beside each tar. ``index.json`` (``fastdata.shards.index``) records, per sample, its
 shard and the byte range of its image, so a reader fetches one sample with one range read.
 
-Interruptions: each shard is written to ``NAME.tar.tmp-<pid>`` and renamed when complete, then its
-``.idx`` and its record ``NAME.json`` are published the same way; the index is written last. Shard
-boundaries are planned from the input sizes alone, so a re-run plans the same shards and skips each
-one whose record matches the plan and whose tar still has the recorded size and sha256.
+Interruptions: an ``index.json`` of another pack (another plan) is removed before any shard is
+written; each shard is written to ``NAME.tar.tmp-<pid>`` and renamed when complete, then its ``.idx``
+and its record ``NAME.json`` are published the same way; the index is written last, atomically. So
+an interrupted re-pack leaves no index that describes other shards. Shard boundaries are planned from
+the input sizes alone, so a re-run plans the same shards and skips each one whose record matches the
+plan and whose tar still has the recorded size and sha256.
 
 Parallelism: ``workers`` processes each write whole shards. Under torchrun (``WORLD_SIZE`` > 1) rank
 ``r`` packs shards ``r, r + world, ...`` into the same OUT (a shared file system), writes
 ``index.rank<r>.json``, and rank 0 merges the parts into ``index.json`` once all are there (after a
 ``torch.distributed`` barrier when a process group exists, else by waiting for the files), as LitData's
-writer does.
+writer does. Every rank returns only once that index exists: after a second barrier, or, without a
+process group (``torchrun -m fastdata pack`` starts none), by waiting for an ``index.json`` of this
+pack (its ``plan`` digest) that lists the rank's shards as it wrote them.
 """
 from __future__ import annotations
 
@@ -27,13 +31,13 @@ import json
 import os
 import re
 import tarfile
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from . import ranks
 from .index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 
 #: Bumped when the bytes a plan produces change, so a re-run does not keep shards packed the old way.
@@ -87,23 +91,40 @@ def _png(array: np.ndarray) -> bytes:
 def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
     """``data`` re-encoded as a JPEG (quality 90) whose longer side is ``max_side``, upright (EXIF
     orientation applied: the copy carries no orientation tag), or None when its longer side is already
-    at most ``max_side`` (the original is kept). Grey stays grey; every other mode becomes RGB."""
+    at most ``max_side`` (the original is kept).
+
+    The pixels are the ones the loaders decode (``transforms.to_rgb``, which every backend's decode
+    goes through): 16-bit and 32-bit grey scaled to 8 bits as they scale them, palettes through RGBA,
+    alpha dropped, CMYK converted. Pillow's own ``convert`` clips 16-bit data at 255 (a white image)
+    and refuses to resample some modes; converting first and resizing the 8-bit result avoids both.
+    A grey image stays a grey JPEG (the loaders' RGB of it has three equal channels)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
+
+    from ..transforms import JPEG_FORMATS, to_rgb
 
     try:
         with Image.open(io.BytesIO(data)) as img:
             if max(img.size) <= max_side:
                 return None
-            # A square bound: downscaling before the rotation gives the same pixels as after it, and
-            # thumbnail() lets a JPEG decode at a reduced DCT scale (draft) instead of full size.
-            img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
-            img = ImageOps.exif_transpose(img)
-            img = img.convert("L" if img.mode in ("L", "I;16", "I") else "RGB")
+            grey = img.mode in _GREY_MODES
+            if img.format in JPEG_FORMATS and img.mode in ("RGB", "L"):
+                # A square bound: downscaling before the rotation gives the same pixels as after it, and
+                # thumbnail() lets a JPEG decode at a reduced DCT scale (draft) instead of full size.
+                img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+                img = ImageOps.exif_transpose(img)
+            else:
+                img = to_rgb(ImageOps.exif_transpose(img))   # what the loaders see, 8-bit RGB
+                img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+            img = img.convert("L") if grey else to_rgb(img)
             out = io.BytesIO()
             img.save(out, format="JPEG", quality=JPEG_QUALITY)
             return out.getvalue()
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: {e}") from None
+
+
+#: Modes whose pixels are one grey value (the loaders' RGB of them has three equal channels).
+_GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
 
 class _Reader:
@@ -164,8 +185,8 @@ class _Reader:
         """How errors name sample ``i``: its file, or its index in the source."""
         return f"'{self.source.paths[i]}'" if self.kind == "files" else f"{self.source.name}[{i}]"
 
-    def read(self, i: int) -> tuple[str, bytes, int]:
-        """(extension, image bytes, label) of sample ``i``."""
+    def read(self, i: int) -> tuple[str, bytes, int, tuple | None]:
+        """(extension, image bytes, label, (H, W, C) of an array's image or None for a file) of sample ``i``."""
         label = int(self.labels[i])
         if self.kind == "files":
             path = self.source.paths[i]
@@ -174,8 +195,8 @@ class _Reader:
             if self.max_side is not None:
                 small = shrink(data, self.max_side, f"'{path}'")
                 if small is not None:
-                    return "jpg", small, label
-            return _image_ext(path), data, label
+                    return "jpg", small, label, None
+            return _image_ext(path), data, label, None
         if self.kind == "array":
             image = np.asarray(self.source.images[i])
         else:
@@ -188,7 +209,8 @@ class _Reader:
             img = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
             img.thumbnail((self.max_side, self.max_side), Image.Resampling.LANCZOS)
             image = np.asarray(img).reshape(img.height, img.width, -1)
-        return "png", _png(image), label
+        image = image.reshape(*image.shape[:2], -1)
+        return "png", _png(image), label, tuple(int(v) for v in image.shape)
 
 
 @dataclass(frozen=True)
@@ -249,14 +271,15 @@ def write_shard(reader: _Reader, plan: ShardPlan, out: str, key_width: int, prog
     for stale in glob.glob(glob.escape(final) + ".tmp-*"):   # left by a killed run: this shard is ours now
         os.remove(stale)
     tmp = f"{final}.tmp-{os.getpid()}"
-    offsets, sizes, exts, labels, dali = [], [], [], [], []
+    offsets, sizes, exts, labels, dali, shapes = [], [], [], [], [], set()
     try:
         with open(tmp, "wb") as f:
             hashed = _HashingFile(f)
             # USTAR: every header is exactly one block, so a member's data starts 512 bytes after it.
             with tarfile.open(fileobj=hashed, mode="w", format=tarfile.USTAR_FORMAT) as tar:
                 for i in range(plan.start, plan.stop):
-                    ext, data, label = reader.read(i)
+                    ext, data, label, shape = reader.read(i)
+                    shapes.add(shape)
                     if len(data) > MAX_MEMBER_BYTES:   # read_index would refuse the whole index for it
                         raise ValueError(f"pack: sample {i} ({reader.describe(i)}) is {len(data):,} bytes, past the "
                                          f"image limit of {MAX_MEMBER_BYTES:,} bytes that shard readers accept; "
@@ -286,6 +309,8 @@ def write_shard(reader: _Reader, plan: ShardPlan, out: str, key_width: int, prog
     write_dali_index(stem + ".idx", dali)
     record = {"name": plan.name, "size": hashed.n, "samples": plan.stop - plan.start, "sha256": hashed.sha.hexdigest(),
               "start": plan.start, "identity": plan.identity,
+              # The arrays' (H, W, C) when every image of the shard has it (None: files, or mixed sizes).
+              "shape": list(next(iter(shapes))) if len(shapes) == 1 and None not in shapes else None,
               "offset": offsets, "member_size": sizes, "ext": exts, "label": labels}
     write_json_atomic(stem + ".json", record)
     return record
@@ -306,7 +331,7 @@ def finished_record(out: str, plan: ShardPlan) -> dict | None:
     try:
         with open(stem + ".json") as f:
             record = json.load(f)
-        if (record.get("identity") != plan.identity or record.get("start") != plan.start
+        if (record.get("identity") != plan.identity or record.get("start") != plan.start or "shape" not in record
                 or record.get("samples") != plan.stop - plan.start or not os.path.exists(stem + ".idx")):
             return None
         tar = os.path.join(out, plan.name)
@@ -389,7 +414,8 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
             launcher's variables, else a single process). Rank r packs shards r, r + world, ...;
             rank 0 merges the ranks' parts into ``index.json``.
         progress: show a progress bar.
-        timeout: seconds rank 0 waits for the other ranks' parts (None: as long as it takes).
+        timeout: seconds rank 0 waits for the other ranks' parts, and the other ranks for the index
+            (None: as long as it takes); then a ``TimeoutError`` says which files are missing.
     """
     from tqdm.auto import tqdm
 
@@ -415,6 +441,9 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
         raise ValueError(f"pack: the source {source!r} has no samples")
     key_width = max(8, len(str(n - 1)))
     plans = _plan(reader, shard_size)
+    plan_digest = hashlib.sha256("\n".join(p.identity for p in plans).encode()).hexdigest()
+    # First, before any shard is rewritten: an index of another pack must not describe them meanwhile.
+    ranks.drop_other_index(out, plan_digest)
     mine = plans[rank::world]
     records, todo = _finished_records(out, mine)
     bar = tqdm(total=sum(p.stop - p.start for p in mine), unit="img", disable=not progress,
@@ -427,22 +456,26 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
 
     report = PackReport(out=out, index=None, shards=len(plans), written=len(todo),
                         skipped=len(mine) - len(todo), samples=n)
+    written = _Written(source, plans, key_width, split, shard_size, max_side, plan_digest)
     if world == 1:
-        report.index = _write_index(out, source, plans, records, key_width, split, shard_size, max_side)
+        report.index = _write_index(out, written, records)
         return report
     config = {"pack_version": PACK_VERSION, "world_size": world, "num_samples": n, "key_width": key_width,
-              "plan": hashlib.sha256("\n".join(p.identity for p in plans).encode()).hexdigest()}
-    write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank,
-                                                       "records": [records[p.index] for p in mine]})
-    _barrier()
+              "plan": plan_digest}
+    mine_records = [records[p.index] for p in mine]
+    write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank, "records": mine_records})
+    ranks.barrier()
     if rank == 0:
-        records = _merge_parts(out, world, config, timeout)
-        report.index = _write_index(out, source, plans, records, key_width, split, shard_size, max_side)
+        records = ranks.merge_parts(out, world, config, timeout)
+        report.index = _write_index(out, written, records)
         for r in range(world):
             (out / f"index.rank{r}.json").unlink(missing_ok=True)
-    # With a process group every rank returns once the index exists (a rank may read it next); without
-    # one, the other ranks return after writing their part and rank 0 alone waits.
-    _barrier()
+    # Every rank returns once the index exists (a rank may read it next): with a process group the
+    # barrier says so; without one (torchrun runs the command with no group), the other ranks wait
+    # for an index.json of this pack that describes their shards.
+    ranks.barrier()
+    if rank != 0 and not ranks.has_group():
+        ranks.wait_for_index(out, plan_digest, mine_records, rank, timeout)
     return report
 
 
@@ -511,42 +544,21 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
+@dataclass(frozen=True)
+class _Written:
+    """What ``index.json`` records about a pack besides its shards' records."""
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _merge_parts(out: Path, world: int, config: dict, timeout: float | None) -> dict:
-    """Rank 0: the records of every rank's part, once each ``index.rank<r>.json`` of this pack is there.
-    A part of another pack (another plan or world size, left by an earlier run) counts as not there yet."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    records, missing, delay = {}, list(range(world)), 0.05
-    while True:
-        for r in list(missing):
-            try:
-                with open(out / f"index.rank{r}.json") as f:
-                    part = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if part.get("config") != config:
-                continue
-            for record in part["records"]:
-                records[record["name"]] = record
-            missing.remove(r)
-        if not missing:
-            return records
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"pack: rank 0 waited {timeout:g} s for the parts of ranks {missing} "
-                               f"({', '.join(f'index.rank{r}.json' for r in missing)} in '{out}'); run "
-                               f"those ranks with the same arguments, or a part there is from another pack")
-        time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+    source: object
+    plans: list
+    key_width: int
+    split: str | None
+    shard_size: int
+    max_side: int | None
+    plan: str            # digest of the plan's shard identities: which pack wrote the index
 
 
-def _write_index(out: Path, source, plans: list[ShardPlan], records: dict, key_width: int, split,
-                 shard_size: int, max_side) -> Path:
+def _write_index(out: Path, written: _Written, records: dict) -> Path:
+    source, plans, key_width = written.source, written.plans, written.key_width
     by_index = {}
     for plan in plans:
         record = records.get(plan.index, records.get(plan.name))
@@ -567,9 +579,14 @@ def _write_index(out: Path, source, plans: list[ShardPlan], records: dict, key_w
         classes += [str(k) for k in range(len(classes), max(labels) + 1)]
     exts = sorted(set(ext_names))
     code = {e: k for k, e in enumerate(exts)}
-    info = {"name": source.name, "type": type(source).__name__, "split": split, "channels": source.channels,
-            "mean": list(source.mean), "std": list(source.std), "max_side": max_side, "shard_size": shard_size}
-    doc = index_document(shards=shards, classes=classes, key_width=key_width,
+    # One (H, W, C) for every sample: a pack of arrays, which Shards reads back as arrays.
+    shapes = {tuple(by_index[p.index].get("shape") or ()) for p in plans}
+    info = {"name": source.name, "type": type(source).__name__, "split": written.split,
+            "channels": source.channels, "mean": list(source.mean), "std": list(source.std),
+            "max_side": written.max_side, "shard_size": written.shard_size,
+            "image_shape": list(shapes.pop()) if len(shapes) == 1 and () not in shapes else None,
+            "digits": bool(getattr(source, "digits", False))}
+    doc = index_document(shards=shards, classes=classes, key_width=key_width, plan=written.plan,
                          fingerprint=source.fingerprint(), source=info,
                          samples={"shard": shard_ids, "offset": offsets, "size": sizes, "exts": exts,
                                   "ext": [code[e] for e in ext_names], "label": labels})
@@ -607,6 +624,9 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    help="re-encode photos whose longer side exceeds N as JPEG (quality 90) with that longer side")
     p.add_argument("--workers", type=cli.nonnegative_int, default=None, metavar="N",
                    help="processes writing shards (default: the usable cores)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="under torchrun: how long rank 0 waits for the other ranks' parts and they wait for "
+                        "the index (default: as long as it takes)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
@@ -625,7 +645,7 @@ def main(args) -> PackReport:
     cli.check_output(get_args_parser(), "OUT", args.out, folder=True)
     with cli.input_errors(f"fastdata pack: SOURCE '{args.source}'"):
         report = pack(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
-                      workers=args.workers, split=args.split, progress=args.progress)
+                      workers=args.workers, split=args.split, progress=args.progress, timeout=args.timeout)
     what = f"{report.samples} samples in {report.shards} shards ({report.written} written, {report.skipped} kept)"
     print(f"{what}: {report.index or report.out}", flush=True)
     return report

@@ -20,6 +20,7 @@ never printed, including in the text of the underlying error, which is quoted ra
 from __future__ import annotations
 
 import errno
+import hashlib
 import inspect
 import os
 import random
@@ -29,7 +30,8 @@ import sys
 import time
 import uuid
 
-__all__ = ["Storage", "StorageError", "ShardNotFound", "ShortRead", "redact", "check_name"]
+__all__ = ["Storage", "StorageError", "ShardNotFound", "ShardMismatch", "ShortRead", "redact", "check_name",
+           "file_sha256"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
 # user:password@ right after a scheme's //, and every query value: what a URL carries as credentials.
@@ -85,6 +87,11 @@ class StorageError(OSError):
 
 class ShardNotFound(StorageError, FileNotFoundError):
     """The location has no such file (404, NoSuchKey, ENOENT): final, never retried."""
+
+
+class ShardMismatch(StorageError):
+    """The file is not the shard the index describes (another size or sha256): the location was
+    re-packed or changed under the index. Final: asking again returns the same other file."""
 
 
 class ShortRead(StorageError):
@@ -353,13 +360,15 @@ class Storage:
             return int(size)
         return self._retry("find the size of", name, attempt)
 
-    def fetch(self, name: str, dest, *, size: int | None = None) -> str:
+    def fetch(self, name: str, dest, *, size: int | None = None, sha256: str | None = None) -> str:
         """Download the whole file ``name`` to ``dest`` and return ``dest``.
 
         The bytes go to ``dest.tmp-<pid>-<random>`` first and are published by ``os.replace`` only once
-        the file has the size it must have (``size``, else ``self.size(name)``): a dropped or interrupted
-        download never leaves a file under the final name, and a short one is retried. A full local disk
-        (ENOSPC) is raised as the OSError it is, for the caller to free space.
+        the file has the size it must have (``size``, else ``self.size(name)``) and, when ``sha256`` is
+        given, that digest: a dropped or interrupted download never leaves a file under the final name,
+        and a short one is retried. A file of another digest is a ``ShardMismatch`` (not retried: the
+        location holds another shard than the index says). A full local disk (ENOSPC) is raised as the
+        OSError it is, for the caller to free space.
         """
         dest = os.fspath(dest)
         expected = self.size(name) if size is None else int(size)
@@ -375,12 +384,39 @@ class Storage:
                 got = os.path.getsize(tmp)
                 if got != expected:
                     raise self._short(name, expected, got, "download")
+                if sha256 is not None:
+                    digest = file_sha256(tmp)
+                    if digest != sha256:
+                        raise ShardMismatch(f"shard '{name}' at {self.url(name)} is not the shard its index "
+                                            f"describes: its sha256 is {digest[:16]}..., the index says "
+                                            f"{sha256[:16]}... (the location was re-packed or changed after "
+                                            f"the index was read: open it again)", name, self.url(name))
             except BaseException:
                 _unlink(tmp)
                 raise
             os.replace(tmp, dest)
             return dest
         return self._retry("download", name, attempt)
+
+
+def file_sha256(path, fd: int | None = None) -> str:
+    """The sha256 (hex) of the file at ``path``, or of the open descriptor ``fd`` (read with ``pread``,
+    so its offset is untouched), in 1 MiB blocks."""
+    h = hashlib.sha256()
+    own = fd is None
+    if own:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        offset = 0
+        while True:
+            block = os.pread(fd, 2**20, offset)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+            offset += len(block)
+    finally:
+        if own:
+            os.close(fd)
 
 
 def _takes(method, keyword: str) -> bool:

@@ -1,0 +1,93 @@
+"""How the ranks of one ``pack`` share a folder: each writes its part (``index.rank<r>.json``), rank 0
+merges the parts into ``index.json``, and every rank returns only once that index exists.
+
+With a ``torch.distributed`` process group the ranks meet at barriers; without one (``torchrun -m
+fastdata pack`` starts none) rank 0 waits for the parts' files, and the other ranks for an
+``index.json`` of this pack (its ``plan`` digest) that lists their shards as they wrote them.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .index import INDEX_NAME
+
+
+def has_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if has_group():
+        dist.barrier()
+
+
+def drop_other_index(out: Path, plan_digest: str) -> None:
+    """Remove ``out/index.json`` unless it is this pack's (the same plan: it describes the very shards
+    this pack writes). Another pack's index left in place while shards are rewritten, and an
+    interrupted re-pack, would describe new shards with the old labels."""
+    path = out / INDEX_NAME
+    try:
+        with open(path, "rb") as f:
+            same = json.loads(f.read()).get("plan") == plan_digest
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, AttributeError):
+        same = False
+    if not same:
+        path.unlink(missing_ok=True)
+
+
+def wait_for_index(out: Path, plan_digest: str, mine: list, rank: int, timeout: float | None) -> None:
+    """A rank other than 0, without a process group: return once ``out/index.json`` is this pack's
+    (its plan) and lists this rank's shards as it wrote them (size and sha256)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    want = {r["name"]: (r["size"], r["sha256"]) for r in mine}
+    delay = 0.05
+    while True:
+        try:
+            with open(out / INDEX_NAME, "rb") as f:
+                doc = json.loads(f.read())
+            listed = {s["name"]: (s["size"], s["sha256"]) for s in doc["shards"]}
+            if doc.get("plan") == plan_digest and all(listed.get(k) == v for k, v in want.items()):
+                return
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass   # not there yet, or being replaced
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"pack: rank {rank} waited {timeout:g} s for rank 0 to write '{out / INDEX_NAME}' "
+                               f"for this pack; run rank 0 with the same arguments (it merges every rank's "
+                               f"part into the index)")
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+def merge_parts(out: Path, world: int, config: dict, timeout: float | None) -> dict:
+    """Rank 0: the records of every rank's part, once each ``index.rank<r>.json`` of this pack is there.
+    A part of another pack (another plan or world size, left by an earlier run) counts as not there yet."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    records, missing, delay = {}, list(range(world)), 0.05
+    while True:
+        for r in list(missing):
+            try:
+                with open(out / f"index.rank{r}.json") as f:
+                    part = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if part.get("config") != config:
+                continue
+            for record in part["records"]:
+                records[record["name"]] = record
+            missing.remove(r)
+        if not missing:
+            return records
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"pack: rank 0 waited {timeout:g} s for the parts of ranks {missing} "
+                               f"({', '.join(f'index.rank{r}.json' for r in missing)} in '{out}'); run "
+                               f"those ranks with the same arguments, or a part there is from another pack")
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
