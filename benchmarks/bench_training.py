@@ -2,12 +2,16 @@
 
 ``fastdata.engine.fit`` trains the package CNN (``fastdata.models.SmallCNN``) for a fixed number of
 steps per epoch (the dataset holds exactly ``steps x batch`` images) with each loader. The first epoch
-is a warm-up (worker start-up, caches, allocator) and is not counted; the figures are medians over the
-remaining epochs of fit's own records:
+is a warm-up (worker start-up, caches, allocator, cuDNN's autotuning) and is not counted; the figures are
+medians over the remaining epochs of fit's own records, each a whole epoch, as fit measures every epoch
+after a run's first (``fit(timing_warmup=0)`` from the second round on: the process is warm by then, and
+a cost every epoch pays, such as a loader's restart, belongs in the figures):
 
 - ``images_per_second``: training throughput;
 - ``data_wait_fraction``: host time blocked waiting for the next batch ÷ epoch time;
-- ``gpu_idle_fraction`` (CUDA only): gaps between steps on the GPU timeline ÷ the epoch's GPU time.
+- ``gpu_idle_fraction`` (CUDA only): gaps between steps on the GPU timeline ÷ the epoch's GPU time;
+- ``warmup_seconds``: the first round's warm-up (its first steps, as ``fit`` times them apart), reported
+  on its own, so a slow start stays visible without bending the rates.
 
 Contenders: the tutorial pipeline (``baseline``, as in bench_loaders.py), every available fastdata
 backend, and ``limit``: ready float batches gathered from memory, i.e. the model's own speed with free
@@ -114,12 +118,14 @@ class Trainee:
         self.t0 = time.perf_counter()
 
     def epoch(self, args) -> None:
-        """Train one more epoch (``fit`` for one epoch, the optimizer kept between calls)."""
+        """Train one more epoch (``fit`` for one epoch, the optimizer kept between calls). Only the first
+        round's call times a warm-up apart: later ones are epochs of a warm run, measured whole as fit
+        measures its own epochs after the first."""
         from fastdata.engine import fit
 
         try:
             self.history += fit(self.model, self.loader, epochs=1, optimizer=self.optimizer, amp=args.amp,
-                                progress=False)
+                                progress=False, timing_warmup=5 if not self.history else 0)
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             print(f"  {self.name:<10} error: {self.error}", flush=True)
@@ -132,8 +138,9 @@ class Trainee:
             values = [r[key] for r in timed if r.get(key) is not None]
             return statistics.median(values) if values else None
 
+        warmup = self.history[0].get("warmup_seconds") if self.history else None
         return {"rate": med("images_per_second"), "data_wait": med("data_wait_fraction"),
-                "gpu_idle": med("gpu_idle_fraction"), "epochs": self.history,
+                "gpu_idle": med("gpu_idle_fraction"), "warmup_seconds": warmup, "epochs": self.history,
                 "passes": [r["images_per_second"] for r in timed],
                 "data_wait_passes": [r["data_wait_fraction"] for r in timed
                                      if r.get("data_wait_fraction") is not None]}
@@ -196,12 +203,13 @@ def run_workload(workload, args, device, rows, sources):
         row = common.Row(workload, t.name, t.role, rate=res["rate"], passes=res["passes"], paired=True,
                          note=f"auto picked {note!r}" if note else "",
                          extra={"data_wait": res["data_wait"], "data_wait_passes": res["data_wait_passes"],
-                                "gpu_idle": res["gpu_idle"],
+                                "gpu_idle": res["gpu_idle"], "warmup_seconds": res["warmup_seconds"],
                                 "epochs": res["epochs"], "wall_s": time.perf_counter() - t.t0})
         rows.append(row)
         idle = f"  gpu idle {common.fmt_pct(res['gpu_idle'])}" if res["gpu_idle"] is not None else ""
         print(f"  {t.name:<10} {common.fmt_num(res['rate']):>8} images/s  data wait "
-              f"{common.fmt_pct(res['data_wait'])}{idle}", flush=True)
+              f"{common.fmt_pct(res['data_wait'])}{idle}  warm-up {common.fmt_num(res['warmup_seconds'])} s",
+              flush=True)
 
 
 def _fmt_wait(row) -> str:
@@ -241,14 +249,16 @@ def main(args) -> dict:
                     _fmt_wait(r) if ok else "-"]
             if cuda:
                 line.append(common.fmt_pct(r.extra.get("gpu_idle")) if ok else "-")
+            line.append(common.fmt_num(r.extra.get("warmup_seconds")) if ok else "-")
             lines.append(line + [r.note.replace("|", "/")[:160]])
         header = ["contender", "train images/s", "vs baseline", "vs limit", "data wait"] + \
-                 (["GPU idle"] if cuda else []) + ["note"]
+                 (["GPU idle"] if cuda else []) + ["warm-up s", "note"]
         parts.append(f"## {workload}\n\n{sources[workload]}; SmallCNN, amp={args.amp}, {args.workers} workers, "
                      f"device `{device}`; trained in rounds, each contender one epoch per round, the order "
-                     f"rotating; median of rounds 2-{args.epochs} (round 1 is a warm-up; slowest–fastest "
-                     f"epoch in brackets; ratios paired round by round, a ratio whose range covers 1 is "
-                     f"{common.NOISE}).\n\n"
+                     f"rotating; median of rounds 2-{args.epochs}, whole epochs (round 1 is a warm-up; "
+                     f"slowest–fastest epoch in brackets; ratios paired round by round, a ratio whose range "
+                     f"covers 1 is {common.NOISE}). Warm-up s: round 1's first steps, which fit times apart "
+                     f"(CUDA and cuDNN start-up, the first workers), in seconds.\n\n"
                      + common.markdown_table(header, lines))
     if not cuda:
         parts.append("GPU idle is measured with CUDA events and is not available on a CPU-only machine.")

@@ -32,7 +32,7 @@ from fastdata.report import run_result
 
 BACKENDS = [b for b in available_backends() if b != "auto"]
 RECORD_KEYS = {"epoch", "train_loss", "train_accuracy", "eval_loss", "eval_accuracy", "lr", "images_per_second",
-               "data_wait_fraction", "gpu_idle_fraction", "peak_memory_mb", "seconds"}
+               "data_wait_fraction", "gpu_idle_fraction", "peak_memory_mb", "seconds", "warmup_seconds", "images"}
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +239,147 @@ def test_idle_fraction_from_event_pairs():
     starts, ends = [Ev(0), Ev(10), Ev(25)], [Ev(8), Ev(20), Ev(30)]
     assert idle_fraction(starts, ends) == pytest.approx((2 + 5) / 30)
     assert idle_fraction([], []) is None
+
+
+# ------------------------------------------------------------------------- warm-up and steady state
+def _fake_cuda_events(monkeypatch, times):
+    """torch.cuda.Event / current_stream stand-ins: each recorded event takes the next of ``times`` (ms)."""
+    times = iter(times)
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = next(times)
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "training stream")
+
+
+def _slow_first_step_times(steps, first_ms=3000.0, step_ms=10.0, gap_ms=5.0):
+    """Start and end times of ``steps`` steps: the first takes ``first_ms`` (cuDNN's autotuning, lazy CUDA
+    loading), every later one ``step_ms``, each after a ``gap_ms`` gap on the GPU timeline."""
+    times, t = [0.0, first_ms], first_ms
+    for _ in range(steps - 1):
+        times += [t + gap_ms, t + gap_ms + step_ms]
+        t += gap_ms + step_ms
+    return times
+
+
+def test_gpu_idle_is_the_steady_states_a_slow_first_step_is_warm_up(monkeypatch):
+    """Issue 29: a first step of 3 s (cuDNN autotuning) in the span hid a loader that left the GPU idle a
+    third of the time (0.099 read on an H200 where the slow loader's idle is over half). The steps after
+    the warm-up are the steady state: their gaps ÷ their span."""
+    _fake_cuda_events(monkeypatch, _slow_first_step_times(6))
+    meter = EpochMeter(torch.device("cpu"), warmup_steps=2)
+    meter.timer = StepTimer(torch.device("cuda", 0))   # CUDA events, faked, on a CPU meter
+    train_one_epoch(CountingStep(), ListLoader(_batches(6, size=8)), meter)
+    record = meter.record(1)
+    # Steps 3-6: 3 gaps of 5 ms over 4 steps of 10 ms and those gaps; the whole epoch would read 25 / 3075.
+    assert record["gpu_idle_fraction"] == pytest.approx(15 / 55)
+    assert meter.timer.idle_fraction() == pytest.approx(15 / 55)
+    assert record["images"] == 48 and record["warmup_seconds"] > 0
+    # images/s is the steady state's: the 4 steps after the warm-up, over the seconds after it.
+    steady = record["seconds"] - record["warmup_seconds"]
+    assert record["images_per_second"] * steady == pytest.approx(32)
+
+
+def test_a_step_timer_without_a_warm_up_divides_by_the_whole_span(monkeypatch):
+    _fake_cuda_events(monkeypatch, _slow_first_step_times(3))
+    timer = StepTimer(torch.device("cuda", 0))
+    for _ in range(3):
+        timer.start()
+        timer.end()
+    assert timer.idle_fraction() == pytest.approx(10 / 3030)
+    timer.mark_steady()                     # nothing timed after the mark: no steady figure
+    assert timer.idle_fraction() is None
+
+
+class SlowStart(Wrapper):
+    """Sleeps before the first batch of every pass (a worker start-up, a first shard over the network)."""
+
+    def __init__(self, loader, seconds):
+        self.loader, self.device, self.seconds = loader, loader.device, seconds
+
+    def __iter__(self):
+        import time
+
+        time.sleep(self.seconds)
+        yield from self.loader
+
+
+def test_a_slow_first_batch_is_warm_up_in_the_first_epoch_only(capsys):
+    """The first epoch of a fit call leaves its first steps out of images/s and data wait (one-time costs:
+    CUDA and cuDNN start-up, compilation, the first workers) and shows them as warmup_seconds; a later
+    epoch counts everything, so a cost every epoch pays (a loader that restarts slowly) is in its figures."""
+    loader = SlowStart(ListLoader(_batches(16, size=8)), 0.6)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(256, 10))
+    first, second = fit(model, loader, epochs=2, progress=False)
+    # In seconds, not fractions: the steps' time depends on the machine's load, the sleep does not.
+    steady = first["seconds"] - first["warmup_seconds"]
+    assert first["warmup_seconds"] >= 0.6 and first["images"] == 128, first
+    assert first["data_wait_fraction"] * steady < 0.3, first    # the 0.6 s was all in the warm-up
+    assert first["images_per_second"] * steady == pytest.approx(128 - 5 * 8), first   # after 5 warm-up steps
+    assert second["warmup_seconds"] == 0.0 and second["data_wait_fraction"] * second["seconds"] >= 0.59, second
+    assert second["images_per_second"] == pytest.approx(second["images"] / second["seconds"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    assert "warm-up" in lines[0] and "warm-up" not in lines[1], lines
+    old = {k: v for k, v in first.items() if k not in ("warmup_seconds", "images")}   # a checkpoint's older record
+    assert "warm-up" not in format_record(old, 2) and "img/s" in format_record(old, 2)
+
+
+@pytest.mark.parametrize("batches, accumulate, timing_warmup, steady_images", [
+    (16, 1, 5, 88),    # 5 steps of warm-up, 11 steady (8 images each)
+    (4, 1, 5, 16),     # a short epoch: at most half its steps are warm-up
+    (1, 1, 5, 8),      # one step: no warm-up, the whole epoch
+    (8, 2, 5, 32),     # a step is 2 batches: 2 of the 4 steps are warm-up
+    (16, 1, 0, 128),   # timing_warmup=0: every step counts
+])
+def test_the_warm_up_is_counted_in_optimizer_steps(batches, accumulate, timing_warmup, steady_images):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(256, 10))
+    (record,) = fit(model, ListLoader(_batches(batches, size=8)), epochs=1, accumulate=accumulate,
+                    timing_warmup=timing_warmup, progress=False)
+    steady = record["seconds"] - record["warmup_seconds"]
+    assert record["images_per_second"] * steady == pytest.approx(steady_images)
+    assert record["images"] == 8 * batches
+    assert (record["warmup_seconds"] > 0) == (steady_images < 8 * batches)
+
+
+@pytest.mark.parametrize("value, error", [(-1, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_a_bad_timing_warmup_is_refused_by_name(value, error):
+    with pytest.raises(error, match="timing_warmup"):
+        fit(nn.Linear(1, 1), ListLoader(_batches(2)), epochs=1, timing_warmup=value, progress=False)
+
+
+def test_the_progress_bar_shows_the_steady_state(monkeypatch):
+    from fastdata.engine import Progress
+    from fastdata.engine import meter as meter_module
+
+    class Bar:
+        def update(self, n):
+            pass
+
+        def set_postfix_str(self, text):
+            self.text = text
+
+    now = [0.0]
+    monkeypatch.setattr(meter_module.time, "perf_counter", lambda: now[0])
+    meter = EpochMeter(torch.device("cpu"), warmup_steps=1)
+    bar = Progress(Bar())
+    now[0], meter.images, meter.wait = 5.0, 0, 4.5     # still waiting for a slow first batch
+    bar.last = -math.inf
+    bar.update(meter)
+    assert "warm-up" in bar.bar.text, bar.bar.text
+    now[0], meter.images, meter.wait = 10.0, 100, 9.0   # the first step ends the warm-up at 10 s
+    meter.stepped()
+    now[0], meter.images, meter.wait = 12.0, 300, 9.5   # 2 s later: 200 images, 0.5 s of waiting
+    bar.last = -math.inf
+    bar.update(meter)
+    assert "100 img/s" in bar.bar.text and "data wait 25%" in bar.bar.text, bar.bar.text
 
 
 @pytest.mark.parametrize("kwargs, match", [({"epochs": -1}, "epochs"), ({"epochs": 1, "resume": True}, "checkpoint"),
@@ -658,19 +799,40 @@ class SlowHost(Wrapper):
             yield batch
 
 
+class SlowFirstStep(nn.Module):
+    """``model`` with a first training forward that sleeps ``seconds`` on the host: a first step as slow as
+    cuDNN's autotuning and lazy CUDA loading made it on an H200 (about 3 s), the GPU idle inside it."""
+
+    def __init__(self, model, seconds):
+        super().__init__()
+        self.model, self.seconds, self.slept = model, seconds, False
+
+    def forward(self, x):
+        if self.training and not self.slept:
+            import time
+
+            self.slept = True
+            time.sleep(self.seconds)
+        return self.model(x)
+
+
 @pytest.mark.cuda
 def test_gpu_idle_fraction_tells_a_slow_loader_from_a_fast_one():
+    """Issue 29: with the first step in its span, the slow loader read 0.099 on an H200. The warm-up (the
+    first steps of the first epoch) is left out of the figure and shown as warmup_seconds."""
     slow = SlowHost(make_loader(SyntheticDigits(1024, seed=9), "memory", batch_size=128, device="cuda"), 0.05)
-    hist = fit(SmallCNN(width=8), slow, epochs=1, progress=False)
+    hist = fit(SlowFirstStep(SmallCNN(width=8), 3.0), slow, epochs=1, progress=False)
+    assert hist[0]["warmup_seconds"] >= 3.0, hist
     assert hist[0]["gpu_idle_fraction"] > 0.5, hist
-    # A model big enough that the GPU, not the host, sets the pace; the second epoch, after cuDNN's
-    # algorithm search, is the steady state.
+    # A model big enough that the GPU, not the host, sets the pace: the first epoch's steady state, after
+    # the slow first step and cuDNN's algorithm search, keeps the GPU busy.
     rng = torch.Generator().manual_seed(9)
     images = torch.randint(0, 256, (16384, 28, 28), dtype=torch.uint8, generator=rng).numpy()
     src = ArraySource(images, (torch.arange(16384) % 10).numpy(), mean=(0.5,), std=(0.25,))
     fast = make_loader(src, "memory", batch_size=1024, device="cuda")
-    hist = fit(SmallCNN(width=64), fast, epochs=2, progress=False)
-    assert hist[-1]["gpu_idle_fraction"] < 0.1, hist
+    hist = fit(SlowFirstStep(SmallCNN(width=64), 3.0), fast, epochs=1, progress=False)
+    assert hist[0]["warmup_seconds"] >= 3.0, hist
+    assert hist[0]["gpu_idle_fraction"] < 0.1, hist
 
 
 @pytest.mark.cuda(devices=2)

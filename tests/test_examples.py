@@ -433,5 +433,5 @@ def test_imagefolder_example_skips_a_broken_file_with_on_error_and_trains_four_s
         result = folder_example.main(args)
     record = result["history"][0]
     # 17 files, 4 full batches (drop_last): 16 images, less the PNG when one of them drew it
-    assert round(record["images_per_second"] * record["seconds"]) in (15, 16)
+    assert record["images"] in (15, 16)
     assert record["train_loss"] == record["train_loss"], "a finite loss, not NaN"

@@ -30,21 +30,43 @@ def test_the_training_result_of_a_diverged_run_is_standard_json(tmp_path):
     assert strict_load(path) == {"final_train_loss": None, "history": [{"eval_loss": None}]}
 
 
-def test_summarize_weights_by_time():
-    h = [{"seconds": 1.0, "images_per_second": 100.0, "data_wait_fraction": 0.5, "gpu_idle_fraction": None,
-          "peak_memory_mb": 10.0, "train_loss": 1.0, "eval_accuracy": 0.5},
-         {"seconds": 3.0, "images_per_second": 200.0, "data_wait_fraction": 0.1, "gpu_idle_fraction": None,
-          "peak_memory_mb": 30.0, "train_loss": 0.5, "eval_accuracy": 0.9}]
+def _record(seconds, warmup, rate, wait, idle=None, **more):
+    return {"seconds": seconds, "warmup_seconds": warmup, "images_per_second": rate, "data_wait_fraction": wait,
+            "gpu_idle_fraction": idle, "peak_memory_mb": 10.0, "train_loss": 1.0, "eval_accuracy": 0.5, **more}
+
+
+def test_summarize_takes_the_steady_state_not_the_warm_up():
+    """Issue 29: train_mnist --backend dali on an H200, epoch 1 with 1.5 s of warm-up, epochs 2-3 at 0.2 s
+    each, printed 12,398 images/s while the steady state ran at 39-40k. Each record's figures are its
+    steady state's (after its warm-up); the summary adds them up over the steady seconds."""
+    h = [_record(1.7, 1.5, 40000.0, 0.02, 0.05), _record(0.2, 0.0, 39000.0, 0.01, 0.02),
+         _record(0.2, 0.0, 40000.0, 0.01, 0.02, eval_accuracy=0.9)]
     s = summarize(h)
-    assert s["train_seconds"] == 4.0
-    assert s["images_per_second"] == pytest.approx(175.0)
-    assert s["data_wait_fraction"] == pytest.approx(0.2)
-    assert s["gpu_idle_fraction"] is None and s["peak_memory_mb"] == 30.0 and s["test_accuracy"] == 0.9
+    assert s["train_seconds"] == pytest.approx(2.1) and s["warmup_seconds"] == pytest.approx(1.5)
+    # 0.2 s at 40k, 0.2 s at 39k, 0.2 s at 40k: the steady images over the steady seconds
+    assert s["images_per_second"] == pytest.approx((8000 + 7800 + 8000) / 0.6)
+    assert s["data_wait_fraction"] == pytest.approx((0.004 + 0.002 + 0.002) / 0.6)
+    assert s["gpu_idle_fraction"] == pytest.approx((0.01 + 0.004 + 0.004) / 0.6)
+    assert s["peak_memory_mb"] == 10.0 and s["test_accuracy"] == 0.9
+
+
+def test_summarize_reads_records_from_before_the_warm_up_and_an_empty_epoch():
+    old = [_record(1.0, None, 100.0, 0.5), _record(3.0, None, 200.0, 0.1)]
+    for r in old:
+        del r["warmup_seconds"]                      # a checkpoint written before warmup_seconds existed
+    s = summarize(old)
+    assert s["train_seconds"] == 4.0 and s["warmup_seconds"] == 0.0
+    assert s["images_per_second"] == pytest.approx(175.0) and s["data_wait_fraction"] == pytest.approx(0.2)
+    assert s["gpu_idle_fraction"] is None
+    # An epoch of no time (nothing left to train after a resume) has a NaN rate: it weighs nothing.
+    s = summarize([_record(2.0, 0.0, 100.0, 0.25), _record(0.0, 0.0, math.nan, 0.0)])
+    assert s["images_per_second"] == pytest.approx(100.0) and s["data_wait_fraction"] == pytest.approx(0.25)
+    assert summarize([])["images_per_second"] is None
 
 
 def test_run_result_and_report_run_are_the_examples_shared_tail(tmp_path, capsys):
-    history = [{"seconds": 2.0, "images_per_second": 100.0, "data_wait_fraction": 0.25, "gpu_idle_fraction": None,
-                "peak_memory_mb": 5.0, "train_loss": 0.5, "eval_accuracy": 0.75}]
+    history = [{"seconds": 2.0, "warmup_seconds": 0.5, "images_per_second": 100.0, "data_wait_fraction": 0.25,
+                "gpu_idle_fraction": None, "peak_memory_mb": 5.0, "train_loss": 0.5, "eval_accuracy": 0.75}]
     loader = SimpleNamespace(name="memory")
     config = {"lr": 0.1, "seed": 0, "workers": None, "augment": Augmentation.digits_train(),
               "dtype": torch.bfloat16, "sizes": (1, 2)}
@@ -63,6 +85,7 @@ def test_run_result_and_report_run_are_the_examples_shared_tail(tmp_path, capsys
                                       wall_seconds=3.0)
     assert (result["backend"], result["backend_requested"], result["device"]) == ("memory", "auto", "cpu")
     assert result["amp"] == "off" and result["test_accuracy"] == 0.75 and result["history"] == history
+    assert (result["train_seconds"], result["warmup_seconds"]) == (2.0, 0.5)   # the warm-up, in its own figure
     out = tmp_path / "new" / "r.json"
     report_run(result, accuracy_name="synthetic test accuracy", json_out=out)
     assert capsys.readouterr().out.strip() == "synthetic test accuracy 75.00% | 2.0 s training, backend memory"

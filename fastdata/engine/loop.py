@@ -11,7 +11,7 @@ from torch import nn
 from .. import distributed as fdist
 from .amp import autocast, cuda_switches, device_scope, resolve_amp, resolve_compile
 from .hooks import RunHooks, check_output_dir
-from .meter import EpochMeter, Progress, format_record
+from .meter import EpochMeter, Progress, format_record, warmup_steps
 from .schedule import check_schedule_length, resolve_scheduler_interval
 from .state import PeriodicSave, TrainingState
 from .step import TrainStep, check_ema, check_input_dtype, check_labels, correct_count
@@ -68,7 +68,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         loss_fn=None, eval_loss_fn=None, cudnn_benchmark: bool = True, tf32: bool = True,
         scheduler_interval: str | None = None, checkpoint_storage=None, accumulate: int = 1,
         clip_grad_norm: float | None = None, ema=None, gradient_checkpointing: bool = False, profile=None,
-        log_dir=None, log_every: int = 50) -> list[dict]:
+        log_dir=None, log_every: int = 50, timing_warmup: int = 5) -> list[dict]:
     """Train ``model`` for ``epochs`` passes over ``train_loader``; return one record per epoch.
 
     Args:
@@ -141,6 +141,13 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
             scalars when the tensorboard package is installed. ``fastdata.runlog.plot_curves`` draws it.
             Both folders are checked before training (writable; a file is refused).
         log_every: the batches between two rows of ``steps.csv`` (default 50).
+        timing_warmup: optimizer steps at the start of this call's first epoch that are timed apart as
+            warm-up (default 5; at most half that epoch's steps; 0: none; not a learning-rate warm-up).
+            They pay once-a-process costs (lazy CUDA loading, cuDNN's autotuning, compilation, the first
+            worker start-up: a first step of 3 s where the next take milliseconds), so that epoch's
+            ``images_per_second``, ``data_wait_fraction`` and ``gpu_idle_fraction`` are of the steps after
+            them, and their wall time is the record's ``warmup_seconds``. Later epochs are measured whole:
+            a cost every epoch pays (a loader's restart) is in their figures.
         channels_last: convert the model to channels-last (give the loaders ``channels_last=True`` too).
         checkpoint: a path, or a URL (``s3://...``, ``gs://...``, ``memory://...``: through fsspec, see
             ``fastdata.checkpoint.storage_for``); saved at the end of every epoch and every
@@ -194,7 +201,7 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
                                 "cudnn_benchmark": cudnn_benchmark, "tf32": tf32,
                                 "gradient_checkpointing": gradient_checkpointing})
     _check_step_options(accumulate=accumulate, clip_grad_norm=clip_grad_norm, ema=ema, compile=compile)
-    _check_records(profile=profile, log_dir=log_dir, log_every=log_every)
+    _check_records(profile=profile, log_dir=log_dir, log_every=log_every, timing_warmup=timing_warmup)
     resolve_scheduler_interval(None, scheduler_interval)  # an unknown value fails before anything starts
     device = _loader_device(train_loader)
     if eval_loader is not None and _loader_device(eval_loader) != device:
@@ -225,7 +232,8 @@ def fit(model: nn.Module, train_loader, *, epochs: int, optimizer=None, schedule
         step.wrap(compile=compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
         with RunHooks(device, profile=profile, log_dir=log_dir, log_every=log_every) as hooks:
             step.region = hooks.region
-            run = _Run(step, state, hooks, eval_loader, eval_loss_fn, epochs, checkpoint, checkpoint_every, progress)
+            run = _Run(step, state, hooks, eval_loader, eval_loss_fn, epochs, checkpoint, checkpoint_every, progress,
+                       timing_warmup)
             for epoch in range(state.epoch, epochs):
                 run.epoch(epoch)
         return state.history
@@ -235,10 +243,11 @@ class _Run:
     """The epochs of one ``fit`` call, with what every epoch needs: the step, the state, the hooks."""
 
     def __init__(self, step, state, hooks, eval_loader, eval_loss_fn, epochs, checkpoint, checkpoint_every,
-                 progress):
+                 progress, timing_warmup):
         self.step, self.state, self.hooks, self.loader = step, state, hooks, state.loader
         self.eval_loader, self.eval_loss_fn, self.epochs = eval_loader, eval_loss_fn, epochs
         self.checkpoint, self.checkpoint_every, self.progress = checkpoint, checkpoint_every, progress
+        self.timing_warmup = timing_warmup   # for the first epoch this call trains; 0 after it
 
     def epoch(self, epoch: int) -> None:
         """Train one epoch, evaluate, record (printed, logged) and save."""
@@ -247,7 +256,9 @@ class _Run:
         if not state.mid_epoch(epoch):  # a resumed half epoch keeps the position its loader restored
             loader.set_epoch(epoch)
         bar = Progress.open(self.progress and fdist.is_main(), len(loader), first, epoch, self.epochs)
-        meter = EpochMeter(step.device, state.carried(epoch))
+        meter = EpochMeter(step.device, state.carried(epoch),
+                           warmup_steps(self.timing_warmup, len(loader) - first, step.accumulate))
+        self.timing_warmup = 0   # the process is warm: later epochs are measured whole
         step.last_step_lrs = None   # an epoch with no step (all of it resumed past) reports the rate now
         saver = PeriodicSave(state, self.checkpoint, self.checkpoint_every, epoch, meter)
         self.hooks.begin_epoch(epoch, len(loader), meter.wait)
@@ -284,13 +295,14 @@ def _epoch_figures(step: TrainStep, meter: EpochMeter, epoch: int, eval_loader, 
     return record
 
 
-def _check_records(*, profile, log_dir, log_every) -> None:
-    """``fit``'s profiler and run-log options, refused before anything starts and named."""
+def _check_records(*, profile, log_dir, log_every, timing_warmup) -> None:
+    """``fit``'s profiler, run-log and figure options, refused before anything starts and named."""
     from ..config import check_integer
 
     check_output_dir("profile", profile)
     check_output_dir("log_dir", log_dir)
     check_integer("log_every", log_every, minimum=1)
+    check_integer("timing_warmup", timing_warmup, minimum=0)
 
 
 def _check_step_options(*, accumulate, clip_grad_norm, ema, compile) -> None:
@@ -373,7 +385,8 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
     saves periodic checkpoints there). An empty batch takes no backward in a single process (its
     group still steps on the batches before it); under DDP it takes a zero-loss one, which keeps this
     rank in its peers' gradient all-reduce. ``hooks`` (``fit(profile=, log_dir=)``): the wait for each
-    batch is the profiler's ``data_wait``, and ``hooks.batch_done`` ends every batch.
+    batch is the profiler's ``data_wait``, and ``hooks.batch_done`` ends every batch. ``meter.stepped()``
+    follows every optimizer step, so the meter's warm-up ends after the step it names.
     """
     step.net.train()  # evaluation (or the caller) may have left the model in eval mode
     batches = len(loader) if step.accumulate > 1 else None
@@ -384,6 +397,7 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
                 step.check_dtype(images.dtype, "train_loader")
             start, end = step.group(batch, first_batch, batches)
             n, last, loss = images.shape[0], batch + 1 == end, None
+            stepped = False
             if n or step.ddp or (last and step.accumulated):
                 meter.timer.start()
                 if n or step.ddp:
@@ -392,8 +406,11 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
                     loss = step.backward(images, labels, meter.sums, scale=1.0 / (end - start), sync=last)
                 if last:
                     meter.add_grad_norm(step.optimizer_step())
+                    stepped = True
                 meter.timer.end()
             meter.images += n
+            if stepped:   # after the images: the warm-up's last step counts in the warm-up
+                meter.stepped()
             if hooks is not None:
                 hooks.batch_done(batch, loss=loss if n else None, images=n, wait=meter.wait,
                                  optimizer=step.optimizer)

@@ -1,6 +1,14 @@
 """What an epoch is measured by: device-side sums, data wait and CUDA event pairs (``EpochMeter``,
 ``StepTimer``), the record they give (``epoch_record``, printed by ``format_record``), and the progress bar
-(``Progress``)."""
+(``Progress``).
+
+Warm-up and steady state: the first steps of a process pay one-time costs (lazy CUDA module loading,
+cuDNN's autotuning, ``torch.compile``, the allocator's growth, the first worker start-up): about 3 s for a
+first step on an H200 against milliseconds for the next ones. Counted in, they decide the figures of a
+short epoch: a loader that left the GPU idle most of the time read 0.099. So an ``EpochMeter`` may be
+given a warm-up of N optimizer steps (``fit`` gives its first epoch one): ``images_per_second``,
+``data_wait_fraction`` and ``gpu_idle_fraction`` are then the steady state's (the steps after those N),
+and the warm-up's wall time is a figure of its own, ``warmup_seconds``."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +23,8 @@ from .. import distributed as fdist
 
 def epoch_record(epoch: int, *, loss_sum: float, correct: float, seen: float, images: float, seconds: float,
                  data_wait_fraction: float, gpu_idle_fraction: float | None, peak_memory_mb: float,
-                 lr: float | list[float] | None = None) -> dict:
+                 lr: float | list[float] | None = None, warmup_seconds: float = 0.0,
+                 warmup_images: float = 0) -> dict:
     """One epoch's figures, as ``fit`` returns them (a plain dict: it goes into checkpoints and JSON).
 
     Keys: ``epoch`` (1-based), ``train_loss`` and ``train_accuracy`` (NaN when no sample was seen;
@@ -23,11 +32,16 @@ def epoch_record(epoch: int, *, loss_sum: float, correct: float, seen: float, im
     ``eval_accuracy`` (None until an eval_loader fills them), ``lr`` (the learning rate when the epoch's
     training pass ended, before an epoch-interval scheduler stepped: for an epoch schedule the rate the
     epoch trained at, for a per-step one the rate its next step uses; a float when every parameter
-    group shares it, else a list, one per group; see ``current_lr``), ``images_per_second``,
-    ``data_wait_fraction`` (host time blocked waiting for the next batch ÷ epoch wall time),
-    ``gpu_idle_fraction`` (None on CPU; see ``EpochMeter``), ``peak_memory_mb`` (device memory on
-    CUDA, the process's peak resident memory on CPU) and ``seconds`` (training wall time).
+    group shares it, else a list, one per group; see ``current_lr``), ``images_per_second`` (the
+    steady state's: ``images - warmup_images`` ÷ ``seconds - warmup_seconds``), ``data_wait_fraction``
+    (host time blocked waiting for the next batch ÷ wall time, of the steady state: the caller measures
+    it so), ``gpu_idle_fraction`` (None on CPU; see ``EpochMeter``), ``peak_memory_mb`` (device memory on
+    CUDA, the process's peak resident memory on CPU), ``seconds`` (training wall time, warm-up included),
+    ``warmup_seconds`` (the part of ``seconds`` left out of the three rates; 0.0 without a warm-up) and
+    ``images`` (the images trained, warm-up included). Records from before the last two existed lack them:
+    read them with ``.get``.
     """
+    steady = seconds - warmup_seconds
     return {
         "epoch": epoch,
         "train_loss": loss_sum / seen if seen else math.nan,
@@ -35,12 +49,21 @@ def epoch_record(epoch: int, *, loss_sum: float, correct: float, seen: float, im
         "eval_loss": None,
         "eval_accuracy": None,
         "lr": lr,
-        "images_per_second": images / seconds if seconds > 0 else math.nan,
+        "images_per_second": (images - warmup_images) / steady if steady > 0 else math.nan,
         "data_wait_fraction": data_wait_fraction,
         "gpu_idle_fraction": gpu_idle_fraction,
         "peak_memory_mb": peak_memory_mb,
         "seconds": seconds,
+        "warmup_seconds": warmup_seconds,
+        "images": int(images),
     }
+
+
+def warmup_steps(timing_warmup: int, batches: int, accumulate: int = 1) -> int:
+    """The warm-up of an epoch of ``batches`` batches (``accumulate`` a step): ``timing_warmup`` optimizer
+    steps, but at most half the epoch's steps, so that a short epoch keeps a steady state to measure (4
+    steps: 2 of warm-up; 1 step: none)."""
+    return min(timing_warmup, math.ceil(batches / accumulate) // 2)
 
 
 class EpochMeter:
@@ -51,27 +74,67 @@ class EpochMeter:
     ``wait`` is host time blocked in the loader (``timed``). ``timer`` records CUDA events right
     before and after each step on the loader device's current stream (the training stream);
     ``gpu_idle_fraction`` is the sum of the gaps from one step's end event to the next step's start
-    event ÷ the time from the first start to the last end. A gap is time the training stream spent on
-    anything but training steps: waiting for the host to hand it the next batch, plus any loader work
-    queued on that same stream between steps (the ``torch`` backend's copy and normalization, the
-    ``memory`` backend's gather and augmentation, a wait for a side stream's batch that is not ready
-    yet). Work on other streams that overlaps the steps (``prefetch``'s side-stream copies, DALI's GPU
-    decoding) is not counted. Under DDP every figure is reduced over ranks (idle and wait: the mean).
+    event ÷ the time from the first start to the last end, both of the steady state. A gap is time the
+    training stream spent on anything but training steps: waiting for the host to hand it the next batch,
+    plus any loader work queued on that same stream between steps (the ``torch`` backend's copy and
+    normalization, the ``memory`` backend's gather and augmentation, a wait for a side stream's batch
+    that is not ready yet). Work on other streams that overlaps the steps (``prefetch``'s side-stream
+    copies, DALI's GPU decoding) is not counted.
+
+    Warm-up: the first ``warmup_steps`` optimizer steps (the loop calls ``stepped`` after each) are left
+    out of ``images_per_second``, ``data_wait_fraction`` and ``gpu_idle_fraction``; their wall time, from
+    the meter's start (so the loader's start-up too) to the end of the last of them on the device, is
+    ``warmup_seconds``. An epoch that has no step after its warm-up is measured whole (``warmup_seconds``
+    0.0). Under DDP every figure is reduced over ranks: sums and images added, idle and wait the mean of
+    the ranks' fractions, ``seconds`` the slowest rank's, the steady span the longest rank's.
 
     Args:
         device: the loader's device.
         carried: sums a resumed half-done epoch carries over (global sums, held by one rank).
+        warmup_steps: optimizer steps of warm-up (default 0: the whole epoch is the steady state).
     """
 
-    def __init__(self, device: torch.device, carried: list[float] | None = None):
+    def __init__(self, device: torch.device, carried: list[float] | None = None, warmup_steps: int = 0):
         self.device = device
         self.sums = torch.tensor(carried or [0.0, 0.0, 0.0], dtype=torch.float64, device=device)
         self.images, self.wait = 0, 0.0
         self.timer = StepTimer(device)
         self.norms = torch.zeros(2, dtype=torch.float64, device=device)  # sum, count of finite grad norms
+        self.warmup_steps, self.steps = warmup_steps, 0
+        self.steady: tuple | None = None   # (host time, images, wait, steps) when the warm-up ended
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         self.t0 = time.perf_counter()
+
+    def stepped(self) -> None:
+        """One optimizer step is done (its batch timed and counted in ``images``). The ``warmup_steps``-th
+        ends the warm-up: the steady state's figures count from here."""
+        self.steps += 1
+        if self.steps != self.warmup_steps:
+            return
+        if self.device.type == "cuda":
+            # Once an epoch, at most: the host runs ahead of the GPU, and without the sync the steady
+            # clock would start while the warm-up's queued kernels still run.
+            torch.cuda.synchronize(self.device)
+        self.steady = (time.perf_counter(), self.images, self.wait, self.steps)
+        self.timer.mark_steady()
+
+    def steady_start(self) -> tuple[float, int, float]:
+        """(host time, images, wait) where the steady state starts: where the warm-up ended, or the epoch's
+        start when there is no warm-up or no step came after it (the timer then counts every step too)."""
+        if self.steady is None or self.steady[3] == self.steps:
+            self.timer.steady_from = 0
+            return self.t0, 0, 0.0
+        return self.steady[:3]
+
+    def live(self, now: float) -> tuple[float, float] | None:
+        """The steady state's images/s and data-wait fraction so far (the progress bar's figures, from host
+        counters only: no sync), or None while the warm-up lasts."""
+        if self.steady is None and self.warmup_steps:
+            return None
+        mark, images, wait = self.steady[:3] if self.steady is not None else (self.t0, 0, 0.0)
+        elapsed = now - mark
+        return ((self.images - images) / elapsed, (self.wait - wait) / elapsed) if elapsed > 0 else (0.0, 0.0)
 
     def add_grad_norm(self, norm: torch.Tensor | None) -> None:
         """Add one optimizer step's gradient norm (None: not clipped) on the device. A step fp16's scaler
@@ -112,31 +175,40 @@ class EpochMeter:
         device = self.device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        wall = time.perf_counter() - self.t0
+        end = time.perf_counter()
+        mark, images0, wait0 = self.steady_start()
+        steady = end - mark
         idle = self.timer.idle_fraction()
-        local = torch.tensor([*self.sums.tolist(), self.images, self.wait / wall if wall > 0 else 0.0, idle or 0.0],
+        local = torch.tensor([*self.sums.tolist(), self.images, images0,
+                              (self.wait - wait0) / steady if steady > 0 else 0.0, idle or 0.0],
                              dtype=torch.float64, device=device)
-        loss_sum, correct, seen, images, wait, idle_sum = fdist.all_sum(local).tolist()
-        wall_max, peak_max = fdist.all_max(torch.tensor([wall, peak_memory_mb(device)], dtype=torch.float64,
-                                                        device=device)).tolist()
+        loss_sum, correct, seen, images, warm_images, wait, idle_sum = fdist.all_sum(local).tolist()
+        wall, steady_max, peak_max = fdist.all_max(torch.tensor([end - self.t0, steady, peak_memory_mb(device)],
+                                                                dtype=torch.float64, device=device)).tolist()
         world = fdist.world_size()
-        return epoch_record(epoch, loss_sum=loss_sum, correct=correct, seen=seen, images=images, seconds=wall_max,
+        # warmup_seconds is what is left of the epoch's seconds besides the longest steady span, so that
+        # seconds - warmup_seconds is the span the steady images are divided by (0.0 without a warm-up).
+        return epoch_record(epoch, loss_sum=loss_sum, correct=correct, seen=seen, images=images, seconds=wall,
                             data_wait_fraction=wait / world,
                             gpu_idle_fraction=idle_sum / world if idle is not None else None,
-                            peak_memory_mb=peak_max, lr=lr)
+                            peak_memory_mb=peak_max, lr=lr, warmup_seconds=wall - steady_max,
+                            warmup_images=warm_images)
 
 
 class StepTimer:
     """CUDA events before and after each step, on the training stream of ``device``; a no-op on CPU.
 
     The stream is named explicitly: ``Event.record()`` without one uses the *current* device's stream,
-    which is cuda:0's unless something set the device, and would time an idle GPU for ``cuda:1``."""
+    which is cuda:0's unless something set the device, and would time an idle GPU for ``cuda:1``.
+    ``steady_from`` is the index of the first step of the steady state (``mark_steady``): the idle
+    fraction counts the gaps and the span from there on."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.enabled = device.type == "cuda"
         self.starts: list = []
         self.ends: list = []
+        self.steady_from = 0
 
     def _mark(self, marks: list) -> None:
         event = torch.cuda.Event(enable_timing=True)
@@ -153,14 +225,23 @@ class StepTimer:
         if self.enabled:
             self._mark(self.ends)
 
+    def mark_steady(self) -> None:
+        """The steps timed so far are warm-up: the next one starts the steady state."""
+        self.steady_from = len(self.starts)
+
     def idle_fraction(self) -> float | None:
-        """Read after ``torch.cuda.synchronize``; None on CPU."""
-        return idle_fraction(self.starts, self.ends) if self.enabled else None
+        """The steady state's idle fraction (``idle_fraction`` of the steps from ``steady_from`` on): a
+        slow first step in the span would hide the gaps of every later one. Read after
+        ``torch.cuda.synchronize``; None on CPU, or when no step was timed after ``mark_steady``."""
+        if not self.enabled:
+            return None
+        return idle_fraction(self.starts[self.steady_from:], self.ends[self.steady_from:])
 
 
 def format_record(r: dict, epochs: int | None = None) -> str:
     """One line per epoch: the figures of a ``fit`` record (``lr`` in 3 significant digits, one per
-    parameter group joined by "/" when they differ; records from before ``lr`` existed print none)."""
+    parameter group joined by "/" when they differ; records from before ``lr`` existed print none). An
+    epoch with a warm-up ends in ``(warm-up 1.5 s)``: its img/s, data wait and gpu idle leave it out."""
     parts = [f"epoch {r['epoch']}" + (f"/{epochs}" if epochs else ""),
              f"loss {r['train_loss']:.4f}", f"train acc {r['train_accuracy']:.2%}"]
     if r["eval_accuracy"] is not None:
@@ -171,7 +252,9 @@ def format_record(r: dict, epochs: int | None = None) -> str:
     parts += [f"{r['images_per_second']:,.0f} img/s", f"data wait {r['data_wait_fraction']:.1%}"]
     if r["gpu_idle_fraction"] is not None:
         parts.append(f"gpu idle {r['gpu_idle_fraction']:.1%}")
-    parts += [f"peak mem {r['peak_memory_mb']:,.0f} MB", f"{r['seconds']:.1f} s"]
+    warmup = r.get("warmup_seconds")   # records from before warmup_seconds existed have none
+    parts += [f"peak mem {r['peak_memory_mb']:,.0f} MB",
+              f"{r['seconds']:.1f} s" + (f" (warm-up {warmup:.1f} s)" if warmup else "")]
     return "  ".join(parts)
 
 
@@ -200,7 +283,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class Progress:
-    """A tqdm bar over an epoch's batches with live loss, images/s and data-wait %.
+    """A tqdm bar over an epoch's batches with live loss, images/s and data-wait % (the steady state's,
+    as the epoch record will say them: ``EpochMeter.live``; "warm-up" while it lasts).
 
     Refreshed at most about once a second: each refresh reads the device-side sums on the host (one
     sync), which per step would stall the GPU."""
@@ -225,10 +309,11 @@ class Progress:
         now = time.perf_counter()
         if now - self.last < 1.0:
             return
-        self.last, elapsed = now, now - meter.t0
+        self.last = now
         loss_sum, _, seen = meter.sums.tolist()
-        self.bar.set_postfix_str(f"loss {loss_sum / max(seen, 1):.4f}  {meter.images / elapsed:,.0f} img/s  "
-                                 f"data wait {meter.wait / elapsed:.0%}")
+        live = meter.live(now)
+        rates = f"{live[0]:,.0f} img/s  data wait {live[1]:.0%}" if live is not None else "warm-up"
+        self.bar.set_postfix_str(f"loss {loss_sum / max(seen, 1):.4f}  {rates}")
 
     def close(self) -> None:
         """Remove the bar."""
