@@ -360,3 +360,43 @@ def test_a_child_forked_during_a_download_does_not_keep_that_shard_locked(remote
         child.kill()
         child.join()
         cache.close()
+
+
+def test_with_digests_each_version_of_a_shard_is_its_own_file_and_a_wrong_download_is_never_published(
+        remote, tmp_path):
+    import hashlib
+
+    from fastdata.shards.storage import ShardMismatch
+
+    root, files = remote
+    digest = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    with http_server(root) as server:
+        old = ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=3 * SIZE,
+                         expected_sizes=sizes(files), digests=digest)
+        path = old.get("s0.tar")
+        assert os.path.basename(path) == f"s0.{digest['s0.tar'][:16]}.tar"
+        old.release("s0.tar")
+        old.close()
+        # The location is re-packed: s0.tar has new bytes of the same size, and the new index says so.
+        new_bytes = os.urandom(SIZE)
+        (root / "s0.tar").write_bytes(new_bytes)
+        repacked = {**digest, "s0.tar": hashlib.sha256(new_bytes).hexdigest()}
+        new = ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=3 * SIZE,
+                         expected_sizes=sizes(files), digests=repacked)
+        assert open(new.get("s0.tar"), "rb").read() == new_bytes          # never the old copy
+        new.release("s0.tar")
+        assert server.count("/s0.tar", "GET") == 2
+        for name in ("s1.tar", "s2.tar"):                                   # room for them: the old version goes first
+            new.get(name)
+            new.release(name)
+        assert not os.path.exists(path) and os.path.exists(new.path("s0.tar"))
+        # A reader still holding the old index asks for the old version: the download is refused, once.
+        stale = ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=3 * SIZE,
+                           expected_sizes=sizes(files), digests=digest)
+        for _ in range(2):
+            with pytest.raises(ShardMismatch, match=r"shard 's0.tar' at http.*is not the shard its index describes"):
+                stale.get("s0.tar")
+        assert server.count("/s0.tar", "GET") == 3 and leftovers(tmp_path / "cache") == []
+        assert not os.path.exists(stale.path("s0.tar"))
+        new.close()
+        stale.close()

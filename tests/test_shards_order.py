@@ -95,3 +95,30 @@ def test_bad_arguments_are_named(kwargs, match):
     args = dict(shard_sizes=SIZES, seed=0, epoch=0, window=1) | kwargs
     with pytest.raises(ValueError, match=match):
         epoch_order(**args)
+
+
+def test_a_subsets_order_is_windows_over_the_shards_it_touches():
+    from fastdata.shards.order import subset_epoch_order
+
+    rng = np.random.default_rng(0)
+    shard_of_id = np.repeat(np.arange(len(SIZES)), SIZES)
+    picked = rng.permutation(sum(SIZES))[:20]            # a subset, in an arbitrary order
+    shards = shard_of_id[picked]
+    for window in (1, 2, 3):
+        order = subset_epoch_order(shards, seed=4, epoch=1, window=window)
+        assert sorted(order.tolist()) == list(range(20))
+        seq = shards[order]
+        # Reading in order, once a shard is left it is never come back to, and at most `window` shards
+        # are open at once: a shard's samples lie within one window's stretch.
+        runs = [int(s) for k, s in enumerate(seq) if k == 0 or s != seq[k - 1]]
+        if window == 1:
+            assert len(runs) == len(set(shards.tolist()))
+        for s in set(runs):
+            first, last = np.flatnonzero(seq == s)[[0, -1]]
+            assert len(set(seq[first:last + 1].tolist())) <= window
+        assert np.array_equal(order, subset_epoch_order(shards, seed=4, epoch=1, window=window))
+    assert not np.array_equal(subset_epoch_order(shards, 4, 1, 2), subset_epoch_order(shards, 4, 2, 2))
+    # Over every sample in packed order (and no empty shard) it is the full set's own order.
+    full = [5, 3, 7, 4]
+    assert np.array_equal(subset_epoch_order(np.repeat(np.arange(4), full), 9, 3, 2),
+                          epoch_order(full, seed=9, epoch=3, window=2))

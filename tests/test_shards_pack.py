@@ -514,3 +514,97 @@ def test_cli_missing_source_and_a_file_as_out_are_one_line_errors(photos, tmp_pa
     (tmp_path / "file").write_text("x")
     run = _cli(photos, tmp_path / "file")
     assert run.returncode == 2 and "argument OUT: " in run.stderr and "is a file" in run.stderr
+
+
+# ------------------------------------------------------------------------ --max-side and image modes
+def _gradient(mode: str, width: int = 120, height: int = 90) -> Image.Image:
+    """A smooth picture (JPEG's loss stays small) in ``mode``, values spanning the mode's range."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    grad = xx / (width - 1) * 0.7 + yy / (height - 1) * 0.3
+    rgb = np.stack([grad * 255, (1 - grad) * 255, np.full_like(grad, 128.0)], -1).astype(np.uint8)
+    if mode == "I;16":
+        return Image.fromarray((grad * 65535).astype(np.uint16))
+    if mode == "I":
+        return Image.fromarray((grad * 65535).astype(np.int32))
+    if mode == "F":
+        return Image.fromarray((grad * 255).astype(np.float32))
+    if mode == "RGBA":
+        return Image.fromarray(np.dstack([rgb, np.full((height, width), 90, np.uint8)]))
+    return Image.fromarray(rgb).convert(mode)      # P, CMYK, L, LA
+
+
+@pytest.mark.parametrize("mode, ext", [("I;16", "png"), ("I", "tiff"), ("F", "tiff"), ("P", "png"),
+                                       ("RGBA", "png"), ("LA", "png"), ("CMYK", "jpg"), ("L", "png")])
+def test_max_side_gives_the_pixels_the_loaders_give_for_every_mode(tmp_path, mode, ext):
+    from fastdata import Augmentation
+    from fastdata.transforms import load_photo
+
+    folder = tmp_path / "photos" / "only"
+    folder.mkdir(parents=True)
+    path = folder / f"image.{ext}"
+    _gradient(mode).save(path)
+    assert Image.open(path).mode == mode
+    out = tmp_path / "out"
+    pack(tmp_path / "photos", out, max_side=48, workers=0, progress=False)
+    idx = read_index(out)
+    blob = (out / idx.shards[0].name).read_bytes()
+    small = blob[idx.offset[0]: idx.offset[0] + idx.size[0]]
+    assert idx.ext(0) == "jpg" and max(Image.open(io.BytesIO(small)).size) == 48
+    aug = Augmentation(crop="center", size=32)
+    want = load_photo(path.read_bytes(), str(path), aug, np.random.default_rng(0)).astype(np.float32)
+    got = load_photo(small, "small.jpg", aug, np.random.default_rng(0)).astype(np.float32)
+    assert np.abs(want - got).mean() < 3 and np.abs(want - got).max() < 16, (want.mean(), got.mean())
+
+
+# ----------------------------------------------------------------------------------------- torchrun
+TORCHRUN_PACK = textwrap.dedent("""
+    import importlib, os, sys, time
+    from fastdata.__main__ import main
+    photos, out = sys.argv[1], sys.argv[2]
+    m = importlib.import_module("fastdata.shards.pack")
+    real = m._write_index
+    def slow_write(*args):   # rank 0 takes its time: no rank may return before the index exists
+        time.sleep(1.5)
+        return real(*args)
+    m._write_index = slow_write
+    rc = main(["pack", photos, out, "--shard-size", "4KB", "--workers", "0", "--no-progress", "--timeout", "120"])
+    import torch.distributed as dist
+    assert not dist.is_initialized()                    # torchrun starts no process group
+    assert os.path.exists(os.path.join(out, "index.json")), f"rank {os.environ['RANK']} returned before the index"
+    sys.exit(rc)
+""")
+
+
+def test_torchrun_pack_without_a_process_group_returns_on_every_rank_after_the_index(photos, tmp_path):
+    script = tmp_path / "pack_under_torchrun.py"
+    script.write_text(TORCHRUN_PACK)
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(photos), str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert len(read_index(out)) == len(_originals(photos)[0])
+    assert not list(out.glob("index.rank*.json"))
+
+
+def test_a_repack_of_other_data_removes_the_old_index_before_any_shard_is_rewritten(photos, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    pack(photos, out, shard_size="4KB", workers=0, progress=False)
+    seen = []
+    real = pack_module.write_shard
+
+    def spy(reader, plan, *args, **kw):
+        seen.append((out / "index.json").exists())
+        return real(reader, plan, *args, **kw)
+
+    monkeypatch.setattr(pack_module, "write_shard", spy)
+    pack(photos, out, shard_size="4KB", max_side=20, workers=0, progress=False)   # another plan
+    assert seen and not any(seen)
+    doc = json.loads((out / "index.json").read_text())
+    assert doc["source"]["max_side"] == 20 and len(doc["plan"]) == 64
+    seen.clear()
+    pack(photos, out, shard_size="4KB", max_side=20, workers=0, progress=False)   # the same: nothing to write
+    assert seen == [] and json.loads((out / "index.json").read_text()) == doc

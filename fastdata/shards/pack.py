@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ranks
 from .index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
+from .ranks import barrier, drop_other_index, has_group, merge_parts, wait_for_index
 
 #: Bumped when the bytes a plan produces change, so a re-run does not keep shards packed the old way.
 PACK_VERSION = 1
@@ -443,7 +443,7 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     plans = _plan(reader, shard_size)
     plan_digest = hashlib.sha256("\n".join(p.identity for p in plans).encode()).hexdigest()
     # First, before any shard is rewritten: an index of another pack must not describe them meanwhile.
-    ranks.drop_other_index(out, plan_digest)
+    drop_other_index(out, plan_digest)
     mine = plans[rank::world]
     records, todo = _finished_records(out, mine)
     bar = tqdm(total=sum(p.stop - p.start for p in mine), unit="img", disable=not progress,
@@ -464,18 +464,18 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
               "plan": plan_digest}
     mine_records = [records[p.index] for p in mine]
     write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank, "records": mine_records})
-    ranks.barrier()
+    barrier()
     if rank == 0:
-        records = ranks.merge_parts(out, world, config, timeout)
+        records = merge_parts(out, world, config, timeout)
         report.index = _write_index(out, written, records)
         for r in range(world):
             (out / f"index.rank{r}.json").unlink(missing_ok=True)
     # Every rank returns once the index exists (a rank may read it next): with a process group the
     # barrier says so; without one (torchrun runs the command with no group), the other ranks wait
     # for an index.json of this pack that describes their shards.
-    ranks.barrier()
-    if rank != 0 and not ranks.has_group():
-        ranks.wait_for_index(out, plan_digest, mine_records, rank, timeout)
+    barrier()
+    if rank != 0 and not has_group():
+        wait_for_index(out, plan_digest, mine_records, rank, timeout)
     return report
 
 

@@ -15,12 +15,14 @@ from .index import INDEX_NAME
 
 
 def has_group() -> bool:
+    """Whether a ``torch.distributed`` process group exists (the ranks can meet at a barrier)."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
 
 
 def barrier() -> None:
+    """Wait for every rank, when there is a process group; else return at once."""
     import torch.distributed as dist
 
     if has_group():
