@@ -231,7 +231,8 @@ def run_backend(backend, args, device, data, rows, sources, http_stats) -> None:
             nonlocal served
             served = ServedFolder(data["original"], args.delay)
             shards = Shards(served.url, cache_dir=cache_dir, window=args.window)
-            names.extend(s.name for s in shards.index.shards)
+            # The cache's file names (they carry each shard's digest), relative to cache_dir.
+            names.extend(os.path.relpath(shards.cached_path(s.name), cache_dir) for s in shards.index.shards)
             return loader_of(shards), (f"Shards(http://127.0.0.1), +{args.delay * 1000:.0f} ms a request, "
                                        f"cached shards evicted before every epoch")
 

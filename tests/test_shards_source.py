@@ -229,9 +229,9 @@ def test_the_next_epochs_first_shards_are_fetched_while_a_pass_ends(packed, tmp_
                 names.append(name)
         start = names[:2]                        # its first window
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(os.path.exists(shards._cache.path(n)) for n in start):
+        while time.monotonic() < deadline and not all(os.path.exists(shards.cached_path(n)) for n in start):
             time.sleep(0.05)
-        assert all(os.path.exists(shards._cache.path(n)) for n in start), (start, server.requests,
+        assert all(os.path.exists(shards.cached_path(n)) for n in start), (start, server.requests,
                                                                             shards._prefetcher.error)
         gets = server.count(method="GET")
         next(iter(loader))                       # the next pass starts on shards already here

@@ -136,6 +136,11 @@ class Shards(Source):
                                  digests={s.name: s.sha256 for s in self.index.shards})
         self._cache_dir = cache_dir
 
+    def cached_path(self, name: str) -> str | None:
+        """Where shard ``name`` of a remote location is kept in the cache (its file name carries its
+        digest: ``shard-000000.<16 hex digits>.tar``); None for a local folder, read in place."""
+        return None if self._cache is None else self._cache.path(name)
+
     # ------------------------------------------------------------------ a pack of arrays
     def _load_arrays(self, shape: tuple, info: dict) -> None:
         """Decode every sample once into ``images`` (N, H, W, C) uint8: this source then is an array
