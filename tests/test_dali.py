@@ -25,15 +25,29 @@ from fastdata.sampling import EpochPlan  # noqa: E402
 NONE = Augmentation.none()
 
 
+# Every loader a test opens, closed when the test ends: a loader left open keeps reading ahead in its
+# threads (the stream goes on into the next epoch), which a later test's counters would see.
+_OPENED: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_what_the_test_opened():
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
+
 def dali(source, **kw):
     kw.setdefault("device", "cpu")
-    return make_loader(source, backend="dali", **kw)
+    _OPENED.append(make_loader(source, backend="dali", **kw))
+    return _OPENED[-1]
 
 
 def torch_loader(source, **kw):
     kw.setdefault("device", "cpu")
     kw.setdefault("num_workers", 0)
-    return make_loader(source, backend="torch", **kw)
+    _OPENED.append(make_loader(source, backend="torch", **kw))
+    return _OPENED[-1]
 
 
 def epoch_ids(loader):
@@ -591,7 +605,10 @@ def test_cpu_pipeline_decodes_on_the_host_by_default(photo_folder, monkeypatch):
     assert loader.host_decode
     assert sum(len(y) for _, y in loader) == 18
     assert called == []
-    assert len(boxes) == 18 and threading.main_thread().name not in threads  # every photo, off-thread
+    # Every photo, off-thread; the stream goes on into the next epoch, whose first batches (at most
+    # prefetch_queue_depth + 1 of 6) are decoded ahead while this one ends.
+    assert 18 <= len(boxes) <= 18 + (loader.prefetch_queue_depth + 1) * 6
+    assert threading.main_thread().name not in threads
 
 
 def test_dali_decode_keeps_the_region_decoder_in_the_pipeline(photo_folder, monkeypatch):
@@ -685,7 +702,7 @@ def test_options():
 
 # ----------------------------------------------------------------------------------------------- CUDA
 def gpu(source, **kw):
-    return make_loader(source, backend="dali", device="cuda", **kw)
+    return dali(source, device="cuda", **kw)
 
 
 def _levels(a, b, std):
@@ -894,6 +911,10 @@ def test_a_photo_replaced_in_place_between_epochs_is_read_again(tmp_path):
     for size in ((200, 150), (30, 24)):        # larger, then smaller than the box drawn for the old size
         Image.new("RGB", size, (200, 30, 90)).save(target, quality=95)
         os.utime(target, ns=(os.stat(target).st_atime_ns, os.stat(target).st_mtime_ns + 10**9))
+        # The stream had read the next epoch's first batches ahead, before the replacement: that epoch
+        # may still show the old photo there. The one after it reads every file after the change.
+        for _ in used:
+            pass
         epoch = used.epoch
         fresh = loader()
         fresh.set_epoch(epoch)
@@ -901,3 +922,151 @@ def test_a_photo_replaced_in_place_between_epochs_is_read_again(tmp_path):
             assert torch.equal(a, b) and torch.equal(ya, yb)
         fresh.close()
     used.close()
+
+
+# ------------------------------------------------------------------------- threads that let a program end
+_SLOW_FOLDER = '''
+import sys, threading, time
+from fastdata import make_loader
+from fastdata.config import Augmentation
+from fastdata.datasets import ImageFolder
+
+class SlowFolder(ImageFolder):
+    """A folder on a storage that hangs: every file after the first 3 batches' takes {pause} s to read."""
+    def read_stamped(self, i):
+        if i not in FAST and threading.current_thread() is not threading.main_thread():
+            time.sleep({pause})
+        return super().read_stamped(i)
+
+src = SlowFolder(sys.argv[1])
+loader = make_loader(src, "dali", batch_size=4, device="cpu", num_workers=2, shuffle=False, train=False,
+                     augment=Augmentation.imagenet_eval(size=32))
+FAST = set(range(12))   # DALI's first next() asks for 2 batches (its prefetch), then for a third
+'''
+
+
+def _dali_threads():
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("fastdata-dali")]
+
+
+def test_a_program_that_never_closes_its_loader_exits_at_once(photo_folder, tmp_path):
+    """The readers were ThreadPoolExecutor threads, which the interpreter joins at exit: a loader left
+    open with a read in progress (a hung file system here, a slow one in practice) kept the program
+    from ending. Daemon threads and the exit hook that closes live loaders let it end."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "never_closed.py"
+    script.write_text(_SLOW_FOLDER.format(pause=600) + "x, y = next(iter(loader))\nprint('got', len(y), flush=True)\n")
+    import os
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])   # this checkout's fastdata, not an installed one
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script), str(photo_folder)], capture_output=True, text=True,
+                          env=env, timeout=120)   # a hang guard: the old loader waited for the 600 s reads
+    assert proc.returncode == 0 and "got 4" in proc.stdout, proc.stderr[-2000:]
+    assert time.monotonic() - start < 100
+
+
+@pytest.mark.parametrize("how", ["close", "garbage_collected"])
+def test_no_reading_thread_outlives_its_loader(photo_folder, how):
+    """close() joins the threads (it used to leave them finishing their reads); a loader dropped
+    without close() is collected, and closes them too."""
+    import gc
+    import time
+
+    ns: dict = {}
+    exec(_SLOW_FOLDER.format(pause=0.3).replace("sys.argv[1]", repr(str(photo_folder))), ns)
+    loader = ns["loader"]
+    it = iter(loader)
+    next(it)
+    assert _dali_threads()                 # reading ahead: some reads are still sleeping
+    if how == "close":
+        loader.close()
+        assert _dali_threads() == []
+    else:
+        # The reads in flight hold the loader until they end; then it is collected and closes the pool
+        # (collected by the cyclic GC here: exec's namespace and the folder's class refer to each other).
+        del it, loader, ns
+        deadline = time.monotonic() + 10
+        while _dali_threads() and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+        assert _dali_threads() == []
+
+
+# ---------------------------------------------------------------------------- one pipeline per loader
+def _count_builds(monkeypatch):
+    from fastdata.backends.dali import DaliLoader
+
+    builds = []
+    real = DaliLoader._build
+
+    def counting(self):
+        builds.append(self.epoch)
+        return real(self)
+
+    monkeypatch.setattr(DaliLoader, "_build", counting)
+    return builds
+
+
+@pytest.mark.parametrize("consumer", ["islice", "full_loop", "break_then_fresh_iter"])
+def test_one_pipeline_serves_every_epoch(monkeypatch, consumer):
+    """Lightning and islice(loader, len(loader)) take exactly len(loader) batches and never the one more
+    that ended DALI's epoch: 4 epochs built 4 pipelines. DALI now sees one stream; the batches stay
+    those of each epoch's plan, pixel for pixel the torch backend's (random crops and flips)."""
+    import itertools
+
+    builds = _count_builds(monkeypatch)
+    src = _colour_arrays(n=300)
+    kw = dict(batch_size=64, train=True, drop_last=False, seed=8, augment=Augmentation.cifar_train(pad=2))
+    loader, ref = dali(src, **kw), torch_loader(src, **kw)
+    for epoch in range(4):
+        if consumer == "islice":
+            got = list(itertools.islice(loader, len(loader)))
+        elif consumer == "full_loop":
+            got = [b for b in loader]
+        else:
+            for _ in zip(range(2), loader):   # a pass left early: read again from its start
+                pass
+            got = list(loader)
+        want = list(ref)
+        assert len(got) == len(want) == 5
+        for (x, y), (wx, wy) in zip(got, want):
+            assert torch.equal(x, wx) and torch.equal(y, wy), epoch
+    if consumer == "break_then_fresh_iter":
+        assert len(builds) == 5   # one, then one after each break (the stream held that pass's batches)
+    else:
+        assert builds == [0]
+
+
+def test_a_stream_is_rebuilt_only_where_the_position_jumps(monkeypatch, photo_folder):
+    """set_epoch to another epoch, a resumed position, or the same epoch again: a new stream. Files
+    decoded in DALI give the same batches as a loader built for that epoch alone."""
+    builds = _count_builds(monkeypatch)
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=4, train=True, seed=6, decode="dali", augment=Augmentation.imagenet_train(size=32))
+    loader = dali(src, **kw)
+
+    def alone(epoch):
+        fresh = dali(src, **kw)
+        fresh.set_epoch(epoch)
+        return list(fresh)
+
+    for epoch in (0, 1, 2):
+        got = list(loader)
+        for (x, y), (wx, wy) in zip(got, alone(epoch), strict=True):
+            assert torch.equal(x, wx) and torch.equal(y, wy), epoch
+    own = [b for b in builds if b is not None]
+    assert len(own) == 4 and own[0] == 0     # the loader's one build, and one per fresh loader (3)
+    loader.set_epoch(7)
+    assert torch.equal(torch.cat([y for _, y in loader]), torch.cat([y for _, y in alone(7)]))
+    assert len(builds) == 4 + 2              # set_epoch(7): rebuilt; and the fresh loader's own
+    loader.set_epoch(8)                      # exactly where the stream is: no rebuild
+    list(loader)
+    assert len(builds) == 6

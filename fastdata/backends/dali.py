@@ -12,6 +12,11 @@ there (it did: 37-64 ms per 64-image batch on 2 busy cores, which under nvJPEG w
 few thousand images/s). Batches are assembled ahead, ``prefetch_queue_depth + 1`` of them, by one
 assembler thread that spreads each batch's files over ``read_threads`` reader threads; the callback
 only picks up a finished batch (measured 1.3-8 ms per 64-image batch, mostly waiting for the GIL).
+Image folders decoded inside DALI (``decode="dali"``, a GPU) are not read in Python at all after a
+file's first epoch: the batch carries file names and ``fn.io.file.read`` reads them in DALI's C++
+threads (``decode.dali_files``). One pipeline serves every epoch: DALI is fed one endless stream of
+batches and the loader counts a pass's batches (``decode.dali_feed``); the threads are daemon threads
+of our own, and every loader still open is closed before the interpreter exits.
 A file's size and EXIF orientation are learnt once, from the bytes read for its first batch (no
 separate header pass: construction stays instant for ImageNet's 1.28M files), and kept in numpy arrays.
 Threads, not DALI's parallel (multi-process) external source: reads and PIL decoding release the GIL,
@@ -83,18 +88,27 @@ then, not for torch's work on the GPU.
 """
 from __future__ import annotations
 
-import collections
+import atexit
+import dataclasses
 import os
-import re
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from ..config import Crop, Padding
 from ..datasets import SourceKind
-from ..decode.dali_files import BROKEN, DaliFiles
+from ..decode.dali_errors import dali_reason, free_frames, is_dali_failure
+from ..decode.dali_feed import Feeder, WorkerPool, stream
+from ..decode.dali_files import BROKEN, OK, DaliFiles, plain_file_paths
+from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, the option's values)
+    DECODE_CHOICES,
+    SLICE_POLICY,
+    DaliOptions,
+    decoder_tuning,
+    files_decoder,
+    slice_has_policy,
+)
 from ..decode.on_error import OnError
 from ..errors import DecodeError
 from ..transforms import (
@@ -104,165 +118,25 @@ from ..transforms import (
 )
 from .base import Loader
 
-# Pipelines inherited by forked children, kept alive there on purpose (see DaliLoader.__del__).
+# Pipelines inherited by forked children, kept alive there on purpose (see DaliLoader.close).
 _INHERITED: list = []
 
-
-# DALI 2.4 has no exception classes of its own: its C++ executor's errors reach Python as a plain
-# RuntimeError (pybind11's translation of std::runtime_error) whose text starts with one of these.
-_DALI_PREFIXES = ("Critical error in pipeline", "Critical error when building pipeline",
-                  "Unknown critical error")
+#: Every DaliLoader not yet closed: closed by ``_close_live`` before the interpreter exits.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-#: ``Augmentation.padding`` → ``fn.slice``'s out_of_bounds_policy for a translation. Not DALI's "reflect":
-#: that one repeats the edge pixel (numpy's "symmetric"); numpy's, torch's and torchvision's "reflect"
-#: does not, which is DALI's "reflect_101".
-SLICE_POLICY = {Padding.CONSTANT: "pad", Padding.REFLECT: "reflect_101", Padding.EDGE: "edge"}
-
-#: The ``decode`` option's values (see DaliLoader).
-DECODE_CHOICES = ("auto", "host", "dali")
-
-
-def files_decoder(gpu: bool) -> tuple[str, dict]:
-    """The photo decoder of the in-pipeline files path (``decode="dali"``): the ``fn.decoders``
-    operator's name and its keyword arguments (besides the inputs and ``output_type``).
-
-    ``"image_slice"`` (the CPU) decodes a window around the crop box, given as (anchor, shape) inputs:
-    libjpeg-turbo never reads the rows below it. ``"image"`` (a GPU) decodes whole photos, and the crop
-    box is then ``fn.resize``'s ROI in the photo's own coordinates. Why not a region decode on the GPU:
-    nvImageCodec 0.9's nvJPEG extension (with nvJPEG 12.x) refuses a region decode with
-    ``jpeg_fancy_upsampling`` for chroma-subsampled JPEGs, nearly every photo ("ROI decode with fancy
-    upsampling may produce wrong results on image edge ... with nvJPEG < 13.2", in libnvjpeg_ext.so),
-    and DALI quietly decodes those on its CPU fallback: the pixels were right and every test passed,
-    but the GPU's decoding speed was gone. Without fancy upsampling nvJPEG's chroma differs from
-    libjpeg-turbo's (PIL, the other backends) by tens of levels along colour edges.
-    """
-    if gpu:
-        return "image", {"device": "mixed", "jpeg_fancy_upsampling": True}
-    # jpeg_fancy_upsampling: DALI 2.4 documents it for the mixed backend only; the CPU decoder
-    # upsamples so already (measured: same pixels, same speed). Kept for symmetry with the GPU.
-    return "image_slice", {"device": "cpu", "axis_names": "HW", "normalized_anchor": False,
-                           "normalized_shape": False, "jpeg_fancy_upsampling": True}
-
-
-def slice_has_policy(policy: str) -> bool:
-    """Whether the installed DALI's ``fn.slice`` knows ``out_of_bounds_policy=policy``. "edge" and
-    "reflect_101" came with DALI's slice border modes (2.4 has them); older releases know only
-    error/pad/trim_to_shape and would refuse the pipeline. Read from the operator's schema, which lists
-    the values it parses."""
-    from nvidia.dali import backend
-
-    return f'"{policy}"' in backend.GetSchema("Slice").GetArgumentDox("out_of_bounds_policy")
-
-
-def _dali_dir() -> str:
-    import nvidia.dali
-
-    return os.path.dirname(os.path.abspath(nvidia.dali.__file__)) + os.sep
-
-
-def _free_frames(error: BaseException) -> None:
-    """Clear the locals of the finished frames in ``error``'s traceback (and its causes'). A failure
-    raised inside DALI's iteration carries DALI's frames (the iterator's ``_schedule_runs`` down to the
-    feeder's callback), which hold the iterator and its pipeline in a reference cycle: dropped by
-    ``_release``, the pipeline's threads and buffers lived on until the cyclic GC ran (47 threads and
-    +55 MB RSS after 20 failed epochs here; on a GPU, its device buffers too). The traceback keeps its
-    lines; frames still running (the caller's) cannot be cleared and are left as they are."""
-    import traceback
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
-
-
-def is_dali_failure(e: BaseException) -> bool:
-    """True for an error that DALI's executor raised while running a pipeline (an operator failed,
-    e.g. the decoder on a broken file); False for anything else, which is re-raised untouched.
-
-    Classified by type and origin, not by words in the text: exactly ``RuntimeError`` (not a
-    subclass such as ``torch.OutOfMemoryError``), raised inside the ``nvidia.dali`` package (the
-    innermost traceback frame is DALI's Python code calling into its C++ executor; an error from our
-    own input callback, which DALI calls, has its innermost frame in fastdata), and carrying the
-    executor's "Critical error ..." prefix (which DALI's own argument errors, also raised from its
-    package, do not).
-    """
-    if type(e) is not RuntimeError:
-        return False
-    tb = e.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    if not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_dali_dir()):
-        return False
-    return str(e).lstrip().startswith(_DALI_PREFIXES)
-
-
-class _Feeder:
-    """The external_source callback: turns the plan's batches into DALI inputs, one batch per call.
-
-    ``records`` holds one entry per batch handed to DALI (or found empty), in order, so the consumer
-    side knows which batch each DALI output is and which files it held.
-
-    Files are read ahead: ``ahead`` batches are prepared in the loader's reader thread (reading the
-    files' bytes and, the first time, their headers and integrity) while DALI works on the batches
-    already fed, so the call DALI makes on the training thread only picks up a finished batch.
-    Array batches are a vectorized gather: prepared right here.
-    """
-
-    def __init__(self, loader: "DaliLoader", ahead: int):
-        # A weak reference: the pipeline holds this callback, and a strong one back to the loader would
-        # put every DaliLoader in a reference cycle that only the cyclic GC frees — possibly inside a
-        # forked DataLoader worker, where destroying a DALI pipeline deadlocks.
-        self.loader = weakref.proxy(loader)
-        self.ahead = ahead
-        self.jobs = iter(())
-        self.pending = collections.deque()  # futures of the batches being read ahead, in order
-        self.records = collections.deque()
-        self.epoch = 0
-
-    def start(self, epoch: int, jobs):
-        """``jobs``: iterable of (batch number in the epoch, sample ids)."""
-        self.cancel()
-        self.epoch = epoch
-        self.jobs = iter(jobs)
-        self.records.clear()  # reading starts with DALI's first call (the pipeline may be rebuilt first)
-
-    def cancel(self):
-        """Drop the batches read ahead (an epoch abandoned or failed): none may reach another epoch."""
-        for f in self.pending:
-            f.cancel()  # one already running finishes in the background; its result is dropped
-        self.pending.clear()
-
-    def _fill(self):
-        assembler = self.loader._assembler
-        while assembler is not None and len(self.pending) < self.ahead:
-            job = next(self.jobs, None)
-            if job is None:
-                return
-            self.pending.append(assembler.submit(self.loader._prepare, self.epoch, *job))
-
-    def _next_batch(self):
-        if self.loader._assembler is None:
-            k, ids = next(self.jobs)  # StopIteration ends DALI's epoch
-            return self.loader._prepare(self.epoch, k, ids)
-        self._fill()
-        if not self.pending:
-            raise StopIteration  # ends DALI's epoch
-        done = self.pending.popleft()
-        self._fill()
-        return done.result()  # re-raises a DecodeError of that batch here, in DALI's call
-
-    def __call__(self):
-        while True:
-            inputs, record = self._next_batch()
-            self.records.append(record)
-            if inputs is not None:
-                return inputs
-            # An empty batch (every sample skipped, or a rank's share of a tiny last step): DALI cannot
-            # run a batch of 0 samples, so it is yielded by the consumer side without DALI.
+@atexit.register
+def _close_live() -> None:
+    """Close the loaders still open at exit (most programs never close theirs): their pipelines are then
+    freed while the interpreter and CUDA still work, not in module teardown or after CUDA's own atexit
+    handlers (torch registered those earlier, so they run after this one), and their threads stop."""
+    for loader in list(_LIVE):
+        try:
+            # A thread stuck in a read (a hung network file system) is given a moment, not the 10 s a
+            # close() waits: a daemon thread does not hold the exit up once the pipelines are gone.
+            loader._close(join_timeout=1.0)
+        except Exception:   # exiting anyway: one loader's failure must not keep the others open
+            pass
 
 
 class DaliLoader(DaliFiles, Loader):
@@ -270,7 +144,8 @@ class DaliLoader(DaliFiles, Loader):
 
     Options:
         num_threads: DALI's CPU worker threads (default: ``config.num_workers``, the usable cores).
-        prefetch_queue_depth: batches DALI prepares ahead of the consumer (default 2).
+        prefetch_queue_depth: batches DALI prepares ahead of the consumer (default 4 on a GPU where
+            their outputs fit in an eighth of the free memory, else 2).
         read_threads: threads that read files (and check each once) ahead of DALI (default:
             ``num_threads``). Files only.
         validate: check each file's integrity the first time it is read, with the PIL decode the
@@ -285,81 +160,83 @@ class DaliLoader(DaliFiles, Loader):
             scale, then PIL's resize), DALI then flips and normalizes; CPU only. ``"auto"`` (default):
             ``"host"`` on the CPU, ``"dali"`` on a GPU. Why: on the CPU, DALI's ``fn.resize`` costs
             more than the decode itself (module docstring, "CPU decoding").
+        hw_decoder_load: the share (0..1) of JPEG work given to the GPU's hardware JPEG decoder
+            (``fn.decoders.image``'s argument; default 0.65, DALI's). GPU only.
+        preallocate: size nvJPEG's buffers for the largest photo known when the pipeline is built (the
+            first batch's, on the first build) instead of growing them mid-epoch (default True).
+        fancy_upsampling: libjpeg-turbo's chroma upsampling in nvJPEG (default True: the pixels of PIL
+            and the other backends; False: nvJPEG's own, tens of levels off along colour edges).
+        affine: pin DALI's threads to cores (default False: several ranks or jobs on one host would
+            pin theirs to the same cores).
     """
 
     name = "dali"
     reads = frozenset({SourceKind.ARRAY, SourceKind.FILES})   # DALI cannot call a Python __getitem__
-    options = {"num_threads": None, "prefetch_queue_depth": 2, "read_threads": None, "validate": True,
-               "decode": "auto"}
+    options = {f.name: f.default for f in dataclasses.fields(DaliOptions)}
 
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
-        threads = self.opts["num_threads"]
-        threads = max(1, config.num_workers) if threads is None else threads
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"num_threads must be an integer >= 1, got {threads!r}")
-        depth = self.opts["prefetch_queue_depth"]
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"prefetch_queue_depth must be an integer >= 1, got {depth!r}")
-        self.num_threads, self.prefetch_queue_depth = threads, depth
-        readers = self.opts["read_threads"]
-        readers = threads if readers is None else readers
-        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
-            raise ValueError(f"read_threads must be an integer >= 1, got {readers!r}")
-        if not isinstance(self.opts["validate"], bool):
-            raise ValueError(f"validate must be True or False, got {self.opts['validate']!r}")
-        self.read_threads, self.validate = readers, self.opts["validate"]
         self.gpu = self.device.type == "cuda"
-        self.on_error = OnError(config.on_error)   # raise or skip: decided there, never here
-        decode = self.opts["decode"]
-        if decode not in DECODE_CHOICES:
-            raise ValueError(f"decode must be one of {list(DECODE_CHOICES)}, got {decode!r}")
-        if decode == "host" and self.gpu:
-            raise ValueError(f"decode='host' is for device='cpu'; on {self.device} nvJPEG decodes inside the "
-                             f"pipeline (decode='dali' or 'auto')")
-        #: True: photos are decoded and resized in the reader threads and DALI only flips and normalizes.
-        self.host_decode = source.kind is SourceKind.FILES and decode != "dali" and not self.gpu
-        #: The in-pipeline decoder (files_decoder): a window around each box, or whole photos.
-        self._decoder = files_decoder(self.gpu)
         aug = self.augment
         require_fixed_size(source, aug)   # (base.py has refused a reflect pad the images cannot mirror)
-        # Reflect/edge translation where this DALI's slice lacks the border mode: pad on the host.
-        self._host_pad = (aug.crop is Crop.TRANSLATE and aug.padding is not Padding.CONSTANT
-                          and not slice_has_policy(SLICE_POLICY[aug.padding]))
-        if source.kind is SourceKind.FILES:
+        files = source.kind is SourceKind.FILES
+        if files:
             self.out_shape = (3, aug.size, aug.size)
         else:
             h, w, c = source.image_shape
             self.out_shape = (c,) + aug.output_size(h, w)
+        opts = DaliOptions(**self.opts)
+        batch_bytes = config.batch_size * int(np.prod(self.out_shape)) * config.dtype.itemsize
+        free = None
+        if self.gpu and opts.prefetch_queue_depth is None:
+            free = torch.cuda.mem_get_info(self.device)[0]
+        #: The options with the derived values filled in (DaliOptions.resolve).
+        self.dali_options = opts = opts.resolve(config.num_workers, self.gpu, batch_bytes, free)
+        self.num_threads, self.prefetch_queue_depth = opts.num_threads, opts.prefetch_queue_depth
+        self.read_threads, self.validate = opts.read_threads, opts.validate
+        self.on_error = OnError(config.on_error)   # raise or skip: decided there, never here
+        if opts.decode == "host" and self.gpu:
+            raise ValueError(f"decode='host' is for device='cpu'; on {self.device} nvJPEG decodes inside the "
+                             f"pipeline (decode='dali' or 'auto')")
+        #: True: photos are decoded and resized in the reader threads and DALI only flips and normalizes.
+        self.host_decode = files and opts.decode != "dali" and not self.gpu
+        #: The in-pipeline decoder (files_decoder): a window around each box, or whole photos.
+        self._decoder = files_decoder(self.gpu)
+        # Decoding in DALI from plain files: DALI reads them (fn.io.file.read), fed their names.
+        self._paths = plain_file_paths(source) if files and not self.host_decode else None
+        # Reflect/edge translation where this DALI's slice lacks the border mode: pad on the host.
+        self._host_pad = (aug.crop is Crop.TRANSLATE and aug.padding is not Padding.CONSTANT
+                          and not slice_has_policy(SLICE_POLICY[aug.padding]))
         # Per file: what is known (UNSEEN/OK/NO_HEADER/BROKEN), (height, width, EXIF orientation)
         # as the augmentation sees them, and a stamp of the file they were read from. numpy, not dicts
         # of tuples: 21 bytes a file, 27 MB for ImageNet's 1.28M files. Reasons are kept only for the
         # few broken ones.
-        n = len(source) if source.kind is SourceKind.FILES else 0
+        n = len(source) if files else 0
         self._state = np.zeros(n, np.uint8)
         self._dims = np.zeros((n, 3), np.int32)
         self._stamps = np.zeros(n, np.int64)   # each file's (size, mtime) when its size was read
         self._why: dict[int, str] = {}
-        # Reading: one assembler thread prepares whole batches in plan order (the augmentation draws
+        # Reading: one assembler thread prepares whole batches in stream order (the augmentation draws
         # need each file's size); it spreads a batch's files over the reader threads. Threads, not
         # processes or DALI's parallel external source: file reads and PIL's decode release the GIL,
         # the per-file verdicts must be shared with this loader, and DALI's parallel source would
         # pickle the callback into worker processes, which cannot follow the epoch/resume position
-        # set here. Created on first use (the executors start their threads lazily).
-        self._assembler = self._readers = None
-        if source.kind is SourceKind.FILES:
-            self._assembler = ThreadPoolExecutor(1, thread_name_prefix="fastdata-dali-batch")
-            self._readers = ThreadPoolExecutor(readers, thread_name_prefix="fastdata-dali-read")
-        self._feeder = _Feeder(self, ahead=depth + 1)
-        self._probe_pipe = None
-        self._pipe = None
-        self._iter = None
-        self._clean = False  # the current pipeline finished its last epoch and can be reset for another
+        # set here. Daemon threads, started on first use (decode.dali_feed says why).
+        #: The pool that assembles whole batches ahead (files only; arrays are gathered in DALI's call).
+        self.assembler = self._readers = None
+        if files:
+            self.assembler = WorkerPool(1, "fastdata-dali-batch")
+            self._readers = WorkerPool(opts.read_threads, "fastdata-dali-read")
+        self._feeder = Feeder(self, ahead=opts.prefetch_queue_depth + 1)
+        self._probe_pipe = self._pipe = self._iter = None
+        self._ready = None    # a DALI output fetched for a record not yet handed out
+        self._expect = None   # the epoch the running stream goes on with, after a pass ran to its end
         self._owner_pid = os.getpid()
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ the pipeline
     def _build(self):
-        """A fresh pipeline and DALIGenericIterator; the feeder must hold the epoch's jobs already.
+        """A fresh pipeline and DALIGenericIterator; the feeder must hold its stream already.
 
         Over 60 lines on purpose: the pipeline graph is one DALI function and reads top to bottom as
         the data flows (inputs, decode, crop, normalize); split, its branches would be harder to follow.
@@ -367,14 +244,14 @@ class DaliLoader(DaliFiles, Loader):
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        self._release()
-        aug, gpu = self.augment, self.gpu
+        aug, gpu, opts = self.augment, self.gpu, self.dali_options
         files = self.source.kind is SourceKind.FILES
         half = self.config.dtype == torch.float16
         channels_last = self.config.channels_last
+        known = self._dims[self._state == OK, :2] if files else None
 
         @pipeline_def(batch_size=self.config.batch_size, num_threads=self.num_threads,
-                      device_id=self.device.index if gpu else None,
+                      device_id=self.device.index if gpu else None, set_affinity=opts.affine,
                       prefetch_queue_depth=self.prefetch_queue_depth, seed=self.plan.seed & 0x7FFFFFFF)
         def graph():
             if files and self.host_decode:
@@ -392,7 +269,10 @@ class DaliLoader(DaliFiles, Loader):
                     source=self._feeder, num_outputs=7 if windowed else 5, batch=True,
                     dtype=[types.UINT8, types.INT64] + [types.INT32, types.INT32] * windowed
                     + [types.FLOAT, types.FLOAT, types.INT32])
-                img = getattr(fn.decoders, op)(enc, *windows, output_type=types.RGB, **kwargs)
+                if self._paths is not None:   # file names: DALI reads the bytes in its C++ threads
+                    enc = fn.io.file.read(enc)
+                img = getattr(fn.decoders, op)(enc, *windows, output_type=types.RGB,
+                                               **{**kwargs, **decoder_tuning(opts, known)})
                 img = fn.resize(img, size=[aug.size, aug.size], roi_start=roi_start, roi_end=roi_end,
                                 roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
             else:
@@ -423,21 +303,32 @@ class DaliLoader(DaliFiles, Loader):
 
         self._pipe = graph()
         self._pipe.build()
-        # size=-1: the epoch ends when the feeder raises StopIteration; PARTIAL: a smaller last batch
+        # size=-1: DALI's epoch would end only when the feeder raised StopIteration, which the endless
+        # stream never does; the passes are counted in _epoch. PARTIAL: a smaller last batch of a pass
         # is returned as it is (never padded or filled from the next epoch).
         self._iter = DALIGenericIterator(self._pipe, ["images", "labels"], size=-1, auto_reset=False,
                                          last_batch_policy=LastBatchPolicy.PARTIAL,
                                          prepare_first_batch=False)
 
+    def _restart(self, epoch: int, batches: list, start: int) -> None:
+        """A fresh pipeline fed the stream from batch ``start`` of ``epoch`` (``batches`` on)."""
+        self._release()
+        self._feeder.start(stream(self.plan, epoch, batches, start))
+        if self._paths is not None and self.dali_options.preallocate:
+            self._feeder.prime()   # the first batch's sizes for nvJPEG's buffers (decoder_tuning)
+        self._build()
+
     def _release(self):
         self._feeder.cancel()
+        self._feeder.records.clear()
         self._iter = None
         self._pipe = None  # DALI frees its threads and buffers with the pipeline object
-        self._clean = False
+        self._ready = self._expect = None
 
     # ------------------------------------------------------------------ inputs for one batch
-    def _prepare(self, epoch: int, k: int, ids: np.ndarray):
-        """DALI inputs of batch ``k`` (or None when it is empty) and its record."""
+    def prepare(self, epoch: int, k: int, ids: np.ndarray):
+        """DALI inputs of batch ``k`` of ``epoch`` (None when it is empty) and its record (the feeder's
+        job; files run in the assembler thread)."""
         rng = self.batch_rng(epoch, k)
         if self.source.kind is SourceKind.FILES:
             return self._prepare_files(rng, k, ids)
@@ -469,63 +360,58 @@ class DaliLoader(DaliFiles, Loader):
     def _epoch(self, epoch, batches, start):
         total = len(batches)
         pos = 0  # batches handed out
+        if total and not self._continues(epoch, batches, start):
+            self._restart(epoch, batches, start)
         while pos < total:
-            jobs = [(start + j, batches[j]) for j in range(pos, total)]
-            self._feeder.start(epoch, jobs)
-            if self._clean and self._iter is not None:
-                self._iter.reset()  # after a finished epoch: reuse threads and buffers
-            else:
-                self._build()
-            self._clean = False
             try:
                 for out in self._outputs(total - pos):
                     pos += 1
+                    if pos == total:   # set before the last yield: the consumer may never come back
+                        self._expect = epoch + 1
                     yield out
-                self._clean = True
+            except GeneratorExit:
+                if pos < total:
+                    self._release()  # the stream holds this pass's batches read ahead, not the next one's
+                raise
             except DecodeError as e:
                 self._release()
-                _free_frames(e)
-                raise
-            except GeneratorExit:
-                self._release()  # the pipeline still holds prefetched batches of this epoch
+                free_frames(e)
                 raise
             except Exception as e:
+                fed = [int(i) for rec in self._feeder.records for i in rec["ids"]]   # DALI's batches
                 self._release()
                 if not is_dali_failure(e):
                     raise
-                _free_frames(e)
-                self._handle_decode_failure(e)  # raises, or marks the files bad and feeds again
+                free_frames(e)
+                self._handle_decode_failure(e, fed)  # raises, or marks the files bad and feeds again
+                self._restart(epoch, batches[pos:], start + pos)
+
+    def _continues(self, epoch: int, batches: list, start: int) -> bool:
+        """Whether the running stream's next batch is this pass's first: the pass is the epoch after a
+        pass that ran to its end, read from its start (not a resumed or re-chosen position)."""
+        if self._iter is None or self._expect != epoch or start != 0:
+            return False
+        planned = self.plan.batches_from(epoch, 0)
+        return len(planned) == len(batches) and np.array_equal(planned[0], batches[0])
 
     def _outputs(self, remaining: int):
-        """(images, labels) for the next ``remaining`` batches, empty ones included, in order."""
+        """(images, labels) for the next ``remaining`` batches of the stream, empty ones included."""
         records = self._feeder.records
-        ready = None
         for _ in range(remaining):
-            while not records and ready is None:  # nothing fed yet: ask DALI, which calls the feeder
-                try:
-                    ready = next(self._iter)[0]
-                except StopIteration:
-                    if not records:
-                        raise RuntimeError("DALI's iterator ended before the epoch's batches did "
-                                           "(internal error)") from None
+            while not records and self._ready is None:  # nothing fed yet: ask DALI, which calls the feeder
+                self._ready = next(self._iter)[0]
             rec = records[0]
-            if rec["n"] == 0:
-                records.popleft()
-                self.skipped += rec["skipped"]
-                yield self._empty()
-                continue
-            if ready is None:
-                ready = next(self._iter)[0]
-            out, ready = ready, None
+            if "error" in rec:   # its preparation failed (Feeder): raised now, after the batches before it
+                raise rec["error"]
+            if rec["n"] and self._ready is None:
+                self._ready = next(self._iter)[0]
             records.popleft()
             self.skipped += rec["skipped"]
+            if not rec["n"]:
+                yield self._empty()
+                continue
+            out, self._ready = self._ready, None
             yield self._convert(out)
-        # Drain DALI's end of epoch so the pipeline can be reset and reused for the next one.
-        try:
-            next(self._iter)
-        except StopIteration:
-            return
-        raise RuntimeError("DALI returned more batches than the epoch holds (internal error)")
 
     def _convert(self, out):
         images, labels = out["images"], out["labels"]
@@ -542,23 +428,13 @@ class DaliLoader(DaliFiles, Loader):
         return images.contiguous(memory_format=memory), torch.empty(0, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ decode errors
-    @staticmethod
-    def _dali_reason(e: BaseException) -> str:
-        """The useful line(s) of a DALI error: what follows 'encountered:' (not DALI's traceback)."""
-        text = str(e)
-        m = re.search(r"encountered:\s*(.*?)\s*(Current pipeline object is no longer valid|$)", text, re.S)
-        reason = (m.group(1) if m else text).strip()
-        reason = " ".join(line.strip() for line in reason.splitlines() if line.strip())
-        return reason.rstrip(" :")[:300] or type(e).__name__
-
-    def _handle_decode_failure(self, e: BaseException) -> None:
-        candidates = [int(i) for rec in self._feeder.records for i in rec["ids"]]
+    def _handle_decode_failure(self, e: BaseException, candidates: list[int]) -> None:
         bad = self._probe(candidates)
         if not bad:
             raise RuntimeError(f"DALI failed on a batch of {len(candidates)} file(s) "
                                f"({', '.join(repr(self.source.sample_name(i)) for i in candidates[:3])}"
                                f"{', ...' if len(candidates) > 3 else ''}) although each decodes alone: "
-                               f"{self._dali_reason(e)}") from e
+                               f"{dali_reason(e)}") from e
         for i, why in bad:
             self._why[i] = f"DALI cannot decode it ({why}){self._pil_opinion(i)}"
             self._state[i] = BROKEN  # refused from now on without asking DALI again
@@ -566,7 +442,8 @@ class DaliLoader(DaliFiles, Loader):
         self.on_error.refuse(self.source.sample_name(i), self._why[i])   # "skip": the batch is fed again
 
     def _probe(self, ids) -> list[tuple[int, str]]:
-        """Decode files one at a time with DALI's decoder; return (id, reason) for those that fail.
+        """Decode files one at a time with DALI's decoder; return (id, reason) for those that fail
+        (a file that cannot be read any more, e.g. deleted since DALI was given its name, too).
 
         One probe pipeline serves every file and every failure: DALI 2.4 appends "Current pipeline
         object is no longer valid" to a failed run's error, but a ``run()`` pipeline without prefetch
@@ -586,7 +463,11 @@ class DaliLoader(DaliFiles, Loader):
 
         bad = []
         for i in ids:
-            data = np.frombuffer(self.source.read(i), dtype=np.uint8)
+            try:
+                data = np.frombuffer(self.source.read(i), dtype=np.uint8)
+            except DecodeError as err:
+                bad.append((i, err.reason))
+                continue
             for attempt in (0, 1):
                 if self._probe_pipe is None:
                     self._probe_pipe = probe()
@@ -595,7 +476,7 @@ class DaliLoader(DaliFiles, Loader):
                     self._probe_pipe.run(enc=[data])
                 except Exception as e:
                     if is_dali_failure(e):
-                        bad.append((i, self._dali_reason(e)))
+                        bad.append((i, dali_reason(e)))
                         break
                     self._probe_pipe = None
                     if attempt:
@@ -606,20 +487,26 @@ class DaliLoader(DaliFiles, Loader):
 
     # ------------------------------------------------------------------ lifetime
     def close(self):
+        """Free the pipelines and stop the reading threads (joined: none is left running)."""
+        self._close(join_timeout=10.0)
+
+    def _close(self, join_timeout: float):
+        if os.getpid() != self._owner_pid:
+            # A forked child (a DataLoader worker of another loader) inherited this object. DALI's
+            # pipeline threads exist only in the parent: destroying the pipeline here waits for
+            # them forever. Keep the child's copy alive instead; the child's exit frees it.
+            _INHERITED.append((self._pipe, self._iter, self._probe_pipe))
+            return
+        _LIVE.discard(self)
         self._release()
         self._probe_pipe = None
-        for pool in (self._assembler, self._readers):
+        # Readers first: their queued reads are cancelled, so an assembler waiting on them ends at once.
+        for pool in (self._readers, self.assembler):
             if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+                pool.shutdown(join_timeout)
 
     def __del__(self):
         try:
-            if os.getpid() != self._owner_pid:
-                # A forked child (a DataLoader worker of another loader) inherited this object. DALI's
-                # pipeline threads exist only in the parent: destroying the pipeline here waits for
-                # them forever. Keep the child's copy alive instead; the child's exit frees it.
-                _INHERITED.append((self._pipe, self._iter, self._probe_pipe))
-                return
             self.close()
         except Exception:
             pass

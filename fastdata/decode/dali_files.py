@@ -9,14 +9,37 @@ from __future__ import annotations
 
 import io
 import math
+import os
 
 import numpy as np
 
+from ..datasets import ImageFolder
 from ..errors import DecodeError
 from ..transforms import check_pixels, crop_photo, draw_params, exif_orientation, open_image
 
 # What the loader knows about each file, learnt the first time the file is read (see _read_file).
 UNSEEN, OK, NO_HEADER, BROKEN = 0, 1, 2, 3
+
+
+def plain_file_paths(source) -> list | None:
+    """The source's file paths when sample ``i``'s bytes are exactly file ``paths[i]``'s contents, so
+    DALI may read them itself (``fn.io.file.read``); None for any other source (shards, archives, a
+    subclass that transforms the bytes it reads), which keeps reading through ``Source.read_stamped``.
+    Decided by the method that reads the bytes, not by the source's type: an ImageFolder subclass that
+    overrides ``read_stamped`` (decrypting, say) is not plain files."""
+    paths = getattr(source, "paths", None)
+    if paths is None or len(paths) != len(source):
+        return None
+    if getattr(type(source), "read_stamped", None) is not ImageFolder.read_stamped:
+        return None
+    return paths
+
+
+def file_stamp(path) -> int:
+    """A stamp of the file at ``path`` (its size and modification time) without reading it: what the
+    names-only epochs compare to notice a photo replaced in place. OSError when it is gone."""
+    st = os.stat(path)
+    return (st.st_size * 1_000_003 + st.st_mtime_ns) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _pil_opinion(data: bytes, path) -> str:
@@ -148,9 +171,10 @@ class DaliFiles:
         The first time, it also learns the file's size and EXIF orientation from the bytes just read
         (no second open) and, with ``validate``, decodes them once with PIL (``check_pixels``): a file
         that PIL refuses is marked broken for good, so DALI never sees it and the verdict does not
-        depend on which rows a crop decodes. Later epochs only read the bytes, unless the file changed
-        since (its size or modification time, from the open file: no extra path lookup): then it is
-        learnt again, as the torch backend, which reads every header every epoch, would see it (a photo
+        depend on which rows a crop decodes. Later epochs only read the bytes (plain files decoded in
+        DALI: only a stat, DALI reads them), unless the file changed since (its size or modification
+        time, from the open file: no extra path lookup): then it is learnt again, as the torch backend,
+        which reads every header every epoch, would see it (a photo
         replaced in place by one of another size got boxes drawn for the old size: a wrong crop, or a
         box outside the image).
         """
@@ -158,8 +182,18 @@ class DaliFiles:
         if state in (NO_HEADER, BROKEN):
             return None
         path = self.source.sample_name(i)
+        if self._paths is not None and state == OK:
+            # Names only: DALI reads the file. A stat (no read) tells whether it changed since.
+            try:
+                if file_stamp(self._paths[i]) == self._stamps[i]:
+                    return np.frombuffer(os.fsencode(self._paths[i]), np.uint8)
+            except OSError as err:
+                return f"cannot read it now ({err.strerror or err})"
+            state = UNSEEN
         try:
             raw, stamp = self.source.read_stamped(i)   # the source owns the bytes (a file, a shard member)
+            if self._paths is not None:
+                stamp = self._stat(i, path)   # the names-only epochs' stamp (file_stamp)
             if state == OK and self._stamps[i] != stamp:
                 state = UNSEEN
         except DecodeError as err:
@@ -193,8 +227,16 @@ class DaliFiles:
             self._state[i] = verdict  # last: a thread that sees OK/BROKEN also sees the size
             if verdict == BROKEN:
                 return None
+        if self._paths is not None:   # learnt; from now on DALI reads it (the page cache has it now)
+            return np.frombuffer(os.fsencode(self._paths[i]), np.uint8)
         # A read-only view of the bytes: external_source copies them into DALI's own buffer.
         return np.frombuffer(raw, dtype=np.uint8)
+
+    def _stat(self, i: int, path: str) -> int:
+        try:
+            return file_stamp(self._paths[i])
+        except OSError as e:   # gone between the read and the stat: as a failed read
+            raise DecodeError(path, f"cannot read the file ({e.strerror or e})") from None
 
     def _pil_opinion(self, i: int) -> str:
         try:

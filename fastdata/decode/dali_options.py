@@ -1,0 +1,156 @@
+"""The dali backend's own options (validated once, in one frozen object) and the decoder arguments they
+become. The defaults of the GPU decoder's tuning knobs are provisional until a GPU run measures them
+(docs/backends.md says which)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+from ..config import Padding
+
+#: The ``decode`` option's values (see DaliLoader).
+DECODE_CHOICES = ("auto", "host", "dali")
+
+#: ``Augmentation.padding`` → ``fn.slice``'s out_of_bounds_policy for a translation. Not DALI's "reflect":
+#: that one repeats the edge pixel (numpy's "symmetric"); numpy's, torch's and torchvision's "reflect"
+#: does not, which is DALI's "reflect_101".
+SLICE_POLICY = {Padding.CONSTANT: "pad", Padding.REFLECT: "reflect_101", Padding.EDGE: "edge"}
+
+#: ``prefetch_queue_depth`` when none is given: on a GPU, 4 keeps nvJPEG and the kernels a few batches
+#: ahead of a step that varies in length; on the CPU, DALI's threads share the cores with the training
+#: step, and 2 (DALI's own default) hides the jitter already.
+GPU_DEPTH, CPU_DEPTH = 4, 2
+
+#: The share of free GPU memory the prefetched output batches may take before the default depth falls
+#: back to CPU_DEPTH.
+DEPTH_MEMORY_SHARE = 0.125
+
+#: Per-buffer cap of the nvJPEG preallocation hints: ``host_memory_padding`` is two pinned buffers per
+#: thread, so one 8000x6000 panorama must not pin gigabytes.
+MAX_PADDING = 64 << 20
+
+
+def _integer(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class DaliOptions:
+    """The dali backend's options, checked (``DaliLoader`` documents each). ``None`` for
+    ``num_threads``, ``read_threads`` and ``prefetch_queue_depth`` means "derive it" (see ``resolve``)."""
+
+    num_threads: int | None = None
+    prefetch_queue_depth: int | None = None
+    read_threads: int | None = None
+    validate: bool = True
+    decode: str = "auto"
+    hw_decoder_load: float = 0.65
+    preallocate: bool = True
+    fancy_upsampling: bool = True
+    affine: bool = False
+
+    def __post_init__(self):
+        for name in ("num_threads", "prefetch_queue_depth", "read_threads"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name))
+        for name in ("validate", "preallocate", "fancy_upsampling", "affine"):
+            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+        if self.decode not in DECODE_CHOICES:
+            raise ValueError(f"decode must be one of {list(DECODE_CHOICES)}, got {self.decode!r}")
+        load = self.hw_decoder_load
+        if isinstance(load, bool) or not isinstance(load, numbers.Real) or not 0.0 <= float(load) <= 1.0:
+            raise ValueError(f"hw_decoder_load must be a number in [0, 1] (the share of JPEG work nvJPEG's "
+                             f"hardware decoder takes), got {load!r}")
+        object.__setattr__(self, "hw_decoder_load", float(load))
+
+    def resolve(self, num_workers: int, gpu: bool, batch_bytes: int = 0, free_bytes: int | None = None):
+        """The options with every derived value filled in: ``num_threads`` from the usable cores,
+        ``read_threads`` from it, ``prefetch_queue_depth`` from the device (``default_depth``)."""
+        threads = self.num_threads if self.num_threads is not None else max(1, num_workers)
+        depth = self.prefetch_queue_depth
+        if depth is None:
+            depth = default_depth(gpu, batch_bytes, free_bytes)
+        readers = self.read_threads if self.read_threads is not None else threads
+        return dataclasses.replace(self, num_threads=threads, prefetch_queue_depth=depth, read_threads=readers)
+
+
+def default_depth(gpu: bool, batch_bytes: int, free_bytes: int | None) -> int:
+    """GPU_DEPTH batches ahead on a GPU where their outputs (``batch_bytes`` each) fit in
+    DEPTH_MEMORY_SHARE of the free memory (unknown free memory: assumed to fit), else CPU_DEPTH."""
+    if not gpu:
+        return CPU_DEPTH
+    if free_bytes is not None and GPU_DEPTH * batch_bytes > DEPTH_MEMORY_SHARE * free_bytes:
+        return CPU_DEPTH
+    return GPU_DEPTH
+
+
+def files_decoder(gpu: bool) -> tuple[str, dict]:
+    """The photo decoder of the in-pipeline files path (``decode="dali"``): the ``fn.decoders``
+    operator's name and its keyword arguments (besides the inputs, ``output_type`` and the tuning
+    options of ``decoder_tuning``).
+
+    ``"image_slice"`` (the CPU) decodes a window around the crop box, given as (anchor, shape) inputs:
+    libjpeg-turbo never reads the rows below it. ``"image"`` (a GPU) decodes whole photos, and the crop
+    box is then ``fn.resize``'s ROI in the photo's own coordinates. Why not a region decode on the GPU:
+    nvImageCodec 0.9's nvJPEG extension (with nvJPEG 12.x) refuses a region decode with
+    ``jpeg_fancy_upsampling`` for chroma-subsampled JPEGs, nearly every photo ("ROI decode with fancy
+    upsampling may produce wrong results on image edge ... with nvJPEG < 13.2", in libnvjpeg_ext.so),
+    and DALI quietly decodes those on its CPU fallback: the pixels were right and every test passed,
+    but the GPU's decoding speed was gone. Without fancy upsampling nvJPEG's chroma differs from
+    libjpeg-turbo's (PIL, the other backends) by tens of levels along colour edges.
+    """
+    if gpu:
+        return "image", {"device": "mixed", "jpeg_fancy_upsampling": True}
+    # jpeg_fancy_upsampling: DALI 2.4 documents it for the mixed backend only; the CPU decoder
+    # upsamples so already (measured: same pixels, same speed). Kept for symmetry with the GPU.
+    return "image_slice", {"device": "cpu", "axis_names": "HW", "normalized_anchor": False,
+                           "normalized_shape": False, "jpeg_fancy_upsampling": True}
+
+
+def decoder_tuning(opts: DaliOptions, dims: np.ndarray | None) -> dict:
+    """The decoder's tuning arguments from the options (DALI 2.4's ``fn.decoders.image`` schema; the
+    CPU decoder accepts and ignores the mixed-only ones). ``dims``: (height, width) of the photos known
+    when the pipeline is built, for ``preallocate``'s hints (none known: DALI's defaults)."""
+    kw = {"hw_decoder_load": opts.hw_decoder_load, "affine": opts.affine,
+          "jpeg_fancy_upsampling": opts.fancy_upsampling}
+    if opts.preallocate:
+        kw.update(nvjpeg_hints(dims))
+    return kw
+
+
+def nvjpeg_hints(dims: np.ndarray | None) -> dict:
+    """nvJPEG's buffer sizes from the largest known photo, so that it does not reallocate mid-epoch.
+
+    ``device_memory_padding`` (one device buffer per thread) and ``host_memory_padding`` (two pinned
+    host buffers per thread) hold a decoded photo (3 bytes a pixel; the host side's Huffman output for
+    4:2:0 is 1.5 coefficients of 2 bytes a pixel, the same), rounded up to a MiB and capped at
+    MAX_PADDING; ``preallocate_{height,width}_hint`` size the hardware decoder's buffers. Below DALI's
+    defaults (16/8 MiB), the defaults are kept: they cost little and cover a photo read later.
+    """
+    if dims is None or not len(dims):
+        return {}
+    height, width = int(dims[:, 0].max()), int(dims[:, 1].max())
+    need = min(MAX_PADDING, math.ceil(3 * height * width / (1 << 20)) << 20)
+    return {"preallocate_height_hint": height, "preallocate_width_hint": width,
+            "device_memory_padding": max(16 << 20, need), "host_memory_padding": max(8 << 20, need)}
+
+
+def slice_has_policy(policy: str) -> bool:
+    """Whether the installed DALI's ``fn.slice`` knows ``out_of_bounds_policy=policy``. "edge" and
+    "reflect_101" came with DALI's slice border modes (2.4 has them); older releases know only
+    error/pad/trim_to_shape and would refuse the pipeline. Read from the operator's schema, which lists
+    the values it parses."""
+    from nvidia.dali import backend
+
+    return f'"{policy}"' in backend.GetSchema("Slice").GetArgumentDox("out_of_bounds_policy")
