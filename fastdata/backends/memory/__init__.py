@@ -20,8 +20,9 @@ of a padded image is then a gather, whatever the padding.
 
 The random parameters are drawn on the host with the same numpy code and per-batch seed as the torch
 backend, so for arrays the two backends produce identical batches. They are drawn for the whole epoch
-when it starts and uploaded once (see MemoryLoader.prepare_epoch): a batch costs no host→device copy
-and no host sync.
+while the previous epoch runs (on a thread) and uploaded once when it starts (see
+MemoryLoader.prepare_epoch and epochs.py): a batch costs one gather (its samples' shifts folded into
+the gather's index), no host→device copy and no host sync.
 
 Building a photo cache (``cache_build``): threads decode with PIL straight into the cache's rows
 ("threads", the CPU default: PIL's decode and resize release the GIL, and threads need no worker start-up
@@ -41,9 +42,9 @@ full copy. Undecodable files are exchanged first, so every rank keeps the same o
 raises, naming the file. Arrays are not decoded: each rank's cache is its own array, as before.
 """
 # The package's rooms: budgeting.py (what a cache needs and what the device gives it), cache.py (building
-# it), node.py (one cache per node), loader.py (the loader, its epochs, the device recipe); the
-# whole-photo decoders are the decode layer's (fastdata.decode.whole). The names below are what other
-# modules, the benchmarks and the tests read from ``fastdata.backends.memory``.
+# it), node.py (one cache per node), loader.py (the loader and the device recipe), epochs.py (an epoch's
+# tensors, drawn ahead); the whole-photo decoders are the decode layer's (fastdata.decode.whole). The
+# names below are what other modules, the benchmarks and the tests read from ``fastdata.backends.memory``.
 from ...decode.whole import (
     MAX_CUDA_SHRINK,
     NvWholeDecoder,

@@ -4,7 +4,6 @@ within a node by ``node.py``."""
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,19 +30,8 @@ from .budgeting import (
     uses_ready,
 )
 from .cache import CacheBuild, chunks, pad_images
+from .epochs import DrawAhead, Draws, Epoch, grid_lines, starts, window
 from .node import NodeCache
-
-
-class _Epoch(NamedTuple):
-    """One epoch's sample ids and augmentation parameters, on the device, for slicing per batch."""
-
-    bounds: list            # (start, end) of each batch in the flat tensors below
-    ids: torch.Tensor       # int64 (samples,)
-    off: torch.Tensor | None    # int64 (samples, 2) translation offsets
-    flip: torch.Tensor | None   # bool (samples,)
-    lin: torch.Tensor | None    # float32 (samples, 6) resized crops: see MemoryLoader._sampling
-    exact: list             # per batch: (top, left) when its crop is an exact slice, else None
-    pinned: tuple           # the pinned host buffers, alive until the epoch ends (see prepare_epoch)
 
 
 class MemoryLoader(CacheBuild, NodeCache, Loader):
@@ -122,7 +110,11 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         super().__init__(source, config, **options)
         self.cache_size = check_cache_size(self.opts["cache_size"])   # before anything is decoded
         self.footprint = 0          # bytes this loader holds on its device (for the shared budget)
-        self.cache = self.ready = self._shifted = None
+        self.cache = self.ready = None
+        # The cache (or the ready copy) viewed so that a batch is one gather of its samples' first
+        # elements (epochs.window), and the element strides of a sample, a row and a column in it.
+        self._window = self._strides = None
+        self._ahead = DrawAhead()   # the next epoch's augmentation draws, made while this one runs
         self._scratch = None        # CPU: resized crops' float input, reused batch to batch (_float_slots)
         #: The /dev/shm file a node's shared host cache was made in (already unlinked: the ranks'
         #: mappings hold the memory until the last one closes); None for a cache of this process only.
@@ -169,25 +161,24 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             self.ready = self._build_ready(cache)
             self.footprint = self._owned_bytes()
             return
+        n, h, w, c = cache.shape
         if p:
             # Pad the cache once (zeros, reflection or edge, as the recipe says): then gathering a
-            # batch, padding it and cropping each sample at its offset is a single `take` of
-            # precomputed flat indices (measured on the CPU: ~3x faster than a gather, a pad and an
-            # advanced-indexing crop per batch). The padded tensor is allocated on the device and
-            # filled chunk by chunk: no second full copy.
-            n, h, w, c = cache.shape
-            hp, wp = h + 2 * p, w + 2 * p
-            dev = self.device
-            padded = torch.empty((n, hp, wp, c), dtype=torch.uint8, device=dev)
-            for a, b in chunks(n, hp * wp * c):
-                padded[a:b] = pad_images(cache[a:b].to(dev), p, aug.padding)
+            # batch, padding it and cropping each sample at its offset is one gather from the window
+            # below, each sample's shift folded into its start (measured on the CPU: ~3x faster than
+            # a gather, a pad and an advanced-indexing crop per batch). The padded tensor is
+            # allocated on the device and filled chunk by chunk: no second full copy.
+            padded = torch.empty((n, h + 2 * p, w + 2 * p, c), dtype=torch.uint8, device=self.device)
+            for a, b in chunks(n, (h + 2 * p) * (w + 2 * p) * c):
+                padded[a:b] = pad_images(cache[a:b].to(self.device), p, aug.padding)
             self.cache = padded
-            self._pixel = ((torch.arange(h, device=dev) * wp * c)[:, None, None]
-                           + (torch.arange(w, device=dev) * c)[None, :, None]
-                           + torch.arange(c, device=dev)[None, None, :])[None]      # (1, h, w, c)
-            self._strides = (hp * wp * c, wp * c, c)
         else:
             self.cache = cache.to(self.device)
+        if not aug.crop.resamples or self._applied:
+            # Shifts, flips or nothing: every batch is (n, h, w, c) blocks of the cache.
+            s_n, s_row, s_col, s_ch = self.cache.stride()
+            self._window = window(self.cache, (h, w, c), (s_row, s_col, s_ch))
+            self._strides = (s_n, s_row, s_col)
         self.footprint = self._owned_bytes()
         if self.kept is not None and len(self.kept) != len(source):
             # on_error="skip" dropped files at cache time: the epoch covers the decodable ones.
@@ -200,7 +191,7 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         """Bytes of the tensors this loader allocated (an array source shared on the CPU is not one)."""
         shared = self.source.images.ctypes.data if self.source.kind is SourceKind.ARRAY else None
         seen, total = set(), 0
-        for t in (self.cache, self.ready, self.labels, getattr(self, "_pixel", None)):
+        for t in (self.cache, self.ready, self.labels):
             if t is None:
                 continue
             st = t.untyped_storage()
@@ -220,10 +211,11 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         for a, b in chunks(n, (h + 2 * p) * (w + 2 * p) * c * 4):  # bounded temporaries
             part = cache[a:b].to(self.device)
             ready[a:b] = self.normalize(pad_images(part, p, aug.padding) if p else part)
-        if p:
-            sn, sc, sh, sw = ready.stride()
-            # view[i, dy, dx] is sample i shifted by (dy - p, dx - p): no copy until the gather.
-            self._shifted = ready.as_strided((n, 2 * p + 1, 2 * p + 1, c, h, w), (sn, sh, sw, sc, sh, sw))
+        # Row id * sn + dy * sh + dx * sw of the window is sample id shifted by (dy - p, dx - p), in
+        # the ready tensor's own layout (contiguous or channels-last): no copy until the gather.
+        sn, sc, sh, sw = ready.stride()
+        self._window = window(ready, (c, h, w), (sc, sh, sw))
+        self._strides = (sn, sh, sw)
         return ready
 
     # Files per decoding job; the host holds at most a few of these at a time (see _decode_into).
@@ -237,24 +229,49 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
     # ------------------------------------------------------------------ epochs
     def _epoch(self, epoch, batches, start):
         ep = self.prepare_epoch(epoch, batches, start)
-        for k in range(len(ep.bounds)):
-            yield self.batch(ep, k)
+        # The next epoch's draws, on a thread while this one runs (see epochs.py). A set_epoch or a
+        # resume in between makes them unused, not wrong (Draws.matches).
+        nxt = epoch + 1
+        self._ahead.start((nxt, 0), lambda: self.draw_epoch(nxt, self.plan.batches_from(nxt, 0), 0))
+        if ep.starts is None:
+            for k, (a, b) in enumerate(ep.bounds):
+                yield self._resized_crops(ep.ids[a:b], ep.grid, a, b, ep.exact[k]), ep.labels[a:b]
+            return
+        # Per batch: two slices and one gather (two more kernels with flips, plus the normalization
+        # of a uint8 cache); everything else was done for the whole epoch in prepare_epoch.
+        rows, labels, flip, view = ep.starts, ep.labels, ep.flip, self._window
+        ready = self.ready is not None
+        width = 3 if ready else 2           # (n, c, h, w) ready floats, (n, h, w, c) uint8
+        layout = torch.channels_last if ready and self.config.channels_last else None
+        for a, b in ep.bounds:
+            x = view[rows[a:b]]
+            if flip is not None:
+                x = torch.where(flip[a:b, None, None, None], x.flip(width), x)
+            if not ready:
+                x = self.normalize(x)
+            elif layout is not None:
+                x = x.contiguous(memory_format=layout)   # a no-op: the gather keeps the cache's layout
+            yield x, labels[a:b]
 
-    def prepare_epoch(self, epoch: int, batches: list, start: int) -> _Epoch:
-        """Every batch's ids and augmentation parameters for the epoch, uploaded once.
+    def prepare_epoch(self, epoch: int, batches: list, start: int) -> Epoch:
+        """Every batch's ids and augmentation parameters for the epoch, on the device (see epochs.py).
 
-        Why: they depend only on (seed, epoch, batch), and a per-batch ``torch.from_numpy(...).to(cuda)``
-        copies pageable memory, which blocks the host until the training stream reaches the copy: Python
-        and the kernel launches of the next step would stop overlapping the GPU every batch. Here the
-        epoch's parameters go up in one pinned, non_blocking copy per kind, and a batch is slices and
-        device ops only. The draws are the torch backend's (same per-batch rng, same order), so the
-        batches stay bit-identical to it for digits.
+        Why once per epoch: they depend only on (seed, epoch, batch), and a per-batch
+        ``torch.from_numpy(...).to(cuda)`` copies pageable memory, which blocks the host until the
+        training stream reaches the copy: Python and the kernel launches of the next step would stop
+        overlapping the GPU every batch. The draws are the torch backend's (same per-batch rng, same
+        order), so the batches stay bit-identical to it for digits.
         """
+        draws = self._ahead.take((epoch, start), batches) or self.draw_epoch(epoch, batches, start)
+        return self.upload(draws)
+
+    def draw_epoch(self, epoch: int, batches: list, start: int) -> Draws:
+        """The epoch's host side: each batch's draws (``draw_params``, the torch backend's), flat,
+        pinned on CUDA. Pure: it reads the loader's recipe and sizes only, so a thread may run it."""
         aug = self.augment
         bounds, ids, offs, flips, lins, exact = [], [], [], [], [], []
         pos = 0
-        # Shifted copies or the evaluation recipe already applied: offsets and flips only.
-        simple = self.ready is not None or not aug.crop.resamples or self._applied
+        simple = self._window is not None   # shifts and flips only (see __init__)
         size = self.cache.shape[1:3] if self.cache is not None else self.ready.shape[2:]
         for k, b in enumerate(batches):
             n = len(b)
@@ -274,62 +291,40 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             bounds.append((pos, pos + n))
             ids.append(b)
             pos += n
-        pinned = []
 
-        def upload(parts, dtype, shape):
+        def host(parts, dtype, shape):
             arr = np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(shape, dtype)
             t = torch.from_numpy(np.ascontiguousarray(arr))
             if self.device.type != "cuda":
                 return t
-            # Pinned, so the copy is a DMA that runs on the current stream without blocking the host.
-            # The caching host allocator would keep the buffer until the copy's event completes even if
-            # it were freed; holding it for the epoch makes that independent of allocator details.
+            # Pinned, so the upload is a DMA that runs on the current stream without blocking the host.
             with torch.cuda.device(self.device):   # the pinning context is the loader's GPU, not cuda:0
-                t = t.pin_memory()
-            pinned.append(t)
-            return t.to(self.device, non_blocking=True)
+                return t.pin_memory()
 
-        return _Epoch(
-            bounds=bounds,
-            ids=upload(ids, np.int64, (0,)),
-            off=upload(offs, np.int64, (0, 2)) if simple and aug.crop is Crop.TRANSLATE else None,
-            flip=upload(flips, np.bool_, (0,)) if simple and aug.hflip > 0 else None,
-            lin=None if simple else upload(lins, np.float32, (0, 6)),
-            exact=exact, pinned=tuple(pinned))
+        return Draws(
+            key=(epoch, start), bounds=bounds, ids=host(ids, np.int64, (0,)),
+            off=host(offs, np.int64, (0, 2)) if simple and aug.crop is Crop.TRANSLATE else None,
+            flip=host(flips, np.bool_, (0,)) if simple and aug.hflip > 0 else None,
+            lin=None if simple else host(lins, np.float32, (0, 6)), exact=exact)
 
-    def batch(self, ep: _Epoch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch ``k`` of a prepared epoch: slices of its tensors and device ops, no host→device copy."""
-        a, b = ep.bounds[k]
-        idx = ep.ids[a:b]
-        off = ep.off[a:b] if ep.off is not None else None
-        flip = ep.flip[a:b] if ep.flip is not None else None
-        if self.ready is not None:
-            images = self._from_ready(idx, off, flip)
-        elif not self.augment.crop.resamples or self._applied:
-            images = self._from_uint8(idx, off, flip)
-        else:
-            images = self._resized_crops(idx, ep.lin[a:b], ep.exact[k])
-        return images, self.labels[idx]
+    def upload(self, draws: Draws) -> Epoch:
+        """The draws on the device, and what the batches slice: each sample's start in the cache's
+        window, the epoch's labels in order, the crops' sampling lines. One pinned non_blocking copy
+        per kind and a few kernels, once per epoch.
 
-    def _from_uint8(self, idx, off, flip) -> torch.Tensor:
-        """uint8 cache → normalized float (N, C, h, w): translate and/or flip."""
-        if off is not None:
-            s_img, s_row, s_col = self._strides
-            start = idx * s_img + off[:, 0] * s_row + off[:, 1] * s_col
-            x = self.cache.view(-1).take(start[:, None, None, None] + self._pixel)
-        else:
-            x = self.cache[idx]
-        if flip is not None:
-            x = torch.where(flip[:, None, None, None], x.flip(2), x)
-        return self.normalize(x)
+        The pinned buffers are kept with the epoch: the caching host allocator would keep a buffer
+        until its copy's event completes even if it were freed; holding it for the epoch makes that
+        independent of allocator details."""
+        def up(t):
+            return None if t is None else t.to(self.device, non_blocking=True)
 
-    def _from_ready(self, idx, off, flip) -> torch.Tensor:
-        x = self._shifted[idx, off[:, 0], off[:, 1]] if off is not None else self.ready[idx]
-        if flip is not None:
-            x = torch.where(flip[:, None, None, None], x.flip(3), x)
-        if self.config.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x
+        ids, lin = up(draws.ids), up(draws.lin)
+        rows = starts(ids, up(draws.off), self._strides) if self._window is not None else None
+        grid = grid_lines(lin, self._steps, *self.cache.shape[1:3]) if lin is not None else None
+        pinned = tuple(t for t in (draws.ids, draws.off, draws.flip, draws.lin)
+                       if t is not None and self.device.type == "cuda")
+        return Epoch(bounds=draws.bounds, ids=ids, starts=rows, labels=self.labels[ids], flip=up(draws.flip),
+                     lin=lin, grid=grid, exact=draws.exact, pinned=pinned)
 
     def _sampling(self, params, ids) -> tuple[np.ndarray, tuple[int, int] | None]:
         """One batch's resized crops as sampling lines in cache pixels, and the exact crop, if any.
@@ -366,13 +361,13 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         lin[:, 5] = cached[:, 1] - 1
         return lin.astype(np.float32), exact
 
-    def _resized_crops(self, idx, lin, exact) -> torch.Tensor:
+    def _resized_crops(self, idx, grid, a: int, b: int, exact) -> torch.Tensor:
         """Per-sample boxes cropped and resized in one bilinear grid_sample (or the exact slice).
 
-        The sampling points are clamped to each sample's own pixels before they are normalized over
-        the whole slot: a photo's slot is zero beyond its (h, w), and grid_sample's border clamp would
-        reach it. (Four uint8 gathers per output pixel instead of a float copy of every slot measured
-        2-4x slower on the CPU: torch's CPU gathers are not vectorized; grid_sample is.)
+        ``grid``: the epoch's sampling lines (epochs.grid_lines), clamped to each sample's own pixels;
+        samples ``a:b`` are this batch's. (Four uint8 gathers per output pixel instead of a float copy
+        of every slot measured 2-4x slower on the CPU: torch's CPU gathers are not vectorized;
+        grid_sample is.)
         """
         size = self.augment.size
         if exact is not None:
@@ -380,12 +375,8 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             return self.normalize(self.cache[idx, t:t + size, l:l + size])
         if idx.shape[0] == 0:  # an empty share (drop_last=False, more ranks than samples left)
             return self.normalize(self.cache.new_empty((0, size, size, self.cache.shape[3])))
-        n, (hs, ws) = idx.shape[0], self.cache.shape[1:3]
-        u = self._steps
-        ys = torch.minimum((lin[:, 0:1] + lin[:, 1:2] * u).clamp_(min=0), lin[:, 4:5])   # (n, size)
-        xs = torch.minimum((lin[:, 2:3] + lin[:, 3:4] * u).clamp_(min=0), lin[:, 5:6])
-        # Pixel centres → grid_sample's coordinates (align_corners=False: the slot's edges at ±1).
-        gy, gx = (ys + 0.5) * (2 / hs) - 1, (xs + 0.5) * (2 / ws) - 1
+        n = idx.shape[0]
+        gy, gx = grid[0][a:b], grid[1][a:b]
         grid = torch.stack((gx[:, None, :].expand(n, size, size), gy[:, :, None].expand(n, size, size)), -1)
         out = F.grid_sample(self._float_slots(idx), grid, mode="bilinear", padding_mode="border", align_corners=False)
         return self.normalizer.floats(out, inplace=True)   # grid_sample's output is ours alone
@@ -410,6 +401,7 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         return x.permute(0, 3, 1, 2)
 
     def close(self):
-        self.cache = self.ready = self._shifted = self._pixel = self._sizes = self._scratch = None
+        self.cache = self.ready = self._window = self._sizes = self._scratch = None
+        self._ahead.cancel()
         self.footprint = 0
         LIVE.discard(self)

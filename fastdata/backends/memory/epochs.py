@@ -1,0 +1,152 @@
+"""An epoch of the memory backend as a few device tensors, so that a batch is a slice and one gather.
+
+Why this shape: a batch of the memory backend should cost what gathering ready float batches costs
+(the benchmark's limit for digits; docs/backends.md has the figures). It used to slice the epoch's ids
+and offsets, gather the images with a three-tensor advanced index into a 6-D view and gather the labels
+with a second index: two gathers and an index parse of four tensors per batch (ten kernels for a uint8
+cache), host work that the training step waits for. Now everything that depends on the sample but not on the
+batch is computed once per epoch, on the device, in a handful of kernels:
+
+- ``starts``: each sample's first element in the cache's storage, its shift included
+  (``id * s_n + dy * s_row + dx * s_col``). The cache is viewed through ``window``: a view whose row
+  ``s`` is the sample-shaped block starting at element ``s``. A batch is then ``window[starts[a:b]]``:
+  ONE gather kernel, the same op as indexing ready float batches, with the shift folded into the
+  index instead of a second and third index tensor (or, for the uint8 cache, instead of an int64 index
+  of every pixel, 8x the batch's bytes, built per batch).
+- ``labels``: the epoch's labels in its order; a batch's are a slice (no kernel).
+- resampled crops: each sample's sampling lines (``grid_lines``), so a batch builds its grid in one
+  stack instead of eight small ops.
+
+No per-batch host sync either: no ``.item()``, ``.tolist()``, ``nonzero()`` or mask indexing (each waits
+for the GPU), and nothing copied from the host per batch.
+
+The host part of an epoch (each batch's augmentation draws: a numpy generator per batch, seeded from
+``(seed, epoch, batch)`` as every backend draws them: tens of microseconds a batch, so milliseconds an
+epoch) is made for the NEXT epoch on a thread while this one runs (``DrawAhead``), so that the
+first batch of an epoch does not wait for it. The thread holds the GIL only for numpy's small calls and
+gets it while the training thread is in torch's C++ (every op, and the whole backward, release it); at
+worst it takes that time from the training thread, as drawing in ``next()`` did.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+
+class Draws(NamedTuple):
+    """One epoch's host side: sample ids and augmentation parameters (pinned on CUDA), and what they are for."""
+
+    key: tuple              # (epoch, first batch number)
+    bounds: list            # (start, end) of each batch in the flat arrays below
+    ids: torch.Tensor       # int64 (samples,)
+    off: torch.Tensor | None    # int64 (samples, 2) translation offsets
+    flip: torch.Tensor | None   # bool (samples,)
+    lin: torch.Tensor | None    # float32 (samples, 6) resized crops: see MemoryLoader._sampling
+    exact: list             # per batch: (top, left) when its crop is an exact slice, else None
+
+    def matches(self, key: tuple, batches: list) -> bool:
+        """Whether these draws are those of ``batches`` as epoch ``key`` reads them (a set_epoch or a
+        resume in between changes which batches an epoch reads: then they are drawn again)."""
+        if key != self.key or len(batches) != len(self.bounds):
+            return False
+        if any(len(b) != e - s for b, (s, e) in zip(batches, self.bounds)):
+            return False
+        ids = self.ids.numpy()
+        return all(np.array_equal(b, ids[s:e]) for b, (s, e) in zip(batches, self.bounds))
+
+
+class Epoch(NamedTuple):
+    """One epoch's device side, sliced per batch."""
+
+    bounds: list            # (start, end) of each batch in the flat tensors below
+    ids: torch.Tensor       # int64 (samples,)
+    starts: torch.Tensor | None     # int64 (samples,): rows of the cache's ``window`` (None: resampled crops)
+    labels: torch.Tensor    # the samples' labels, in the epoch's order
+    flip: torch.Tensor | None       # bool (samples,)
+    lin: torch.Tensor | None        # float32 (samples, 6) resized crops: see MemoryLoader._sampling
+    grid: tuple | None      # (gy, gx) float32 (samples, size) each: the crops' sampling lines
+    exact: list             # per batch: (top, left) when its crop is an exact slice, else None
+    pinned: tuple           # the pinned host buffers, alive until the epoch ends (see MemoryLoader.upload)
+
+
+def window(t: torch.Tensor, dims: tuple, strides: tuple) -> torch.Tensor:
+    """``t`` viewed as ``(L, *dims)``, row ``s`` being the block of shape ``dims`` and element strides
+    ``strides`` that starts ``s`` elements into ``t``: ``window(t, ...)[starts]`` gathers arbitrary
+    blocks (a sample, shifted) in one indexing kernel. ``L`` is as many rows as the storage holds
+    whole blocks for, so any start inside the cache is valid (and the view never reads past it).
+    Rows overlap; the view is only read."""
+    extent = sum((d - 1) * s for d, s in zip(dims, strides))
+    rows = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset() - extent
+    return t.as_strided((max(rows, 0), *dims), (1, *strides), t.storage_offset())
+
+
+def starts(ids: torch.Tensor, off: torch.Tensor | None, strides: tuple) -> torch.Tensor:
+    """Each sample's first element in the cache: ``id * s_n`` plus its shift (offsets (dy, dx) in rows
+    and columns of the padded cache). A few kernels per epoch, none per batch."""
+    s_n, s_row, s_col = strides
+    out = ids * s_n
+    if off is not None:
+        out += off[:, 0] * s_row + off[:, 1] * s_col
+    return out
+
+
+def grid_lines(lin: torch.Tensor, steps: torch.Tensor, hs: int, ws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The resized crops' sampling lines for every sample of an epoch, in grid_sample's coordinates.
+
+    ``lin`` rows ``(ay, by, ax, bx, ymax, xmax)`` (see MemoryLoader._sampling): output row i samples cache
+    row ``ay + by * i``, clamped to the sample's own pixels (a photo's slot is zero beyond its (h, w),
+    and grid_sample's border clamp would reach it). Elementwise, so computing them for the epoch gives
+    the bits a batch at a time gave.
+    """
+    ys = torch.minimum((lin[:, 0:1] + lin[:, 1:2] * steps).clamp_(min=0), lin[:, 4:5])   # (n, size)
+    xs = torch.minimum((lin[:, 2:3] + lin[:, 3:4] * steps).clamp_(min=0), lin[:, 5:6])
+    # Pixel centres → grid_sample's coordinates (align_corners=False: the slot's edges at ±1).
+    return (ys + 0.5) * (2 / hs) - 1, (xs + 0.5) * (2 / ws) - 1
+
+
+class DrawAhead:
+    """One epoch's ``Draws`` made on a thread ahead of time, at most one at a time.
+
+    ``start(key, make)`` runs ``make()`` on a daemon thread unless draws for ``key`` are already made
+    or being made; ``take(key, batches)`` returns them when they are ``batches``' (waiting for the
+    thread if it is still drawing), else None: the caller draws in place. A failure on the thread is
+    not raised there: the caller draws again and meets it where it can be raised.
+    """
+
+    def __init__(self):
+        self._key = None
+        self._thread: threading.Thread | None = None
+        self._result: list = []
+
+    def start(self, key: tuple, make: Callable[[], Draws]) -> None:
+        """Run ``make()`` on a thread for ``key``, unless that is already made or being made."""
+        if self._key == key:
+            return
+        self.cancel()
+        result: list = []
+
+        def run():
+            try:
+                result.append(make())
+            except BaseException:   # noqa: BLE001 (drawn again, and raised, by the epoch that needs it)
+                pass
+
+        self._key, self._result = key, result
+        self._thread = threading.Thread(target=run, name="fastdata-memory-draws", daemon=True)
+        self._thread.start()
+
+    def take(self, key: tuple, batches: list) -> Draws | None:
+        """The draws made for ``key`` if they are ``batches``' (after the thread ends), else None."""
+        if self._key != key:
+            return None
+        self._thread.join()
+        made = self._result[0] if self._result else None
+        self._key, self._thread, self._result = None, None, []
+        return made if made is not None and made.matches(key, batches) else None
+
+    def cancel(self) -> None:
+        """Forget the slot (its thread, if running, ends on its own: it only draws numbers)."""
+        self._key, self._thread, self._result = None, None, []
