@@ -571,7 +571,7 @@ def _record_graph_ops(monkeypatch):
     import nvidia.dali.fn as fn
 
     called = []
-    for holder, name in ((fn.decoders, "image_slice"), (fn.decoders, "image"), (fn, "resize")):
+    for holder, name in ((fn.decoders, "image_slice"), (fn.decoders, "image"), (fn, "resize"), (fn.io.file, "read")):
         real = getattr(holder, name)
 
         def wrapper(*a, _real=real, _name=name, **kw):
@@ -617,12 +617,12 @@ def test_dali_decode_keeps_the_region_decoder_in_the_pipeline(photo_folder, monk
     assert not loader.host_decode
     assert sum(len(y) for _, y in loader) == 18
     names = [n for n, _ in called]
-    assert names == ["image_slice", "resize"]
-    kw = dict(called[0][1])
+    assert names == ["read", "image_slice", "resize"]   # plain files: DALI reads them (fn.io.file.read)
+    kw = dict(called[1][1])
     assert kw["device"] == "cpu" and kw["axis_names"] == "HW"
     # DALI applies jpeg_fancy_upsampling to nvJPEG only; on the CPU libjpeg-turbo always upsamples so.
     assert kw["jpeg_fancy_upsampling"] is True
-    assert called[1][1]["antialias"] is True
+    assert called[2][1]["antialias"] is True
 
 
 def test_a_gpu_decodes_whole_photos_with_nvjpeg_and_crops_in_the_resize():
@@ -652,7 +652,7 @@ def test_whole_photo_decode_crops_the_same_pixels_as_the_window_decode(photo_fol
     monkeypatch.setattr(dali_mod, "files_decoder", lambda gpu: (whole_op, {**whole_kw, "device": "cpu"}))
     called = _record_graph_ops(monkeypatch)
     whole = torch.cat([x for x, _ in dali(src, **kw)])
-    assert [n for n, _ in called] == ["image", "resize"] and called[0][1]["device"] == "cpu"
+    assert [n for n, _ in called] == ["read", "image", "resize"] and called[1][1]["device"] == "cpu"
     levels = ((whole - window) * torch.tensor(src.std).view(1, 3, 1, 1) * 255).abs()
     assert whole.shape == window.shape == (18, 3, 224, 224)
     assert levels.max() <= 1.01 and levels.mean() < 0.05, (levels.max(), levels.mean())
@@ -888,10 +888,12 @@ def test_a_failed_epochs_pipeline_is_freed_at_once_not_by_the_cyclic_gc(tmp_path
     assert max(counts) <= counts[0] + 2, counts
 
 
-def test_a_photo_replaced_in_place_between_epochs_is_read_again(tmp_path):
+@pytest.mark.parametrize("decode", ["host", "dali"])
+def test_a_photo_replaced_in_place_between_epochs_is_read_again(tmp_path, decode):
     """dali kept each file's size from its first read: a photo replaced by one of another size got its
     boxes drawn for the old size (a wrong crop, or a box outside the image). Now the next epoch equals
-    a fresh loader's, as the torch backend's does."""
+    a fresh loader's, as the torch backend's does; decoded in DALI, which reads the files itself after
+    their first epoch, a stat tells the change."""
     import os
 
     from PIL import Image
@@ -902,7 +904,8 @@ def test_a_photo_replaced_in_place_between_epochs_is_read_again(tmp_path):
     aug = Augmentation.imagenet_train(size=32)
 
     def loader():
-        return make_loader(ImageFolder(root), "dali", batch_size=4, num_workers=2, device="cpu", augment=aug, seed=3)
+        return make_loader(ImageFolder(root), "dali", batch_size=4, num_workers=2, device="cpu", augment=aug, seed=3,
+                           decode=decode)
 
     used = loader()
     for _ in used:
@@ -1070,3 +1073,62 @@ def test_a_stream_is_rebuilt_only_where_the_position_jumps(monkeypatch, photo_fo
     loader.set_epoch(8)                      # exactly where the stream is: no rebuild
     list(loader)
     assert len(builds) == 6
+
+
+# ------------------------------------------------------------------- files read by DALI, not by Python
+def _count_reads(monkeypatch):
+    """Count the bytes read in Python: ImageFolder.read_stamped reads through folders.read_file."""
+    import fastdata.datasets.folders as folders
+
+    reads = []
+    real = folders.read_file
+
+    def counting(path):
+        reads.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(folders, "read_file", counting)
+    return reads
+
+
+def test_plain_files_decoded_in_dali_are_read_by_dali_after_their_first_epoch(photo_folder, monkeypatch):
+    """decode="dali" read every file in Python every epoch (a read and a copy per sample on the
+    training host's cores). Now only the first epoch does (each file's size, EXIF and integrity); later
+    epochs feed the names to fn.io.file.read. The pixels stay the byte path's."""
+    from fastdata.datasets import ImageFolder as Folder
+
+    class CopyFolder(Folder):
+        """Not plain files to DALI: its bytes come through its own read_stamped (here, unchanged)."""
+
+        def read_stamped(self, i):
+            return super().read_stamped(i)
+
+    reads = _count_reads(monkeypatch)
+    called = _record_graph_ops(monkeypatch)
+    kw = dict(batch_size=4, train=True, seed=2, decode="dali", augment=Augmentation.imagenet_train(size=48))
+    by_name = dali(ImageFolder(photo_folder), **kw)
+    epochs = [torch.cat([x for x, _ in by_name]) for _ in range(3)]
+    assert sorted(reads) == sorted(map(str, ImageFolder(photo_folder).paths))   # once each, in 3 epochs
+    assert [n for n, _ in called] == ["read", "image_slice", "resize"]
+    reads.clear()
+    called.clear()
+    by_bytes = dali(CopyFolder(photo_folder), **kw)
+    for want in epochs:
+        assert torch.equal(torch.cat([x for x, _ in by_bytes]), want)
+    assert len(reads) >= 3 * 18 and [n for n, _ in called] == ["image_slice", "resize"]
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_file_gone_after_its_first_epoch_is_named_or_skipped(tmp_path, photo_folder, on_error):
+    root = tmp_path / "photos"
+    shutil.copytree(photo_folder, root)
+    loader = dali(ImageFolder(root), batch_size=4, train=False, decode="dali", on_error=on_error)
+    assert sum(len(y) for _, y in loader) == 18
+    gone = root / "class_001" / "img_00003.jpg"
+    gone.unlink()
+    if on_error == "raise":
+        with pytest.raises(DecodeError, match=gone.name):
+            list(loader)
+    else:
+        with pytest.warns(RuntimeWarning, match="skipped 1"):
+            assert sum(len(y) for _, y in loader) == 17

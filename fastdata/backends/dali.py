@@ -100,7 +100,7 @@ from ..config import Crop, Padding
 from ..datasets import SourceKind
 from ..decode.dali_errors import dali_reason, free_frames, is_dali_failure
 from ..decode.dali_feed import Feeder, WorkerPool, stream
-from ..decode.dali_files import BROKEN, OK, DaliFiles, plain_file_paths
+from ..decode.dali_files import BROKEN, OK, UNSEEN, DaliFiles, plain_file_paths
 from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, the option's values)
     DECODE_CHOICES,
     SLICE_POLICY,
@@ -270,7 +270,9 @@ class DaliLoader(DaliFiles, Loader):
                     dtype=[types.UINT8, types.INT64] + [types.INT32, types.INT32] * windowed
                     + [types.FLOAT, types.FLOAT, types.INT32])
                 if self._paths is not None:   # file names: DALI reads the bytes in its C++ threads
-                    enc = fn.io.file.read(enc)
+                    # Read, not mmap: a file truncated while mapped (rewritten in place) is a SIGBUS
+                    # that kills the process; a read of it is an error the loader handles.
+                    enc = fn.io.file.read(enc, dont_use_mmap=True)
                 img = getattr(fn.decoders, op)(enc, *windows, output_type=types.RGB,
                                                **{**kwargs, **decoder_tuning(opts, known)})
                 img = fn.resize(img, size=[aug.size, aug.size], roi_start=roi_start, roi_end=roi_end,
@@ -360,6 +362,7 @@ class DaliLoader(DaliFiles, Loader):
     def _epoch(self, epoch, batches, start):
         total = len(batches)
         pos = 0  # batches handed out
+        retried = -1   # the position last fed again after a failure no single file explains
         if total and not self._continues(epoch, batches, start):
             self._restart(epoch, batches, start)
         while pos < total:
@@ -383,7 +386,9 @@ class DaliLoader(DaliFiles, Loader):
                 if not is_dali_failure(e):
                     raise
                 free_frames(e)
-                self._handle_decode_failure(e, fed)  # raises, or marks the files bad and feeds again
+                # Raises, or marks the files bad (or to be learnt again) and feeds the batch again.
+                self._handle_decode_failure(e, fed, again=retried != pos)
+                retried = pos
                 self._restart(epoch, batches[pos:], start + pos)
 
     def _continues(self, epoch: int, batches: list, start: int) -> bool:
@@ -428,8 +433,17 @@ class DaliLoader(DaliFiles, Loader):
         return images.contiguous(memory_format=memory), torch.empty(0, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ decode errors
-    def _handle_decode_failure(self, e: BaseException, candidates: list[int]) -> None:
+    def _handle_decode_failure(self, e: BaseException, candidates: list[int], again: bool) -> None:
+        """Find the file(s) DALI failed on: refused (raised, or skipped and the batch fed again). When
+        each decodes alone, a file changed since its batch was prepared (a photo replaced in place while
+        its name was read ahead: DALI found another size, or a file being rewritten): the batch's files
+        are learnt again and it is fed again once (``again``); a second failure is raised."""
         bad = self._probe(candidates)
+        if not bad and again:
+            for i in candidates:
+                if self._state[i] == OK:
+                    self._state[i] = UNSEEN
+            return
         if not bad:
             raise RuntimeError(f"DALI failed on a batch of {len(candidates)} file(s) "
                                f"({', '.join(repr(self.source.sample_name(i)) for i in candidates[:3])}"
