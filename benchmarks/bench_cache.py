@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -104,18 +103,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------ set-up
 def photo_folder(cache, count: int) -> Path:
-    """The bench_loaders folder of ``count`` photos (``jpeg-10x<per class>``), written once and kept."""
-    from fastdata.datasets import make_image_folder
-
-    per_class = max(1, -(-count // 10))
-    root = Path(cache) / f"jpeg-10x{per_class}"
-    done = root / ".complete"
-    if not done.exists():
-        t0 = time.perf_counter()
-        make_image_folder(root, classes=10, per_class=per_class, seed=0)
-        done.write_text("ok\n")
-        print(f"[cache] wrote {10 * per_class} JPEGs to {root} in {time.perf_counter() - t0:.1f}s", flush=True)
-    return root
+    """The bench_loaders folder of ``count`` photos (``common.photo_folder``), written once and kept."""
+    return common.photo_folder(cache, count)
 
 
 def base_tree(cache, base: str) -> tuple[Path | None, str]:

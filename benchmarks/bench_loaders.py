@@ -239,17 +239,9 @@ def digits_source(count: int, data: str):
 def jpeg_source(count: int, cache: str):
     """(source, description): a generated folder of ``count`` photos (rounded up to 10 classes), kept
     under ``cache`` between runs."""
-    from fastdata.datasets import ImageFolder, make_image_folder
+    from fastdata.datasets import ImageFolder
 
-    classes = 10
-    per_class = max(1, -(-count // classes))
-    root = Path(cache) / f"jpeg-{classes}x{per_class}"
-    done = root / ".complete"
-    if not done.exists():  # generating 1,500 photos takes about a minute; keep them between runs
-        t0 = time.perf_counter()
-        make_image_folder(root, classes=classes, per_class=per_class, seed=0)
-        done.write_text("ok\n")
-        print(f"  wrote {classes * per_class} JPEGs to {root} in {time.perf_counter() - t0:.1f}s", flush=True)
+    root = common.photo_folder(cache, count)
     src = ImageFolder(root)
     kb = sum(Path(p).stat().st_size for p in src.paths) / len(src) / 1024
     return src, f"ImageFolder {root} ({len(src):,} JPEGs, ~{kb:.0f} KB each), RandomResizedCrop 224 + flip"
