@@ -1132,3 +1132,71 @@ def test_a_file_gone_after_its_first_epoch_is_named_or_skipped(tmp_path, photo_f
     else:
         with pytest.warns(RuntimeWarning, match="skipped 1"):
             assert sum(len(y) for _, y in loader) == 17
+
+
+# ------------------------------------------------------------------------------------ decoder options
+def test_decoder_options_reach_the_pipeline(photo_folder, monkeypatch):
+    """hw_decoder_load, fancy_upsampling, affine and preallocate's hints (from the first batch's photos,
+    read before the pipeline is built) are the decoder's arguments; affine is the pipeline's too. The
+    CPU decoder accepts the mixed-only ones (DALI ignores them there), so the graph is checked here."""
+    called = _record_graph_ops(monkeypatch)
+    src = ImageFolder(photo_folder)
+    loader = dali(src, batch_size=6, train=False, decode="dali", hw_decoder_load=0.25, fancy_upsampling=False,
+                  affine=True, prefetch_queue_depth=3)
+    assert sum(len(y) for _, y in loader) == 18
+    kw = dict(called[1][1])
+    assert called[1][0] == "image_slice"
+    assert kw["hw_decoder_load"] == 0.25 and kw["jpeg_fancy_upsampling"] is False and kw["affine"] is True
+    first = loader.plan.batches(0)[0]
+    height, width = (int(v) for v in loader._dims[first, :2].max(0))
+    assert height > 0 and (kw["preallocate_height_hint"], kw["preallocate_width_hint"]) == (height, width)
+    assert kw["device_memory_padding"] >= 3 * height * width and kw["host_memory_padding"] >= 8 << 20
+    assert loader._pipe._set_affinity is True and loader._pipe.prefetch_queue_depth == 3
+    called.clear()
+    plain = dali(src, batch_size=6, train=False, decode="dali", preallocate=False)
+    list(plain)
+    kw = dict(called[1][1])
+    assert "preallocate_width_hint" not in kw and kw["hw_decoder_load"] == 0.65 and kw["affine"] is False
+    assert kw["jpeg_fancy_upsampling"] is True and plain._pipe._set_affinity is False
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("hw_decoder_load", 1.5, r"hw_decoder_load must be a number in \[0, 1\]"),
+    ("hw_decoder_load", "high", r"hw_decoder_load must be a number in \[0, 1\]"),
+    ("hw_decoder_load", True, r"hw_decoder_load must be a number in \[0, 1\]"),
+    ("preallocate", "yes", "preallocate must be True or False"),
+    ("fancy_upsampling", 1, "fancy_upsampling must be True or False"),
+    ("affine", None, "affine must be True or False"),
+    ("prefetch_queue_depth", 0, "prefetch_queue_depth must be an integer >= 1"),
+    ("num_threads", 2.0, "num_threads must be an integer >= 1"),
+    ("decode", "gpu", r"decode must be one of \['auto', 'host', 'dali'\]"),
+])
+def test_bad_decoder_options_are_refused_by_name(name, value, message):
+    with pytest.raises(ValueError, match=message):
+        dali(indexed_source(64), batch_size=32, **{name: value})
+
+
+def test_prefetch_depth_defaults_to_4_on_a_gpu_where_memory_allows():
+    from fastdata.decode.dali_options import DaliOptions, default_depth
+
+    assert default_depth(gpu=False, batch_bytes=1 << 20, free_bytes=None) == 2
+    assert default_depth(gpu=True, batch_bytes=1 << 20, free_bytes=None) == 4
+    batch = 256 * 3 * 224 * 224 * 4                       # 154 MB of float32 outputs per batch
+    assert default_depth(gpu=True, batch_bytes=batch, free_bytes=70 << 30) == 4
+    assert default_depth(gpu=True, batch_bytes=batch, free_bytes=2 << 30) == 2   # 4 batches > 1/8 of it
+    resolved = DaliOptions().resolve(num_workers=3, gpu=True, batch_bytes=batch, free_bytes=70 << 30)
+    assert (resolved.num_threads, resolved.read_threads, resolved.prefetch_queue_depth) == (3, 3, 4)
+    assert DaliOptions(prefetch_queue_depth=6).resolve(1, True, batch, 1).prefetch_queue_depth == 6
+    assert dali(indexed_source(64), batch_size=32).prefetch_queue_depth == 2        # the CPU
+
+
+def test_nvjpeg_hints_cover_the_largest_photo_known():
+    from fastdata.decode.dali_options import MAX_PADDING, nvjpeg_hints
+
+    assert nvjpeg_hints(None) == {} and nvjpeg_hints(np.zeros((0, 2), np.int32)) == {}
+    small = nvjpeg_hints(np.array([[300, 400], [500, 375]]))
+    assert (small["preallocate_height_hint"], small["preallocate_width_hint"]) == (500, 400)
+    assert small["device_memory_padding"] == 16 << 20 and small["host_memory_padding"] == 8 << 20   # DALI's
+    big = nvjpeg_hints(np.array([[3000, 4000]]))
+    assert big["device_memory_padding"] == big["host_memory_padding"] == 35 << 20   # 36 MB, whole MiB
+    assert nvjpeg_hints(np.array([[9000, 9000]]))["device_memory_padding"] == MAX_PADDING
