@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import BACKENDS
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder, Shards
 from fastdata.errors import DecodeError
@@ -255,7 +256,7 @@ def test_packed_mnist_reads_back_as_the_mnist_it_was(tmp_path):
     np.testing.assert_array_equal(shards.labels, source.labels)
     np.testing.assert_array_equal(shards.images, source.images)
     assert shards.default_augmentation(True) == source.default_augmentation(True)
-    for backend in ("torch", "memory"):
+    for backend in BACKENDS:
         n, shape = _same_batches(source, shards, backend, train=True)   # the digits recipe, the same draws
         assert n == 40 and shape == (1, 28, 28)
     sub = shards.subset(np.arange(10, 30))

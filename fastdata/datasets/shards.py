@@ -298,6 +298,9 @@ class Shards(Source):
 
     def _take(self, idx: np.ndarray) -> None:
         self._ids = self._ids[idx]
+        # The copy reads its own samples: a read-ahead thread of the source it came from maps that
+        # source's positions, and its open files are that source's to close.
+        self._files, self._prefetcher = _OpenFiles(2 * self.window), None
         if self.images is not None:
             ArraySource._take(self, idx)   # images and labels
         else:

@@ -8,6 +8,7 @@ fastdata pack`` starts none) rank 0 waits for the parts' files, and the other ra
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -50,14 +51,18 @@ def wait_for_index(out: Path, plan_digest: str, mine: list, rank: int, timeout: 
     (its plan) and lists this rank's shards as it wrote them (size and sha256)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     want = {r["name"]: (r["size"], r["sha256"]) for r in mine}
-    delay = 0.05
+    delay, seen = 0.05, None
     while True:
         try:
-            with open(out / INDEX_NAME, "rb") as f:
-                doc = json.loads(f.read())
-            listed = {s["name"]: (s["size"], s["sha256"]) for s in doc["shards"]}
-            if doc.get("plan") == plan_digest and all(listed.get(k) == v for k, v in want.items()):
-                return
+            st = os.stat(out / INDEX_NAME)
+            version = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if version != seen:   # an index of ImageNet is tens of MB: parsed again only when replaced
+                seen = version
+                with open(out / INDEX_NAME, "rb") as f:
+                    doc = json.loads(f.read())
+                listed = {s["name"]: (s["size"], s["sha256"]) for s in doc["shards"]}
+                if doc.get("plan") == plan_digest and all(listed.get(k) == v for k, v in want.items()):
+                    return
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass   # not there yet, or being replaced
         if deadline is not None and time.monotonic() > deadline:
