@@ -1,28 +1,65 @@
 """Prefetching as a stage: ``PrefetchStage`` wraps any iterator of host uint8 batches (pinned on CUDA)
-and yields them normalized on the device, batches k+1 … k+depth prepared ahead of the consumer.
-It belongs to no backend: the ``prefetch`` backend (``backends/torch_loader.py``) is the torch backend's
-``host_batches`` + this stage, and any backend that produces host batches can add it the same way.
+and yields them normalized on the device, prepared by a background thread up to ``depth`` batches
+ahead of the consumer. It belongs to no backend: the ``prefetch`` backend (``backends/torch_loader.py``)
+is the torch backend's ``host_batches`` + this stage, and any backend that produces host batches can
+add it the same way.
 
-On CUDA the host-to-device copy and the normalization of upcoming batches run on a side stream, so
-they overlap the model's kernels on the default stream (timm's PrefetchLoader, DALI's
-data_prefetcher). The consumer's stream waits on an event recorded after each batch's work, and every
-tensor handed across streams gets ``record_stream``: without it the caching allocator may give the
-batch's memory to the side stream again while the consumer still reads it (timm issue #2781).
+Why a thread on CUDA too (issue 30.5). The stage used to issue batch k+depth's copy from the training
+thread, inside the ``next()`` that handed out batch k. A side stream then overlapped only the GPU copy
+(a few microseconds for a 200 KB batch of digits) with the step, while everything on the host stayed
+in the training thread's ``next()``: waiting for the DataLoader's workers and its pinning thread, the
+DataLoader's own Python, the copy and normalize launches, plus the stage's stream switch, event and
+``record_stream`` on top of the torch backend's work. On an H200 it hid nothing and ran slower than
+the torch backend (docs/backends.md has the figures). What the training thread waits for in ``next()``
+is host work, and a stream cannot take host work off a thread; another thread can.
 
-On a CPU device there are no streams: a background thread pulls host batches and normalizes them
-into a bounded queue, so that work overlaps the training step (torch ops release the GIL).
+So the producer is a thread, on every device. It pulls each host batch (the DataLoader iterator is
+advanced there), issues its copy and normalization on the side stream, records an event after them and
+puts ``(images, labels, event)`` in a queue bounded by ``depth``. The training thread's ``next()`` is a
+queue get, one ``wait_event`` and two ``record_stream``: no launch of its own and no wait for a worker
+unless the producer fell behind. Stream semantics across threads:
+
+- The current stream and the current device are per host thread (c10/cuda/CUDAStream.h: "every OS
+  thread has a separate current stream"): the producer makes the loader's GPU current and selects the
+  side stream in its own thread; the consumer's current stream (the training stream, whatever the
+  caller made current) is untouched.
+- The consumer's stream waits on the batch's event when the batch is handed over, not earlier: an
+  earlier wait would queue the step behind copies it does not need yet. The side stream never waits on
+  the consumer: that would queue the copy behind the running step and remove the overlap.
+- Every tensor handed across streams gets ``record_stream(consumer)``: without it the caching allocator
+  may give the batch's memory to the side stream again while the consumer still reads it (timm issue
+  #2781). The pinned source buffer needs nothing: the caching host allocator records the copy's stream
+  and does not reuse the block before the copy's event completes (ATen/core/CachingHostAllocator.h).
+- No host sync per batch: no ``synchronize``, no ``.item()``, events are only waited on by streams.
+
+Where it cannot help. The producer runs Python (the DataLoader's, the stage's) and needs the GIL for
+it: it progresses while the training thread is in torch's C++ (every op releases the GIL; autograd runs
+the backward without it) or blocked in a sync. A training thread that holds the GIL nearly all the time
+(a small model whose step is host-bound Python) leaves it little room, and a small batch has no copy
+worth hiding: then the stage is no faster than the torch backend. ``PrefetchStage.helps`` states the
+rule ``auto`` uses (batches of at least ``MIN_BATCH_BYTES``), and docs/backends.md the measurements.
+
+On a CPU device there are no streams: the same thread normalizes the batches into the queue, so that
+work overlaps the training step (torch ops release the GIL).
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections import deque
 from typing import Callable, Iterator
 
 import torch
 
 _DONE = object()
 Normalize = Callable[[torch.Tensor], torch.Tensor]
+
+#: The smallest uint8 batch (bytes) for which ``auto`` prefers the prefetch stage over the plain torch
+#: backend on CUDA. The stage takes off the training stream the batch's copy and normalization (on the
+#: order of bytes / 25 GB/s for pinned host-to-device copies: 40 us a MiB) and off the training thread
+#: the DataLoader's per-batch Python, at the price of a thread hand-off per batch. Below a MiB the copy
+#: is a few tens of microseconds: digits (200 KB batches) measured no gain on an H200.
+MIN_BATCH_BYTES = 2**20
 
 
 def _close(host) -> None:
@@ -33,68 +70,165 @@ def _close(host) -> None:
         close()
 
 
+class Inline:
+    """The CPU hand-over: the producer normalizes, the consumer takes the result as it is."""
+
+    def scope(self):
+        """The context the producer thread runs in: nothing to select on the CPU."""
+        return contextlib.nullcontext()
+
+    def prepare(self, images, labels, normalize: Normalize):
+        """(images, labels, ready) for the queue, made on the producer thread."""
+        return normalize(images), labels, None
+
+    def hand_over(self, x, y, ready):
+        """The batch as the consumer receives it, on the consumer's thread."""
+        return x, y
+
+
+class SideStream:
+    """The CUDA hand-over: copies and normalization on one side stream, an event per batch.
+
+    Args:
+        device: the loader's GPU.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        # One per loader, not per epoch: streams are never freed by torch.
+        self.stream = torch.cuda.Stream(device)
+
+    def scope(self):
+        """The producer thread's context: the loader's GPU current in that thread (the current device
+        is per thread; a new thread starts on cuda:0), for the DataLoader's pinning and every launch."""
+        return torch.cuda.device(self.device)
+
+    def prepare(self, images, labels, normalize: Normalize):
+        """Queue the batch's copy and normalization on the side stream (producer thread) and record an
+        event after them. Pinned sources make the copies asynchronous; the host does not wait for them."""
+        with torch.cuda.stream(self.stream):
+            x = normalize(images.to(self.device, non_blocking=True))
+            y = labels.to(self.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return x, y, ready
+
+    def hand_over(self, x, y, ready):
+        """On the consumer's thread, when it takes the batch: its current stream waits for the batch's
+        work (on the GPU; the host goes on), and the allocator learns that stream uses the tensors."""
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(ready)
+        x.record_stream(consumer)
+        y.record_stream(consumer)
+        return x, y
+
+
 class PrefetchStage:
-    """Side-stream (CUDA) or background-thread (CPU) prefetching of host batches.
+    """Background-thread prefetching of host batches, through a side stream on CUDA.
 
     Args:
         device: where the batches go.
-        depth: batches prepared ahead of the consumer (>= 1).
+        depth: batches prepared ahead of the consumer (>= 1): the queue's size; the producer holds one
+            more while it waits for room.
 
     ``stage(host, normalize)``: ``host`` is an epoch's iterator of host ``(uint8 images (N, H, W, C),
     labels)``, pinned for CUDA; ``normalize`` maps uint8 images on ``device`` to the output batch (e.g.
     ``Loader.normalize``). Returns that epoch's iterator of device batches.
 
-    One stage serves all epochs of its loader: it owns one CUDA stream (one per loader, not per epoch:
-    streams are never freed by torch) and, on the CPU, waits for the previous epoch's producer thread
-    before starting another.
+    One stage serves all epochs of its loader: it owns one CUDA stream and waits for the previous
+    epoch's producer thread before starting another.
     """
 
     def __init__(self, device: torch.device, depth: int = 2):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
         self.device, self.depth = torch.device(device), depth
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # The CPU path's latest producer thread and its stop flag (see _finish_producer).
+        #: How batches cross from the producer thread to the consumer (``Inline`` or ``SideStream``).
+        self.handoff = SideStream(self.device) if self.device.type == "cuda" else Inline()
+        # The latest producer thread and its stop flag (see _finish_producer).
         self._producer: tuple[threading.Thread, threading.Event] | None = None
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The side stream the copies run on (None on the CPU)."""
+        return getattr(self.handoff, "stream", None)
+
+    @staticmethod
+    def helps(batch_bytes: int | None) -> tuple[bool, str]:
+        """(whether the stage is expected to beat the plain torch backend on CUDA, why) for uint8
+        batches of ``batch_bytes`` (None: not known before the first batch; the benefit of the doubt)."""
+        if batch_bytes is None:
+            return True, "its batches' size is known only once read"
+        kib = batch_bytes / 1024
+        if batch_bytes < MIN_BATCH_BYTES:
+            return False, (f"a batch is {kib:,.0f} KiB of uint8, under {MIN_BATCH_BYTES // 1024:,} KiB: its "
+                           f"copy takes microseconds, nothing a side stream can hide, and the thread hand-off "
+                           f"costs as much (measured no faster than 'torch'; docs/backends.md)")
+        return True, (f"a batch is {kib:,.0f} KiB of uint8: its copy and normalization run on a side stream "
+                      f"while the step runs")
+
     def __call__(self, host: Iterator, normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.stream is not None:
-            return self._cuda_epoch(host, normalize)
-        return self._thread_epoch(host, normalize)
+        return self._epoch(host, normalize)
 
-    def _cuda_epoch(self, host, normalize):
-        stream = self.stream
-        pending = deque()
+    def _produce(self, host, normalize, q: queue.Queue, stop: threading.Event) -> None:
+        """The producer thread: pull, prepare, queue; an error is queued for the consumer to raise."""
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
 
-        def launch():
-            try:
-                images, labels = next(host)
-            except StopIteration:
-                return
-            # No wait on the consumer's stream here: that would queue the copy behind the running
-            # step and remove the overlap. The pinned source buffer is safe without it (the caching
-            # host allocator keeps it until the copy's event completes).
-            with torch.cuda.stream(stream):
-                x = normalize(images.to(self.device, non_blocking=True))
-                y = labels.to(self.device, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            pending.append((x, y, done))
-
+        handoff = self.handoff
         try:
-            for _ in range(self.depth):
-                launch()
-            while pending:
-                x, y, done = pending.popleft()
-                consumer = torch.cuda.current_stream(self.device)
-                consumer.wait_event(done)
-                # x and y were allocated on the side stream; tell the allocator the consumer uses them.
-                x.record_stream(consumer)
-                y.record_stream(consumer)
-                launch()  # queue the next copy before handing this batch over: it overlaps the step
-                yield x, y
+            with handoff.scope():
+                for images, labels in host:
+                    # The consumer may have left while this batch was read (a break during a slow
+                    # batch): end now, without preparing a batch nobody takes or asking for another.
+                    if stop.is_set() or not put(handoff.prepare(images, labels, normalize)):
+                        return
+            put(_DONE)
+        except BaseException as e:  # handed to the consumer, never swallowed
+            put(e)
         finally:
             _close(host)
+
+    def _epoch(self, host, normalize):
+        """The consumer's side (a generator: the producer starts with the epoch's first ``next()``)."""
+        self._finish_producer()
+        q: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        worker = threading.Thread(target=self._produce, args=(host, normalize, q, stop),
+                                  name="fastdata-prefetch", daemon=True)
+        self._producer = (worker, stop)
+        worker.start()
+        hand_over = self.handoff.hand_over
+        ended = False
+        try:
+            while True:
+                item = q.get()   # a plain lock wait: Ctrl-C interrupts it at once
+                if item is _DONE:
+                    ended = True
+                    return
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                yield hand_over(*item)
+        except GeneratorExit:
+            # A break: the producer sees `stop` within its put() timeout if it is between batches, so a
+            # short wait usually lets it end here. If it is waiting for a slow batch, it is not waited
+            # for: it ends as soon as that batch returns (unused), and the next epoch (or close()) waits
+            # for that (see _finish_producer).
+            stop.set()
+            worker.join(timeout=0.5)
+            raise
+        finally:
+            # Ctrl-C or an error in the consumer: return at once; the daemon thread ends after its batch.
+            stop.set()
+            if ended:
+                worker.join()
 
     def _finish_producer(self) -> None:
         """Wait until the previous epoch's producer thread has left the DataLoader iterator.
@@ -113,62 +247,7 @@ class PrefetchStage:
         while thread.is_alive():
             thread.join(timeout=0.1)
 
-    def _thread_epoch(self, host, normalize):
-        self._finish_producer()
-        q: queue.Queue = queue.Queue(maxsize=self.depth)
-        stop = threading.Event()
-
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def produce():
-            try:
-                for images, labels in host:
-                    # The consumer may have left while this batch was read (a break during a slow batch):
-                    # end now, without normalizing a batch nobody takes or asking the source for another.
-                    if stop.is_set() or not put((normalize(images), labels)):
-                        return
-                put(_DONE)
-            except BaseException as e:  # handed to the consumer, never swallowed
-                put(e)
-            finally:
-                _close(host)
-
-        worker = threading.Thread(target=produce, name="fastdata-prefetch", daemon=True)
-        self._producer = (worker, stop)
-        worker.start()
-        ended = False
-        try:
-            while True:
-                item = q.get()   # a plain lock wait: Ctrl-C interrupts it at once
-                if item is _DONE:
-                    ended = True
-                    return
-                if isinstance(item, BaseException):
-                    ended = True
-                    raise item
-                yield item
-        except GeneratorExit:
-            # A break: the producer sees `stop` within its put() timeout if it is between batches, so a
-            # short wait usually lets it end here. If it is waiting for a slow batch, it is not waited
-            # for: it ends as soon as that batch returns (unused), and the next epoch (or close()) waits
-            # for that (see _finish_producer).
-            stop.set()
-            worker.join(timeout=0.5)
-            raise
-        finally:
-            # Ctrl-C or an error in the consumer: return at once; the daemon thread ends after its batch.
-            stop.set()
-            if ended:
-                worker.join()
-
     def close(self) -> None:
-        """Wait for the CPU producer to leave its source (the DataLoader iterator) before the source is
+        """Wait for the producer to leave its source (the DataLoader iterator) before the source is
         shut down (see _finish_producer)."""
         self._finish_producer()

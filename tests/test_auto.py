@@ -10,10 +10,17 @@ from fastdata import Augmentation, registry
 from fastdata.backends import auto, memory
 
 
-def config(device, rank=None, world_size=None):
+def config(device, rank=None, world_size=None, batch_size=256):
     # Translation keeps a padded uint8 copy, so the cache costs memory on the CPU too.
     return SimpleNamespace(device=torch.device(device), augment=Augmentation(crop="translate", pad=2),
-                           train=True, rank=rank, world_size=world_size, dtype=torch.float32)
+                           train=True, rank=rank, world_size=world_size, dtype=torch.float32,
+                           batch_size=batch_size)
+
+
+def photo_sized(n=1000):
+    """Samples of 64x64x3: a batch of 256 is 3 MiB of uint8, large enough for the prefetch stage to
+    help (fastdata.prefetch.MIN_BATCH_BYTES); indexed_source's 8x8 grey ones are 16 KiB a batch."""
+    return indexed_source(n, size=64, channels=3)
 
 
 def test_ranks_without_a_process_group_decide_on_equal_quantities(gpu_16g):
@@ -75,7 +82,7 @@ def test_with_a_process_group_rank_0_decides_for_everyone(tmp_path):
 def test_on_cuda_the_tables_order_decides_when_the_cache_does_not_fit(gpu_16g, monkeypatch):
     from fastdata import registry
 
-    src = indexed_source(1000)
+    src = photo_sized()
     gpu_16g["free"] = 1000                                     # no room for the cache on this GPU
     name, why = registry.choose(src, config("cuda:0"))
     assert name == ("dali" if registry.spec("dali").available else "prefetch")
@@ -105,7 +112,35 @@ def test_a_torch_dataset_goes_to_the_first_row_that_reads_it(gpu_16g):
     src = as_source(Squares())
     cpu_name, why = registry.choose(src, config("cpu"))
     assert cpu_name == "torch" and "not memory: backend 'memory' cannot read" in why
-    assert registry.choose(src, config("cuda:0"))[0] == "prefetch"
+    # 4x4 grey samples: a batch too small for prefetch to help, so on CUDA too the torch backend.
+    assert registry.choose(src, config("cuda:0"))[0] == "torch"
+
+    class Photos(Squares):
+        def __getitem__(self, i):
+            return torch.zeros(3, 256, 256, dtype=torch.uint8), i % 2
+
+    assert registry.choose(as_source(Photos()), config("cuda:0", batch_size=8))[0] == "prefetch"  # 1.5 MiB
+
+
+@pytest.mark.parametrize("size, batch, picked", [(28, 256, "torch"), (32, 256, "torch"), (64, 256, "prefetch"),
+                                                 (224, 64, "prefetch"), (224, 4, "torch")])
+def test_on_cuda_prefetch_is_picked_only_for_batches_it_can_speed_up(gpu_16g, size, batch, picked):
+    """Issue 30.5: on an H200 the prefetch stage hid nothing for batches of 256 digits (200 KB of uint8):
+    their copy takes microseconds. auto's rule: prefetch over torch only for batches of at least
+    MIN_BATCH_BYTES (digits and CIFAR-sized batches go to torch, photo batches to prefetch), and the
+    reason says why prefetch was passed over."""
+    from fastdata import registry
+    from fastdata.prefetch import MIN_BATCH_BYTES
+
+    gpu_16g["free"] = 1000                                     # no room for memory's cache
+    src = indexed_source(300, size=size, channels=1 if size == 28 else 3)
+    without_dali = [s for s in registry.by_preference() if s.name != "dali"]
+    name, why = auto.choose_locally(src, config("cuda:0", batch_size=batch), None, without_dali)
+    assert name == picked, why
+    bytes_ = batch * size * size * (1 if size == 28 else 3)
+    assert (bytes_ >= MIN_BATCH_BYTES) == (picked == "prefetch")
+    if picked == "torch":
+        assert f"not prefetch: a batch is {bytes_ / 1024:,.0f} KiB of uint8" in why and "no faster" in why
 
 
 @pytest.mark.cuda
@@ -113,7 +148,7 @@ def test_on_a_real_gpu_the_cache_decides_between_memory_and_the_next_cuda_row():
     from fastdata import registry
 
     device = f"cuda:{torch.cuda.current_device()}"
-    src = indexed_source(1000)                      # a few MB of uint8: fits any GPU's budget
+    src = photo_sized()                             # 12 MB of uint8: fits any GPU's budget
     name, why = registry.choose(src, config(device))
     # A translation of an array is cached normalized ahead, which takes at most half the budget.
     assert name == "memory" and "normalized ahead in float32" in why and f"fits in half the free GPU {device}" in why

@@ -1,4 +1,5 @@
 """prefetch backend: same batches as torch, bounded read-ahead, the CUDA stream path."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -326,3 +327,146 @@ def test_a_break_during_a_slow_source_batch_ends_the_thread_when_that_batch_retu
     assert pulled == [0, 1] and closed == [True]
     assert normalized == [0], "the batch read after the break was normalized"
     stage.close()
+
+
+class _FakeCuda:
+    """torch.cuda's streams and events, and the host-to-device copy, replaced by objects that log what
+    is done on which host thread: the CUDA path's logic runs on the CPU. A copy is a clone; the stream
+    a copy runs on is the calling thread's current one (thread-local, as CUDA's is)."""
+
+    def __init__(self, monkeypatch):
+        self.log, local = [], threading.local()
+        fake = self
+
+        def note(*what):
+            fake.log.append((*what, threading.current_thread().name))
+
+        class Stream:
+            def __init__(self, device=None, name="side"):
+                self.name = name
+
+            def wait_event(self, event):
+                note("wait_event", self.name, event.batch)
+
+        class Event:
+            def record(self, stream):
+                self.batch = getattr(local, "copied", None)
+                note("record", stream.name, self.batch)
+
+        @contextlib.contextmanager
+        def stream(s):
+            before, local.stream = getattr(local, "stream", None), s
+            try:
+                yield
+            finally:
+                local.stream = before
+
+        consumer = Stream(name="consumer")
+        original_to = torch.Tensor.to
+
+        def to(t, *args, **kwargs):
+            if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+                local.copied = int(t.reshape(-1)[0])    # the batch number the test's source wrote
+                note("copy", getattr(getattr(local, "stream", None), "name", "default"), local.copied,
+                     kwargs.get("non_blocking", False))
+                return t.clone()
+            return original_to(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+        monkeypatch.setattr(torch.Tensor, "record_stream",
+                            lambda t, s: note("record_stream", s.name, int(t.reshape(-1)[0])))
+
+    def of(self, what):
+        return [entry[1:] for entry in self.log if entry[0] == what]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda-logic"])
+def test_the_producer_thread_prepares_batches_while_the_consumer_steps(device, monkeypatch):
+    """Issue 30.5: the host work of batch k+1 (pulling it from the source, launching its copy and
+    normalization) runs on the producer thread during the consumer's step on batch k, not in the
+    consumer's next(). The consumer, in its step on batch k, waits until the producer has prepared
+    batches up to the bound (k + depth + 2 in all: the one it holds, depth queued, one waiting for room):
+    that happens only if someone else prepares them meanwhile (the stage that launched copies from
+    next() never got there). On the CUDA path (its streams and events logged on the CPU) every copy runs
+    on the side stream, non-blocking, on the producer thread; the consumer's stream waits on each
+    batch's event when that batch is handed over, after the event was recorded, then record_stream."""
+    from fastdata.prefetch import PrefetchStage
+
+    fake = _FakeCuda(monkeypatch) if device == "cuda-logic" else None
+    n, depth = 8, 2
+    pulled, prepared = [], []
+
+    def source():
+        for k in range(n):
+            pulled.append((k, threading.current_thread().name))
+            yield torch.full((2, 3, 3, 1), k, dtype=torch.uint8), torch.full((2,), k)
+
+    def normalize(images):
+        prepared.append(int(images[0, 0, 0, 0]))
+        return images.float()
+
+    stage = PrefetchStage(torch.device("cuda" if fake else "cpu"), depth=depth)
+    main = threading.current_thread().name
+    got = []
+    for k, (x, y) in enumerate(stage(source(), normalize)):
+        got.append(int(y[0]))
+        bound = min(k + depth + 2, n)
+        assert wait_until(lambda b=bound: len(prepared) >= b, timeout=20), \
+            f"step {k}: {len(prepared)} batches prepared, the producer did not run during the step"
+        time.sleep(0.05)                                   # room to overshoot, if it could
+        assert len(prepared) == bound, f"step {k}: {len(prepared)} prepared, the bound is {bound}"
+    stage.close()
+    assert got == list(range(n)) and prepared == list(range(n))
+    assert {name for _, name in pulled} == {"fastdata-prefetch"} != {main}
+    if fake is None:
+        return
+    copies = fake.of("copy")
+    assert [c[1] for c in copies] == [k for k in range(n) for _ in "xy"]
+    assert all(stream == "side" and non_blocking and thread == "fastdata-prefetch"
+               for stream, _, non_blocking, thread in copies)
+    assert [r[:2] for r in fake.of("record")] == [("side", k) for k in range(n)]
+    assert fake.of("wait_event") == [("consumer", k, main) for k in range(n)]
+    assert fake.of("record_stream") == [("consumer", k, main) for k in range(n) for _ in "xy"]
+    order = [(e[0], e[2]) for e in fake.log if e[0] in ("record", "wait_event", "record_stream")]
+    for k in range(n):
+        assert order.index(("record", k)) < order.index(("wait_event", k)) < order.index(("record_stream", k))
+
+
+@pytest.mark.cuda
+def test_cuda_prefetch_waits_for_data_no_longer_than_torch_under_a_slow_step():
+    """Issue 30.5 on a GPU: with a step that keeps the GPU busy for about a millisecond and waits for it
+    (a sync, as a step that reads its loss does: the GIL is free meanwhile), the prefetch producer has
+    the next batch copied and normalized before the training thread asks, while the torch backend still
+    pulls it from the DataLoader and launches its copy inside next(). The data wait is the engine's
+    (EpochMeter.timed: host time blocked in next()). Batches of 3 MiB: where auto picks prefetch."""
+    from fastdata.engine.meter import EpochMeter
+
+    src = indexed_source(4096, size=64, channels=3)
+    waits = {}
+    for backend in ("torch", "prefetch"):
+        loader = make_loader(src, backend, batch_size=256, device="cuda", num_workers=4, seed=1)
+        for _ in loader:        # warm-up: workers forked, pinned and device pools at their working size
+            pass
+        meter = EpochMeter(torch.device("cuda"))
+        for _ in range(2):
+            for x, y in meter.timed(loader):
+                torch.cuda._sleep(2_000_000)            # the model's step on the training stream
+                x[:, 0, 0, 0].sum().add_(y.sum())       # reads the batch there (after its event)
+                torch.cuda.synchronize()
+        waits[backend] = meter.wait
+        loader.close()
+    assert waits["prefetch"] <= waits["torch"], f"data wait in seconds over two epochs: {waits}"
+
+
+@pytest.mark.cuda
+def test_cuda_prefetch_says_when_it_cannot_help(caplog):
+    """Named explicitly on digit-sized batches (16 KiB here), prefetch says it cannot help and why."""
+    with caplog.at_level("WARNING", logger="fastdata"):
+        loader = make_loader(indexed_source(1000), "prefetch", batch_size=256, device="cuda", num_workers=0)
+    assert "backend 'prefetch' cannot help here: a batch is 16 KiB of uint8" in caplog.text
+    loader.close()

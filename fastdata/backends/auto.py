@@ -5,7 +5,10 @@ the device type (``BackendSpec.devices``), its package must import, and its clas
 (``Loader.fits``: it reads the source's kind, and for the memory backend its cache fits the budget). The first
 that passes is picked; the reason names it and what the preferred ones lacked. This module knows no
 backend by name: the table's ``order`` and each class's ``fits`` hold the knowledge (benchmarks/results
-holds the measurements behind the order).
+holds the measurements behind the order). Two rules live in ``fits``: memory fits when its cache fits
+the budget; prefetch fits on CUDA only when a uint8 batch is at least ``fastdata.prefetch.MIN_BATCH_BYTES``
+(1 MiB), since a smaller batch has no copy worth hiding and the torch backend, next in the order, is as
+fast (``PrefetchStage.helps``; digits and CIFAR-sized batches go to torch, photo batches to prefetch).
 
 Every rank of a distributed job must pick the same backend (different backends read different
 batches and would deadlock DDP). With a process group initialized, rank 0 decides and broadcasts its

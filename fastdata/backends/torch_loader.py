@@ -7,13 +7,14 @@ than decoding a 28x28 digit. Array sources are gathered and translated with vect
 go through PIL per sample (Pillow-SIMD accelerates the resize, ``Image.draft`` shrinks the decode).
 Normalization to float happens once per batch on the device.
 
-The ``prefetch`` backend is this one plus a stage (``fastdata.prefetch.PrefetchStage``: side-stream copies
-on CUDA, a bounded thread on the CPU) over the same host batches, so it is defined here, at the end,
+The ``prefetch`` backend is this one plus a stage (``fastdata.prefetch.PrefetchStage``: a producer thread,
+with side-stream copies on CUDA) over the same host batches, so it is defined here, at the end,
 as that composition rather than in a file that would import this one.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import time
 
@@ -24,7 +25,10 @@ from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
 from ..prefetch import PrefetchStage
 from ..sampling import seed_for
+from ..transforms import output_size
 from .base import Loader
+
+log = logging.getLogger("fastdata")
 
 
 class JobSampler(Sampler):
@@ -206,8 +210,20 @@ class TorchLoader(Loader):
             pass
 
 
+def batch_bytes(source, config) -> int | None:
+    """Bytes of one uint8 batch the torch backend copies to the device: batch size x the recipe's output
+    (H, W) x channels; None where the output size is known only once a batch is read."""
+    aug = config.augment if config.augment is not None else source.default_augmentation(config.train)
+    size = output_size(source, aug)
+    return None if size is None else config.batch_size * size[0] * size[1] * source.channels
+
+
 class PrefetchLoader(TorchLoader):
-    """The torch backend plus a PrefetchStage (side-stream copies on CUDA, a bounded thread on the CPU).
+    """The torch backend plus a PrefetchStage: a thread that pulls the DataLoader's batches and, on
+    CUDA, copies and normalizes them on a side stream, ``depth`` batches ahead of the training thread.
+
+    ``auto`` picks it on CUDA only where it can beat the torch backend (``fits``:
+    ``PrefetchStage.helps``); named explicitly on batches too small for it to help, it says so once.
 
     Options (besides the torch backend's):
         depth: batches prepared ahead of the consumer (default 2).
@@ -216,10 +232,24 @@ class PrefetchLoader(TorchLoader):
     name = "prefetch"
     options = {**TorchLoader.options, "depth": 2}
 
+    @classmethod
+    def fits(cls, source, config, options=None, *, stable=False):
+        """The torch backend's kinds, and on CUDA batches large enough for the stage to help (see
+        ``fastdata.prefetch``: a small batch has no copy worth hiding; 'torch' is as fast there)."""
+        ok, why = super().fits(source, config, options, stable=stable)
+        if not ok or config.device.type != "cuda":
+            return ok, why
+        return PrefetchStage.helps(batch_bytes(source, config))
+
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
         self.stage = PrefetchStage(self.device, self.opts["depth"])
         self.depth = self.stage.depth
+        if self.device.type == "cuda":
+            helps, why = PrefetchStage.helps(batch_bytes(source, config))
+            if not helps:
+                log.warning("fastdata: backend 'prefetch' cannot help here: %s; backend 'torch' does the same "
+                            "work with one thread less", why)
 
     def _epoch(self, epoch, batches, start):
         # The normalize is passed per epoch, not kept by the stage: a stage holding the loader's bound
