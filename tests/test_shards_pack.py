@@ -499,6 +499,7 @@ def test_cli_packs_a_folder_end_to_end(photos, tmp_path):
     (["--max-side", "0"], 2, "argument --max-side: must be an integer >= 1"),
     (["--split", "val"], 2, "argument --split: invalid choice"),
     (["--split", "test"], 1, "--split test applies to MNIST and digits"),
+    (["--timeout", "-1"], 2, "argument --timeout: "),
 ])
 def test_cli_bad_arguments_are_one_line_errors(photos, tmp_path, args, rc, match):
     run = _cli(photos, tmp_path / "out", *args)

@@ -55,7 +55,8 @@ class Shards(Source):
         location: the folder ``pack`` wrote (``index.json`` and the tars), local or a URL.
         cache_dir: where whole shards of a remote location are kept (give the ranks of a node the same
             folder: one downloads, the others read); default a folder per dataset under the system's
-            temporary directory. A local folder is read in place, without a cache.
+            temporary directory. A local folder is read in place, without a cache; its shards' sha256
+            verdicts are kept in ``cache_dir/.verified`` (default: under the temporary directory).
         cache_limit: bytes of shards the cache may hold; default half the free space of ``cache_dir``'s
             disk. It must hold ``2 x window`` of the largest shards (the window being read and the
             next, fetched ahead), which is checked here.
