@@ -370,6 +370,8 @@ def test_with_digests_each_version_of_a_shard_is_its_own_file_and_a_wrong_downlo
 
     root, files = remote
     digest = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "s3.tar").write_bytes(files["s3.tar"])   # cached before shards were keyed by digest
     with http_server(root) as server:
         old = ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=3 * SIZE,
                          expected_sizes=sizes(files), digests=digest)
@@ -389,7 +391,9 @@ def test_with_digests_each_version_of_a_shard_is_its_own_file_and_a_wrong_downlo
         for name in ("s1.tar", "s2.tar"):                                   # room for them: the old version goes first
             new.get(name)
             new.release(name)
-        assert not os.path.exists(path) and os.path.exists(new.path("s0.tar"))
+        # Old versions went first: the bare-named copy and s0's earlier version.
+        assert not os.path.exists(path) and not (tmp_path / "cache" / "s3.tar").exists()
+        assert os.path.exists(new.path("s0.tar"))
         # A reader still holding the old index asks for the old version: the download is refused, once.
         stale = ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=3 * SIZE,
                            expected_sizes=sizes(files), digests=digest)

@@ -24,8 +24,9 @@ Temporary files of dead processes are removed when the cache is opened and whene
 Why the digest is in the file name (``shard-000.<16 hex digits of its sha256>.tar``): a location that is
 re-packed keeps its shard names, often their sizes too, so a cache keyed by name alone served the old
 shards under the new index. Keyed by identity, a new version of a shard is a new file, never the old
-copy; the old versions' files (same stem and extension, another digest) count against the budget and
-are evicted first once no process holds them. Other files in ``cache_dir`` are left alone.
+copy; the old versions' files (same stem and extension, another digest, or the bare name a cache of
+an earlier fastdata used) count against the budget and are evicted first once no process holds them.
+Other files in ``cache_dir`` are left alone.
 """
 from __future__ import annotations
 
@@ -495,7 +496,10 @@ class ShardCache:
         return usage, sorted(stale) + sorted(published)
 
     def _old_version(self, file: str) -> bool:
-        """Whether ``file`` is another version (another digest) of one of the manifest's shards."""
+        """Whether ``file`` is another version (another digest) of one of the manifest's shards, or a
+        copy under its bare name (a cache written before shards were keyed by digest)."""
+        if file in self._files and self._files[file] != file:
+            return True
         match = _VERSIONED.match(file)
         return match is not None and f"{match['stem']}{match['ext'] or ''}" in self._files
 
