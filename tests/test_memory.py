@@ -550,6 +550,22 @@ def test_the_next_epochs_draws_are_made_on_a_thread_and_used_only_when_they_matc
     fresh.close()
 
 
+def test_draws_made_ahead_are_used_only_for_the_same_batches():
+    """Draws.matches: the key, the batch lengths and every id (a changed order, a resume at another
+    offset, a re-split after an elastic resume all draw again)."""
+    loader = make_loader(SyntheticDigits(300, seed=2), "memory", batch_size=50, device="cpu", seed=1)
+    batches = loader.plan.batches_from(1, 0)
+    draws = loader.draw_epoch(1, batches, 0)
+    assert draws.matches((1, 0), batches)
+    changed = [b.copy() for b in batches]
+    changed[-1][-1] = changed[0][0]
+    assert not draws.matches((1, 0), changed)
+    assert not draws.matches((2, 0), batches) and not draws.matches((1, 1), batches)
+    assert not draws.matches((1, 0), batches[:-1])
+    assert not draws.matches((1, 0), [batches[0][:-1], *batches[1:]])
+    loader.close()
+
+
 def test_prepared_epoch_gives_the_same_batches_as_the_torch_backend():
     # The epoch-wide draws keep each batch's rng and order: bit-identical to the torch backend, with flips.
     from conftest import indexed_source
