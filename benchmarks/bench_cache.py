@@ -143,9 +143,9 @@ def available(name, tree, why_tree, args) -> str:
     if name == "today" and tree is None:
         return why_tree
     if name == "nvimgcodec":
-        from fastdata.backends.memory import _nvimgcodec
+        from fastdata.decode.whole import nvimgcodec
 
-        if _nvimgcodec() is None:
+        if nvimgcodec() is None:
             return "nvImageCodec is not installed"
     return ""
 

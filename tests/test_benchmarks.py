@@ -343,13 +343,175 @@ def test_bench_accuracy_quick_runs_the_example_per_backend(tmp_path):
 def test_gpu_script_refuses_a_machine_without_a_usable_gpu(tmp_path):
     if torch_cuda_available():
         pytest.skip("checks the refusal on a machine without CUDA")
-    import subprocess
-
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "tests"], capture_output=True, text=True,
-                          cwd=ROOT, env={**__import__("os").environ, "PY": sys.executable,
-                                         "OUT_DIR": str(tmp_path)}, timeout=300)
+    proc = gpu_sh("call1", tmp_path, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "torch sees no CUDA device" in proc.stderr and "CUDA devices" in proc.stderr
+    assert not (tmp_path / "keep" / "stages.tsv").exists()          # no stage ran
+
+
+GPU_SH = ROOT / "benchmarks" / "gpu.sh"
+STAGES = [("call1", "doctor"), ("call1", "tests"), ("call2", "jpegs"), ("call2", "training"), ("call2", "loaders"),
+          ("call2", "cache"), ("call3", "dali-tests"), ("call3", "dali-gpu")]
+
+
+def gpu_sh(mode, tmp_path, *, timeout, **env):
+    """Run benchmarks/gpu.sh MODE with its folders under tmp_path (OUT: what the device tool would return)."""
+    import os
+    import subprocess
+
+    (tmp_path / "out").mkdir(exist_ok=True)
+    env = {**os.environ, "PY": sys.executable, "OUT": str(tmp_path / "out"),
+           "FASTDATA_GPU_KEEP": str(tmp_path / "keep"), **env}
+    return subprocess.run(["bash", str(GPU_SH), mode], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=timeout)
+
+
+def stages_run(tmp_path):
+    lines = (tmp_path / "keep" / "stages.tsv").read_text().splitlines()
+    return [tuple(line.split("\t")) for line in lines]
+
+
+def test_gpu_script_parses():
+    import subprocess
+
+    proc = subprocess.run(["bash", "-n", str(GPU_SH)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_script_dry_run_runs_every_stage_on_the_cpu(tmp_path):
+    """`gpu.sh dry` is the three calls' stages with tiny sizes on the CPU: each must run and pass, and what
+    comes back fits the device tool's 8 files: a summary naming every stage, a tarball with every report."""
+    import tarfile
+
+    proc = gpu_sh("dry", tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    got = stages_run(tmp_path)
+    assert [(c, s) for c, s, *_ in got] == STAGES
+    assert all(status == "pass" for _, _, status, *_ in got), got
+    out = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(out) <= 8 and "summary-dry.md" in out and "gpu-reports-dry.tar.gz" in out, out
+    summary = (tmp_path / "out" / "summary-dry.md").read_text()
+    assert "8 of 8 stages passed" in summary
+    for call, stage in STAGES:
+        assert f"| {call}" in summary and f" {stage} " in summary
+    assert "tests collected" in summary and "ceiling" in summary and "memory" in summary   # the headlines
+    with tarfile.open(tmp_path / "out" / "gpu-reports-dry.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"reports/dali-gpu-dry.json", "reports/training-dry.json", "reports/loaders-dry.json",
+            "reports/cache-dry.json", "reports/tests-dry.txt", "reports/summary-dry.md", "stages.tsv"} <= names, names
+
+
+@pytest.mark.slow
+def test_a_stuck_stage_is_stopped_and_the_next_ones_still_run(tmp_path):
+    # Every limit at 1% (1-2 s): each stage is stopped by its timeout, recorded, and the next one starts.
+    proc = gpu_sh("dry", tmp_path, timeout=600, GPU_SH_LIMIT_PCT="1")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = stages_run(tmp_path)
+    assert [(c, s) for c, s, *_ in got] == STAGES
+    assert all(status.startswith("timeout after") for _, _, status, *_ in got), got
+    assert "0 of 8 stages passed" in (tmp_path / "out" / "summary-dry.md").read_text()
+
+
+def carried(text):
+    """The carry lists of a page's call lines, in order."""
+    import re
+
+    return [json.loads(m) for m in re.findall(r'carry `?(\[[^\]]*\])', text)]
+
+
+def test_the_documented_gpu_calls_are_the_shared_sequence():
+    """gpu.sh's header and benchmarks/README.md give the same three calls, carrying what
+    ../shared/gpu/README.md says each call carries (where that folder is beside the checkout)."""
+    import re
+
+    pages = [GPU_SH.read_text(), (ROOT / "benchmarks" / "README.md").read_text()]
+    for text in pages:
+        carry = carried(text)
+        assert carry == carried(pages[0]) and len(carry) == 3, carry
+        for k, files in enumerate(carry):
+            assert ".gpu/setup.sh" in files and f".gpu/dali.part{k}" in files
+        calls = re.findall(r"carry `?\[[^\]]*\]`?: `?(source \.gpu/setup\.sh && [^`\n]*)", text)
+        assert calls == [f"source .gpu/setup.sh && bash benchmarks/gpu.sh call{k}" for k in (1, 2, 3)], calls
+    shared = ROOT.parent / "shared" / "gpu" / "README.md"
+    if shared.exists():
+        assert carried(shared.read_text()) == carried(pages[0])
+
+
+def test_the_gpu_summary_names_failures_and_each_stages_headline(tmp_path):
+    gpu_summary = load("gpu_summary")
+    keep = tmp_path / "keep"
+    (keep / "logs").mkdir(parents=True)
+    (keep / "reports").mkdir()
+    (keep / "stages.tsv").write_text("call1\ttests\tFAIL (exit 1)\t95\t180\ncall2\tloaders\tpass\t30\t60\n")
+    (keep / "logs" / "tests.log").write_text(
+        "....F\nFAILED tests/test_x.py::test_y - AssertionError: gpu_idle 0.10\n"
+        "=========== 1 failed, 129 passed, 5 skipped in 95.31s (0:01:35) ===========\n")
+    rows = [vars(common_row("digits", "memory", 1.2e6, data_wait=0.03)), vars(common_row("digits", "dali", None))]
+    (keep / "reports" / "loaders-t.json").write_text(json.dumps({"rows": rows}))
+    text = gpu_summary.summary_markdown(keep, "t")
+    assert "1 of 2 stages passed (not: tests)" in text and "**FAIL (exit 1)**" in text
+    assert "1 failed, 129 passed, 5 skipped in 95.31s" in text
+    assert "tests: FAILED tests/test_x.py::test_y" in text
+    assert "memory 1,200,000 (wait 3.0%)" in text and "images/s" in text and "dali skipped" in text
+
+
+def common_row(workload, name, rate, **extra):
+    from benchmarks import common
+
+    if rate is None:
+        return common.Row(workload, name, "fastdata", status="skipped", note="not installed")
+    return common.Row(workload, name, "fastdata", rate=rate, passes=[rate], extra=extra)
+
+
+def test_the_photo_folder_is_written_in_parallel_and_the_same_whatever_the_workers(tmp_path):
+    from benchmarks import common
+
+    one = common.photo_folder(tmp_path / "a", 70, workers=1)     # 7 a class: jobs of 5 and 2 photos
+    two = common.photo_folder(tmp_path / "b", 70, workers=2)
+    files = sorted(p.relative_to(one) for p in one.rglob("*.jpg"))
+    assert len(files) == 70 and files == sorted(p.relative_to(two) for p in two.rglob("*.jpg"))
+    assert files[6] == Path("class_000/img_00006.jpg")
+    assert all((one / f).read_bytes() == (two / f).read_bytes() for f in files)
+    assert len({(one / f).read_bytes() for f in files}) == 70                 # every photo its own
+    assert (one / ".complete").exists() and not (tmp_path / "a" / "jpeg-10x7.parts").exists()
+    (one / "class_000" / "img_00000.jpg").unlink()
+    assert common.photo_folder(tmp_path / "a", 70) == one                    # kept: not written again
+    assert not (one / "class_000" / "img_00000.jpg").exists()
+
+
+def test_cpu_seconds_count_workers_that_are_still_running():
+    """getrusage(RUSAGE_CHILDREN) counts a worker only once it has exited and been reaped; DataLoader workers
+    live through a pass, so their CPU must come from /proc."""
+    import multiprocessing
+    import time
+
+    bench = load("bench_dali_gpu")
+    ctx = multiprocessing.get_context("fork")
+    go, done = ctx.Event(), ctx.Event()
+    worker = ctx.Process(target=_spin, args=(go, done))
+    worker.start()
+    try:
+        before = bench.cpu_seconds()
+        go.set()
+        assert done.wait(60)
+        time.sleep(0.05)
+        assert bench.cpu_seconds() - before >= 0.3     # the worker's 0.5 s of CPU, while it is still alive
+        assert worker.is_alive()
+    finally:
+        worker.kill()
+        worker.join()
+
+
+def _spin(go, done):
+    import time
+
+    go.wait()
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.5:
+        pass
+    done.set()
+    time.sleep(60)
 
 
 def torch_cuda_available() -> bool:
@@ -472,3 +634,48 @@ def test_bench_shards_evicts_only_the_shards_no_process_holds(tmp_path):
         os.kill(other, 9)
         os.waitpid(other, 0)
         os.close(held)
+
+
+def test_bench_dali_gpu_quick_on_the_cpu(tmp_path):
+    """The dry form of the GPU experiment: DALI's own pipeline, the dali backend (decoding in its pipeline, as
+    on a GPU), torch and the limit measured with CPU cores used; nvJPEG's settings listed as skipped."""
+    bench = load("bench_dali_gpu")
+    args = bench.get_args_parser().parse_args(
+        ["--quick", "--device", "cpu", "--workers", "2", "--jpeg-images", "20", "--batches", "4", "8",
+         "--depths", "2", "--thread-counts", "1", "--out", str(tmp_path), "--tag", "test",
+         "--cache", str(tmp_path / "c")])
+    payload = bench.main(args)
+    on_disk, md = check_reports(payload, "dali-gpu-test")
+    rows = {r["name"]: r for r in on_disk["rows"]}
+    measured = ["ceiling", "dali", "torch", "limit", "dali prefetch_queue_depth=2", "dali batch 4", "dali batch 8",
+                "dali num_workers=1"]
+    for name in measured:
+        r = rows[name]
+        assert r["status"] == "ok", (name, r)
+        assert r["rate"] > 0 and len(r["passes"]) == 2 and not r["paired"]
+        assert len(r["extra"]["cores_passes"]) == 2 and r["extra"]["cores"] > 0
+        assert f"| {name} " in md
+    assert "decode='dali'" in rows["dali"]["note"] and rows["dali batch 8"]["extra"]["batch_size"] == 8
+    assert rows["dali num_workers=1"]["extra"]["num_workers"] == 1
+    for name in ("dali hw_decoder_load=0", "ceiling hw_decoder_load=1", "dali fancy_upsampling=False"):
+        assert rows[name]["status"] == "skipped" and "GPU-only" in rows[name]["note"]
+    choices = {c["factor"]: c for c in on_disk["choices"]}
+    assert set(choices) == {"hw_decoder_load", "ceiling hw_decoder_load", "fancy_upsampling", "prefetch_queue_depth",
+                            "batch", "num_workers"}
+    best = max((rows["dali batch 4"], rows["dali batch 8"]), key=lambda r: r["rate"])
+    assert choices["batch"]["best"] == best["extra"]["value"] and choices["hw_decoder_load"]["best"] is None
+    assert "## Choosing the defaults" in md
+
+
+def test_a_setting_the_installed_fastdata_refuses_is_listed_not_fatal(tmp_path):
+    bench = load("bench_dali_gpu")
+    import torch
+
+    args = bench.get_args_parser().parse_args(["--quick", "--device", "cpu", "--workers", "1"])
+    source, _ = load("bench_loaders").jpeg_source(10, tmp_path)
+    rows = []
+    setting = bench.Setting("dali warp_speed=9", "fastdata", "warp_speed", 9, {"warp_speed": 9})
+    bench.measure(setting, rows, source, args, torch.device("cpu"))
+    (row,) = rows
+    assert row.status == "not supported" and row.note.startswith("not supported by this fastdata")
+    assert "warp_speed" in row.note
