@@ -450,7 +450,16 @@ def test_a_batch_is_one_gather_and_no_host_sync(case, bound, monkeypatch, photo_
     next(it)                    # the epoch is prepared with the first batch
     spy = _Kernels()
     per_batch = []
-    with spy.mode:
+
+    def sync(name):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"a host sync per batch: Tensor.{name}")
+        return refuse
+
+    with spy.mode, monkeypatch.context() as m:
+        # tolist() on a CPU tensor reads its memory without dispatching an op: patched, like item().
+        for name in ("item", "tolist", "nonzero", "cpu", "numpy"):
+            m.setattr(torch.Tensor, name, sync(name))
         for _ in range(len(loader) - 1):
             spy.ops.clear()
             x, y = next(it)
