@@ -3,9 +3,6 @@ to train on two CPU cores), classifiers by name (``create_model``), and gradient
 model's sequential blocks (``checkpoint_blocks``)."""
 from __future__ import annotations
 
-import contextlib
-import functools
-
 import torch
 from torch import nn
 
@@ -142,8 +139,9 @@ def checkpoint_blocks(model: nn.Module, *, segments: int | None = None) -> nn.Mo
     The model's ``state_dict`` keys, ``deepcopy`` and pickling are unchanged: the Sequentials only change
     class (to a subclass whose forward checkpoints), no wrapper module is inserted. Under ``no_grad``
     (evaluation) the forward runs as before. BatchNorm running statistics are updated once per step,
-    as without checkpointing: the recomputation in backward restores them (a plain checkpoint would
-    apply the momentum twice and drift the statistics used in evaluation).
+    as without checkpointing, for every kind of model here, timm's included: the recomputation in
+    backward updates throw-away copies (a plain checkpoint applies the momentum twice and drifts the
+    statistics used in evaluation; see ``_count_statistics_once``).
 
     Args:
         model: the unwrapped model (before DDP or ``torch.compile``).
@@ -162,7 +160,13 @@ def checkpoint_blocks(model: nn.Module, *, segments: int | None = None) -> nn.Mo
     if hasattr(model, "set_grad_checkpointing"):
         # timm's own switch knows each architecture's stages (and its own segment layout).
         model.set_grad_checkpointing(True)
-        return model
+    else:
+        _split_sequentials(model, segments)
+    _count_statistics_once(model)
+    return model
+
+
+def _split_sequentials(model: nn.Module, segments: int | None) -> None:
     if isinstance(model, SmallCNN):
         targets = [model.features]
     elif all(isinstance(getattr(model, f"layer{i}", None), nn.Sequential) for i in range(1, 5)):
@@ -177,7 +181,6 @@ def checkpoint_blocks(model: nn.Module, *, segments: int | None = None) -> nn.Mo
         if not isinstance(seq, CheckpointedSequential):
             seq.__class__ = _checkpointed_class(type(seq))
         seq.checkpoint_segments = segments
-    return model
 
 
 class CheckpointedSequential(nn.Sequential):
@@ -200,8 +203,7 @@ class CheckpointedSequential(nn.Sequential):
         bounds = [round(i * len(blocks) / n) for i in range(n + 1)]
         for start, end in zip(bounds, bounds[1:]):
             chunk = blocks[start:end]
-            x = checkpoint(_run_chunk, chunk, x, use_reentrant=False,
-                           context_fn=functools.partial(_contexts, chunk))
+            x = checkpoint(_run_chunk, chunk, x, use_reentrant=False)
         return x
 
 
@@ -211,25 +213,57 @@ def _run_chunk(chunk, x):
     return x
 
 
-def _contexts(chunk):
-    return contextlib.nullcontext(), _frozen_batchnorm_stats(chunk)
+# The buffers torch's normalization layers update in a training forward (BatchNorm, SyncBatchNorm,
+# InstanceNorm with track_running_stats, and subclasses such as timm's BatchNormAct2d).
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+_KEPT, _HOOKED = "_fastdata_kept_statistics", "_fastdata_statistics_once"
 
 
-@contextlib.contextmanager
-def _frozen_batchnorm_stats(chunk):
-    """During the recomputation: put BatchNorm running statistics back as they were, so the momentum
-    is applied once per step (the forward already did), not twice."""
-    norms = [m for block in chunk for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-             and m.track_running_stats and m.running_mean is not None]
-    saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in norms]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, (mean, var, count) in zip(norms, saved):
-                m.running_mean.copy_(mean)
-                m.running_var.copy_(var)
-                m.num_batches_tracked.copy_(count)
+def _count_statistics_once(model: nn.Module) -> None:
+    """Make every module of ``model`` that keeps running statistics update them once per training step
+    under checkpointing, whoever calls the checkpoint (this module's Sequentials, or timm's own
+    ``checkpoint_seq``, reentrant or not).
+
+    A checkpoint runs each block's forward a second time in backward, with the module still in training
+    mode, so BatchNorm would apply its momentum twice. A context around our own ``checkpoint`` call
+    cannot reach timm's calls; a hook on each normalization module can. The recomputation is told apart
+    by running inside the autograd engine (``torch._C._current_graph_task_id() != -1``, the id
+    torch.utils.checkpoint itself keys its recomputations by): a model's real forward never does. There
+    the module's statistics buffers are swapped for copies, which the recomputation updates and the
+    hook afterwards drops. Swapping, instead of copying the old values back, leaves the real buffers
+    untouched, so no version counter moves under a reentrant checkpoint's saved tensors. A training
+    forward normalizes with the batch's statistics, not these buffers, so the recomputed activations
+    and the gradients do not change. Under ``torch.compile`` the hooks do nothing: the compiled graph
+    applies the buffer update once (its backward recomputes values, not mutations). Hooks are
+    module-level functions, so ``deepcopy`` and pickling keep them.
+    """
+    for module in model.modules():
+        if _statistics(module) and not module.__dict__.get(_HOOKED):   # once, if called again
+            module.register_forward_pre_hook(_use_copies_in_backward)
+            module.register_forward_hook(_put_statistics_back, always_call=True)
+            module.__dict__[_HOOKED] = True   # our own mark, copied and pickled with the hooks
+
+
+def _statistics(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b for name, b in module.named_buffers(recurse=False) if name in _STATISTICS}
+
+
+def _use_copies_in_backward(module: nn.Module, args) -> None:
+    if torch.compiler.is_compiling() or not module.training or torch._C._current_graph_task_id() == -1:
+        return
+    kept = _statistics(module)
+    for name, buffer in kept.items():
+        setattr(module, name, buffer.clone())   # a registered buffer's name: nn.Module swaps the buffer
+    module.__dict__[_KEPT] = kept
+
+
+def _put_statistics_back(module: nn.Module, args, output) -> None:
+    # always_call: also when the recomputation stops early (torch.utils.checkpoint raises inside it once
+    # it has what backward needs) or fails.
+    if torch.compiler.is_compiling():
+        return
+    for name, buffer in module.__dict__.pop(_KEPT, {}).items():
+        setattr(module, name, buffer)
 
 
 _CLASSES: dict[type, type] = {}

@@ -199,6 +199,8 @@ THIRD_PARTY_PRIVATE = {
     "_BatchNorm": "torch.nn: the base class of every BatchNorm layer",
     "_C": "torch: _storage_Use_Count, the only way to know a pooled buffer is free",
     "_storage_Use_Count": "torch._C: see _C",
+    "_current_graph_task_id": "torch._C: -1 outside backward; tells a checkpoint's recomputation (which "
+                              "torch.utils.checkpoint keys by it) from a real forward (models.py)",
     "_cdata": "torch's UntypedStorage: the handle _storage_Use_Count takes",
     "_parent": "fsspec: the parent folder of a path under the file system's own rules (protocols, buckets)",
 }

@@ -188,6 +188,57 @@ def test_checkpoint_blocks_uses_timms_own_switch():
     assert model.grad_checkpointing is True
 
 
+@pytest.mark.parametrize("name", ["resnet18", "efficientnet_b0"])   # BatchNorm2d; timm's BatchNormAct2d
+def test_checkpointed_timm_models_move_batchnorm_statistics_once(name):
+    timm = pytest.importorskip("timm")
+    x, labels = torch.randn(2, 3, 64, 64), torch.tensor([1, 2])
+    plain, ckpt = _same_training_step(lambda: timm.create_model(name, pretrained=False, num_classes=3), x, labels)
+    assert ckpt.grad_checkpointing is True
+    moved = [n for n, b in plain.named_buffers() if n.endswith("running_mean")]
+    assert len(moved) > 15   # every BatchNorm of the blocks was checked, not only the stem's
+
+
+def test_batchnorm_statistics_move_once_with_reentrant_checkpointing_too(monkeypatch):
+    # timm's TIMM_REENTRANT_CKPT=1 (set_reentrant_ckpt) recomputes through the reentrant checkpoint instead.
+    timm = pytest.importorskip("timm")
+    import timm.layers.config as timm_config
+
+    monkeypatch.setattr(timm_config, "_USE_REENTRANT_CKPT", True)
+    x, labels = torch.randn(2, 3, 64, 64), torch.tensor([1, 2])
+    _same_training_step(lambda: timm.create_model("resnet18", pretrained=False, num_classes=3), x, labels)
+
+
+def test_a_compiled_checkpointed_model_moves_statistics_once_without_graph_breaks():
+    import torch._dynamo
+
+    x, labels = torch.randn(4, 1, 28, 28), torch.arange(4) % 10
+    torch.manual_seed(0)
+    plain = SmallCNN().train()
+    ckpt = checkpoint_blocks(copy.deepcopy(plain))
+    # The statistics hooks trace away (explain runs a forward: on a copy, whose statistics it moves).
+    assert torch._dynamo.explain(copy.deepcopy(ckpt))(x).graph_break_count == 0
+    torch._dynamo.reset()
+    _grads(plain, x, labels)
+    _grads(torch.compile(ckpt, backend="aot_eager"), x, labels)
+    for (name, b), (_, b_c) in zip(plain.named_buffers(), ckpt.named_buffers()):
+        torch.testing.assert_close(b_c, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_checkpointed_model_still_updates_statistics_every_step_and_not_in_evaluation():
+    torch.manual_seed(0)
+    model = checkpoint_blocks(checkpoint_blocks(SmallCNN())).train()   # a second call adds no second hook
+    bn = model.features[0][1]
+    assert len(bn._forward_pre_hooks) == 1 and len(bn._forward_hooks) == 1
+    for step in range(1, 4):
+        _grads(model, torch.randn(4, 1, 28, 28), torch.arange(4) % 10)
+        assert bn.num_batches_tracked.item() == step
+    before = bn.running_mean.clone()
+    with torch.no_grad():
+        model.eval()(torch.randn(4, 1, 28, 28))
+    torch.testing.assert_close(bn.running_mean, before, rtol=0, atol=0)
+    assert bn.num_batches_tracked.item() == 3
+
+
 def test_checkpoint_blocks_refuses_what_it_cannot_split():
     class Net(torch.nn.Module):
         def __init__(self):
@@ -199,6 +250,25 @@ def test_checkpoint_blocks_refuses_what_it_cannot_split():
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="segments must be a positive int"):
             checkpoint_blocks(SmallCNN(), segments=bad)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_checkpointed_timm_and_torchvision_models_move_batchnorm_statistics_once():
+    # On CUDA the backward, and with it the recomputation, runs on the autograd engine's device thread.
+    timm = pytest.importorskip("timm")
+    import torchvision
+
+    for build in (lambda: timm.create_model("resnet18", pretrained=False, num_classes=3),
+                  lambda: torchvision.models.resnet18(weights=None, num_classes=3)):
+        torch.manual_seed(0)
+        plain = build().cuda().train()
+        ckpt = checkpoint_blocks(copy.deepcopy(plain))
+        x, labels = torch.randn(4, 3, 64, 64, device="cuda"), torch.tensor([0, 1, 2, 0], device="cuda")
+        for model in (plain, ckpt):
+            torch.nn.functional.cross_entropy(model(x), labels).backward()
+        # A second update would move a running mean by ~0.1; kernels' summation order by far less.
+        for (name, b), (_, b_c) in zip(plain.named_buffers(), ckpt.named_buffers()):
+            torch.testing.assert_close(b_c, b, rtol=0, atol=1e-4, msg=name)
 
 
 @pytest.mark.cuda
