@@ -28,7 +28,7 @@ On a machine without a GPU (``--device cpu``, what ``--quick --device cpu`` chec
 GPU-only settings (``hw_decoder_load``, ``fancy_upsampling``) are listed as skipped, and the dali rows
 decode inside the pipeline (``decode="dali"``) as they do on a GPU.
 
-    python benchmarks/bench_dali_gpu.py                       # ~2-3 minutes on a 16-core H200 machine
+    python benchmarks/bench_dali_gpu.py                       # rows start within --budget (170 s): one call
     python benchmarks/bench_dali_gpu.py --quick --device cpu --out /tmp/bench   # does it run
 """
 from __future__ import annotations

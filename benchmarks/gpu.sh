@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu.sh call1|call2|call3   # one call each, in this order (below)
 #   bash benchmarks/gpu.sh all                 # the three in one go, on a GPU machine of your own with DALI
-#   bash benchmarks/gpu.sh dry                 # every stage on the CPU, tiny sizes: do they run? (~2 min)
+#   bash benchmarks/gpu.sh dry                 # every stage on the CPU, tiny sizes: do they run? (2-5 min)
 #
 # On the lent machine (the device tool), after ../shared/gpu/pack.sh, each call within 30 s of the last:
 #   1. carry [".gpu/whl", ".gpu/setup.sh", ".gpu/dali.part0"]: source .gpu/setup.sh && bash benchmarks/gpu.sh call1
@@ -16,7 +16,8 @@
 # puts the reports in place.
 #
 # Stages, each under `timeout` (its limit in seconds): one stuck stage is stopped (SIGINT first, so pytest
-# still prints its summary), counted as failed, and the next one runs. About 6-8 minutes in all.
+# still prints its summary), counted as failed, and the next one runs. Planned at 6-8 minutes in all (the
+# limits add up to 12; not yet run on a GPU).
 # GPU_SH_LIMIT_PCT scales every limit (percent; `dry` 300).
 #   call1  doctor [30]      python -m fastdata doctor
 #          tests [180]      FASTDATA_REQUIRE_CUDA=1 pytest -m cuda without the dali tests (no DALI yet:
