@@ -1200,3 +1200,23 @@ def test_nvjpeg_hints_cover_the_largest_photo_known():
     big = nvjpeg_hints(np.array([[3000, 4000]]))
     assert big["device_memory_padding"] == big["host_memory_padding"] == 35 << 20   # 36 MB, whole MiB
     assert nvjpeg_hints(np.array([[9000, 9000]]))["device_memory_padding"] == MAX_PADDING
+
+
+def test_the_cpu_benchmark_times_both_pipelines_on_the_same_images(tmp_path):
+    """benchmarks/bench_dali_cpu.py's measure_pair (another script imports it) times both contenders
+    every round, and its ratios are the per-round ratios of those epochs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dali_cpu.py"
+    spec = importlib.util.spec_from_file_location("bench_dali_cpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    root = bench.small_jpegs(tmp_path / "jpegs", 40)
+    assert len(list(root.rglob("*.jpg"))) == 40
+    res = bench.measure_pair(root, batch=16, size=32, threads=1, rounds=2)
+    assert res["images"] == 40 and set(res["rates"]) == {bench.READER, bench.FASTDATA}
+    ours, theirs = res["rates"][bench.FASTDATA], res["rates"][bench.READER]
+    assert len(ours) == len(theirs) == 2 and min(ours + theirs) > 0
+    assert res["ratios"] == pytest.approx([a / b for a, b in zip(ours, theirs)])
+    assert min(res["cpu_ms_per_image"][bench.FASTDATA]) > 0
