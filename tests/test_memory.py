@@ -559,6 +559,24 @@ def test_the_next_epochs_draws_are_made_on_a_thread_and_used_only_when_they_matc
     fresh.close()
 
 
+@pytest.mark.parametrize("path", ["ready", "uint8"])
+def test_shifted_and_flipped_batches_in_channels_last_are_the_same_pixels(path, monkeypatch):
+    """The gather from the cache's window keeps a channels-last ready cache's layout (no copy), and a
+    channels-last batch holds exactly the pixels of the contiguous one, shifts and flips included."""
+    from fastdata.backends import memory
+
+    if path == "uint8":
+        monkeypatch.setattr(memory.budgeting, "ready_bytes", lambda *a: 2**62)
+    src = ArraySource(np.random.default_rng(0).integers(0, 256, (200, 12, 12, 3), dtype=np.uint8),
+                      np.arange(200) % 10)
+    kw = dict(batch_size=40, device="cpu", seed=3, augment=Augmentation(crop="translate", pad=3, hflip=0.5))
+    plain, last = make_loader(src, "memory", **kw), make_loader(src, "memory", channels_last=True, **kw)
+    assert (last.ready is None) == (path == "uint8")
+    for (xa, ya), (xb, yb) in zip(plain, last, strict=True):
+        assert xb.is_contiguous(memory_format=torch.channels_last) and xa.is_contiguous()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
 def test_draws_made_ahead_are_used_only_for_the_same_batches():
     """Draws.matches: the key, the batch lengths and every id (a changed order, a resume at another
     offset, a re-split after an elastic resume all draw again)."""
