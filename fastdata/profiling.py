@@ -40,8 +40,11 @@ run ended in the middle of them). Every rank writes its own trace file. A run sh
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
+import os
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -104,12 +107,15 @@ class StepProfiler:
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        handler = tensorboard_trace_handler(str(self.out_dir))
+        # The handler's own default name, given explicitly: under DDP every rank writes into out_dir, and
+        # a file another rank wrote meanwhile must not be taken (and read) as this rank's trace.
+        worker = f"{socket.gethostname()}_{os.getpid()}"
+        handler = tensorboard_trace_handler(str(self.out_dir), worker_name=worker)
 
         def on_trace_ready(prof):
-            before = set(self.out_dir.glob("*.pt.trace.json"))
+            before = set(self.out_dir.glob(f"{glob.escape(worker)}.*.pt.trace.json"))
             handler(prof)
-            written = sorted(set(self.out_dir.glob("*.pt.trace.json")) - before)
+            written = sorted(set(self.out_dir.glob(f"{glob.escape(worker)}.*.pt.trace.json")) - before)
             self.trace_files += written
             self._report(written)
 

@@ -3,6 +3,8 @@ forward/backward and optimizer that adds up to the step."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 
 import pytest
@@ -117,6 +119,29 @@ def test_a_run_that_ends_inside_the_active_steps_still_gets_its_trace(tmp_path):
         _train(prof, steps=4)
     assert len(prof.trace_files) == 1
     assert [r["step"] for r in prof.rows] == [1, 2, 3]
+
+
+def test_each_rank_keeps_its_own_trace_when_ranks_share_the_folder(tmp_path, monkeypatch):
+    """Under DDP every rank writes into the same folder: a file another rank writes meanwhile is not ours
+    (its copies would be read into this rank's table)."""
+    import torch.profiler
+
+    real = torch.profiler.tensorboard_trace_handler
+
+    def with_another_rank_writing(out_dir, **kwargs):
+        handler = real(out_dir, **kwargs)
+
+        def write(prof):
+            (tmp_path / "otherhost_999.1795762231062908424.pt.trace.json").write_text('{"traceEvents": []}')
+            handler(prof)
+        return write
+
+    monkeypatch.setattr(torch.profiler, "tensorboard_trace_handler", with_another_rank_writing)
+    with StepProfiler(tmp_path, wait=0, warmup=1, active=1, device="cpu", print_table=False) as prof:
+        _train(prof, steps=3)
+    assert len(list(tmp_path.glob("*.pt.trace.json"))) == 2
+    (ours,) = prof.trace_files
+    assert ours.name.startswith(f"{socket.gethostname()}_{os.getpid()}.")
 
 
 def test_a_run_shorter_than_the_schedule_warms_and_writes_nothing(tmp_path):
