@@ -33,7 +33,6 @@ import numpy as np
 
 from ..config import Augmentation, SourceKind
 from ..errors import DecodeError
-from ..shards.storage import ShardMismatch
 from .arrays import ArraySource
 from .base import IMAGENET_MEAN, IMAGENET_STD, Source, channel_stats, check_labels
 from .folders import ImageFolder
@@ -205,6 +204,9 @@ class Shards(Source):
 
     def read_stamped(self, i: int) -> tuple[bytes, int]:
         """Sample ``i``'s bytes from its shard (a shard's bytes never change under one index: stamp 0)."""
+        # Imported here: importing fastdata must not load the shards package (its __init__ loads pack).
+        from ..shards.storage import ShardMismatch
+
         self._check_process()
         j = int(self._ids[i])
         shard = self.index.shards[int(self.index.shard[j])].name
@@ -240,6 +242,8 @@ class Shards(Source):
         """Called when a shard file is opened: it is the shard the index describes. Local files: size and
         sha256 (``Verdicts``: hashed once per file version). Cached downloads were hashed before they were
         published under their digest's name: their size is checked."""
+        from ..shards.storage import ShardMismatch
+
         info = self.index.shards[int(self.index.shard[j])]
         where = self.storage.url(info.name)
         if self._verdicts is not None:
