@@ -500,6 +500,29 @@ def test_cuda_digits_come_at_the_speed_of_a_gather_of_ready_batches():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["digits", "flips", "photos"])
+def test_cuda_memory_epoch_makes_no_host_sync(recipe, photo_folder):
+    """A whole epoch after the first (its start, where the draws made ahead are uploaded, and every
+    batch) runs under torch's sync debug mode "error": any host sync (.item(), a pageable copy,
+    nonzero, a stream or device synchronize) raises."""
+    if recipe == "photos":
+        loader = make_loader(ImageFolder(photo_folder), "memory", batch_size=3, device="cuda", cache_size=64,
+                             augment=Augmentation.imagenet_train(size=32))
+    else:
+        aug = Augmentation(crop="translate", pad=2, hflip=0.5 if recipe == "flips" else 0)
+        loader = make_loader(SyntheticDigits(2000, seed=1), "memory", batch_size=100, device="cuda", augment=aug)
+    for _ in loader:
+        pass
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batches = sum(1 for _ in loader)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert batches == len(loader)
+
+
+@pytest.mark.cuda
 def test_cuda_training_on_the_memory_backend_waits_for_data_at_most_1_percent():
     """Issue 30.6: the first command's training (train_mnist.py: SmallCNN, batch 256, SGD fused, one
     cycle) on the memory backend waits on data for at most 1% of each epoch from the second one (the

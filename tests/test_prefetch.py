@@ -472,3 +472,22 @@ def test_cuda_prefetch_says_when_it_cannot_help(caplog):
         loader = make_loader(indexed_source(1000), "prefetch", batch_size=256, device="cuda", num_workers=0)
     assert "backend 'prefetch' cannot help here: a batch is 16 KiB of uint8" in caplog.text
     loader.close()
+
+
+@pytest.mark.cuda
+def test_cuda_prefetch_epoch_makes_no_host_sync():
+    """No thread of a prefetch epoch (the training thread's next(), the producer's copies and launches,
+    the DataLoader's pinning) synchronizes with the GPU: under torch's sync debug mode "error" any such
+    call raises, and the producer's error is raised by the consumer."""
+    loader = make_loader(indexed_source(2048, size=64, channels=3), "prefetch", batch_size=256, device="cuda",
+                         num_workers=2)
+    for _ in loader:            # epoch 0: workers, pinned and device pools warm
+        pass
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batches = sum(1 for _ in loader)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert batches == len(loader)
+    loader.close()
