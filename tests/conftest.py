@@ -7,6 +7,13 @@ machine whose ``nvidia-smi`` lists GPUs that torch cannot use (a driver older th
 needs) fails instead of quietly testing the CPU paths. Tests that need more GPUs than N still skip.
 It also fails, instead of skipping, a test whose GPU-path package (DALI, nvImageCodec) does not import
 (``skip_missing``; ``backend_params`` marks no backend skipped): a broken install there is a failure.
+
+Optional libraries (an extra of pyproject.toml: Lightning, accelerate, timm, TensorBoard, webdataset,
+moto, fsspec, s3fs...) go through ``require(module)`` (or ``@pytest.mark.requires(module)`` for a whole
+module): missing, a test skips with a reason that names the extra to install. In CI (``CI=true``, which
+``.ci/run`` gets) or under ``FASTDATA_REQUIRE_EXTRAS=1`` it fails instead: a broken install must not pass
+CI by skipping (``FASTDATA_REQUIRE_EXTRAS=0`` lets a CI job without the extras skip them). A test that
+imports such a library directly, or through ``pytest.importorskip``, is held to the same rule.
 """
 from __future__ import annotations
 
@@ -94,7 +101,103 @@ def skip_missing(reason: str, *, allow_module_level: bool = False):
     pytest.skip(reason, allow_module_level=allow_module_level)
 
 
+#: The optional libraries the tests use, each with the extra (pyproject.toml) that installs it.
+EXTRAS = {"lightning": "integrations", "accelerate": "integrations", "timm": "integrations",
+          "tensorboard": "integrations", "webdataset": "dev", "moto": "dev", "matplotlib": "dev",
+          "fsspec": "shards", "aiohttp": "shards", "s3fs": "shards"}
+
+
+def _extras_required() -> bool:
+    raw = os.environ.get("FASTDATA_REQUIRE_EXTRAS", "").strip().lower()
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("0", "false", "no"):
+        return False
+    if raw:
+        raise pytest.UsageError(f"FASTDATA_REQUIRE_EXTRAS={raw!r}: expected 1 (a missing optional library "
+                                f"fails its tests) or 0 (it skips them)")
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+REQUIRE_EXTRAS = _extras_required()
+
+
+def missing_extra(module: str, error: BaseException | str):
+    """A test cannot run without the optional ``module``: skip, naming the extra that installs it; in CI or
+    under FASTDATA_REQUIRE_EXTRAS=1 fail (the extras are installed there: missing, the install is broken)."""
+    extra = EXTRAS.get(module.split(".")[0])
+    how = f"pip install -e '.[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
+    reason = f"needs {module} ({error}): {how}" + (f" (the '{extra}' extra)" if extra else "")
+    if REQUIRE_EXTRAS:
+        where = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0] or "(collecting a module)"
+        _MISSING.append(f"{where}: {reason}")
+        pytest.fail(f"a missing optional library fails in CI (FASTDATA_REQUIRE_EXTRAS=0 to skip): {reason}",
+                    pytrace=False)
+    pytest.skip(reason)
+
+
+def require(module: str):
+    """``module`` imported (``require("timm.loss")``), or the test skips or fails as ``missing_extra``
+    says. An installed library that raises ImportError at import (a dependency of its own missing) is
+    missing too; any other error at import is raised. Inside a test or fixture only: a whole module says
+    ``pytestmark = pytest.mark.requires(...)`` (a failure while collecting would stop the whole run)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing_extra(module, e)
+
+
+def optional(module: str):
+    """``module`` imported, or a stand-in whose attributes are empty classes, so that a test module can
+    define its subclasses (``class M(L.LightningModule)``) without the library and mark its tests
+    ``requires``: each then skips or fails on its own, instead of the module turning into one skip line."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        class StandIn:
+            def __getattr__(self, name):
+                return type(name, (), {"__module__": f"{module} (not installed)"})
+
+        return StandIn()
+
+
+_MISSING: list[str] = []
+
+
+def _optional_module_of(error: BaseException) -> str | None:
+    """The optional library a test failed to import: a ModuleNotFoundError of one of EXTRAS, or a skip
+    raised by ``pytest.importorskip`` (its frame holds the module's name)."""
+    if isinstance(error, ModuleNotFoundError) and error.name and error.name.split(".")[0] in EXTRAS:
+        return error.name
+    if isinstance(error, pytest.skip.Exception):
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and tb.tb_frame.f_code.co_name == "importorskip":
+            return str(tb.tb_frame.f_locals.get("modname", "?"))
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """The same rule for a test that imports an optional library without ``require``."""
+    try:
+        return (yield)
+    except (ModuleNotFoundError, pytest.skip.Exception) as e:
+        module = _optional_module_of(e)
+        if module is None or (isinstance(e, pytest.skip.Exception) and not REQUIRE_EXTRAS):
+            raise
+        missing_extra(module, e)
+
+
 def pytest_runtest_setup(item):
+    for marker in item.iter_markers("requires"):
+        for module in marker.args:
+            require(module)
     marker = item.get_closest_marker("cuda")
     if marker is None:
         return
@@ -109,11 +212,24 @@ def pytest_runtest_setup(item):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _MISSING:
+        terminalreporter.section("optional libraries missing (CI or FASTDATA_REQUIRE_EXTRAS=1: failures)")
+        for line in _MISSING:
+            terminalreporter.write_line(line)
     if _NOT_RUN:
         terminalreporter.section(f"FASTDATA_REQUIRE_CUDA={REQUIRED_GPUS}: tests that could not run")
         for line in _NOT_RUN:
             terminalreporter.write_line(line)
         terminalreporter.write_line(cuda_unavailable_reason(1) or "")
+
+
+def pairs(a, b):
+    """The batches of two loaders (or any two iterables), read whole, paired one to one: both must hold
+    the same number, and at least one. A bare ``zip`` stops at the shorter, so a loader that yielded no
+    batch, or only its first, would pass a comparison with one that yielded them all."""
+    a, b = list(a), list(b)
+    assert a and len(a) == len(b), f"{len(a)} batches against {len(b)}"
+    return list(zip(a, b, strict=True))
 
 
 def label_of(ids):

@@ -19,8 +19,8 @@ import torch
 from conftest import backend_params, decode_ids, indexed_source, label_of, load_example
 from fastdata import Augmentation, available_backends, make_loader
 
-accelerate = pytest.importorskip("accelerate", reason="the 'integrations' extra is not installed: pip install "
-                                                      "'fastdata[integrations]'")
+# Without accelerate each test skips (or fails in CI) on its own, naming the extra.
+pytestmark = pytest.mark.requires("accelerate")
 
 ROOT = Path(__file__).resolve().parents[1]
 N, BATCH, EPOCHS = 40, 8, 2   # 5 steps an epoch

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import require
 from fastdata import fit, make_loader
 from fastdata.bench import measure_loader, measure_step, predict
 from fastdata.datasets import SyntheticDigits
@@ -263,7 +264,7 @@ def test_a_folder_smaller_than_the_batch_is_measured_in_one_batch_of_it_and_says
 
 
 def test_model_takes_a_timm_name_after_torchvision_names(tmp_path):
-    pytest.importorskip("timm", reason="timm is the 'integrations' extra")
+    require("timm")
     payload = _bench(_photos(tmp_path / "photos"), "--model", "test_vit", "--backends", "memory",
                      out=tmp_path / "out")
     assert payload["model"] == "test_vit" and payload["model_images_per_second"] > 0
@@ -292,7 +293,7 @@ def test_every_file_skipped_is_one_line_and_a_nonzero_exit_not_a_traceback(tmp_p
 ])
 def test_a_model_that_cannot_be_built_or_trained_here_is_one_line_and_downloads_nothing(tmp_path, monkeypatch,
                                                                                        model, message):
-    pytest.importorskip("timm", reason="timm is the 'integrations' extra")
+    require("timm")
     from fastdata import bench
 
     def no_download(*args, **kwargs):

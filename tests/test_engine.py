@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import require
 from fastdata import Augmentation, available_backends, make_loader
 from fastdata import checkpoint as ckpt
 from fastdata.datasets import ArraySource, SyntheticDigits
@@ -380,6 +381,25 @@ def test_the_progress_bar_shows_the_steady_state(monkeypatch):
     bar.last = -math.inf
     bar.update(meter)
     assert "100 img/s" in bar.bar.text and "data wait 25%" in bar.bar.text, bar.bar.text
+
+
+def test_the_steady_figures_are_reduced_over_ranks(monkeypatch):
+    """Under DDP: images added, wait the mean of the ranks' steady fractions, seconds the slowest rank's,
+    and the steady span the longest rank's (warmup_seconds is the rest), so images/s is every rank's steady
+    images over it. The other rank is simulated: 40 images, 16 of them warm-up, a steady wait of 0.5, a
+    100 s epoch with a 60 s steady span."""
+    import fastdata.distributed as fdist
+
+    monkeypatch.setattr(fdist, "all_sum", lambda t: t + torch.tensor([0, 0, 0, 40, 16, 0.5, 0], dtype=t.dtype))
+    monkeypatch.setattr(fdist, "all_max", lambda t: torch.maximum(t, torch.tensor([100.0, 60.0, 0.0], dtype=t.dtype)))
+    monkeypatch.setattr(fdist, "world_size", lambda: 2)
+    meter = EpochMeter(torch.device("cpu"), warmup_steps=1)
+    train_one_epoch(CountingStep(), ListLoader(_batches(4, size=8)), meter)   # 32 images, 8 of warm-up
+    record = meter.record(1)
+    assert record["images"] == 72 and record["seconds"] == 100.0
+    assert record["warmup_seconds"] == pytest.approx(40.0)
+    assert record["images_per_second"] == pytest.approx((72 - 8 - 16) / 60)
+    assert record["data_wait_fraction"] == pytest.approx(0.25, abs=0.05)   # this rank waited next to nothing
 
 
 @pytest.mark.parametrize("kwargs, match", [({"epochs": -1}, "epochs"), ({"epochs": 1, "resume": True}, "checkpoint"),
@@ -1241,7 +1261,7 @@ def test_fit_trains_on_timm_soft_target_loss_with_mixup_and_evaluates_on_class_i
     """timm's recipe: SoftTargetCrossEntropy takes MixUp's (N, classes) targets only. fit used it for the
     eval loader's int64 labels too and crashed after the whole first epoch; the eval loss is now
     cross-entropy on the evaluation labels, whatever the training loss."""
-    timm_loss = pytest.importorskip("timm.loss", reason="timm is the 'integrations' extra")
+    timm_loss = require("timm.loss")
     from fastdata.batch_transforms import MixUp
 
     train = make_loader(SyntheticDigits(64, seed=1), "memory", batch_size=32, device="cpu", seed=0,
@@ -1965,6 +1985,7 @@ def test_fit_profile_writes_a_trace_with_the_step_regions_and_prints_the_table(t
 def test_fit_log_dir_writes_every_epoch_record_the_steps_and_tensorboard_scalars(tmp_path):
     import csv
 
+    require("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     loader = ListLoader(_batches(6, size=8))

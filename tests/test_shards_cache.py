@@ -18,7 +18,7 @@ from fastdata.shards.cache import CacheFull, ShardCache
 from fastdata.shards.storage import Storage, StorageError
 from shard_servers import Faults, http_server
 
-pytest.importorskip("fsspec", reason="the shard cache tests need fastdata[shards] (fsspec, aiohttp)")
+pytestmark = pytest.mark.requires("fsspec", "aiohttp")   # each test skips, or fails in CI, naming the extra
 
 FAST = {"retries": 2, "backoff": 0.01}
 SIZE = 1_000
