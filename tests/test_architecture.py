@@ -249,11 +249,6 @@ def _defined(tree) -> set[str]:
     return names
 
 
-#: Cross-module private reads known when the test was written, each waiting for its public name: held by
-#: the xfail test below, so that every other module is checked now and the fix is noticed (strict).
-KNOWN_PRIVATE_READS: set = set()
-
-
 def _cross_module_private_reads():
     """([(module, attribute, message)] read across fastdata modules, [message] of other libraries' reads
     missing from THIRD_PARTY_PRIVATE)."""
@@ -278,16 +273,10 @@ def test_no_module_reads_another_modules_private_attributes():
     module defines is a cross-module read (make it public there); one that no fastdata module defines
     belongs to another library and is listed, with its reason, in THIRD_PARTY_PRIVATE."""
     wrong, unlisted = _cross_module_private_reads()
-    wrong = [message for m, attr, message in wrong if (m, attr) not in KNOWN_PRIVATE_READS]
+    wrong = [message for m, attr, message in wrong]
     assert not wrong, "private attributes read across modules:\n" + "\n".join(wrong)
     assert not unlisted, ("private attributes of other libraries, not in THIRD_PARTY_PRIVATE (say why, or use "
                           "a public API):\n" + "\n".join(unlisted))
-
-
-def test_the_known_private_reads_are_gone():
-    wrong, _ = _cross_module_private_reads()
-    left = [message for m, attr, message in wrong if (m, attr) in KNOWN_PRIVATE_READS]
-    assert not left, "\n".join(left)
 
 
 def test_the_private_read_rule_flags_what_it_should():
