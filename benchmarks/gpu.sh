@@ -154,9 +154,11 @@ done
 # ------------------------------------------------------------------------------------ the results
 echo
 "$PY" benchmarks/gpu_summary.py --keep "$KEEP" --tag "$TAG" --out "$KEEP/reports" || failed=1
-if [[ -n ${OUT:-} ]]; then   # the device tool returns at most 8 files: one tarball, and this call's md/txt
+if [[ -n ${OUT:-} ]]; then   # the device tool returns at most 8 files: one tarball, and 7 of this call's md/txt
   tar -C "$KEEP" -czf "$out/gpu-reports-$TAG.tar.gz" reports logs stages.tsv
-  find "$KEEP/reports" -maxdepth 1 -newer "$new" \( -name '*.md' -o -name '*.txt' \) -exec cp {} "$out/" \;
+  mapfile -t fresh < <(find "$KEEP/reports" -maxdepth 1 -newer "$new" -name '*.md' | sort
+                       find "$KEEP/reports" -maxdepth 1 -newer "$new" -name '*.txt' | sort)
+  cp "${fresh[@]:0:7}" "$out/"   # the summary and the reports first; the logs are in the tarball too
 else
   cp "$KEEP"/reports/* "$out/"
 fi
