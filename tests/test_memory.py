@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import skip_missing
+from conftest import pairs, skip_missing
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits
 from fastdata.transforms import draw_params
@@ -19,7 +19,7 @@ def test_digit_batches_equal_the_torch_backends():
     a = make_loader(src, "torch", batch_size=100, device="cpu", num_workers=0, seed=9)
     b = make_loader(src, "memory", batch_size=100, device="cpu", seed=9)
     for epoch in range(2):   # whole passes: a pass left early does not advance the epoch
-        for (xa, ya), (xb, yb) in zip(list(a), list(b)):
+        for (xa, ya), (xb, yb) in pairs(a, b):
             torch.testing.assert_close(xa, xb, rtol=0, atol=1e-6)
             assert torch.equal(ya, yb)
 
@@ -62,7 +62,7 @@ def test_padded_translation_equals_numpy_pad_and_the_torch_backend(padding, path
             np.testing.assert_array_equal(got, ref)
     shuffled = make_loader(src, "memory", **kw)
     torch_backend = make_loader(src, "torch", num_workers=0, **kw)
-    for (xa, ya), (xb, yb) in zip(list(shuffled), list(torch_backend)):
+    for (xa, ya), (xb, yb) in pairs(shuffled, torch_backend):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
@@ -127,7 +127,7 @@ def test_photo_boxes_and_flips_are_the_torch_backends(ramp_folder):
     for cache_size in (320, 128):
         mem, ref = make_loader(src, "memory", cache_size=cache_size, **kw), make_loader(src, "torch", **kw)
         for epoch in range(2):
-            for (xm, ym), (xt, yt) in zip(list(mem), list(ref)):
+            for (xm, ym), (xt, yt) in pairs(mem, ref):
                 assert torch.equal(ym, yt)
                 diff = np.abs(_pixels(xm) - _pixels(xt))[..., :2]          # R and G: the location
                 assert diff.mean() < 0.7 and diff.max() < 1.8, (cache_size, epoch, diff.mean(), diff.max())
@@ -260,7 +260,7 @@ def test_eval_crops_are_the_torch_backends_exactly(photo_folder, hflip):
     mem = make_loader(src, "memory", cache_size=32, **kw)
     ref = make_loader(src, "torch", num_workers=0, **kw)
     for epoch in range(2):
-        for (xm, ym), (xt, yt) in zip(list(mem), list(ref)):
+        for (xm, ym), (xt, yt) in pairs(mem, ref):
             assert torch.equal(xm, xt) and torch.equal(ym, yt)
 
 
@@ -308,7 +308,7 @@ def test_gpu_digit_batches_are_bit_identical_to_the_cpu_path(path, monkeypatch):
     gpu = make_loader(src, "memory", batch_size=100, device="cuda", seed=5)
     assert (gpu.ready is None) == (path == "uint8")
     for epoch in range(2):   # whole passes: a pass left early does not advance the epoch
-        for (xc, yc), (xg, yg) in zip(list(cpu), list(gpu)):
+        for (xc, yc), (xg, yg) in pairs(cpu, gpu):
             assert torch.equal(xc, xg.cpu()) and torch.equal(yc, yg.cpu())
 
 
@@ -348,7 +348,9 @@ def test_uint8_path_when_the_normalized_cache_does_not_fit(monkeypatch):
     small = make_loader(src, "memory", batch_size=100, device="cpu", seed=1)
     assert small.ready is None and small.cache.dtype == torch.uint8
     ref = make_loader(src, "torch", batch_size=100, device="cpu", seed=1, num_workers=0)
-    for (a, ya), (b, yb), (c, yc) in zip(ready, small, ref):
+    batches = [list(ready), list(small), list(ref)]
+    assert batches[0] and len({len(b) for b in batches}) == 1, [len(b) for b in batches]
+    for (a, ya), (b, yb), (c, yc) in zip(*batches, strict=True):
         torch.testing.assert_close(a, c, rtol=0, atol=1e-6)
         torch.testing.assert_close(b, c, rtol=0, atol=1e-6)
         assert torch.equal(ya, yc) and torch.equal(yb, yc)
@@ -625,7 +627,7 @@ def test_prepared_epoch_gives_the_same_batches_as_the_torch_backend():
     a = make_loader(src, "torch", batch_size=64, device="cpu", num_workers=0, seed=4, augment=aug,
                     drop_last=False)
     b = make_loader(src, "memory", batch_size=64, device="cpu", seed=4, augment=aug, drop_last=False)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in pairs(a, b):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICES, decode_ids, indexed_source
+from conftest import DEVICES, decode_ids, indexed_source, pairs
 from fastdata import make_loader
 from procs import wait_until
 
@@ -20,7 +20,7 @@ def test_same_batches_as_the_torch_backend():
     src = indexed_source(500)
     a = make_loader(src, "torch", batch_size=50, device="cpu", num_workers=2, seed=2)
     b = make_loader(src, "prefetch", batch_size=50, device="cpu", num_workers=2, seed=2, depth=3)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in pairs(a, b):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BACKENDS
+from conftest import BACKENDS, pairs
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder, Shards, make_image_folder
 from fastdata.errors import DecodeError
@@ -100,7 +100,7 @@ def test_shards_over_http_are_fetched_whole_into_the_cache_once(packed, tmp_path
         assert all(server.count(name, "GET") == 1 for name in tars), server.requests
     ref = _batches(make_loader(folder, "torch", batch_size=16, device="cpu", train=False, augment=NONE,
                                num_workers=0))
-    for (a, la), (b, lb) in zip(got, ref):
+    for (a, la), (b, lb) in pairs(got, ref):
         np.testing.assert_array_equal(la, lb)
         np.testing.assert_allclose(a, b, atol=1e-6)
     # Cached under their identity: STEM.<16 hex digits of the sha256>.tar.
