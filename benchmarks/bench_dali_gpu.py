@@ -10,8 +10,12 @@ On one JPEG folder (``common.photo_folder``: 1,500 ImageNet-sized photos, ~88 KB
   validation, the crop boxes).
 - ``dali``: fastdata's dali backend at the installed defaults, then one setting changed at a time:
   ``hw_decoder_load`` (the share of JPEGs sent to the GPU's hardware decoder), ``fancy_upsampling``,
-  ``prefetch_queue_depth``, the batch size and ``num_workers`` (DALI's threads). A setting the installed
-  fastdata refuses (an unknown option) is listed as "not supported by this fastdata", not an error.
+  ``preallocate``, ``prefetch_queue_depth``, the batch size, ``num_workers`` (DALI's threads) and
+  ``affine``. A row that sets only what the ``dali`` row ran with (an installed default, the first batch
+  size, ``--workers``), or a ceiling row at DALI's default 0.65, shows that reference row's figures
+  instead of spending the call's time on them again. A
+  setting the installed fastdata refuses (an unknown option) is listed as "not supported by this
+  fastdata", not an error.
 - ``torch``: the torch backend (worker processes, region decode) and ``limit``: PIL decoding the same
   files at full resolution and nothing else on ``--workers`` processes (bench_loaders' limit).
 
@@ -25,7 +29,7 @@ workers read from /proc, exited ones from ``getrusage(RUSAGE_CHILDREN)``) over t
 Ratios between rows are not paired: their range is the one the two spreads allow.
 
 On a machine without a GPU (``--device cpu``, what ``--quick --device cpu`` checks in the tests) the
-GPU-only settings (``hw_decoder_load``, ``fancy_upsampling``) are listed as skipped, and the dali rows
+GPU-only settings (``hw_decoder_load``, ``fancy_upsampling``, ``preallocate``) are listed as skipped, and the dali rows
 decode inside the pipeline (``decode="dali"``) as they do on a GPU.
 
     python benchmarks/bench_dali_gpu.py                       # rows start within --budget (170 s): one call
@@ -34,6 +38,7 @@ decode inside the pipeline (``decode="dali"``) as they do on a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import statistics
@@ -56,8 +61,9 @@ import fastdata
 from fastdata.config import usable_cores
 
 WORKLOAD = "jpeg"
-GPU_ONLY = ("hw_decoder_load", "fancy_upsampling")   # nvJPEG's settings: the CPU decoder has neither
+GPU_ONLY = ("hw_decoder_load", "fancy_upsampling", "preallocate")   # nvJPEG's settings: the CPU decoder has none
 UNSUPPORTED = "not supported"
+DALI_HW_DEFAULT = 0.65   # fn.decoders.image's hw_decoder_load when none is given (DALI 2.4's documentation)
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -188,13 +194,27 @@ def settings(args) -> list[Setting]:
     rows += [Setting(f"dali hw_decoder_load={v:g}", "fastdata", "hw_decoder_load", v, {"hw_decoder_load": v})
              for v in args.hw_loads]
     rows += [Setting(f"ceiling hw_decoder_load={v:g}", "ceiling", "ceiling hw_decoder_load", v) for v in args.hw_loads]
-    rows += [Setting(f"dali fancy_upsampling={v}", "fastdata", "fancy_upsampling", v, {"fancy_upsampling": v})
+    rows += [Setting(f"dali {k}={v}", "fastdata", k, v, {k: v}) for k in ("fancy_upsampling", "preallocate")
              for v in (True, False)]
     rows += [Setting(f"dali prefetch_queue_depth={v}", "fastdata", "prefetch_queue_depth", v,
                      {"prefetch_queue_depth": v}) for v in args.depths]
     rows += [Setting(f"dali batch {v}", "fastdata", "batch", v, batch=v) for v in args.batches]
     rows += [Setting(f"dali num_workers={v}", "fastdata", "num_workers", v, workers=v) for v in args.thread_counts]
+    rows += [Setting(f"dali affine={v}", "fastdata", "affine", v, {"affine": v}) for v in (True, False)]
     return rows
+
+
+def same_as(setting: Setting, args, defaults: dict) -> str | None:
+    """The reference row that already ran this setting, or None: a dali row that sets only what the ``dali``
+    row ran with (the installed defaults, the first batch size, ``--workers``), or a ceiling row at DALI's
+    own default hardware-decoder share. Measuring it again would only spend the call's time."""
+    if setting.factor == "ceiling hw_decoder_load":
+        return "ceiling" if setting.value == DALI_HW_DEFAULT else None
+    if setting.role != "fastdata" or not setting.factor or not setting.name.startswith("dali "):
+        return None
+    if setting.batch not in (None, args.batches[0]) or setting.workers not in (None, args.workers):
+        return None
+    return "dali" if all(k in defaults and defaults[k] == v for k, v in setting.options.items()) else None
 
 
 def gpu_only(setting: Setting) -> bool:
@@ -264,10 +284,16 @@ def measure(setting: Setting, rows: list, source, args, device) -> None:
 def run_all(args, source, device, rows: list) -> None:
     """Every setting in order, until the experiment's budget is spent; the rest listed as not run."""
     t0 = time.perf_counter()
+    defaults = dict(fastdata.registry.backend_class("dali").options)   # what the `dali` row runs with
     for setting in settings(args):
+        twin = same_as(setting, args, defaults)
+        base = find(rows, twin) if twin else None
         if device.type != "cuda" and gpu_only(setting):
             rows.append(common.Row(WORKLOAD, setting.name, setting.role, status="skipped",
                                    note=f"a GPU-only setting (nvJPEG's): not measured on {device}"))
+        elif base is not None:
+            rows.append(dataclasses.replace(base, name=setting.name, role=setting.role, extra=dict(base.extra),
+                                            note=f"the defaults: the `{twin}` row's figures ({base.note})"))
         elif time.perf_counter() - t0 > args.budget:
             rows.append(common.Row(WORKLOAD, setting.name, setting.role, status="not run",
                                    note=f"the experiment's --budget of {args.budget:g} s was spent"))

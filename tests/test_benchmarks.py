@@ -656,12 +656,24 @@ def test_bench_dali_gpu_quick_on_the_cpu(tmp_path):
         assert len(r["extra"]["cores_passes"]) == 2 and r["extra"]["cores"] > 0
         assert f"| {name} " in md
     assert "decode='dali'" in rows["dali"]["note"] and rows["dali batch 8"]["extra"]["batch_size"] == 8
+    # The first batch size and the installed defaults are what the `dali` row ran: its figures, not a rerun.
+    bench_args = bench.get_args_parser().parse_args(["--batches", "64", "256", "--workers", "16"])
+    same = {s.name: bench.same_as(s, bench_args, {"hw_decoder_load": 0.65, "affine": False})
+            for s in bench.settings(bench_args)}
+    assert same["ceiling hw_decoder_load=0.65"] == "ceiling" and same["ceiling hw_decoder_load=1"] is None
+    assert same["dali hw_decoder_load=0.65"] == same["dali batch 64"] == same["dali num_workers=16"] == "dali"
+    assert same["dali hw_decoder_load=1"] is same["dali batch 256"] is same["dali fancy_upsampling=False"] is None
+    for name in ("dali batch 4", "dali affine=False"):
+        assert rows[name]["passes"] == rows["dali"]["passes"]
+        assert rows[name]["note"].startswith("the defaults: the `dali` row's figures")
+    assert rows["dali affine=True"]["passes"] != rows["dali"]["passes"]
     assert rows["dali num_workers=1"]["extra"]["num_workers"] == 1
-    for name in ("dali hw_decoder_load=0", "ceiling hw_decoder_load=1", "dali fancy_upsampling=False"):
+    for name in ("dali hw_decoder_load=0", "ceiling hw_decoder_load=1", "dali fancy_upsampling=False",
+                 "dali preallocate=True"):
         assert rows[name]["status"] == "skipped" and "GPU-only" in rows[name]["note"]
     choices = {c["factor"]: c for c in on_disk["choices"]}
-    assert set(choices) == {"hw_decoder_load", "ceiling hw_decoder_load", "fancy_upsampling", "prefetch_queue_depth",
-                            "batch", "num_workers"}
+    assert set(choices) == {"hw_decoder_load", "ceiling hw_decoder_load", "fancy_upsampling", "preallocate",
+                            "prefetch_queue_depth", "batch", "num_workers", "affine"}
     best = max((rows["dali batch 4"], rows["dali batch 8"]), key=lambda r: r["rate"])
     assert choices["batch"]["best"] == best["extra"]["value"] and choices["hw_decoder_load"]["best"] is None
     assert "## Choosing the defaults" in md
