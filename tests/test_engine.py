@@ -1,5 +1,6 @@
 import contextlib
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -2054,16 +2055,45 @@ def test_fit_checks_the_profiler_and_log_arguments_up_front(tmp_path, kwargs, er
     assert loader.iters == 0
 
 
-def test_fit_refuses_a_log_dir_it_cannot_write(tmp_path):
+def _fit_as(uid, log_dir, queue):
+    """In a forked child: drop to ``uid`` (when root) and start fit with ``log_dir``; report the error."""
     import os
 
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
     try:
-        if os.access(locked, os.W_OK):
-            pytest.skip("running as root: a read-only folder is still writable")
-        with pytest.raises(ValueError, match=r"log_dir=.*cannot be written.*not a writable folder"):
-            fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, progress=False, log_dir=locked / "run")
+        if os.geteuid() == 0:
+            os.setgid(uid)
+            os.setuid(uid)
+        fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, progress=False, log_dir=log_dir)
+        queue.put(None)
+    except BaseException as e:  # reported, not raised: the parent asserts on it
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def test_fit_refuses_a_log_dir_it_cannot_write():
+    """Root writes anywhere (CI runs as root), so fit runs in a forked child that gives up root (uid
+    nobody) against a root-owned read-only folder: a user's unwritable folder (as test_checkpoint does)."""
+    import multiprocessing as mp
+    import os
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="fastdata-ro-")  # under /tmp, traversable by others (unlike tmp_path)
+    locked = os.path.join(base, "locked")
+    try:
+        os.chmod(base, 0o755)
+        os.mkdir(locked)
+        os.chmod(locked, 0o555)
+        # A whole run here first: the modules fit imports on the way are loaded before the child gives up
+        # root (uid nobody may not read this interpreter's library), so only the folder can stop it.
+        fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, progress=False, log_dir=os.path.join(base, "warm"))
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        child = ctx.Process(target=_fit_as, args=(65534, os.path.join(locked, "run"), q))
+        child.start()
+        child.join(120)
+        error = q.get(timeout=5)
+        assert error is not None and error.startswith("ValueError"), error
+        assert re.search(r"log_dir=.*cannot be written.*not a writable folder", error), error
+        assert os.listdir(locked) == []
     finally:
-        locked.chmod(0o700)
+        shutil.rmtree(base)
