@@ -340,12 +340,20 @@ def test_a_training_step_that_fails_while_measuring_is_one_line(tmp_path, monkey
                                     "Tried to allocate 2.00 GiB")
 
 
-def test_the_step_of_a_model_with_auxiliary_outputs_is_measured_on_its_logits():
+def test_the_step_of_a_model_with_auxiliary_outputs_is_measured_on_its_logits(monkeypatch):
     """torchvision's googlenet returns (logits, aux_logits, aux_logits) in training: cross-entropy of the
-    named tuple was a TypeError."""
+    named tuple was a TypeError. The loss is taken of the main logits (the tensor the model returned
+    as ``logits``), so the step trains the main head and leaves the auxiliary heads without gradients."""
     import torchvision
 
     torch.manual_seed(0)
     model = torchvision.models.googlenet(weights=None, num_classes=3, init_weights=False)
+    outputs, losses = [], []
+    model.register_forward_hook(lambda module, args, out: outputs.append(out))
+    real = nn.CrossEntropyLoss.forward
+    monkeypatch.setattr(nn.CrossEntropyLoss, "forward", lambda self, x, y: losses.append(x) or real(self, x, y))
     batch = torch.zeros(2, 3, 64, 64), torch.zeros(2, dtype=torch.long)
     assert measure_step(model, batch, steps=1, warmup=0, amp="off") > 0
+    assert len(outputs) == len(losses) == 1 and losses[0] is outputs[0].logits
+    assert model.fc.weight.grad is not None
+    assert all(p.grad is None for p in [*model.aux1.parameters(), *model.aux2.parameters()])

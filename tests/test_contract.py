@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import BACKENDS as INSTALLED
-from conftest import DEVICES, MEAN, STD, decode_ids, indexed_source, label_of, load_example
+from conftest import DEVICES, MEAN, STD, decode_ids, indexed_source, label_of, load_example, pairs
 from fastdata import Augmentation, make_loader, registry
 from fastdata.datasets import ImageFolder, SyntheticDigits
 
@@ -214,8 +214,19 @@ def test_an_epoch_resumed_on_another_world_size_reads_every_sample_once(backend,
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resume_under_the_same_layout_is_exact_and_a_different_order_is_refused(backend):
     src = indexed_source(640)
-    a = make_loader(src, backend, batch_size=64, device="cpu", num_workers=0)
+    kw = dict(batch_size=64, device="cpu", num_workers=0)
+    whole = [(x, y) for x, y in make_loader(src, backend, **kw)]   # epoch 0 uninterrupted, training aug on
+    a = make_loader(src, backend, **kw)
+    it = iter(a)
+    for _ in range(3):
+        next(it)
     state = a.state_dict()
+    # The same layout: the rest of the epoch, exactly (pixels, augmentation and labels), then epoch 1.
+    same = make_loader(src, backend, **kw)
+    same.load_state_dict(state)
+    for (x, y), (wx, wy) in pairs(same, whole[3:]):
+        assert torch.equal(x, wx) and torch.equal(y, wy)
+    assert same.state_dict()["epoch"] == 1
     with pytest.raises(ValueError, match="seed was 0 and is now 1"):
         make_loader(src, backend, batch_size=64, device="cpu", num_workers=0, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="drop_last was True and is now False"):

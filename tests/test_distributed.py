@@ -96,9 +96,19 @@ def test_a_rank_that_sees_only_its_own_gpu_trains_on_cuda_0(torchrun_env, monkey
 
 
 def test_check_device_is_a_no_op_in_a_single_process(monkeypatch):
-    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+    """One process (no torchrun, or torchrun with one): any GPU is this process's to train on, even one
+    that a rank 0 of a job on this 4-GPU node (torch.cuda stubbed) would be refused."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
-    fdist.check_device(torch.device("cuda", 3))
+    assert fdist.check_device(torch.device("cuda", 3)) is None
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)          # torchrun --nproc-per-node 1
+    assert fdist.check_device(torch.device("cuda", 3)) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")        # the same process as rank 0 of two: refused
+    with pytest.raises(RuntimeError, match=r"rank 0 \(LOCAL_RANK=0\) must train on cuda:0"):
+        fdist.check_device(torch.device("cuda", 3))
 
 
 class OnDevice:
