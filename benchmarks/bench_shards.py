@@ -1,7 +1,7 @@
 """Tar shards against the folder they were packed from (issue 25): locally, over HTTP, and re-encoded.
 
 The JPEG set is ``bench_loaders``'s (ImageNet-sized photos, ~450x350, RandomResizedCrop 224 + flip),
-packed twice with ``fastdata.shards.pack``: as is, and with ``--max-side 256``. For each backend asked
+packed twice with ``fastdata.pack``: as is, and with ``--max-side 256``. For each backend asked
 (``torch`` and ``dali`` by default) four contenders are built in one process and timed in rounds, as
 ``bench_loaders`` does (one warm-up pass each, then one timed pass each per round, the order rotating;
 ratios are paired round by round):
@@ -110,7 +110,7 @@ def small_name(args) -> str:
 def packed(root: Path, args, max_side: int | None) -> tuple[Path, str]:
     """Pack the folder ``root`` under ``args.cache`` (kept between runs: ``pack`` skips finished shards).
     Returns the packed folder and a description."""
-    from fastdata.shards import pack
+    from fastdata.packing import pack
 
     out = (Path(args.cache) / f"shards-{root.name}-{args.shard_size}"
            / ("original" if max_side is None else f"max-side-{max_side}"))

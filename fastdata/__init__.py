@@ -16,7 +16,7 @@ def __getattr__(name: str):
     # pack is imported on first use: the writer (tarfile, its process pool, the command line) is not
     # needed to train, and `import fastdata` stays as fast as it was.
     if name == "pack":
-        from .shards import pack
+        from .packing import pack
 
         return pack
     raise AttributeError(f"module 'fastdata' has no attribute {name!r}")

@@ -12,7 +12,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
     bench_parser(sub.add_parser("bench", help="which backend keeps the GPU busy on your data and model: "
                                               "measures each backend and the model's step, predicts the data wait"))
-    from .shards.pack import get_args_parser as pack_parser
+    from .packing.command import get_args_parser as pack_parser
 
     pack_parser(sub.add_parser("pack", help="write a source as tar shards (WebDataset layout) with an index, "
                                             "for streaming and DALI"))
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         bench(args)
         return 0
     if args.command == "pack":
-        from .shards.pack import main as pack
+        from .packing.command import main as pack
 
         pack(args)
         return 0

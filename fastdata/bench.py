@@ -29,9 +29,9 @@ import argparse
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from . import cli
+from .datasets.spec import SOURCE_HELP, open_source
 
 TIE = 0.05
 
@@ -77,21 +77,6 @@ def overlaps(backend: str, device) -> bool:
     from .registry import spec
 
     return device.type == "cuda" and spec(backend).overlaps_on_cuda
-
-
-def open_source(spec: str, *, quick: bool):
-    """A fastdata source from the command line: ``digits`` (synthetic), an MNIST root (a folder holding
-    ``MNIST/raw``), or an image folder (one sub-folder per class)."""
-    from .datasets import MNIST, ImageFolder, SyntheticDigits
-
-    if spec == "digits":
-        return SyntheticDigits(6_000 if quick else 60_000)
-    root = Path(spec)
-    if not root.is_dir():
-        raise SystemExit(f"fastdata bench: SOURCE '{spec}' is neither 'digits' nor a folder")
-    if (root / "MNIST" / "raw").is_dir():
-        return MNIST(root, train=True, download=False)
-    return ImageFolder(root)
 
 
 def make_model(name: str, source):
@@ -361,7 +346,7 @@ def report_markdown(payload: dict) -> str:
 def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``fastdata bench`` argument parser (added to ``parser`` when given, for the CLI's subcommand)."""
     p = parser or argparse.ArgumentParser(prog="python -m fastdata bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("source", help="'digits', an MNIST root (holding MNIST/raw) or an image folder")
+    p.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
     p.add_argument("--model", default="smallcnn",
                    help="smallcnn, a torchvision classifier (resnet18, ...), or a timm model when timm is "
                         "installed; untrained: no weights are downloaded")
@@ -402,7 +387,8 @@ def main(args) -> dict:
     cli.check_output(get_args_parser(), "--out", args.out, folder=True)   # before the measuring, not after
     batches = args.batches if args.batches is not None else 30 if args.quick else 200
     with cli.input_errors(f"fastdata bench: SOURCE '{args.source}'"):
-        source = open_source(args.source, quick=args.quick)
+        # The parser every command shares (pack too); --quick measures on 6,000 digits.
+        source = open_source(args.source, digits=6_000 if args.quick else None)
     model = check_model(args.model, source)
     payload = run(source, model_name=args.model, model=model, batch_size=args.batch_size, device=args.device,
                   batches=batches, warmup=3 if args.quick else 10, num_workers=args.workers, amp=args.amp,

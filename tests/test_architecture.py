@@ -61,6 +61,71 @@ def test_the_import_graph_has_no_cycle():
             visit(m, [m])
 
 
+def _room(module: str) -> str:
+    """The room a module is in, as a reader sees the package: a folder is one room
+    (``fastdata.shards.cache`` → ``shards``), a top-level module is a room of its own
+    (``fastdata.cli`` → ``cli``), and the package's ``__init__`` is the front door (``""``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _room_edges(graph) -> dict[str, dict[str, str]]:
+    """{room: {room it imports: one import that shows it ("module -> module")}}. An import of the front
+    door is left out, as in the module graph (it re-exports everything)."""
+    edges: dict[str, dict[str, str]] = {}
+    for m, deps in graph.items():
+        for t, _ in deps:
+            if t != "fastdata" and _room(t) != _room(m):
+                edges.setdefault(_room(m), {}).setdefault(_room(t), f"{m} -> {t}")
+    return edges
+
+
+def _room_cycle(edges: dict[str, dict[str, str]]) -> list[str] | None:
+    """One cycle among rooms, each step with the import that makes it, or None."""
+    state: dict[str, int] = {}
+
+    def visit(room, path):
+        state[room] = 1
+        for target in sorted(edges.get(room, {})):
+            if state.get(target) == 1:
+                loop = path[path.index(target):] + [target]
+                return [f"{a} -> {b} ({edges[a][b]})" for a, b in zip(loop, loop[1:])]
+            if target not in state and (found := visit(target, path + [target])):
+                return found
+        state[room] = 2
+        return None
+
+    for room in sorted(edges):
+        if room not in state and (found := visit(room, [room])):
+            return found
+    return None
+
+
+def test_no_import_cycle_among_rooms():
+    """Issue 32: a folder is one room and a top-level module is one; no room imports one that imports
+    it back, through any path (pack inside ``shards`` made cli → registry → datasets → shards → cli)."""
+    cycle = _room_cycle(_room_edges(_graph()))
+    assert cycle is None, "import cycle among rooms:\n" + "\n".join(cycle)
+
+
+def test_the_room_cycle_check_finds_a_cycle_through_folders():
+    # Modules inside folders, no cycle among the modules themselves, one among their rooms.
+    graph = {"fastdata.a.x": [("fastdata.b.y", [])], "fastdata.b.y": [("fastdata.c", [])],
+             "fastdata.c": [("fastdata.a.z", [])], "fastdata.a.z": [], "fastdata": [("fastdata.a.x", [])]}
+    assert _room("fastdata.a.x") == "a" and _room("fastdata.c") == "c" and _room("fastdata") == ""
+    cycle = _room_cycle(_room_edges(graph))
+    assert cycle is not None and cycle[0].startswith("a -> b (fastdata.a.x -> fastdata.b.y)")
+    del graph["fastdata.c"][0]
+    assert _room_cycle(_room_edges(graph)) is None
+
+
+def test_a_folder_is_on_one_floor():
+    """A FLOORS entry names a room (a folder or a top-level module), never a module inside a folder:
+    splitting a folder across floors would hide an import cycle among rooms."""
+    inside = [name for names in FLOORS for name in names if "." in name]
+    assert not inside, f"FLOORS entries inside a folder: {inside}"
+
+
 def _backend(module: str) -> str | None:
     """The backend a module belongs to: ``fastdata.backends.memory.cache`` → ``memory`` (a backend may be a
     package of modules); None for a module outside backends/ or for the shared ones."""
@@ -125,12 +190,11 @@ def test_every_public_name_has_a_docstring():
 # ------------------------------------------------------------------------------------------- floors
 #: The package's floors, lowest first (issue 24): a module may import its own floor and the ones below,
 #: never one above, nested imports included. Derived from the import graph; a module is placed by its
-#: longest matching name (``shards.index`` is low, the ``shards`` package, which re-exports ``pack``, is
-#: at the top). A new module must be placed here.
+#: longest matching name. A folder is one room and sits on one floor: an entry never names a module
+#: inside a folder (``test_a_folder_is_on_one_floor``). A new module must be placed here.
 FLOORS = [
     # Foundations: errors, seeds and order, the normalizer, region decoding, the shard format and storage.
-    ("errors", "sampling", "normalize", "prefetch", "models", "region",
-     "shards.storage", "shards.cache", "shards.index", "shards.order"),
+    ("errors", "sampling", "normalize", "prefetch", "models", "region", "shards"),
     # Tensor-only augmentation of device batches: needs only sampling's seed mixing. Below config because
     # LoaderConfig checks its batch_transforms when it is built (a real dependency, not an accident).
     ("batch_transforms",),
@@ -146,8 +210,8 @@ FLOORS = [
     ("cli", "doctor"),
     # The examples' reporting tail: above the engine (it asks it which precision amp resolved to).
     ("report",),
-    # Commands and the package's front door.
-    ("bench", "shards.pack", "shards", "__main__", ""),
+    # Commands and the package's front door: pack (``packing``) reads any source and the CLI's checks.
+    ("bench", "packing", "__main__", ""),
 ]
 
 
@@ -180,7 +244,8 @@ def test_a_lower_floor_never_imports_a_higher_one():
 def test_the_floors_place_the_modules_where_the_tests_rely_on():
     # The floor test can only fail if _floor tells the floors apart: the longest prefix wins.
     assert _floor("fastdata.shards.index") == 0 < _floor("fastdata.batch_transforms.ops") < _floor("fastdata.config")
-    assert _floor("fastdata.shards") == _floor("fastdata") == len(FLOORS) - 1
+    assert _floor("fastdata.packing.writer") == _floor("fastdata") == len(FLOORS) - 1
+    assert _floor("fastdata.shards") == _floor("fastdata.shards.cache") == 0
     assert _floor("fastdata.backends.memory.cache") == _floor("fastdata.backends")
 
 

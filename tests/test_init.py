@@ -30,7 +30,7 @@ def test_pack_then_shards_from_the_package_reads_the_samples_back(tmp_path):
 
 
 def test_importing_fastdata_leaves_the_shard_writer_unloaded():
-    code = "import sys, fastdata; print('fastdata.shards.pack' in sys.modules)"
+    code = "import sys, fastdata; print('fastdata.packing' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -20,7 +20,7 @@ from fastdata.datasets import ImageFolder, Shards
 from fastdata.errors import DecodeError
 from shard_servers import http_server, s3_server
 
-pack_module = importlib.import_module("fastdata.shards.pack")
+pack_module = importlib.import_module("fastdata.packing.writer")
 pack = pack_module.pack
 NONE = Augmentation(crop="center", size=16)
 PER_SAMPLE = 4096          # a 24x32 BMP (2,358 bytes) in a tar: header, padded data, the .cls member
@@ -68,14 +68,14 @@ def test_an_interrupted_repack_leaves_no_index_and_a_reader_of_the_old_one_refus
                                                                        for i in range(48)]
     old = Shards(out, cache_dir=tmp_path / "verdicts")   # holds version A's index, no shard open yet
 
-    real = pack_module._Reader.read
+    real = pack_module.SampleReader.read
 
     def dies_halfway(self, i):
         if i == 24:
             raise RuntimeError("killed")
         return real(self, i)
 
-    monkeypatch.setattr(pack_module._Reader, "read", dies_halfway)
+    monkeypatch.setattr(pack_module.SampleReader, "read", dies_halfway)
     with pytest.raises(RuntimeError, match="killed"):
         pack(b, out, shard_size=SHARD, workers=0, progress=False)
     # The first 4 shards are version B's now: no index may say they are A's.

@@ -17,13 +17,14 @@ from PIL import Image, ImageOps
 
 from conftest import skip_missing
 from fastdata.datasets import ArraySource
+from fastdata.packing import pack
 from fastdata.shards import index as shard_index
-from fastdata.shards import pack, read_index
+from fastdata.shards import read_index
 from fastdata.shards.index import BadIndex, dali_index_text, parse_index
 
 REPO = Path(__file__).resolve().parents[1]
-# The module, not the function fastdata.shards re-exports under the same name.
-pack_module = importlib.import_module("fastdata.shards.pack")
+# The module that writes the shards (tests replace its reader's read and its steps).
+pack_module = importlib.import_module("fastdata.packing.writer")
 
 
 def _jpeg(path, array, **save):
@@ -161,21 +162,21 @@ def test_dali_idx_files_are_v1_2_and_dali_reads_the_shards_with_them(photos, tmp
 def test_an_error_mid_shard_leaves_no_complete_looking_shard_and_a_rerun_skips_finished_ones(
         photos, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real_read = pack_module._Reader.read
+    real_read = pack_module.SampleReader.read
 
     def failing_read(self, i):
         if i == 5:
             raise RuntimeError("disk on fire")
         return real_read(self, i)
 
-    monkeypatch.setattr(pack_module._Reader, "read", failing_read)
+    monkeypatch.setattr(pack_module.SampleReader, "read", failing_read)
     with pytest.raises(RuntimeError, match="disk on fire"):
         pack(photos, out, shard_size="2KB", workers=0, progress=False)   # one sample per shard
     assert sorted(p.name for p in out.glob("*.tar")) == [f"shard-{j:06d}.tar" for j in range(5)]
     assert not list(out.glob("*.tmp-*")) and not (out / "index.json").exists()
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
 
-    monkeypatch.setattr(pack_module._Reader, "read", real_read)
+    monkeypatch.setattr(pack_module.SampleReader, "read", real_read)
     time.sleep(0.01)
     report = pack(photos, out, shard_size="2KB", workers=0, progress=False)
     assert report.skipped == 5 and report.written == report.shards - 5
@@ -188,13 +189,13 @@ def test_a_killed_pack_leaves_only_a_temporary_file_and_a_rerun_finishes(photos,
     script = textwrap.dedent(f"""
         import time
         import importlib
-        m = importlib.import_module("fastdata.shards.pack")
-        real = m._Reader.read
+        m = importlib.import_module("fastdata.packing.writer")
+        real = m.SampleReader.read
         def slow(self, i):
             if i >= 3:
                 time.sleep(0.3)
             return real(self, i)
-        m._Reader.read = slow
+        m.SampleReader.read = slow
         m.pack({str(photos)!r}, {str(out)!r}, shard_size="4KB", workers=0, progress=False)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO)
@@ -355,7 +356,7 @@ def test_ranks_pack_disjoint_shards_and_rank_0_merges_their_parts(photos, tmp_pa
 
 def test_ranks_in_two_processes_at_once(photos, tmp_path):
     out = tmp_path / "out"
-    code = ("import sys; from fastdata.shards import pack; "
+    code = ("import sys; from fastdata.packing import pack; "
             f"pack({str(photos)!r}, {str(out)!r}, shard_size='4KB', workers=0, progress=False, "
             "rank=int(sys.argv[1]), world_size=2, timeout=60)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=REPO) for r in (0, 1)]
@@ -368,9 +369,9 @@ def test_under_a_process_group_every_rank_returns_once_the_index_exists(photos, 
     code = textwrap.dedent(f"""
         import importlib, os, sys, time
         import torch.distributed as dist
-        from fastdata.shards import pack
+        from fastdata.packing import pack
         rank = int(sys.argv[1])
-        m = importlib.import_module("fastdata.shards.pack")
+        m = importlib.import_module("fastdata.packing.writer")
         real = m._write_index
         def slow_write(*args):   # rank 0 takes its time: the other rank must not return before it is done
             time.sleep(1.0)
@@ -562,7 +563,7 @@ TORCHRUN_PACK = textwrap.dedent("""
     import importlib, os, sys, time
     from fastdata.__main__ import main
     photos, out = sys.argv[1], sys.argv[2]
-    m = importlib.import_module("fastdata.shards.pack")
+    m = importlib.import_module("fastdata.packing.writer")
     real = m._write_index
     def slow_write(*args):   # rank 0 takes its time: no rank may return before the index exists
         time.sleep(1.5)

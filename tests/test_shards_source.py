@@ -20,7 +20,7 @@ NONE = Augmentation(crop="center", size=32)
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     """A folder of 60 photos in 3 classes, and its shards (about 6 photos a shard)."""
-    from fastdata.shards import pack
+    from fastdata.packing import pack
 
     root = tmp_path_factory.mktemp("shards")
     folder = make_image_folder(root / "photos", classes=3, per_class=20, seed=1)

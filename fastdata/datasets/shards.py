@@ -204,7 +204,7 @@ class Shards(Source):
 
     def read_stamped(self, i: int) -> tuple[bytes, int]:
         """Sample ``i``'s bytes from its shard (a shard's bytes never change under one index: stamp 0)."""
-        # Imported here: importing fastdata must not load the shards package (its __init__ loads pack).
+        # Imported here, as the rest of the shards format: importing fastdata loads none of it.
         from ..shards.storage import ShardMismatch
 
         self._check_process()

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from .index import INDEX_NAME
+from ..shards.index import INDEX_NAME
 
 
 def has_group() -> bool:

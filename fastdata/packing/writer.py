@@ -1,29 +1,7 @@
-"""``fastdata.shards.pack`` and ``python -m fastdata pack SOURCE OUT``: write a source as tar shards.
-
-The shards are plain tars in the WebDataset layout: per sample ``KEY.<image ext>`` (the file's original
-bytes, or a PNG of an array) and ``KEY.cls`` (the label as decimal text), KEY the zero-padded sample
-index. The real ``webdataset`` package reads them, and so does DALI's ``fn.readers.webdataset`` with the
-``.idx`` file written beside each tar. ``index.json`` (``fastdata.shards.index``) records, per sample, its
-shard and the byte range of its image, so a reader fetches one sample with one range read.
-
-Interruptions: an ``index.json`` of another pack (another plan) is removed before any shard is
-written; each shard is written to ``NAME.tar.tmp-<pid>`` and renamed when complete, then its ``.idx``
-and its record ``NAME.json`` are published the same way; the index is written last, atomically. So
-an interrupted re-pack leaves no index that describes other shards. Shard boundaries are planned from
-the input sizes alone, so a re-run plans the same shards and skips each one whose record matches the
-plan and whose tar still has the recorded size and sha256.
-
-Parallelism: ``workers`` processes each write whole shards. Under torchrun (``WORLD_SIZE`` > 1) rank
-``r`` packs shards ``r, r + world, ...`` into the same OUT (a shared file system), writes
-``index.rank<r>.json``, and rank 0 merges the parts into ``index.json`` once all are there (after a
-``torch.distributed`` barrier when a process group exists, else by waiting for the files), as LitData's
-writer does. Every rank returns only once that index exists: after a second barrier, or, without a
-process group (``torchrun -m fastdata pack`` starts none), by waiting for an ``index.json`` of this
-pack (its ``plan`` digest) that lists the rank's shards as it wrote them.
-"""
+"""``pack``: write a source as tar shards, their DALI ``.idx`` files and ``index.json``; see the
+package's docstring for the layout, interruptions and ranks."""
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import io
@@ -31,22 +9,18 @@ import json
 import os
 import re
 import tarfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
+from ..shards.index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 from .ranks import barrier, drop_other_index, has_group, merge_parts, wait_for_index
+from .reader import PACK_VERSION, SampleReader
 
-#: Bumped when the bytes a plan produces change, so a re-run does not keep shards packed the old way.
-PACK_VERSION = 1
-JPEG_QUALITY = 90
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*\Z", re.IGNORECASE)
-_EXT = re.compile(r"[a-z0-9]+\Z")
 
 
 def parse_size(text) -> int:
@@ -65,161 +39,13 @@ def parse_size(text) -> int:
     return value
 
 
-def _padded(n: int) -> int:
-    return (n + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK
-
-
-def _image_ext(path: str) -> str:
-    ext = os.path.splitext(path)[1][1:].lower()
-    ext = {"jpeg": "jpg", "tif": "tiff"}.get(ext, ext)
-    if not _EXT.match(ext):
-        raise ValueError(f"'{path}' has no image extension (letters and digits after its last dot): the tar "
-                         f"member's extension says what the image is")
-    return ext
-
-
-def _png(array: np.ndarray) -> bytes:
-    from PIL import Image
-
-    image = Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array)
-    out = io.BytesIO()
-    # Level 6, not 9: a third faster to write for a few percent in size; decoding costs the same.
-    image.save(out, format="PNG", compress_level=6)
-    return out.getvalue()
-
-
-def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
-    """``data`` re-encoded as a JPEG (quality 90) whose longer side is ``max_side``, upright (EXIF
-    orientation applied: the copy carries no orientation tag), or None when its longer side is already
-    at most ``max_side`` (the original is kept).
-
-    The pixels are the ones the loaders decode (``transforms.to_rgb``, which every backend's decode
-    goes through): 16-bit and 32-bit grey scaled to 8 bits as they scale them, palettes through RGBA,
-    alpha dropped, CMYK converted. Pillow's own ``convert`` clips 16-bit data at 255 (a white image)
-    and refuses to resample some modes; converting first and resizing the 8-bit result avoids both.
-    A grey image stays a grey JPEG (the loaders' RGB of it has three equal channels)."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    from ..transforms import JPEG_FORMATS, to_rgb
-
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            if max(img.size) <= max_side:
-                return None
-            grey = img.mode in _GREY_MODES
-            if img.format in JPEG_FORMATS and img.mode in ("RGB", "L"):
-                # A square bound: downscaling before the rotation gives the same pixels as after it, and
-                # thumbnail() lets a JPEG decode at a reduced DCT scale (draft) instead of full size.
-                img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
-                img = ImageOps.exif_transpose(img)
-            else:
-                img = to_rgb(ImageOps.exif_transpose(img))   # what the loaders see, 8-bit RGB
-                img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
-            img = img.convert("L") if grey else to_rgb(img)
-            out = io.BytesIO()
-            img.save(out, format="JPEG", quality=JPEG_QUALITY)
-            return out.getvalue()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: {e}") from None
-
-
-#: Modes whose pixels are one grey value (the loaders' RGB of them has three equal channels).
-_GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
-
-
-class _Reader:
-    """What ``pack`` needs from a source: per sample its image bytes, extension and label, a size
-    estimate to plan shards with, and an identity of each sample's input to recognise a finished shard."""
-
-    def __init__(self, source, max_side: int | None):
-        from ..config import SourceKind
-        from ..datasets import ArraySource, DatasetSource
-
-        self.source, self.max_side = source, max_side
-        self.labels = np.asarray(source.labels, dtype=np.int64)
-        if source.kind == SourceKind.FILES and hasattr(source, "paths"):
-            self.kind = "files"
-        elif isinstance(source, ArraySource):
-            self.kind = "array"
-        elif isinstance(source, DatasetSource):
-            self.kind = "dataset"
-        else:
-            raise TypeError(f"pack cannot read {type(source).__name__}: pass an image folder, MNIST, arrays or "
-                            f"a torchvision/map-style dataset")
-
-    def plan_inputs(self) -> tuple[np.ndarray, list]:
-        """(estimated image bytes per sample, per-sample identity of the input). Files: their sizes and
-        mtimes; arrays: raw pixel bytes (the PNG is smaller); datasets: the first sample's PNG size."""
-        n = len(self.labels)
-        if self.kind == "files":
-            sizes, ident = np.zeros(n, dtype=np.int64), []
-            root = getattr(self.source, "root", None)
-            for i, path in enumerate(self.source.paths):
-                try:
-                    st = os.stat(path)
-                except OSError as e:
-                    raise FileNotFoundError(f"pack: cannot read sample {i}, '{path}': {e.strerror}") from None
-                sizes[i] = st.st_size
-                rel = os.path.relpath(path, root) if root is not None else path
-                ident.append(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}")
-            return sizes, ident
-        if self.kind == "array":
-            per = int(np.prod(self.source.images.shape[1:]))
-            return np.full(n, per, dtype=np.int64), [None] * n
-        first = len(self.read(0)[1]) if n else 0
-        return np.full(n, first, dtype=np.int64), [None] * n
-
-    def shard_identity(self, start: int, stop: int, ident: list) -> str:
-        """A digest of what shard [start, stop) is made from: a finished shard is kept only when it matches."""
-        h = hashlib.sha256(f"v{PACK_VERSION} max_side={self.max_side} {start}:{stop}\n".encode())
-        h.update(self.labels[start:stop].tobytes())
-        if self.kind == "files":
-            h.update("\n".join(ident[start:stop]).encode())
-        elif self.kind == "array":
-            h.update(f"{zlib.crc32(np.ascontiguousarray(self.source.images[start:stop])):08x}".encode())
-        else:   # a Dataset's bytes are only known by reading it: its fingerprint is what there is
-            h.update(self.source.fingerprint().encode())
-        return h.hexdigest()
-
-    def describe(self, i: int) -> str:
-        """How errors name sample ``i``: its file, or its index in the source."""
-        return f"'{self.source.paths[i]}'" if self.kind == "files" else f"{self.source.name}[{i}]"
-
-    def read(self, i: int) -> tuple[str, bytes, int, tuple | None]:
-        """(extension, image bytes, label, (H, W, C) of an array's image or None for a file) of sample ``i``."""
-        label = int(self.labels[i])
-        if self.kind == "files":
-            path = self.source.paths[i]
-            with open(path, "rb") as f:
-                data = f.read()
-            if self.max_side is not None:
-                small = shrink(data, self.max_side, f"'{path}'")
-                if small is not None:
-                    return "jpg", small, label, None
-            return _image_ext(path), data, label, None
-        if self.kind == "array":
-            image = np.asarray(self.source.images[i])
-        else:
-            (pair,), (ds_index,) = self.source.fetch([i])
-            image = self.source.as_array(pair[0])
-            label = self.source.as_label(pair[1], ds_index)
-        if self.max_side is not None and max(image.shape[:2]) > self.max_side:
-            from PIL import Image
-
-            img = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
-            img.thumbnail((self.max_side, self.max_side), Image.Resampling.LANCZOS)
-            image = np.asarray(img).reshape(img.height, img.width, -1)
-        image = image.reshape(*image.shape[:2], -1)
-        return "png", _png(image), label, tuple(int(v) for v in image.shape)
-
-
 @dataclass(frozen=True)
 class ShardPlan:
     index: int
     name: str
     start: int      # first sample id
     stop: int       # one past the last
-    identity: str   # digest of the inputs (see _Reader.shard_identity)
+    identity: str   # digest of the inputs (see SampleReader.shard_identity)
 
 
 def plan_shards(estimates: np.ndarray, shard_size: int) -> list[tuple[int, int]]:
@@ -264,7 +90,7 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-def write_shard(reader: _Reader, plan: ShardPlan, out: str, key_width: int, progress=None) -> dict:
+def write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int, progress=None) -> dict:
     """Write shard ``plan`` into folder ``out`` (temporary name, then ``os.replace``), then its DALI ``.idx``
     and its record ``NAME.json``; returns the record."""
     final = os.path.join(out, plan.name)
@@ -343,10 +169,10 @@ def finished_record(out: str, plan: ShardPlan) -> dict | None:
 
 
 # Worker processes get the reader once, not once per shard (an array source may be large).
-_WORKER_READER: _Reader | None = None
+_WORKER_READER: SampleReader | None = None
 
 
-def _init_worker(reader: _Reader) -> None:
+def _init_worker(reader: SampleReader) -> None:
     global _WORKER_READER
     _WORKER_READER = reader
 
@@ -365,25 +191,6 @@ class PackReport:
     written: int         # by this process
     skipped: int         # by this process: finished by an earlier run
     samples: int
-
-
-def _open_spec(spec, split: str | None):
-    """A source from a path or name, as the command line gives it: ``digits``, an MNIST root (holding
-    ``MNIST/raw``), or an image folder."""
-    from ..datasets import MNIST, ImageFolder, SyntheticDigits
-
-    train = split != "test"
-    if str(spec) == "digits":
-        return SyntheticDigits(60_000 if train else 10_000, train=train)
-    root = Path(spec)
-    if not root.is_dir():
-        raise FileNotFoundError(f"SOURCE '{spec}' is neither 'digits' nor a folder")
-    if (root / "MNIST" / "raw").is_dir():
-        return MNIST(root, train=train, download=False)
-    if split is not None:
-        raise ValueError(f"--split {split} applies to MNIST and digits; '{spec}' is an image folder (pack its "
-                         f"train/ or val/ folder instead)")
-    return ImageFolder(root)
 
 
 def _check_int_arg(value, name: str, low: int):
@@ -435,7 +242,7 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
         raise NotADirectoryError(f"pack: OUT '{out}' is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
 
-    reader = _Reader(source, max_side)
+    reader = SampleReader(source, max_side)
     n = len(reader.labels)
     if n == 0:
         raise ValueError(f"pack: the source {source!r} has no samples")
@@ -482,7 +289,9 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
 def _pack_source(source, split):
     """The fastdata source ``pack`` reads: opened from a path, or through ``as_source``."""
     if isinstance(source, (str, os.PathLike)):
-        return _open_spec(source, split)
+        from ..datasets.spec import open_source
+
+        return open_source(source, split=split)
     if split is not None:
         raise ValueError("split applies to a source given by path ('digits', an MNIST root); "
                          "pass the split's dataset itself")
@@ -491,7 +300,7 @@ def _pack_source(source, split):
     return as_source(source)
 
 
-def _plan(reader: _Reader, shard_size: int) -> list[ShardPlan]:
+def _plan(reader: SampleReader, shard_size: int) -> list[ShardPlan]:
     """Every shard of the pack (all ranks'), planned on the inputs' estimated sizes."""
     estimates, ident = reader.plan_inputs()
     ranges = plan_shards(estimates, shard_size)
@@ -512,7 +321,7 @@ def _finished_records(out: Path, mine: list[ShardPlan]) -> tuple[dict, list[Shar
     return records, todo
 
 
-def _write_shards(reader: _Reader, todo: list[ShardPlan], out: Path, key_width: int, workers: int | None,
+def _write_shards(reader: SampleReader, todo: list[ShardPlan], out: Path, key_width: int, workers: int | None,
                   records: dict, progress) -> None:
     """Write the ``todo`` shards, here or on a process pool, adding each one's record to ``records``."""
     # By default the ranks of one node share its cores rather than each starting a process per core.
@@ -606,46 +415,3 @@ def _remove_unplanned(out: Path, plans: list[ShardPlan]) -> None:
     for entry in os.scandir(out):
         if _SHARD_FILE.match(entry.name) and os.path.splitext(entry.name)[0] not in planned:
             os.remove(entry.path)
-
-
-def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The ``fastdata pack`` argument parser (added to ``parser`` when given, for the CLI's subcommand)."""
-    from .. import cli
-
-    p = parser or argparse.ArgumentParser(prog="python -m fastdata pack", description=__doc__.split("\n\n")[0])
-    p.add_argument("source", metavar="SOURCE",
-                   help="'digits', an MNIST root (holding MNIST/raw) or an image folder (class folders)")
-    p.add_argument("out", metavar="OUT", help="folder for the shards, their .idx files and index.json")
-    p.add_argument("--split", choices=("train", "test"), default=None,
-                   help="MNIST or digits: which half (default train)")
-    p.add_argument("--shard-size", default="256MB", type=_size_arg, metavar="SIZE",
-                   help="target bytes per shard: 256MB, 1GB, 512MiB (default 256MB)")
-    p.add_argument("--max-side", type=cli.positive_int, default=None, metavar="N",
-                   help="re-encode photos whose longer side exceeds N as JPEG (quality 90) with that longer side")
-    p.add_argument("--workers", type=cli.nonnegative_int, default=None, metavar="N",
-                   help="processes writing shards (default: the usable cores)")
-    p.add_argument("--timeout", type=cli.positive_float, default=None, metavar="SECONDS",
-                   help="under torchrun: how long rank 0 waits for the other ranks' parts and they wait for "
-                        "the index (default: as long as it takes)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    return p
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def main(args) -> PackReport:
-    """Run ``fastdata pack`` for parsed ``args``; prints where the index is."""
-    from .. import cli
-
-    cli.check_output(get_args_parser(), "OUT", args.out, folder=True)
-    with cli.input_errors(f"fastdata pack: SOURCE '{args.source}'"):
-        report = pack(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
-                      workers=args.workers, split=args.split, progress=args.progress, timeout=args.timeout)
-    what = f"{report.samples} samples in {report.shards} shards ({report.written} written, {report.skipped} kept)"
-    print(f"{what}: {report.index or report.out}", flush=True)
-    return report

@@ -1,9 +1,8 @@
-"""Tar shards: ``pack`` writes a source as WebDataset-layout tars with an ``index.json`` and DALI
-``.idx`` files; ``index`` reads and validates that index; ``order`` derives an epoch's order over
-shards from ``(seed, epoch)`` alone."""
+"""Tar shards, the format: ``index`` reads and validates ``index.json`` and writes DALI ``.idx`` files;
+``storage`` reads shards from a folder or a URL; ``cache`` keeps whole shards on a node; ``order``
+derives an epoch's order over shards from ``(seed, epoch)`` alone. ``fastdata.pack`` (the
+``fastdata.packing`` room, above this one) writes them, and ``fastdata.datasets.Shards`` reads them."""
 from .index import ShardIndex, parse_index, read_index, write_dali_index
 from .order import epoch_order, epoch_windows
-from .pack import PackReport, pack
 
-__all__ = ["PackReport", "ShardIndex", "epoch_order", "epoch_windows", "pack", "parse_index", "read_index",
-           "write_dali_index"]
+__all__ = ["ShardIndex", "epoch_order", "epoch_windows", "parse_index", "read_index", "write_dali_index"]

@@ -1,6 +1,6 @@
 """The index of a packed data set (``index.json``) and the per-tar DALI index files (``.idx``).
 
-``index.json`` says what ``fastdata.shards.pack`` wrote: the shards (name, bytes, samples, sha256) and,
+``index.json`` says what ``fastdata.pack`` wrote: the shards (name, bytes, samples, sha256) and,
 per sample, its shard, where its image's bytes lie in that tar (offset of the data, size), the image's
 extension and its label; the classes, the source's fingerprint and normalization statistics. Per-sample
 fields are parallel arrays, not one object per sample: ImageNet's 1.28 M samples stay a few tens of MB.
@@ -160,7 +160,7 @@ def _document(data, where: str) -> dict:
     if not isinstance(doc, dict):
         _fail(where, f"must be a JSON object, got {type(doc).__name__}")
     if doc.get("format") != FORMAT:
-        _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by fastdata.shards.pack)")
+        _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by fastdata.pack)")
     if doc.get("version") != VERSION:
         _fail(where, f"version is {doc.get('version')!r}; this fastdata reads version {VERSION}")
     for key in ("shards", "classes", "samples", "num_samples", "fingerprint", "key_width"):

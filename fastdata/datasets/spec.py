@@ -1,0 +1,40 @@
+"""A source named on a command line (``python -m fastdata bench SOURCE``, ``python -m fastdata pack SOURCE
+OUT``): one parser for every command, so a name means the same source to each."""
+from __future__ import annotations
+
+from pathlib import Path
+
+#: The help text of a SOURCE argument (the forms ``open_source`` takes).
+SOURCE_HELP = ("'digits' (synthetic), an MNIST root (a folder holding MNIST/raw) or an image folder "
+               "(one sub-folder per class)")
+
+
+def open_source(spec, *, split: str | None = None, digits: int | None = None):
+    """The source ``spec`` names: ``digits`` (synthetic digits), an MNIST root (a folder holding
+    ``MNIST/raw``), or an image folder (one sub-folder per class).
+
+    Args:
+        spec: the name or path, as the command line gives it (a ``str`` or a path).
+        split: ``"train"`` or ``"test"`` (MNIST and digits; None: train). An image folder has no split:
+            name its ``train/`` or ``val/`` folder instead, and asking for one is an error.
+        digits: how many synthetic digits (None: 60,000 for train, 10,000 for test).
+
+    Raises ``FileNotFoundError`` for a name that is neither ``digits`` nor a folder, ``ValueError`` for a
+    split that does not apply.
+    """
+    from . import MNIST, ImageFolder, SyntheticDigits
+
+    if split not in (None, "train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    train = split != "test"
+    if str(spec) == "digits":
+        return SyntheticDigits(digits or (60_000 if train else 10_000), train=train)
+    root = Path(spec)
+    if not root.is_dir():
+        raise FileNotFoundError(f"SOURCE '{spec}' is neither 'digits' nor a folder")
+    if (root / "MNIST" / "raw").is_dir():
+        return MNIST(root, train=train, download=False)
+    if split is not None:
+        raise ValueError(f"--split {split} applies to MNIST and digits; '{spec}' is an image folder (name its "
+                         f"train/ or val/ folder instead)")
+    return ImageFolder(root)
