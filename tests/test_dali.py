@@ -1220,3 +1220,66 @@ def test_the_cpu_benchmark_times_both_pipelines_on_the_same_images(tmp_path):
     assert len(ours) == len(theirs) == 2 and min(ours + theirs) > 0
     assert res["ratios"] == pytest.approx([a / b for a, b in zip(ours, theirs)])
     assert min(res["cpu_ms_per_image"][bench.FASTDATA]) > 0
+
+
+@pytest.mark.cuda
+def test_gpu_program_that_never_closes_its_loader_exits_at_once(photo_folder, tmp_path):
+    """On the H200, pytest did not end after the DALI tests' summary: loaders were never closed, their
+    reading threads were joined at exit and their GPU pipelines torn down in module teardown. A script
+    that reads part of an epoch on the GPU and exits without close() must end promptly and cleanly."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "gpu_never_closed.py"
+    script.write_text(
+        "import sys\nfrom fastdata import make_loader\nfrom fastdata.config import Augmentation\n"
+        "from fastdata.datasets import ImageFolder\n"
+        "loader = make_loader(ImageFolder(sys.argv[1]), 'dali', batch_size=4, device='cuda', train=True,\n"
+        "                     augment=Augmentation.imagenet_train(size=64))\n"
+        "it = iter(loader)\nx, y = next(it)\nprint('got', tuple(x.shape), x.device.type, flush=True)\n")
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, str(script), str(photo_folder)], capture_output=True, text=True,
+                          env=env, timeout=120)   # the hang guard
+    assert proc.returncode == 0 and "got (4, 3, 64, 64) cuda" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.cuda
+def test_gpu_one_pipeline_reads_files_in_dali_with_the_decoder_options(photo_folder, monkeypatch):
+    """On the GPU: one build over 3 epochs taken with islice, Python reads each file once (later
+    epochs feed names to fn.io.file.read), and the options reach nvJPEG's ("mixed") decoder."""
+    import itertools
+
+    builds = _count_builds(monkeypatch)
+    reads = _count_reads(monkeypatch)
+    called = _record_graph_ops(monkeypatch)
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=4, train=True, seed=3, augment=Augmentation.imagenet_train(size=64))
+    loader = gpu(src, hw_decoder_load=0.5, fancy_upsampling=True, **kw)
+    assert loader.prefetch_queue_depth == 4
+    labels = [torch.cat([y for _, y in itertools.islice(loader, len(loader))]).cpu() for _ in range(3)]
+    assert builds == [0] and sorted(reads) == sorted(map(str, src.paths))
+    assert [n for n, _ in called] == ["read", "image", "resize"]
+    kwargs = called[1][1]
+    assert kwargs["device"] == "mixed" and kwargs["hw_decoder_load"] == 0.5 and kwargs["affine"] is False
+    assert kwargs["preallocate_width_hint"] > 0 and kwargs["device_memory_padding"] >= 16 << 20
+    ref = dali(src, decode="dali", **kw)
+    for want in labels:
+        assert torch.equal(torch.cat([y for _, y in ref]), want)
+
+
+def test_a_stream_of_only_empty_batches_ends_every_pass(monkeypatch):
+    """3 samples over 4 ranks: rank 3's one batch is empty in every epoch. The endless stream scanned
+    empty batches forever looking for one to give DALI (the process grew by gigabytes). The feeder gives
+    up after more than an epoch of them, and each pass still yields its empty batch."""
+    builds = _count_builds(monkeypatch)
+    loader = dali(indexed_source(3), batch_size=2, train=False, augment=NONE, rank=3, world_size=4)
+    for _ in range(3):
+        got = list(loader)
+        assert [tuple(x.shape) for x, _ in got] == [(0, 1, 8, 8)]
+    assert len(builds) <= 3   # a stream that gave up is restarted where more is needed, at most once a pass
+    mixed = dali(indexed_source(9), batch_size=2, train=False, augment=NONE, rank=1, world_size=4)
+    for _ in range(3):   # a full batch, then an empty one, epoch after epoch on one stream
+        assert [len(y) for _, y in mixed] == [2, 0]

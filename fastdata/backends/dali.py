@@ -118,6 +118,11 @@ from ..transforms import (
 )
 from .base import Loader
 
+
+class _StreamEnded(Exception):
+    """DALI's stream ended (the feeder gave up on a run of empty batches) where an output was needed."""
+
+
 # Pipelines inherited by forked children, kept alive there on purpose (see DaliLoader.close).
 _INHERITED: list = []
 
@@ -227,7 +232,7 @@ class DaliLoader(DaliFiles, Loader):
         if files:
             self.assembler = WorkerPool(1, "fastdata-dali-batch")
             self._readers = WorkerPool(opts.read_threads, "fastdata-dali-read")
-        self._feeder = Feeder(self, ahead=opts.prefetch_queue_depth + 1)
+        self._feeder = Feeder(self, ahead=opts.prefetch_queue_depth + 1, give_up=len(self.plan) + 1)
         self._probe_pipe = self._pipe = self._iter = None
         self._ready = None    # a DALI output fetched for a record not yet handed out
         self._expect = None   # the epoch the running stream goes on with, after a pass ran to its end
@@ -372,6 +377,8 @@ class DaliLoader(DaliFiles, Loader):
                     if pos == total:   # set before the last yield: the consumer may never come back
                         self._expect = epoch + 1
                     yield out
+            except _StreamEnded:
+                self._restart(epoch, batches[pos:], start + pos)
             except GeneratorExit:
                 if pos < total:
                     self._release()  # the stream holds this pass's batches read ahead, not the next one's
@@ -404,12 +411,12 @@ class DaliLoader(DaliFiles, Loader):
         records = self._feeder.records
         for _ in range(remaining):
             while not records and self._ready is None:  # nothing fed yet: ask DALI, which calls the feeder
-                self._ready = next(self._iter)[0]
+                self._ready = self._fetch()
             rec = records[0]
             if "error" in rec:   # its preparation failed (Feeder): raised now, after the batches before it
                 raise rec["error"]
             if rec["n"] and self._ready is None:
-                self._ready = next(self._iter)[0]
+                self._ready = self._fetch()
             records.popleft()
             self.skipped += rec["skipped"]
             if not rec["n"]:
@@ -417,6 +424,16 @@ class DaliLoader(DaliFiles, Loader):
                 continue
             out, self._ready = self._ready, None
             yield self._convert(out)
+
+    def _fetch(self):
+        """DALI's next output; None when its stream ended on a run of empty batches that the records
+        hold (they are yielded without DALI). Ended with nothing left to yield: _StreamEnded."""
+        try:
+            return next(self._iter)[0]
+        except StopIteration:
+            if self._feeder.records:
+                return None
+            raise _StreamEnded from None
 
     def _convert(self, out):
         images, labels = out["images"], out["labels"]

@@ -131,12 +131,15 @@ class Feeder:
     raises when it reaches that batch, after every batch before it.
     """
 
-    def __init__(self, loader, ahead: int):
+    def __init__(self, loader, ahead: int, give_up: int):
         # A weak reference: the pipeline holds this callback, and a strong one back to the loader would
         # put every loader in a reference cycle that only the cyclic GC frees, possibly inside a forked
         # DataLoader worker, where destroying a DALI pipeline deadlocks.
         self.loader = weakref.proxy(loader)
         self.ahead = ahead
+        # Empty batches in a row after which a call gives up (StopIteration): more than an epoch of them
+        # (a rank whose every batch is empty) would otherwise be scanned forever, the stream being endless.
+        self.give_up = give_up
         self.jobs = iter(())
         self.pending: collections.deque = collections.deque()   # futures of the batches read ahead
         self.records: collections.deque = collections.deque()
@@ -189,7 +192,7 @@ class Feeder:
         return done.result()   # nothing to stand in for a failed one: the consumer is at it anyway
 
     def __call__(self):
-        while True:
+        for _ in range(self.give_up):
             inputs, record = self._next_batch()
             self.records.append(record)
             if inputs is not None:
@@ -197,3 +200,4 @@ class Feeder:
                 return inputs
             # An empty batch (every sample skipped, or a rank's share of a tiny last step): DALI cannot
             # run a batch of 0 samples, so the consumer side yields it without DALI.
+        raise StopIteration   # DALI's stream ends here; the consumer restarts it if it needs more
