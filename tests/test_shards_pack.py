@@ -610,3 +610,70 @@ def test_a_repack_of_other_data_removes_the_old_index_before_any_shard_is_rewrit
     seen.clear()
     pack(photos, out, shard_size="4KB", max_side=20, workers=0, progress=False)   # the same: nothing to write
     assert seen == [] and json.loads((out / "index.json").read_text()) == doc
+
+
+# ------------------------------------------------------------------ any source, through its interface
+def _loader_batches(source):
+    from fastdata import Augmentation, make_loader
+
+    loader = make_loader(source, "torch", batch_size=4, device="cpu", train=False, num_workers=0,
+                         augment=Augmentation(crop="center", size=16))
+    return [(x.numpy(), y.numpy()) for x, y in loader]
+
+
+def _same_batches(a, b):
+    assert len(a) == len(b) > 0
+    for (xa, ya), (xb, yb) in zip(a, b):
+        np.testing.assert_array_equal(ya, yb)
+        np.testing.assert_allclose(xa, xb, atol=1e-6)
+
+
+def test_a_source_of_your_own_packs_through_read_stamped_and_reads_back_the_same(photos, tmp_path):
+    """Issue 32: the docs' own example source (``ZipImages``, examples/custom_source.py) was refused
+    ("pack cannot read ZipImages"): pack read files through ``.paths``, not the Source interface."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from custom_source import ZipImages, zip_folder
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    from fastdata.datasets import Shards
+
+    source = ZipImages(zip_folder(photos, tmp_path / "photos.zip"))
+    out = tmp_path / "out"
+    pack(source, out, shard_size="4KB", workers=0, progress=False)
+    shards = Shards(out)
+    assert shards.classes == source.classes and shards.labels.tolist() == source.labels.tolist()
+    assert [shards.read(i) for i in range(len(source))] == [source.read(i) for i in range(len(source))]
+    assert read_index(out).exts == ["jpg", "png"] and read_index(out).fingerprint == source.fingerprint()
+    _same_batches(_loader_batches(shards), _loader_batches(source))
+
+
+def test_shards_repack_to_another_shard_size_and_max_side(photos, tmp_path):
+    """Re-packing shards (to reshard or to resize) reads them through the same interface."""
+    from fastdata.datasets import ImageFolder, Shards
+
+    first = tmp_path / "first"
+    pack(photos, first, shard_size="4KB", workers=0, progress=False)
+    again = tmp_path / "again"
+    report = pack(Shards(first), again, shard_size="1MB", workers=0, progress=False)
+    assert report.shards == 1 < len(read_index(first).shards)
+    resharded = Shards(again)
+    assert resharded.classes == ["cat", "dog", "eel"]
+    assert [resharded.read(i) for i in range(len(resharded))] == _originals(photos)[1]
+    _same_batches(_loader_batches(resharded), _loader_batches(ImageFolder(photos)))
+    small = tmp_path / "small"
+    pack(Shards(first), small, max_side=64, workers=2, progress=False)
+    idx = read_index(small)
+    assert idx.labels.tolist() == ImageFolder(photos).labels.tolist()
+    assert max(max(Image.open(io.BytesIO(Shards(small).read(i))).size) for i in range(len(idx))) == 64
+
+
+def test_bench_and_pack_read_a_source_name_with_one_parser(tmp_path):
+    import fastdata.bench as bench
+    from fastdata.datasets import spec
+
+    assert not hasattr(bench, "open_source") or bench.open_source is spec.open_source
+    assert len(spec.open_source("digits", digits=100)) == 100
+    assert len(spec.open_source("digits", split="test")) == 10_000
+    with pytest.raises(FileNotFoundError, match="neither 'digits' nor a folder"):
+        spec.open_source(tmp_path / "nowhere")
