@@ -207,11 +207,18 @@ def test_prefetch_fetches_ahead_in_order_within_the_budget(remote, tmp_path):
     limit = 3 * SIZE
     cache = ShardCache(Storage(f"file://{root}", **FAST), tmp_path / "cache", limit_bytes=limit,
                        expected_sizes=sizes(files))
+    # The prefetcher asking for s3's room and being refused: from then on it waits for a release.
+    refused, make_room = threading.Event(), cache._make_room
+
+    def watched(size, *, exclude):
+        made = make_room(size, exclude=exclude)
+        if exclude == "s3.tar" and not made:
+            refused.set()
+        return made
+
+    cache._make_room = watched
     cache.prefetch(NAMES)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (tmp_path / "cache" / "s2.tar").exists():
-        time.sleep(0.01)
-    time.sleep(0.2)                               # had it ignored the budget, s3 would come now
+    assert refused.wait(30), f"the prefetcher never asked for s3's room: {os.listdir(tmp_path / 'cache')}"
     assert sorted(os.listdir(tmp_path / "cache")) == [".locks", "s0.tar", "s1.tar", "s2.tar"]
     for name in NAMES:                            # the reader takes them in order, releasing each
         assert open(cache.get(name), "rb").read() == files[name]
