@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from fastdata.shards.cache import CacheFull, ShardCache
@@ -202,30 +203,39 @@ def test_temporary_files_of_dead_processes_are_removed(remote, tmp_path):
     assert not stale.exists() and mine.exists()
 
 
-def test_prefetch_fetches_ahead_in_order_within_the_budget(remote, tmp_path):
-    root, files = remote
-    limit = 3 * SIZE
-    cache = ShardCache(Storage(f"file://{root}", **FAST), tmp_path / "cache", limit_bytes=limit,
-                       expected_sizes=sizes(files))
-    # The prefetcher asking for s3's room and being refused: from then on it waits for a release.
-    refused, make_room = threading.Event(), cache._make_room
+def test_the_readers_prefetcher_fetches_a_window_ahead_in_order_within_the_budget(tmp_path):
+    """The one prefetcher is the reader's (``Shards.reading``: ``get`` then ``release`` on a thread):
+    told where the pass is, it fetches the shard being read and the next ``window``, in the pass's
+    order, no further (the cache holds two windows), and the reader then finds each one cached."""
+    from fastdata.datasets import ImageFolder, Shards, make_image_folder
+    from fastdata.packing import pack
+    from fastdata.shards.index import read_index
 
-    def watched(size, *, exclude):
-        made = make_room(size, exclude=exclude)
-        if exclude == "s3.tar" and not made:
-            refused.set()
-        return made
-
-    cache._make_room = watched
-    cache.prefetch(NAMES)
-    assert refused.wait(30), f"the prefetcher never asked for s3's room: {os.listdir(tmp_path / 'cache')}"
-    assert sorted(os.listdir(tmp_path / "cache")) == [".locks", "s0.tar", "s1.tar", "s2.tar"]
-    for name in NAMES:                            # the reader takes them in order, releasing each
-        assert open(cache.get(name), "rb").read() == files[name]
-        assert cached_bytes(tmp_path / "cache") <= limit
-        cache.release(name)
-    threads = [t for t in threading.enumerate() if t.name == "fastdata-shard-prefetch"]
-    cache.close()
+    folder = make_image_folder(tmp_path / "photos", classes=2, per_class=8, size_range=((24, 32), (24, 32)))
+    out = tmp_path / "packed"
+    pack(ImageFolder(folder), out, shard_size=6000, workers=0, progress=False)   # a photo or two a shard
+    index = read_index(out)
+    largest = max(s.size for s in index.shards)
+    assert len(index.shards) >= 6
+    shards = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=2, cache_limit=4 * largest)
+    order = np.arange(len(shards))[::-1].copy()           # the pass reads the last shard first
+    names = [index.shards[int(j)].name for j in dict.fromkeys(index.shard[order].tolist())]
+    try:
+        shards.reading(order, 0)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(os.path.exists(shards.cached_path(n)) for n in names[:3]):
+            time.sleep(0.01)
+        time.sleep(0.3)                                     # had it run on, names[3] would come now
+        cached = sorted(p.name.split(".")[0] for p in (tmp_path / "cache").glob("*.tar"))
+        assert cached == sorted(n[:-4] for n in names[:3]), (cached, shards._prefetcher.error)
+        local = Shards(out)
+        for position, i in enumerate(order):                # the reader moves on, sample by sample
+            shards.reading(order, position)
+            assert shards.read(int(i)) == local.read(int(i))
+            assert cached_bytes(tmp_path / "cache") <= 4 * largest
+        threads = [t for t in threading.enumerate() if t.name == "fastdata-shards"]
+    finally:
+        shards.close()
     assert threads and not any(t.is_alive() for t in threads)
 
 
@@ -341,15 +351,21 @@ class HeldDownload(Storage):
 
 
 def test_a_child_forked_during_a_download_does_not_keep_that_shard_locked(remote, tmp_path):
-    """A DataLoader worker forked while the prefetcher downloaded a shard inherited the download's lock
+    """A DataLoader worker forked while the read-ahead thread downloaded a shard inherited the download's lock
     descriptor, which the cache does not know as held; closing the parent's copy left the shard locked
     for the worker's whole life, never evicted, and the cache full."""
     root, files = remote
     storage = HeldDownload(f"file://{root}", **FAST)
     cache = ShardCache(storage, tmp_path / "cache", limit_bytes=2 * SIZE + SIZE // 2, expected_sizes=sizes(files),
                        wait_timeout=3)
-    cache.prefetch(["s0.tar"])
-    assert storage.started.wait(30)               # the prefetcher holds s0's lock, downloading
+    # What the reader's prefetcher does (Shards' read-ahead thread): get, then release, on a thread.
+    def read_ahead():
+        cache.get("s0.tar")
+        cache.release("s0.tar")
+
+    ahead = threading.Thread(target=read_ahead, daemon=True)
+    ahead.start()
+    assert storage.started.wait(30)               # the read-ahead thread holds s0's lock, downloading
     ctx = multiprocessing.get_context("fork")
     alive = ctx.Event()
     child = ctx.Process(target=lambda: (alive.set(), time.sleep(60)), daemon=True)
@@ -357,6 +373,7 @@ def test_a_child_forked_during_a_download_does_not_keep_that_shard_locked(remote
     try:
         assert alive.wait(30)
         storage.go.set()
+        ahead.join(30)
         first = cache.get("s0.tar")
         cache.release("s0.tar")
         for name in ("s1.tar", "s2.tar"):         # s2 needs room: s0, released, must be evictable

@@ -1,10 +1,11 @@
 """The per-node cache of whole shards: bounded, shared by the processes of one node, never half written.
 
 ``ShardCache(storage, cache_dir, limit_bytes=..., expected_sizes=...)``: ``get(name)`` returns a local
-path (downloading the shard if needed) and marks it in use until ``release(name)``; ``prefetch(names)``
-downloads ahead in a background thread, as far as the budget allows; released shards are evicted least
-recently used first when a download needs room. A local-folder ``Storage`` is read in place: nothing is
-copied and the budget is not used.
+path (downloading the shard if needed) and marks it in use until ``release(name)``; released shards
+are evicted least recently used first when a download needs room. Fetching ahead is the reader's job
+(``fastdata.datasets.Shards`` calls ``get`` then ``release`` on a thread, a window ahead): a shard
+fetched and released stays cached as the most recently used until its reader takes it. A local-folder
+``Storage`` is read in place: nothing is copied and the budget is not used.
 
 Why file locks (``fcntl.flock``), one per shard under ``cache_dir/.locks/``: the ranks of a node are
 separate processes, and the kernel drops a process's locks when it dies, so a ``kill -9`` cannot leave
@@ -30,7 +31,6 @@ Other files in ``cache_dir`` are left alone.
 """
 from __future__ import annotations
 
-import collections
 import errno
 import fcntl
 import os
@@ -55,10 +55,6 @@ _POLL = 0.05
 
 class CacheFull(OSError):
     """The cache cannot make room for a shard: its budget is held by shards in use, or its disk is full."""
-
-
-class _NoRoom(Exception):
-    """Internal: the prefetcher found no room now; it waits for a release instead of failing."""
 
 
 def _human(n: float) -> str:
@@ -124,7 +120,7 @@ class ShardCache:
             raise ValueError(f"ShardCache: limit_bytes={self.limit_bytes} ({_human(self.limit_bytes)}) cannot "
                              f"hold {what}: it needs at least {need} bytes ({_human(need)}) in "
                              f"{self.cache_dir}; raise the limit or use smaller shards")
-        self._lock = threading.Condition(threading.RLock())
+        self._lock = threading.RLock()
         self._reset()
         # In a forked child, drop the inherited lock copies at once, not at its first use of the cache.
         ref = weakref.ref(self)
@@ -145,37 +141,32 @@ class ShardCache:
 
     def _reset(self):
         self._held: dict[str, list] = {}          # name -> [lock fd (shared), count]
-        self._pins: list[str] = []                # prefetched, held, not yet taken by get(), oldest first
-        self._plan: collections.deque = collections.deque()
-        self._failed: dict[str, BaseException] = {}
         self._mismatched: dict[str, BaseException] = {}   # shards whose download is another shard
-        self._thread = None
-        self._stop = False
         self._pid = os.getpid()
 
     def __getstate__(self):
-        # Locks, the thread and held shards belong to the process that took them: a copy starts empty.
+        # Locks and held shards belong to the process that took them: a copy starts empty.
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._lock = threading.Condition(threading.RLock())
+        self._lock = threading.RLock()
         self._reset()
 
     def _check_process(self):
         if self._pid != os.getpid():
-            # A forked child: its prefetch thread did not come along, and the lock descriptors it
-            # inherited are copies of the parent's, sharing their flock. Our copies are closed (close,
-            # never LOCK_UN: that would release the parent's lock too): kept open, they would hold the
-            # parent's shards locked after the parent released them, and a DataLoader worker forked
-            # while the parent read a shard kept that shard unevictable for the worker's whole life.
+            # A forked child: the lock descriptors it inherited are copies of the parent's, sharing their
+            # flock. Our copies are closed (close, never LOCK_UN: that would release the parent's lock
+            # too): kept open, they would hold the parent's shards locked after the parent released them,
+            # and a DataLoader worker forked while the parent read a shard kept that shard unevictable for
+            # the worker's whole life.
             for fd, _ in self._held.values():
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            self._lock = threading.Condition(threading.RLock())
+            self._lock = threading.RLock()
             self._reset()
 
     def __enter__(self):
@@ -241,28 +232,22 @@ class ShardCache:
             return self.path(name)
         with self._lock:
             if name in self._held:
-                if name in self._pins:     # prefetched for this reader: the prefetcher's hold becomes ours
-                    self._pins.remove(name)
-                else:
-                    self._held[name][1] += 1
+                self._held[name][1] += 1
                 os.utime(self.path(name))
                 return self.path(name)
-            failed = self._failed.pop(name, None) or self._mismatched.get(name)
-        if failed is not None:
-            raise failed
+            mismatched = self._mismatched.get(name)
+        if mismatched is not None:
+            raise mismatched
         try:
-            fd = self._acquire(name, prefetch=False)
+            fd = self._acquire(name)
         except ShardMismatch as e:
             with self._lock:
                 self._mismatched[name] = e
             raise
         with self._lock:
-            if name in self._held:         # the prefetcher got it meanwhile
+            if name in self._held:         # another thread of this process got it meanwhile
                 _unlock_close(fd)
-                if name in self._pins:
-                    self._pins.remove(name)
-                else:
-                    self._held[name][1] += 1
+                self._held[name][1] += 1
             else:
                 self._held[name] = [fd, 1]
         return self.path(name)
@@ -275,12 +260,11 @@ class ShardCache:
             return
         with self._lock:
             entry = self._held.get(name)
-            if entry is None or (entry[1] == 1 and name in self._pins):
+            if entry is None:
                 raise ValueError(f"release({name!r}): this cache does not hold that shard (one release per get)")
             entry[1] -= 1
             if entry[1] == 0:
                 self._drop(name)
-            self._lock.notify_all()
 
     def _drop(self, name: str):
         fd, _ = self._held.pop(name)
@@ -290,52 +274,13 @@ class ShardCache:
             pass
         _unlock_close(fd)                  # evictable from now on
 
-    def prefetch(self, names) -> None:
-        """Download ``names`` ahead, in order, in a background thread, as far as the budget allows.
-
-        Replaces the previous plan: names not yet fetched are forgotten, shards fetched for it and not
-        taken are released. Each fetched shard is held for the reader's ``get``."""
-        self._check_process()
-        names = list(names)
-        for name in names:
-            self._known(name)
-        if self.in_place:
-            return
-        with self._lock:
-            self._plan = collections.deque(names)
-            keep = set(names)
-            for name in [p for p in self._pins if p not in keep]:
-                self._unpin(name)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._prefetch_loop, name="fastdata-shard-prefetch",
-                                                daemon=True)
-                self._thread.start()
-            self._lock.notify_all()
-
-    def _unpin(self, name: str):
-        self._pins.remove(name)
-        entry = self._held[name]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self._drop(name)
-
     def close(self) -> None:
-        """Stop the prefetcher (it finishes the download in progress) and release every shard held."""
+        """Release every shard this process still holds."""
         if self._pid != os.getpid():
             return
         with self._lock:
-            self._stop = True
-            self._plan.clear()
-            self._lock.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-        with self._lock:
             for name in list(self._held):
                 self._drop(name)
-            self._pins.clear()
-            self._thread = None
-            self._stop = False
 
     def __del__(self):
         try:
@@ -343,46 +288,9 @@ class ShardCache:
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
             pass
 
-    # -- the prefetcher --------------------------------------------------------------------------
-
-    def _prefetch_loop(self):
-        while True:
-            with self._lock:
-                while not self._stop and not self._plan:
-                    self._lock.wait()
-                if self._stop:
-                    return
-                name = self._plan[0]
-                if name in self._held:
-                    self._plan.popleft()
-                    continue
-            try:
-                fd = self._acquire(name, prefetch=True)
-            except _NoRoom:
-                with self._lock:
-                    self._lock.wait(0.2)   # a release here wakes it; another process's release is polled
-                continue
-            except Exception as e:  # noqa: BLE001 - kept for the reader's get(), which raises it
-                with self._lock:
-                    if isinstance(e, ShardMismatch):
-                        self._mismatched[name] = e
-                    else:
-                        self._failed[name] = e
-                    if self._plan and self._plan[0] == name:
-                        self._plan.popleft()
-                continue
-            with self._lock:
-                if self._plan and self._plan[0] == name:
-                    self._plan.popleft()
-                if name in self._held or self._stop:
-                    _unlock_close(fd)
-                else:
-                    self._held[name] = [fd, 1]
-                    self._pins.append(name)
-
     # -- acquiring, downloading, evicting --------------------------------------------------------
 
-    def _acquire(self, name: str, *, prefetch: bool) -> int:
+    def _acquire(self, name: str) -> int:
         """A lock descriptor holding ``name`` shared, with the file published under its final name."""
         deadline = time.monotonic() + self.wait_timeout
         fd = self._open_lock(name)
@@ -401,18 +309,18 @@ class ShardCache:
                         os.unlink(self.path(name))   # wrong size: nobody holds it (we hold it exclusively)
                     except FileNotFoundError:
                         pass
-                    self._download(name, prefetch=prefetch, deadline=deadline)
+                    self._download(name, deadline=deadline)
                 # Loop: take it shared and check again (flock's conversion is not atomic).
         except BaseException:
             _unlock_close(fd)
             raise
 
-    def _download(self, name: str, *, prefetch: bool, deadline: float):
+    def _download(self, name: str, *, deadline: float):
         size, final = self.expected_sizes[name], self.path(name)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         freed_for_disk = None
         for attempt in range(2):
-            reservation = self._reserve(name, size, prefetch=prefetch, deadline=deadline)
+            reservation = self._reserve(name, size, deadline=deadline)
             try:
                 # Only with a digest: a Storage written before digests existed takes size alone.
                 digest = {"sha256": self.digests[name]} if name in self.digests else {}
@@ -433,7 +341,7 @@ class ShardCache:
             # The disk filled before the budget did (other files on it): evict what is released, retry once.
             freed_for_disk = self._evict_for_disk(size, deadline)
 
-    def _reserve(self, name: str, size: int, *, prefetch: bool, deadline: float) -> str:
+    def _reserve(self, name: str, size: int, *, deadline: float) -> str:
         """Make room for ``size`` bytes and leave a marker that other processes count as ``size`` until
         the download is published, so that two processes do not both spend the same free bytes."""
         budget = os.open(os.path.join(self.cache_dir, _LOCKS, ".budget"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -447,12 +355,6 @@ class ShardCache:
                         return marker
                 finally:
                     fcntl.flock(budget, fcntl.LOCK_UN)
-                if prefetch:
-                    raise _NoRoom()
-                with self._lock:           # this process's prefetched shards give way to the reader
-                    if self._pins:
-                        self._unpin(self._pins[-1])
-                        continue
                 if time.monotonic() >= deadline:
                     usage, _ = self._scan()
                     raise CacheFull(errno.ENOSPC, f"shard cache {self.cache_dir} cannot make room for shard "
