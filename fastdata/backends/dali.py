@@ -65,18 +65,20 @@ DALI's own "reflect" repeats the edge pixel). A DALI without those border modes 
 slice) gets the batch padded on the host with ``np.pad`` and a slice inside it instead: the same pixels.
 
 Errors: a file whose header PIL cannot read (empty, not an image, wrong extension, decompression bomb)
-or that fails the integrity check raises ``DecodeError`` naming it when its batch is fed
-(``on_error="skip"``: skipped and counted in ``self.skipped``, with the crop draws consumed exactly as
-the torch backend consumes them); the verdict is kept, so the file is never read again. Decoding on
-the host, a file the reader thread's decoder refuses (``validate=False``) is handled the same way, in
-its batch's order. A file that still fails inside DALI (``validate=False``, or one PIL accepts and
-DALI does not) fails the whole DALI iteration: DALI 2.4 raises a plain ``RuntimeError`` (see
-``is_dali_failure``: classified by type and origin; any other error is re-raised untouched). The loader
-then decodes the batch's files one by one in one reusable probe pipeline to find the culprit and raises
-``DecodeError`` with the path and DALI's message (``"skip"``: it remembers the file, rebuilds the main
-pipeline and feeds the batch again without it). After any error or an epoch left unfinished (a closed
-generator), the next ``iter()`` builds a fresh pipeline and drops the batches read ahead, never reusing
-a broken one.
+or that fails the integrity check raises ``DecodeError`` naming it when the consumer reaches its batch
+(not when DALI asks for it, batches or an epoch ahead; ``on_error="skip"``: skipped and counted in
+``self.skipped``, with the crop draws consumed exactly as the torch backend consumes them); the verdict
+is kept, so the file is never read again. Decoding on the host, a file the reader thread's decoder
+refuses (``validate=False``) is handled the same way, in its batch's order. A file that still fails
+inside DALI (``validate=False``, or one PIL accepts and DALI does not) fails the whole DALI iteration:
+DALI 2.4 raises a plain ``RuntimeError`` (see ``is_dali_failure``: classified by type and origin; any
+other error is re-raised untouched). The loader then decodes the batch's files one by one in one
+reusable probe pipeline to find the culprit and raises ``DecodeError`` with the path and DALI's message
+(``"skip"``: it remembers the file, rebuilds the main pipeline and feeds the batch again without it).
+When each file decodes alone, a file changed after its batch was prepared (its name read ahead): the
+batch's files are learnt again and it is fed once more. After any error or an epoch left unfinished (a
+closed generator), the next ``iter()`` builds a fresh pipeline and drops the batches read ahead, never
+reusing a broken one.
 
 Outputs: DALI 2.4's default executor (``exec_dynamic``) hands its buffers to torch through DLPack
 without a copy. They stay valid as long as torch holds them (DALI's ``TensorGPU.__dlpack__`` docs),
