@@ -77,53 +77,91 @@ class Tiny(nn.Module):
         return self.head(self.conv(x).mean((2, 3)))
 
 
-class SlowDigits(torch.utils.data.Dataset):
-    """Digits read in the calling thread at a fixed host cost per sample (a sleep: the same on idle and
-    on busy cores, unlike a computed cost)."""
+class Clock:
+    """The clock the bench and fit's meter read (their ``time.perf_counter``), moved only by the costs
+    charged to it: what they measure is then the cost model, whatever else the cores are doing."""
 
-    def __init__(self, n=640, seconds=0.0005):
-        self.n, self.seconds = n, seconds
+    def __init__(self, monkeypatch):
+        import types
+
+        from fastdata import bench
+        from fastdata.engine import hooks, meter
+
+        self.now = 0.0
+        fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+        fake.perf_counter = lambda: self.now
+        for module in (bench, meter, hooks):
+            monkeypatch.setattr(module, "time", fake)
+
+    def charge(self, seconds: float):
+        self.now += seconds
+
+
+class SlowDigits(torch.utils.data.Dataset):
+    """Digits read in the calling thread at a fixed host cost per sample, charged to ``clock``."""
+
+    def __init__(self, clock, n=640, seconds=0.0005):
+        self.clock, self.n, self.seconds = clock, n, seconds
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
-        time.sleep(self.seconds)
+        self.clock.charge(self.seconds)
         return torch.full((1, 28, 28), i % 256, dtype=torch.uint8), i % 10
 
 
 class SlowTiny(Tiny):
-    """A step of fixed cost (a sleep in forward), about as long as reading a batch of SlowDigits."""
+    """A step of fixed cost charged to ``clock`` in forward, about as long as reading a batch of SlowDigits."""
+
+    def __init__(self, clock, seconds=0.02):
+        super().__init__()
+        self.clock, self.seconds = clock, seconds
 
     def forward(self, x):
-        time.sleep(0.02)
+        self.clock.charge(self.seconds)
         return super().forward(x)
 
 
-def test_the_serial_prediction_matches_the_data_wait_fit_measures_on_the_cpu():
-    """Stated tolerance: 0.15 absolute. The prediction comes from two measurements taken apart (the
-    loader alone, the model alone); fit measures the same work interleaved, seconds later. The loader
-    reads in the training thread (num_workers=0): the serial case.
-
-    Both costs are mostly sleeps, so a second test run or any other process on the same cores cannot
-    slow one measurement and not the other (with computed costs this failed whenever a concurrent run
-    reached the same test). Load and step are about equal, so the serial model's answer (about 0.5)
-    and an overlapped one (about 0) are far apart: only the right model passes."""
+def test_the_serial_prediction_matches_the_data_wait_fit_measures_on_the_cpu(monkeypatch):
+    """The prediction comes from two measurements taken apart (the loader alone, the model alone); fit
+    measures the same work interleaved. The loader reads in the training thread (num_workers=0): the
+    serial case. The costs (0.5 ms a sample, 20 ms a step) are charged to a clock that nothing else
+    moves, so the check is of the cost model and of what fit counts as waiting, not of this machine's
+    speed. The serial answer is 16/36 = 0.444 (an overlapped one would be 0)."""
     torch.manual_seed(0)
-    loader = make_loader(SlowDigits(), "torch", batch_size=32, device="cpu", num_workers=0, seed=1,
+    clock = Clock(monkeypatch)
+    loader = make_loader(SlowDigits(clock), "torch", batch_size=32, device="cpu", num_workers=0, seed=1,
                          mean=(0.5,), std=(0.25,))
-    tries = []
-    for _ in range(3):
-        load_rate = measure_loader(loader, batches=10, warmup=2, progress=False)
-        step_rate = measure_step(SlowTiny(), next(iter(loader)), steps=10, warmup=2, amp="off")
-        predicted, _ = predict(load_rate, step_rate, overlapped=False)
-        history = fit(SlowTiny(), loader, epochs=2, amp="off", progress=False)
-        measured = history[-1]["data_wait_fraction"]
-        tries.append((round(predicted, 3), round(measured, 3), round(load_rate), round(step_rate)))
-        # load and step cost about the same, so the serial answer is near 0.5 (an overlapped one near 0)
-        if 0.25 < predicted < 0.75 and abs(predicted - measured) <= 0.15:
-            return
-    raise AssertionError(f"(predicted, measured, load img/s, step img/s) per try: {tries}")
+    load_rate = measure_loader(loader, batches=100, warmup=2, progress=False)
+    step_rate = measure_step(SlowTiny(clock), next(iter(loader)), steps=10, warmup=2, amp="off")
+    assert step_rate == pytest.approx(32 / 0.02)
+    predicted, _ = predict(load_rate, step_rate, overlapped=False)
+    history = fit(SlowTiny(clock), loader, epochs=2, amp="off", progress=False)
+    measured = history[-1]["data_wait_fraction"]
+    assert measured == pytest.approx(16 / 36, abs=1e-6), history[-1]
+    # 0.01: measure_loader over-counts its rate by 1/batches (see the xfail below), 0.003 here
+    assert predicted == pytest.approx(measured, abs=0.01), (predicted, measured, load_rate, step_rate)
+
+
+@pytest.mark.xfail(strict=True, reason="measure_loader counts the images of `batches` batches over the "
+                   "time of batches - 1 loads (t0 is read after the first timed batch arrived): a rate "
+                   "batches / (batches - 1) too high; fix in fastdata/bench.py, then drop this mark")
+def test_measure_loader_times_every_batch_it_counts(monkeypatch):
+    from fastdata.bench import measure_loader_spread
+
+    clock = Clock(monkeypatch)
+
+    class OneSecondBatches:
+        name, device = "fake", torch.device("cpu")
+
+        def __iter__(self):
+            for _ in range(20):
+                clock.charge(1.0)
+                yield torch.zeros(4, 1, 2, 2), torch.zeros(4)
+
+    rate, pieces = measure_loader_spread(OneSecondBatches(), batches=10, warmup=2, progress=False)
+    assert rate == pytest.approx(4.0) and pieces == pytest.approx([4.0] * 5)
 
 
 def test_a_near_tie_goes_to_the_backend_that_costs_the_host_least():
