@@ -1283,3 +1283,19 @@ def test_a_stream_of_only_empty_batches_ends_every_pass(monkeypatch):
     mixed = dali(indexed_source(9), batch_size=2, train=False, augment=NONE, rank=1, world_size=4)
     for _ in range(3):   # a full batch, then an empty one, epoch after epoch on one stream
         assert [len(y) for _, y in mixed] == [2, 0]
+
+
+@pytest.mark.parametrize("decode", ["host", "dali"])
+def test_a_broken_file_is_raised_at_its_batch_after_every_batch_before_it(tmp_path, photo_folder, decode):
+    """The error of a file read ahead was raised into DALI's prefetch: the consumer lost the batches
+    before it (and with the stream, a file of the next epoch would have failed this one). Now the
+    batches before it arrive, then the DecodeError, as the torch backend does."""
+    root, bad = _broken_folder(tmp_path, photo_folder, lambda b: b[: len(b) // 2])
+    src = ImageFolder(root)
+    index = [str(p) for p in src.paths].index(str(bad))
+    loader = dali(src, batch_size=2, train=False, shuffle=False, decode=decode, prefetch_queue_depth=3)
+    got = []
+    with pytest.raises(DecodeError, match=bad.name):
+        for _, y in loader:
+            got.append(y)
+    assert len(got) == index // 2 and index // 2 >= 3
