@@ -105,3 +105,22 @@ def test_plot_run_log_draws_the_curves_or_says_in_one_line_that_matplotlib_is_mi
     assert cli.plot_run_log(str(tmp_path)) is None
     assert capsys.readouterr().out.strip().splitlines() == [
         f"--log-dir: no curves.png: matplotlib is not installed (pip install matplotlib); the CSVs are in {tmp_path}"]
+
+
+def test_every_command_takes_source_names_through_one_parser(tmp_path, monkeypatch):
+    """Issue 32: bench and pack each parsed SOURCE (``bench.open_source``, ``pack._open_spec``); one
+    parser now names the same source for both, with one help text."""
+    from fastdata import bench
+    from fastdata.__main__ import get_args_parser
+    from fastdata.datasets import spec
+    from fastdata.packing import writer
+
+    sub = next(a for a in get_args_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {name: next(a.help for a in sub.choices[name]._actions if a.dest == "source") for name in ("bench", "pack")}
+    assert helps == {"bench": spec.SOURCE_HELP, "pack": spec.SOURCE_HELP}
+    assert bench.open_source is spec.open_source           # bench's is the shared one, not a copy
+    seen = []
+    monkeypatch.setattr(spec, "open_source", lambda name, **kw: seen.append((name, kw)) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        writer.pack("digits", tmp_path / "out", split="test", progress=False)
+    assert seen == [("digits", {"split": "test"})]
