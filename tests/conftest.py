@@ -169,10 +169,14 @@ _MISSING: list[str] = []
 
 
 def _optional_module_of(error: BaseException) -> str | None:
-    """The optional library a test failed to import: a ModuleNotFoundError of one of EXTRAS, or a skip
-    raised by ``pytest.importorskip`` (its frame holds the module's name)."""
+    """The optional library a test failed to import: a ModuleNotFoundError of one of EXTRAS that is not
+    installed, or a skip raised by ``pytest.importorskip`` (its frame holds the module's name). An
+    installed one is a real error: a test that hides it (``sys.modules[name] = None``) to check that
+    fastdata does without it must fail when fastdata imports it after all."""
+    from importlib.machinery import PathFinder
+
     if isinstance(error, ModuleNotFoundError) and error.name and error.name.split(".")[0] in EXTRAS:
-        return error.name
+        return None if PathFinder.find_spec(error.name.split(".")[0]) is not None else error.name
     if isinstance(error, pytest.skip.Exception):
         tb = error.__traceback__
         while tb is not None and tb.tb_next is not None:
