@@ -17,6 +17,7 @@ import pytest
 
 from fastdata.shards.cache import CacheFull, ShardCache
 from fastdata.shards.storage import Storage, StorageError
+from procs import wait_until
 from shard_servers import Faults, http_server
 
 pytestmark = pytest.mark.requires("fsspec", "aiohttp")   # each test skips, or fails in CI, naming the extra
@@ -203,6 +204,13 @@ def test_temporary_files_of_dead_processes_are_removed(remote, tmp_path):
     assert not stale.exists() and mine.exists()
 
 
+def _idle(thread: threading.Thread) -> bool:
+    """Whether ``thread`` (the shards' prefetcher) waits for work: in its loop's Condition.wait."""
+    frame = sys._current_frames().get(thread.ident)
+    caller = frame.f_back if frame is not None else None
+    return frame.f_code.co_name == "wait" and caller is not None and caller.f_code.co_name == "_run"
+
+
 def test_the_readers_prefetcher_fetches_a_window_ahead_in_order_within_the_budget(tmp_path):
     """The one prefetcher is the reader's (``Shards.reading``: ``get`` then ``release`` on a thread):
     told where the pass is, it fetches the shard being read and the next ``window``, in the pass's
@@ -222,10 +230,11 @@ def test_the_readers_prefetcher_fetches_a_window_ahead_in_order_within_the_budge
     names = [index.shards[int(j)].name for j in dict.fromkeys(index.shard[order].tolist())]
     try:
         shards.reading(order, 0)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(os.path.exists(shards.cached_path(n)) for n in names[:3]):
-            time.sleep(0.01)
-        time.sleep(0.3)                                     # had it run on, names[3] would come now
+        # The window fetched and the prefetcher back to waiting for work: had it run on, it would be
+        # fetching names[3] instead, or names[3] would be there.
+        prefetcher = next(t for t in threading.enumerate() if t.name == "fastdata-shards")
+        assert wait_until(lambda: all(os.path.exists(shards.cached_path(n)) for n in names[:3]) and _idle(prefetcher),
+                          timeout=30), "the prefetcher never fetched its window"
         cached = sorted(p.name.split(".")[0] for p in (tmp_path / "cache").glob("*.tar"))
         assert cached == sorted(n[:-4] for n in names[:3]), (cached, shards._prefetcher.error)
         local = Shards(out)
