@@ -31,7 +31,7 @@ def open_source(spec, *, split: str | None = None, digits: int | None = None):
         return SyntheticDigits(digits or (60_000 if train else 10_000), train=train)
     root = Path(spec)
     if not root.is_dir():
-        raise FileNotFoundError(f"SOURCE '{spec}' is neither 'digits' nor a folder")
+        raise FileNotFoundError(f"'{spec}' is neither 'digits' nor a folder")
     if (root / "MNIST" / "raw").is_dir():
         return MNIST(root, train=train, download=False)
     if split is not None:
