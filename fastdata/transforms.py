@@ -158,44 +158,73 @@ def check_pixels(img: Image.Image, path) -> None:
     load_pixels(img, path)
 
 
-def rrc_params(rng: np.random.Generator, height: int, width: int, scale, ratio) -> tuple[float, float, float, float]:
-    """RandomResizedCrop's box (top, left, h, w), torchvision's algorithm: 10 tries, then a center crop."""
-    area = height * width
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target_area = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(*log_ratio))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            return top, left, h, w
+#: RandomResizedCrop's uniforms per sample: torchvision's 10 tries, each an area fraction then a log aspect
+#: ratio, then the crop's top and left. Every sample takes all 22 (tries past the first that fits, and the
+#: position of a center-crop fallback, go unused) so that a batch is ONE ``rng.random((n, 22))``: boxes are
+#: computed for the whole batch with array operations, and a sample drawn alone takes the same numbers it
+#: takes inside its batch. (Drawing only what each try needs, torchvision's way, makes sample i's first
+#: number depend on every earlier sample's outcome: a scan, one sample at a time, in Python.)
+RRC_TRIES = 10
+RRC_DRAWS = 2 * RRC_TRIES + 2
+
+
+def rrc_boxes(u: np.ndarray, sizes: np.ndarray, scale, ratio) -> np.ndarray:
+    """RandomResizedCrop's boxes, float64 (n, 4) (top, left, h, w), torchvision's algorithm on uniforms.
+
+    ``u``: (n, RRC_DRAWS or more) uniforms in [0, 1) (columns past RRC_DRAWS are not read); ``sizes``:
+    (n, 2) (height, width). The first of the 10 tries whose box fits the image wins; when none fits, the
+    central crop of the ratio range's nearest aspect.
+    """
+    height = sizes[:, 0].astype(np.float64)
+    width = sizes[:, 1].astype(np.float64)
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    target = (height * width)[:, None] * (scale[0] + (scale[1] - scale[0]) * u[:, 0:2 * RRC_TRIES:2])
+    aspect = np.exp(log_lo + (log_hi - log_lo) * u[:, 1:2 * RRC_TRIES:2])
+    tries_w = np.rint(np.sqrt(target * aspect))   # rint rounds half to even, as Python's round does
+    tries_h = np.rint(np.sqrt(target / aspect))
+    fits = (tries_w > 0) & (tries_w <= width[:, None]) & (tries_h > 0) & (tries_h <= height[:, None])
+    rows, first = np.arange(len(u)), fits.argmax(axis=1)
+    found = fits[rows, first]
     in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
+    narrow, wide = in_ratio < ratio[0], in_ratio > ratio[1]
+    h = np.where(found, tries_h[rows, first],
+                 np.where(narrow, np.rint(width / ratio[0]), height))
+    w = np.where(found, tries_w[rows, first],
+                 np.where(wide, np.rint(height * ratio[1]), width))
+    # floor(u * k) is uniform over 0..k-1; the minimum guards u*k rounding up to k for u just under 1.
+    top = np.where(found, np.minimum(np.floor(u[:, RRC_DRAWS - 2] * (height - h + 1)), height - h), (height - h) // 2)
+    left = np.where(found, np.minimum(np.floor(u[:, RRC_DRAWS - 1] * (width - w + 1)), width - w), (width - w) // 2)
+    return np.stack([top, left, h, w], axis=1)
 
 
-def center_params(height: int, width: int, size: int, resize: int | None) -> tuple[float, float, float, float]:
-    """Box (top, left, h, w) in source pixels equal to torchvision's Resize(resize) + CenterCrop(size).
+def rrc_params(rng: np.random.Generator, height: int, width: int, scale, ratio) -> tuple[float, float, float, float]:
+    """One RandomResizedCrop box (top, left, h, w): ``rrc_boxes`` for one sample (takes RRC_DRAWS uniforms)."""
+    box = rrc_boxes(rng.random((1, RRC_DRAWS)), np.array([[height, width]]), scale, ratio)[0]
+    return tuple(int(v) for v in box)
+
+
+def center_boxes(sizes: np.ndarray, size: int, resize: int | None) -> np.ndarray:
+    """Boxes float64 (n, 4) (top, left, h, w) in source pixels equal to torchvision's Resize(resize) +
+    CenterCrop(size), for (n, 2) (height, width) sizes.
 
     torchvision rounds the resized size and the crop offset to whole pixels; the box follows the same
     integers, so one PIL resize of the box gives the same sampling positions and filter widths as
     resizing the whole image and then cropping (a fractional box would shift by up to half a pixel).
     """
     resize = resize or size
-    if width <= height:
-        rw, rh = resize, int(resize * height / width)
-    else:
-        rw, rh = int(resize * width / height), resize
-    top, left = int(round((rh - size) / 2.0)), int(round((rw - size) / 2.0))
+    height = sizes[:, 0].astype(np.float64)
+    width = sizes[:, 1].astype(np.float64)
+    tall = width <= height      # the shorter side becomes `resize`; the other is truncated, as int() does
+    rw = np.where(tall, resize, np.floor(resize * width / height))
+    rh = np.where(tall, np.floor(resize * height / width), resize)
+    top, left = np.rint((rh - size) / 2.0), np.rint((rw - size) / 2.0)
     sy, sx = height / rh, width / rw
-    return top * sy, left * sx, size * sy, size * sx
+    return np.stack([top * sy, left * sx, size * sy, size * sx], axis=1)
+
+
+def center_params(height: int, width: int, size: int, resize: int | None) -> tuple[float, float, float, float]:
+    """One center box (top, left, h, w): ``center_boxes`` for one image."""
+    return tuple(float(v) for v in center_boxes(np.array([[height, width]]), size, resize)[0])
 
 
 def _clamp_box(left, top, bw, bh, width, height):
@@ -219,8 +248,9 @@ def draw_params(aug: Augmentation, rng: np.random.Generator, n: int, sizes) -> P
     (height, width), one pair for the whole batch or an (n, 2) array, one per sample.
 
     The draw order is part of the contract (the determinism tests compare backends pixel for pixel, and
-    a checkpoint resumes with the same draws): crop "translate": all n offsets, then n flips; crop
-    "none": n flips; resizing crops: per sample its box, then its flip. So for resizing crops, drawing
+    a checkpoint resumes with the same draws): crop "translate": all n offsets, then n flips; crops
+    "none" and "center": n flips; "random_resized": per sample RRC_DRAWS uniforms for its box, then one
+    for its flip, all drawn at once as an (n, RRC_DRAWS + 1) array. So for resizing crops, drawing
     sample by sample (n=1, as files are opened one by one) gives exactly the batch's parameters.
     """
     crop = aug.crop
@@ -228,18 +258,16 @@ def draw_params(aug: Augmentation, rng: np.random.Generator, n: int, sizes) -> P
         offsets = translate_offsets(rng, n, aug.pad) if crop is Crop.TRANSLATE else None
         flips = rng.random(n) < aug.hflip if aug.hflip > 0 else np.zeros(n, dtype=bool)
         return Params(offsets, None, flips)
-    sizes = np.asarray(sizes)
-    per_sample = sizes.ndim == 2
-    boxes = np.empty((n, 4), dtype=np.float64)
-    flips = np.zeros(n, dtype=bool)
-    hflip = aug.hflip
-    for i in range(n):
-        h, w = (int(sizes[i, 0]), int(sizes[i, 1])) if per_sample else (int(sizes[0]), int(sizes[1]))
-        if crop is Crop.RANDOM_RESIZED:
-            boxes[i] = rrc_params(rng, h, w, aug.scale, aug.ratio)
-        else:
-            boxes[i] = center_params(h, w, aug.size, aug.resize)
-        flips[i] = hflip > 0 and rng.random() < hflip
+    sizes = np.broadcast_to(np.asarray(sizes).reshape(-1, 2), (n, 2))
+    flip = aug.hflip > 0
+    if crop is Crop.RANDOM_RESIZED:
+        # one row per sample: its box's uniforms, then its flip's (see RRC_DRAWS)
+        u = rng.random((n, RRC_DRAWS + flip))
+        boxes = rrc_boxes(u, sizes, aug.scale, aug.ratio)
+        flips = u[:, RRC_DRAWS] < aug.hflip if flip else np.zeros(n, dtype=bool)
+    else:
+        boxes = center_boxes(sizes, aug.size, aug.resize)
+        flips = rng.random(n) < aug.hflip if flip else np.zeros(n, dtype=bool)
     return Params(None, boxes, flips)
 
 

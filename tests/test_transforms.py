@@ -11,12 +11,15 @@ from fastdata import Augmentation
 from fastdata.config import Crop
 from fastdata.datasets import SourceKind, SyntheticDigits
 from fastdata.transforms import (
+    RRC_DRAWS,
+    RRC_TRIES,
     Params,
     apply_params,
     augment_batch,
     draw_params,
     require_fixed_size,
     require_padding_fits,
+    rrc_boxes,
     rrc_params,
     sample_box,
 )
@@ -57,6 +60,100 @@ def test_resizing_crops_draw_box_then_flip_per_sample_so_one_by_one_equals_the_b
     # Per-sample sizes matter: the same seed with one size for all gives other boxes.
     same = draw_params(RRC, np.random.default_rng(5), 4, (20, 30))
     assert not np.allclose(same.boxes, batch.boxes)
+
+
+def _rrc_reference(u, height, width, scale, ratio):
+    """torchvision's RandomResizedCrop box written sample by sample, as draw_params once drew it, on one
+    row of uniforms: try a's area fraction is u[2a], its log aspect u[2a+1]; top and left u[-2], u[-1]."""
+    import math
+
+    area, log_ratio = height * width, (math.log(ratio[0]), math.log(ratio[1]))
+    for a in range(RRC_TRIES):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * u[2 * a])
+        aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * u[2 * a + 1])
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return int(u[-2] * (height - h + 1)), int(u[-1] * (width - w + 1)), h, w
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _center_reference(height, width, size, resize):
+    """torchvision's Resize(resize) + CenterCrop(size) as a source box, written for one image."""
+    resize = resize or size
+    if width <= height:
+        rw, rh = resize, int(resize * height / width)
+    else:
+        rw, rh = int(resize * width / height), resize
+    top, left = int(round((rh - size) / 2.0)), int(round((rw - size) / 2.0))
+    sy, sx = height / rh, width / rw
+    return top * sy, left * sx, size * sy, size * sx
+
+
+# tiny, square, extreme aspect ratios both ways, and ordinary photo sizes
+EDGE_SIZES = [(1, 1), (1, 2), (2, 1), (1, 500), (500, 1), (3, 200), (200, 3), (7, 7), (8, 9), (13, 40),
+              (375, 500), (500, 333), (1080, 1920), (4000, 30)]
+
+
+@pytest.mark.parametrize("aug", [RRC, Augmentation(crop="random_resized", size=8, scale=(0.5, 1.0), ratio=(0.2, 5.0)),
+                                 Augmentation(crop="random_resized", size=8, scale=(0.9, 1.0), ratio=(1.0, 1.0))])
+def test_batched_boxes_equal_the_per_sample_reference(aug):
+    """draw_params computes all of a batch's boxes with array operations; each equals torchvision's loop
+    run on that sample's row of RRC_DRAWS uniforms (one rng.random((n, RRC_DRAWS + 1)) per batch, the last
+    column the flip's; without flips, no such column)."""
+    gen = np.random.default_rng(0)
+    sizes = np.concatenate([np.array(EDGE_SIZES), gen.integers(1, 700, size=(400, 2))])
+    n = len(sizes)
+    p = draw_params(aug, np.random.default_rng(42), n, sizes)
+    u = np.random.default_rng(42).random((n, RRC_DRAWS + (aug.hflip > 0)))   # no flip's column when hflip is 0
+    for i, (h, w) in enumerate(sizes.tolist()):
+        box = _rrc_reference(u[i].tolist()[:RRC_DRAWS], h, w, aug.scale, aug.ratio)
+        assert p.boxes[i].tolist() == list(box), (h, w)
+        top, left, bh, bw = box
+        assert 0 <= top <= h - bh and 0 <= left <= w - bw and bh >= 1 and bw >= 1
+    assert np.array_equal(p.flips, u[:, RRC_DRAWS] < aug.hflip if aug.hflip else np.zeros(n, dtype=bool))
+    assert np.array_equal(rrc_boxes(u[:, :RRC_DRAWS], sizes, aug.scale, aug.ratio), p.boxes)
+
+
+def test_the_center_fallback_when_no_try_fits():
+    """All 10 tries fail (the largest area at the narrowest aspect never fits a square, and nothing of
+    area near 1 fits a 1-pixel strip): the central crop of the nearest allowed aspect, as torchvision."""
+    u = np.zeros((3, RRC_DRAWS))
+    u[:, 0:2 * RRC_TRIES:2] = 0.999999      # area fraction ~1 ...
+    u[:, 1:2 * RRC_TRIES:2] = 0.0           # ... at aspect 3/4: taller than the image
+    sizes = np.array([[30, 30], [10, 100], [100, 10]])
+    boxes = rrc_boxes(u, sizes, (0.08, 1.0), (3 / 4, 4 / 3))
+    assert boxes.tolist() == [[0, 0, 30, 30], [0, 43, 10, 13], [(100 - 13) // 2, 0, 13, 10]]
+    for row, (h, w) in zip(boxes.tolist(), sizes.tolist()):
+        assert row == list(_rrc_reference(list(u[0]), h, w, (0.08, 1.0), (3 / 4, 4 / 3)))
+
+
+@pytest.mark.parametrize("resize", [None, 10, 37])
+def test_batched_center_boxes_equal_the_per_sample_reference(resize):
+    aug = Augmentation(crop="center", size=8, resize=resize, hflip=0.5)
+    sizes = np.concatenate([np.array(EDGE_SIZES) + 8, np.random.default_rng(1).integers(8, 900, size=(300, 2))])
+    p = draw_params(aug, np.random.default_rng(3), len(sizes), sizes)
+    for i, (h, w) in enumerate(sizes.tolist()):
+        assert p.boxes[i].tolist() == list(_center_reference(h, w, 8, resize)), (h, w)
+    assert np.array_equal(p.flips, np.random.default_rng(3).random(len(sizes)) < 0.5)
+
+
+@pytest.mark.parametrize("aug", [RRC, Augmentation(crop="center", size=8, hflip=0.5), SHIFT])
+def test_an_empty_batch_draws_nothing_and_has_empty_parameters(aug):
+    rng = np.random.default_rng(9)
+    state = rng.bit_generator.state
+    for sizes in ((20, 30), np.zeros((0, 2), dtype=np.int64)):
+        p = draw_params(aug, rng, 0, sizes)
+        assert p.flips.shape == (0,) and p.flips.dtype == bool
+        assert p.boxes is None or (p.boxes.shape == (0, 4) and p.boxes.dtype == np.float64)
+    assert rng.bit_generator.state == state
 
 
 def test_no_random_recipe_draws_nothing():
