@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MEAN, STD, decode_ids, indexed_source, label_of, skip_missing  # noqa: E402
+from conftest import MEAN, STD, decode_ids, indexed_source, label_of, pairs, skip_missing  # noqa: E402
 
 try:
     import nvidia.dali.plugin.pytorch  # noqa: F401
@@ -1116,6 +1116,31 @@ def test_plain_files_decoded_in_dali_are_read_by_dali_after_their_first_epoch(ph
     for want in epochs:
         assert torch.equal(torch.cat([x for x, _ in by_bytes]), want)
     assert len(reads) >= 3 * 18 and [n for n, _ in called] == ["image_slice", "resize"]
+
+
+def test_unchanged_files_take_no_per_file_path_in_names_only_epochs(photo_folder, monkeypatch):
+    """Once every file is learnt, an epoch decoded in DALI only stats each file and feeds its name: a
+    batch whose files all kept their stamps goes through one list operation, not ``_read_file`` per
+    file (whose Python cost per file was as large as the stat's). The batches stay a fresh loader's."""
+    from fastdata.backends.dali import DaliLoader
+
+    kw = dict(batch_size=4, train=True, seed=2, decode="dali", augment=Augmentation.imagenet_train(size=32))
+    used = dali(ImageFolder(photo_folder), **kw)
+    for _ in range(2):    # the first epoch learns the files; the second's read-ahead ran during the first
+        for _ in used:
+            pass
+    calls = []
+    real = DaliLoader._read_file
+    monkeypatch.setattr(DaliLoader, "_read_file", lambda self, i: calls.append((self is used, i)) or real(self, i))
+    fresh = dali(ImageFolder(photo_folder), **kw)
+    fresh.set_epoch(used.epoch)
+    for (a, ya), (b, yb) in pairs(used, fresh):
+        assert torch.equal(a, b) and torch.equal(ya, yb)
+    for _ in used:
+        pass
+    fresh.close()
+    assert {i for known, i in calls if not known} == set(range(18))   # the fresh loader learns each file
+    assert [i for known, i in calls if known] == []                    # the loader that knows them: none
 
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
