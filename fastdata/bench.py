@@ -165,17 +165,24 @@ def measure_loader_spread(loader, batches: int, warmup: int, progress: bool,
     much the rate moved without measuring anything else; on CUDA each reading synchronizes first."""
     bar = _bar(warmup + batches, f"{loader.name:>8}", progress)
     marks = {warmup + round(batches * k / pieces) for k in range(1, pieces + 1)}
-    done, images, t0, stamps = 0, 0, None, []
+    done, images, stamps = 0, 0, []
+
+    def start():
+        # The clock starts before the first timed batch is fetched, not when it arrives: a rate of
+        # N batches' images over N - 1 loads would be N / (N - 1) too high.
+        _sync(loader.device)
+        stamps.append((time.perf_counter(), 0))
+
+    if warmup == 0:
+        start()
     while done < warmup + batches:
         before = done
         for x, _ in loader:
-            if done == warmup:
-                _sync(loader.device)
-                t0 = time.perf_counter()
-                stamps.append((t0, 0))
             done += 1
             if done > warmup:
                 images += x.shape[0]
+            elif done == warmup:
+                start()
             if bar is not None:
                 bar.update(1)
             if done in marks and done < warmup + batches:
@@ -190,7 +197,7 @@ def measure_loader_spread(loader, batches: int, warmup: int, progress: bool,
     if bar is not None:
         bar.close()
     rates = [(n1 - n0) / (t1 - s0) for (s0, n0), (t1, n1) in zip(stamps, stamps[1:]) if t1 > s0 and n1 > n0]
-    return images / (stamps[-1][0] - t0), rates
+    return images / (stamps[-1][0] - stamps[0][0]), rates
 
 
 def measure_step(model, sample_batch, steps: int, warmup: int, amp: str = "auto") -> float:

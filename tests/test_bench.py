@@ -144,9 +144,6 @@ def test_the_serial_prediction_matches_the_data_wait_fit_measures_on_the_cpu(mon
     assert predicted == pytest.approx(measured, abs=0.01), (predicted, measured, load_rate, step_rate)
 
 
-@pytest.mark.xfail(strict=True, reason="measure_loader counts the images of `batches` batches over the "
-                   "time of batches - 1 loads (t0 is read after the first timed batch arrived): a rate "
-                   "batches / (batches - 1) too high; fix in fastdata/bench.py, then drop this mark")
 def test_measure_loader_times_every_batch_it_counts(monkeypatch):
     from fastdata.bench import measure_loader_spread
 
