@@ -7,14 +7,14 @@ here: each backend validates its own.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import os
 from dataclasses import dataclass
 from enum import Enum
 
-import numpy as np
 import torch
+
+from . import checks
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -95,37 +95,13 @@ PADDINGS = tuple(p.value for p in Padding)
 ON_ERROR = ("raise", "skip")
 
 
-# Type checks shared by both dataclasses. bool is an int subclass, and a string or a float where an
-# integer belongs would otherwise be coerced somewhere deep in a backend (or fail at the first batch),
-# so each is refused here with the field's name.
-def check_integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as an int in [minimum, maximum]: TypeError for a non-integer (bool included),
-    ValueError out of range; both name ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be an integer {bounds}, got {value}")
-    return value
+# The integer and flag checks live in ``checks`` (the ground floor, so modules below this one share
+# them); they stay importable from here, where earlier code and users found them.
+check_integer, check_flag = checks.check_integer, checks.check_flag
 
 
 def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
-
-
-def check_flag(name: str, value, *, optional: bool = False):
-    """``value`` as a bool: True or False (or None when ``optional``), else a TypeError naming ``name``.
-    numpy's bool_ is accepted (it is what comparisons return); 0/1 are not: an int here is a mistake."""
-    if optional and value is None:
-        return None
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
-    return bool(value)
+    return checks.check_number(name, value)
 
 
 def _pair(name: str, value) -> tuple[float, float]:

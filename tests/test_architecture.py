@@ -194,7 +194,8 @@ def test_every_public_name_has_a_docstring():
 #: inside a folder (``test_a_folder_is_on_one_floor``). A new module must be placed here.
 FLOORS = [
     # Foundations: errors, seeds and order, the normalizer, region decoding, the shard format and storage.
-    ("errors", "sampling", "normalize", "prefetch", "models", "region", "shards"),
+    # ``checks``: the integer/range/choice checks every room shares.
+    ("checks", "errors", "sampling", "normalize", "prefetch", "models", "region", "shards"),
     # Tensor-only augmentation of device batches: needs only sampling's seed mixing. Below config because
     # LoaderConfig checks its batch_transforms when it is built (a real dependency, not an accident).
     ("batch_transforms",),

@@ -1558,10 +1558,10 @@ def test_fit_compiles_the_model_on_a_gpu(monkeypatch):
 
 # ---------------------------------------------------------------- fit's arguments
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"epochs": True}, TypeError, r"epochs must be an integer, got True"),
-    ({"epochs": 1.5}, TypeError, r"epochs must be an integer, got 1.5"),
+    ({"epochs": True}, TypeError, r"epochs must be an integer >= 0, got True"),
+    ({"epochs": 1.5}, TypeError, r"epochs must be an integer >= 0, got 1.5"),
     ({"epochs": -1}, ValueError, r"epochs must be an integer >= 0, got -1"),
-    ({"checkpoint_every": True}, TypeError, r"checkpoint_every must be an integer, got True"),
+    ({"checkpoint_every": True}, TypeError, r"checkpoint_every must be an integer >= 1, got True"),
     ({"compile": "yes"}, ValueError, r"compile must be True, False or 'reduce-overhead', got 'yes'"),
     ({"compile": 1}, TypeError, r"compile must be True, False or 'reduce-overhead', got 1 \(int\)"),
     ({"progress": "no"}, TypeError, r"progress must be True or False, got 'no'"),
@@ -1576,7 +1576,7 @@ def test_fit_compiles_the_model_on_a_gpu(monkeypatch):
     ({"eval_loss_fn": 0.1}, TypeError, r"eval_loss_fn must be callable .* got 0.1 \(float\)"),
     ({"eval_loader": "x"}, TypeError, r"eval_loader must be a fastdata loader .* got str without device"),
     ({"accumulate": 0}, ValueError, r"accumulate must be an integer >= 1, got 0"),
-    ({"accumulate": 2.0}, TypeError, r"accumulate must be an integer, got 2.0"),
+    ({"accumulate": 2.0}, TypeError, r"accumulate must be an integer >= 1, got 2.0"),
     ({"clip_grad_norm": 0}, ValueError, r"clip_grad_norm must be a finite number > 0, got 0"),
     ({"clip_grad_norm": math.inf}, ValueError, r"clip_grad_norm must be a finite number > 0, got inf"),
     ({"clip_grad_norm": "1"}, TypeError, r"clip_grad_norm must be a number > 0 .* got '1' \(str\)"),

@@ -1,0 +1,83 @@
+"""The argument checks every room shares: an integer that is not a bool, a number in a range, a flag, a
+choice among named values.
+
+One owner for each rule, on the ground floor, so that modules below ``config`` (prefetch, sampling,
+shards, profiling, ...) use the same check as those above it instead of keeping private copies that
+drift (one said ValueError for a bool, another TypeError; one named the range, another did not). Every
+error names the argument, shows the value, and says what is valid: a range or the choices.
+
+Why so strict: ``bool`` is an ``int`` subclass, and a string or a float where an integer belongs would
+otherwise be coerced somewhere deep in a backend (or fail at the first batch), far from the call that
+passed it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (a bool or a float where an integer belongs, ...).
+
+    A TypeError, as Python's own; also a ValueError because the private checks these replaced raised
+    ValueError for every bad argument, and code that catches ValueError around a call keeps working."""
+
+
+def check_integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int in [minimum, maximum]: ``ArgumentTypeError`` (a TypeError) for a non-integer
+    (bool included), ValueError out of range; both name ``name``, the value and the valid range."""
+    bounds = _bounds(minimum, maximum)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name} must be an integer{bounds}, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an integer{bounds}, got {value}")
+    return value
+
+
+def check_number(name: str, value, *, minimum: float | None = None, maximum: float | None = None,
+                 above: float | None = None) -> float:
+    """``value`` as a finite float in [minimum, maximum] (and > ``above`` when given): TypeError for a
+    non-number (bool included), ValueError for a NaN, an infinity or a value out of range; all name
+    ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    value = float(value)
+    if above is not None and value <= above:
+        raise ValueError(f"{name} must be a number > {above}, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be a number{_bounds(minimum, maximum)}, got {value!r}")
+    return value
+
+
+def check_flag(name: str, value, *, optional: bool = False):
+    """``value`` as a bool: True or False (or None when ``optional``), else a TypeError naming ``name``.
+    numpy's bool_ is accepted (it is what comparisons return); 0/1 are not: an int here is a mistake."""
+    if optional and value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+    return bool(value)
+
+
+def check_choice(name: str, value, choices):
+    """``value`` when it is one of ``choices``, else a ValueError naming ``name`` and listing them."""
+    choices = tuple(choices)
+    if value in choices:
+        return value
+    raise ValueError(f"unknown {name} {value!r}; choose from {list(choices)}")
+
+
+def _bounds(minimum, maximum) -> str:
+    """The valid range as the messages say it: " >= 1", " in [0, 9]", or nothing without bounds."""
+    if minimum is None and maximum is None:
+        return ""
+    if maximum is None:
+        return f" >= {minimum}"
+    if minimum is None:
+        return f" <= {maximum}"
+    return f" in [{minimum}, {maximum}]"

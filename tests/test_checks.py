@@ -1,0 +1,55 @@
+"""The shared argument checks (fastdata/checks.py): each names the argument, shows the value and says
+what is valid."""
+import numpy as np
+import pytest
+
+from fastdata import checks, config
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "3", None])
+def test_check_integer_refuses_a_non_integer_bool_included(bad):
+    with pytest.raises(TypeError, match=r"^depth must be an integer, got"):
+        checks.check_integer("depth", bad)
+    # The range is said even for a value of the wrong type; and it is a ValueError too, as the
+    # private copies this replaced raised.
+    with pytest.raises(ValueError, match=rf"^depth must be an integer >= 1, got {bad!r}"):
+        checks.check_integer("depth", bad, minimum=1)
+
+
+def test_check_integer_says_the_range():
+    assert checks.check_integer("depth", np.int64(3), minimum=1) == 3
+    assert type(checks.check_integer("depth", np.int64(3))) is int
+    with pytest.raises(ValueError, match=r"depth must be an integer >= 1, got 0"):
+        checks.check_integer("depth", 0, minimum=1)
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 9\], got 10"):
+        checks.check_integer("seed", 10, minimum=0, maximum=9)
+    with pytest.raises(ValueError, match=r"n must be an integer <= 9, got 10"):
+        checks.check_integer("n", 10, maximum=9)
+
+
+def test_check_number():
+    assert checks.check_number("p", 1) == 1.0
+    with pytest.raises(TypeError, match="p must be a number, got True"):
+        checks.check_number("p", True)
+    with pytest.raises(ValueError, match="p must be finite, got nan"):
+        checks.check_number("p", float("nan"))
+    with pytest.raises(ValueError, match=r"p must be a number in \[0, 1\], got 2.0"):
+        checks.check_number("p", 2, minimum=0, maximum=1)
+    with pytest.raises(ValueError, match="p must be a number > 0, got 0.0"):
+        checks.check_number("p", 0, above=0)
+
+
+def test_check_flag_and_choice():
+    assert checks.check_flag("tf32", np.bool_(True)) is True
+    assert checks.check_flag("shuffle", None, optional=True) is None
+    with pytest.raises(TypeError, match="tf32 must be True or False, got 1"):
+        checks.check_flag("tf32", 1)
+    assert checks.check_choice("amp", "off", ("auto", "off")) == "off"
+    with pytest.raises(ValueError, match=r"unknown amp 'on'; choose from \['auto', 'off'\]"):
+        checks.check_choice("amp", "on", ("auto", "off"))
+
+
+def test_config_keeps_the_names_it_always_exported():
+    """config sits above checks; code (and users) that imported the checks from config still find the
+    same functions, not copies."""
+    assert config.check_integer is checks.check_integer and config.check_flag is checks.check_flag
