@@ -2,13 +2,13 @@
 ``fastdata.pack(source, out)`` writes a dataset as tar shards, read back by ``fastdata.Shards(out)``."""
 from .config import Augmentation, LoaderConfig
 from .datasets import Shards
-from .engine import evaluate, fit
+from .engine import FitConfig, evaluate, fit
 from .errors import CacheDoesNotFit, DecodeError, MissingDependency
 from .models import SmallCNN
 from .registry import available_backends, make_loader
 
 __version__ = "0.1.0"
-__all__ = ["make_loader", "available_backends", "LoaderConfig", "Augmentation", "Shards", "pack", "fit",
+__all__ = ["make_loader", "available_backends", "LoaderConfig", "Augmentation", "Shards", "pack", "fit", "FitConfig",
            "evaluate", "SmallCNN", "DecodeError", "CacheDoesNotFit", "MissingDependency", "__version__"]
 
 

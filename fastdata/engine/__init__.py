@@ -44,6 +44,7 @@ from .amp import (
 )
 from .loop import evaluate, fit, train_one_epoch
 from .meter import EpochMeter, Progress, StepTimer, epoch_record, format_record, idle_fraction, peak_memory_mb
+from .options import FitConfig
 from .schedule import (
     PER_STEP_SCHEDULERS,
     SCHEDULER_INTERVALS,
@@ -65,7 +66,7 @@ from .step import (
 
 __all__ = [
     "AMP_CHOICES", "CHECKPOINT_FORMAT", "COMPILE_CHOICES", "PER_STEP_SCHEDULERS", "SCHEDULER_INTERVALS",
-    "EpochMeter", "ModelEma", "PeriodicSave", "Progress", "StepTimer", "TrainStep", "TrainingState",
+    "EpochMeter", "FitConfig", "ModelEma", "PeriodicSave", "Progress", "StepTimer", "TrainStep", "TrainingState",
     "autocast", "check_ema", "check_input_dtype", "check_labels", "check_schedule_length", "choose_amp",
     "correct_count", "cuda_switches", "current_lr", "default_optimizer", "device_scope", "epoch_record", "evaluate",
     "fit", "format_record", "idle_fraction", "peak_memory_mb", "resolve_amp", "resolve_compile",

@@ -10,6 +10,8 @@ import warnings
 
 import torch
 
+from ..checks import check_choice
+
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
 
@@ -23,8 +25,7 @@ def choose_amp(amp: str, device_type: str, bf16_supported: bool = False) -> str:
     on CPU off, because bf16 autocast made a small CNN 5.5x slower than fp32 on a CPU without AMX.
     ``"bf16"``, ``"fp16"``, ``"off"`` are honoured as given.
     """
-    if amp not in AMP_CHOICES:
-        raise ValueError(f"unknown amp {amp!r}; choose from {list(AMP_CHOICES)}")
+    check_choice("amp", amp, AMP_CHOICES)
     if amp != "auto":
         return amp
     if device_type == "cuda":

@@ -96,20 +96,20 @@ class TrainStep:
         self.region = no_region
 
     @classmethod
-    def build(cls, raw, optimizer, scheduler, loss_fn, device, mode, *, channels_last: bool,
-              scheduler_interval: str | None = None, accumulate: int = 1, clip_grad_norm: float | None = None,
-              ema=None, gradient_checkpointing: bool = False) -> TrainStep:
-        """Put ``raw`` on ``device`` (channels-last if asked) and fill in the defaults: the optimizer, a
-        GradScaler, the loss, and a ``ModelEma`` when ``ema`` is a decay. ``gradient_checkpointing``:
-        ``models.checkpoint_blocks(raw)`` on the unwrapped model, before ``wrap`` (DDP, compile); a model
-        it cannot split is refused (ValueError naming it). The step runs ``raw`` itself until ``wrap``."""
-        if gradient_checkpointing:
+    def build(cls, raw, config, device, mode) -> TrainStep:
+        """Put ``raw`` on ``device`` (channels-last if asked) and fill in the defaults of ``config`` (a
+        ``FitConfig``): the optimizer, a GradScaler, the loss, and a ``ModelEma`` when ``ema`` is a decay.
+        ``gradient_checkpointing``: ``models.checkpoint_blocks(raw)`` on the unwrapped model, before
+        ``wrap`` (DDP, compile); a model it cannot split is refused (ValueError naming it). ``mode``: the
+        resolved precision. The step runs ``raw`` itself until ``wrap``."""
+        optimizer, scheduler, ema = config.optimizer, config.scheduler, config.ema
+        if config.gradient_checkpointing:
             try:
                 checkpoint_blocks(raw)   # before anything else: a refusal leaves the model as it was
             except ValueError as e:
                 raise ValueError(f"fit(gradient_checkpointing=True): {e}") from e
         raw.to(device)
-        if channels_last:
+        if config.channels_last:
             raw.to(memory_format=torch.channels_last)
         if optimizer is None:
             optimizer = default_optimizer(raw.parameters(), device)
@@ -120,15 +120,15 @@ class TrainStep:
                              "makes its own AdamW")
         # A disabled scaler passes the loss and the step straight through: one step path for all modes.
         scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
-        loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+        loss_fn = config.loss_fn if config.loss_fn is not None else nn.CrossEntropyLoss()
         # After the move: the average lives beside the weights it follows.
         if isinstance(ema, float):
             ema = ModelEma(raw, ema)
         elif isinstance(ema, ModelEma):
             ema.module.to(device)
         return cls(raw, raw, optimizer, scaler, scheduler, loss_fn, device, mode, ddp=False,
-                   scheduler_interval=scheduler_interval, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
-                   ema=ema)
+                   scheduler_interval=config.scheduler_interval, accumulate=config.accumulate,
+                   clip_grad_norm=config.clip_grad_norm, ema=ema)
 
     def wrap(self, *, compile: bool | str) -> None:
         """DistributedDataParallel under torchrun (on the loader's GPU), then ``torch.compile`` if asked
