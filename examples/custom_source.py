@@ -79,8 +79,13 @@ class ZipImages(Source):
         except (OSError, zipfile.BadZipFile, zlib.error) as e:   # zipfile checks each member's CRC-32
             raise DecodeError(self.sample_name(i), f"cannot read it from the archive ({type(e).__name__}: {e})") \
                 from None
+        return data, self.stamp(i)[1]
+
+    def stamp(self, i: int) -> tuple[int, int]:
+        """Member ``i``'s size and stamp from the central directory, read once in ``__init__``: ``pack``
+        plans its shards with this instead of reading every member twice (to plan, then to write)."""
         # Backends keep stamps in int64 arrays: CRC and size folded into 63 bits.
-        return data, (int(self.crcs[i]) << 31 ^ int(self.sizes[i])) & 0x7FFF_FFFF_FFFF_FFFF
+        return int(self.sizes[i]), (int(self.crcs[i]) << 31 ^ int(self.sizes[i])) & 0x7FFF_FFFF_FFFF_FFFF
 
     def sample_name(self, i: int) -> str:
         """``archive.zip:class/photo.jpg``: decoders check the bytes against the ending, errors show it."""

@@ -677,3 +677,86 @@ def test_bench_and_pack_read_a_source_name_with_one_parser(tmp_path):
     assert len(spec.open_source("digits", split="test")) == 10_000
     with pytest.raises(FileNotFoundError, match="neither 'digits' nor a folder"):
         spec.open_source(tmp_path / "nowhere")
+
+
+# ------------------------------------------------------------------ planning reads nothing it can stat
+def _counting(cls, *args, hide_stamp=False):
+    """A ``cls`` source that counts the reads of each sample (by name) and of ``stamp``, the cheap hook;
+    with ``hide_stamp``, a source without that hook (only reading tells the sizes)."""
+    import collections
+    import threading
+
+    class Counting(cls):
+        def read_stamped(self, i):
+            with lock:
+                reads[self.sample_name(i)] += 1
+            return super().read_stamped(i)
+
+        def stamp(self, i):
+            with lock:
+                stamps[self.sample_name(i)] += 1
+            return None if hide_stamp else super().stamp(i)
+
+    reads, stamps, lock = collections.Counter(), collections.Counter(), threading.Lock()
+    source = Counting(*args)
+    return source, reads, stamps
+
+
+def test_pack_reads_each_file_once_and_a_rerun_over_a_finished_pack_reads_none(photos, tmp_path):
+    """pack read every file twice (once through read_stamped to plan the shards, again to write them),
+    and a re-run after an interruption read the whole source to plan. Now: a stat to plan."""
+    from fastdata.datasets import ImageFolder
+
+    out = tmp_path / "out"
+    source, reads, stamps = _counting(ImageFolder, photos)
+    names = [source.sample_name(i) for i in range(len(source))]
+    first = pack(source, out, shard_size="4KB", workers=0, progress=False)
+    assert first.shards > 3 and reads == {n: 1 for n in names} and stamps == {n: 1 for n in names}
+
+    reads.clear()
+    again = pack(source, out, shard_size="4KB", workers=0, progress=False)
+    assert again.skipped == again.shards and again.written == 0
+    assert not reads                                                       # a stat per file, no read
+
+    # A file replaced in place (another size and time) is still seen: its shard alone is rewritten.
+    changed = Path(names[1])
+    _jpeg(changed, np.full((40, 30, 3), 7, np.uint8))
+    os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
+    third = pack(source, out, shard_size="4KB", workers=0, progress=False)
+    assert third.written == 1 and names[1] in reads and set(reads) < set(names)
+    from fastdata.datasets import Shards
+
+    assert Shards(out).read(1) == changed.read_bytes()
+
+
+def test_a_source_without_stamp_is_read_to_plan_and_packs_the_same(photos, tmp_path):
+    from fastdata.datasets import ImageFolder
+
+    source, reads, _ = _counting(ImageFolder, photos, hide_stamp=True)
+    pack(source, tmp_path / "read", shard_size="4KB", workers=0, progress=False)
+    assert set(reads.values()) == {2}                                      # to plan, then to write
+    pack(ImageFolder(photos), tmp_path / "stat", shard_size="4KB", workers=0, progress=False)
+    assert [p.read_bytes() for p in sorted((tmp_path / "read").glob("*.tar"))] == \
+        [p.read_bytes() for p in sorted((tmp_path / "stat").glob("*.tar"))]
+
+
+def test_a_zip_and_a_pack_are_planned_from_their_directory_and_index(photos, tmp_path):
+    """ZipImages (its central directory) and Shards (its index: sizes and shard digests) answer
+    ``stamp``: resharding or packing them reads each image once."""
+    from fastdata.datasets import Shards
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from custom_source import ZipImages, zip_folder
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    archive = zip_folder(photos, tmp_path / "photos.zip")
+    for cls, arg in ((ZipImages, archive), (Shards, tmp_path / "first")):
+        if cls is Shards:
+            pack(photos, arg, shard_size="4KB", workers=0, progress=False)
+        source, reads, _ = _counting(cls, arg)
+        if cls is ZipImages:   # the directory's stamp is the one reading gives (a backend's header cache)
+            assert [source.stamp(i) for i in range(3)] == [(len(d), s) for d, s in map(source.read_stamped, range(3))]
+            reads.clear()
+        pack(source, tmp_path / f"from-{cls.__name__}", shard_size="1MB", workers=0, progress=False)
+        assert set(reads.values()) == {1} and len(reads) == len(source), cls.__name__

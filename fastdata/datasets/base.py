@@ -57,6 +57,13 @@ class Source:
         stamp is an int in ``[0, 2**63)`` (dali keeps them in an int64 array)."""
         raise TypeError(f"{self!r} holds decoded pixels or samples, not encoded files: it has no bytes to read")
 
+    def stamp(self, i: int) -> tuple[int, int] | None:
+        """(``len(read(i))``, a stamp that changes when those bytes change) known without reading them
+        (a file's ``stat``, an archive's directory, an index), or None: only reading tells. ``pack``
+        plans its shards and recognises finished ones from these: with None it reads every sample once
+        to plan, and again to write. The stamp is an int in ``[0, 2**63)``, like ``read_stamped``'s."""
+        return None
+
     def sample_name(self, i: int) -> str:
         """What errors call sample ``i``: its file's path, or its shard and member (ending in the
         format's extension, which decoders check the bytes against)."""

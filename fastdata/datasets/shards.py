@@ -202,6 +202,14 @@ class Shards(Source):
         j = int(self._ids[i])
         return f"{self.storage.url(self.index.shards[int(self.index.shard[j])].name)}:{self.index.member(j)}"
 
+    def stamp(self, i: int) -> tuple[int, int]:
+        """Sample ``i``'s size and a stamp of its shard's sha256, from the index alone (nothing fetched):
+        a reshard or resize by ``pack`` plans without downloading every shard twice, and a source packed
+        again under the same shard names (another digest) is not taken for the old one."""
+        j = int(self._ids[i])
+        digest = self.index.shards[int(self.index.shard[j])].sha256
+        return int(self.index.size[j]), int(digest[:15], 16)   # 60 bits of the digest: an int64 stamp
+
     def read_stamped(self, i: int) -> tuple[bytes, int]:
         """Sample ``i``'s bytes from its shard (a shard's bytes never change under one index: stamp 0)."""
         # Imported here, as the rest of the shards format: importing fastdata loads none of it.

@@ -6,15 +6,16 @@ index. The real ``webdataset`` package reads them, and so does DALI's ``fn.reade
 ``.idx`` file written beside each tar. ``index.json`` (``fastdata.shards.index``, the format) records,
 per sample, its shard and the byte range of its image, so a reader fetches one sample with one range
 read. Any source packs: encoded files (an image folder, ``Shards`` to reshard or resize, a source of
-your own) are read through ``read_stamped`` and ``sample_name``, as every backend reads them.
+your own) are read through ``read_stamped`` and ``sample_name``, as every backend reads them, and
+planned through ``stamp`` (size and stamp without reading) where the source has it.
 
 Interruptions: an ``index.json`` of another pack (another plan) is removed before any shard is
 written; each shard is written to ``NAME.tar.tmp-<pid>`` and renamed when complete, then its ``.idx``
 and its record ``NAME.json`` are published the same way; the index is written last, atomically. So
 an interrupted re-pack leaves no index that describes other shards. Shard boundaries are planned from
-the input sizes alone (a source of files is read once to learn them, before any shard is written),
-so a re-run plans the same shards and skips each one whose record matches the plan and whose tar
-still has the recorded size and sha256.
+the input sizes alone (a source's ``stamp(i)``: a ``stat`` per file, an archive's directory, an index;
+only a source without it is read once more to learn them), so a re-run plans the same shards and
+skips each one whose record matches the plan and whose tar still has the recorded size and sha256.
 
 Parallelism: ``workers`` processes each write whole shards. Under torchrun (``WORLD_SIZE`` > 1) rank
 ``r`` packs shards ``r, r + world, ...`` into the same OUT (a shared file system), writes

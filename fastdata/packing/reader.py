@@ -80,14 +80,15 @@ class SampleReader:
 
     It reads a source by its kind, through the interface every backend uses: encoded files
     (``SourceKind.FILES``: an image folder, ``Shards``, a source of your own such as the docs'
-    ``ZipImages``) through ``read_stamped(i)`` and ``sample_name(i)``; decoded pixels
+    ``ZipImages``) through ``read_stamped(i)`` and ``sample_name(i)``, planned with ``stamp(i)`` when the
+    source knows sizes without reading; decoded pixels
     (``SourceKind.ARRAY``) through ``images``; a wrapped torch Dataset (``SourceKind.DATASET``) through
     ``fetch``. A file's extension in the tar is the one ``sample_name(i)`` ends with.
 
     Args:
         source: a fastdata source.
         max_side: re-encode images whose longer side exceeds it (None: keep the bytes).
-        threads: threads that read the files while the shards are planned (``plan_inputs``).
+        threads: threads that stat (or, without ``stamp``, read) the files while the shards are planned.
     """
 
     def __init__(self, source, max_side: int | None, threads: int = 8):
@@ -101,28 +102,36 @@ class SampleReader:
                             f"encoded files (read_stamped), arrays, or a torchvision/map-style dataset")
 
     def plan_inputs(self) -> tuple[np.ndarray, list]:
-        """(estimated image bytes per sample, per-sample identity of the input). Files: their bytes'
-        length and stamp, each read once through ``read_stamped`` (the interface has no cheaper size);
-        arrays: raw pixel bytes (the PNG is smaller); datasets: the first sample's PNG size."""
+        """(estimated image bytes per sample, per-sample identity of the input). Files: their size and
+        stamp from the source's ``stamp(i)`` (a ``stat``, an archive's directory, an index: nothing
+        read), else from reading them once through ``read_stamped``; arrays: raw pixel bytes (the PNG
+        is smaller); datasets: the first sample's PNG size."""
         from ..config import SourceKind
 
         n = len(self.labels)
         if self.kind == SourceKind.FILES:
             from concurrent.futures import ThreadPoolExecutor
 
-            def stat(i):
-                data, stamp = self.source.read_stamped(i)
-                return len(data), f"{self.source.sample_name(i)}\0{len(data)}\0{stamp}"
-
-            # Threads: reading is I/O (a disk, an archive, a remote shard) and releases the GIL.
+            # Threads: a stat or a read is I/O (a disk, an archive, a remote shard) and releases the GIL.
             with ThreadPoolExecutor(self.threads) as pool:
-                found = list(pool.map(stat, range(n), chunksize=64))
-            return np.array([f[0] for f in found], dtype=np.int64).reshape(n), [f[1] for f in found]
+                found = list(pool.map(self._size_and_stamp, range(n), chunksize=64))
+            return (np.array([f[0] for f in found], dtype=np.int64).reshape(n),
+                    [f"{self.source.sample_name(i)}\0{size}\0{stamp}" for i, (size, stamp) in enumerate(found)])
         if self.kind == SourceKind.ARRAY:
             per = int(np.prod(self.source.images.shape[1:]))
             return np.full(n, per, dtype=np.int64), [None] * n
         first = len(self.read(0)[1]) if n else 0
         return np.full(n, first, dtype=np.int64), [None] * n
+
+    def _size_and_stamp(self, i: int) -> tuple[int, int]:
+        # Why the hook: reading to plan made pack read every file twice (plan, then write), and made a
+        # re-run after an interruption read the whole source again just to find its finished shards.
+        stamp = getattr(self.source, "stamp", None)
+        known = stamp(i) if stamp is not None else None
+        if known is not None:
+            return int(known[0]), int(known[1])
+        data, stamp = self.source.read_stamped(i)
+        return len(data), stamp
 
     def shard_identity(self, start: int, stop: int, ident: list) -> str:
         """A digest of what shard [start, stop) is made from: a finished shard is kept only when it matches."""
