@@ -430,12 +430,8 @@ class LoaderConfig:
                 or self.batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
         self._fix("batch_size", int(self.batch_size))
-        if self.num_workers is not None:
-            if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, numbers.Integral) \
-                    or self.num_workers < 0:
-                raise ValueError(f"num_workers must be an integer >= 0 (0 loads in the main process), "
-                                 f"got {self.num_workers!r}")
-            self._fix("num_workers", int(self.num_workers))
+        if self.num_workers is not None:   # 0 loads in the main process
+            self._fix("num_workers", check_integer("num_workers", self.num_workers, minimum=0))
         # seed_for() mixes 32-bit words: seeds 2**32 apart would give identical orders.
         self._fix("seed", check_integer("seed", self.seed, minimum=0, maximum=2 ** 32 - 1))
 

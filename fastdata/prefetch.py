@@ -51,6 +51,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from .checks import check_integer
+
 _DONE = object()
 Normalize = Callable[[torch.Tensor], torch.Tensor]
 
@@ -140,8 +142,7 @@ class PrefetchStage:
     """
 
     def __init__(self, device: torch.device, depth: int = 2):
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+        depth = check_integer("depth", depth, minimum=1)
         self.device, self.depth = torch.device(device), depth
         #: How batches cross from the producer thread to the consumer (``Inline`` or ``SideStream``).
         self.handoff = SideStream(self.device) if self.device.type == "cuda" else Inline()

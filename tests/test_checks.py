@@ -53,3 +53,32 @@ def test_config_keeps_the_names_it_always_exported():
     """config sits above checks; code (and users) that imported the checks from config still find the
     same functions, not copies."""
     assert config.check_integer is checks.check_integer and config.check_flag is checks.check_flag
+
+
+def _callers():
+    import torch
+
+    from fastdata.backends.memory.cache import read_ahead
+    from fastdata.batch_transforms import BatchPipeline, Cutout
+    from fastdata.config import LoaderConfig
+    from fastdata.engine import FitConfig
+    from fastdata.prefetch import PrefetchStage
+    from fastdata.shards.order import epoch_order
+
+    return {
+        "prefetch depth": lambda: PrefetchStage(torch.device("cpu"), depth=True),
+        "memory read-ahead": lambda: next(read_ahead(range(3), lambda k: k, ahead=True)),
+        "shard order window": lambda: epoch_order([2, 2], seed=0, epoch=0, window=True),
+        "Cutout size": lambda: Cutout(True),
+        "batch pipeline classes": lambda: BatchPipeline([], num_classes=True, device="cpu"),
+        "loader workers": lambda: LoaderConfig(num_workers=True, device="cpu"),
+        "fit epochs": lambda: FitConfig(epochs=True),
+    }
+
+
+@pytest.mark.parametrize("where", sorted(_callers()))
+def test_the_rooms_share_the_integer_check(where):
+    """A bool where an integer belongs is refused by the one shared check everywhere (its error type
+    says so), not by a private copy."""
+    with pytest.raises(checks.ArgumentTypeError, match="must be an integer"):
+        _callers()[where]()

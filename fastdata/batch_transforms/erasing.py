@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import check_integer
 from .arguments import probability, set_field, value_range
 from .base import BatchTransform
 from .ops import constant, rand
@@ -32,10 +33,7 @@ class Cutout(BatchTransform):
 
     def __post_init__(self):
         for name in ("size", "holes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"Cutout: {name} must be an integer >= 1, got {v!r}")
-            set_field(self, name, int(v))
+            set_field(self, name, check_integer(f"Cutout: {name}", getattr(self, name), minimum=1))
         set_field(self, "p", probability("Cutout", "p", self.p))
 
     def __call__(self, images, labels, generator):

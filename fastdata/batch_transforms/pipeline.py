@@ -2,10 +2,9 @@
 checks what each returns."""
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from ..checks import check_integer
 from .arguments import mean_std
 from .base import BatchContext, ImageCallable, as_transform, step_generator
 from .ops import soft_targets
@@ -31,8 +30,7 @@ class BatchPipeline:
 
     def __init__(self, transforms, *, num_classes: int, device, mean=None, std=None):
         self.transforms = check_batch_transforms(transforms)
-        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 0:
-            raise ValueError(f"num_classes must be an integer >= 0, got {num_classes!r}")
+        num_classes = check_integer("num_classes", num_classes, minimum=0)
         mean, std = mean_std("BatchPipeline", mean, std)
         self.context = BatchContext(int(num_classes), torch.device(device), mean, std)
         self.steps = tuple(as_transform(t).bind(self.context) for t in self.transforms)
@@ -56,8 +54,7 @@ class BatchPipeline:
             labels: int64 (N,) or float (N, num_classes).
             seed: the batch's seed (an int >= 0, up to 64 bits).
         """
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 64:
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        check_integer("seed", seed, minimum=0, maximum=2 ** 64 - 1)
         if images.ndim != 4:
             raise ValueError(f"batch transforms take images (N, C, H, W), got shape {tuple(images.shape)}")
         layout = _layout(images)

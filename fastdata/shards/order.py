@@ -15,20 +15,13 @@ Sample ids are the packed order: shard ``j`` holds ids ``[start[j], start[j] + s
 """
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
+from ..checks import check_integer
 from ..sampling import seed_for
 
 #: Mixed into the seeds so a shard order never equals the plain permutation EpochPlan draws from the same seed.
 _SHARD_STREAM, _WINDOW_STREAM = 0x5A4D01, 0x5A4D02
-
-
-def _check_int(value, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
 
 
 def check_shard_sizes(shard_sizes) -> np.ndarray:
@@ -62,8 +55,8 @@ def epoch_windows(shard_sizes, seed: int, epoch: int, window: int = 1, shuffle: 
         shuffle: False: the packed order, one window after another.
     """
     sizes = check_shard_sizes(shard_sizes)
-    seed, epoch = _check_int(seed, "seed", 0), _check_int(epoch, "epoch", 0)
-    window = _check_int(window, "window", 1)
+    seed, epoch = check_integer("seed", seed, minimum=0), check_integer("epoch", epoch, minimum=0)
+    window = check_integer("window", window, minimum=1)
     shards = np.arange(len(sizes), dtype=np.int64)
     if shuffle:
         shards = np.random.default_rng(seed_for(seed, epoch, _SHARD_STREAM)).permutation(shards)

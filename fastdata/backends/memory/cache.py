@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...checks import check_integer
 from ...config import Augmentation, Padding
 from ...decode import BatchDecoder, collect_before_fork
 from ...decode.whole import NvWholeDecoder, WholePhotos, nvimgcodec
@@ -77,8 +78,7 @@ def read_ahead(items, read, *, ahead: int = 1, name: str = "fastdata-read"):
     import itertools
     from concurrent.futures import ThreadPoolExecutor
 
-    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
-        raise ValueError(f"ahead must be an integer >= 1, got {ahead!r}")
+    check_integer("ahead", ahead, minimum=1)
     items = iter(items)
     pool = ThreadPoolExecutor(1, thread_name_prefix=name)
     pending = collections.deque((item, pool.submit(read, item)) for item in itertools.islice(items, ahead))
