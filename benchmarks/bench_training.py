@@ -42,6 +42,7 @@ except ImportError:  # run as a script: python benchmarks/bench_training.py
 
 import fastdata
 from fastdata.config import usable_cores
+from fastdata.engine import AMP_CHOICES
 
 WORKLOADS = ("digits", "jpeg")
 
@@ -62,7 +63,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_preset("--epochs", type=int, full=3, quick=2, help="epochs per contender, the first one a warm-up")
     p.add_preset("--digits-batch", type=int, full=256, quick=64)
     p.add_preset("--jpeg-batch", type=int, full=64, quick=16)
-    p.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
+    p.add_argument("--amp", default="auto", choices=AMP_CHOICES)
     p.add_argument("--data", default="./data")
     p.add_argument("--cache", default=str(common.CACHE_DIR))
     p.add_argument("--out", default=str(common.RESULTS_DIR))

@@ -20,6 +20,7 @@ import torch
 from fastdata import Augmentation, cli, make_loader
 from fastdata import distributed as fdist
 from fastdata.checkpoint import CheckpointError
+from fastdata.config import ON_ERROR
 from fastdata.datasets import ImageFolder
 from fastdata.engine import AMP_CHOICES, fit, resolve_scheduler_interval
 from fastdata.report import report_run, run_result
@@ -50,7 +51,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="also save every STEPS steps")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     cli.add_step_args(p)   # --accumulate, --clip-grad-norm, --ema
-    p.add_argument("--on-error", default="raise", choices=("raise", "skip"),
+    p.add_argument("--on-error", default="raise", choices=ON_ERROR,
                    help="an undecodable image: stop with an error naming it (raise), or leave it out, count "
                         "it and warn (skip; ImageNet's training set holds a few PNG files named .JPEG)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
