@@ -162,7 +162,9 @@ def s3_server(bucket: str | None = None, files: dict | None = None):
     ``(s3://bucket URL, storage_options)`` for s3fs. Credentials are moto's dummies."""
     import logging
 
-    import s3fs
+    from conftest import require
+
+    s3fs = require("s3fs")   # missing: skips naming the 'shards' extra, or fails in CI
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)   # one log line per request otherwise

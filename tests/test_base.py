@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import procs
-from conftest import CONCRETE, decode_ids, indexed_source, skip_missing
+from conftest import CONCRETE, decode_ids, indexed_source, require, skip_missing
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ArraySource, DatasetSource, ImageFolder, make_image_folder
 
@@ -332,7 +332,7 @@ def test_the_dataloader_attributes_are_plain_values_and_sampler_set_epoch_picks_
 def test_accelerate_learns_the_end_of_a_pass_and_the_padding_to_drop():
     """accelerate's gather_for_metrics and accumulate() read GradientState, which only its own
     DataLoader wrappers feed: a fastdata loader tells it the end of the pass and the remainder."""
-    pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[integrations]')")
+    require("accelerate")
     from accelerate.state import GradientState
 
     loader = make_loader(indexed_source(70), "memory", batch_size=16, device="cpu", train=False,
@@ -352,8 +352,7 @@ def test_a_loader_is_stateful_for_torch_and_lightning():
     assert isinstance(loader, Stateful)  # torch.distributed.checkpoint saves it as it is
     # Lightning saves a dataloader's position in its checkpoints when it passes this protocol check
     # (its fit loop tests isinstance(loader, _Stateful)).
-    types = pytest.importorskip("lightning.fabric.utilities.types",
-                                reason="Lightning is not installed (it is not a dependency)")
+    types = require("lightning.fabric.utilities.types")
     assert isinstance(loader, types._Stateful)
 
 

@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:  # the scripts live in benchmarks/, next to the pa
     sys.path.insert(0, str(ROOT))
 
 import fastdata  # noqa: E402
+from conftest import require
 
 
 def load(name):
@@ -566,7 +567,7 @@ def test_bench_shards_quick(tmp_path):
     """Folder, local shards, shards over the HTTP server (cold cache each epoch, and a small cache left to
     evict) and --max-side shards each measured on the torch backend; the decode workload pairs originals
     with their small copies."""
-    pytest.importorskip("aiohttp", reason="Shards over HTTP read through fsspec's aiohttp file system")
+    require("aiohttp")   # Shards over HTTP read through fsspec's aiohttp file system
     bench = load("bench_shards")
     args = bench.get_args_parser().parse_args(
         ["--quick", "--backends", "torch", "--jpeg-images", "20", "--jpeg-batch", "10", "--shard-size", "300KB",

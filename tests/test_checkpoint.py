@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import require
 from fastdata import checkpoint as ckpt
 
 
@@ -320,7 +321,7 @@ def test_a_storage_missing_a_method_is_refused_naming_what_it_needs():
 
 
 def test_urls_go_through_fsspec_and_file_urls_to_the_local_file_system(tmp_path):
-    pytest.importorskip("fsspec", reason="fsspec is not installed: the URL path cannot be tested")
+    require("fsspec")
     url = f"memory://fastdata-test-{os.getpid()}/run/c.pt"
     ckpt.prepare(url)
     assert not ckpt.exists(url)
@@ -347,7 +348,7 @@ def test_a_url_without_fsspec_names_the_package_to_install(monkeypatch):
 
 
 def test_fit_checkpoints_to_a_url_and_a_custom_storage_and_resumes_from_them(tmp_path):
-    pytest.importorskip("fsspec", reason="fsspec is not installed: the URL path cannot be tested")
+    require("fsspec")
     from fastdata import SmallCNN, fit, make_loader
     from fastdata.datasets import SyntheticDigits
 

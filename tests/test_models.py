@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 
+from conftest import require
 from fastdata.models import CheckpointedSequential, SmallCNN, checkpoint_blocks
 
 
@@ -60,7 +61,7 @@ def test_create_model_looks_in_fastdata_then_torchvision_then_timm():
     assert isinstance(create_model("SmallCNN", num_classes=3, in_channels=1), SmallCNN)
     # torchvision's resnet18 before timm's of the same name.
     assert type(create_model("resnet18", num_classes=3)) is torchvision.models.ResNet
-    timm = pytest.importorskip("timm", reason="timm is the 'integrations' extra")
+    timm = require("timm")
     torch.manual_seed(0)
     grey = create_model("test_vit", num_classes=3, in_channels=1).eval()   # timm's in_chans
     assert type(grey).__module__.startswith("timm.") and grey(torch.zeros(2, 1, 160, 160)).shape == (2, 3)
@@ -182,7 +183,7 @@ def test_checkpointed_model_survives_deepcopy_and_pickling(tmp_path):
 
 
 def test_checkpoint_blocks_uses_timms_own_switch():
-    timm = pytest.importorskip("timm")
+    timm = require("timm")
     model = timm.create_model("resnet10t", pretrained=False, num_classes=3)
     checkpoint_blocks(model)
     assert model.grad_checkpointing is True
@@ -190,7 +191,7 @@ def test_checkpoint_blocks_uses_timms_own_switch():
 
 @pytest.mark.parametrize("name", ["resnet18", "efficientnet_b0"])   # BatchNorm2d; timm's BatchNormAct2d
 def test_checkpointed_timm_models_move_batchnorm_statistics_once(name):
-    timm = pytest.importorskip("timm")
+    timm = require("timm")
     x, labels = torch.randn(2, 3, 64, 64), torch.tensor([1, 2])
     plain, ckpt = _same_training_step(lambda: timm.create_model(name, pretrained=False, num_classes=3), x, labels)
     assert ckpt.grad_checkpointing is True
@@ -200,7 +201,7 @@ def test_checkpointed_timm_models_move_batchnorm_statistics_once(name):
 
 def test_batchnorm_statistics_move_once_with_reentrant_checkpointing_too(monkeypatch):
     # timm's TIMM_REENTRANT_CKPT=1 (set_reentrant_ckpt) recomputes through the reentrant checkpoint instead.
-    timm = pytest.importorskip("timm")
+    timm = require("timm")
     import timm.layers.config as timm_config
 
     monkeypatch.setattr(timm_config, "_USE_REENTRANT_CKPT", True)
@@ -255,7 +256,7 @@ def test_checkpoint_blocks_refuses_what_it_cannot_split():
 @pytest.mark.cuda
 def test_on_a_gpu_checkpointed_timm_and_torchvision_models_move_batchnorm_statistics_once():
     # On CUDA the backward, and with it the recomputation, runs on the autograd engine's device thread.
-    timm = pytest.importorskip("timm")
+    timm = require("timm")
     import torchvision
 
     for build in (lambda: timm.create_model("resnet18", pretrained=False, num_classes=3),

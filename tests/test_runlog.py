@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from conftest import require
 from fastdata import distributed as fdist
 from fastdata.engine import epoch_record
 from fastdata.runlog import RunLog, plot_curves
@@ -93,7 +94,7 @@ def test_reopening_a_log_dir_appends_and_a_repeated_epoch_replaces_its_row(tmp_p
 
 
 def test_tensorboards_reader_reads_the_scalars_back(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    EventAccumulator = require("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
 
     _run(tmp_path, epochs=3)
     acc = EventAccumulator(str(tmp_path))
@@ -109,7 +110,7 @@ def test_tensorboards_reader_reads_the_scalars_back(tmp_path):
 
 
 def test_per_group_learning_rates_are_one_tag_each(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    EventAccumulator = require("tensorboard.backend.event_processing.event_accumulator").EventAccumulator
 
     with RunLog(tmp_path) as log:
         log.epoch(_record(1, lr=[0.1, 0.01]))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from conftest import skip_missing
+from conftest import require, skip_missing
 from fastdata.datasets import ArraySource
 from fastdata.packing import pack
 from fastdata.shards import index as shard_index
@@ -74,7 +74,7 @@ def test_webdataset_reads_every_original_file_and_label(photos, tmp_path):
     assert report.samples == len(src) and report.shards == len(_tars(out)) > 3
     assert report.index == out / "index.json"
 
-    import webdataset as wds
+    wds = require("webdataset")
 
     seen = {}
     for sample in wds.WebDataset(_tars(out), shardshuffle=False, empty_check=False):
@@ -240,7 +240,7 @@ def test_a_repack_with_fewer_shards_removes_the_earlier_plans_extra_shards(photo
     assert [Path(p).name for p in _tars(out)] == ["shard-000000.tar"]
     assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.idx", "shard-000000.json",
                                                      "shard-000000.tar"]
-    import webdataset as wds
+    wds = require("webdataset")
 
     keys = [s["__key__"] for s in wds.WebDataset(_tars(out), shardshuffle=False, empty_check=False)]
     assert sorted(keys) == [f"{i:08d}" for i in range(len(_originals(photos)[0]))]   # each sample once

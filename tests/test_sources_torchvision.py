@@ -16,13 +16,12 @@ import struct
 import numpy as np
 import pytest
 import torch
+import torchvision  # a core dependency, as torch: missing, the install is broken (no skip)
+from torchvision import transforms as T
 
-torchvision = pytest.importorskip("torchvision")
-from torchvision import transforms as T  # noqa: E402
-
-from conftest import DEVICES, backend_params  # noqa: E402
-from fastdata import Augmentation, make_loader  # noqa: E402
-from fastdata.datasets import ArraySource, DatasetSource, ImageFolder, as_source, split  # noqa: E402
+from conftest import DEVICES, backend_params
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ArraySource, DatasetSource, ImageFolder, as_source, split
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
