@@ -1227,9 +1227,7 @@ def test_nvjpeg_hints_cover_the_largest_photo_known():
     assert nvjpeg_hints(np.array([[9000, 9000]]))["device_memory_padding"] == MAX_PADDING
 
 
-def test_the_cpu_benchmark_times_both_pipelines_on_the_same_images(tmp_path):
-    """benchmarks/bench_dali_cpu.py's measure_pair (another script imports it) times both contenders
-    every round, and its ratios are the per-round ratios of those epochs."""
+def _bench_dali_cpu():
     import importlib.util
     from pathlib import Path
 
@@ -1237,14 +1235,56 @@ def test_the_cpu_benchmark_times_both_pipelines_on_the_same_images(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_dali_cpu", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_cpu_benchmark_times_every_pipeline_on_the_same_images(tmp_path):
+    """benchmarks/bench_dali_cpu.py's measure_pair (another script imports it) times every contender
+    every round, and its ratios are the per-round ratios of those epochs, against each ceiling."""
+    bench = _bench_dali_cpu()
     root = bench.small_jpegs(tmp_path / "jpegs", 40)
     assert len(list(root.rglob("*.jpg"))) == 40
     res = bench.measure_pair(root, batch=16, size=32, threads=1, rounds=2)
-    assert res["images"] == 40 and set(res["rates"]) == {bench.READER, bench.FASTDATA}
+    assert res["images"] == 40 and set(res["rates"]) == {bench.READER, bench.FASTDATA, bench.BOX_READER}
     ours, theirs = res["rates"][bench.FASTDATA], res["rates"][bench.READER]
-    assert len(ours) == len(theirs) == 2 and min(ours + theirs) > 0
+    box = res["rates"][bench.BOX_READER]
+    assert len(ours) == len(theirs) == len(box) == 2 and min(ours + theirs + box) > 0
     assert res["ratios"] == pytest.approx([a / b for a, b in zip(ours, theirs)])
+    assert res["vs_box"]["ratios"] == pytest.approx([a / b for a, b in zip(ours, box)])
     assert min(res["cpu_ms_per_image"][bench.FASTDATA]) > 0
+
+
+def test_the_cpu_benchmark_ceiling_decodes_the_window_fastdata_decodes():
+    """The ceiling of bench_dali_cpu.py is the same graph: for any box, its DALI arithmetic gives the
+    window DaliFiles._windows (what the dali backend decodes) gives, margins and clipping included.
+    (It first decoded the box alone with decoders.image_random_crop: less work than fastdata's.)"""
+    from types import SimpleNamespace
+
+    from nvidia.dali import fn, pipeline_def, types
+
+    from fastdata.decode.dali_files import DaliFiles
+
+    bench, size = _bench_dali_cpu(), 32
+    rng = np.random.default_rng(0)
+    hw = rng.integers(20, 300, (64, 2)).astype(np.int32)
+    box = (rng.random((64, 2)) * (hw - 1) + 1).astype(np.int32)   # (h, w) in 1..side
+    box[:4] = hw[:4]                                                # whole photos: clipped on every side
+    anchor = (rng.random((64, 2)) * (hw - box + 1)).astype(np.int32)
+
+    @pipeline_def(batch_size=64, num_threads=1, device_id=None)
+    def window():
+        h, a, b = (fn.external_source(source=[list(v)], dtype=types.INT32) for v in (hw, anchor, box))
+        return bench.window_nodes(h, a, b, size)
+
+    pipe = window()
+    pipe.build()
+    y0, shape = (np.stack([np.asarray(t) for t in out]) for out in pipe.run())
+    dims = np.concatenate([hw, np.ones((64, 1), np.int32)], 1)   # upright photos
+    boxes = np.concatenate([anchor, box], 1).astype(np.float64)
+    me = SimpleNamespace(augment=SimpleNamespace(size=size))
+    want_anchor, want_shape, _, _ = DaliFiles._windows(me, dims, boxes, True)
+    np.testing.assert_array_equal(y0, want_anchor)
+    np.testing.assert_array_equal(shape, want_shape)
 
 
 @pytest.mark.cuda
