@@ -178,27 +178,9 @@ def measure(names, folder, args, tree, tmp) -> dict:
     return got
 
 
-def main(args) -> dict:
-    machine = common.machine_info()
-    folder = photo_folder(args.cache, args.photos)
-    tree, why_tree = base_tree(args.cache, args.base) if "today" in args.contenders else (None, "")
-    names, rows = [], []
-    for n in CONTENDERS:
-        if n not in args.contenders:
-            continue
-        why = available(n, tree, why_tree, args)
-        if why:
-            rows.append(common.Row("cache build", n, "baseline" if n == "today" else "fastdata", status="skipped",
-                                   note=why))
-        else:
-            names.append(n)
-    if not names:
-        raise SystemExit("no contender can run here: " + "; ".join(r.note for r in rows))
-    base = names[0]   # "today" where it runs, else the in-tree process build
-    print(f"[cache] {folder} at side {args.side} on {args.device}: contenders {names}, baseline {base}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
-        got = measure(names, folder, args, tree, tmp)
-    n_photos = got[base]["photos"]
+def _compare(names, base, got, rows) -> tuple[list, list]:
+    """(table rows, targets) from what ``measure`` got: appends each contender's Row to ``rows`` and
+    pairs its rounds with the baseline's; the contenders skipped earlier get a table row too."""
     table, tgts = [], []
     for n in names:
         g = got[n]
@@ -225,6 +207,31 @@ def main(args) -> dict:
     for r in rows:
         if r.status != "ok":
             table.append([r.name, r.status, "-", "-", "-", "-", r.note[:160].replace("|", "/")])
+    return table, tgts
+
+
+def main(args) -> dict:
+    machine = common.machine_info()
+    folder = photo_folder(args.cache, args.photos)
+    tree, why_tree = base_tree(args.cache, args.base) if "today" in args.contenders else (None, "")
+    names, rows = [], []
+    for n in CONTENDERS:
+        if n not in args.contenders:
+            continue
+        why = available(n, tree, why_tree, args)
+        if why:
+            rows.append(common.Row("cache build", n, "baseline" if n == "today" else "fastdata", status="skipped",
+                                   note=why))
+        else:
+            names.append(n)
+    if not names:
+        raise SystemExit("no contender can run here: " + "; ".join(r.note for r in rows))
+    base = names[0]   # "today" where it runs, else the in-tree process build
+    print(f"[cache] {folder} at side {args.side} on {args.device}: contenders {names}, baseline {base}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
+        got = measure(names, folder, args, tree, tmp)
+    n_photos = got[base]["photos"]
+    table, tgts = _compare(names, base, got, rows)
     common.add_ratios(rows)
     what = (f"{n_photos:,} JPEGs of {folder.name} (ImageNet-sized: 400-500 x 300-400 px, quality 90), cached "
             f"whole at a longest side of {args.side} on `{args.device}`; cache_workers {args.workers}")

@@ -202,9 +202,7 @@ def run_backend(backend, args, device, data, rows, sources, http_stats) -> None:
     sources[backend] = (f"{data['desc']}; batch {args.jpeg_batch}, {args.workers} workers, device `{device}`, "
                         f"Shards(window={args.window})")
     if backend not in fastdata.available_backends():
-        for name in (*LOADER_CONTENDERS, small_name(args)):
-            rows.append(common.Row(backend, name, "baseline" if name == "folder" else "fastdata", status="skipped",
-                                   note="not available here (fastdata.available_backends())"))
+        rows.extend(_skipped_rows(backend, args))
         print(f"  {backend} skipped: not in available_backends()", flush=True)
         return
 
@@ -263,6 +261,13 @@ def run_backend(backend, args, device, data, rows, sources, http_stats) -> None:
             served.close()
         shutil.rmtree(cache_dir, ignore_errors=True)
     bench_loaders.add_rows(rows, built)
+
+
+def _skipped_rows(backend, args) -> list:
+    """A skipped Row for each contender of a backend this machine does not have."""
+    return [common.Row(backend, name, "baseline" if name == "folder" else "fastdata", status="skipped",
+                       note="not available here (fastdata.available_backends())")
+            for name in (*LOADER_CONTENDERS, small_name(args))]
 
 
 def _small_cache_contender(served, args, loader_of, cache_dir: Path):

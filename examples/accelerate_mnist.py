@@ -106,6 +106,30 @@ def evaluate(accelerator, model, loader) -> tuple[float, int]:
     return correct / max(seen, 1), seen
 
 
+def _use_mnist(accelerator, args) -> bool:
+    """Whether every rank trains on MNIST: only when every node has it (else all take synthetic digits)."""
+    # One download per node, the node's other processes waiting; then one decision for every rank.
+    with accelerator.local_main_process_first():
+        have = _has_mnist(args)
+    lacking = accelerator.reduce(torch.tensor([float(not have)], device=accelerator.device), reduction="sum")
+    use_mnist = have and float(lacking) == 0
+    if args.data == "auto" and not use_mnist:
+        accelerator.print(f"MNIST is not in '{args.data_root}': training on synthetic digits instead")
+    return use_mnist
+
+
+def _starting_step(accelerator, args, train_loader, steps_per_epoch: int) -> int:
+    """The optimizer step the run starts from: 0, or where the state in ``--ckpt-dir`` left off (with
+    ``--resume``; the loader's position comes back with it, as it was registered for checkpointing)."""
+    if args.resume:
+        accelerator.load_state(args.ckpt_dir)
+        at = train_loader.state_dict()
+        accelerator.print(f"resumed from '{args.ckpt_dir}': epoch {at['epoch']}, batch {at['batch']}/"
+                          f"{steps_per_epoch}")
+    at = train_loader.state_dict()
+    return at["epoch"] * steps_per_epoch + at["batch"]
+
+
 def main(args) -> dict:
     """Train (and evaluate each epoch) as ``args`` says; return what the run reached."""
     _check_args(get_args_parser(), args)
@@ -114,14 +138,8 @@ def main(args) -> dict:
 
     accelerator = Accelerator(cpu=args.cpu)
     set_seed(args.seed)   # same initial weights on every rank
-    # One download per node, the node's other processes waiting; then one decision for every rank.
-    with accelerator.local_main_process_first():
-        have = _has_mnist(args)
-    lacking = accelerator.reduce(torch.tensor([float(not have)], device=accelerator.device), reduction="sum")
-    use_mnist = have and float(lacking) == 0
+    use_mnist = _use_mnist(accelerator, args)
     dataset = "mnist" if use_mnist else "synthetic"
-    if args.data == "auto" and not use_mnist:
-        accelerator.print(f"MNIST is not in '{args.data_root}': training on synthetic digits instead")
 
     with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
         train_loader = make_loader(cli.digits_source(args, True, use_mnist), args.backend, device=accelerator.device,
@@ -139,13 +157,7 @@ def main(args) -> dict:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     accelerator.register_for_checkpointing(train_loader, scheduler)
 
-    if args.resume:
-        accelerator.load_state(args.ckpt_dir)
-        at = train_loader.state_dict()
-        accelerator.print(f"resumed from '{args.ckpt_dir}': epoch {at['epoch']}, batch {at['batch']}/"
-                          f"{steps_per_epoch}")
-    at = train_loader.state_dict()
-    step = at["epoch"] * steps_per_epoch + at["batch"]
+    step = _starting_step(accelerator, args, train_loader, steps_per_epoch)
     accuracy = seen = None
     stopped = False
     for epoch in range(train_loader.epoch, args.epochs):

@@ -82,9 +82,30 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def build(args):
-    """(model, datamodule) for ``args``: the classes are defined here so that importing this file does not
-    need Lightning (the tests load it to read its parser)."""
+    """(model, datamodule) for ``args``: the classes are defined in functions so that importing this file
+    does not need Lightning (the tests load it to read its parser)."""
     import lightning as L
+
+    return _classifier(L, args), _digits(L, args)
+
+
+def _mnist_here(args) -> bool:
+    """Whether this process finds MNIST under ``--data-root`` (never for ``--data synthetic``); an error
+    for ``--data mnist`` without it."""
+    if args.data == "synthetic":
+        return False
+    try:
+        for train in (True, False):
+            MNIST(args.data_root, train=train, download=False)
+    except FileNotFoundError as e:
+        if args.data == "mnist":
+            raise SystemExit(f"error: --data mnist: {e}") from None
+        return False
+    return True
+
+
+def _digits(L, args):
+    """The run's LightningDataModule, built for ``args``."""
 
     class Digits(L.LightningDataModule):
         """MNIST (or synthetic digits) as fastdata loaders, built once the process group exists."""
@@ -105,15 +126,7 @@ def build(args):
         def setup(self, stage):
             if self.train_loader is not None:   # fit() then validate() call setup again
                 return
-            have = True
-            if args.data != "synthetic":
-                try:
-                    for train in (True, False):
-                        MNIST(args.data_root, train=train, download=False)
-                except FileNotFoundError as e:
-                    if args.data == "mnist":
-                        raise SystemExit(f"error: --data mnist: {e}") from None
-                    have = False
+            have = _mnist_here(args)
             # Every rank must train on the same dataset: MNIST only when every node has it.
             lacking = self.trainer.strategy.reduce(
                 torch.tensor(float(not have), device=self.trainer.strategy.root_device), reduce_op="sum")
@@ -141,6 +154,12 @@ def build(args):
             if stage == "fit":
                 for loader in (self.train_loader, self.val_loader):
                     loader.close()
+
+    return Digits()
+
+
+def _classifier(L, args):
+    """The LightningModule: SmallCNN, its optimizer and one-cycle schedule, validation summed over ranks."""
 
     class Classifier(L.LightningModule):
         def __init__(self):
@@ -187,7 +206,7 @@ def build(args):
                                                             total_steps=steps * self.trainer.max_epochs)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    return Classifier(), Digits()
+    return Classifier()
 
 
 def main(args) -> dict:
