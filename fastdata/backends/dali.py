@@ -1,6 +1,10 @@
 """``dali`` backend: NVIDIA DALI decodes, crops, resizes and normalizes in its C++ thread pool (CPU) or
 with nvJPEG and CUDA kernels (``device="mixed"``/``"gpu"``).
 
+This docstring says why the backend is built as it is. The measurements those reasons rest on
+(milliseconds per image and per batch, and the machine) are in docs/backends.md, "The measurements behind
+the dali backend's design", where they can be re-measured.
+
 Design: every batch enters through ``fn.external_source``, not through DALI's own ``fn.readers.file``.
 The reader would shuffle with DALI's RNG, shard with its own padding rules and hide its position
 inside the pipeline; the contract asks for the *same* order as every other backend (``EpochPlan``
@@ -8,10 +12,9 @@ from ``(seed, epoch)``), a resume that yields exactly the remaining batches, ``s
 batch counts on every rank. Feeding the plan's batches ourselves gives all of that exactly.
 
 Reading: DALI calls the input callback on the training thread, so the callback must not read files
-there (it did: 37-64 ms per 64-image batch on 2 busy cores, which under nvJPEG would cap a rank at a
-few thousand images/s). Batches are assembled ahead, ``prefetch_queue_depth + 1`` of them, by one
-assembler thread that spreads each batch's files over ``read_threads`` reader threads; the callback
-only picks up a finished batch (measured 1.3-8 ms per 64-image batch, mostly waiting for the GIL).
+there (under nvJPEG that read would be what caps a rank's images/s). Batches are assembled ahead,
+``prefetch_queue_depth + 1`` of them, by one assembler thread that spreads each batch's files over
+``read_threads`` reader threads; the callback only picks up a finished batch.
 Image folders decoded inside DALI (``decode="dali"``, a GPU) are not read in Python at all after a
 file's first epoch: the batch carries file names and ``fn.io.file.read`` reads them in DALI's C++
 threads (``decode.dali_files``). One pipeline serves every epoch: DALI is fed one endless stream of
@@ -24,12 +27,11 @@ the per-file knowledge must stay in this process, and the parallel source pickle
 workers that cannot follow an epoch/resume position set here.
 
 Integrity (``validate=True``): the first time a file is read it is decoded once with PIL, the decoder
-the torch and memory backends use (``transforms.check_pixels``, at 1/8 scale: libjpeg still reads every
-byte of the scan; measured 1.4 ms per ImageNet-sized JPEG and core, 0.7x a full decode). Region
-decoding alone cannot be trusted with broken files: a file truncated at 90% decodes whenever the crop
-misses its last rows (the run then dies at a random later epoch), and garbage that libjpeg only warns
-about inside DALI yields a garbled image. With the check, every backend refuses the same files in the
-first epoch, whatever the crops.
+the torch and memory backends use (``transforms.check_pixels``, at 1/8 scale: cheaper than a full
+decode, and libjpeg still reads every byte of the scan). Region decoding alone cannot be trusted with
+broken files: a file truncated at 90% decodes whenever the crop misses its last rows (the run then dies
+at a random later epoch), and garbage that libjpeg only warns about inside DALI yields a garbled image.
+With the check, every backend refuses the same files in the first epoch, whatever the crops.
 
 Random augmentation parameters come from ``transforms.draw_params`` (the one source every backend
 uses), drawn in Python from ``plan.batch_seed(epoch, batch)``, and fed to DALI as per-sample inputs
@@ -49,12 +51,10 @@ CPU decoding: on the CPU the photos are decoded and resized in the reader thread
 (``decode="auto"`` → ``"host"``), with the torch backend's decoders: nvImageCodec's region decode
 (``region.decode_box``, the same libjpeg-turbo that DALI's CPU decoder runs) or PIL's reduced-scale
 decode, whichever is estimated cheaper, then PIL's resize; DALI gets dense uint8 crops and only flips
-and normalizes them. Measured (2 cores, ImageNet-sized JPEGs, per crop and core): DALI's CPU
-``fn.resize`` 1.8 ms against PIL-SIMD's 0.4 ms for the same windows, more than the region decode itself
-(1.3-1.6 ms; a full decode 2.0-2.2 ms): the in-pipeline path spent 3.4 ms of CPU per image, the host
-path 2.5 ms (1.5x the images/s in the same run). ``jpeg_fancy_upsampling`` and ``use_fast_idct`` change
-nothing there: DALI passes the first to nvJPEG only (libjpeg-turbo always upsamples "fancy": DALI's CPU
-pixels equal PIL's), and the second saved under 10% of the decode. The pixels are the torch backend's
+and normalizes them, because DALI's CPU ``fn.resize`` costs several times PIL-SIMD's resize of the same
+window, more than the region decode itself. ``jpeg_fancy_upsampling`` and ``use_fast_idct`` do not
+change that: DALI passes the first to nvJPEG only (libjpeg-turbo always upsamples "fancy": DALI's CPU
+pixels equal PIL's), and the second saves little of the decode. The pixels are the torch backend's
 wherever both decode the same rows at the same scale.
 
 Arrays: the batch goes in as one dense array; translation is ``fn.slice`` with a
