@@ -1121,7 +1121,8 @@ def test_plain_files_decoded_in_dali_are_read_by_dali_after_their_first_epoch(ph
 def test_unchanged_files_take_no_per_file_path_in_names_only_epochs(photo_folder, monkeypatch):
     """Once every file is learnt, an epoch decoded in DALI only stats each file and feeds its name: a
     batch whose files all kept their stamps goes through one list operation, not ``_read_file`` per
-    file (whose Python cost per file was as large as the stat's). The batches stay a fresh loader's."""
+    file (whose Python cost per file was as large as the stat's), nor the scan for files to refuse. The
+    batches stay a fresh loader's."""
     from fastdata.backends.dali import DaliLoader
 
     kw = dict(batch_size=4, train=True, seed=2, decode="dali", augment=Augmentation.imagenet_train(size=32))
@@ -1132,6 +1133,10 @@ def test_unchanged_files_take_no_per_file_path_in_names_only_epochs(photo_folder
     calls = []
     real = DaliLoader._read_file
     monkeypatch.setattr(DaliLoader, "_read_file", lambda self, i: calls.append((self is used, i)) or real(self, i))
+    refusals = []   # the per-file refusal scan: none for a batch of known, unchanged files either
+    scan = DaliLoader._refuse_unusable
+    monkeypatch.setattr(DaliLoader, "_refuse_unusable",
+                        lambda self, *a: refusals.append(self is used) or scan(self, *a))
     fresh = dali(ImageFolder(photo_folder), **kw)
     fresh.set_epoch(used.epoch)
     for (a, ya), (b, yb) in pairs(used, fresh):
@@ -1141,6 +1146,7 @@ def test_unchanged_files_take_no_per_file_path_in_names_only_epochs(photo_folder
     fresh.close()
     assert {i for known, i in calls if not known} == set(range(18))   # the fresh loader learns each file
     assert [i for known, i in calls if known] == []                    # the loader that knows them: none
+    assert True not in refusals and False in refusals
 
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
