@@ -488,7 +488,7 @@ def test_unrelated_runtime_error_is_reraised_untouched(photo_folder, monkeypatch
     loader = dali(ImageFolder(photo_folder), batch_size=4, train=False)
     boom = RuntimeError("my pipeline broke")
 
-    def fail(out):
+    def fail(*args):
         raise boom
 
     monkeypatch.setattr(loader, "_convert", fail)
@@ -1242,6 +1242,21 @@ def _bench_dali_cpu():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
+
+
+@pytest.mark.parametrize("decode", ["dali", "host"])
+def test_labels_come_from_the_batch_record_not_through_dali(photo_folder, decode):
+    """Labels are known in Python: fed through DALI they cost an input, an output and a DLPack hand-over
+    per batch. The inputs fed hold images (or names), boxes and flips only; the labels handed out are
+    the source's for the batch's files, int64."""
+    loader = dali(ImageFolder(photo_folder), batch_size=4, train=True, seed=3, decode=decode,
+                  augment=Augmentation.imagenet_train(size=32))
+    got = torch.cat([y for _, y in loader])
+    fed = loader._feeder.last
+    assert not any(isinstance(x, np.ndarray) and x.dtype == np.int64 for x in fed), [np.asarray(x).dtype for x in fed]
+    order = np.concatenate(loader.plan.batches_from(0, 0))
+    assert got.dtype == torch.int64 and torch.equal(got, torch.as_tensor(ImageFolder(photo_folder).labels[order]))
+    loader.close()
 
 
 def test_the_cpu_benchmark_times_every_pipeline_on_the_same_images(tmp_path):

@@ -263,18 +263,17 @@ class DaliLoader(DaliFiles, Loader):
         def graph():
             if files and self.host_decode:
                 # Decoded and resized in the reader threads (see _host_crop): flip and normalize only.
-                img, labels, mirror = fn.external_source(source=self._feeder, num_outputs=3, batch=True,
-                                                         layout=["HWC", None, None],
-                                                         dtype=[types.UINT8, types.INT64, types.INT32])
+                img, mirror = fn.external_source(source=self._feeder, num_outputs=2, batch=True,
+                                                 layout=["HWC", None], dtype=[types.UINT8, types.INT32])
             elif files:
                 # The CPU decodes only a window around the crop box (anchor, shape); a GPU decodes whole
                 # photos, as nvJPEG refuses a region decode with libjpeg-turbo's chroma upsampling
                 # (files_decoder). Either way the ROI below is the box in what was decoded.
                 op, kwargs = self._decoder
                 windowed = op == "image_slice"
-                enc, labels, *windows, roi_start, roi_end, mirror = fn.external_source(
-                    source=self._feeder, num_outputs=7 if windowed else 5, batch=True,
-                    dtype=[types.UINT8, types.INT64] + [types.INT32, types.INT32] * windowed
+                enc, *windows, roi_start, roi_end, mirror = fn.external_source(
+                    source=self._feeder, num_outputs=6 if windowed else 4, batch=True,
+                    dtype=[types.UINT8] + [types.INT32, types.INT32] * windowed
                     + [types.FLOAT, types.FLOAT, types.INT32])
                 if self._paths is not None:   # file names: DALI reads the bytes in its C++ threads
                     # Read, not mmap: a file truncated while mapped (rewritten in place) is a SIGBUS
@@ -285,14 +284,13 @@ class DaliLoader(DaliFiles, Loader):
                 img = fn.resize(img, size=[aug.size, aug.size], roi_start=roi_start, roi_end=roi_end,
                                 roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
             else:
-                # With crop "none" there is no window to feed: 3 inputs instead of 5.
-                n_in = 3 if aug.crop is Crop.NONE else 5
+                # With crop "none" there is no window to feed: 2 inputs instead of 4.
+                n_in = 2 if aug.crop is Crop.NONE else 4
                 ins = fn.external_source(source=self._feeder, num_outputs=n_in, batch=True,
                                          layout=["HWC"] + [None] * (n_in - 1),
-                                         dtype=[types.UINT8, types.INT64, types.FLOAT, types.FLOAT,
-                                                types.INT32][:n_in - 1] + [types.INT32])
-                img, labels, mirror = ins[0], ins[1], ins[-1]
-                p0, p1 = (ins[2], ins[3]) if n_in == 5 else (None, None)
+                                         dtype=[types.UINT8, types.FLOAT, types.FLOAT][:n_in - 1] + [types.INT32])
+                img, mirror = ins[0], ins[-1]
+                p0, p1 = (ins[1], ins[2]) if n_in == 4 else (None, None)
                 img = img.gpu() if gpu else img
                 if aug.crop is Crop.TRANSLATE:
                     # pad + random crop as one slice whose window may leave the image by up to pad px,
@@ -308,14 +306,14 @@ class DaliLoader(DaliFiles, Loader):
             img = fn.crop_mirror_normalize(
                 img, mirror=mirror, mean=[255.0 * m for m in self.mean], std=[255.0 * s for s in self.std],
                 dtype=types.FLOAT16 if half else types.FLOAT, output_layout="HWC" if channels_last else "CHW")
-            return img, (labels.gpu() if gpu else labels)
+            return img
 
         self._pipe = graph()
         self._pipe.build()
         # size=-1: DALI's epoch would end only when the feeder raised StopIteration, which the endless
         # stream never does; the passes are counted in _epoch. PARTIAL: a smaller last batch of a pass
         # is returned as it is (never padded or filled from the next epoch).
-        self._iter = DALIGenericIterator(self._pipe, ["images", "labels"], size=-1, auto_reset=False,
+        self._iter = DALIGenericIterator(self._pipe, ["images"], size=-1, auto_reset=False,
                                          last_batch_policy=LastBatchPolicy.PARTIAL,
                                          prepare_first_batch=False)
 
@@ -343,7 +341,7 @@ class DaliLoader(DaliFiles, Loader):
             return self._prepare_files(rng, k, ids)
         src, aug = self.source, self.augment
         n = len(ids)
-        record = {"k": k, "ids": ids, "n": n, "skipped": 0}
+        record = {"k": k, "ids": ids, "n": n, "skipped": 0, "labels": src.labels[ids]}
         if n == 0:
             return None, record
         h, w, _ = src.image_shape
@@ -362,8 +360,8 @@ class DaliLoader(DaliFiles, Loader):
             boxes = params.boxes.astype(np.float32)                            # (top, left, h, w)
             p0, p1 = boxes[:, :2].copy(), boxes[:, :2] + boxes[:, 2:]
         else:
-            return (images, src.labels[ids], flips), record
-        return (images, src.labels[ids], p0, p1, flips), record
+            return (images, flips), record
+        return (images, p0, p1, flips), record
 
     # ------------------------------------------------------------------ one epoch
     def _epoch(self, epoch, batches, start):
@@ -425,7 +423,7 @@ class DaliLoader(DaliFiles, Loader):
                 yield self._empty()
                 continue
             out, self._ready = self._ready, None
-            yield self._convert(out)
+            yield self._convert(out, rec["labels"])
 
     def _fetch(self):
         """DALI's next output; None when its stream ended on a run of empty batches that the records
@@ -437,14 +435,17 @@ class DaliLoader(DaliFiles, Loader):
                 return None
             raise _StreamEnded from None
 
-    def _convert(self, out):
-        images, labels = out["images"], out["labels"]
+    def _convert(self, out, labels: np.ndarray):
+        """The batch DALI made, and its labels from the record: labels never go through DALI (they are
+        known here; as a pipeline input and output they cost an external_source feed, an output and a
+        DLPack hand-over per batch for 64 integers)."""
+        images = out["images"]
         if self.config.channels_last:
             # NHWC memory viewed as NCHW is exactly the channels_last layout: no copy.
             images = images.permute(0, 3, 1, 2)
         if self.config.dtype == torch.bfloat16:
             images = images.to(torch.bfloat16, memory_format=torch.preserve_format)
-        return images, labels.to(self.device).view(-1)
+        return images, torch.as_tensor(labels, dtype=torch.int64).to(self.device).view(-1)
 
     def _empty(self):
         memory = torch.channels_last if self.config.channels_last else torch.contiguous_format

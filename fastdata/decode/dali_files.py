@@ -88,7 +88,7 @@ class DaliFiles:
             crops = [(int(i), buf, tuple(box)) for i, buf, box in
                      zip(keep.tolist(), (b for b, ok in zip(data, usable) if ok), boxes.tolist())]
             return self._host_batch(k, crops, flips.tolist(), skipped)
-        record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped}
+        record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped, "labels": self.source.labels[keep]}
         if not len(keep):
             return None, record
         windowed = self._decoder[0] == "image_slice"
@@ -96,7 +96,7 @@ class DaliFiles:
         enc = data if clean else [buf for buf, ok in zip(data, usable) if ok]
         if self._paths is not None:
             enc = dense_names(enc)
-        return (enc, self.source.labels[keep], *((anchor, shape) if windowed else ()), roi0, roi1,
+        return (enc, *((anchor, shape) if windowed else ()), roi0, roi1,
                 flips.astype(np.int32)), record
 
     def _batch_data(self, ids) -> tuple[list, bool]:
@@ -167,10 +167,10 @@ class DaliFiles:
             keep.append(i)
             flips.append(flip)
         keep = np.asarray(keep, dtype=np.int64)
-        record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped}
+        record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped, "labels": self.source.labels[keep]}
         if not len(keep):
             return None, record
-        return (images[:len(keep)], self.source.labels[keep], np.asarray(flips, np.int32)), record
+        return (images[:len(keep)], np.asarray(flips, np.int32)), record
 
     def _host_crop(self, i: int, buf: np.ndarray, box):
         """Runs in a reader thread: file ``i``'s crop ``box`` (top, left, h, w) resized to ``size`` x
