@@ -66,8 +66,13 @@ def recommend(rows: list[Measurement]) -> Measurement:
     from .registry import by_preference
 
     preference = [s.name for s in by_preference()]
-    top = max(r.predicted_images_per_second for r in rows)
-    tied = [r for r in rows if r.predicted_images_per_second >= (1 - TIE) * top]
+    def rate(r: Measurement) -> float:
+        if r.predicted_images_per_second is None:
+            raise ValueError(f"recommend: backend {r.backend!r} has no predicted rate yet (see predict)")
+        return r.predicted_images_per_second
+
+    top = max(rate(r) for r in rows)
+    tied = [r for r in rows if rate(r) >= (1 - TIE) * top]
     return min(tied, key=lambda r: preference.index(r.backend) if r.backend in preference else len(preference))
 
 
@@ -214,7 +219,7 @@ def measure_step(model, sample_batch, steps: int, warmup: int, amp: str = "auto"
         images = images.float()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    t0 = None
+    t0 = time.perf_counter()   # again when the warm-up steps are done
     for i in range(warmup + steps):
         if i == warmup:
             _sync(device)

@@ -295,7 +295,7 @@ def clean_stale(path) -> list[Path]:
     """Remove temporaries that a crashed ``save`` of ``path`` left behind; returns what was removed."""
     path = _local_path(path)
     folder = path.parent if str(path.parent) else Path(".")
-    removed = []
+    removed: list[Path] = []
     if not folder.is_dir():
         return removed
     for p in folder.glob(path.name + TMP_MARK + "*"):
@@ -501,7 +501,10 @@ def load_shared(path, map_location="cpu", storage=None) -> dict | None:
 # ------------------------------------------------------------------------------------- RNG states
 def rng_state() -> dict:
     """Python, numpy, torch (CPU and every CUDA device) RNG states as tensors and plain types."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    if isinstance(legacy, dict):   # only a RandomState over another bit generator; np.random's is MT19937
+        raise RuntimeError(f"numpy's global RNG is not MT19937 ({legacy.get('bit_generator')}): cannot save it")
+    kind, keys, pos, has_gauss, cached = legacy
     version, internal, gauss = random.getstate()
     state = {
         "python": {"version": version, "internal": list(internal), "gauss": gauss},

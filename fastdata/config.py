@@ -32,8 +32,12 @@ class StrChoice(str, Enum):
     """
 
     __str__ = str.__str__
-    __format__ = str.__format__
     __hash__ = str.__hash__
+
+    def __format__(self, format_spec: str) -> str:
+        # As the value, like __str__: f-strings and specs such as ``:>10`` read "center", whatever
+        # Enum.__format__ does on this Python version.
+        return str.__format__(self, format_spec)
 
     def __repr__(self):
         return repr(self.value)
@@ -218,8 +222,16 @@ class Augmentation:
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         """(H, W) of an augmented sample whose source is height x width."""
         if self.crop.fixes_size:
-            return self.size, self.size
+            return self.crop_size, self.crop_size
         return height, width
+
+    @property
+    def crop_size(self) -> int:
+        """``size`` where the crop fixes the output size (``random_resized``, ``center``: set, checked
+        when the recipe is built); a ValueError for a crop that keeps the source's size."""
+        if self.size is None:
+            raise ValueError(f"crop={self.crop!r} keeps the source's size: it has no crop size")
+        return self.size
 
     # Presets: keyword-only factories, as in torchvision's references/classification/presets.py.
     @classmethod
@@ -231,23 +243,23 @@ class Augmentation:
     def digits_train(cls, *, pad: int = 2) -> "Augmentation":
         """Training recipe for small digits: random shifts of up to ``pad`` px."""
         # Random translation of up to ±2 px and no flip: a flipped digit is another symbol.
-        return cls(crop="translate", pad=pad)
+        return cls(crop=Crop.TRANSLATE, pad=pad)
 
     @classmethod
     def cifar_train(cls, *, pad: int = 4, padding: str = "reflect", hflip: float = 0.5) -> "Augmentation":
         """Training recipe for small colour images (CIFAR-10/100, 32x32): pad ``pad`` px by ``padding``,
         take a random crop of the original size, flip horizontally with probability ``hflip``."""
-        return cls(crop="translate", pad=pad, padding=padding, hflip=hflip)
+        return cls(crop=Crop.TRANSLATE, pad=pad, padding=Padding.parse(padding, "padding"), hflip=hflip)
 
     @classmethod
     def imagenet_train(cls, *, size: int = 224) -> "Augmentation":
         """Training recipe for photos: RandomResizedCrop to ``size`` and a horizontal flip half the time."""
-        return cls(crop="random_resized", size=size, hflip=0.5)
+        return cls(crop=Crop.RANDOM_RESIZED, size=size, hflip=0.5)
 
     @classmethod
     def imagenet_eval(cls, *, size: int = 224, resize: int = 256) -> "Augmentation":
         """Evaluation recipe for photos: shorter side to ``resize``, center crop ``size``."""
-        return cls(crop="center", size=size, resize=resize)
+        return cls(crop=Crop.CENTER, size=size, resize=resize)
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -346,12 +358,12 @@ def default_workers() -> int:
     torchrun starts LOCAL_WORLD_SIZE processes per node, each of which would otherwise take every core
     (8 ranks on 16 cores: 128 DataLoader workers plus 128 DALI threads, all thrashing).
     """
-    ranks = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
     try:
-        ranks = max(1, int(ranks)) if ranks else 1
+        ranks = max(1, int(text)) if text else 1
     except ValueError:
         raise ValueError(f"the LOCAL_WORLD_SIZE environment variable must be an integer >= 1, "
-                         f"got {ranks!r}") from None
+                         f"got {text!r}") from None
     return max(1, usable_cores() // ranks)
 
 
@@ -517,7 +529,7 @@ class LoaderConfig:
         """The fields as the caller gave them (name → value), before defaults were derived: what
         ``replace`` starts from, and what ``make_loader(like=..., config=...)`` reads as the caller's
         choices."""
-        return dict(self._given)
+        return dict(vars(self)["_given"])   # set in __post_init__, not a field (fields() lists options)
 
     def replace(self, **changes) -> "LoaderConfig":
         """A copy with ``changes``. Defaults derived from other fields (shuffle and drop_last from

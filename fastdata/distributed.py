@@ -16,6 +16,7 @@ import os
 import sys
 import weakref
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,7 @@ def init_distributed(device=None) -> torch.device:
     else:
         dev = resolve_device("cpu")
     if not dist.is_initialized():
-        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", **kwargs)
         if dev.type == "cuda":
             import socket
@@ -102,7 +103,7 @@ def init_distributed(device=None) -> torch.device:
 def duplicate_gpus(ranks: list) -> str | None:
     """Why two ranks would train on one GPU, or None: ``ranks[r]`` is rank r's (host, GPU uuid,
     LOCAL_RANK, CUDA_VISIBLE_DEVICES)."""
-    first = {}
+    first: dict[tuple, int] = {}
     for rank, (host, uuid, local, visible) in enumerate(ranks):
         if (host, uuid) in first:
             other = first[(host, uuid)]
@@ -284,7 +285,7 @@ def node_layout() -> list[list[int]]:
         return [[0]]
     cache = _NODE_GROUPS.current()
     if "layout" not in cache:
-        keys = [None] * dist.get_world_size()
+        keys: list[Any] = [None] * dist.get_world_size()   # filled by the collective
         dist.all_gather_object(keys, node_key())
         nodes: dict = {}
         for r, key in enumerate(keys):
@@ -426,7 +427,7 @@ def remove_stale_shared_files(directory: str = "/dev/shm") -> list[str]:
     import fcntl
     import time
 
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -648,7 +649,7 @@ def _run_and_share(fn, args, kwargs, *, per_node: bool, what, timeout):
             outcome = ("ok", result)
         except Exception as e:   # reported to every rank; re-raised here below
             outcome, error = ("failed", f"{type(e).__name__}: {e}"), e
-    everyone = [None] * dist.get_world_size()
+    everyone: list[Any] = [None] * dist.get_world_size()   # every rank's (here, outcome), by the collective
     dist.all_gather_object(everyone, (here, outcome), group=_cpu_group(timeout))
     failed = [(who, o[1]) for who, o in everyone if o is not None and o[0] == "failed"]
     if error is not None:

@@ -17,7 +17,9 @@ class DecodeError(ValueError):
             # ("Caught DecodeError in DataLoader worker process 0. Original Traceback: ..."). Recover
             # .path and .reason from the worker's message, so `except DecodeError as e: e.path` works
             # in the main process too (torch rebuilds the exception from its text, not by pickling).
-            self.path, self.reason, self._message = None, None, str(path)
+            self.path: str | None = None
+            self.reason: str | None = None
+            self._message: str | None = str(path)
             found = _MESSAGE.findall(str(path))
             if found:
                 quoted, self.reason = found[-1]

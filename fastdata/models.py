@@ -3,6 +3,8 @@ to train on two CPU cores), classifiers by name (``create_model``), and gradient
 model's sequential blocks (``checkpoint_blocks``)."""
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -157,9 +159,10 @@ def checkpoint_blocks(model: nn.Module, *, segments: int | None = None) -> nn.Mo
     if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
         raise ValueError(f"segments must be a positive int (chunks per Sequential) or None (one per block), "
                          f"got {segments!r}")
-    if hasattr(model, "set_grad_checkpointing"):
+    switch = getattr(model, "set_grad_checkpointing", None)
+    if switch is not None:
         # timm's own switch knows each architecture's stages (and its own segment layout).
-        model.set_grad_checkpointing(True)
+        switch(True)
     else:
         _split_sequentials(model, segments)
     _count_statistics_once(model)
@@ -180,7 +183,8 @@ def _split_sequentials(model: nn.Module, segments: int | None) -> None:
     for seq in targets:
         if not isinstance(seq, CheckpointedSequential):
             seq.__class__ = _checkpointed_class(type(seq))
-        seq.checkpoint_segments = segments
+        # The class swap is invisible to a type checker: seq is a CheckpointedSequential from here on.
+        cast(CheckpointedSequential, seq).checkpoint_segments = segments
 
 
 class CheckpointedSequential(nn.Sequential):

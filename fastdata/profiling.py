@@ -93,7 +93,7 @@ class StepProfiler:
         self.cuda = self.device.type == "cuda"
         self.rows: list[dict] = []
         self.trace_files: list[Path] = []
-        self._prof = None
+        self._prof: torch.profiler.profile | None = None
         self._steps = 0                  # step() calls so far: the index of the step running now
         self._marks: list = []           # per active step: [(name, start, end), ...] and its start mark
         self._step_start = None
@@ -122,9 +122,9 @@ class StepProfiler:
         with warnings.catch_warnings():   # warmup=0 is the user's choice; torch warns about it at length
             warnings.filterwarnings("ignore", message="Profiler won't be using warmup")
             sched = schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1)
-        self._prof = profile(activities=activities, schedule=sched, on_trace_ready=on_trace_ready,
-                             record_shapes=self.record_shapes)
-        self._prof.start()
+        self._prof = prof = profile(activities=activities, schedule=sched, on_trace_ready=on_trace_ready,
+                                    record_shapes=self.record_shapes)
+        prof.start()
         self._steps = 0
         self._begin_step()
         return self

@@ -31,9 +31,12 @@ import functools
 import math
 import os
 import threading
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import DecodeError
+
+if TYPE_CHECKING:   # PIL is imported where a window is decoded
+    from PIL import Image
 
 INSTALL_HINT = "pip install nvidia-nvimgcodec-cu12 (it also comes with DALI: pip install -e '.[dali]')"
 
@@ -58,7 +61,7 @@ class DecodedBox(NamedTuple):
     ``window``: (y0, x0, y1, x1), the rows and columns of the source that ``image`` holds.
     """
 
-    image: object
+    image: Image.Image
     box: tuple[float, float, float, float]
     window: tuple[int, int, int, int]
 

@@ -17,11 +17,15 @@ import importlib
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from .config import LoaderConfig, check_pixel_stats, check_reals
 from .datasets import as_source
 from .errors import MissingDependency
 from .sampling import distributed_info
+
+if TYPE_CHECKING:   # the backends are imported by name when one is asked for (lazy, see load)
+    from .backends.base import Loader
 
 log = logging.getLogger("fastdata")
 
@@ -75,7 +79,7 @@ class BackendSpec:
             return None
         return f"backend {self.name!r} needs {self.needs}, which does not import here; install: {self.install}"
 
-    def load(self) -> type:
+    def load(self) -> type[Loader]:
         """The backend class; MissingDependency (with the install hint) when ``needs`` does not import."""
         if self.needs is not None:
             try:
@@ -95,7 +99,7 @@ class BackendSpec:
         except Exception:  # a third-party module that imports its missing package at the top
             return None
 
-    def _class(self) -> type:
+    def _class(self) -> type[Loader]:
         if not isinstance(self.target, str):
             return self.target
         module, cls = self.target.split(":")
@@ -182,7 +186,7 @@ def available_backends() -> list[str]:
     return ["auto"] + [s.name for s in BACKENDS.values() if s.available]
 
 
-def backend_class(name: str) -> type:
+def backend_class(name: str) -> type[Loader]:
     """The class of backend ``name``: ValueError for an unknown name, MissingDependency (saying how to
     install it) when its package does not import."""
     return spec(name).load()

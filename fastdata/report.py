@@ -238,12 +238,13 @@ def bar_chart(path: Path, groups: dict[str, list[tuple]], *, xlabel: str, title:
             ax.set_xscale("log")
         for i, v in enumerate(values):
             ax.text(max(v, spreads[i][1]), i, f" {fmt_num(v)}", va="center", fontsize=8)  # past the whisker
-        low = min(values + [lo for lo, _ in spreads if lo > 0]) if values else None
-        high = max(values + [hi for _, hi in spreads]) if values else None
-        if values and log:  # whole decades, so that bar lengths are not cut off at an arbitrary left edge
-            ax.set_xlim(10 ** math.floor(math.log10(low / 2)), high * 4)
-        elif values:
-            ax.set_xlim(0, high * 1.25)
+        if values:
+            low = min(values + [lo for lo, _ in spreads if lo > 0])
+            high = max(values + [hi for _, hi in spreads])
+            if log:  # whole decades, so that bar lengths are not cut off at an arbitrary left edge
+                ax.set_xlim(10 ** math.floor(math.log10(low / 2)), high * 4)
+            else:
+                ax.set_xlim(0, high * 1.25)
         ax.set_title(group, fontsize=10, loc="left")
         ax.set_xlabel(xlabel)
     fig.suptitle(title, fontsize=10)

@@ -153,7 +153,7 @@ class RunLog:
         self._resumed[name] = True
         repeated = first and any(_at_or_past(r.get(key), row[key]) for r in rows)
         new = header is None or any(k not in header for k in row)
-        if not repeated and not new:
+        if header is not None and not repeated and not new:   # (not new: there is a header)
             with open(path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=header).writerow(_cells(row))
             return

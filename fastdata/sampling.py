@@ -7,6 +7,7 @@ another rank, or a rerun computes the same permutation without any saved RNG sta
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,7 +98,7 @@ class EpochPlan:
     even: bool = False
     #: The source's own shuffled order, ``(seed, epoch) -> ids`` or None (``Source.epoch_order``: shards
     #: are shuffled by windows of shards); None → a permutation of every sample.
-    order_fn: object = field(default=None, compare=False, repr=False)
+    order_fn: Callable[[int, int], np.ndarray | None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.num_samples < 0:

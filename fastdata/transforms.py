@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -28,7 +28,8 @@ JPEG_FORMATS = ("JPEG", "MPO")
 _FEATURE_OF_FORMAT = {"WEBP": "webp"}
 #: ``Augmentation.padding`` → ``np.pad``'s mode. numpy's "reflect" is torch's "reflect" and torchvision's
 #: padding_mode="reflect" (the edge pixel is not repeated); numpy's "edge" is torch's "replicate".
-NUMPY_PAD_MODE = {Padding.CONSTANT: "constant", Padding.REFLECT: "reflect", Padding.EDGE: "edge"}
+NUMPY_PAD_MODE: dict[Padding, Literal["constant", "reflect", "edge"]] = {
+    Padding.CONSTANT: "constant", Padding.REFLECT: "reflect", Padding.EDGE: "edge"}
 _EXIF_ORIENTATION = 0x0112
 
 
@@ -197,10 +198,11 @@ def rrc_boxes(u: np.ndarray, sizes: np.ndarray, scale, ratio) -> np.ndarray:
     return np.stack([top, left, h, w], axis=1)
 
 
-def rrc_params(rng: np.random.Generator, height: int, width: int, scale, ratio) -> tuple[float, float, float, float]:
+def rrc_params(rng: np.random.Generator, height: int, width: int, scale, ratio) -> tuple[int, int, int, int]:
     """One RandomResizedCrop box (top, left, h, w): ``rrc_boxes`` for one sample (takes RRC_DRAWS uniforms)."""
-    box = rrc_boxes(rng.random((1, RRC_DRAWS)), np.array([[height, width]]), scale, ratio)[0]
-    return tuple(int(v) for v in box)
+    top, left, h, w = (int(v) for v in rrc_boxes(rng.random((1, RRC_DRAWS)), np.array([[height, width]]),
+                                                  scale, ratio)[0])
+    return top, left, h, w
 
 
 def center_boxes(sizes: np.ndarray, size: int, resize: int | None) -> np.ndarray:
@@ -224,7 +226,8 @@ def center_boxes(sizes: np.ndarray, size: int, resize: int | None) -> np.ndarray
 
 def center_params(height: int, width: int, size: int, resize: int | None) -> tuple[float, float, float, float]:
     """One center box (top, left, h, w): ``center_boxes`` for one image."""
-    return tuple(float(v) for v in center_boxes(np.array([[height, width]]), size, resize)[0])
+    top, left, h, w = (float(v) for v in center_boxes(np.array([[height, width]]), size, resize)[0])
+    return top, left, h, w
 
 
 def _clamp_box(left, top, bw, bh, width, height):
@@ -266,7 +269,7 @@ def draw_params(aug: Augmentation, rng: np.random.Generator, n: int, sizes) -> P
         boxes = rrc_boxes(u, sizes, aug.scale, aug.ratio)
         flips = u[:, RRC_DRAWS] < aug.hflip if flip else np.zeros(n, dtype=bool)
     else:
-        boxes = center_boxes(sizes, aug.size, aug.resize)
+        boxes = center_boxes(sizes, aug.crop_size, aug.resize)
         flips = rng.random(n) < aug.hflip if flip else np.zeros(n, dtype=bool)
     return Params(None, boxes, flips)
 
@@ -302,7 +305,7 @@ def output_size(source, aug: Augmentation) -> tuple[int, int] | None:
         aug: the loader's recipe.
     """
     if aug.crop.fixes_size:
-        return aug.size, aug.size
+        return aug.crop_size, aug.crop_size
     shape = getattr(source, "image_shape", None) if source.kind is SourceKind.ARRAY else \
         getattr(source, "sample_size", None)
     return (int(shape[0]), int(shape[1])) if shape else None
@@ -449,13 +452,14 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
                 and (is_jpeg(data) if img is None else img.format in JPEG_FORMATS and img.mode in ("RGB", "L")):
             from .region import decode_box
 
-            got = decode_box(data, box, aug.size, name=str(path))  # None: the draft path is cheaper
+            got = decode_box(data, box, aug.crop_size, name=str(path))  # None: the draft path is cheaper
             if got is not None:
                 if not checked:
                     if img is None:
                         img = open_image(path, fp=io.BytesIO(data))
                     check_pixels(img, path)
-                return _mirrored(got.image.resize((aug.size, aug.size), Image.BILINEAR, box=got.box), flip)
+                side = aug.crop_size
+                return _mirrored(got.image.resize((side, side), Image.Resampling.BILINEAR, box=got.box), flip)
         if img is None:
             img = open_image(path, fp=io.BytesIO(data))
         if box is not None and orientation == 1 and img.format in JPEG_FORMATS:
@@ -472,7 +476,7 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
             reduction = 2 ** round(math.log2(width / img.width)) if img.width < width else 1
             fx = fy = 1.0 / reduction
             top, left, bh, bw = box
-            img = img.resize((aug.size, aug.size), Image.BILINEAR,
+            img = img.resize((aug.size, aug.size), Image.Resampling.BILINEAR,
                              box=_clamp_box(left * fx, top * fy, bw * fx, bh * fy, img.width, img.height))
         return _mirrored(img, flip)
     finally:
@@ -482,7 +486,7 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
 
 def _mirrored(img: Image.Image, flip: bool) -> np.ndarray:
     """``img`` as a uint8 array, mirrored left-right when ``flip`` (see ``crop_photo``)."""
-    return np.asarray(img.transpose(Image.FLIP_LEFT_RIGHT) if flip else img)
+    return np.asarray(img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img)
 
 
 def resize_box(image: np.ndarray, aug: Augmentation, box, flip: bool) -> np.ndarray:
@@ -491,7 +495,8 @@ def resize_box(image: np.ndarray, aug: Augmentation, box, flip: bool) -> np.ndar
     h, w, c = image.shape
     top, left, bh, bw = box
     img = Image.fromarray(image[..., 0] if c == 1 else image)
-    img = img.resize((aug.size, aug.size), Image.BILINEAR, box=_clamp_box(left, top, bw, bh, w, h))
+    side = aug.crop_size
+    img = img.resize((side, side), Image.Resampling.BILINEAR, box=_clamp_box(left, top, bw, bh, w, h))
     out = _mirrored(img, flip)
     return out[..., None] if out.ndim == 2 else out
 
@@ -508,7 +513,7 @@ def apply_params(images: np.ndarray, aug: Augmentation, params: Params, *, owned
     """
     if params.boxes is not None:
         if not len(images):
-            return np.empty((0, aug.size, aug.size, images.shape[3]), dtype=np.uint8)
+            return np.empty((0, aug.crop_size, aug.crop_size, images.shape[3]), dtype=np.uint8)
         return np.stack([resize_box(im, aug, box, flip) for im, box, flip in
                          zip(images, params.boxes, params.flips)])
     n, h, w, _ = images.shape

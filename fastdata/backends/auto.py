@@ -37,8 +37,11 @@ def choose(source, config, options: dict | None, specs: Sequence) -> tuple[str, 
         # Rank 0 decides; the others take its answer. On NCCL the object travels through the loader's
         # GPU (not torch's current device, which may still be cuda:0 on every rank).
         device = config.device if "nccl" in str(dist.get_backend()) and config.device.type == "cuda" else None
-        choice = [choose_locally(source, config, options, specs, stable=False) if dist.get_rank() == 0 else None]
+        choice: list[tuple[str, str] | None] = [
+            choose_locally(source, config, options, specs, stable=False) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(choice, src=0, device=device)
+        if choice[0] is None:   # the broadcast fills it with rank 0's pair: a None would be a torch bug
+            raise RuntimeError("backend='auto': rank 0's choice did not arrive through broadcast_object_list")
         name, reason = choice[0]
         return name, f"{reason} (rank 0's choice, shared with all {dist.get_world_size()} ranks)"
     from ..sampling import distributed_info

@@ -25,7 +25,7 @@ import functools
 import inspect
 import sys
 import weakref
-from typing import ClassVar, Iterator
+from typing import TYPE_CHECKING, ClassVar, Iterator, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
 from ..transforms import output_size, require_padding_fits
+
+if TYPE_CHECKING:
+    from ..batch_transforms import BatchPipeline
 
 _SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loader: each iter() closes "
                "the previous pass (two passes of one loader cannot run interleaved, they share its "
@@ -237,6 +240,10 @@ class Loader:
     #: whether the backend runs a source's per-sample callable (``ImageFolder(transform=...)``): only
     #: backends that decode each sample on the CPU with PIL can (torch, prefetch).
     runs_sample_transforms: ClassVar[bool] = False
+    # Set on the loader for accelerate while a pass runs (_AccelerateTracker), read by accelerate's
+    # GradientState; declared, not defined: a loader outside accelerate has neither.
+    end_of_dataloader: bool
+    remainder: int
 
     def __init__(self, source: Source, config: LoaderConfig, **options):
         unknown = sorted(set(options) - set(self.options))
@@ -249,7 +256,9 @@ class Loader:
         self.opts = {**self.options, **options}
         self.source = source
         self.config = config
-        self.device: torch.device = config.device
+        # LoaderConfig's fields are annotated with what a user may pass (device="cuda", dtype="bf16",
+        # shuffle=None); its __post_init__ resolves them, so a loader reads the resolved types.
+        self.device = cast(torch.device, config.device)
         self.augment = config.augment if config.augment is not None else source.default_augmentation(config.train)
         require_padding_fits(source, self.augment)  # every backend refuses the same recipes, up front
         check_transform_and_augment(source, config.augment)  # a per-sample transform IS the augmentation
@@ -269,7 +278,7 @@ class Loader:
                              f"{source.channels} channel(s)")
         self.mean, self.std = tuple(mean), tuple(std)
         rank, world = distributed_info(config.rank, config.world_size)
-        self.plan = EpochPlan(len(source), config.batch_size, config.shuffle, config.drop_last,
+        self.plan = EpochPlan(len(source), config.batch_size, cast(bool, config.shuffle), cast(bool, config.drop_last),
                               config.seed, rank, world, even=config.even_batches, order_fn=source.epoch_order)
         if len(self.plan) == 0:
             raise ValueError(
@@ -278,10 +287,10 @@ class Loader:
                 f"yield nothing; lower batch_size or pass drop_last=False")
         self._next = (0, 0)           # (epoch, global sample offset) where the next iter() starts
         # (epoch, the pass's start offset, batches handed to the consumer, batches in the pass or None)
-        self._position = (0, 0, 0, None)
+        self._position: tuple[int, int, int, int | None] = (0, 0, 0, None)
         # The running epoch's iterator, weakly: a dropped peek (next(iter(loader))) is finalized at
         # once, releasing its prefetch thread, instead of living until the next iter().
-        self._current = None
+        self._current: weakref.ref[EpochIterator] | None = None
         # THE count of samples skipped with on_error="skip" in the current epoch, for every backend
         # (warned about once per epoch by decode.warn_skipped). ``_dropped``: samples a backend left out
         # for good before any epoch (memory's undecodable files at cache time): missing from every
@@ -289,12 +298,13 @@ class Loader:
         self._dropped = 0
         self.skipped = 0
         #: uint8 NHWC batches → normalized NCHW floats on the device (see fastdata/normalize.py).
-        self.normalizer = Normalizer(self.mean, self.std, self.device, config.dtype, config.channels_last)
+        self.normalizer = Normalizer(self.mean, self.std, self.device, cast(torch.dtype, config.dtype),
+                                     config.channels_last)
         # An empty batch (a rank's share of a short last step) is (0, C, H, W) like every other, even
         # before any batch showed H and W: a decode of no samples knows neither (Normalizer.empty_shape).
         self.normalizer.size = output_size(source, self.augment)
         #: ``config.batch_transforms`` applied to every batch a backend yields (see ``_count``).
-        self.batch_pipeline = None
+        self.batch_pipeline: BatchPipeline | None = None
         if config.batch_transforms:
             from ..batch_transforms import BatchPipeline
 
@@ -332,7 +342,7 @@ class Loader:
     @property
     def num_workers(self) -> int:
         """The worker processes (threads for DALI) the backend was given (``config.num_workers``)."""
-        return self.config.num_workers
+        return cast(int, self.config.num_workers)   # None resolved to the usable cores by LoaderConfig
 
     @property
     def pin_memory(self) -> bool:
@@ -431,11 +441,13 @@ class Loader:
                 if pipeline is not None:
                     # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do
                     # not depend on the backend, on workers, or on where a resumed run starts.
-                    batch = pipeline(*batch, seed_for(self.plan.seed, epoch, start + done, self.plan.rank,
-                                                      0xBA7C))
+                    images, labels = batch
+                    batch = pipeline(images, labels, seed_for(self.plan.seed, epoch, start + done, self.plan.rank,
+                                                              0xBA7C))
                 done += 1
                 self._position = (epoch, offset, done, len(batches))
-                if streaming:   # after the last batch: all it reads (drop_last leaves the rest unread)
+                if order is not None:   # streaming. After the last batch: all it reads (drop_last leaves
+                    # the rest unread)
                     told(order, len(order) if done == len(batches) else self.plan.consumed(offset, done))
                 if done == len(batches):
                     # The pass ends when its last batch is handed out, not when the consumer asks for one

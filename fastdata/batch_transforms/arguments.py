@@ -11,7 +11,7 @@ from .base import BatchContext
 
 def probability(owner: str, name: str, value) -> float:
     """``value`` as a float in [0, 1], else a ValueError naming ``owner`` and ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) <= 1:
         raise ValueError(f"{owner}: {name} is a probability in [0, 1], got {value!r}")
     return float(value)
 

@@ -17,9 +17,10 @@ def _jitter_range(name: str, value) -> tuple[float, float] | None:
     """torchvision's ColorJitter argument: a number v → (max(0, 1 - v), 1 + v), or (min, max); the
     identity range (1, 1) → None (the op is skipped, as torchvision does)."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if not math.isfinite(value) or value < 0:
+        v = float(value)
+        if not math.isfinite(v) or v < 0:
             raise ValueError(f"ColorJitter: {name} must be >= 0 or a (min, max) pair, got {value!r}")
-        lo, hi = max(0.0, 1.0 - value), 1.0 + value
+        lo, hi = max(0.0, 1.0 - v), 1.0 + v
     elif value is None:
         return None
     else:

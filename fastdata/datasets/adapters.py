@@ -156,7 +156,7 @@ def split(source, fractions, seed: int = 0) -> tuple[Source, ...]:
             raise ValueError(f"fractions[{i}] is {f!r}; fractions and counts must be finite numbers >= 0")
     if all(isinstance(f, numbers.Integral) for f in values) and sum(values) == n:
         counts = [int(f) for f in values]
-    elif any(isinstance(f, numbers.Integral) and f > 1 for f in values):
+    elif any(isinstance(f, numbers.Integral) and int(f) > 1 for f in values):
         raise ValueError(f"counts {values} sum to {sum(values)}, but {src!r} has {n} samples")
     else:
         total = math.fsum(values)

@@ -7,6 +7,26 @@ from ..config import Augmentation, SourceKind
 from .base import Source, channel_stats, check_labels, count_classes, crc, host_array
 
 
+def array_augmentation(train: bool, digits: bool, image_shape: tuple[int, int, int]) -> Augmentation:
+    """The default recipe of images held as one array (``ArraySource.default_augmentation``, and
+    ``Shards`` packed from arrays): digits, CIFAR-like or none."""
+    if not train:
+        return Augmentation.none()
+    if digits:
+        return Augmentation.digits_train()
+    h, w, c = image_shape
+    if c == 3 and min(h, w) > 4:
+        return Augmentation.cifar_train()
+    return Augmentation.none()
+
+
+def take_images(images: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``images[idx]``; a run of consecutive ids is a view (no copy of a large array), anything else
+    a gather."""
+    contiguous = len(idx) > 0 and idx[-1] - idx[0] == len(idx) - 1 and (np.diff(idx) == 1).all()
+    return images[idx[0]: idx[-1] + 1] if contiguous else images[idx]
+
+
 class ArraySource(Source):
     """Decoded uint8 images in memory: (N, H, W) grey or (N, H, W, C).
 
@@ -81,19 +101,10 @@ class ArraySource(Source):
         Args:
             train: the training recipe (else the evaluation one).
         """
-        if not train:
-            return Augmentation.none()
-        if self.digits:
-            return Augmentation.digits_train()
-        h, w, c = self.image_shape
-        if c == 3 and min(h, w) > 4:
-            return Augmentation.cifar_train()
-        return Augmentation.none()
+        return array_augmentation(train, self.digits, self.image_shape)
 
     def _take(self, idx: np.ndarray) -> None:
-        contiguous = len(idx) > 0 and idx[-1] - idx[0] == len(idx) - 1 and (np.diff(idx) == 1).all()
-        # A run of consecutive ids is a view (no copy of a large array); anything else is a gather.
-        self.images = self.images[idx[0]: idx[-1] + 1] if contiguous else self.images[idx]
+        self.images = take_images(self.images, idx)
         self.labels = self.labels[idx]
 
     def __getitem__(self, i):

@@ -178,7 +178,7 @@ class ImageFolder(Source):
         self.mean, self.std = tuple(mean), tuple(std)
         self.name = name
         self.transform = transform
-        self._fingerprint = None
+        self._fingerprint: str | None = None
 
     @property
     def sample_transform(self):

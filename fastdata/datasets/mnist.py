@@ -81,7 +81,7 @@ class MNIST(ArraySource):
             except Exception as e:  # no network is the usual case here
                 download_error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             else:
-                download_error = None
+                download_error = ""
             paths = [_find_idx(raw, s) for s in stems]
         if None in paths:
             missing = [s for s, p in zip(stems, paths) if p is None]

@@ -28,14 +28,18 @@ import os
 import shutil
 import tempfile
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..config import Augmentation, SourceKind
 from ..errors import DecodeError
-from .arrays import ArraySource
+from .arrays import ArraySource, array_augmentation, take_images
 from .base import IMAGENET_MEAN, IMAGENET_STD, Source, channel_stats, check_labels
 from .folders import ImageFolder
+
+if TYPE_CHECKING:   # the shards format is imported where it is used: importing fastdata loads none of it
+    from ..shards.cache import ShardCache
 
 _TAR_HEADER = 512
 
@@ -99,7 +103,7 @@ class Shards(Source):
             check_sample_transform(transform, f"Shards '{where}'")
         self.transform = transform
         self._ids = np.arange(len(self.labels), dtype=np.int64)   # into the index (a subset maps here)
-        self._cache = None
+        self._cache: ShardCache | None = None
         self._cache_dir, self._cache_limit = cache_dir, cache_limit
         self._verdicts = None
         if self.storage.is_local:
@@ -109,10 +113,11 @@ class Shards(Source):
                                       os.path.join(tempfile.gettempdir(), "fastdata-shards", "verified"))
         else:
             self._open_cache()   # the budget is checked now, not at the first read in a worker
-        self._prefetcher = None
+        self._prefetcher: _Prefetcher | None = None
         self._files = _OpenFiles(2 * self.window)
         self._pid = os.getpid()
-        self.channels, self.images = 3, None
+        self.channels = 3
+        self.images: np.ndarray | None = None
         if shape is not None:
             self._load_arrays(shape, info)
         self.mean, self.std = self._statistics(mean, std, info)
@@ -222,6 +227,8 @@ class Shards(Source):
         cache = self._cache
         try:
             path = self.storage.local_path(shard) if cache is None else cache.get(shard)
+            if path is None:   # a remote location always gets a cache (__init__): cannot happen
+                raise RuntimeError(f"{self!r}: shard {shard!r} is neither local nor cached")
         except ShardMismatch as e:
             raise DecodeError(self.sample_name(i), f"its shard is not the one the index describes: {e}") from None
         except OSError as e:   # StorageError: the shard and URL are in its message; credentials are not
@@ -300,8 +307,11 @@ class Shards(Source):
     def default_augmentation(self, train: bool):
         """A pack of arrays: the array source's recipe (digits, CIFAR-like, none); photos: ImageFolder's."""
         if self.images is not None:
-            return ArraySource.default_augmentation(self, train)
-        return ImageFolder.default_augmentation(self, train)
+            return array_augmentation(train, self.digits, self.image_shape)
+        # Photos: ImageFolder's recipe (Shards is not an ImageFolder, so not through its method).
+        if self.transform is not None:   # the transform is the augmentation
+            return Augmentation.none()
+        return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
 
     def __getitem__(self, i):
         """(image, label) of sample ``i``: as ``ArraySource[i]`` for a pack of arrays, else as ``ImageFolder[i]``."""
@@ -315,9 +325,8 @@ class Shards(Source):
         # source's positions, and its open files are that source's to close.
         self._files, self._prefetcher = _OpenFiles(2 * self.window), None
         if self.images is not None:
-            ArraySource._take(self, idx)   # images and labels
-        else:
-            self.labels = self.labels[idx]
+            self.images = take_images(self.images, idx)
+        self.labels = self.labels[idx]
 
     def close(self) -> None:
         """Stop fetching ahead, close the shards' files and release the cache's hold."""
@@ -419,17 +428,20 @@ class _Prefetcher:
     """
 
     def __init__(self, source: Shards):
-        self.cache, self.index, self.ids, self.ahead = source._cache, source.index, source._ids, source.window
+        if source._cache is None:   # Shards builds one only for a remote (cached) location
+            raise ValueError(f"{source!r} reads its shards in place: there is nothing to fetch ahead")
+        self.cache: ShardCache = source._cache
+        self.index, self.ids, self.ahead = source.index, source._ids, source.window
         self.names = [s.name for s in source.index.shards]
         self._cond = threading.Condition()
         # (shard name, for the next epoch?): a shard this pass fetched early on and has since evicted
         # is fetched again when the next epoch starts with it.
         self._wanted: list[tuple[str, bool]] = []
         self._done: set[tuple[str, bool]] = set()
-        self._order_key = None
+        self._order_key: tuple[int, int] | None = None
         self._sequence = np.zeros(0, dtype=np.int64)
         self._first = np.zeros(0, dtype=np.int64)
-        self._next = None                  # the next epoch's shard sequence, once the pass nears its end
+        self._next: np.ndarray | None = None   # the next epoch's shard sequence, once the pass nears its end
         self._stop = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fastdata-shards", daemon=True)

@@ -165,7 +165,7 @@ class DatasetSource(Source):
         samples = ds.__getitems__(ds_ids) if hasattr(ds, "__getitems__") else [ds[i] for i in ds_ids]
         return [self.pair(sample, i) for sample, i in zip(samples, ds_ids)], ds_ids
 
-    def pair(self, sample, index: int) -> tuple:
+    def pair(self, sample, index: int) -> tuple | list:
         """``sample`` as the (image, label) pair every fastdata source yields; anything else (a dict, as
         Hugging Face datasets return, a triple, a bare image) is refused, naming the dataset and index."""
         if isinstance(sample, (tuple, list)) and len(sample) == 2:

@@ -98,7 +98,7 @@ def _files(source, ids, aug, rng, on_error: OnError, checked: np.ndarray) -> Dec
     size = aug.size
     # Written in place, kept ones contiguous: no list of arrays and no second copy in np.stack.
     out = np.empty((len(ids), size, size, 3), dtype=np.uint8)
-    keep = []
+    keep: list[int] = []
     for j, i in enumerate(ids):
         photo = on_error.attempt(_photo, source, i, aug, rng, bool(checked[i]))
         if photo is None:

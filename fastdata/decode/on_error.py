@@ -23,6 +23,8 @@ class OnError:
         policy: ``"raise"`` or ``"skip"`` (an ``OnError`` is taken as it is).
     """
 
+    policy: str   # "raise" or "skip"
+
     def __init__(self, policy: "str | OnError" = "raise"):
         if isinstance(policy, OnError):
             policy = policy.policy

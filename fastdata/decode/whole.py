@@ -49,7 +49,7 @@ def load_whole(data: bytes, path, side: int) -> tuple[np.ndarray, int, int]:
         reduction = 2 ** round(math.log2(stored_w / img.width)) if img.width < stored_w else 1
         img = decode_upright(img, path, orientation)
         if img.size != (w, h):
-            img = img.resize((w, h), Image.BILINEAR, box=(0, 0, W / reduction, H / reduction))
+            img = img.resize((w, h), Image.Resampling.BILINEAR, box=(0, 0, W / reduction, H / reduction))
         return np.asarray(img), H, W
     finally:
         img.close()
@@ -82,14 +82,14 @@ class WholePhotos(Dataset):
         (int64 (k, 4)). Returns a bool (k,): which decoded; a skipped file's row is left as it was
         (on_error="skip"), a DecodeError propagates with on_error="raise"."""
         ok = np.zeros(len(ids), dtype=bool)
-        rows = rows.numpy()   # numpy's copies into a slot's sub-rectangle: far cheaper than torch's
+        out = rows.numpy()   # numpy's copies into a slot's sub-rectangle: far cheaper than torch's
         for j, i in enumerate(ids):
             got = self.on_error.attempt(self.photo, i)
             if got is None:
                 continue
             arr, H, W = got
             h, w = arr.shape[:2]
-            place(rows[j], arr)
+            place(out[j], arr)
             sizes[j] = (H, W, h, w)
             ok[j] = True
         return ok
@@ -101,11 +101,14 @@ class WholePhotos(Dataset):
         return load_whole(self.source.read(i) if data is None else data, self.source.sample_name(i), self.side)
 
 
-def place(row: np.ndarray, arr: np.ndarray) -> None:
+def place(row: np.ndarray | torch.Tensor, arr: np.ndarray | torch.Tensor) -> None:
     """Write a (h, w, 3) photo top-left into a cache slot (s, s, 3) and zero the rest of it: the slot
-    is written once, with no zeroed temporary (rows of a fresh cache are whatever memory held)."""
+    is written once, with no zeroed temporary (rows of a fresh cache are whatever memory held). Both
+    numpy arrays (CPU rows) or both tensors (rows on the GPU)."""
     h, w = arr.shape[:2]
-    row[:h, :w] = arr
+    # torch's stub types a tensor's item assignment as taking a Tensor or a number, yet torch copies an
+    # ndarray in too; numpy takes a CPU tensor through __array__.
+    row[:h, :w] = arr  # type: ignore[assignment]
     row[:h, w:] = 0
     row[h:] = 0
 
@@ -137,12 +140,14 @@ def shrink_steps(src: tuple[int, int], dst: tuple[int, int], max_shrink: int | N
     step shrinks an axis by at most ``max_shrink`` (None: one step). Intermediate sizes are the
     largest such shrinks (ceil(size / max_shrink)), so the last step does what is left."""
     if max_shrink is None or max_shrink < 2:
-        return [tuple(dst)]
-    steps, cur = [], tuple(src)
+        return [(dst[0], dst[1])]
+    target = (dst[0], dst[1])
+    steps: list[tuple[int, int]] = []
+    cur = (src[0], src[1])
     while True:
-        nxt = tuple(max(d, -(-c // max_shrink)) for c, d in zip(cur, dst))
-        if nxt == tuple(dst) or nxt == cur:
-            steps.append(tuple(dst))
+        nxt = (max(target[0], -(-cur[0] // max_shrink)), max(target[1], -(-cur[1] // max_shrink)))
+        if nxt == target or nxt == cur:
+            steps.append(target)
             return steps
         steps.append(nxt)
         cur = nxt
@@ -202,7 +207,8 @@ class NvWholeDecoder:
     def _groups(self, streams) -> list[list[int]]:
         """Indices into ``streams`` in consecutive groups of at most ``max_call_bytes`` decoded (a photo
         larger than that alone)."""
-        groups, size = [], 0
+        groups: list[list[int]] = []
+        size = 0
         for k, cs in enumerate(streams):
             nbytes = cs.width * cs.height * 3
             if groups and size + nbytes <= self.max_call_bytes:
@@ -235,7 +241,7 @@ class NvWholeDecoder:
                                       sample_format=nv.SampleFormat.I_RGB)
         #: CUDA: the last group's decoded photos and the event after the GPU work that reads them (see
         #: _release), kept while the next group is decoded.
-        self._held = None
+        self._held: tuple[list, torch.cuda.Event] | None = None
 
     def read(self, ids) -> list:
         """The files' bytes (None for one that cannot be read: ``load_whole`` then names the problem):
@@ -315,11 +321,12 @@ class NvWholeDecoder:
         ok = np.zeros(len(ids), dtype=bool)
         # On the CPU the rows are written through numpy: torch's strided uint8 copies into a slot's
         # sub-rectangle measured ~20 ms a photo here, numpy's well under 1 ms.
-        host = rows if rows.is_cuda else rows.numpy()
+        host: np.ndarray | torch.Tensor = rows if rows.is_cuda else rows.numpy()
         try:
             for group in self._groups(streams):
                 images = self.decoder.decode([streams[k] for k in group], params=self.params, cuda_stream=stream)
                 self._release()   # the previous group's photos: this decode is queued behind its work
+                small: torch.Tensor | np.ndarray | None = None
                 for k, img in zip(group, images, strict=True):
                     j, t = where[k], self._pixels(img)
                     if t is None or t.ndim != 3 or t.shape[2] != 3:
@@ -331,7 +338,7 @@ class NvWholeDecoder:
                     else:   # PIL's resize: measured as fast as torch's uint8 one here, the same pixels
                         h, w = whole_size(H, W, side)
                         small = t if (h, w) == (H, W) else \
-                            np.asarray(Image.fromarray(t).resize((w, h), Image.BILINEAR))
+                            np.asarray(Image.fromarray(t).resize((w, h), Image.Resampling.BILINEAR))
                     place(host[j], small)
                     sizes[j] = (H, W, *small.shape[:2])
                     ok[j] = True

@@ -50,7 +50,8 @@ def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
     from ..transforms import JPEG_FORMATS, to_rgb
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data)) as opened:
+            img: Image.Image = opened   # replaced below by the transposed, converted images
             if max(img.size) <= max_side:
                 return None
             grey = img.mode in _GREY_MODES
@@ -142,7 +143,7 @@ class SampleReader:
         if self.kind == SourceKind.FILES:
             h.update("\n".join(ident[start:stop]).encode())
         elif self.kind == SourceKind.ARRAY:
-            h.update(f"{zlib.crc32(np.ascontiguousarray(self.source.images[start:stop])):08x}".encode())
+            h.update(f"{zlib.crc32(np.ascontiguousarray(self.source.images[start:stop]).data):08x}".encode())
         else:   # a Dataset's bytes are only known by reading it: its fingerprint is what there is
             h.update(self.source.fingerprint().encode())
         return h.hexdigest()

@@ -11,12 +11,16 @@ import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, cast
 
 import numpy as np
 
 from ..shards.index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 from .ranks import barrier, drop_other_index, has_group, merge_parts, wait_for_index
 from .reader import PACK_VERSION, SampleReader
+
+if TYPE_CHECKING:
+    from ..datasets.base import Source
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -97,12 +101,14 @@ def write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int,
     for stale in glob.glob(glob.escape(final) + ".tmp-*"):   # left by a killed run: this shard is ours now
         os.remove(stale)
     tmp = f"{final}.tmp-{os.getpid()}"
-    offsets, sizes, exts, labels, dali, shapes = [], [], [], [], [], set()
+    offsets, sizes, exts, labels, dali = [], [], [], [], []
+    shapes: set[tuple | None] = set()
     try:
         with open(tmp, "wb") as f:
             hashed = _HashingFile(f)
             # USTAR: every header is exactly one block, so a member's data starts 512 bytes after it.
-            with tarfile.open(fileobj=hashed, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            # (tarfile's stub asks for a readable, seekable file; writing a stream it only writes and tells.)
+            with tarfile.open(fileobj=cast(IO[bytes], hashed), mode="w", format=tarfile.USTAR_FORMAT) as tar:
                 for i in range(plan.start, plan.stop):
                     ext, data, label, shape = reader.read(i)
                     shapes.add(shape)
@@ -136,7 +142,7 @@ def write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int,
     record = {"name": plan.name, "size": hashed.n, "samples": plan.stop - plan.start, "sha256": hashed.sha.hexdigest(),
               "start": plan.start, "identity": plan.identity,
               # The arrays' (H, W, C) when every image of the shard has it (None: files, or mixed sizes).
-              "shape": list(next(iter(shapes))) if len(shapes) == 1 and None not in shapes else None,
+              "shape": list(only) if len(shapes) == 1 and (only := next(iter(shapes))) is not None else None,
               "offset": offsets, "member_size": sizes, "ext": exts, "label": labels}
     write_json_atomic(stem + ".json", record)
     return record
@@ -178,6 +184,8 @@ def _init_worker(reader: SampleReader) -> None:
 
 
 def _write_in_worker(plan: ShardPlan, out: str, key_width: int) -> dict:
+    if _WORKER_READER is None:
+        raise RuntimeError("pack: a worker process started without its reader (_init_worker)")
     return write_shard(_WORKER_READER, plan, out, key_width)
 
 
@@ -357,7 +365,7 @@ def _usable_cores() -> int:
 class _Written:
     """What ``index.json`` records about a pack besides its shards' records."""
 
-    source: object
+    source: Source
     plans: list
     key_width: int
     split: str | None

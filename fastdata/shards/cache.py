@@ -204,8 +204,14 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
-    def _open_lock(self, name: str, file: str | None = None) -> int:
-        path = self._lock_path(name) if file is None else self._lock_of(file)
+    def _open_lock(self, name: str | None, file: str | None = None) -> int:
+        """The open lock file of cached ``file`` where one is given, else of shard ``name``."""
+        if file is not None:
+            path = self._lock_of(file)
+        elif name is not None:
+            path = self._lock_path(name)
+        else:
+            raise TypeError("_open_lock needs a shard name or a cached file")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 

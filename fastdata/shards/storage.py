@@ -266,6 +266,7 @@ class Storage:
         """``attempt()`` until it succeeds, a final error, or ``retries`` retries; errors name the shard."""
         check_name(name)
         started = time.monotonic()
+        error: Exception
         for k in range(self.retries + 1):
             try:
                 return attempt()
@@ -404,7 +405,7 @@ def file_sha256(path, fd: int | None = None) -> str:
     so its offset is untouched), in 1 MiB blocks."""
     h = hashlib.sha256()
     own = fd is None
-    if own:
+    if fd is None:
         fd = os.open(path, os.O_RDONLY)
     try:
         offset = 0

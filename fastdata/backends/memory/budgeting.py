@@ -144,7 +144,7 @@ def check_cache_size(value) -> int:
 def photo_side(aug: Augmentation, cache_size: int) -> int:
     """Side of the square slots photos are cached in: the evaluation crop (``center``) is cached
     already applied, at ``size``; any other recipe caches each photo whole, longer side <= cache_size."""
-    return aug.size if aug.crop is Crop.CENTER else cache_size
+    return aug.crop_size if aug.crop is Crop.CENTER else cache_size
 
 
 def cache_bytes(source, config, cache_size: int = DEFAULT_CACHE_SIZE) -> int:

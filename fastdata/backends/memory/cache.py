@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ...checks import check_integer
-from ...config import Augmentation, Padding
+from ...config import Augmentation, LoaderConfig, Padding
 from ...decode import BatchDecoder, collect_before_fork
 from ...decode.whole import NvWholeDecoder, WholePhotos, nvimgcodec
 from ...errors import CacheDoesNotFit
@@ -25,6 +26,9 @@ from ...transforms import (
     NUMPY_PAD_MODE,
 )
 from .budgeting import available_ram, fmt_bytes, photo_side
+
+if TYPE_CHECKING:
+    from ...datasets import Source
 
 
 def pad_images(x: torch.Tensor, pad: int, padding: Padding) -> torch.Tensor:
@@ -98,6 +102,14 @@ class CacheBuild:
     the device cache, in chunks, through the decode layer's whole-photo decoders."""
 
     _CHUNK = 64
+    # What the mixin reads from MemoryLoader and its other bases, declared for type checkers (set there).
+    source: Source
+    config: LoaderConfig
+    opts: dict
+    augment: Augmentation
+    device: torch.device
+    cache_size: int
+    _applied: bool
 
     def _decode_files(self):
         """Decode every file once, in parallel, chunk by chunk straight into the cache on the device
@@ -235,11 +247,10 @@ class CacheBuild:
         from torch.utils.data import DataLoader
 
         s, chunk = out.shape[1], self._CHUNK
-        jobs = [np.arange(i, min(i + chunk, hi)) for i in range(lo, hi, chunk)]
-        if self._applied:
-            jobs = [(ids, 0) for ids in jobs]
-        workers = self.opts["cache_workers"]
-        workers = min(self.config.num_workers if workers is None else workers, len(jobs))
+        ranges = [np.arange(i, min(i + chunk, hi)) for i in range(lo, hi, chunk)]
+        jobs: list = [(ids, 0) for ids in ranges] if self._applied else ranges
+        given = self.opts["cache_workers"]
+        workers: int = min(cast(int, self.config.num_workers) if given is None else given, len(jobs))
         # Host memory in flight: DataLoader's 2 chunks ahead per worker, plus the chunk being copied.
         host = (2 * max(workers, 1) + 1) * chunk * s * s * 3
         if self.device.type == "cuda" and host > available_ram():
@@ -247,7 +258,8 @@ class CacheBuild:
                                   f"({fmt_bytes(host)}) of host RAM for its chunks in flight but "
                                   f"{fmt_bytes(available_ram())} "
                                   f"is available; pass fewer cache_workers")
-        kept, sizes = [], []
+        kept: list[np.ndarray] = []
+        sizes: list[np.ndarray] = []
         pos = 0
         if jobs:
             # generator=: building the cache must not move the caller's global torch RNG (decoding draws
@@ -269,7 +281,6 @@ class CacheBuild:
                 # (the exception's traceback holds the iterator), they stall a later loader for seconds.
                 if hasattr(it, "_shutdown_workers"):
                     it._shutdown_workers()
-        kept = np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
-        sizes = np.concatenate(sizes) if sizes else np.empty((0, 4), dtype=np.int64)
-        return kept, sizes
+        return (np.concatenate(kept) if kept else np.empty(0, dtype=np.int64),
+                np.concatenate(sizes) if sizes else np.empty((0, 4), dtype=np.int64))
 

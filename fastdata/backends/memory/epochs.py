@@ -140,7 +140,7 @@ class DrawAhead:
 
     def take(self, key: tuple, batches: list) -> Draws | None:
         """The draws made for ``key`` if they are ``batches``' (after the thread ends), else None."""
-        if self._key != key:
+        if self._key != key or self._thread is None:   # a key is set together with its thread
             return None
         self._thread.join()
         made = self._result[0] if self._result else None

@@ -189,7 +189,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
 
     def _owned_bytes(self) -> int:
         """Bytes of the tensors this loader allocated (an array source shared on the CPU is not one)."""
-        shared = self.source.images.ctypes.data if self.source.kind is SourceKind.ARRAY else None
+        # An array source's pixels (kind ARRAY: ArraySource, Shards decoded to arrays).
+        images = getattr(self.source, "images", None) if self.source.kind is SourceKind.ARRAY else None
+        shared = images.ctypes.data if images is not None else None
         seen, total = set(), 0
         for t in (self.cache, self.ready, self.labels):
             if t is None:
@@ -206,7 +208,7 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         p = aug.pad if aug.crop is Crop.TRANSLATE else 0
         n, h, w, c = cache.shape
         fmt = torch.channels_last if self.config.channels_last else torch.contiguous_format
-        ready = torch.empty((n, c, h + 2 * p, w + 2 * p), dtype=self.config.dtype, device=self.device,
+        ready = torch.empty((n, c, h + 2 * p, w + 2 * p), dtype=self.normalizer.dtype, device=self.device,
                             memory_format=fmt)
         for a, b in chunks(n, (h + 2 * p) * (w + 2 * p) * c * 4):  # bounded temporaries
             part = cache[a:b].to(self.device)
@@ -269,7 +271,8 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         """The epoch's host side: each batch's draws (``draw_params``, the torch backend's), flat,
         pinned on CUDA. Pure: it reads the loader's recipe and sizes only, so a thread may run it."""
         aug = self.augment
-        bounds, ids, offs, flips, lins, exact = [], [], [], [], [], []
+        bounds, ids, offs, flips, lins = [], [], [], [], []
+        exact: list[tuple[int, int] | None] = []
         pos = 0
         simple = self._window is not None   # shifts and flips only (see __init__)
         size = self.cache.shape[1:3] if self.cache is not None else self.ready.shape[2:]
@@ -337,7 +340,7 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         (top, left) when every box is the same whole-pixel ``size``² window without a flip (an array
         source's center crop without resizing): a slice, no resampling.
         """
-        aug, size = self.augment, self.augment.size
+        aug, size = self.augment, self.augment.crop_size   # boxes: a resizing crop, whose size is set
         boxes, flips = params.boxes, params.flips
         n = len(flips)
         if self._sizes is not None:

@@ -12,11 +12,17 @@ import contextlib
 import os
 import warnings
 import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ...datasets import SourceKind
+
+if TYPE_CHECKING:
+    from ...config import Augmentation, LoaderConfig
+    from ...datasets import Source
 from ...errors import CacheDoesNotFit, DecodeError
 from .budgeting import check_fits, fmt_bytes
 
@@ -24,6 +30,16 @@ from .budgeting import check_fits, fmt_bytes
 class NodeCache:
     """The memory loader's node sharing (a mixin of ``MemoryLoader``): one cache per node in /dev/shm,
     built by the node's ranks together and mapped by each of them."""
+
+    # What the mixin reads from MemoryLoader and its other bases, declared for type checkers (set there).
+    source: Source
+    config: LoaderConfig
+    opts: dict
+    augment: Augmentation
+    device: torch.device
+    cache_size: int
+    _node: tuple | None
+    _decode_into: Callable[..., tuple[np.ndarray, np.ndarray]]
 
     # ------------------------------------------------------------------ one cache per node
     def _node_ranks(self):
@@ -95,11 +111,13 @@ class NodeCache:
         """
         from ... import distributed as fdist
 
+        if self._node is None:
+            raise RuntimeError("memory backend: the node's ranks are not building the cache together (_node_ranks)")
         group, local, k, data = self._node
         m = -(-n // k)
         lo, hi = min(local * m, n), min((local + 1) * m, n)
         slot = s * s * 3
-        cache = None
+        cache: torch.Tensor | None = None
         if self.device.type == "cpu":
             tag = f"memory-{zlib.crc32(self._cache_key().encode()):08x}"
             flat, path, why = fdist.node_shared_tensor(n * slot, group, tag=tag)
@@ -113,7 +131,7 @@ class NodeCache:
                 self._agree(lambda: check_fits(self.source, self.config, self.opts["memory_reserve"], copies=k,
                                                       cache_size=self.cache_size))
         shared = cache is not None
-        if not shared:
+        if cache is None:
             # k blocks of m rows: all_gather's equal blocks; the last one's unused rows go with the tail.
             cache = torch.empty((k * m, s, s, 3), dtype=torch.uint8, device=self.device)
         kept, sizes = self._agree(lambda: self._decode_into(decoder, cache[local * m:local * m + hi - lo], lo, hi))
