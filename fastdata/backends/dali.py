@@ -94,6 +94,7 @@ import atexit
 import dataclasses
 import os
 import weakref
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -119,6 +120,17 @@ from ..transforms import (
     require_fixed_size,
 )
 from .base import Loader
+
+
+class _ArrayPixels(Protocol):
+    """What a source of kind ``SourceKind.ARRAY`` (ArraySource, Shards packed from arrays) holds beyond
+    ``Source``: every image in one uint8 (N, H, W, C) array, which ``prepare`` slices for DALI."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]: ...
 
 
 class _StreamEnded(Exception):
@@ -339,7 +351,7 @@ class DaliLoader(DaliFiles, Loader):
         rng = self.batch_rng(epoch, k)
         if self.source.kind is SourceKind.FILES:
             return self._prepare_files(rng, k, ids)
-        src, aug = self.source, self.augment
+        src, aug = cast(_ArrayPixels, self.source), self.augment   # not FILES: the kind's pixels array
         n = len(ids)
         record = {"k": k, "ids": ids, "n": n, "skipped": 0, "labels": src.labels[ids]}
         if n == 0:
@@ -488,19 +500,23 @@ class DaliLoader(DaliFiles, Loader):
         """
         from nvidia.dali import fn, pipeline_def, types
 
-        @pipeline_def(batch_size=1, num_threads=1, device_id=self.device.index if self.gpu else None,
-                      prefetch_queue_depth=1)
+        # None on the CPU: no device (Pipeline's own default). DALI's pipeline_def overload stub types
+        # device_id as int although Pipeline documents and takes None.
+        device_id = self.device.index if self.gpu else None
+
+        @pipeline_def(batch_size=1, num_threads=1, prefetch_queue_depth=1,
+                      device_id=device_id)  # type: ignore[arg-type]
         def probe():
             enc = fn.external_source(name="enc", dtype=types.UINT8)
             return fn.decoders.image(enc, device="mixed" if self.gpu else "cpu", output_type=types.RGB,
                                      jpeg_fancy_upsampling=True)
 
-        bad = []
+        bad: list[tuple[int, str]] = []
         for i in ids:
             try:
                 data = np.frombuffer(self.source.read(i), dtype=np.uint8)
             except DecodeError as err:
-                bad.append((i, err.reason))
+                bad.append((i, err.reason or str(err)))
                 continue
             for attempt in (0, 1):
                 if self._probe_pipe is None:

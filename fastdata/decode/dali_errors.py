@@ -31,10 +31,11 @@ def free_frames(error: BaseException) -> None:
     import traceback
 
     seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
+    link: BaseException | None = error   # then its causes, until the chain ends (None) or loops
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        traceback.clear_frames(link.__traceback__)
+        link = link.__cause__ or link.__context__
 
 
 def is_dali_failure(e: BaseException) -> bool:

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import io
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..datasets import ImageFolder
 from ..errors import DecodeError
 from ..transforms import check_pixels, crop_photo, draw_params, exif_orientation, open_image
+
+if TYPE_CHECKING:
+    from ..config import Augmentation
+    from ..datasets import Source
+    from .dali_feed import WorkerPool
+    from .on_error import OnError
 
 # What the loader knows about each file, learnt the first time the file is read (see _read_file).
 UNSEEN, OK, NO_HEADER, BROKEN = 0, 1, 2, 3
@@ -70,6 +77,23 @@ def dense_names(names: list[bytes]) -> np.ndarray:
 class DaliFiles:
     """Files for ``DaliLoader``: its batches' inputs read, checked and (on the host) decoded."""
 
+    # What the mixin reads from DaliLoader and its bases, declared for type checkers (set in
+    # DaliLoader.__init__, which says what each holds; the per-file arrays are indexed by sample id).
+    source: Source
+    augment: Augmentation
+    opts: dict
+    on_error: OnError
+    read_threads: int
+    validate: bool
+    host_decode: bool
+    _decoder: tuple[str, dict]
+    _paths: list | None          # plain files that DALI reads itself (plain_file_paths), else None
+    _readers: WorkerPool | None  # None for an array source (no files to read)
+    _state: np.ndarray           # uint8: UNSEEN/OK/NO_HEADER/BROKEN
+    _dims: np.ndarray            # int32 (n, 3): height, width, EXIF orientation
+    _stamps: np.ndarray          # int64: file_stamp when the size was read
+    _why: dict[int, str]
+
     def _prepare_files(self, rng, k, ids):
         """Runs in the assembler thread: reads the batch's files (in the reader threads), then draws
         the crops in the plan's order, exactly as the torch backend does for the same seed."""
@@ -108,7 +132,13 @@ class DaliFiles:
             names = self._unchanged_names(ids)
             return (names, True) if names is not None else (self._read_files(ids), False)
         chunks = np.array_split(ids, min(len(ids), self.read_threads)) if len(ids) else []
-        return [d for chunk in self._readers.map(self._read_files, chunks) for d in chunk], False
+        return [d for chunk in self._pool().map(self._read_files, chunks) for d in chunk], False
+
+    def _pool(self) -> WorkerPool:
+        """The reader threads; only a files source has them, and only a files source reads files."""
+        if self._readers is None:
+            raise RuntimeError(f"{type(self).__name__} reads no files (an array source has no reader threads)")
+        return self._readers
 
     def _refuse_unusable(self, ids, data: list, states: np.ndarray) -> tuple[np.ndarray, int]:
         """(usable mask, how many refused) of a batch's files: those unknown to be OK or not read now
@@ -152,7 +182,7 @@ class DaliFiles:
         uint8 (N, size, size, C) array; DALI then only flips and normalizes it."""
         size = self.augment.size
         chunks = np.array_split(np.arange(len(crops)), -(-len(crops) // self._HOST_CHUNK)) if crops else []
-        done = [c for part in self._readers.map(lambda js: [self._host_crop(*crops[j]) for j in js], chunks)
+        done = [c for part in self._pool().map(lambda js: [self._host_crop(*crops[j]) for j in js], chunks)
                 for c in part]
         keep, flips = [], []
         images = np.empty((len(crops), size, size, 3), np.uint8)
@@ -195,6 +225,8 @@ class DaliFiles:
         large as the stat's. None when any file changed or cannot be stat'ed: then ``_read_files``
         learns what changed, and words what cannot be read, file by file."""
         paths = self._paths
+        if paths is None:   # not plain files: nothing to stat, _read_files reads them
+            return None
         chosen = [paths[i] for i in ids.tolist()]
         try:
             stamps = list(map(stat_stamp, map(os.stat, chosen)))
@@ -238,12 +270,12 @@ class DaliFiles:
         try:
             raw, stamp = self.source.read_stamped(i)   # the source owns the bytes (a file, a shard member)
             if self._paths is not None:
-                stamp = self._stat(i, path)   # the names-only epochs' stamp (file_stamp)
+                stamp = self._stat(self._paths[i], path)   # the names-only epochs' stamp (file_stamp)
             if state == OK and self._stamps[i] != stamp:
                 state = UNSEEN
         except DecodeError as err:
             if state == UNSEEN:  # never read: unusable for good (file not found, ...)
-                self._why[i] = err.reason
+                self._why[i] = err.reason or str(err)
                 self._state[i] = NO_HEADER
                 return None
             return f"cannot read it now ({err.reason})"
@@ -251,7 +283,7 @@ class DaliFiles:
             try:
                 img = open_image(path, io.BytesIO(raw))
             except DecodeError as err:
-                self._why[i] = err.reason
+                self._why[i] = err.reason or str(err)
                 self._state[i] = NO_HEADER
                 return None
             verdict = OK
@@ -264,7 +296,7 @@ class DaliFiles:
                 if self.validate:
                     check_pixels(img, path)
             except DecodeError as err:
-                self._why[i] = err.reason
+                self._why[i] = err.reason or str(err)
                 verdict = BROKEN
             finally:
                 img.close()
@@ -277,9 +309,9 @@ class DaliFiles:
         # A read-only view of the bytes: external_source copies them into DALI's own buffer.
         return np.frombuffer(raw, dtype=np.uint8)
 
-    def _stat(self, i: int, path: str) -> int:
+    def _stat(self, file: str, path: str) -> int:
         try:
-            return file_stamp(self._paths[i])
+            return file_stamp(file)
         except OSError as e:   # gone between the read and the stat: as a failed read
             raise DecodeError(path, f"cannot read the file ({e.strerror or e})") from None
 

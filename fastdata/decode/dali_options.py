@@ -153,4 +153,6 @@ def slice_has_policy(policy: str) -> bool:
     the values it parses."""
     from nvidia.dali import backend
 
-    return f'"{policy}"' in backend.GetSchema("Slice").GetArgumentDox("out_of_bounds_policy")
+    # DALI's backend.pyi stub leaves out GetSchema, which backend_impl (the C++ module) exports.
+    schema = backend.GetSchema("Slice")  # type: ignore[attr-defined]
+    return f'"{policy}"' in schema.GetArgumentDox("out_of_bounds_policy")

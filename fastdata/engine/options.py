@@ -219,7 +219,8 @@ class FitConfig:
         otherwise fail only when the first epoch ends."""
         saving = self.checkpoint is not None
         optimizer, scheduler = self.optimizer, self.scheduler
-        wants = ("step", "zero_grad", "state_dict", "load_state_dict") if saving else ("step", "zero_grad")
+        wants: tuple[str, ...] = ("step", "zero_grad", "state_dict", "load_state_dict") if saving else \
+            ("step", "zero_grad")
         if optimizer is not None and (not hasattr(optimizer, "param_groups")
                                       or not all(callable(getattr(optimizer, a, None)) for a in wants)):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer on the model's parameters (or an object "
