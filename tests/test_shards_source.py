@@ -102,7 +102,10 @@ def test_shards_over_http_are_fetched_whole_into_the_cache_once(packed, tmp_path
         shards = Shards(server.url, cache_dir=tmp_path / "cache", window=2)
         loader = make_loader(shards, "torch", batch_size=16, device="cpu", train=False, augment=NONE,
                              num_workers=2)
-        got = _batches(loader)
+        try:
+            got = _batches(loader)
+        finally:
+            shards.close()   # its read-ahead thread stops here, not whenever the collector gets to it
         tars = [name for name in os.listdir(out) if name.endswith(".tar")]
         # Each shard downloaded once (a GET each, whoever asked first: the prefetcher or a worker).
         assert all(server.count(name, "GET") == 1 for name in tars), server.requests
@@ -125,7 +128,11 @@ def test_shards_from_s3_train_through_the_dali_and_memory_backends(packed, tmp_p
             shards = Shards(url, cache_dir=tmp_path / backend, storage_options=options)
             loader = make_loader(shards, backend, batch_size=16, device="cpu", augment=Augmentation(
                 crop="random_resized", size=24, hflip=0.5), num_workers=1)
-            labels = np.concatenate([y.numpy() for _, y in loader])
+            try:
+                labels = np.concatenate([y.numpy() for _, y in loader])
+            finally:
+                loader.close()
+                shards.close()
             assert len(labels) == 48 and set(labels.tolist()) <= {0, 1, 2}
 
 
@@ -213,7 +220,7 @@ def test_a_subset_of_shards_reads_its_own_samples_window_by_window(packed):
     assert sub.read(0) == shards.read(int(picked[0]))
 
 
-def test_the_next_epochs_first_shards_are_fetched_while_a_pass_ends(packed, tmp_path):
+def test_the_next_epochs_first_shards_are_fetched_while_a_pass_ends(packed, tmp_path, request):
     """With a cache that holds only the window being read and the next (the smallest allowed), the
     window the next epoch starts with is downloaded during this pass's last batches, not while every
     reader of the next pass waits for it, and nothing evicts it before the next pass reads it."""
@@ -225,6 +232,7 @@ def test_the_next_epochs_first_shards_are_fetched_while_a_pass_ends(packed, tmp_
 
         largest = max(s.size for s in read_index(out / "index.json").shards)
         shards = Shards(server.url, cache_dir=tmp_path / "cache", window=2, cache_limit=4 * largest)
+        request.addfinalizer(shards.close)   # closed even when an assertion below fails
         loader = make_loader(shards, "torch", batch_size=8, device="cpu", augment=NONE, num_workers=0, seed=5)
         first_pass = sum(1 for _ in loader)
         assert first_pass == len(loader) and loader.epoch == 1
@@ -281,3 +289,54 @@ def test_many_threads_reading_through_few_open_files_get_every_samples_own_bytes
     assert len(shards._files._open) <= 2
     shards.close()
     reference.close()
+
+
+def _read_ahead(shards: Shards):
+    """The source's read-ahead thread, started by telling it a pass begins."""
+    shards.reading(shards.epoch_order(0, 0), 0)
+    thread = shards._prefetcher._thread
+    assert thread.is_alive() and thread.name == "fastdata-shards"
+    return thread
+
+
+def test_a_shards_source_dropped_without_close_stops_its_read_ahead_thread(packed, tmp_path):
+    """The thread held the prefetcher, not the source: a source dropped without close() was collected
+    and its thread waited for work forever (one more per dropped source, for the life of the process)."""
+    import gc
+    import threading
+
+    _, out = packed
+    before = {t for t in threading.enumerate() if t.name == "fastdata-shards"}
+    shards = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=2)
+    thread = _read_ahead(shards)
+    del shards
+    gc.collect()
+    # Stopped and joined by the collection itself: nothing left to wait for.
+    assert not thread.is_alive()
+    assert {t for t in threading.enumerate() if t.name == "fastdata-shards"} <= before
+    closed = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=2)
+    thread = _read_ahead(closed)
+    closed.close()
+    assert not thread.is_alive()
+    closed.close()                                   # a second close() is a no-op
+
+
+def test_a_shards_source_left_open_at_exit_stops_its_read_ahead_thread(packed, tmp_path):
+    """At interpreter exit the source's read-ahead thread is stopped (not abandoned mid-download to the
+    interpreter's teardown). The check runs in an exit hook registered first, so it runs last."""
+    import subprocess
+    import sys
+
+    _, out = packed
+    script = f"""
+import atexit
+state = {{}}
+atexit.register(lambda: print("alive at exit:", state["thread"].is_alive()))
+from fastdata.datasets import Shards
+shards = Shards({f"file://{out}"!r}, cache_dir={str(tmp_path / "cache")!r}, window=2)
+shards.reading(shards.epoch_order(0, 0), 0)
+state["thread"] = shards._prefetcher._thread
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "alive at exit: False" in done.stdout, (done.stdout, done.stderr)

@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -114,6 +115,7 @@ class Shards(Source):
         else:
             self._open_cache()   # the budget is checked now, not at the first read in a worker
         self._prefetcher: _Prefetcher | None = None
+        self._stop_ahead: weakref.finalize | None = None   # stops the prefetcher if this is never closed
         self._files = _OpenFiles(2 * self.window)
         self._pid = os.getpid()
         self.channels = 3
@@ -194,12 +196,17 @@ class Shards(Source):
     def __getstate__(self):
         # A copy (a DataLoader worker) opens its own files and cache handle; the prefetcher stays home.
         state = self.__dict__.copy()
-        state["_files"], state["_prefetcher"] = _OpenFiles(2 * self.window), None
+        state["_files"], state["_prefetcher"], state["_stop_ahead"] = _OpenFiles(2 * self.window), None, None
         return state
 
     def _check_process(self):
         if self._pid != os.getpid():   # forked: the parent's descriptors and thread are not ours
+            if self._stop_ahead is not None:
+                # Never run here: the parent's thread does not exist in this process, and its Condition
+                # may have been copied locked by it.
+                self._stop_ahead.detach()
             self._files, self._prefetcher, self._pid = _OpenFiles(2 * self.window), None, os.getpid()
+            self._stop_ahead = None
 
     # ------------------------------------------------------------------ Source: the bytes
     def sample_name(self, i: int) -> str:
@@ -290,6 +297,10 @@ class Shards(Source):
         self._check_process()
         if self._prefetcher is None:
             self._prefetcher = _Prefetcher(self)
+            # The thread holds the prefetcher, not this source: a source dropped without close() is
+            # collected, and this stops its thread then (or at interpreter exit), instead of leaving it
+            # waiting for work forever. The finalizer holds the prefetcher only, so it keeps nothing alive.
+            self._stop_ahead = weakref.finalize(self, self._prefetcher.stop)
         self._prefetcher.want(order, position, next_order)
 
     # ------------------------------------------------------------------ the rest of Source
@@ -323,16 +334,16 @@ class Shards(Source):
         self._ids = self._ids[idx]
         # The copy reads its own samples: a read-ahead thread of the source it came from maps that
         # source's positions, and its open files are that source's to close.
-        self._files, self._prefetcher = _OpenFiles(2 * self.window), None
+        self._files, self._prefetcher, self._stop_ahead = _OpenFiles(2 * self.window), None, None
         if self.images is not None:
             self.images = take_images(self.images, idx)
         self.labels = self.labels[idx]
 
     def close(self) -> None:
         """Stop fetching ahead, close the shards' files and release the cache's hold."""
-        if self._prefetcher is not None:
-            self._prefetcher.stop()
-            self._prefetcher = None
+        if self._stop_ahead is not None:
+            self._stop_ahead()          # the prefetcher's stop(), once: collection will not call it again
+        self._prefetcher = self._stop_ahead = None
         self._files.close()
 
     def __repr__(self):
@@ -493,10 +504,13 @@ class _Prefetcher:
                 self.error = e
 
     def stop(self) -> None:
+        """End the thread: it finishes the shard it is fetching (bounded by the storage's timeout) and
+        returns. Not joined from the thread itself: a source collected there stops it from there."""
         with self._cond:
             self._stop = True
             self._cond.notify()
-        self._thread.join(timeout=60)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
 
 
 def _image_shape(value) -> tuple[int, int, int] | None:
