@@ -39,8 +39,12 @@ def test_every_backend_reads_shards_as_it_reads_the_folder(packed, backend):
     shards = Shards(out)
     assert len(shards) == len(folder) and shards.classes == folder.classes
     kw = dict(batch_size=16, device="cpu", train=False, augment=NONE, num_workers=2)
-    from_shards = _batches(make_loader(shards, backend, **kw))
-    from_folder = _batches(make_loader(folder, backend, **kw))
+    # Closed when read: a dali loader's reader threads stop here, not whenever the collector gets to it.
+    with make_loader(shards, backend, **kw) as loader:
+        from_shards = _batches(loader)
+    with make_loader(folder, backend, **kw) as loader:
+        from_folder = _batches(loader)
+    shards.close()
     assert len(from_shards) == len(from_folder) == 4
     for (xs, ys), (xf, yf) in zip(from_shards, from_folder):
         np.testing.assert_array_equal(ys, yf)            # the packed order is the folder's
@@ -340,3 +344,31 @@ state["thread"] = shards._prefetcher._thread
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "alive at exit: False" in done.stdout, (done.stdout, done.stderr)
+
+
+def _read_in_child(shards: Shards, parents, result) -> None:
+    shards.read(0)                      # the first read in this process drops the parent's prefetcher
+    result.put(not parents.alive and shards._stop_ahead is None)
+
+
+def test_a_forked_copy_never_stops_its_parents_read_ahead_thread(packed, tmp_path):
+    """A forked DataLoader worker inherits the source with the parent's prefetcher and its stopper. The
+    child must not run that stopper when its copy is collected: the thread is not in the child, and the
+    Condition it would take may have been copied locked by that thread. The parent's thread runs on."""
+    import multiprocessing as mp
+
+    _, out = packed
+    shards = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=2)
+    try:
+        thread = _read_ahead(shards)
+        ctx = mp.get_context("fork")
+        result = ctx.Queue()
+        child = ctx.Process(target=_read_in_child, args=(shards, shards._stop_ahead, result))
+        child.start()
+        assert result.get(timeout=60) is True
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert thread.is_alive() and shards._stop_ahead.alive
+    finally:
+        shards.close()
+    assert not thread.is_alive()
