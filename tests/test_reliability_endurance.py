@@ -7,11 +7,20 @@ of one batch, one pipe, one thread or one process per epoch shows up here.
 
 Only this loader's processes are counted: a child of pytest that an earlier test started (Inductor's
 compile workers, after a ``torch.compile`` test) is in neither the count before nor the count after.
+
+Each measurement runs in a fresh Python process (``measure_isolated``). In the full suite's pytest
+process, the heap and the loaders that earlier tests left behind moved RSS by more than a batch over the
+measured epochs: the check that a one-batch-per-epoch leak is caught passed alone and failed in CI's full
+run. A fresh process holds only this loader, as a user's training script does.
 """
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,26 +36,52 @@ from procs import children, usage
 WARMUP, MEASURED = 3, 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def steady_allocator():
+def steady_allocator() -> None:
     """RSS that follows what is alive. glibc raises its mmap threshold the first time a large block is
     freed, and from then on serves batch-sized blocks from its heap, which grows for several epochs before
     it reuses them: about a batch an epoch for the first 5 to 8 epochs, the size of the leak looked for
     here, and longer after other tests left the heap fragmented. A fixed threshold keeps batch-sized blocks
-    mapped on their own and unmapped when freed. Set for this module (workers forked meanwhile inherit
-    it); glibc's default value is set back afterwards (its dynamic raise stays off: a fresh process's
-    behaviour). Without glibc's ``mallopt`` nothing is set: the warm-up epochs have to absorb it."""
+    mapped on their own and unmapped when freed. Set in the measuring process only (workers forked from
+    it inherit it). Without glibc's ``mallopt`` nothing is set: the warm-up epochs have to absorb it."""
     import ctypes
 
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     m_mmap_threshold = -3            # malloc.h
-    if mallopt is None or not mallopt(m_mmap_threshold, 64 * 1024):
-        yield
-        return
+    if mallopt is not None:
+        mallopt(m_mmap_threshold, 64 * 1024)
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def measure(kind: str, backend: str, device: str, leak: str | None = None, photos: str | None = None) -> dict:
+    """Runs in the measuring process: builds the loader (``kind`` "arrays" or "photos"), runs
+    WARMUP + MEASURED epochs and returns the readings (``history``) and the largest batch's bytes."""
+    steady_allocator()
+    epochs = Epochs(children())
+    loader = _photo_loader(backend, photos) if kind == "photos" else _array_loader(backend, device)
+    if leak is not None:
+        loader = _Leaky(loader, leak)
     try:
-        yield
+        history = epochs.run(loader, WARMUP + MEASURED, device)
     finally:
-        mallopt(m_mmap_threshold, 128 * 1024)
+        loader.close()
+    return {"history": history, "batch_bytes": epochs.batch_bytes}
+
+
+def measure_isolated(kind: str, backend: str, device: str = "cpu", leak: str | None = None,
+                     photos=None) -> tuple[list[dict], int]:
+    """``measure`` in a fresh Python process (see the module's docstring): its readings and batch bytes."""
+    args = [kind, backend, device, leak, None if photos is None else str(photos)]
+    script = (f"import json, sys; sys.path.insert(0, {str(TESTS)!r}); "
+              f"import test_reliability_endurance as t; "
+              f"print('RESULT ' + json.dumps(t.measure(*json.loads(sys.argv[1]))))")
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
+                          timeout=600, cwd=TESTS.parent)
+    assert done.returncode == 0, f"the measuring process failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT "):])
+    return result["history"], result["batch_bytes"]
 
 
 @pytest.fixture(scope="module")
@@ -114,29 +149,27 @@ def _array_loader(backend, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", backend_params())
 def test_array_epochs_are_flat(backend, device):
-    epochs = Epochs(children())
-    loader = _array_loader(backend, device)
-    history = epochs.run(loader, WARMUP + MEASURED, device)
-    # This process and the loader's workers (persistent: the same two each epoch), nothing else.
+    history, batch_bytes = measure_isolated("arrays", backend, device)
+    # The measuring process and the loader's workers (persistent: the same two each epoch), nothing else.
     assert history[0]["procs"] == (3 if backend in ("torch", "prefetch") else 1), history[0]
-    assert_flat(history, f"{backend} arrays", epochs.batch_bytes)
-    loader.close()
+    assert_flat(history, f"{backend} arrays", batch_bytes)
 
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_photo_epochs_are_flat(backend, endurance_photos):
-    src = ImageFolder(endurance_photos)
+    history, batch_bytes = measure_isolated("photos", backend, photos=endurance_photos)
+    assert_flat(history, f"{backend} photos", batch_bytes)
+
+
+def _photo_loader(backend, photos):
+    src = ImageFolder(photos)
     # Batches of 1.2 MiB (16 x 3 x 80 x 80 float32): a leak of one an epoch stands above the noise.
     kw = dict(batch_size=16, device="cpu", num_workers=2, seed=1, augment=Augmentation.imagenet_train(size=80))
     if backend == "memory":
         kw["cache_size"] = 96   # a memory option
     if backend in ("torch", "prefetch"):
         kw["persistent_workers"] = True
-    epochs = Epochs(children())
-    loader = make_loader(src, backend, **kw)
-    history = epochs.run(loader, WARMUP + MEASURED, "cpu")
-    assert_flat(history, f"{backend} photos", epochs.batch_bytes)
-    loader.close()
+    return make_loader(src, backend, **kw)
 
 
 # ------------------------------------------------------------------- the check catches what it claims
@@ -174,14 +207,9 @@ def _sleep_forever():
 
 @pytest.mark.parametrize("leak", ["batch", "process"])
 def test_a_loader_that_leaks_a_batch_or_a_process_per_epoch_fails_the_check(leak):
-    epochs = Epochs(children())
-    loader = _Leaky(_array_loader("memory", "cpu"), leak)
-    try:
-        history = epochs.run(loader, WARMUP + MEASURED, "cpu")
-        with pytest.raises(AssertionError, match="rss grows|processes went"):
-            assert_flat(history, f"leaking a {leak}", epochs.batch_bytes)
-    finally:
-        loader.close()
+    history, batch_bytes = measure_isolated("arrays", "memory", leak=leak)
+    with pytest.raises(AssertionError, match="rss grows|processes went"):
+        assert_flat(history, f"leaking a {leak}", batch_bytes)
 
 
 def test_a_process_started_before_the_loader_is_not_the_loaders(tmp_path):
