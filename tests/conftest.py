@@ -236,6 +236,22 @@ def pairs(a, b):
     return list(zip(a, b, strict=True))
 
 
+def batches_without_host_sync(loader) -> int:
+    """One warm epoch (workers, pinned and device pools, draws made ahead), then one under torch's sync
+    debug mode "error", where any host sync in any thread (.item(), a pageable copy, nonzero, a stream
+    or device synchronize) raises: returns that epoch's batch count, which must be ``len(loader)``."""
+    import torch
+
+    for _ in loader:
+        pass
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return sum(1 for _ in loader)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def label_of(ids):
     """The label written for sample id i: any fixed function works; this one is not the identity."""
     return (np.asarray(ids) * 7 + 3) % 10

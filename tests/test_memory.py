@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import pairs, skip_missing
+from conftest import batches_without_host_sync, pairs, skip_missing
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits
 from fastdata.transforms import draw_params
@@ -513,15 +513,7 @@ def test_cuda_memory_epoch_makes_no_host_sync(recipe, photo_folder):
     else:
         aug = Augmentation(crop="translate", pad=2, hflip=0.5 if recipe == "flips" else 0)
         loader = make_loader(SyntheticDigits(2000, seed=1), "memory", batch_size=100, device="cuda", augment=aug)
-    for _ in loader:
-        pass
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        batches = sum(1 for _ in loader)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert batches == len(loader)
+    assert batches_without_host_sync(loader) == len(loader)
 
 
 @pytest.mark.cuda

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICES, decode_ids, indexed_source, pairs
+from conftest import DEVICES, batches_without_host_sync, decode_ids, indexed_source, pairs
 from fastdata import make_loader
 from procs import wait_until
 
@@ -482,13 +482,5 @@ def test_cuda_prefetch_epoch_makes_no_host_sync():
     call raises, and the producer's error is raised by the consumer."""
     loader = make_loader(indexed_source(2048, size=64, channels=3), "prefetch", batch_size=256, device="cuda",
                          num_workers=2)
-    for _ in loader:            # epoch 0: workers, pinned and device pools warm
-        pass
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        batches = sum(1 for _ in loader)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert batches == len(loader)
+    assert batches_without_host_sync(loader) == len(loader)
     loader.close()
