@@ -31,7 +31,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from . import cli
+from .config import ON_ERROR
 from .datasets.spec import SOURCE_HELP, open_source
+from .engine.amp import AMP_CHOICES
 
 TIE = 0.05
 
@@ -369,10 +371,10 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p.add_argument("--workers", type=cli.nonnegative_int, default=None, help="loader workers (default: fastdata's)")
     p.add_argument("--batches", type=cli.positive_int, default=None,
                    help="timed batches per backend (default: 200; 30 with --quick)")
-    p.add_argument("--amp", default="auto", choices=("auto", "bf16", "fp16", "off"))
+    p.add_argument("--amp", default="auto", choices=AMP_CHOICES)
     p.add_argument("--backends", nargs="+", default=None, type=_measured_backend,
                    help="default: every available backend")
-    p.add_argument("--on-error", default="raise", choices=("raise", "skip"),
+    p.add_argument("--on-error", default="raise", choices=ON_ERROR,
                    help="an undecodable file: stop naming it (raise), or skip it and count it (skip)")
     p.add_argument("--quick", action="store_true",
                    help="30 batches (unless --batches) on 6,000 digits: does it run, not how fast")

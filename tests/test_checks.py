@@ -84,17 +84,13 @@ def test_the_rooms_share_the_integer_check(where):
         _callers()[where]()
 
 
-# fastdata/bench.py's parser is being reworked by its owner; it is the one place left to swap.
-_CHOICES_LEFT = {"fastdata/bench.py"}
-
-
 def test_choices_come_from_the_shared_constants():
     """The amp and on_error choices are spelled once (engine.AMP_CHOICES, config.ON_ERROR); a command
     line that copies them drifts the day a choice is added."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    owners = {"fastdata/engine/amp.py", "fastdata/config.py"} | _CHOICES_LEFT
+    owners = {"fastdata/engine/amp.py", "fastdata/config.py"}
     copies = [str(p.relative_to(root)) for folder in ("fastdata", "examples", "benchmarks")
               for p in sorted((root / folder).rglob("*.py"))
               if str(p.relative_to(root)) not in owners
