@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 import os
 import weakref
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -17,6 +17,23 @@ import torch
 from ...config import Augmentation, Crop, check_integer
 from ...datasets import SourceKind
 from ...errors import CacheDoesNotFit
+
+if TYPE_CHECKING:
+    from ...config import LoaderConfig
+    from ...datasets import Source
+
+
+class LoaderFields:
+    """What the memory loader's mixins (``CacheBuild``, ``NodeCache``) read from ``MemoryLoader`` and its
+    other bases, declared once for type checkers (the values are set there, not here)."""
+
+    source: Source
+    config: LoaderConfig
+    opts: dict
+    augment: Augmentation
+    device: torch.device
+    cache_size: int
+
 
 #: What the budget keeps free by default for the model, its activations and the batch being augmented:
 #: a quarter of a GPU's *total* memory (free memory would hand the cache whatever the model has not

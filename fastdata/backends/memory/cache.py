@@ -11,24 +11,21 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ...checks import check_integer
-from ...config import Augmentation, LoaderConfig, Padding
+from ...config import Augmentation, Padding
 from ...decode import BatchDecoder, collect_before_fork
 from ...decode.whole import NvWholeDecoder, WholePhotos, nvimgcodec
 from ...errors import CacheDoesNotFit
 from ...transforms import (
     NUMPY_PAD_MODE,
 )
-from .budgeting import available_ram, fmt_bytes, photo_side
-
-if TYPE_CHECKING:
-    from ...datasets import Source
+from .budgeting import LoaderFields, available_ram, fmt_bytes, photo_side
 
 
 def pad_images(x: torch.Tensor, pad: int, padding: Padding) -> torch.Tensor:
@@ -97,19 +94,12 @@ def read_ahead(items, read, *, ahead: int = 1, name: str = "fastdata-read"):
 
 
 
-class CacheBuild:
+class CacheBuild(LoaderFields):
     """The memory loader's cache building (a mixin of ``MemoryLoader``): decoding every sample once into
     the device cache, in chunks, through the decode layer's whole-photo decoders."""
 
     _CHUNK = 64
-    # What the mixin reads from MemoryLoader and its other bases, declared for type checkers (set there).
-    source: Source
-    config: LoaderConfig
-    opts: dict
-    augment: Augmentation
-    device: torch.device
-    cache_size: int
-    _applied: bool
+    _applied: bool   # set by MemoryLoader, like the fields LoaderFields declares
 
     def _decode_files(self):
         """Decode every file once, in parallel, chunk by chunk straight into the cache on the device

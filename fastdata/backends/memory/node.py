@@ -13,31 +13,20 @@ import os
 import warnings
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ...datasets import SourceKind
-
-if TYPE_CHECKING:
-    from ...config import Augmentation, LoaderConfig
-    from ...datasets import Source
 from ...errors import CacheDoesNotFit, DecodeError
-from .budgeting import check_fits, fmt_bytes
+from .budgeting import LoaderFields, check_fits, fmt_bytes
 
 
-class NodeCache:
+class NodeCache(LoaderFields):
     """The memory loader's node sharing (a mixin of ``MemoryLoader``): one cache per node in /dev/shm,
     built by the node's ranks together and mapped by each of them."""
 
-    # What the mixin reads from MemoryLoader and its other bases, declared for type checkers (set there).
-    source: Source
-    config: LoaderConfig
-    opts: dict
-    augment: Augmentation
-    device: torch.device
-    cache_size: int
+    # Set by MemoryLoader (_node) and CacheBuild (_decode_into), like the fields LoaderFields declares.
     _node: tuple | None
     _decode_into: Callable[..., tuple[np.ndarray, np.ndarray]]
 
