@@ -46,13 +46,29 @@ def drop_other_index(out: Path, plan_digest: str) -> None:
         path.unlink(missing_ok=True)
 
 
+def _poll(ready, timeout: float | None, cap: float, timed_out):
+    """``ready()``'s first result that is not None, called again after 0.05 s, doubling up to ``cap``;
+    ``TimeoutError(timed_out())`` once ``timeout`` seconds have passed (None: wait as long as it takes)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        result = ready()
+        if result is not None:
+            return result
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(timed_out())
+        time.sleep(delay)
+        delay = min(delay * 2, cap)
+
+
 def wait_for_index(out: Path, plan_digest: str, mine: list, rank: int, timeout: float | None) -> None:
     """A rank other than 0, without a process group: return once ``out/index.json`` is this pack's
     (its plan) and lists this rank's shards as it wrote them (size and sha256)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
     want = {r["name"]: (r["size"], r["sha256"]) for r in mine}
-    delay, seen = 0.05, None
-    while True:
+    seen = None
+
+    def ready() -> bool | None:
+        nonlocal seen
         try:
             st = os.stat(out / INDEX_NAME)
             version = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -62,23 +78,23 @@ def wait_for_index(out: Path, plan_digest: str, mine: list, rank: int, timeout: 
                     doc = json.loads(f.read())
                 listed = {s["name"]: (s["size"], s["sha256"]) for s in doc["shards"]}
                 if doc.get("plan") == plan_digest and all(listed.get(k) == v for k, v in want.items()):
-                    return
+                    return True
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass   # not there yet, or being replaced
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"pack: rank {rank} waited {timeout:g} s for rank 0 to write '{out / INDEX_NAME}' "
-                               f"for this pack; run rank 0 with the same arguments (it merges every rank's "
-                               f"part into the index)")
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        return None
+
+    _poll(ready, timeout, 1.0, lambda: f"pack: rank {rank} waited {timeout:g} s for rank 0 to write "
+                                        f"'{out / INDEX_NAME}' for this pack; run rank 0 with the same "
+                                        f"arguments (it merges every rank's part into the index)")
 
 
 def merge_parts(out: Path, world: int, config: dict, timeout: float | None) -> dict:
     """Rank 0: the records of every rank's part, once each ``index.rank<r>.json`` of this pack is there.
     A part of another pack (another plan or world size, left by an earlier run) counts as not there yet."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    records, missing, delay = {}, list(range(world)), 0.05
-    while True:
+    records: dict = {}
+    missing = list(range(world))
+
+    def ready() -> dict | None:
         for r in list(missing):
             try:
                 with open(out / f"index.rank{r}.json") as f:
@@ -90,11 +106,9 @@ def merge_parts(out: Path, world: int, config: dict, timeout: float | None) -> d
             for record in part["records"]:
                 records[record["name"]] = record
             missing.remove(r)
-        if not missing:
-            return records
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"pack: rank 0 waited {timeout:g} s for the parts of ranks {missing} "
-                               f"({', '.join(f'index.rank{r}.json' for r in missing)} in '{out}'); run "
-                               f"those ranks with the same arguments, or a part there is from another pack")
-        time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+        return None if missing else records
+
+    return _poll(ready, timeout, 2.0, lambda: f"pack: rank 0 waited {timeout:g} s for the parts of ranks {missing} "
+                                              f"({', '.join(f'index.rank{r}.json' for r in missing)} in '{out}'); "
+                                              f"run those ranks with the same arguments, or a part there is from "
+                                              f"another pack")
