@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..datasets import ImageFolder
+from ..datasets import ImageFolder, folders
 from ..errors import DecodeError
 from ..transforms import check_pixels, crop_photo, draw_params, exif_orientation, open_image
 
@@ -41,15 +41,11 @@ def plain_file_paths(source) -> list | None:
     return paths
 
 
-def stat_stamp(st: os.stat_result) -> int:
-    """The stamp (``file_stamp``) of a file's ``os.stat`` result: its size and modification time."""
-    return (st.st_size * 1_000_003 + st.st_mtime_ns) & 0x7FFF_FFFF_FFFF_FFFF
-
-
 def file_stamp(path) -> int:
     """A stamp of the file at ``path`` (its size and modification time) without reading it: what the
-    names-only epochs compare to notice a photo replaced in place. OSError when it is gone."""
-    return stat_stamp(os.stat(path))
+    names-only epochs compare to notice a photo replaced in place. ``read_file``'s stamp of the same
+    file (one formula, ``folders.file_stamp``). OSError when it is gone."""
+    return folders.file_stamp(os.stat(path))
 
 
 def _pil_opinion(data: bytes, path) -> str:
@@ -229,7 +225,7 @@ class DaliFiles:
             return None
         chosen = [paths[i] for i in ids.tolist()]
         try:
-            stamps = list(map(stat_stamp, map(os.stat, chosen)))
+            stamps = list(map(folders.file_stamp, map(os.stat, chosen)))   # one Python call a file
         except OSError:
             return None
         if stamps != self._stamps[ids].tolist():
@@ -260,10 +256,10 @@ class DaliFiles:
         if self._paths is not None and state == OK:
             # Names only: DALI reads the file. A stat (no read) tells whether it changed since.
             try:
-                st = os.stat(self._paths[i])
+                unchanged = file_stamp(self._paths[i]) == self._stamps[i]
             except OSError as err:
                 return f"cannot read it now ({err.strerror or err})"
-            if stat_stamp(st) == self._stamps[i]:
+            if unchanged:
                 return os.fsencode(self._paths[i])
             state = UNSEEN
         path = self.source.sample_name(i)
