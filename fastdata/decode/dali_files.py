@@ -264,9 +264,11 @@ class DaliFiles:
             state = UNSEEN
         path = self.source.sample_name(i)
         try:
-            raw, stamp = self.source.read_stamped(i)   # the source owns the bytes (a file, a shard member)
-            if self._paths is not None:
-                stamp = self._stat(self._paths[i], path)   # the names-only epochs' stamp (file_stamp)
+            # The source owns the bytes (a file, a shard member). For plain files (self._paths) the stamp
+            # is read_file's, from the open file: the formula file_stamp uses, so the names-only epochs
+            # compare like with like, and it describes the bytes read (a path stat after the read could
+            # see a replacement and record its stamp beside the old file's size).
+            raw, stamp = self.source.read_stamped(i)
             if state == OK and self._stamps[i] != stamp:
                 state = UNSEEN
         except DecodeError as err:
@@ -304,12 +306,6 @@ class DaliFiles:
             return os.fsencode(self._paths[i])
         # A read-only view of the bytes: external_source copies them into DALI's own buffer.
         return np.frombuffer(raw, dtype=np.uint8)
-
-    def _stat(self, file: str, path: str) -> int:
-        try:
-            return file_stamp(file)
-        except OSError as e:   # gone between the read and the stat: as a failed read
-            raise DecodeError(path, f"cannot read the file ({e.strerror or e})") from None
 
     def _pil_opinion(self, i: int) -> str:
         try:
