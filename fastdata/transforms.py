@@ -290,6 +290,12 @@ def require_fixed_size(source, aug: Augmentation) -> None:
                          f"crop={aug.crop!r}")
 
 
+def recipe(source, config) -> Augmentation:
+    """The augmentation a loader made with ``config`` applies to ``source``: ``config.augment``, or the
+    source's default for ``config.train``. One rule for every backend (and for ``fits``, which has no loader)."""
+    return config.augment if config.augment is not None else source.default_augmentation(config.train)
+
+
 def output_size(source, aug: Augmentation) -> tuple[int, int] | None:
     """(H, W) of every batch a loader of ``source`` with the recipe ``aug`` hands out, where it is known
     before any batch: a size-fixing crop's ``size``; an array source's image size (``none`` and

@@ -35,7 +35,7 @@ from ..datasets import Source, SourceKind, check_transform_and_augment
 from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
-from ..transforms import output_size, require_padding_fits
+from ..transforms import output_size, recipe, require_padding_fits
 
 if TYPE_CHECKING:
     from ..batch_transforms import BatchPipeline
@@ -259,7 +259,7 @@ class Loader:
         # LoaderConfig's fields are annotated with what a user may pass (device="cuda", dtype="bf16",
         # shuffle=None); its __post_init__ resolves them, so a loader reads the resolved types.
         self.device = cast(torch.device, config.device)
-        self.augment = config.augment if config.augment is not None else source.default_augmentation(config.train)
+        self.augment = recipe(source, config)
         require_padding_fits(source, self.augment)  # every backend refuses the same recipes, up front
         check_transform_and_augment(source, config.augment)  # a per-sample transform IS the augmentation
         # A source's own statistics (ArraySource(mean=...), ImageFolder(std=...)) get the checks that

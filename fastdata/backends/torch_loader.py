@@ -25,7 +25,7 @@ from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
 from ..prefetch import PrefetchStage
 from ..sampling import seed_for
-from ..transforms import output_size
+from ..transforms import output_size, recipe
 from .base import Loader
 
 log = logging.getLogger("fastdata")
@@ -213,8 +213,7 @@ class TorchLoader(Loader):
 def batch_bytes(source, config) -> int | None:
     """Bytes of one uint8 batch the torch backend copies to the device: batch size x the recipe's output
     (H, W) x channels; None where the output size is known only once a batch is read."""
-    aug = config.augment if config.augment is not None else source.default_augmentation(config.train)
-    size = output_size(source, aug)
+    size = output_size(source, recipe(source, config))
     return None if size is None else config.batch_size * size[0] * size[1] * source.channels
 
 

@@ -17,6 +17,7 @@ import torch
 from ...config import Augmentation, Crop, check_integer
 from ...datasets import SourceKind
 from ...errors import CacheDoesNotFit
+from ...transforms import recipe
 
 if TYPE_CHECKING:
     from ...config import LoaderConfig
@@ -142,11 +143,6 @@ def budget(device: torch.device, reserve=None, exclude=None) -> Budget:
     """What a new cache may use on ``device`` (``exclude``: a loader whose own cache is not counted)."""
     total, free = total_bytes(device), free_bytes(device)
     return Budget(device, total, reserve_bytes(reserve, device, total), live_cache_bytes(device, exclude), free)
-
-
-def recipe(source, config) -> Augmentation:
-    """The augmentation a loader made with ``config`` applies to ``source``."""
-    return config.augment if config.augment is not None else source.default_augmentation(config.train)
 
 
 #: The ``cache_size`` option's default (see MemoryLoader): 192 KiB a photo.
