@@ -168,9 +168,6 @@ class PrefetchStage:
         return True, (f"a batch is {kib:,.0f} KiB of uint8: its copy and normalization run on a side stream "
                       f"while the step runs")
 
-    def __call__(self, host: Iterator, normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self._epoch(host, normalize)
-
     def _produce(self, host, normalize, q: queue.Queue, stop: threading.Event) -> None:
         """The producer thread: pull, prepare, queue; an error is queued for the consumer to raise."""
         def put(item) -> bool:
@@ -196,7 +193,7 @@ class PrefetchStage:
         finally:
             _close(host)
 
-    def _epoch(self, host, normalize):
+    def __call__(self, host: Iterator, normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The consumer's side (a generator: the producer starts with the epoch's first ``next()``)."""
         self._finish_producer()
         q: queue.Queue = queue.Queue(maxsize=self.depth)
