@@ -16,6 +16,7 @@ from typing import IO, TYPE_CHECKING, cast
 import numpy as np
 
 from ..shards.index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
+from ..shards.storage import file_sha256
 from .ranks import barrier, drop_other_index, has_group, merge_parts, wait_for_index
 from .reader import PACK_VERSION, SampleReader
 
@@ -148,14 +149,6 @@ def write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int,
     return record
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def finished_record(out: str, plan: ShardPlan) -> dict | None:
     """The record of shard ``plan`` if a previous run finished it as planned: its record matches the plan,
     and the tar (with its ``.idx``) is there with the recorded size and sha256. Else None (re-pack it)."""
@@ -167,7 +160,7 @@ def finished_record(out: str, plan: ShardPlan) -> dict | None:
                 or record.get("samples") != plan.stop - plan.start or not os.path.exists(stem + ".idx")):
             return None
         tar = os.path.join(out, plan.name)
-        if os.path.getsize(tar) != record["size"] or _sha256(tar) != record["sha256"]:
+        if os.path.getsize(tar) != record["size"] or file_sha256(tar) != record["sha256"]:
             return None
         return record
     except (OSError, ValueError, KeyError, TypeError):
