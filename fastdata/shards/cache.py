@@ -184,12 +184,6 @@ class ShardCache:
             return self.storage.local_path(name)
         return os.path.join(self.cache_dir, *self._files[name].split("/"))
 
-    def _lock_path(self, name: str) -> str:
-        return self._lock_of(self._files[name])
-
-    def _lock_of(self, file: str) -> str:
-        return os.path.join(self.cache_dir, _LOCKS, *file.split("/")) + ".lock"
-
     def _known(self, name: str) -> int:
         check_name(name)
         try:
@@ -204,14 +198,9 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
-    def _open_lock(self, name: str | None, file: str | None = None) -> int:
-        """The open lock file of cached ``file`` where one is given, else of shard ``name``."""
-        if file is not None:
-            path = self._lock_of(file)
-        elif name is not None:
-            path = self._lock_path(name)
-        else:
-            raise TypeError("_open_lock needs a shard name or a cached file")
+    def _open_lock(self, file: str) -> int:
+        """The open lock file of cached ``file`` (a shard's is ``self._files[name]``), under ``.locks/``."""
+        path = os.path.join(self.cache_dir, _LOCKS, *file.split("/")) + ".lock"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
@@ -299,7 +288,7 @@ class ShardCache:
     def _acquire(self, name: str) -> int:
         """A lock descriptor holding ``name`` shared, with the file published under its final name."""
         deadline = time.monotonic() + self.wait_timeout
-        fd = self._open_lock(name)
+        fd = self._open_lock(self._files[name])
         try:
             while True:
                 self._flock(fd, fcntl.LOCK_SH, deadline, f"shard {name!r}'s lock")
@@ -417,7 +406,7 @@ class ShardCache:
         with self._lock:
             if self._names.get(file) in self._held:
                 return 0
-        fd = self._open_lock(None, file)
+        fd = self._open_lock(file)
         path = os.path.join(self.cache_dir, *file.split("/"))
         try:
             try:
