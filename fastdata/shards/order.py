@@ -109,12 +109,7 @@ def subset_epoch_order(sample_shards, seed: int, epoch: int, window: int = 1) ->
     if not len(shards):
         return np.zeros(0, dtype=np.int64)
     _, compact = np.unique(shards, return_inverse=True)   # touched shards renumbered 0 .. k-1, in id order
-    sizes = np.bincount(compact)
-    windows = epoch_windows(sizes, seed, epoch, window, shuffle=True)
     by_shard = np.argsort(compact, kind="stable")          # positions grouped by shard, ascending within
-    starts = shard_starts(sizes)
-    parts = []
-    for w, members in enumerate(windows):
-        ids = np.concatenate([by_shard[starts[j]: starts[j] + sizes[j]] for j in members])
-        parts.append(np.random.default_rng(seed_for(seed, epoch, _WINDOW_STREAM, w)).permutation(ids))
-    return np.concatenate(parts).astype(np.int64)
+    # by_shard is the subset laid out as a pack of its touched shards: that pack's epoch_order, mapped
+    # back through it (a permutation draws the same shuffle whatever the values it permutes).
+    return by_shard[epoch_order(np.bincount(compact), seed, epoch, window)].astype(np.int64)
