@@ -52,11 +52,16 @@ def read_file(path) -> tuple[bytes, int]:
         with open(path, "rb") as f:
             data = f.read()
             st = os.fstat(f.fileno())
-    except FileNotFoundError:
-        raise DecodeError(str(path), "file not found") from None
     except OSError as e:
-        raise DecodeError(str(path), f"cannot read the file ({type(e).__name__}: {e.strerror or e})") from None
+        raise _file_error(path, e) from None
     return data, file_stamp(st)
+
+
+def _file_error(path, e: OSError) -> DecodeError:
+    """The DecodeError naming ``path`` for the OSError of reading or stat-ing it."""
+    if isinstance(e, FileNotFoundError):
+        return DecodeError(str(path), "file not found")
+    return DecodeError(str(path), f"cannot read the file ({type(e).__name__}: {e.strerror or e})")
 
 
 def file_stamp(st: os.stat_result) -> int:
@@ -69,10 +74,8 @@ def stat_file(path) -> tuple[int, int]:
     the DecodeError that ``read_file`` would raise."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        raise DecodeError(str(path), "file not found") from None
     except OSError as e:
-        raise DecodeError(str(path), f"cannot read the file ({type(e).__name__}: {e.strerror or e})") from None
+        raise _file_error(path, e) from None
     return st.st_size, file_stamp(st)
 
 
