@@ -1187,7 +1187,7 @@ def test_decoder_options_reach_the_pipeline(photo_folder, monkeypatch):
     plain = dali(src, batch_size=6, train=False, decode="dali", preallocate=False)
     list(plain)
     kw = dict(called[1][1])
-    assert "preallocate_width_hint" not in kw and kw["hw_decoder_load"] == 0.65 and kw["affine"] is False
+    assert "preallocate_width_hint" not in kw and kw["hw_decoder_load"] == 1.0 and kw["affine"] is False
     assert kw["jpeg_fancy_upsampling"] is True and plain._pipe._set_affinity is False
 
 
