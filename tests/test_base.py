@@ -410,3 +410,41 @@ def test_a_stream_is_told_where_the_pass_is_from_its_start_to_its_end(takes_next
     if takes_next:
         np.testing.assert_array_equal(calls[-1][2], loader.plan.order(1))
         assert not np.array_equal(loader.plan.order(0), loader.plan.order(1))
+
+
+# ---------------------------------------------------------------- labels handed to the device
+def test_labels_reach_a_gpu_pinned_and_without_a_host_wait(monkeypatch):
+    """labels_on (the dali backend's labels, known on the host): on a CUDA device the int64 labels are
+    pinned in that device's context and copied non_blocking; a pageable copy made the H200's
+    sync-debug test fail ("called a synchronizing CUDA operation"). On the CPU: a plain int64 tensor."""
+    from fastdata.backends import base
+
+    calls = []
+
+    class Pinned:
+        def __init__(self, t):
+            self.t = t
+
+        def to(self, device, non_blocking=False):
+            calls.append(("to", str(device), non_blocking))
+            return self.t
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append("pin") or Pinned(t))
+
+    class Context:
+        def __init__(self, device):
+            calls.append(("context", str(device)))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Context)
+    got = base.labels_on(torch.device("cuda:1"), np.array([3, 1, 2], dtype=np.int32))
+    assert calls == [("context", "cuda:1"), "pin", ("to", "cuda:1", True)]
+    assert got.dtype == torch.int64 and got.tolist() == [3, 1, 2]
+    calls.clear()
+    got = base.labels_on(torch.device("cpu"), [[4], [5]])
+    assert calls == [] and got.dtype == torch.int64 and got.tolist() == [4, 5]

@@ -46,6 +46,19 @@ _SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loade
                "next(iter(loader)) before it (a peek does not advance the epoch), or a second loader")
 
 
+def labels_on(device: torch.device, labels) -> torch.Tensor:
+    """A batch's labels (int64 array-like, known on the host) as the contract's int64 (N,) on ``device``,
+    without making the host wait: on a GPU, a copy from pageable memory is synchronous (torch copies
+    through a staging buffer and waits for it), so the labels are pinned and copied ``non_blocking``.
+    The pinned buffer may be dropped at once: torch's caching host allocator records the copy's stream
+    and reuses the block only after the copy's event has completed (ATen/core/CachingHostAllocator.h)."""
+    t = torch.as_tensor(np.asarray(labels, dtype=np.int64)).view(-1)
+    if device.type != "cuda":
+        return t.to(device)
+    with torch.cuda.device(device):   # the pinning context is the loader's GPU, not cuda:0
+        return t.pin_memory().to(device, non_blocking=True)
+
+
 def _reading_call(source: Source, next_order):
     """``source.reading``, given the next epoch's order where it takes one (a stream written before
     ``next_order`` existed takes ``order`` and ``position`` only)."""

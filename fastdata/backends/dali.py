@@ -119,7 +119,7 @@ from ..transforms import (
     draw_params,
     require_fixed_size,
 )
-from .base import Loader
+from .base import Loader, labels_on
 
 
 class _ArrayPixels(Protocol):
@@ -458,7 +458,7 @@ class DaliLoader(DaliFiles, Loader):
             images = images.permute(0, 3, 1, 2)
         if self.config.dtype == torch.bfloat16:
             images = images.to(torch.bfloat16, memory_format=torch.preserve_format)
-        return images, torch.as_tensor(labels, dtype=torch.int64).to(self.device).view(-1)
+        return images, labels_on(self.device, labels)
 
     def _empty(self):
         memory = torch.channels_last if self.config.channels_last else torch.contiguous_format
