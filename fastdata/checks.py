@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Literal, overload
 
 import numpy as np
 
@@ -25,10 +26,20 @@ class ArgumentTypeError(TypeError, ValueError):
     ValueError for every bad argument, and code that catches ValueError around a call keeps working."""
 
 
-def check_integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as an int in [minimum, maximum]: ``ArgumentTypeError`` (a TypeError) for a non-integer
-    (bool included), ValueError out of range; both name ``name``, the value and the valid range."""
-    bounds = _bounds(minimum, maximum)
+@overload
+def check_integer(name: str, value, *, minimum: int | None = ..., maximum: int | None = ...,
+                  optional: Literal[False] = ...) -> int: ...
+@overload
+def check_integer(name: str, value, *, minimum: int | None = ..., maximum: int | None = ...,
+                  optional: bool) -> int | None: ...
+def check_integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
+                  optional: bool = False) -> int | None:
+    """``value`` as an int in [minimum, maximum] (or None when ``optional``): ``ArgumentTypeError`` (a
+    TypeError) for a non-integer (bool included), ValueError out of range; both name ``name``, the value
+    and the valid range."""
+    if optional and value is None:
+        return None
+    bounds = _bounds(minimum, maximum) + (" or None" if optional else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"{name} must be an integer{bounds}, got {value!r} ({type(value).__name__})")
     value = int(value)
@@ -37,20 +48,30 @@ def check_integer(name: str, value, *, minimum: int | None = None, maximum: int 
     return value
 
 
+@overload
+def check_number(name: str, value, *, minimum: float | None = ..., maximum: float | None = ...,
+                 above: float | None = ..., optional: Literal[False] = ...) -> float: ...
+@overload
+def check_number(name: str, value, *, minimum: float | None = ..., maximum: float | None = ...,
+                 above: float | None = ..., optional: bool) -> float | None: ...
 def check_number(name: str, value, *, minimum: float | None = None, maximum: float | None = None,
-                 above: float | None = None) -> float:
-    """``value`` as a finite float in [minimum, maximum] (and > ``above`` when given): TypeError for a
-    non-number (bool included), ValueError for a NaN, an infinity or a value out of range; all name
-    ``name``."""
+                 above: float | None = None, optional: bool = False) -> float | None:
+    """``value`` as a finite float in [minimum, maximum] and > ``above`` (each when given; None too when
+    ``optional``): ``ArgumentTypeError`` (a TypeError) for a non-number (bool included), ValueError for a
+    NaN, an infinity or a value out of range; all name ``name``, the value and the valid range."""
+    if optional and value is None:
+        return None
+    valid = ((f" > {above}" if above is not None else "")
+             + (" and" if above is not None and (minimum, maximum) != (None, None) else "")
+             + _bounds(minimum, maximum) + (" or None" if optional else ""))
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{name} must be a number{valid}, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise ValueError(f"{name} must be a finite number{valid}, got {value!r}")
     value = float(value)
-    if above is not None and value <= above:
-        raise ValueError(f"{name} must be a number > {above}, got {value!r}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be a number{_bounds(minimum, maximum)}, got {value!r}")
+    if (above is not None and value <= above) or (minimum is not None and value < minimum) \
+            or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be a number{valid}, got {value!r}")
     return value
 
 

@@ -31,12 +31,33 @@ def test_check_number():
     assert checks.check_number("p", 1) == 1.0
     with pytest.raises(TypeError, match="p must be a number, got True"):
         checks.check_number("p", True)
-    with pytest.raises(ValueError, match="p must be finite, got nan"):
+    with pytest.raises(ValueError, match="p must be a finite number, got nan"):
         checks.check_number("p", float("nan"))
     with pytest.raises(ValueError, match=r"p must be a number in \[0, 1\], got 2.0"):
         checks.check_number("p", 2, minimum=0, maximum=1)
     with pytest.raises(ValueError, match="p must be a number > 0, got 0.0"):
         checks.check_number("p", 0, above=0)
+    with pytest.raises(ValueError, match=r"p must be a number > 0 and <= 1, got 2.0"):
+        checks.check_number("p", 2, above=0, maximum=1)
+
+
+@pytest.mark.parametrize("bad, error", [("high", TypeError), (True, TypeError), (float("inf"), ValueError)])
+def test_check_number_says_the_range_whatever_is_wrong(bad, error):
+    """A value of the wrong type or an infinity is told the valid range as well, as check_integer does:
+    the private copies these replaced said it (hw_decoder_load, clip_grad_norm)."""
+    with pytest.raises(error, match=r"^load must be a (finite )?number in \[0, 1\], got"):
+        checks.check_number("load", bad, minimum=0, maximum=1)
+    with pytest.raises(error, match=r"^clip must be a (finite )?number > 0 or None, got"):
+        checks.check_number("clip", bad, above=0, optional=True)
+
+
+def test_optional_integer_and_number_take_none_and_say_so():
+    assert checks.check_integer("workers", None, minimum=0, optional=True) is None
+    assert checks.check_number("clip", None, above=0, optional=True) is None
+    with pytest.raises(TypeError, match="workers must be an integer >= 0"):
+        checks.check_integer("workers", None, minimum=0)
+    with pytest.raises(ValueError, match=r"^workers must be an integer >= 0 or None, got -1"):
+        checks.check_integer("workers", -1, minimum=0, optional=True)
 
 
 def test_check_flag_and_choice():
