@@ -82,6 +82,7 @@ def _callers():
     from fastdata.backends.memory.cache import read_ahead
     from fastdata.batch_transforms import BatchPipeline, Cutout
     from fastdata.config import LoaderConfig
+    from fastdata.decode.dali_options import DaliOptions
     from fastdata.engine import FitConfig
     from fastdata.prefetch import PrefetchStage
     from fastdata.shards.order import epoch_order
@@ -94,6 +95,7 @@ def _callers():
         "batch pipeline classes": lambda: BatchPipeline([], num_classes=True, device="cpu"),
         "loader workers": lambda: LoaderConfig(num_workers=True, device="cpu"),
         "fit epochs": lambda: FitConfig(epochs=True),
+        "dali threads": lambda: DaliOptions(num_threads=True),
     }
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import numpy as np
 
+from ..checks import check_choice, check_flag, check_integer, check_number
 from ..config import Padding
 
 #: The ``decode`` option's values (see DaliLoader).
@@ -33,18 +33,6 @@ DEPTH_MEMORY_SHARE = 0.125
 MAX_PADDING = 64 << 20
 
 
-def _integer(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _flag(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class DaliOptions:
     """The dali backend's options, checked (``DaliLoader`` documents each). ``None`` for
@@ -66,17 +54,13 @@ class DaliOptions:
 
     def __post_init__(self):
         for name in ("num_threads", "prefetch_queue_depth", "read_threads"):
-            if getattr(self, name) is not None:
-                _integer(name, getattr(self, name))
+            object.__setattr__(self, name, check_integer(name, getattr(self, name), minimum=1, optional=True))
         for name in ("validate", "preallocate", "fancy_upsampling", "affine"):
-            object.__setattr__(self, name, _flag(name, getattr(self, name)))
-        if self.decode not in DECODE_CHOICES:
-            raise ValueError(f"decode must be one of {list(DECODE_CHOICES)}, got {self.decode!r}")
-        load = self.hw_decoder_load
-        if isinstance(load, bool) or not isinstance(load, numbers.Real) or not 0.0 <= float(load) <= 1.0:
-            raise ValueError(f"hw_decoder_load must be a number in [0, 1] (the share of JPEG work nvJPEG's "
-                             f"hardware decoder takes), got {load!r}")
-        object.__setattr__(self, "hw_decoder_load", float(load))
+            object.__setattr__(self, name, check_flag(name, getattr(self, name)))
+        check_choice("decode", self.decode, DECODE_CHOICES)
+        # hw_decoder_load: the share of JPEG work nvJPEG's hardware decoder takes.
+        object.__setattr__(self, "hw_decoder_load", check_number("hw_decoder_load", self.hw_decoder_load,
+                                                                 minimum=0, maximum=1))
 
     def resolve(self, num_workers: int, gpu: bool, batch_bytes: int = 0, free_bytes: int | None = None):
         """The options with every derived value filled in: ``num_threads`` from the usable cores,
