@@ -84,6 +84,7 @@ def _callers():
     from fastdata.config import LoaderConfig
     from fastdata.decode.dali_options import DaliOptions
     from fastdata.engine import FitConfig
+    from fastdata.packing import pack
     from fastdata.prefetch import PrefetchStage
     from fastdata.shards.order import epoch_order
 
@@ -96,6 +97,7 @@ def _callers():
         "loader workers": lambda: LoaderConfig(num_workers=True, device="cpu"),
         "fit epochs": lambda: FitConfig(epochs=True),
         "dali threads": lambda: DaliOptions(num_threads=True),
+        "pack workers": lambda: pack("digits", "never-written", workers=True),
     }
 
 

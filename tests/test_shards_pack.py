@@ -331,6 +331,19 @@ def test_python_api_takes_arrays_and_map_style_datasets(tmp_path):
         pack(ArraySource(images, labels), tmp_path / "x", split="test", progress=False)
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_side=0), ValueError, r"^max_side must be an integer >= 1 or None, got 0"),
+    (dict(max_side=True), TypeError, r"^max_side must be an integer >= 1 or None, got True"),
+    (dict(workers=-1), ValueError, r"^workers must be an integer >= 0 or None, got -1"),
+    (dict(workers=1.0), TypeError, r"^workers must be an integer >= 0 or None, got 1.0"),
+    (dict(split="val"), ValueError, r"^unknown split 'val'; choose from \[None, 'train', 'test'\]"),
+])
+def test_bad_pack_arguments_are_refused_by_name_before_anything_is_written(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        pack("digits", tmp_path / "out", progress=False, **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
 def test_ranks_pack_disjoint_shards_and_rank_0_merges_their_parts(photos, tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
     pack(photos, single, shard_size="4KB", workers=0, progress=False)
@@ -539,7 +552,7 @@ def _gradient(mode: str, width: int = 120, height: int = 90) -> Image.Image:
                                        ("RGBA", "png"), ("LA", "png"), ("CMYK", "jpg"), ("L", "png")])
 def test_max_side_gives_the_pixels_the_loaders_give_for_every_mode(tmp_path, mode, ext):
     from fastdata import Augmentation
-    from fastdata.transforms import load_photo
+    from fastdata.images.photo import load_photo
 
     folder = tmp_path / "photos" / "only"
     folder.mkdir(parents=True)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checks import check_choice
+
+#: The splits a source named by path has (MNIST, digits); None means train.
+SPLITS = ("train", "test")
+
 #: The help text of a SOURCE argument (the forms ``open_source`` takes).
 SOURCE_HELP = ("'digits' (synthetic), an MNIST root (a folder holding MNIST/raw) or an image folder "
                "(one sub-folder per class)")
@@ -24,8 +29,7 @@ def open_source(spec, *, split: str | None = None, digits: int | None = None):
     """
     from . import MNIST, ImageFolder, SyntheticDigits
 
-    if split not in (None, "train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    check_choice("split", split, (None, *SPLITS))
     train = split != "test"
     if str(spec) == "digits":
         return SyntheticDigits(digits or (60_000 if train else 10_000), train=train)

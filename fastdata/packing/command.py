@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from .. import cli
-from ..datasets.spec import SOURCE_HELP
+from ..datasets.spec import SOURCE_HELP, SPLITS
 from .writer import PackReport, pack, parse_size
 
 
@@ -13,7 +13,7 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p = parser or argparse.ArgumentParser(prog="python -m fastdata pack", description=__doc__.split("\n\n")[0])
     p.add_argument("source", metavar="SOURCE", help=SOURCE_HELP)
     p.add_argument("out", metavar="OUT", help="folder for the shards, their .idx files and index.json")
-    p.add_argument("--split", choices=("train", "test"), default=None,
+    p.add_argument("--split", choices=SPLITS, default=None,
                    help="MNIST or digits: which half (default train)")
     p.add_argument("--shard-size", default="256MB", type=_size_arg, metavar="SIZE",
                    help="target bytes per shard: 256MB, 1GB, 512MiB (default 256MB)")

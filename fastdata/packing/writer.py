@@ -15,6 +15,8 @@ from typing import IO, TYPE_CHECKING, cast
 
 import numpy as np
 
+from ..checks import check_choice, check_integer
+from ..datasets.spec import SPLITS, open_source
 from ..shards.index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 from ..shards.storage import file_sha256
 from .ranks import barrier, drop_other_index, has_group, merge_parts, wait_for_index
@@ -194,14 +196,6 @@ class PackReport:
     samples: int
 
 
-def _check_int_arg(value, name: str, low: int):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low} or None, got {value!r}")
-    return value
-
-
 def pack(source, out, *, shard_size="256MB", max_side: int | None = None, workers: int | None = None,
          split: str | None = None, rank: int | None = None, world_size: int | None = None,
          progress: bool = True, timeout: float | None = None) -> PackReport:
@@ -229,11 +223,10 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
 
     from ..sampling import distributed_info
 
-    if split not in (None, "train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    check_choice("split", split, (None, *SPLITS))
     shard_size = parse_size(shard_size)
-    max_side = _check_int_arg(max_side, "max_side", 1)
-    workers = _check_int_arg(workers, "workers", 0)
+    max_side = check_integer("max_side", max_side, minimum=1, optional=True)
+    workers = check_integer("workers", workers, minimum=0, optional=True)
     source = _pack_source(source, split)
     rank, world = distributed_info(rank, world_size)
     if not 0 <= rank < world:
@@ -290,8 +283,6 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
 def _pack_source(source, split):
     """The fastdata source ``pack`` reads: opened from a path, or through ``as_source``."""
     if isinstance(source, (str, os.PathLike)):
-        from ..datasets.spec import open_source
-
         return open_source(source, split=split)
     if split is not None:
         raise ValueError("split applies to a source given by path ('digits', an MNIST root); "
