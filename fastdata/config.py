@@ -7,7 +7,6 @@ here: each backend validates its own.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -104,14 +103,10 @@ ON_ERROR = ("raise", "skip")
 check_integer, check_flag = checks.check_integer, checks.check_flag
 
 
-def _real(name: str, value) -> float:
-    return checks.check_number(name, value)
-
-
 def _pair(name: str, value) -> tuple[float, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError(f"{name} must be a (low, high) pair of numbers, got {value!r}")
-    return _real(f"{name}[0]", value[0]), _real(f"{name}[1]", value[1])
+    return checks.check_number(f"{name}[0]", value[0]), checks.check_number(f"{name}[1]", value[1])
 
 
 def check_unit_stats(name: str, values, where: str = "") -> None:
@@ -139,7 +134,8 @@ def check_reals(name: str, value) -> tuple[float, ...]:
     values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if not values:
         raise ValueError(f"{name} must hold one value per channel, got {value!r}")
-    return tuple(_real(f"{name}[{i}]" if len(values) > 1 else name, v) for i, v in enumerate(values))
+    return tuple(checks.check_number(f"{name}[{i}]" if len(values) > 1 else name, v)
+                 for i, v in enumerate(values))
 
 
 @dataclass(frozen=True)
@@ -184,7 +180,7 @@ class Augmentation:
         if not isinstance(self.padding, str):
             raise ValueError(f"unknown padding {self.padding!r}; choose from {list(PADDINGS)}")
         fix("padding", Padding.parse(self.padding, "padding"))
-        fix("hflip", _real("hflip", self.hflip))
+        fix("hflip", checks.check_number("hflip", self.hflip, minimum=0, maximum=1))   # a probability
         fix("scale", _pair("scale", self.scale))
         fix("ratio", _pair("ratio", self.ratio))
         if self.crop.fixes_size and self.size is None:
@@ -206,8 +202,6 @@ class Augmentation:
             ignored.append(f"size={self.size} only applies to crop='random_resized' or 'center'")
         if ignored:
             raise ValueError(f"{'; '.join(ignored)}, got crop={self.crop.value!r}: drop it, or choose that crop")
-        if not 0.0 <= self.hflip <= 1.0:
-            raise ValueError(f"hflip is a probability in [0, 1], got {self.hflip}")
         lo, hi = self.scale
         if not 0 < lo <= hi <= 1:
             raise ValueError(f"scale must satisfy 0 < lo <= hi <= 1, got {self.scale}")
@@ -438,10 +432,7 @@ class LoaderConfig:
 
     def _check_counts(self) -> None:
         """batch_size, num_workers and seed as ints in range."""
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) \
-                or self.batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
-        self._fix("batch_size", int(self.batch_size))
+        self._fix("batch_size", check_integer("batch_size", self.batch_size, minimum=1))
         if self.num_workers is not None:   # 0 loads in the main process
             self._fix("num_workers", check_integer("num_workers", self.num_workers, minimum=0))
         # seed_for() mixes 32-bit words: seeds 2**32 apart would give identical orders.
@@ -454,8 +445,7 @@ class LoaderConfig:
         self._fix("drop_last", check_flag("drop_last", self.drop_last, optional=True))
         self._fix("channels_last", check_flag("channels_last", self.channels_last))
         self._fix("even_batches", check_flag("even_batches", self.even_batches))
-        if not isinstance(self.on_error, str) or self.on_error not in ON_ERROR:
-            raise ValueError(f"unknown on_error {self.on_error!r}; choose from {list(ON_ERROR)}")
+        checks.check_choice("on_error", self.on_error, ON_ERROR)
 
     def _check_recipe(self) -> None:
         """augment is an Augmentation (or None); batch_transforms are batched callables."""

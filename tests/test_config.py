@@ -11,7 +11,7 @@ from fastdata.datasets import ArraySource
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "64"])
 def test_batch_size_must_be_a_positive_integer(bad):
-    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"^batch_size must be an integer >= 1, got {bad!r}"):
         LoaderConfig(batch_size=bad)
 
 
@@ -47,7 +47,7 @@ def test_config_is_frozen():
     (dict(crop="random_resized"), "needs a positive size"),
     (dict(crop="translate"), "needs pad > 0"),
     (dict(crop="center", size=224, resize=200), "smaller than the center crop"),
-    (dict(hflip=1.5), "probability"),
+    (dict(hflip=1.5), r"hflip must be a number in \[0, 1\], got 1.5"),
     (dict(crop="random_resized", size=8, scale=(0.5, 0.1)), "scale must satisfy"),
 ])
 def test_augmentation_rejects_inconsistent_recipes(kwargs, match):
