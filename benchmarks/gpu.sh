@@ -16,8 +16,8 @@
 # puts the reports in place.
 #
 # Stages, each under `timeout` (its limit in seconds): one stuck stage is stopped (SIGINT first, so pytest
-# still prints its summary), counted as failed, and the next one runs. Planned at 6-8 minutes in all (the
-# limits add up to 12; not yet run on a GPU).
+# still prints its summary), counted as failed, and the next one runs. The H200 run of 2026-11-27 took 9.5
+# minutes of commands (the limits now add up to 13.6), 10.2 minutes of device time with the start.
 # GPU_SH_LIMIT_PCT scales every limit (percent; `dry` 300).
 #   call1  doctor [30]      python -m fastdata doctor
 #          tests [180]      FASTDATA_REQUIRE_CUDA=1 pytest -m cuda without the dali tests (no DALI yet:
@@ -26,8 +26,8 @@
 #                           into /var/tmp, where call 3 finds them
 #          training [90]    bench_training.py, digits and JPEGs: fit's images/s, data wait, GPU idle
 #          loaders [60]     bench_loaders.py on digits: images/s of each backend against the tutorial pipeline
-#          cache [45]       bench_cache.py on CUDA: memory's photo cache built by processes, threads, nvImageCodec
-#   call3  dali-tests [75]  FASTDATA_REQUIRE_CUDA=1 pytest -m cuda -k dali (setup says "DALI yes" by then)
+#          cache [90]       bench_cache.py on CUDA: memory's photo cache built by processes, threads, nvImageCodec
+#   call3  dali-tests [120] FASTDATA_REQUIRE_CUDA=1 pytest -m cuda -k dali (setup says "DALI yes" by then)
 #          dali-gpu [200]   bench_dali_gpu.py: DALI's own pipeline, the dali backend's settings, torch, PIL
 # Call 2's benchmarks leave DALI out (it is complete only in call 3), where dali-gpu
 # measures it on JPEGs.
@@ -98,8 +98,11 @@ if [[ $mode == __stage ]]; then  # the child run_stage starts: KEEP and TAG come
   exit $?
 fi
 
-declare -A CALLS=([call1]="doctor:30 tests:180" [call2]="jpegs:45 training:90 loaders:60 cache:45"
-                  [call3]="dali-tests:75 dali-gpu:200")
+# Limits: the H200 run of 2026-11-27 took doctor 13 s, tests 136, jpegs 19, training 44, loaders 37,
+# dali-tests 79 and dali-gpu 124; cache (six builds, each a fresh process importing torch and
+# nvImageCodec) ran out at 45 s in its fifth build, and dali-tests at 75 s after its last test.
+declare -A CALLS=([call1]="doctor:30 tests:180" [call2]="jpegs:45 training:90 loaders:60 cache:90"
+                  [call3]="dali-tests:120 dali-gpu:200")
 case $mode in
   call1|call2|call3) calls=("$mode") ;;
   all|dry) calls=(call1 call2 call3) ;;
