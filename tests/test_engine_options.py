@@ -55,7 +55,7 @@ def test_an_unknown_or_missing_option_is_named(loader):
     ({"timing_warmup": 1.5}, TypeError, "timing_warmup must be an integer"),
     ({"progress": "no"}, TypeError, "progress must be True or False"),
     ({"resume": True}, ValueError, "resume and checkpoint_every need a checkpoint path"),
-    ({"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be a finite number > 0"),
+    ({"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be a number > 0 or None, got 0.0"),
     ({"ema": 1.5}, ValueError, r"ema must be a decay in \(0, 1\)"),
     ({"compile": "max"}, ValueError, "compile must be True, False or 'reduce-overhead'"),
     ({"scheduler_interval": "batch"}, ValueError, "unknown scheduler_interval 'batch'"),

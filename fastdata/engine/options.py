@@ -7,12 +7,10 @@ receives) one ``FitConfig`` and hands the object on.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from ..checks import check_choice, check_flag, check_integer
+from ..checks import check_choice, check_flag, check_integer, check_number
 from .amp import AMP_CHOICES, resolve_compile
 from .hooks import check_output_dir
 from .schedule import resolve_scheduler_interval
@@ -202,13 +200,8 @@ class FitConfig:
         """The options of the step itself: amp, accumulation, clipping, the average, compilation."""
         check_choice("amp", self.amp, AMP_CHOICES)
         check_integer("accumulate", self.accumulate, minimum=1)
-        clip = self.clip_grad_norm
-        if clip is not None:
-            if isinstance(clip, bool) or not isinstance(clip, numbers.Real):
-                raise TypeError(f"clip_grad_norm must be a number > 0 (the gradients' largest total norm) or None, "
-                                f"got {clip!r} ({type(clip).__name__})")
-            if not (math.isfinite(clip) and clip > 0):
-                raise ValueError(f"clip_grad_norm must be a finite number > 0, got {clip!r}")
+        # clip_grad_norm: the gradients' largest total norm.
+        check_number("clip_grad_norm", self.clip_grad_norm, above=0, optional=True)
         check_ema(self.ema)
         resolve_compile(self.compile, "cuda")   # the value alone: the device's fallback is said when wrapping
 
