@@ -8,6 +8,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from .checks import check_integer
+
 
 def conv_bn(cin: int, cout: int) -> nn.Sequential:
     """A 3x3 convolution (same size), BatchNorm and ReLU."""
@@ -34,9 +36,8 @@ class SmallCNN(nn.Module):
 
     def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 32):
         super().__init__()
-        if num_classes < 1 or in_channels < 1 or width < 1:
-            raise ValueError(f"num_classes, in_channels and width must be >= 1, got "
-                             f"{num_classes}, {in_channels}, {width}")
+        for name, value in (("num_classes", num_classes), ("in_channels", in_channels), ("width", width)):
+            check_integer(f"SmallCNN: {name}", value, minimum=1)
         w = width
         self.features = nn.Sequential(
             conv_bn(in_channels, w),
@@ -156,9 +157,8 @@ def checkpoint_blocks(model: nn.Module, *, segments: int | None = None) -> nn.Mo
     How ``fit(gradient_checkpointing=True)`` wires it: ``checkpoint_blocks(raw)`` on the unwrapped model
     in ``TrainStep.build``, before ``wrap`` (DDP, compile).
     """
-    if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
-        raise ValueError(f"segments must be a positive int (chunks per Sequential) or None (one per block), "
-                         f"got {segments!r}")
+    # segments: chunks per Sequential; None: one per block.
+    check_integer("segments", segments, minimum=1, optional=True)
     switch = getattr(model, "set_grad_checkpointing", None)
     if switch is not None:
         # timm's own switch knows each architecture's stages (and its own segment layout).

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from fastdata import distributed as fdist
+from fastdata.checks import check_choice, check_integer
 
 REGIONS = ("data_wait", "h2d", "forward_backward", "optimizer")
 _PARTS = (*REGIONS, "other")
@@ -78,8 +79,7 @@ class StepProfiler:
     def __init__(self, out_dir, *, wait: int = 1, warmup: int = 2, active: int = 5, device,
                  record_shapes: bool = False, print_table: bool = True):
         for name, value, least in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"StepProfiler: {name} must be an int >= {least} (steps), got {value!r}")
+            check_integer(f"StepProfiler: {name} (steps)", value, minimum=least)
         try:
             self.device = torch.device(device)
         except (TypeError, RuntimeError) as e:
@@ -170,8 +170,7 @@ class StepProfiler:
     @contextlib.contextmanager
     def region(self, name: str):
         """A labelled part of the step: one of ``REGIONS``. Regions do not nest."""
-        if name not in REGIONS:
-            raise ValueError(f"StepProfiler.region: unknown region {name!r}; choose from {list(REGIONS)}")
+        check_choice("StepProfiler region", name, REGIONS)
         if self._prof is None:
             raise RuntimeError("StepProfiler.region outside the profiler: use `with StepProfiler(...) as prof:` "
                                "or call prof.start() first")

@@ -48,6 +48,7 @@ import os
 from pathlib import Path
 
 from fastdata import distributed as fdist
+from fastdata.checks import check_integer
 
 STEP_COLUMNS = ("step", "loss", "lr", "images_per_s", "data_wait", "gpu_idle")
 
@@ -76,8 +77,7 @@ class RunLog:
     """
 
     def __init__(self, log_dir, *, every_steps: int = 50, tensorboard: bool | None = None):
-        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
-            raise ValueError(f"RunLog: every_steps must be an int >= 1, got {every_steps!r}")
+        check_integer("RunLog: every_steps", every_steps, minimum=1)
         self.log_dir = Path(log_dir)
         if self.log_dir.exists() and not self.log_dir.is_dir():
             raise ValueError(f"RunLog: log_dir {str(self.log_dir)!r} is a file; give a folder")

@@ -31,9 +31,11 @@ def test_channels_last_gives_the_same_outputs():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kwargs", [{"num_classes": 0}, {"in_channels": 0}, {"width": 0}])
+@pytest.mark.parametrize("kwargs", [{"num_classes": 0}, {"in_channels": 0}, {"width": 0}, {"width": 32.0},
+                                    {"num_classes": True}])
 def test_invalid_sizes_raise(kwargs):
-    with pytest.raises(ValueError, match="must be >= 1"):
+    (name, bad), = kwargs.items()
+    with pytest.raises(ValueError, match=rf"SmallCNN: {name} must be an integer >= 1, got {bad}"):
         SmallCNN(**kwargs)
 
 
@@ -249,7 +251,7 @@ def test_checkpoint_blocks_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match=r"cannot split a .*Net into blocks; it supports SmallCNN.*ResNet"):
         checkpoint_blocks(Net())
     for bad in (0, -1, True, 1.5):
-        with pytest.raises(ValueError, match="segments must be a positive int"):
+        with pytest.raises(ValueError, match=rf"segments must be an integer >= 1 or None, got {bad}"):
             checkpoint_blocks(SmallCNN(), segments=bad)
 
 

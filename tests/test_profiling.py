@@ -152,10 +152,10 @@ def test_a_run_shorter_than_the_schedule_warms_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"wait": -1}, "wait must be an int >= 0"),
-    ({"warmup": 1.5}, "warmup must be an int >= 0"),
-    ({"active": 0}, "active must be an int >= 1"),
-    ({"active": True}, "active must be an int >= 1"),
+    ({"wait": -1}, r"StepProfiler: wait \(steps\) must be an integer >= 0, got -1"),
+    ({"warmup": 1.5}, r"StepProfiler: warmup \(steps\) must be an integer >= 0, got 1.5"),
+    ({"active": 0}, r"StepProfiler: active \(steps\) must be an integer >= 1, got 0"),
+    ({"active": True}, r"StepProfiler: active \(steps\) must be an integer >= 1, got True"),
     ({"device": "gpu7"}, "device must be a torch.device"),
 ])
 def test_bad_arguments_are_refused_naming_them(tmp_path, kwargs, match):
@@ -172,7 +172,7 @@ def test_misuse_is_refused_naming_the_problem(tmp_path):
     with pytest.raises(RuntimeError, match="outside the profiler"):
         prof.step()
     with prof:
-        with pytest.raises(ValueError, match=r"unknown region 'forward'; choose from \['data_wait', 'h2d'"):
+        with pytest.raises(ValueError, match=r"unknown StepProfiler region 'forward'; choose from \['data_wait', 'h2d'"):
             with prof.region("forward"):
                 pass
         with pytest.raises(RuntimeError, match="inside region 'data_wait': regions do not nest"):

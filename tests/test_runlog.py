@@ -130,7 +130,7 @@ def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="log_dir .* is a file"):
         RunLog(tmp_path / "f")
     for bad in (0, -5, True, 2.5):
-        with pytest.raises(ValueError, match="every_steps must be an int >= 1"):
+        with pytest.raises(ValueError, match=rf"RunLog: every_steps must be an integer >= 1, got {bad}"):
             RunLog(tmp_path, every_steps=bad)
     with pytest.raises(ValueError, match="the record has no 'epoch' key"):
         RunLog(tmp_path, tensorboard=False).epoch({"train_loss": 1.0})
