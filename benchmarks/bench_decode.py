@@ -8,7 +8,7 @@ JPEG's bytes in memory (file reads are left out for every contender alike):
   at 1/2, 1/4 or 1/8 scale when the box is at least twice the output on each side;
 - ``nvImageCodec full decode``: the same full decode with nvImageCodec's CPU (libjpeg-turbo) decoder,
   to tell the decoder's own speed apart from what region decoding saves;
-- ``region window``: ``fastdata.region.decode_box(policy="region")``: only the box's window (plus the
+- ``region window``: ``fastdata.images.region.decode_box(policy="region")``: only the box's window (plus the
   resize filter's margin) is decoded, at full resolution, then resized;
 - ``region auto``: ``decode_box(policy="auto")``: the window where it is estimated cheaper, else the
   draft path: what ``load_photo`` does with region decoding wired in.
@@ -48,7 +48,7 @@ WORKLOADS = ("imagenet rrc", "imagenet center", "large rrc", "large center")
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = common.PresetParser(description="Per-sample cost of a 224² crop from a JPEG: full decode, Image.draft, "
-                            "and region decoding (fastdata.region).", add_help=add_help,
+                            "and region decoding (fastdata.images.region).", add_help=add_help,
                             quick_help="few images and passes: checks that it runs, not how fast")
     p.add_preset("--images", type=int, full=32, quick=4, help="ImageNet-sized JPEGs")
     p.add_preset("--large-images", type=int, full=8, quick=2, help="JPEGs of 1,024-2,000 px a side")
@@ -79,7 +79,7 @@ def samples(paths, recipe: str, crops: int, seed: int = 0):
     functions so they are the boxes the loaders draw."""
     from PIL import Image
 
-    from fastdata.transforms import center_params, rrc_params
+    from fastdata.augment import center_params, rrc_params
 
     rng = np.random.default_rng(seed)
     out, centers = [], []
@@ -131,7 +131,7 @@ def pil_draft(data, size, box):
 def nv_full(data, size, box):
     from PIL import Image
 
-    from fastdata import region
+    from fastdata.images import region
 
     width, height = size
     top, left, bh, bw = box
@@ -140,14 +140,14 @@ def nv_full(data, size, box):
 
 
 def region_window(data, size, box):
-    from fastdata import region
+    from fastdata.images import region
 
     got = region.decode_box(data, box, SIZE, policy="region")
     return _resize(got.image, got.box)
 
 
 def region_auto(data, size, box):
-    from fastdata import region
+    from fastdata.images import region
 
     got = region.decode_box(data, box, SIZE, policy="auto")
     return pil_draft(data, size, box) if got is None else _resize(got.image, got.box)
@@ -199,7 +199,7 @@ def agreement(crops, ref) -> tuple[int, float]:
 
 
 def run_workload(workload, args, rows, sources) -> None:
-    from fastdata import region
+    from fastdata.images import region
 
     which, recipe = workload.split()
     if which == "imagenet":
@@ -285,7 +285,7 @@ def results_markdown(rows, sources, tgts, args) -> str:
 
 
 def main(args) -> dict:
-    from fastdata import region
+    from fastdata.images import region
 
     machine = common.machine_info()
     print(f"[decode] region decoding: {region.region_decoder_status()}", flush=True)

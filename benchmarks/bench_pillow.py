@@ -95,7 +95,7 @@ def measure(job: dict) -> dict:
             im.convert("RGB").resize((SIZE, SIZE), Image.BILINEAR, box=(left, top, left + w, top + h))
 
     def decode_rrc_draft(k):
-        # fastdata.transforms.load_photo's draft step: the smallest DCT scale that keeps the crop at
+        # fastdata.images.photo.load_photo's draft step: the smallest DCT scale that keeps the crop at
         # least SIZE pixels on each side.
         i = k % len(paths)
         top, left, h, w = boxes[i * 8 + (k // len(paths)) % 8]

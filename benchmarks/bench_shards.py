@@ -302,7 +302,7 @@ def _pil_full(data: bytes, name: str, aug, rng):
     """PIL's full decode, then the RandomResizedCrop box (drawn as the loader draws it) and the flip."""
     from PIL import Image
 
-    from fastdata.transforms import sample_box
+    from fastdata.augment import sample_box
 
     with Image.open(io.BytesIO(data)) as im:
         img = im.convert("RGB")
@@ -312,7 +312,7 @@ def _pil_full(data: bytes, name: str, aug, rng):
 
 
 def _load_photo(data: bytes, name: str, aug, rng):
-    from fastdata.transforms import load_photo
+    from fastdata.images.photo import load_photo
 
     return load_photo(data, name, aug, rng)
 
@@ -369,7 +369,7 @@ def run_decode(args, data, rows, sources) -> None:
         what = "originals" if copy == "original" else f"max-side {args.max_side}"
         rows.append(common.Row("decode", f"{what}, {path}", "baseline" if copy == "original" else "fastdata",
                                rate=statistics.median(rates), passes=rates, paired=True,
-                               note="fastdata.transforms.load_photo (Image.draft when the crop allows)"
+                               note="fastdata.images.photo.load_photo (Image.draft when the crop allows)"
                                if path == "load_photo" else "PIL open + convert RGB + crop/resize",
                                extra={"us": statistics.median(us), "us_passes": us, "path": path, "copy": copy}))
 

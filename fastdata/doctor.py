@@ -147,8 +147,8 @@ def dali_cuda_major() -> int | None:
 def _region_status() -> str:
     """Whether photo crops decode only their window (torch/prefetch/memory's JPEG path), and if not,
     why and how to get it; the switch ``FASTDATA_REGION_DECODE=0`` is reported too."""
-    from .region import region_decoder_status
-    from .transforms import region_decode_enabled
+    from .images.photo import region_decode_enabled
+    from .images.region import region_decoder_status
 
     status = region_decoder_status()
     if status.startswith("available") and not region_decode_enabled():

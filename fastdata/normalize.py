@@ -51,7 +51,7 @@ class Normalizer:
         self.scale = (1.0 / (255.0 * std_t)).view(1, -1, 1, 1).to(self.device)
         self.shift = (-mean_t / std_t).view(1, -1, 1, 1).to(self.device)
         self._pool: list[tuple[torch.Tensor, int]] = []   # (buffer, its use count when nothing else holds it)
-        #: (H, W) of the loader's batches where known before any batch (``transforms.output_size``, set
+        #: (H, W) of the loader's batches where known before any batch (``augment.output_size``, set
         #: by the loader); the (H, W) of the last batch normalized replaces it. An empty batch comes out
         #: (0, C, H, W) with it (see ``empty_shape``).
         self.size: tuple[int, int] | None = None

@@ -193,15 +193,19 @@ def test_every_public_name_has_a_docstring():
 #: longest matching name. A folder is one room and sits on one floor: an entry never names a module
 #: inside a folder (``test_a_folder_is_on_one_floor``). A new module must be placed here.
 FLOORS = [
-    # Foundations: errors, seeds and order, the normalizer, region decoding, the shard format and storage.
+    # Foundations: errors, seeds and order, the normalizer, the shard format and storage.
     # ``checks``: the integer/range/choice checks every room shares.
-    ("checks", "errors", "sampling", "normalize", "prefetch", "models", "region", "shards"),
+    ("checks", "errors", "sampling", "normalize", "prefetch", "models", "shards"),
     # Tensor-only augmentation of device batches: needs only sampling's seed mixing. Below config because
     # LoaderConfig checks its batch_transforms when it is built (a real dependency, not an accident).
     ("batch_transforms",),
     ("config",),
-    # Per-sample work and process groups, each built on the config alone.
-    ("transforms", "distributed"),
+    # The recipe's parameters and their application on arrays, and process groups, each built on the
+    # config alone.
+    ("augment", "distributed"),
+    # One image file's bytes → pixels (the recipe's box decoded): below datasets, whose sources decode a
+    # photo themselves (ImageFolder.__getitem__) and convert a Dataset's PIL image (to_rgb).
+    ("images",),
     ("datasets",),
     ("decode",),
     ("backends",),

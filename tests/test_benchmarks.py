@@ -540,7 +540,7 @@ def test_the_chart_draws_each_contenders_spread(tmp_path, monkeypatch):
 
 
 def test_bench_decode_quick(tmp_path):
-    from fastdata import region
+    from fastdata.images import region
 
     bench = load("bench_decode")
     args = bench.get_args_parser().parse_args(

@@ -588,7 +588,7 @@ def test_cpu_pipeline_decodes_on_the_host_by_default(photo_folder, monkeypatch):
     # and normalizes: no decoder and no resize in the pipeline.
     import threading
 
-    import fastdata.region as region_mod
+    import fastdata.images.region as region_mod
 
     called = _record_graph_ops(monkeypatch)
     boxes, threads = [], set()

@@ -112,7 +112,7 @@ def test_doctor_prints_each_rows_install_hint_and_autos_order(monkeypatch, capsy
 
 
 def test_doctor_says_whether_crops_decode_only_their_window(monkeypatch):
-    import fastdata.region as region
+    import fastdata.images.region as region
 
     monkeypatch.setattr(region, "region_decoder_status",
                         lambda: "unavailable: nvImageCodec is not installed (x); pip install y")

@@ -7,8 +7,8 @@ from PIL import Image
 
 from conftest import batches_without_host_sync, pairs, skip_missing
 from fastdata import Augmentation, make_loader
+from fastdata.augment import draw_params
 from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits
-from fastdata.transforms import draw_params
 
 PLAIN = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))   # batches read back as pixel / 255
 

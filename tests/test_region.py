@@ -17,10 +17,10 @@ import pytest
 from PIL import Image
 
 from conftest import skip_missing
-from fastdata import region
+from fastdata.augment import rrc_params
 from fastdata.datasets import make_image_folder
 from fastdata.errors import DecodeError
-from fastdata.transforms import rrc_params
+from fastdata.images import region
 
 if not region.region_available():
     skip_missing(region.region_decoder_status(), allow_module_level=True)
@@ -182,7 +182,7 @@ def test_decode_box_is_not_a_validator(variants):
     """Corrupt entropy data that Pillow refuses ("broken data stream") is decoded into wrong pixels
     by nvImageCodec without an error: a caller that must refuse the files Pillow refuses checks each
     file once with Pillow (transforms.check_pixels), as the dali backend does."""
-    from fastdata.transforms import check_pixels
+    from fastdata.images.photo import check_pixels
 
     data = bytearray(variants["baseline 4:2:0"])
     data[len(data) // 2:len(data) // 2 + 100] = b"\xff" * 100

@@ -7,7 +7,7 @@ from PIL import Image
 from conftest import file_bytes
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder
-from fastdata.transforms import load_photo
+from fastdata.images.photo import load_photo
 
 
 def torchvision_eval(paths, mean, std):

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, ClassVar, Iterator, cast
 import numpy as np
 import torch
 
+from ..augment import output_size, recipe, require_padding_fits
 from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats
 from ..datasets import Source, SourceKind, check_transform_and_augment
 from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
-from ..transforms import output_size, recipe, require_padding_fits
 
 if TYPE_CHECKING:
     from ..batch_transforms import BatchPipeline

@@ -27,13 +27,13 @@ the per-file knowledge must stay in this process, and the parallel source pickle
 workers that cannot follow an epoch/resume position set here.
 
 Integrity (``validate=True``): the first time a file is read it is decoded once with PIL, the decoder
-the torch and memory backends use (``transforms.check_pixels``, at 1/8 scale: cheaper than a full
+the torch and memory backends use (``images.photo.check_pixels``, at 1/8 scale: cheaper than a full
 decode, and libjpeg still reads every byte of the scan). Region decoding alone cannot be trusted with
 broken files: a file truncated at 90% decodes whenever the crop misses its last rows (the run then dies
 at a random later epoch), and garbage that libjpeg only warns about inside DALI yields a garbled image.
 With the check, every backend refuses the same files in the first epoch, whatever the crops.
 
-Random augmentation parameters come from ``transforms.draw_params`` (the one source every backend
+Random augmentation parameters come from ``augment.draw_params`` (the one source every backend
 uses), drawn in Python from ``plan.batch_seed(epoch, batch)``, and fed to DALI as per-sample inputs
 (slice anchor, resize ROI, mirror flag). So a batch's augmentation
 depends only on the seed, never on DALI's RNG, its threads or where a run was resumed; for array
@@ -49,7 +49,7 @@ entropy-decoded). ``fn.resize`` maps the exact (fractional) box to ``size`` x
 
 CPU decoding: on the CPU the photos are decoded and resized in the reader threads instead
 (``decode="auto"`` → ``"host"``), with the torch backend's decoders: nvImageCodec's region decode
-(``region.decode_box``, the same libjpeg-turbo that DALI's CPU decoder runs) or PIL's reduced-scale
+(``images.region.decode_box``, the same libjpeg-turbo that DALI's CPU decoder runs) or PIL's reduced-scale
 decode, whichever is estimated cheaper, then PIL's resize; DALI gets dense uint8 crops and only flips
 and normalizes them, because DALI's CPU ``fn.resize`` costs several times PIL-SIMD's resize of the same
 window, more than the region decode itself. ``jpeg_fancy_upsampling`` and ``use_fast_idct`` do not
@@ -99,6 +99,11 @@ from typing import Protocol, cast
 import numpy as np
 import torch
 
+from ..augment import (
+    NUMPY_PAD_MODE,
+    draw_params,
+    require_fixed_size,
+)
 from ..config import Crop, Padding
 from ..datasets import SourceKind
 from ..decode.dali_errors import dali_reason, free_frames, is_dali_failure
@@ -114,11 +119,6 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
 )
 from ..decode.on_error import OnError
 from ..errors import DecodeError
-from ..transforms import (
-    NUMPY_PAD_MODE,
-    draw_params,
-    require_fixed_size,
-)
 from .base import Loader, labels_on
 
 

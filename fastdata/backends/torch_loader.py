@@ -21,11 +21,11 @@ import time
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from ..augment import output_size, recipe
 from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
 from ..prefetch import PrefetchStage
 from ..sampling import seed_for
-from ..transforms import output_size, recipe
 from .base import Loader
 
 log = logging.getLogger("fastdata")

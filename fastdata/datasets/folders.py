@@ -242,7 +242,7 @@ class ImageFolder(Source):
         """
         import torch
 
-        from ..transforms import load_photo
+        from ..images.photo import load_photo
 
         i = self._index(i)
         image = load_photo(self.read(i), self.sample_name(i), Augmentation.none(), np.random.default_rng(0))

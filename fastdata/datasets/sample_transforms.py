@@ -96,7 +96,7 @@ def transform_output(out, source, where) -> np.ndarray:
         where: the sample (its path or index), named in errors.
     """
     if hasattr(out, "getbands"):  # PIL image
-        from ..transforms import to_rgb
+        from ..images.photo import to_rgb
 
         return np.asarray(to_rgb(out))
     if hasattr(out, "detach"):  # torch tensor (tv_tensors.Image included)

@@ -101,7 +101,7 @@ class DatasetSource(Source):
             raise ValueError(f"channels must be 1, 3 or None (from the samples' kind), got {channels!r}")
         self.channels = channels
         #: (H, W) of the first sample where it was read (channels=None), else None: what an empty batch's
-        #: images are shaped as before any batch was read (``transforms.output_size``).
+        #: images are shaped as before any batch was read (``augment.output_size``).
         self.sample_size = tuple(self.as_array(first).shape[:2]) if first is not None else None
         names = getattr(dataset, "classes", None)
         names = list(names) if isinstance(names, (list, tuple)) and names else None
@@ -255,7 +255,7 @@ class DatasetSource(Source):
             image: the dataset's sample image.
         """
         if hasattr(image, "getbands"):  # PIL image
-            from ..transforms import to_rgb
+            from ..images.photo import to_rgb
 
             self._refuse_float(image)
             if self.channels == 1 and not self._convert_colour and self._is_colour(image):

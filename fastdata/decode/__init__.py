@@ -6,8 +6,8 @@ memory backend once for its cache), so there is one definition of what is decode
 ``loader.skipped``. DALI decodes in its own pipeline but refuses the same files (it validates them with
 the same PIL decode) and counts into the same counter.
 
-- arrays: a gather, then the recipe with vectorized numpy (``transforms.augment_batch``);
-- files: PIL per file (``transforms.load_photo``: ``Image.draft`` shrinks the JPEG decode), or, with a
+- arrays: a gather, then the recipe with vectorized numpy (``augment.augment_batch``);
+- files: PIL per file (``images.photo.load_photo``: ``Image.draft`` shrinks the JPEG decode), or, with a
   per-sample ``transform`` (``ImageFolder(root, transform=...)``), the full decode through it;
 - torch Datasets: each sample through the source's one conversion (``DatasetSource.as_array``).
 
@@ -29,9 +29,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ..augment import augment_array, augment_batch, require_fixed_size
 from ..config import Augmentation, Crop
 from ..datasets import SourceKind, check_transform_and_augment, transform_output
-from ..transforms import augment_array, augment_batch, load_photo, require_fixed_size
+from ..images.photo import load_photo
 from .on_error import OnError
 
 
@@ -80,7 +81,7 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
 
 
 # For each files source, which of its files this process has decoded whole once. Until then a region
-# decode checks the file's whole scan first (transforms.crop_photo): every backend refuses the same
+# decode checks the file's whole scan first (images.photo.crop_photo): every backend refuses the same
 # broken files in the first epoch whatever the crop, and later epochs decode only the crop's window.
 # One byte per file; a weak key, so a dropped source takes its flags with it. The torch backend's
 # workers share one set instead (BatchDecoder.checked).
@@ -111,7 +112,7 @@ def _files(source, ids, aug, rng, on_error: OnError, checked: np.ndarray) -> Dec
 
 
 def _photo(source, i, aug, rng, checked: bool = False) -> np.ndarray:
-    """Sample ``i``'s bytes decoded with the recipe (``transforms.load_photo``)."""
+    """Sample ``i``'s bytes decoded with the recipe (``images.photo.load_photo``)."""
     return load_photo(source.read(i), source.sample_name(i), aug, rng, checked=checked)
 
 

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..augment import draw_params
 from ..datasets import ImageFolder, folders
 from ..errors import DecodeError
-from ..transforms import check_pixels, crop_photo, draw_params, exif_orientation, open_image
+from ..images.photo import check_pixels, crop_photo, exif_orientation, open_image
 
 if TYPE_CHECKING:
     from ..config import Augmentation
@@ -202,7 +203,7 @@ class DaliFiles:
         """Runs in a reader thread: file ``i``'s crop ``box`` (top, left, h, w) resized to ``size`` x
         ``size``, uint8 (size, size, 3), not flipped; or the reason (str) it cannot be decoded.
 
-        The torch backend's decoders, through the same function (``transforms.crop_photo``: a region
+        The torch backend's decoders, through the same function (``images.photo.crop_photo``: a region
         decode of the box's window where nvImageCodec is there, else ``Image.draft``, then PIL's
         BILINEAR), so the pixels are the torch backend's. ``checked``: with ``validate`` every file's
         whole scan was decoded once by ``_read_file`` before it gets here.

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from ..errors import DecodeError
-from ..transforms import (
+from ..images.photo import (
     JPEG_FORMATS,
     decode_upright,
     exif_orientation,
@@ -30,7 +30,7 @@ def load_whole(data: bytes, path, side: int) -> tuple[np.ndarray, int, int]:
     """One photo, whole, as uint8 (h, w, 3) with its longer side at most ``side`` (aspect kept; a
     smaller photo is kept as it is), and its original (H, W) after EXIF orientation, the size the
     recipe's boxes are drawn from. ``data``: the file's bytes (``Source.read``); ``path`` names it.
-    Errors are the DecodeErrors ``transforms.load_photo`` raises.
+    Errors are the DecodeErrors ``images.photo.load_photo`` raises.
 
     JPEGs decode at a reduced scale (``Image.draft``) when the target allows; the drafted image is
     resized from the exact region that covers the original (drafted sizes round up to whole blocks).
@@ -222,7 +222,7 @@ class NvWholeDecoder:
     def __init__(self, photos: WholePhotos, device: torch.device):
         nv = nvimgcodec()
         if nv is None:
-            from ..region import INSTALL_HINT
+            from ..images.region import INSTALL_HINT
 
             raise ImportError(f"memory backend: cache_build='nvimgcodec' needs nvImageCodec; {INSTALL_HINT}")
         self.nv, self.photos, self.device = nv, photos, device

@@ -40,14 +40,14 @@ def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
     orientation applied: the copy carries no orientation tag), or None when its longer side is already
     at most ``max_side`` (the original is kept).
 
-    The pixels are the ones the loaders decode (``transforms.to_rgb``, which every backend's decode
+    The pixels are the ones the loaders decode (``images.photo.to_rgb``, which every backend's decode
     goes through): 16-bit and 32-bit grey scaled to 8 bits as they scale them, palettes through RGBA,
     alpha dropped, CMYK converted. Pillow's own ``convert`` clips 16-bit data at 255 (a white image)
     and refuses to resample some modes; converting first and resizing the 8-bit result avoids both.
     A grey image stays a grey JPEG (the loaders' RGB of it has three equal channels)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    from ..transforms import JPEG_FORMATS, to_rgb
+    from ..images.photo import JPEG_FORMATS, to_rgb
 
     try:
         with Image.open(io.BytesIO(data)) as opened:

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from ...augment import recipe
 from ...config import Augmentation, Crop, check_integer
 from ...datasets import SourceKind
 from ...errors import CacheDoesNotFit
-from ...transforms import recipe
 
 if TYPE_CHECKING:
     from ...config import LoaderConfig

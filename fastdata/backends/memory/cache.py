@@ -17,14 +17,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...augment import (
+    NUMPY_PAD_MODE,
+)
 from ...checks import check_integer
 from ...config import Augmentation, Padding
 from ...decode import BatchDecoder, collect_before_fork
 from ...decode.whole import NvWholeDecoder, WholePhotos, nvimgcodec
 from ...errors import CacheDoesNotFit
-from ...transforms import (
-    NUMPY_PAD_MODE,
-)
 from .budgeting import LoaderFields, available_ram, fmt_bytes, photo_side
 
 

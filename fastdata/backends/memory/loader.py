@@ -9,13 +9,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...config import Crop
-from ...datasets import SourceKind
-from ...sampling import EpochPlan
-from ...transforms import (
+from ...augment import (
     draw_params,
     require_fixed_size,
 )
+from ...config import Crop
+from ...datasets import SourceKind
+from ...sampling import EpochPlan
 from ..base import Loader
 from .budgeting import (
     DEFAULT_CACHE_SIZE,

@@ -33,7 +33,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, NamedTuple
 
-from .errors import DecodeError
+from ..errors import DecodeError
 
 if TYPE_CHECKING:   # PIL is imported where a window is decoded
     from PIL import Image
@@ -278,7 +278,7 @@ def jpeg_header(data: bytes):
 
 # ------------------------------------------------------------------------------- planning
 def draft_scale(width: int, height: int, bh: float, bw: float, out_h: int, out_w: int) -> int:
-    """The reduction ``Image.draft`` (and ``transforms.load_photo``) would use: the largest of 1, 2, 4,
+    """The reduction ``Image.draft`` (and ``photo.load_photo``) would use: the largest of 1, 2, 4,
     8 that keeps the box at least the output size on each side."""
     want_w, want_h = max(1, math.ceil(width * out_w / bw)), max(1, math.ceil(height * out_h / bh))
     for s in (8, 4, 2):
