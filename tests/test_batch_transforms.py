@@ -541,11 +541,13 @@ def test_loader_config_refuses_them_by_field():
 
 @pytest.mark.parametrize("make, words", [
     (lambda: Cutout(0), "size must be an integer >= 1"),
-    (lambda: Cutout(4, p=1.5), "probability"),
+    (lambda: Cutout(4, p=1.5), r"Cutout: p \(a probability\) must be a number in \[0, 1\], got 1.5"),
     (lambda: RandomErasing(value="noise"), "'random'"),
     (lambda: RandomErasing(scale=(0.5, 0.1)), "min <= max"),
+    (lambda: RandomErasing(scale=(0.1, 1.5)), r"RandomErasing: scale\[1\] must be a number in \[0.0, 1.0\], got 1.5"),
     (lambda: ColorJitter(brightness=-1), "brightness must be >= 0"),
-    (lambda: MixUp(alpha=0), "alpha must be a finite number > 0"),
+    (lambda: MixUp(alpha=0), "MixUp: alpha must be a number > 0, got 0.0"),
+    (lambda: MixUp(num_classes=True), "MixUp: num_classes must be an integer >= 1 or None, got True"),
     (lambda: CutMix(label_smoothing=1.0), r"label_smoothing must be in \[0, 1\)"),
     (lambda: OneOf([]), "non-empty"),
     (lambda: OneOf([Cutout(2)], weights=(1, 2)), "weights must be 1 numbers"),

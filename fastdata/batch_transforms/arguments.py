@@ -4,33 +4,32 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
+from ..checks import check_number
 from .base import BatchContext
 
 
 def probability(owner: str, name: str, value) -> float:
-    """``value`` as a float in [0, 1], else a ValueError naming ``owner`` and ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= float(value) <= 1:
-        raise ValueError(f"{owner}: {name} is a probability in [0, 1], got {value!r}")
-    return float(value)
+    """``value`` as a float in [0, 1] (``checks.check_number``), the error naming ``owner`` and ``name``."""
+    return check_number(f"{owner}: {name} (a probability)", value, minimum=0, maximum=1)
 
 
 def positive(owner: str, name: str, value) -> float:
-    """``value`` as a finite float > 0, else a ValueError naming ``owner`` and ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    """``value`` as a finite float > 0 (``checks.check_number``), the error naming ``owner`` and ``name``."""
+    return check_number(f"{owner}: {name}", value, above=0)
 
 
 def value_range(owner: str, name: str, value, *, low: float = 0.0, high: float = math.inf) -> tuple[float, float]:
     """``value`` as a ``(min, max)`` pair of floats with ``low <= min <= max <= high``, else a ValueError."""
-    ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in value)
-    if not ok or not low <= value[0] <= value[1] <= high:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise ValueError(f"{owner}: {name} must be a (min, max) pair with {low} <= min <= max <= {high}, "
                          f"got {value!r}")
-    return float(value[0]), float(value[1])
+    lo, hi = (check_number(f"{owner}: {name}[{i}]", v, minimum=low, maximum=None if math.isinf(high) else high)
+              for i, v in enumerate(value))
+    if lo > hi:
+        raise ValueError(f"{owner}: {name} must be a (min, max) pair with {low} <= min <= max <= {high}, "
+                         f"got {value!r}")
+    return lo, hi
 
 
 def mean_std(owner: str, mean, std) -> tuple:

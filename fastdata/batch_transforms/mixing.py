@@ -6,6 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from ..checks import check_integer
 from .arguments import check_class_count, positive, set_field
 from .base import BatchTransform, host_rng
 from .ops import mix, soft_targets
@@ -23,10 +24,8 @@ class _Mixing(BatchTransform):
                 or not 0 <= self.label_smoothing < 1:
             raise ValueError(f"{owner}: label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
         set_field(self, "label_smoothing", float(self.label_smoothing))
-        if self.num_classes is not None and (isinstance(self.num_classes, bool)
-                                             or not isinstance(self.num_classes, numbers.Integral)
-                                             or self.num_classes < 1):
-            raise ValueError(f"{owner}: num_classes must be an integer >= 1, got {self.num_classes!r}")
+        set_field(self, "num_classes", check_integer(f"{owner}: num_classes", self.num_classes, minimum=1,
+                                                     optional=True))
 
     def bind(self, context):
         if self.num_classes is not None:
