@@ -216,7 +216,9 @@ FLOORS = [
     # The examples' reporting tail: above the engine (it asks it which precision amp resolved to).
     ("report",),
     # Commands and the package's front door: pack (``packing``) reads any source and the CLI's checks.
-    ("bench", "packing", "__main__", ""),
+    # ``transforms`` and ``region``: the old import paths of augment, images.photo and images.region,
+    # re-exports that nothing in the package imports.
+    ("bench", "packing", "__main__", "", "transforms", "region"),
 ]
 
 

@@ -358,3 +358,21 @@ def test_output_size_is_the_batches_size_where_known_before_any_batch(tmp_path):
     folder = make_image_folder(tmp_path, classes=2, per_class=1, size_range=((20, 24), (20, 24)))
     assert output_size(ImageFolder(folder), Augmentation.imagenet_eval(size=8, resize=10)) == (8, 8)
     assert output_size(ImageFolder(folder, transform=lambda im: im), Augmentation.none()) is None
+
+
+def test_the_old_import_path_still_gives_every_name_it_had():
+    """fastdata.transforms held the recipe and photo decoding until issue 32 split it into augment and
+    images.photo (docs/contract.md named fastdata.transforms.draw_params): code importing from the old
+    path gets the same objects."""
+    import fastdata.augment as augment
+    import fastdata.images.photo as photo
+    import fastdata.transforms as old
+
+    names = {"JPEG_FORMATS", "NUMPY_PAD_MODE", "open_image", "to_rgb", "exif_orientation", "load_pixels",
+             "check_pixels", "RRC_TRIES", "RRC_DRAWS", "rrc_boxes", "rrc_params", "center_boxes", "center_params",
+             "Params", "draw_params", "sample_box", "require_fixed_size", "recipe", "output_size",
+             "require_padding_fits", "region_decode_enabled", "load_photo", "decode_upright", "crop_photo",
+             "resize_box", "apply_params", "augment_array", "translate_offsets", "augment_batch"}
+    assert set(old.__all__) == names
+    for name in names:
+        assert getattr(old, name) is getattr(augment, name, None) or getattr(old, name) is getattr(photo, name)

@@ -274,3 +274,16 @@ def test_status_names_the_version_when_available():
     from nvidia import nvimgcodec
 
     assert region.region_decoder_status().startswith(f"available: nvImageCodec {nvimgcodec.__version__}")
+
+
+def test_the_old_import_path_still_gives_every_name_it_had():
+    """fastdata.region moved to fastdata.images.region in issue 32 (docs/benchmarks.md named it): code
+    importing from the old path gets the same objects."""
+    import fastdata.region as old
+
+    names = {"INSTALL_HINT", "DecodedBox", "region_decoder_status", "region_available", "decode_window",
+             "JPEG_START", "is_jpeg", "jpeg_orientation", "jpeg_header", "draft_scale", "region_cost", "draft_cost",
+             "plan_window", "choose", "decode_box"}
+    assert set(old.__all__) == names
+    for name in names:
+        assert getattr(old, name) is getattr(region, name)
