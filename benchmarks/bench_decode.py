@@ -4,7 +4,7 @@ Per-sample cost, on one core in this process, of getting one 224² training or e
 JPEG's bytes in memory (file reads are left out for every contender alike):
 
 - ``PIL full decode`` (the reference): open, full decode, crop and bilinear-resize to 224²;
-- ``PIL draft``: the torch backend's path today (``transforms.load_photo``): ``Image.draft`` decodes
+- ``PIL draft``: the torch backend's path today (``images.photo.load_photo``): ``Image.draft`` decodes
   at 1/2, 1/4 or 1/8 scale when the box is at least twice the output on each side;
 - ``nvImageCodec full decode``: the same full decode with nvImageCodec's CPU (libjpeg-turbo) decoder,
   to tell the decoder's own speed apart from what region decoding saves;
@@ -112,7 +112,7 @@ def pil_full(data, size, box):
 
 
 def pil_draft(data, size, box):
-    """``transforms.load_photo``'s JPEG path for an upright photo, on a given box."""
+    """``images.photo.load_photo``'s JPEG path for an upright photo, on a given box."""
     from PIL import Image
 
     width, height = size

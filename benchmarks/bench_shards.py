@@ -26,7 +26,7 @@ has on a GPU machine decoding ~5,000 images/s.
 
 A ``decode`` workload measures the cost of one photo alone, on one core in this process: decode + crop
 of the bytes the loader reads (``Shards.read``), originals against ``--max-side`` copies, both with
-fastdata's path (``transforms.load_photo``: ``Image.draft`` when the crop allows) and with PIL's full
+fastdata's path (``images.photo.load_photo``: ``Image.draft`` when the crop allows) and with PIL's full
 decode + crop + resize; interleaved photo by photo (as ``bench_decode``), so the ratios are paired per
 pass. The same RandomResizedCrop draw (same seed per photo) is used for both copies of a photo.
 

@@ -285,7 +285,7 @@ def load_example(name: str):
 
 
 def file_bytes(path) -> tuple[bytes, str]:
-    """(a file's bytes, its path): the arguments ``transforms.load_photo`` takes (sources own their bytes)."""
+    """(a file's bytes, its path): the arguments ``images.photo.load_photo`` takes (sources own their bytes)."""
     with open(path, "rb") as f:
         return f.read(), str(path)
 

@@ -78,7 +78,7 @@ def test_a_rank_whose_only_batch_is_empty_has_the_loaders_shape(backend, kind, t
     """3 samples, batch_size 2, 4 ranks: rank 3's one batch is empty, before any batch showed the size.
 
     Needs the loader to tell its Normalizer the output size (``normalizer.size =
-    transforms.output_size(source, augment)`` in ``Loader.__init__``)."""
+    augment.output_size(source, augment)`` in ``Loader.__init__``)."""
     if _reads(backend, kind):
         pytest.skip(f"{backend} does not read a torch Dataset")
     c, h, w = SOURCES[kind][2]
