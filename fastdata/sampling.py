@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import check_integer
+
 
 def distributed_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world_size): explicit values, else torch.distributed, else the launcher's variables, else (0, 1).
@@ -101,8 +103,7 @@ class EpochPlan:
     order_fn: Callable[[int, int], np.ndarray | None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {self.num_samples}")
+        check_integer("num_samples", self.num_samples, minimum=0)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
 

@@ -545,7 +545,7 @@ def test_array_source_classes_and_num_classes():
         ArraySource(images, [0, 2, 1, 0], classes=["a", "b"])
     with pytest.raises(ValueError, match="num_classes=3 but classes has 2 names"):
         ArraySource(images, [0, 1, 1, 0], classes=["a", "b"], num_classes=3)
-    with pytest.raises(ValueError, match="num_classes must be a positive integer"):
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 1 or None, got 0"):
         ArraySource(images, [0, 1, 1, 0], num_classes=0)
 
 
@@ -704,8 +704,9 @@ def test_split_is_disjoint_covering_deterministic_and_keeps_statistics():
 
 @pytest.mark.parametrize("fractions, match", [
     ([0.8, 0.3], r"sum to 1\.1, not 1"),
-    ([0.5, -0.5, 1.0], r"fractions\[1\] is -0\.5"),
-    ([0.5, float("nan"), 0.5], r"fractions\[1\] is nan"),
+    ([0.5, -0.5, 1.0], r"fractions\[1\] \(a fraction or a count\) must be a number >= 0, got -0\.5"),
+    ([0.5, float("nan"), 0.5], r"fractions\[1\] \(a fraction or a count\) must be a finite number >= 0, got nan"),
+    ([0.5, "0.5"], r"fractions\[1\] \(a fraction or a count\) must be a number >= 0, got '0.5'"),
     ([90, 5], r"counts \[90, 5\] sum to 95, but .* has 100 samples"),
     ([0.999, 0.001], "part 1 of split .* gets no sample"),
     ([], "non-empty list"),

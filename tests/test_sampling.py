@@ -15,6 +15,13 @@ def test_length(n, b, world, drop_last, expected):
     assert len(plan.batches(0)) == expected
 
 
+def test_a_bad_sample_count_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"^num_samples must be an integer >= 0, got -1"):
+        EpochPlan(-1, 10, True, False, 0)
+    with pytest.raises(TypeError, match=r"^num_samples must be an integer >= 0, got 10.0"):
+        EpochPlan(10.0, 10, True, False, 0)
+
+
 def test_order_is_a_function_of_seed_and_epoch():
     a, b = EpochPlan(100, 10, True, False, 7), EpochPlan(100, 10, True, False, 7)
     np.testing.assert_array_equal(a.order(3), b.order(3))

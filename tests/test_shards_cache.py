@@ -172,6 +172,20 @@ def test_a_budget_that_cannot_hold_the_window_is_refused_up_front(tmp_path, wind
                window=window).close()
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(window=0), ValueError, r"^ShardCache: window must be an integer >= 1, got 0"),
+    (dict(window=1.5), TypeError, r"^ShardCache: window must be an integer >= 1, got 1.5"),
+    (dict(expected_sizes={"a.tar": -1}), ValueError,
+     r"^ShardCache: the expected size \(bytes\) of shard 'a.tar' must be an integer >= 0, got -1"),
+    (dict(expected_sizes={"a.tar": 10.0}), TypeError,
+     r"^ShardCache: the expected size \(bytes\) of shard 'a.tar' must be an integer >= 0, got 10.0"),
+])
+def test_bad_cache_arguments_are_refused_by_name(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ShardCache(Storage(f"file://{tmp_path}"), tmp_path / "cache", limit_bytes=1 << 20,
+                   **{"expected_sizes": {"a.tar": 10}, **kwargs})
+
+
 def test_a_cached_file_of_the_wrong_size_is_fetched_again(remote, tmp_path):
     root, files = remote
     (tmp_path / "cache").mkdir()

@@ -48,6 +48,18 @@ def storage(request, shard_dir):
             yield Storage(url, storage_options=options, **FAST), files
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(retries=-1), ValueError, r"^Storage: retries must be an integer >= 0, got -1"),
+    (dict(retries=2.5), TypeError, r"^Storage: retries must be an integer >= 0, got 2.5"),
+    (dict(backoff=-0.1), ValueError, r"^Storage: backoff \(seconds\) must be a number >= 0, got -0.1"),
+    (dict(timeout=0), ValueError, r"^Storage: timeout \(seconds\) must be a number > 0, got 0.0"),
+    (dict(timeout=None), TypeError, r"^Storage: timeout \(seconds\) must be a number > 0, got None"),
+])
+def test_bad_storage_arguments_are_refused_by_name(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Storage(tmp_path, **kwargs)
+
+
 def test_reads_equal_the_file_bytes(storage, tmp_path):
     st, files = storage
     data = files["a.tar"]

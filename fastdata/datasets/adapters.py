@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import check_integer, check_number
 from .arrays import ArraySource
 from .base import Source
 from .folders import ImageFolder
@@ -152,8 +153,7 @@ def split(source, fractions, seed: int = 0) -> tuple[Source, ...]:
         raise TypeError(f"fractions must be a non-empty list of fractions or counts, got {fractions!r}")
     values = list(fractions)
     for i, f in enumerate(values):
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not math.isfinite(f) or f < 0:
-            raise ValueError(f"fractions[{i}] is {f!r}; fractions and counts must be finite numbers >= 0")
+        check_number(f"fractions[{i}] (a fraction or a count)", f, minimum=0)
     if all(isinstance(f, numbers.Integral) for f in values) and sum(values) == n:
         counts = [int(f) for f in values]
     elif any(isinstance(f, numbers.Integral) and int(f) > 1 for f in values):
@@ -170,8 +170,6 @@ def split(source, fractions, seed: int = 0) -> tuple[Source, ...]:
     if empty:
         raise ValueError(f"part {empty[0]} of split {values} gets no sample of the {n} in {src!r}; "
                          f"make it larger")
-    from ..config import check_integer
-
     seed = check_integer("seed", seed, minimum=0)
     order = np.random.default_rng([seed, 0x5B1D]).permutation(n)
     bounds = np.cumsum([0] + counts)

@@ -6,6 +6,7 @@ import zlib
 
 import numpy as np
 
+from ..checks import check_integer
 from ..config import Augmentation, SourceKind
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -244,12 +245,7 @@ def host_array(x) -> np.ndarray:
 
 def count_classes(classes, num_classes) -> int | None:
     """``num_classes`` checked, or ``len(classes)``; the two must agree when both are given."""
-    if num_classes is not None:
-        import numbers
-
-        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < 1:
-            raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
-        num_classes = int(num_classes)
+    num_classes = check_integer("num_classes", num_classes, minimum=1, optional=True)
     if classes is not None:
         if isinstance(classes, (str, bytes)) or not hasattr(classes, "__len__"):
             raise TypeError(f"classes must be a list of class names, got {type(classes).__name__}")

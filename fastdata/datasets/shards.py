@@ -80,7 +80,7 @@ class Shards(Source):
     def __init__(self, location, *, cache_dir=None, cache_limit: int | None = None, window: int = 4,
                  storage_options: dict | None = None, retries: int = 5, timeout: float = 60.0,
                  mean=None, std=None, transform=None):
-        from ..config import check_integer
+        from ..checks import check_integer
         from ..shards.index import parse_index
         from ..shards.storage import Storage, redact
         from .sample_transforms import check_sample_transform

@@ -41,6 +41,7 @@ import time
 import uuid
 import weakref
 
+from fastdata.checks import check_integer
 from fastdata.shards.storage import ShardMismatch, check_name
 
 __all__ = ["ShardCache", "CacheFull", "Verdicts"]
@@ -100,13 +101,10 @@ class ShardCache:
         sizes = {}
         for name, size in expected_sizes.items():
             check_name(name)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ValueError(f"ShardCache: expected size of shard {name!r} is {size!r}; expected a byte "
-                                 f"count (an int >= 0)")
-            sizes[name] = size
-        if window < 1:
-            raise ValueError(f"ShardCache: window={window!r}; expected the number of shards read at once (>= 1)")
-        self.storage, self.expected_sizes, self.window = storage, sizes, int(window)
+            sizes[name] = check_integer(f"ShardCache: the expected size (bytes) of shard {name!r}", size, minimum=0)
+        # window: the number of shards read at once.
+        window = check_integer("ShardCache: window", window, minimum=1)
+        self.storage, self.expected_sizes, self.window = storage, sizes, window
         self.digests = self._check_digests(digests or {}, sizes)
         self._files = {name: _versioned(name, self.digests.get(name)) for name in sizes}   # name -> file
         self._names = {file: name for name, file in self._files.items()}                 # file -> name

@@ -30,6 +30,8 @@ import sys
 import time
 import uuid
 
+from fastdata.checks import check_integer, check_number
+
 __all__ = ["Storage", "StorageError", "ShardNotFound", "ShardMismatch", "ShortRead", "redact", "check_name",
            "file_sha256"]
 
@@ -172,11 +174,10 @@ class Storage:
 
     def __init__(self, location, *, retries: int = 5, backoff: float = 0.5, timeout: float = 60.0,
                  storage_options: dict | None = None):
-        if retries < 0 or backoff < 0 or not timeout or timeout <= 0:
-            raise ValueError(f"Storage: retries={retries!r} and backoff={backoff!r} must be >= 0 and "
-                             f"timeout={timeout!r} > 0 seconds")
+        self.retries = check_integer("Storage: retries", retries, minimum=0)
+        self.backoff = check_number("Storage: backoff (seconds)", backoff, minimum=0)
+        self.timeout = check_number("Storage: timeout (seconds)", timeout, above=0)
         self.location = os.fspath(location) if isinstance(location, os.PathLike) else str(location)
-        self.retries, self.backoff, self.timeout = int(retries), float(backoff), float(timeout)
         self.storage_options = dict(storage_options or {})
         self.is_local = "::" not in self.location and _SCHEME.match(self.location) is None
         self._fs = self._root = None
