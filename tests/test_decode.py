@@ -62,7 +62,7 @@ def test_a_skipped_file_does_not_change_the_other_files_pixels(folder_with_a_bad
 
 def test_the_batch_decoder_refuses_a_bad_on_error_and_photos_without_a_fixed_size(folder_with_a_bad_file):
     src = ImageFolder(folder_with_a_bad_file)
-    with pytest.raises(ValueError, match=r"on_error must be one of \['raise', 'skip'\]"):
+    with pytest.raises(ValueError, match=r"unknown on_error 'ignore'; choose from \['raise', 'skip'\]"):
         BatchDecoder(src, EVAL, on_error="ignore")
     with pytest.raises(ValueError, match="crop that fixes the output size"):
         BatchDecoder(src, Augmentation(crop="translate", pad=2))
@@ -279,7 +279,7 @@ def test_on_error_raises_or_skips_decode_errors_only():
             strict.refuse("b.jpg", "no header")
     assert e.value.__suppress_context__
     assert OnError(skip).skips and not OnError("raise").skips
-    with pytest.raises(ValueError, match=r"on_error must be one of \['raise', 'skip'\], got 'ignore'"):
+    with pytest.raises(ValueError, match=r"^unknown on_error 'ignore'; choose from \['raise', 'skip'\]$"):
         OnError("ignore")
 
 

@@ -74,6 +74,15 @@ def test_photos_without_a_resizing_crop_are_refused(photo_folder):
                     device="cpu")
 
 
+@pytest.mark.parametrize("bad, error", [(True, TypeError), (2.0, TypeError), (0, ValueError)])
+def test_a_bad_prefetch_factor_is_refused_by_name(photo_folder, bad, error):
+    """With workers, prefetch_factor goes to the DataLoader: True (a bool is an int) and 2.0 slipped
+    through the old isinstance(pf, int) check or reached the DataLoader."""
+    with pytest.raises(error, match=rf"^prefetch_factor must be an integer >= 1, got {bad}"):
+        make_loader(ImageFolder(photo_folder), "torch", batch_size=6, num_workers=1, prefetch_factor=bad,
+                    device="cpu", train=False, augment=Augmentation.imagenet_eval(size=16, resize=16))
+
+
 # ------------------------------------------------------------------ pinning device (issue 9.10)
 def test_the_dataloader_gets_no_pin_memory_device():
     import warnings

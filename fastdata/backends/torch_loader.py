@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ..augment import output_size, recipe
+from ..checks import check_integer
 from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
 from ..prefetch import PrefetchStage
@@ -143,9 +144,8 @@ class TorchLoader(Loader):
         self.fetcher = BatchDecoder(source, self.augment, config.on_error)
         self._sampler = JobSampler()
         workers = config.num_workers
-        pf = self.opts["prefetch_factor"]
-        if workers and (not isinstance(pf, int) or pf < 1):
-            raise ValueError(f"prefetch_factor must be an integer >= 1, got {pf!r}")
+        if workers:   # the DataLoader reads prefetch_factor only with workers
+            check_integer("prefetch_factor", self.opts["prefetch_factor"], minimum=1)
         self.pin = self.device.type == "cuda"
         self._loader = make_dataloader(self.fetcher, self._sampler, workers, self.pin, self.opts,
                                        seed=seed_for(self.plan.seed, self.plan.rank, 0x5EED))

@@ -7,6 +7,7 @@ compares ``on_error`` itself and every backend raises or skips the same files th
 """
 from __future__ import annotations
 
+from ..checks import check_choice
 from ..config import ON_ERROR
 from ..errors import DecodeError
 
@@ -28,9 +29,7 @@ class OnError:
     def __init__(self, policy: "str | OnError" = "raise"):
         if isinstance(policy, OnError):
             policy = policy.policy
-        if policy not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {policy!r}")
-        self.policy = policy
+        self.policy = check_choice("on_error", policy, ON_ERROR)
 
     def __repr__(self):
         return f"OnError({self.policy!r})"

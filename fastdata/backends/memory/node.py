@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ...checks import check_flag
 from ...datasets import SourceKind
 from ...errors import CacheDoesNotFit, DecodeError
 from .budgeting import LoaderFields, check_fits, fmt_bytes
@@ -41,9 +42,7 @@ class NodeCache(LoaderFields):
         NCCL's watchdog, and small objects would travel through a GPU. The data group moves the cache:
         the gloo group for a host cache, the job's default backend for a CUDA cache (nccl: the
         all-gather runs GPU to GPU, entered only once every rank is known to be ready)."""
-        node_cache = self.opts["node_cache"]
-        if not isinstance(node_cache, bool):
-            raise TypeError(f"memory backend: node_cache must be True or False, got {node_cache!r}")
+        node_cache = check_flag("memory backend: node_cache", self.opts["node_cache"])
         if not node_cache or self.source.kind is not SourceKind.FILES:
             return None
         from ... import distributed as fdist
