@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from .checks import check_choice
 from .config import LoaderConfig, check_pixel_stats, check_reals
 from .datasets import as_source
 from .errors import MissingDependency
@@ -130,8 +131,7 @@ def register(name: str, target: str | type, *, needs: str | None = None, install
 
 def unregister(name: str) -> None:
     """Remove a row (tests that register a backend of their own remove it again)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose from {list(BACKENDS)}")
+    check_choice("backend", name, BACKENDS)
     del BACKENDS[name]
 
 
@@ -166,7 +166,7 @@ def choices() -> list[str]:
 
 def spec(name: str) -> BackendSpec:
     """The row of backend ``name``; ValueError listing the choices for an unknown one."""
-    if name not in BACKENDS:
+    if name not in BACKENDS:   # the message lists choices(), "auto" included: what make_loader takes
         raise ValueError(f"unknown backend {name!r}; choose from {choices()}")
     return BACKENDS[name]
 
@@ -230,8 +230,7 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
         quiet: do not report ``auto``'s choice.
         **kwargs: LoaderConfig fields (batch_size, device, train, ...) and backend-specific options.
     """
-    if not isinstance(backend, str) or backend not in choices():
-        raise ValueError(f"unknown backend {backend!r}; choose from {choices()}")
+    check_choice("backend", backend, choices())
     src = as_source(source)
     if indices is not None:
         src = src.subset(indices)

@@ -33,6 +33,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, NamedTuple
 
+from ..checks import check_choice
 from ..errors import DecodeError
 
 if TYPE_CHECKING:   # PIL is imported where a window is decoded
@@ -345,8 +346,7 @@ def decode_box(source, box, out_size=None, *, policy: str = "auto", name=None) -
     breaks before the window's last row. Damage below the window is not seen: the decoder stops there.
     Call only for photos stored upright (EXIF orientation 1): the window is in stored pixels.
     """
-    if policy not in ("auto", "region"):
-        raise ValueError(f"policy must be 'auto' or 'region', got {policy!r}")
+    check_choice("policy", policy, ("auto", "region"))
     if not region_available():
         return None
     from PIL import Image
