@@ -74,6 +74,115 @@ def seed_for(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
+# ------------------------------------------------------------------ many generators at once
+# Why: a backend that draws a whole epoch's augmentation at once (memory) made one generator per batch,
+# ``default_rng(seed_for(...))``: two SeedSequences and a PCG64, 30 us a batch, 8.5 ms of every epoch
+# on the H200 machine's host, where the epoch's batches themselves took 10 ms (issue 30). SeedSequence
+# is a fixed sequence of 32-bit multiply/xor/shift steps (numpy/random/bit_generator.pyx, after
+# M. O'Neill's seed_seq_fe), so it runs for every batch at once as array operations, bit for bit;
+# only the PCG64 objects are made one by one. tests/test_sampling.py compares both with numpy's own.
+_M32 = 0xFFFFFFFF
+_POOL, _XSHIFT = 4, np.uint32(16)
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_L, _MIX_R = np.uint32(0xCA01F9DD), np.uint32(0x4973F715)
+
+
+def _hash_consts(init: int, mult: int, n: int) -> list:
+    """init, init*mult, init*mult^2, ... (n + 1 values, mod 2^32): the hash constant before each step."""
+    out = [init]
+    for _ in range(n):
+        out.append((out[-1] * mult) & _M32)
+    return [np.uint32(c) for c in out]
+
+
+def seed_sequence_words(entropy: np.ndarray, n_words: int) -> np.ndarray:
+    """The state numpy's SeedSequence makes from each row of ``entropy``, a (B, L) array of 32-bit words
+    (what SeedSequence makes of its entropy first: a list of ints below 2^32 - 1 is one word each, an
+    int of 2^32 - 1 or more its little-endian words), as ``generate_state(n_words, np.uint32)``."""
+    e = np.asarray(entropy, dtype=np.uint64)
+    if e.ndim != 2 or (e.size and int(e.max()) > _M32):
+        raise ValueError(f"entropy must be a (B, L) array of 32-bit words, got shape {e.shape}"
+                         f"{f' with {int(e.max())}' if e.size else ''}")
+    e = e.astype(np.uint32)
+    rows, length = e.shape
+    steps = _POOL + _POOL * (_POOL - 1) + max(length - _POOL, 0) * _POOL
+    hc, k = _hash_consts(_INIT_A, _MULT_A, steps), 0
+
+    def hashmix(v):   # v ^= hash; hash *= MULT_A; v *= hash; v ^= v >> 16
+        nonlocal k
+        v = (v ^ hc[k]) * hc[k + 1]
+        k += 1
+        return v ^ (v >> _XSHIFT)
+
+    def mix(x, y):
+        r = x * _MIX_L - y * _MIX_R
+        return r ^ (r >> _XSHIFT)
+
+    zero = np.zeros(rows, dtype=np.uint32)
+    pool = [hashmix(e[:, i] if i < length else zero) for i in range(_POOL)]
+    for src in range(_POOL):
+        for dst in range(_POOL):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    for src in range(_POOL, length):
+        for dst in range(_POOL):
+            pool[dst] = mix(pool[dst], hashmix(e[:, src]))
+    hb = _hash_consts(_INIT_B, _MULT_B, n_words)
+    out = np.empty((rows, n_words), dtype=np.uint32)
+    for i in range(n_words):
+        v = (pool[i % _POOL] ^ hb[i]) * hb[i + 1]
+        out[:, i] = v ^ (v >> _XSHIFT)
+    return out
+
+
+def _as_uint64(words: np.ndarray) -> np.ndarray:
+    """(B, 2k) uint32 words → (B, k) uint64, little-endian pairs, as SeedSequence returns uint64."""
+    return np.ascontiguousarray(words).astype("<u4").view("<u8").astype(np.uint64)
+
+
+def seeds_for(fixed: tuple, varying: np.ndarray, at: int) -> np.ndarray:
+    """``[seed_for(*fixed[:at], v, *fixed[at:]) for v in varying]`` as one uint64 array."""
+    varying = np.asarray(varying, dtype=np.int64)
+    cols = [np.full(len(varying), int(p) & _M32, dtype=np.uint64) for p in fixed]
+    cols.insert(at, (varying & _M32).astype(np.uint64))
+    e = np.stack(cols, 1) if cols else np.empty((0, 0), dtype=np.uint64)
+    whole = (e < _M32).all(1)   # a part equal to 2^32 - 1 is two words: numpy's own path
+    out = np.empty(len(varying), dtype=np.uint64)
+    out[whole] = _as_uint64(seed_sequence_words(e[whole], 4))[:, 0] >> np.uint64(1)
+    for i in np.flatnonzero(~whole).tolist():
+        out[i] = seed_for(*fixed[:at], int(varying[i]), *fixed[at:])
+    return out
+
+
+class _Words(np.random.bit_generator.ISeedSequence):
+    """A seed sequence whose state is already computed: what PCG64 asks of ``SeedSequence(seed)``."""
+
+    def __init__(self, words: np.ndarray):
+        self.words = words
+
+    def generate_state(self, n_words, dtype=np.uint32):
+        if n_words != len(self.words) or np.dtype(dtype) != np.uint64:
+            raise ValueError(f"_Words holds {len(self.words)} uint64 words, asked for {n_words} {dtype}")
+        return self.words
+
+
+def generators_for(seeds: np.ndarray) -> list:
+    """``[np.random.default_rng(int(s)) for s in seeds]`` (the same streams), the seeding done at once."""
+    seeds = np.asarray(seeds, dtype=np.uint64)
+    two = seeds >= np.uint64(_M32)   # numpy's entropy of such a seed: its low and high 32-bit words
+    out: list = [None] * len(seeds)
+    idx = np.flatnonzero(two)
+    if len(idx):
+        pairs = np.stack([seeds[idx] & np.uint64(_M32), seeds[idx] >> np.uint64(32)], 1)
+        words = _as_uint64(seed_sequence_words(pairs, 8))   # PCG64 takes 4 uint64 words
+        for j, i in enumerate(idx.tolist()):
+            # numpy takes any ISeedSequence (BitGenerator.__init__); its stubs name SeedSequence only
+            out[i] = np.random.Generator(np.random.PCG64(_Words(words[j])))  # type: ignore[arg-type]
+    for i in np.flatnonzero(~two).tolist():   # seeds below 2^32 - 1: one word (1 in 2^31 of them)
+        out[i] = np.random.default_rng(int(seeds[i]))
+    return out
+
+
 @dataclass(frozen=True)
 class EpochPlan:
     """Batches of sample ids for one rank.
@@ -192,3 +301,9 @@ class EpochPlan:
     def batch_seed(self, epoch: int, batch: int) -> int:
         """Seed of the random augmentation of one batch: independent of workers, threads and resume."""
         return seed_for(self.seed, epoch, batch, self.rank, 0x5EED)
+
+    def batch_rngs(self, epoch: int, first: int, count: int) -> list:
+        """The generators of batches ``first .. first + count - 1``: ``default_rng(batch_seed(...))``
+        each, the same streams, seeded at once (``generators_for``)."""
+        seeds = seeds_for((self.seed, epoch, self.rank, 0x5EED), np.arange(first, first + count), at=2)
+        return generators_for(seeds)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fastdata.sampling import EpochPlan, distributed_info
+from fastdata.sampling import EpochPlan, distributed_info, seed_for
 
 
 @pytest.mark.parametrize("n, b, world, drop_last, expected", [
@@ -145,3 +145,42 @@ def test_even_plans_pad_the_last_step_and_lay_out_the_epochs_order(n, batch, wor
         assert plan.rank_samples() == sum(map(len, per_rank[r]))
         uneven = EpochPlan(n, batch, True, False, 1, r, world)
         assert uneven.rank_samples() == sum(map(len, uneven.batches(0)))
+
+
+# ---------------------------------------------------------------- generators seeded at once
+def test_seed_sequence_words_are_numpys_for_every_row():
+    """The array SeedSequence (sampling.seed_sequence_words) gives numpy's own words, bit for bit, for
+    entropy of 1 to 9 words (fewer, as many as and more than the pool of 4) and the edge values."""
+    from fastdata.sampling import seed_sequence_words
+
+    rng = np.random.default_rng(0)
+    for length in range(1, 10):
+        rows = rng.integers(0, 2**32 - 1, size=(300, length), dtype=np.uint64)
+        rows[:3] = [[0] * length, [2**32 - 2] * length, [1] * length]
+        for n_words in (1, 4, 8):
+            want = np.stack([np.random.SeedSequence([int(v) for v in r]).generate_state(n_words) for r in rows])
+            assert np.array_equal(seed_sequence_words(rows, n_words), want), (length, n_words)
+    words = np.array([[2**32 - 1, 5]], dtype=np.uint64)   # the words numpy makes of the int 5 * 2^32 + 2^32 - 1
+    assert np.array_equal(seed_sequence_words(words, 4)[0], np.random.SeedSequence(6 * 2**32 - 1).generate_state(4))
+    with pytest.raises(ValueError, match="array of 32-bit words, got shape \\(1, 1\\) with 4294967296"):
+        seed_sequence_words(np.array([[2**32]], dtype=np.uint64), 4)
+
+
+def test_batch_rngs_are_the_batch_rng_streams():
+    """EpochPlan.batch_rngs(epoch, first, count) draws exactly what default_rng(batch_seed(...)) draws,
+    for seeds and epochs that are negative, 0, 2^32 - 1 (two words of entropy in numpy) or huge, and
+    seeds_for/generators_for agree with seed_for/default_rng where numpy takes its other paths."""
+    from fastdata.sampling import generators_for, seeds_for
+
+    for seed, epoch, rank in [(0, 0, 0), (7, 3, 1), (-5, 2**32 - 1, 0), (2**40 + 3, 12, 3)]:
+        plan = EpochPlan(10_000, 8, True, False, seed, rank, 4)
+        got = plan.batch_rngs(epoch, 5, 40)
+        for b, g in enumerate(got, start=5):
+            want = np.random.default_rng(plan.batch_seed(epoch, b))
+            assert np.array_equal(g.integers(0, 5, size=(16, 2)), want.integers(0, 5, size=(16, 2)))
+            assert np.array_equal(g.random(9), want.random(9))
+    batches = np.array([0, 1, 2**32 - 1, -1, 2**31])
+    assert seeds_for((3, 9, 0x5EED), batches, at=2).tolist() == [seed_for(3, 9, int(b), 0x5EED) for b in batches]
+    seeds = np.array([0, 1, 2**32 - 2, 2**32 - 1, 2**32, 2**63 - 1], dtype=np.uint64)
+    for g, s in zip(generators_for(seeds), seeds, strict=True):
+        assert np.array_equal(g.random(5), np.random.default_rng(int(s)).random(5))

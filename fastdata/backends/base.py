@@ -598,3 +598,8 @@ class Loader:
     def batch_rng(self, epoch: int, batch: int) -> np.random.Generator:
         """The generator of batch ``batch``'s augmentation draws, seeded from ``(seed, epoch, batch)``."""
         return np.random.default_rng(self.plan.batch_seed(epoch, batch))
+
+    def batch_rngs(self, epoch: int, first: int, count: int) -> list:
+        """``[batch_rng(epoch, b) for b in range(first, first + count)]``, seeded at once: for a backend
+        that draws a whole epoch (``EpochPlan.batch_rngs``: 10x less host time than one by one)."""
+        return self.plan.batch_rngs(epoch, first, count)

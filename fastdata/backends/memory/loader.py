@@ -276,11 +276,12 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         pos = 0
         simple = self._window is not None   # shifts and flips only (see __init__)
         size = self.cache.shape[1:3] if self.cache is not None else self.ready.shape[2:]
-        for k, b in enumerate(batches):
+        # The batches' generators seeded at once: one by one they were most of an epoch's host time.
+        for b, rng in zip(batches, self.batch_rngs(epoch, start, len(batches)), strict=True):
             n = len(b)
             # Photos cached whole: boxes from each photo's original size, as the torch backend draws them.
             sizes = self._sizes[0][b] if self._sizes is not None else size
-            params = draw_params(aug, self.batch_rng(epoch, start + k), n, sizes)
+            params = draw_params(aug, rng, n, sizes)
             if simple:
                 if params.offsets is not None:
                     offs.append(params.offsets)
