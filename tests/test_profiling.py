@@ -172,7 +172,8 @@ def test_misuse_is_refused_naming_the_problem(tmp_path):
     with pytest.raises(RuntimeError, match="outside the profiler"):
         prof.step()
     with prof:
-        with pytest.raises(ValueError, match=r"unknown StepProfiler region 'forward'; choose from \['data_wait', 'h2d'"):
+        with pytest.raises(ValueError,
+                           match=r"unknown StepProfiler region 'forward'; choose from \['data_wait', 'h2d'"):
             with prof.region("forward"):
                 pass
         with pytest.raises(RuntimeError, match="inside region 'data_wait': regions do not nest"):
