@@ -84,9 +84,14 @@ def _callers():
     from fastdata.config import LoaderConfig
     from fastdata.decode.dali_options import DaliOptions
     from fastdata.engine import FitConfig
+    from fastdata.models import SmallCNN
     from fastdata.packing import pack
     from fastdata.prefetch import PrefetchStage
+    from fastdata.profiling import StepProfiler
+    from fastdata.runlog import RunLog
+    from fastdata.sampling import EpochPlan
     from fastdata.shards.order import epoch_order
+    from fastdata.shards.storage import Storage
 
     return {
         "prefetch depth": lambda: PrefetchStage(torch.device("cpu"), depth=True),
@@ -98,6 +103,12 @@ def _callers():
         "fit epochs": lambda: FitConfig(epochs=True),
         "dali threads": lambda: DaliOptions(num_threads=True),
         "pack workers": lambda: pack("digits", "never-written", workers=True),
+        "loader batch size": lambda: LoaderConfig(batch_size=True, device="cpu"),
+        "storage retries": lambda: Storage("never-read", retries=True),
+        "epoch plan samples": lambda: EpochPlan(True, 1, False, False, 0),
+        "profiler steps": lambda: StepProfiler("never-written", wait=True, device="cpu"),
+        "run log steps": lambda: RunLog("never-written", every_steps=True),
+        "SmallCNN width": lambda: SmallCNN(width=True),
     }
 
 
