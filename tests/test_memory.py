@@ -1,5 +1,7 @@
 """memory backend: the torch backend's batches from a cache: digits and padded translation bit for bit,
 photo crops drawn from each whole photo, exact evaluation crops."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -357,21 +359,25 @@ def test_uint8_path_when_the_normalized_cache_does_not_fit(monkeypatch):
 
 
 class _CopySpy:
-    """Counts host→device uploads: torch.from_numpy / as_tensor / tensor, and .to() given a device."""
+    """Counts host→device uploads made on the consumer's thread: torch.from_numpy / as_tensor / tensor,
+    and .to() given a device. The next epoch's draws are made on the draw-ahead thread meanwhile (once
+    an epoch, by design); counting them would make the check depend on that thread's timing."""
 
     def __init__(self, monkeypatch):
         self.calls = []
         to = torch.Tensor.to
+        consumer = threading.get_ident()
 
         def spy_to(t, *args, **kwargs):
-            if "device" in kwargs or "non_blocking" in kwargs or any(isinstance(a, (str, torch.device))
-                                                                        for a in args):
+            if threading.get_ident() == consumer and ("device" in kwargs or "non_blocking" in kwargs or any(
+                    isinstance(a, (str, torch.device)) for a in args)):
                 self.calls.append(("to", args))
             return to(t, *args, **kwargs)
 
         def counting(name, fn):
             def wrapper(*args, **kwargs):
-                self.calls.append((name,))
+                if threading.get_ident() == consumer:
+                    self.calls.append((name,))
                 return fn(*args, **kwargs)
             return wrapper
 
@@ -853,7 +859,7 @@ def test_a_large_shrink_is_resized_in_steps_close_to_one_step(monkeypatch):
     per axis and step (the default on CUDA, asked for explicitly here), and the result stays within a
     level of one step's."""
     from fastdata.backends.memory import MAX_CUDA_SHRINK, resize_whole, shrink_steps, whole_size
-    from fastdata.decode import whole
+    from fastdata.images import whole
 
     assert MAX_CUDA_SHRINK <= 32
     assert shrink_steps((30000, 2000), (256, 17), 16) == [(1875, 125), (256, 17)]
