@@ -143,7 +143,7 @@ def available(name, tree, why_tree, args) -> str:
     if name == "today" and tree is None:
         return why_tree
     if name == "nvimgcodec":
-        from fastdata.decode.whole import nvimgcodec
+        from fastdata.images.whole import nvimgcodec
 
         if nvimgcodec() is None:
             return "nvImageCodec is not installed"

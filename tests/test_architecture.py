@@ -203,8 +203,8 @@ FLOORS = [
     # The recipe's parameters and their application on arrays, and process groups, each built on the
     # config alone.
     ("augment", "distributed"),
-    # One image file's bytes → pixels (the recipe's box decoded): below datasets, whose sources decode a
-    # photo themselves (ImageFolder.__getitem__) and convert a Dataset's PIL image (to_rgb).
+    # Every decoder, one image file's bytes → pixels (a box, a whole photo, the on_error policy): below
+    # datasets, whose sources decode a photo themselves (ImageFolder.__getitem__, to_rgb).
     ("images",),
     ("datasets",),
     ("decode",),

@@ -254,8 +254,8 @@ def test_on_error_raises_or_skips_decode_errors_only():
     """OnError is the one place that decides raise-or-skip: a DecodeError is re-raised under "raise" and
     turned into None under "skip"; any other error propagates under both; refuse() raises under "raise"
     (without the handled exception's context) and returns under "skip"."""
-    from fastdata.decode.on_error import OnError
     from fastdata.errors import DecodeError
+    from fastdata.images.on_error import OnError
 
     def broken():
         raise DecodeError("a.jpg", "truncated")
@@ -293,4 +293,4 @@ def test_no_backend_decides_raise_or_skip_itself():
     found = [f"{f.relative_to(root)}:{n}" for f in sorted(root.rglob("*.py"))
              for n, line in enumerate(f.read_text().splitlines(), 1)
              if "on_error ==" in line or "on_error !=" in line or "on_error in" in line]
-    assert not found, f"backends that compare on_error themselves (use fastdata.decode.on_error.OnError): {found}"
+    assert not found, f"backends that compare on_error themselves (use fastdata.images.on_error.OnError): {found}"

@@ -65,7 +65,7 @@ import torch
 from fastdata import distributed as fdist, make_loader
 from fastdata.datasets import ImageFolder
 from fastdata.errors import DecodeError
-import fastdata.decode.whole as mem   # the whole-photo decoders
+import fastdata.images.whole as mem   # the whole-photo decoders
 import fastdata.decode as dec
 from fastdata.config import Augmentation
 
@@ -475,7 +475,7 @@ import torch
 from fastdata import distributed as fdist, make_loader
 from fastdata.config import Augmentation
 from fastdata.datasets import ImageFolder
-import fastdata.decode.whole as mem   # the whole-photo decoders
+import fastdata.images.whole as mem   # the whole-photo decoders
 
 LOG = os.path.abspath("decodes.log")
 def counted(fn):

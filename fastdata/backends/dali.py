@@ -117,8 +117,8 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
     files_decoder,
     slice_has_policy,
 )
-from ..decode.on_error import OnError
 from ..errors import DecodeError
+from ..images.on_error import OnError
 from .base import Loader, labels_on
 
 

@@ -1,4 +1,6 @@
-"""The decode-and-skip layer below the backends: sample ids → uint8 images, and the ids kept.
+"""The decode-and-skip layer below the backends: sample ids → uint8 images, and the ids kept. The
+decoders it calls are ``fastdata.images``' (one room for every bytes → pixels path); this layer reads
+the sources, batches, applies the recipe and the skips, and holds DALI's feed (``dali_*``).
 
 Every backend that decodes on the host goes through here (the torch backend's workers per batch, the
 memory backend once for its cache), so there is one definition of what is decoded how, which files
@@ -32,8 +34,8 @@ from torch.utils.data import Dataset
 from ..augment import augment_array, augment_batch, require_fixed_size
 from ..config import Augmentation, Crop
 from ..datasets import SourceKind, check_transform_and_augment, transform_output
+from ..images.on_error import OnError
 from ..images.photo import load_photo
-from .on_error import OnError
 
 
 class Decoded(NamedTuple):

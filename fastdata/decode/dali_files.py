@@ -21,8 +21,8 @@ from ..images.photo import check_pixels, crop_photo, exif_orientation, open_imag
 if TYPE_CHECKING:
     from ..config import Augmentation
     from ..datasets import Source
+    from ..images.on_error import OnError
     from .dali_feed import WorkerPool
-    from .on_error import OnError
 
 # What the loader knows about each file, learnt the first time the file is read (see _read_file).
 UNSEEN, OK, NO_HEADER, BROKEN = 0, 1, 2, 3

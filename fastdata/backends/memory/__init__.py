@@ -43,9 +43,9 @@ raises, naming the file. Arrays are not decoded: each rank's cache is its own ar
 """
 # The package's rooms: budgeting.py (what a cache needs and what the device gives it), cache.py (building
 # it), node.py (one cache per node), loader.py (the loader and the device recipe), epochs.py (an epoch's
-# tensors, drawn ahead); the whole-photo decoders are the decode layer's (fastdata.decode.whole). The
+# tensors, drawn ahead); the whole-photo decoders are the decode layer's (fastdata.images.whole). The
 # names below are what other modules, the benchmarks and the tests read from ``fastdata.backends.memory``.
-from ...decode.whole import (
+from ...images.whole import (
     MAX_CUDA_SHRINK,
     NvWholeDecoder,
     WholePhotos,

@@ -2,7 +2,7 @@
 
 ``CacheBuild`` is the part of ``MemoryLoader`` that fills a photo cache: threads (PIL's decode and resize
 release the GIL), DataLoader worker processes, or nvImageCodec in batches (on a GPU, into device
-memory); the decoders themselves are the decode layer's (``fastdata.decode.whole``). Files skipped with
+memory); the decoders themselves are the decode layer's (``fastdata.images.whole``). Files skipped with
 ``on_error="skip"`` leave gaps that are closed at the end (``_compact``). Also here: what the cache is
 made of besides decoding (``pad_images`` for translation, ``chunks`` for bounded temporaries).
 """
@@ -23,8 +23,8 @@ from ...augment import (
 from ...checks import check_integer
 from ...config import Augmentation, Padding
 from ...decode import BatchDecoder, collect_before_fork
-from ...decode.whole import NvWholeDecoder, WholePhotos, nvimgcodec
 from ...errors import CacheDoesNotFit
+from ...images.whole import NvWholeDecoder, WholePhotos, nvimgcodec
 from .budgeting import LoaderFields, available_ram, fmt_bytes, photo_side
 
 
