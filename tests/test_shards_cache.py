@@ -179,11 +179,22 @@ def test_a_budget_that_cannot_hold_the_window_is_refused_up_front(tmp_path, wind
      r"^ShardCache: the expected size \(bytes\) of shard 'a.tar' must be an integer >= 0, got -1"),
     (dict(expected_sizes={"a.tar": 10.0}), TypeError,
      r"^ShardCache: the expected size \(bytes\) of shard 'a.tar' must be an integer >= 0, got 10.0"),
+    (dict(limit_bytes="1GB"), TypeError, r"^ShardCache: limit_bytes must be an integer >= 0, got '1GB'"),
+    (dict(wait_timeout=0), ValueError, r"^ShardCache: wait_timeout \(seconds\) must be a number > 0, got 0"),
 ])
 def test_bad_cache_arguments_are_refused_by_name(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
-        ShardCache(Storage(f"file://{tmp_path}"), tmp_path / "cache", limit_bytes=1 << 20,
-                   **{"expected_sizes": {"a.tar": 10}, **kwargs})
+        ShardCache(Storage(f"file://{tmp_path}"), tmp_path / "cache",
+                   **{"limit_bytes": 1 << 20, "expected_sizes": {"a.tar": 10}, **kwargs})
+
+
+def test_a_bad_cache_limit_is_refused_by_name_before_anything_is_read(tmp_path):
+    """Shards(cache_limit=...) was never checked: "1GB" failed later, inside int(), naming nothing."""
+    from fastdata.datasets import Shards
+
+    for bad, error in (("1GB", TypeError), (0, ValueError)):
+        with pytest.raises(error, match=r"^cache_limit \(bytes\) must be an integer >= 1 or None, got"):
+            Shards(f"file://{tmp_path}", cache_limit=bad)
 
 
 def test_a_cached_file_of_the_wrong_size_is_fetched_again(remote, tmp_path):

@@ -86,6 +86,7 @@ class Shards(Source):
         from .sample_transforms import check_sample_transform
 
         self.window = check_integer("window", window, minimum=1)
+        cache_limit = check_integer("cache_limit (bytes)", cache_limit, minimum=1, optional=True)
         self.storage = Storage(location, retries=retries, timeout=timeout, storage_options=storage_options)
         where = self.storage.url("index.json")
         self.index = parse_index(self.storage.read("index.json"), where)

@@ -41,7 +41,7 @@ import time
 import uuid
 import weakref
 
-from fastdata.checks import check_integer
+from fastdata.checks import check_integer, check_number
 from fastdata.shards.storage import ShardMismatch, check_name
 
 __all__ = ["ShardCache", "CacheFull", "Verdicts"]
@@ -109,7 +109,8 @@ class ShardCache:
         self._files = {name: _versioned(name, self.digests.get(name)) for name in sizes}   # name -> file
         self._names = {file: name for name, file in self._files.items()}                 # file -> name
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
-        self.limit_bytes, self.wait_timeout = int(limit_bytes), float(wait_timeout)
+        self.limit_bytes = check_integer("ShardCache: limit_bytes", limit_bytes, minimum=0)
+        self.wait_timeout = check_number("ShardCache: wait_timeout (seconds)", wait_timeout, above=0)
         self.in_place = getattr(storage, "local_path", lambda n: None)(next(iter(sizes))) is not None
         largest = sorted(sizes.values(), reverse=True)[:self.window]
         need = sum(largest)
