@@ -119,12 +119,11 @@ class EpochMeter:
         self.steady = (time.perf_counter(), self.images, self.wait, self.steps)
         self.timer.mark_steady()
 
-    def steady_start(self) -> tuple[float, int, float]:
-        """(host time, images, wait) where the steady state starts: where the warm-up ended, or the epoch's
-        start when there is no warm-up or no step came after it (the timer then counts every step too)."""
+    def steady_start(self) -> tuple[float, int, float] | None:
+        """(host time, images, wait) where the steady state starts, where the warm-up ended; None when
+        there is no warm-up or no step came after it: the epoch is then measured whole."""
         if self.steady is None or self.steady[3] == self.steps:
-            self.timer.steady_from = 0
-            return self.t0, 0, 0.0
+            return None
         return self.steady[:3]
 
     def live(self, now: float) -> tuple[float, float] | None:
@@ -185,7 +184,10 @@ class EpochMeter:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         end = time.perf_counter()
-        mark, images0, wait0 = self.steady_start()
+        start = self.steady_start()
+        if start is None:   # measured whole: the timer counts every step too
+            self.timer.steady_from = 0
+        mark, images0, wait0 = start if start is not None else (self.t0, 0, 0.0)
         steady = end - mark
         idle = self.timer.idle_fraction()
         local = torch.tensor([*self.sums.tolist(), self.images, images0,
