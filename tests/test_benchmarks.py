@@ -587,9 +587,12 @@ def test_bench_shards_quick(tmp_path):
     for got, held in zip(http["requests"], http["held"], strict=True):
         assert got >= http["shards"] - held > 0
     # The small cache (2 windows of 2 of the largest shard) cannot hold every shard: each epoch downloads
-    # some, the first (warm-up) epoch every one it reads.
+    # some, the first (warm-up) epoch every one it reads but those of the first window, which the loader
+    # may have fetched ahead already while it was built (its contract check reads the first batch, and the
+    # read-ahead starts with it): a loaded machine's full run saw 5 of 7.
     small = http["small_cache_requests"]
-    assert len(small) == 2 and small[0] >= http["shards"] - 1 and all(n > 0 for n in small)
+    window = min(bench.SMALL_WINDOW, 2)
+    assert len(small) == 2 and small[0] >= http["shards"] - window and all(n > 0 for n in small)
     assert "small cache`:" in md
     decode = {r["name"]: r for r in payload["rows"] if r["workload"] == "decode"}
     assert set(decode) == {f"{copy}, {path}" for copy in ("originals", "max-side 256") for path in bench.DECODE_PATHS}
