@@ -107,7 +107,7 @@ from ..augment import (
 from ..config import Crop, Padding
 from ..datasets import SourceKind
 from ..decode.dali_errors import dali_reason, free_frames, is_dali_failure
-from ..decode.dali_feed import Feeder, WorkerPool, stream
+from ..decode.dali_feed import Feeder, WorkerPool, batch_record, stream
 from ..decode.dali_files import BROKEN, OK, UNSEEN, DaliFiles, plain_file_paths
 from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, the option's values)
     DECODE_CHOICES,
@@ -354,7 +354,7 @@ class DaliLoader(DaliFiles, Loader):
             return self._prepare_files(rng, k, ids)
         src, aug = cast(_ArrayPixels, self.source), self.augment   # not FILES: the kind's pixels array
         n = len(ids)
-        record = {"k": k, "ids": ids, "n": n, "skipped": 0, "labels": src.labels[ids]}
+        record = batch_record(k, ids, src.labels)
         if n == 0:
             return None, record
         h, w, _ = src.image_shape

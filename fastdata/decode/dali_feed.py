@@ -114,6 +114,13 @@ def stream(plan, epoch: int, batches: list, start: int):
         batches = plan.batches_from(epoch, 0)
 
 
+def batch_record(k: int, ids, labels, skipped: int = 0) -> dict:
+    """What ``Feeder.records`` holds for batch ``k``: the ids DALI decodes (those kept, an int array),
+    their count, the files skipped, and their labels from the source's ``labels`` array (labels never
+    go through DALI)."""
+    return {"k": k, "ids": ids, "n": len(ids), "skipped": skipped, "labels": labels[ids]}
+
+
 class Feeder:
     """The external_source callback: turns the stream's batches into DALI inputs, one batch per call.
 

@@ -17,6 +17,7 @@ from ..augment import draw_params
 from ..datasets import ImageFolder, folders
 from ..errors import DecodeError
 from ..images.photo import check_pixels, crop_photo, exif_orientation, open_image
+from .dali_feed import batch_record
 
 if TYPE_CHECKING:
     from ..config import Augmentation
@@ -109,7 +110,7 @@ class DaliFiles:
             crops = [(int(i), buf, tuple(box)) for i, buf, box in
                      zip(keep.tolist(), (b for b, ok in zip(data, usable) if ok), boxes.tolist())]
             return self._host_batch(k, crops, flips.tolist(), skipped)
-        record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped, "labels": self.source.labels[keep]}
+        record = batch_record(k, keep, self.source.labels, skipped)
         if not len(keep):
             return None, record
         windowed = self._decoder[0] == "image_slice"
@@ -194,7 +195,7 @@ class DaliFiles:
             keep.append(i)
             flips.append(flip)
         keep = np.asarray(keep, dtype=np.int64)
-        record = {"k": k, "ids": keep, "n": len(keep), "skipped": skipped, "labels": self.source.labels[keep]}
+        record = batch_record(k, keep, self.source.labels, skipped)
         if not len(keep):
             return None, record
         return (images[:len(keep)], np.asarray(flips, np.int32)), record
