@@ -16,6 +16,7 @@ from typing import IO, TYPE_CHECKING, cast
 import numpy as np
 
 from ..checks import check_choice, check_integer
+from ..config import default_workers
 from ..datasets.spec import SPLITS
 from ..shards.index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 from ..shards.storage import file_sha256
@@ -319,8 +320,7 @@ def _write_shards(reader: SampleReader, todo: list[ShardPlan], out: Path, key_wi
                   records: dict, progress) -> None:
     """Write the ``todo`` shards, here or on a process pool, adding each one's record to ``records``."""
     # By default the ranks of one node share its cores rather than each starting a process per core.
-    per_rank = max(1, _usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
-    n_workers = min(len(todo), workers if workers is not None else per_rank)
+    n_workers = min(len(todo), workers if workers is not None else default_workers())
     if n_workers <= 1:
         for plan in todo:
             records[plan.index] = write_shard(reader, plan, str(out), key_width, progress)
@@ -340,11 +340,6 @@ def _write_shards(reader: SampleReader, todo: list[ShardPlan], out: Path, key_wi
     finally:
         # On an error, shards not started are dropped rather than written after it.
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _usable_cores() -> int:
-    # The cores this process may run on (a container's or a job's share), not the machine's.
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
