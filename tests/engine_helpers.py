@@ -1,5 +1,7 @@
 """Helpers shared by the engine's tests (tests/test_engine_*.py): loaders of the contract, a crash
-to stop a run, small batches and models."""
+to stop a run, small batches and models, and a clock moved only by the costs charged to it."""
+import time
+
 import torch
 from torch import nn
 
@@ -119,3 +121,23 @@ def _plain_net():
     """No BatchNorm, no dropout: a batch's gradient is the mean of its samples', whatever the split."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(1), nn.Linear(4 * 16 * 16, 10))
+
+
+class Clock:
+    """The clock the bench and fit's meter read (their ``time.perf_counter``), moved only by the costs
+    charged to it: what they measure is then the cost model, whatever else the cores are doing."""
+
+    def __init__(self, monkeypatch):
+        import types
+
+        from fastdata import bench
+        from fastdata.engine import hooks, meter
+
+        self.now = 0.0
+        fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+        fake.perf_counter = lambda: self.now
+        for module in (bench, meter, hooks):
+            monkeypatch.setattr(module, "time", fake)
+
+    def charge(self, seconds: float):
+        self.now += seconds

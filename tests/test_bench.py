@@ -5,7 +5,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from conftest import require
+from engine_helpers import Clock
 from fastdata import fit, make_loader
 from fastdata.bench import measure_loader, measure_step, predict
 from fastdata.datasets import SyntheticDigits
@@ -75,26 +75,6 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.head(self.conv(x).mean((2, 3)))
-
-
-class Clock:
-    """The clock the bench and fit's meter read (their ``time.perf_counter``), moved only by the costs
-    charged to it: what they measure is then the cost model, whatever else the cores are doing."""
-
-    def __init__(self, monkeypatch):
-        import types
-
-        from fastdata import bench
-        from fastdata.engine import hooks, meter
-
-        self.now = 0.0
-        fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
-        fake.perf_counter = lambda: self.now
-        for module in (bench, meter, hooks):
-            monkeypatch.setattr(module, "time", fake)
-
-    def charge(self, seconds: float):
-        self.now += seconds
 
 
 class SlowDigits(torch.utils.data.Dataset):

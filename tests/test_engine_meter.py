@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine_helpers import CountingStep, ListLoader, Wrapper, _batches
+from engine_helpers import Clock, CountingStep, ListLoader, Wrapper, _batches
 from fastdata import make_loader
 from fastdata.datasets import ArraySource, SyntheticDigits
 from fastdata.engine import (
@@ -300,9 +300,6 @@ def test_a_wait_counts_only_where_the_gpu_ran_out_of_work(monkeypatch):
     training stream as it began has completed by its end (meter.gpu_starved): a wait with the GPU still
     busy on earlier work (a launch blocked on a full queue) cost the GPU nothing. On an H200 a gather
     of ready batches read 2.4% data wait with the GPU busy throughout. On the CPU every wait counts."""
-    import time
-
-
     done = iter([False, True, False])   # the GPU: busy, idle, busy at the end of each of three waits
     recorded = []
 
@@ -313,18 +310,20 @@ def test_a_wait_counts_only_where_the_gpu_ran_out_of_work(monkeypatch):
         def query(self):
             return next(done)
 
-    class Sleepy:
+    clock = Clock(monkeypatch)   # each next() costs exactly 50 ms of the meter's clock
+
+    class Slow:
         def __iter__(self):
             for i in range(3):
-                time.sleep(0.05)
+                clock.charge(0.05)
                 yield i
 
     monkeypatch.setattr(torch.cuda, "Event", Mark)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("training stream of", device))
     meter = EpochMeter(torch.device("cpu"))
     meter.device = torch.device("cuda", 1)   # built on the CPU (its sums), timing as on cuda:1
-    assert list(meter.timed(Sleepy())) == [0, 1, 2]
+    assert list(meter.timed(Slow())) == [0, 1, 2]
     assert recorded == [("training stream of", torch.device("cuda", 1))] * 4   # 3 batches and the end
-    assert 0.045 <= meter.wait < 0.1   # the one wait that found the GPU idle
+    assert meter.wait == pytest.approx(0.05)   # the one wait that found the GPU idle
     cpu = EpochMeter(torch.device("cpu"))
-    assert list(cpu.timed(Sleepy())) == [0, 1, 2] and cpu.wait >= 0.15
+    assert list(cpu.timed(Slow())) == [0, 1, 2] and cpu.wait == pytest.approx(0.15)
