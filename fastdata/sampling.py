@@ -302,8 +302,12 @@ class EpochPlan:
         """Seed of the random augmentation of one batch: independent of workers, threads and resume."""
         return seed_for(self.seed, epoch, batch, self.rank, 0x5EED)
 
+    def batch_seeds(self, epoch: int, first: int, count: int) -> np.ndarray:
+        """``batch_seed`` of batches ``first .. first + count - 1`` (uint64), computed at once
+        (``seeds_for``: 60x less host time than one by one, before a pass's first batch)."""
+        return seeds_for((self.seed, epoch, self.rank, 0x5EED), np.arange(first, first + count), at=2)
+
     def batch_rngs(self, epoch: int, first: int, count: int) -> list:
         """The generators of batches ``first .. first + count - 1``: ``default_rng(batch_seed(...))``
         each, the same streams, seeded at once (``generators_for``)."""
-        seeds = seeds_for((self.seed, epoch, self.rank, 0x5EED), np.arange(first, first + count), at=2)
-        return generators_for(seeds)
+        return generators_for(self.batch_seeds(epoch, first, count))

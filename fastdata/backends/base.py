@@ -46,17 +46,23 @@ _SUPERSEDED = ("this iterator was superseded by a newer iter() on the same loade
                "next(iter(loader)) before it (a peek does not advance the epoch), or a second loader")
 
 
+def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the host) ready for an upload to ``device`` that does not make the host wait: pinned
+    where ``device`` is a GPU (a copy from pageable memory is synchronous: torch copies through a
+    staging buffer and waits for it), as it is elsewhere."""
+    if device.type != "cuda":
+        return t
+    with torch.cuda.device(device):   # the pinning context is the loader's GPU, not cuda:0
+        return t.pin_memory()
+
+
 def labels_on(device: torch.device, labels) -> torch.Tensor:
     """A batch's labels (int64 array-like, known on the host) as the contract's int64 (N,) on ``device``,
-    without making the host wait: on a GPU, a copy from pageable memory is synchronous (torch copies
-    through a staging buffer and waits for it), so the labels are pinned and copied ``non_blocking``.
-    The pinned buffer may be dropped at once: torch's caching host allocator records the copy's stream
-    and reuses the block only after the copy's event has completed (ATen/core/CachingHostAllocator.h)."""
+    without making the host wait: pinned and copied ``non_blocking``. The pinned buffer may be dropped
+    at once: torch's caching host allocator records the copy's stream and reuses the block only after
+    the copy's event has completed (ATen/core/CachingHostAllocator.h)."""
     t = torch.as_tensor(np.asarray(labels, dtype=np.int64)).view(-1)
-    if device.type != "cuda":
-        return t.to(device)
-    with torch.cuda.device(device):   # the pinning context is the loader's GPU, not cuda:0
-        return t.pin_memory().to(device, non_blocking=True)
+    return pinned(t, device).to(device, non_blocking=device.type == "cuda")
 
 
 def _reading_call(source: Source, next_order):

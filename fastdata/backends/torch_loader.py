@@ -156,7 +156,9 @@ class TorchLoader(Loader):
 
     def host_batches(self, epoch, batches, start):
         """uint8 (images, labels) batches in host memory (pinned on CUDA), in order; counts skips."""
-        jobs = [(ids, self.plan.batch_seed(epoch, start + k)) for k, ids in enumerate(batches)]
+        # The batches' seeds at once: one seed_for per batch was ~0.2 s before an ImageNet pass's first batch.
+        seeds = self.plan.batch_seeds(epoch, start, len(batches)).tolist()
+        jobs = list(zip(batches, seeds, strict=True))
         self._sampler.jobs = jobs
         if self._loader.num_workers and getattr(self._loader, "_iterator", None) is None:
             collect_before_fork()

@@ -16,7 +16,7 @@ from ...augment import (
 from ...config import Crop
 from ...datasets import SourceKind
 from ...sampling import EpochPlan
-from ..base import Loader
+from ..base import Loader, pinned
 from .budgeting import (
     DEFAULT_CACHE_SIZE,
     LIVE,
@@ -298,12 +298,8 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
 
         def host(parts, dtype, shape):
             arr = np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(shape, dtype)
-            t = torch.from_numpy(np.ascontiguousarray(arr))
-            if self.device.type != "cuda":
-                return t
-            # Pinned, so the upload is a DMA that runs on the current stream without blocking the host.
-            with torch.cuda.device(self.device):   # the pinning context is the loader's GPU, not cuda:0
-                return t.pin_memory()
+            # Pinned on CUDA, so the upload is a DMA that runs on the current stream without blocking the host.
+            return pinned(torch.from_numpy(np.ascontiguousarray(arr)), self.device)
 
         return Draws(
             key=(epoch, start), bounds=bounds, ids=host(ids, np.int64, (0,)),
