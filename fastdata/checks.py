@@ -39,12 +39,15 @@ def check_integer(name: str, value, *, minimum: int | None = None, maximum: int 
     and the valid range."""
     if optional and value is None:
         return None
-    bounds = _bounds(minimum, maximum) + (" or None" if optional else "")
+
+    def valid() -> str:   # the message's range, built only for an error: some callers check per batch
+        return _bounds(minimum, maximum) + (" or None" if optional else "")
+
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ArgumentTypeError(f"{name} must be an integer{bounds}, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{name} must be an integer{valid()}, got {value!r} ({type(value).__name__})")
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an integer{bounds}, got {value}")
+        raise ValueError(f"{name} must be an integer{valid()}, got {value}")
     return value
 
 
@@ -61,17 +64,20 @@ def check_number(name: str, value, *, minimum: float | None = None, maximum: flo
     NaN, an infinity or a value out of range; all name ``name``, the value and the valid range."""
     if optional and value is None:
         return None
-    valid = ((f" > {above}" if above is not None else "")
-             + (" and" if above is not None and (minimum, maximum) != (None, None) else "")
-             + _bounds(minimum, maximum) + (" or None" if optional else ""))
+
+    def valid() -> str:   # the message's range, built only for an error
+        return ((f" > {above}" if above is not None else "")
+                + (" and" if above is not None and (minimum, maximum) != (None, None) else "")
+                + _bounds(minimum, maximum) + (" or None" if optional else ""))
+
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"{name} must be a number{valid}, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{name} must be a number{valid()}, got {value!r} ({type(value).__name__})")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number{valid}, got {value!r}")
+        raise ValueError(f"{name} must be a finite number{valid()}, got {value!r}")
     value = float(value)
     if (above is not None and value <= above) or (minimum is not None and value < minimum) \
             or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be a number{valid}, got {value!r}")
+        raise ValueError(f"{name} must be a number{valid()}, got {value!r}")
     return value
 
 
@@ -86,11 +92,23 @@ def check_flag(name: str, value, *, optional: bool = False):
 
 
 def check_choice(name: str, value, choices):
-    """``value`` when it is one of ``choices``, else a ValueError naming ``name`` and listing them."""
+    """``value`` when it is one of ``choices``, else a ValueError naming ``name`` and listing them.
+
+    A value matches a choice of its own kind only (a string a string, None None): ``in`` alone compares
+    with ``==``, and a numpy string array equals a name elementwise, so ``np.array('skip')`` would pass
+    and fail later, far from the call (the private checks this replaced required a ``str``)."""
     choices = tuple(choices)
-    if value in choices:
+    if any(_same_kind(value, c) and value == c for c in choices):
         return value
     raise ValueError(f"unknown {name} {value!r}; choose from {list(choices)}")
+
+
+def _same_kind(value, choice) -> bool:
+    if isinstance(choice, str):
+        return isinstance(value, str)
+    if choice is None:
+        return value is None
+    return isinstance(value, type(choice))
 
 
 def _bounds(minimum, maximum) -> str:

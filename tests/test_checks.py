@@ -68,6 +68,16 @@ def test_check_flag_and_choice():
     assert checks.check_choice("amp", "off", ("auto", "off")) == "off"
     with pytest.raises(ValueError, match=r"unknown amp 'on'; choose from \['auto', 'off'\]"):
         checks.check_choice("amp", "on", ("auto", "off"))
+    # Only a choice's own kind matches: a numpy string array equals a name elementwise, and the private
+    # checks check_choice replaced refused it (LoaderConfig(on_error=np.array('skip')) was stored as
+    # an ndarray; make_loader(src, np.array('torch')) failed later, unhashable).
+    for bad in (np.array("skip"), np.array(["skip"])):
+        with pytest.raises(ValueError, match=r"unknown on_error array\("):
+            checks.check_choice("on_error", bad, ("raise", "skip"))
+    assert checks.check_choice("split", None, (None, "train")) is None
+    assert checks.check_choice("on_error", np.str_("skip"), ("raise", "skip")) == "skip"   # a str
+    with pytest.raises(ValueError, match="unknown on_error"):
+        config.LoaderConfig(device="cpu", on_error=np.array("skip"))
 
 
 def test_config_keeps_the_names_it_always_exported():
