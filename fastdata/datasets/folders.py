@@ -79,6 +79,15 @@ def stat_file(path) -> tuple[int, int]:
     return st.st_size, file_stamp(st)
 
 
+def photo_augmentation(train: bool, transform) -> Augmentation:
+    """The default recipe of photos (``ImageFolder.default_augmentation``, and ``Shards`` packed from
+    photos): ImageNet's training or evaluation crops; none with a per-sample ``transform``, which is
+    the augmentation."""
+    if transform is not None:
+        return Augmentation.none()
+    return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
+
+
 class ImageFolder(Source):
     """One sub-folder per class of image files (ImageNet's layout); classes sorted by name. The files
     are those torchvision's ImageFolder lists (``IMAGE_EXTENSIONS``: JPEG, PNG, BMP, TIFF, WebP, PPM/PGM),
@@ -211,9 +220,7 @@ class ImageFolder(Source):
         Args:
             train: the training recipe (else the evaluation one).
         """
-        if self.transform is not None:
-            return Augmentation.none()
-        return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
+        return photo_augmentation(train, self.transform)
 
     def read_stamped(self, i: int) -> tuple[bytes, int]:
         """File ``i``'s bytes and a stamp of its size and modification time, from the open file (no

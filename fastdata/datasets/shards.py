@@ -37,7 +37,7 @@ from ..config import Augmentation, SourceKind
 from ..errors import DecodeError
 from .arrays import ArraySource, array_augmentation, take_images
 from .base import IMAGENET_MEAN, IMAGENET_STD, Source, channel_stats, check_labels
-from .folders import ImageFolder
+from .folders import ImageFolder, photo_augmentation
 
 if TYPE_CHECKING:   # the shards format is imported where it is used: importing fastdata loads none of it
     from ..shards.cache import ShardCache
@@ -320,10 +320,7 @@ class Shards(Source):
         """A pack of arrays: the array source's recipe (digits, CIFAR-like, none); photos: ImageFolder's."""
         if self.images is not None:
             return array_augmentation(train, self.digits, self.image_shape)
-        # Photos: ImageFolder's recipe (Shards is not an ImageFolder, so not through its method).
-        if self.transform is not None:   # the transform is the augmentation
-            return Augmentation.none()
-        return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
+        return photo_augmentation(train, self.transform)
 
     def __getitem__(self, i):
         """(image, label) of sample ``i``: as ``ArraySource[i]`` for a pack of arrays, else as ``ImageFolder[i]``."""
