@@ -197,8 +197,14 @@ class Shards(Source):
     def __getstate__(self):
         # A copy (a DataLoader worker) opens its own files and cache handle; the prefetcher stays home.
         state = self.__dict__.copy()
-        state["_files"], state["_prefetcher"], state["_stop_ahead"] = _OpenFiles(2 * self.window), None, None
+        state.update(self._own_handles())
         return state
+
+    def _own_handles(self) -> dict:
+        """The per-process, per-copy state, fresh: open shard files, the read-ahead thread and its stop.
+        One place for the fields a copy (``__getstate__``, ``_take``) or a forked process (``_check_process``)
+        must not share."""
+        return {"_files": _OpenFiles(2 * self.window), "_prefetcher": None, "_stop_ahead": None}
 
     def _check_process(self):
         if self._pid != os.getpid():   # forked: the parent's descriptors and thread are not ours
@@ -206,8 +212,8 @@ class Shards(Source):
                 # Never run here: the parent's thread does not exist in this process, and its Condition
                 # may have been copied locked by it.
                 self._stop_ahead.detach()
-            self._files, self._prefetcher, self._pid = _OpenFiles(2 * self.window), None, os.getpid()
-            self._stop_ahead = None
+            self.__dict__.update(self._own_handles())
+            self._pid = os.getpid()
 
     # ------------------------------------------------------------------ Source: the bytes
     def sample_name(self, i: int) -> str:
@@ -332,7 +338,7 @@ class Shards(Source):
         self._ids = self._ids[idx]
         # The copy reads its own samples: a read-ahead thread of the source it came from maps that
         # source's positions, and its open files are that source's to close.
-        self._files, self._prefetcher, self._stop_ahead = _OpenFiles(2 * self.window), None, None
+        self.__dict__.update(self._own_handles())
         if self.images is not None:
             self.images = take_images(self.images, idx)
         self.labels = self.labels[idx]
