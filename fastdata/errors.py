@@ -36,6 +36,12 @@ class DecodeError(ValueError):
         # one such file should not end a run whose user would rather skip it.
         super().__init__(f"cannot decode image {self.path!r}: {reason}{_HINT}")
 
+    @property
+    def why(self) -> str:
+        """The reason, for a caller that records or words it: ``reason``, or the whole message for an
+        error rebuilt from a worker's text whose reason could not be recovered."""
+        return self.reason if self.reason is not None else str(self)
+
     def __reduce__(self):  # survives the trip from a worker process
         return (DecodeError, (self._message,) if self._message is not None else (self.path, self.reason))
 

@@ -517,7 +517,7 @@ class DaliLoader(DaliFiles, Loader):
             try:
                 data = np.frombuffer(self.source.read(i), dtype=np.uint8)
             except DecodeError as err:
-                bad.append((i, err.reason or str(err)))
+                bad.append((i, err.why))
                 continue
             for attempt in (0, 1):
                 if self._probe_pipe is None:

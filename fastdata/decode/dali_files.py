@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -41,13 +41,6 @@ def plain_file_paths(source) -> list | None:
     if getattr(type(source), "read_stamped", None) is not ImageFolder.read_stamped:
         return None
     return paths
-
-
-def file_stamp(path) -> int:
-    """A stamp of the file at ``path`` (its size and modification time) without reading it: what the
-    names-only epochs compare to notice a photo replaced in place. ``read_file``'s stamp of the same
-    file (one formula, ``folders.file_stamp``). OSError when it is gone."""
-    return folders.file_stamp(os.stat(path))
 
 
 def _pil_opinion(data: bytes, path) -> str:
@@ -214,7 +207,7 @@ class DaliFiles:
             return crop_photo(self.source.sample_name(i), buf.tobytes(), box, self.augment, orientation,
                               (height, width), checked=self.opts["validate"])
         except DecodeError as e:
-            return e.reason
+            return e.why
 
     def _unchanged_names(self, ids) -> list[bytes] | None:
         """The encoded names of plain files known OK, when a stat of each finds its stamp unchanged
@@ -222,9 +215,7 @@ class DaliFiles:
         stat per file and no per-file call into ``_read_file``, whose Python cost per file was as
         large as the stat's. None when any file changed or cannot be stat'ed: then ``_read_files``
         learns what changed, and words what cannot be read, file by file."""
-        paths = self._paths
-        if paths is None:   # not plain files: nothing to stat, _read_files reads them
-            return None
+        paths = cast(list, self._paths)   # the caller's condition: plain files
         chosen = [paths[i] for i in ids.tolist()]
         try:
             stamps = list(map(folders.file_stamp, map(os.stat, chosen)))   # one Python call a file
@@ -258,7 +249,7 @@ class DaliFiles:
         if self._paths is not None and state == OK:
             # Names only: DALI reads the file. A stat (no read) tells whether it changed since.
             try:
-                unchanged = file_stamp(self._paths[i]) == self._stamps[i]
+                unchanged = folders.file_stamp(os.stat(self._paths[i])) == self._stamps[i]
             except OSError as err:
                 return f"cannot read it now ({err.strerror or err})"
             if unchanged:
@@ -275,15 +266,15 @@ class DaliFiles:
                 state = UNSEEN
         except DecodeError as err:
             if state == UNSEEN:  # never read: unusable for good (file not found, ...)
-                self._why[i] = err.reason or str(err)
+                self._why[i] = err.why
                 self._state[i] = NO_HEADER
                 return None
-            return f"cannot read it now ({err.reason})"
+            return f"cannot read it now ({err.why})"
         if state == UNSEEN:
             try:
                 img = open_image(path, io.BytesIO(raw))
             except DecodeError as err:
-                self._why[i] = err.reason or str(err)
+                self._why[i] = err.why
                 self._state[i] = NO_HEADER
                 return None
             verdict = OK
@@ -296,7 +287,7 @@ class DaliFiles:
                 if self.validate:
                     check_pixels(img, path)
             except DecodeError as err:
-                self._why[i] = err.reason or str(err)
+                self._why[i] = err.why
                 verdict = BROKEN
             finally:
                 img.close()
@@ -313,4 +304,4 @@ class DaliFiles:
         try:
             return _pil_opinion(self.source.read(i), self.source.sample_name(i))
         except DecodeError as e:
-            return f"; cannot read it again ({e.reason})"
+            return f"; cannot read it again ({e.why})"
