@@ -186,8 +186,10 @@ def _epoch(loader, device) -> tuple[float, float, int]:
 
 def measure_pair(root, *, batch: int = 64, size: int = 64, threads: int = 2, depth: int = 2, rounds: int = 9,
                  device: str = "cpu", **dali_options) -> dict:
-    """Epochs of both contenders on ``root`` (an image folder), interleaved: per contender the images/s
-    of each round, and the paired ratio fastdata / reader per round. ``dali_options`` go to make_loader."""
+    """Epochs of the three contenders on ``root`` (an image folder: fastdata's dali backend, DALI's
+    readers.file with the same graph, and with the box-only decode), interleaved: per contender the
+    images/s and CPU ms per image of each round; the paired ratios fastdata / readers.file per round
+    (top-level keys) and fastdata / box-only (``vs_box``). ``dali_options`` go to make_loader."""
     import torch
 
     from fastdata import make_loader
@@ -209,7 +211,8 @@ def measure_pair(root, *, batch: int = 64, size: int = 64, threads: int = 2, dep
             _epoch(loader, dev)
         for r in range(rounds):
             order = list(contenders.items())
-            for name, loader in order[r % 3:] + order[:r % 3]:   # who goes first rotates
+            turn = r % len(order)
+            for name, loader in order[turn:] + order[:turn]:   # who goes first rotates
                 seconds, cpu, n = _epoch(loader, dev)
                 rates[name].append(n / seconds)
                 cpu_ms[name].append(1000 * cpu / n)

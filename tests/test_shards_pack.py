@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from conftest import require, skip_missing
+from conftest import load_example, require, skip_missing
 from fastdata.datasets import ArraySource
 from fastdata.packing import pack
 from fastdata.shards import index as shard_index
@@ -644,11 +644,8 @@ def _same_batches(a, b):
 def test_a_source_of_your_own_packs_through_read_stamped_and_reads_back_the_same(photos, tmp_path):
     """Issue 32: the docs' own example source (``ZipImages``, examples/custom_source.py) was refused
     ("pack cannot read ZipImages"): pack read files through ``.paths``, not the Source interface."""
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        from custom_source import ZipImages, zip_folder
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    example = load_example("custom_source")
+    ZipImages, zip_folder = example.ZipImages, example.zip_folder
     from fastdata.datasets import Shards
 
     source = ZipImages(zip_folder(photos, tmp_path / "photos.zip"))
@@ -681,11 +678,10 @@ def test_shards_repack_to_another_shard_size_and_max_side(photos, tmp_path):
     assert max(max(Image.open(io.BytesIO(Shards(small).read(i))).size) for i in range(len(idx))) == 64
 
 
-def test_bench_and_pack_read_a_source_name_with_one_parser(tmp_path):
-    import fastdata.bench as bench
+def test_open_source_reads_digits_and_names_a_missing_folder(tmp_path):
+    """The one source-name parser pack and bench share (test_cli holds that bench's is this one)."""
     from fastdata.datasets import spec
 
-    assert not hasattr(bench, "open_source") or bench.open_source is spec.open_source
     assert len(spec.open_source("digits", digits=100)) == 100
     assert len(spec.open_source("digits", split="test")) == 10_000
     with pytest.raises(FileNotFoundError, match="neither 'digits' nor a folder"):
@@ -758,11 +754,8 @@ def test_a_zip_and_a_pack_are_planned_from_their_directory_and_index(photos, tmp
     ``stamp``: resharding or packing them reads each image once."""
     from fastdata.datasets import Shards
 
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        from custom_source import ZipImages, zip_folder
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    example = load_example("custom_source")
+    ZipImages, zip_folder = example.ZipImages, example.zip_folder
     archive = zip_folder(photos, tmp_path / "photos.zip")
     for cls, arg in ((ZipImages, archive), (Shards, tmp_path / "first")):
         if cls is Shards:
