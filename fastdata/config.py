@@ -44,11 +44,8 @@ class StrChoice(str, Enum):
     @classmethod
     def parse(cls, value, name: str):
         """``value`` (a member or its string) as a member; anything else is a ValueError naming
-        ``name`` and the valid choices."""
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown {name} {value!r}; choose from {[m.value for m in cls]}") from None
+        ``name`` and the valid choices (``checks.check_choice``: a string only)."""
+        return cls(checks.check_choice(name, value, [m.value for m in cls]))
 
 
 class SourceKind(StrChoice):
@@ -170,15 +167,11 @@ class Augmentation:
         def fix(name, value):  # frozen: normalized values are written once, here
             object.__setattr__(self, name, value)
 
-        if not isinstance(self.crop, str):
-            raise ValueError(f"unknown crop {self.crop!r}; choose from {list(CROPS)}")
         fix("crop", Crop.parse(self.crop, "crop"))  # users pass strings; the code reads the enum
         for name in ("size", "resize"):
             if getattr(self, name) is not None:
                 fix(name, check_integer(name, getattr(self, name), minimum=1))
         fix("pad", check_integer("pad", self.pad, minimum=0))
-        if not isinstance(self.padding, str):
-            raise ValueError(f"unknown padding {self.padding!r}; choose from {list(PADDINGS)}")
         fix("padding", Padding.parse(self.padding, "padding"))
         fix("hflip", checks.check_number("hflip", self.hflip, minimum=0, maximum=1))   # a probability
         fix("scale", _pair("scale", self.scale))
