@@ -17,6 +17,7 @@ imports such a library directly, or through ``pytest.importorskip``, is held to 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -236,20 +237,30 @@ def pairs(a, b):
     return list(zip(a, b, strict=True))
 
 
+@contextlib.contextmanager
+def sync_debug_error():
+    """torch's sync debug mode "error" inside (any host sync in any thread: .item(), a pageable copy,
+    nonzero, a stream or device synchronize raises), the mode from before restored after."""
+    import torch
+
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 def batches_without_host_sync(loader) -> int:
-    """One warm epoch (workers, pinned and device pools, draws made ahead), then one under torch's sync
-    debug mode "error", where any host sync in any thread (.item(), a pageable copy, nonzero, a stream
-    or device synchronize) raises: returns that epoch's batch count, which must be ``len(loader)``."""
+    """One warm epoch (workers, pinned and device pools, draws made ahead), then one under
+    ``sync_debug_error``: returns that epoch's batch count, which must be ``len(loader)``."""
     import torch
 
     for _ in loader:
         pass
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug_error():
         return sum(1 for _ in loader)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def label_of(ids):

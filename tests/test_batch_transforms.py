@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import backend_params, load_example
+from conftest import backend_params, load_example, sync_debug_error
 from fastdata import Augmentation, LoaderConfig, make_loader
 from fastdata.batch_transforms import (
     BatchPipeline,
@@ -714,13 +714,9 @@ def test_every_transform_runs_on_cuda_without_a_host_sync(t, dtype):
     gpu = pipe([t], device="cuda")
     zc, yc = z.cuda(), y.cuda()
     torch.cuda.synchronize()
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug_error():
         out, labels = gpu(zc, yc, 2 ** 40 + 7)
         again, _ = gpu(zc, yc, 2 ** 40 + 7)
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
     assert out.is_cuda and out.dtype == dtype and out.shape == z.shape
     assert out.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(out, again)
@@ -739,12 +735,10 @@ def test_a_cuda_epoch_with_batch_transforms_makes_no_synchronizing_call(cifar, b
                          batch_transforms=[Cutout(8), ColorJitter(0.4, 0.4, 0.4), RandomGrayscale(0.2),
                                            RandomErasing(), OneOf([MixUp(0.8), CutMix(1.0)])])
     torch.cuda.synchronize()
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
     try:
-        for x, y in loader:
-            torch.cuda._sleep(1_000_000)
-            assert x.is_cuda and y.shape == (x.shape[0], 10)
+        with sync_debug_error():
+            for x, y in loader:
+                torch.cuda._sleep(1_000_000)
+                assert x.is_cuda and y.shape == (x.shape[0], 10)
     finally:
-        torch.cuda.set_sync_debug_mode(before)
         loader.close()

@@ -11,12 +11,10 @@ start included, is in.
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
-from conftest import backend_params, indexed_source
+from conftest import backend_params, indexed_source, sync_debug_error
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder
 
@@ -27,16 +25,6 @@ RECIPES = {
     "photos-random-resized": ("photos", Augmentation.imagenet_train(size=64)),
     "photos-center": ("photos", Augmentation.imagenet_eval(size=64, resize=72)),
 }
-
-
-@contextlib.contextmanager
-def sync_debug_error():
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
 
 
 @pytest.mark.cuda
