@@ -44,21 +44,9 @@ def _graph():
 
 def test_the_import_graph_has_no_cycle():
     # The package's __init__ re-exports everything; an edge back to it is not a design dependency.
-    edges = {m: {t for t, _ in deps if t != "fastdata"} for m, deps in _graph().items()}
-    state: dict[str, int] = {}
-
-    def visit(m, path):
-        state[m] = 1
-        for t in edges[m]:
-            if state.get(t) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(t):] + [t]))
-            if t not in state:
-                visit(t, path + [t])
-        state[m] = 2
-
-    for m in edges:
-        if m not in state:
-            visit(m, [m])
+    edges = {m: {t: f"{m} -> {t}" for t, _ in deps if t != "fastdata"} for m, deps in _graph().items()}
+    cycle = _find_cycle(edges)
+    assert cycle is None, "import cycle:\n" + "\n".join(cycle)
 
 
 def _room(module: str) -> str:
@@ -80,23 +68,24 @@ def _room_edges(graph) -> dict[str, dict[str, str]]:
     return edges
 
 
-def _room_cycle(edges: dict[str, dict[str, str]]) -> list[str] | None:
-    """One cycle among rooms, each step with the import that makes it, or None."""
+def _find_cycle(edges: dict[str, dict[str, str]]) -> list[str] | None:
+    """One cycle in a graph of {node: {node it imports: the import that shows it}} (modules, or rooms),
+    each step with its import, or None."""
     state: dict[str, int] = {}
 
-    def visit(room, path):
-        state[room] = 1
-        for target in sorted(edges.get(room, {})):
+    def visit(node, path):
+        state[node] = 1
+        for target in sorted(edges.get(node, {})):
             if state.get(target) == 1:
                 loop = path[path.index(target):] + [target]
                 return [f"{a} -> {b} ({edges[a][b]})" for a, b in zip(loop, loop[1:])]
             if target not in state and (found := visit(target, path + [target])):
                 return found
-        state[room] = 2
+        state[node] = 2
         return None
 
-    for room in sorted(edges):
-        if room not in state and (found := visit(room, [room])):
+    for node in sorted(edges):
+        if node not in state and (found := visit(node, [node])):
             return found
     return None
 
@@ -104,7 +93,7 @@ def _room_cycle(edges: dict[str, dict[str, str]]) -> list[str] | None:
 def test_no_import_cycle_among_rooms():
     """Issue 32: a folder is one room and a top-level module is one; no room imports one that imports
     it back, through any path (pack inside ``shards`` made cli → registry → datasets → shards → cli)."""
-    cycle = _room_cycle(_room_edges(_graph()))
+    cycle = _find_cycle(_room_edges(_graph()))
     assert cycle is None, "import cycle among rooms:\n" + "\n".join(cycle)
 
 
@@ -113,10 +102,10 @@ def test_the_room_cycle_check_finds_a_cycle_through_folders():
     graph = {"fastdata.a.x": [("fastdata.b.y", [])], "fastdata.b.y": [("fastdata.c", [])],
              "fastdata.c": [("fastdata.a.z", [])], "fastdata.a.z": [], "fastdata": [("fastdata.a.x", [])]}
     assert _room("fastdata.a.x") == "a" and _room("fastdata.c") == "c" and _room("fastdata") == ""
-    cycle = _room_cycle(_room_edges(graph))
+    cycle = _find_cycle(_room_edges(graph))
     assert cycle is not None and cycle[0].startswith("a -> b (fastdata.a.x -> fastdata.b.y)")
     del graph["fastdata.c"][0]
-    assert _room_cycle(_room_edges(graph)) is None
+    assert _find_cycle(_room_edges(graph)) is None
 
 
 def test_a_folder_is_on_one_floor():
