@@ -234,6 +234,32 @@ def test_contenders_timed_in_rounds_are_compared_round_by_round():
     assert common.paired_ratios([1.0, 2.0], [1.0]) is None       # counts differ: not paired
 
 
+def test_the_median_of_many_rounds_is_judged_by_its_interval_not_by_its_slowest_round():
+    from benchmarks import common
+
+    # Up to 8 rounds the 95% interval of the median is the lowest to the highest round (no k >= 2 has
+    # P(Binomial(n, 1/2) < k) <= 2.5%), so few-pass verdicts are what they were.
+    for n in range(1, 9):
+        assert common.median_interval(list(range(n))) == (0, n - 1)
+    # 9 rounds: P(X <= 1) = 10/512 <= 2.5% < P(X <= 2) = 46/512, so the 2nd lowest and 2nd highest.
+    assert common.median_interval(list(range(9))) == (1, 7)
+    # 41 rounds: k = 14 (P(X <= 13) = 1.2% <= 2.5% < P(X <= 14) = 2.8%).
+    assert common.median_interval(list(range(41))[::-1]) == (13, 27)
+    with pytest.raises(ValueError, match="at least one"):
+        common.median_interval([])
+    # 41 paired rounds at 1.0x with two slow moments at 0.5x: the rounds' range straddles 0.95, the
+    # median's interval does not.
+    ours = [1.0] * 39 + [0.5, 0.55]
+    ref = [1.0] * 41
+    ratio, (lo, hi) = common.paired_ratios(ours, ref)
+    assert ratio == 1.0 and (lo, hi) == (1.0, 1.0)
+    assert common.compare(lo, hi, 0.95) == "met" and common.compare(min(ours), max(ours), 0.95) == "within noise"
+    # Half the rounds below the target is not met, however many rounds there are.
+    mixed = [0.9, 1.0] * 20 + [1.0]
+    _, (lo, hi) = common.paired_ratios(mixed, ref)
+    assert common.compare(lo, hi, 0.95) == "within noise"
+
+
 def test_rounds_rotate_the_order_and_drop_a_contender_that_fails():
     bench = load("bench_loaders")
     order = []

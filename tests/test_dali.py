@@ -1273,6 +1273,11 @@ def test_the_cpu_benchmark_times_every_pipeline_on_the_same_images(tmp_path):
     assert res["ratios"] == pytest.approx([a / b for a, b in zip(ours, theirs)])
     assert res["vs_box"]["ratios"] == pytest.approx([a / b for a, b in zip(ours, box)])
     assert min(res["cpu_ms_per_image"][bench.FASTDATA]) > 0
+    # Two rounds: the median's interval is the two rounds; the verdict reads the interval.
+    assert res["ratio_interval"] == res["ratio_range"] == [min(res["ratios"]), max(res["ratios"])]
+    res.update(ratio=1.0, ratio_interval=[0.96, 1.1], ratio_range=[0.5, 1.9])
+    status, _, text = bench._verdict(res, "readers.file")
+    assert status == "met" and "95% interval of the median 0.960–1.100; rounds 0.500–1.900" in text
 
 
 def test_the_cpu_benchmark_ceiling_decodes_the_window_fastdata_decodes():
