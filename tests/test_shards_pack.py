@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageOps
 
 from conftest import load_example, require, skip_missing
@@ -736,6 +737,61 @@ def test_pack_reads_each_file_once_and_a_rerun_over_a_finished_pack_reads_none(p
     from fastdata.datasets import Shards
 
     assert Shards(out).read(1) == changed.read_bytes()
+
+
+def test_a_moved_source_keeps_its_finished_shards(photos, tmp_path):
+    """A finished shard's identity is what it holds (names below the source's folder, sizes, times),
+    not where the source lies: the identity used the full path, so moving the photos to a new disk
+    (mv keeps times) re-packed everything. A file changed after the move is still seen."""
+    from fastdata.datasets import ImageFolder
+
+    out = tmp_path / "out"
+    first = pack(ImageFolder(photos), out, shard_size="4KB", workers=0, progress=False)
+    moved = tmp_path / "elsewhere" / "photos"
+    moved.parent.mkdir()
+    os.rename(photos, moved)
+    source, reads, _ = _counting(ImageFolder, moved)
+    again = pack(source, out, shard_size="4KB", workers=0, progress=False)
+    assert again.shards == first.shards and again.skipped == again.shards and not reads
+    changed = moved / "cat" / "c2.jpg"
+    _jpeg(changed, np.full((40, 30, 3), 7, np.uint8))
+    os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
+    third = pack(source, out, shard_size="4KB", workers=0, progress=False)
+    assert third.written == 1 and str(changed) in reads
+
+
+def test_names_are_taken_below_the_folder_they_share():
+    from fastdata.packing.reader import _below_common_folder as below
+
+    assert below(["/d/train/cat/a.jpg", "/d/train/cow/b.jpg", "/d/train/cat/c.jpg"]) == \
+        ["cat/a.jpg", "cow/b.jpg", "cat/c.jpg"]                        # "/d/train/c" cut back to its folder
+    assert below(["/d/x/only.jpg"]) == ["only.jpg"]
+    assert below(["https://h/p/shard-0.tar:k1.jpg", "https://h/p/shard-1.tar:k2.jpg"]) == \
+        ["shard-0.tar:k1.jpg", "shard-1.tar:k2.jpg"]
+    assert below(["a.jpg", "b/c.jpg"]) == ["a.jpg", "b/c.jpg"] and below([]) == []
+
+
+def test_a_datasets_fingerprint_is_taken_once_per_pack(tmp_path, monkeypatch):
+    """A wrapped Dataset's shards are identified by its fingerprint (a digest of all its targets),
+    computed once for the pack, not once for each shard."""
+    from fastdata.datasets import DatasetSource
+    from fastdata.packing import reader as packing_reader
+
+    class Pixels(torch.utils.data.Dataset):
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return np.full((8, 8, 3), i, np.uint8), i % 4
+
+    calls = []
+    original = DatasetSource.fingerprint
+    monkeypatch.setattr(DatasetSource, "fingerprint", lambda self: calls.append(1) or original(self))
+    source = DatasetSource(Pixels())
+    plans = packing_reader.SampleReader(source, None)
+    _, ident = plans.plan_inputs()
+    ids = {plans.shard_identity(a, a + 10, ident) for a in range(0, 40, 10)}
+    assert len(ids) == 4 and len(calls) == 1
 
 
 def test_a_source_without_stamp_is_read_to_plan_and_packs_the_same(photos, tmp_path):

@@ -77,6 +77,18 @@ def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
 _GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
 
+def _below_common_folder(names: list[str]) -> list[str]:
+    """``names`` without the folder they all lie in (a path's or a URL's directories): a finished
+    shard's identity is what it holds, so a source moved, mounted or served elsewhere keeps its shards
+    (sizes and modification times still tell a changed file). The common prefix of all names is that of
+    the lowest and highest, cut back to its last separator: two string comparisons per name."""
+    if not names:
+        return names
+    prefix = os.path.commonprefix([min(names), max(names)])
+    cut = max(prefix.rfind("/"), prefix.rfind(os.sep)) + 1
+    return [name[cut:] for name in names] if cut else names
+
+
 class SampleReader:
     """What ``pack`` needs from a source: per sample its image bytes, extension and label, a size
     estimate to plan shards with, and an identity of each sample's input to recognise a finished shard.
@@ -100,6 +112,7 @@ class SampleReader:
         self.source, self.max_side, self.threads = source, max_side, max(1, int(threads))
         self.labels = np.asarray(source.labels, dtype=np.int64)
         self.kind = getattr(source, "kind", None)
+        self._fingerprint: str | None = None
         if self.kind not in (SourceKind.FILES, SourceKind.ARRAY, SourceKind.DATASET):
             raise TypeError(f"pack cannot read {type(source).__name__} (kind {self.kind!r}): pass a source of "
                             f"encoded files (read_stamped), arrays, or a torchvision/map-style dataset")
@@ -121,8 +134,9 @@ class SampleReader:
             runs = (range(a, min(a + _PLAN_RUN, n)) for a in range(0, n, _PLAN_RUN))
             with ThreadPoolExecutor(self.threads) as pool:
                 found = [f for run in pool.map(self._sizes_and_stamps, runs) for f in run]
+            names = _below_common_folder([self.source.sample_name(i) for i in range(n)])
             return (np.array([f[0] for f in found], dtype=np.int64).reshape(n),
-                    [f"{self.source.sample_name(i)}\0{size}\0{stamp}" for i, (size, stamp) in enumerate(found)])
+                    [f"{name}\0{size}\0{stamp}" for name, (size, stamp) in zip(names, found, strict=True)])
         if self.kind == SourceKind.ARRAY:
             per = int(np.prod(self.source.images.shape[1:]))
             return np.full(n, per, dtype=np.int64), [None] * n
@@ -154,8 +168,15 @@ class SampleReader:
         elif self.kind == SourceKind.ARRAY:
             h.update(f"{zlib.crc32(np.ascontiguousarray(self.source.images[start:stop]).data):08x}".encode())
         else:   # a Dataset's bytes are only known by reading it: its fingerprint is what there is
-            h.update(self.source.fingerprint().encode())
+            h.update(self._dataset_fingerprint().encode())
         return h.hexdigest()
+
+    def _dataset_fingerprint(self) -> str:
+        # Once per pack, not once per shard: a wrapped Dataset's fingerprint digests all its targets
+        # (~10 ms for ImageNet's 1.28M), which a thousand shards would pay a thousand times.
+        if self._fingerprint is None:
+            self._fingerprint = self.source.fingerprint()
+        return self._fingerprint
 
     def describe(self, i: int) -> str:
         """How errors name sample ``i``: the source's own name for it (its file, its shard and member)."""
