@@ -94,7 +94,7 @@ import atexit
 import dataclasses
 import os
 import weakref
-from typing import Protocol, cast
+from typing import cast
 
 import numpy as np
 import torch
@@ -106,6 +106,7 @@ from ..augment import (
 )
 from ..config import Crop, Padding
 from ..datasets import SourceKind
+from ..datasets.base import ArrayPixels
 from ..decode.dali_errors import dali_reason, free_frames, is_dali_failure
 from ..decode.dali_feed import Feeder, WorkerPool, batch_record, stream
 from ..decode.dali_files import BROKEN, OK, UNSEEN, DaliFiles, plain_file_paths
@@ -120,17 +121,6 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
 from ..errors import DecodeError
 from ..images.on_error import OnError
 from .base import Loader, labels_on
-
-
-class _ArrayPixels(Protocol):
-    """What a source of kind ``SourceKind.ARRAY`` (ArraySource, Shards packed from arrays) holds beyond
-    ``Source``: every image in one uint8 (N, H, W, C) array, which ``prepare`` slices for DALI."""
-
-    images: np.ndarray
-    labels: np.ndarray
-
-    @property
-    def image_shape(self) -> tuple[int, int, int]: ...
 
 
 class _StreamEnded(Exception):
@@ -203,7 +193,7 @@ class DaliLoader(DaliFiles, Loader):
         if files:
             self.out_shape = (3, aug.size, aug.size)
         else:
-            h, w, c = source.image_shape
+            h, w, c = cast(ArrayPixels, source).image_shape
             self.out_shape = (c,) + aug.output_size(h, w)
         opts = DaliOptions(**self.opts)
         batch_bytes = config.batch_size * int(np.prod(self.out_shape)) * config.dtype.itemsize
@@ -352,7 +342,7 @@ class DaliLoader(DaliFiles, Loader):
         rng = self.batch_rng(epoch, k)
         if self.source.kind is SourceKind.FILES:
             return self._prepare_files(rng, k, ids)
-        src, aug = cast(_ArrayPixels, self.source), self.augment   # not FILES: the kind's pixels array
+        src, aug = cast(ArrayPixels, self.source), self.augment   # not FILES: the kind's pixels array
         n = len(ids)
         record = batch_record(k, ids, src.labels)
         if n == 0:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import zlib
+from typing import Protocol
 
 import numpy as np
 
@@ -163,6 +164,21 @@ class Source:
 
     def __repr__(self):
         return f"{type(self).__name__}(n={len(self)}, classes={self.num_classes}, name={self.name!r})"
+
+
+class ArrayPixels(Protocol):
+    """What a source of kind ``SourceKind.ARRAY`` (``ArraySource``, ``Shards`` packed from arrays) holds
+    beyond ``Source``: every image in one uint8 (N, H, W, C) array, which backends read as it is (the
+    memory backend shares it, dali slices it). A type, not a check: a backend ``cast``s a source of that
+    kind to it, and one that lacks ``images`` fails with the AttributeError that names it."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(H, W, C) of every image: ``images.shape[1:]``."""
+        ...
 
 
 def check_indices(indices, n: int, what: str = "indices") -> np.ndarray:

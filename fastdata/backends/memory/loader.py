@@ -4,6 +4,7 @@ within a node by ``node.py``."""
 from __future__ import annotations
 
 import warnings
+from typing import cast
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from ...augment import (
 )
 from ...config import Crop
 from ...datasets import SourceKind
+from ...datasets.base import ArrayPixels
 from ...sampling import EpochPlan
 from ..base import Loader, pinned
 from .budgeting import (
@@ -138,12 +140,13 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         # Photos under the evaluation recipe: the slots hold the recipe's output, only flips remain.
         self._applied = source.kind is SourceKind.FILES and aug.crop is Crop.CENTER
         if source.kind is SourceKind.ARRAY:
+            pixels = cast(ArrayPixels, source)
             with warnings.catch_warnings():
                 # A read-only array (np.load(mmap_mode="r"), MNIST's IDX bytes) is shared too: the
                 # cache is only read (gathers, and the padded or normalized copies made from it).
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                cache = torch.from_numpy(source.images)      # shares the array's memory on the CPU
-            labels = torch.from_numpy(source.labels)
+                cache = torch.from_numpy(pixels.images)      # shares the array's memory on the CPU
+            labels = torch.from_numpy(pixels.labels)
             self.kept = None
         else:
             cache, labels = self._decode_files()             # already on the device
@@ -189,9 +192,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
 
     def _owned_bytes(self) -> int:
         """Bytes of the tensors this loader allocated (an array source shared on the CPU is not one)."""
-        # An array source's pixels (kind ARRAY: ArraySource, Shards decoded to arrays).
-        images = getattr(self.source, "images", None) if self.source.kind is SourceKind.ARRAY else None
-        shared = images.ctypes.data if images is not None else None
+        # An array source's pixels, which the cache shares on the CPU (see __init__).
+        array = self.source.kind is SourceKind.ARRAY
+        shared = cast(ArrayPixels, self.source).images.ctypes.data if array else None
         seen, total = set(), 0
         for t in (self.cache, self.ready, self.labels):
             if t is None:
