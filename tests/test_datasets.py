@@ -636,6 +636,43 @@ def test_a_subset_fingerprint_names_its_indices():
     assert a.fingerprint() == src.subset([0, 1, 2, 3]).fingerprint()
 
 
+def _relpath_fingerprint(src):
+    """ImageFolder.fingerprint as it was written first: os.path.relpath and a stat per file, in order
+    (a checkpoint saved then must resume now)."""
+    import zlib
+
+    crc = zlib.crc32("\n".join(src.classes).encode())
+    for path, label in zip(src.paths, src.labels):
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            size = -1
+        crc = zlib.crc32(f"{os.path.relpath(path, src.root)}\0{label}\0{size}\n".encode(), crc)
+    return f"ImageFolder n={len(src)} classes={src.num_classes} files={crc:08x}{src._subset_tag()}"
+
+
+def test_an_image_folder_fingerprint_is_the_relpath_one_on_threads(tmp_path, monkeypatch):
+    """The fingerprint slices each path below the root instead of os.path.relpath (2.8x faster for
+    50k files) and stats on threads: the same digest, paths that are not plain (``./``, ``..``, outside
+    the root) and a file gone since the walk included."""
+    from fastdata.datasets import folders
+
+    monkeypatch.setattr(folders, "_STAT_RUN", 3)        # several runs, so the threads are used
+    root = _tiny_folder(tmp_path / "data")
+    walked = ImageFolder(root)
+    assert walked.fingerprint() == _relpath_fingerprint(walked)
+    monkeypatch.chdir(tmp_path)
+    assert ImageFolder("data").fingerprint() == _relpath_fingerprint(walked)      # relative root, same digest
+    odd = [os.path.join(root, "a", ".", os.path.basename(walked.paths[0])),
+           os.path.join(root, "b", "..", "a", os.path.basename(walked.paths[1])),
+           str(tmp_path / "elsewhere.jpg"), os.path.join("data", "b", os.path.basename(walked.paths[-1]))]
+    Image.new("RGB", (4, 4)).save(odd[2])
+    given = ImageFolder.from_samples([(q, 0) for q in odd] + [(walked.paths[0], 1)] * 5, ["a", "b"], root=root)
+    os.remove(odd[2])                                                            # gone since: size -1
+    assert given.fingerprint() == _relpath_fingerprint(given)
+    assert given.fingerprint() != walked.fingerprint()
+
+
 def test_an_image_folder_subset_lists_its_files_and_decodes_them(tmp_path):
     root = _tiny_folder(tmp_path / "data")
     src = ImageFolder(root)
