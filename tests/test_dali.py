@@ -1148,7 +1148,8 @@ def test_unchanged_files_take_no_per_file_path_in_names_only_epochs(photo_folder
             pass
     calls = []
     real = DaliLoader._read_file
-    monkeypatch.setattr(DaliLoader, "_read_file", lambda self, i: calls.append((self is used, i)) or real(self, i))
+    monkeypatch.setattr(DaliLoader, "_read_file",
+                        lambda self, i, *stat: calls.append((self is used, i)) or real(self, i, *stat))
     refusals = []   # the per-file refusal scan: none for a batch of known, unchanged files either
     scan = DaliLoader._refuse_unusable
     monkeypatch.setattr(DaliLoader, "_refuse_unusable",
@@ -1180,6 +1181,38 @@ def test_a_file_gone_after_its_first_epoch_is_named_or_skipped(tmp_path, photo_f
         with pytest.warns(RuntimeWarning, match="skipped 1"):
             assert sum(len(y) for _, y in loader) == 17
 
+
+@pytest.mark.parametrize("change", ["replaced", "gone"])
+def test_a_batch_with_a_changed_file_stats_each_file_once(tmp_path, photo_folder, monkeypatch, change):
+    """decode="dali" stats a known batch's files to notice a photo replaced in place. When one had
+    changed (or could not be stat'ed), the per-file path that learns it stat'ed the whole batch again:
+    two stats a file. Now the stats just taken are handed on: one each, whatever changed."""
+    import collections
+    import os
+
+    from PIL import Image
+
+    import fastdata.decode.dali_files as dali_files
+
+    root = tmp_path / "photos"
+    shutil.copytree(photo_folder, root)
+    loader = dali(ImageFolder(root), batch_size=4, train=False, decode="dali", on_error="skip")
+    assert sum(len(y) for _, y in loader) == 18   # every file learnt: later batches are names only
+    loader.close()                                # no read-ahead thread stats files behind the test
+    paths, ids = [str(p) for p in loader.source.paths], np.arange(4)
+    target = paths[2]
+    if change == "replaced":
+        Image.new("RGB", (41, 37), (200, 30, 90)).save(target, quality=95)
+        os.utime(target, ns=(os.stat(target).st_atime_ns, os.stat(target).st_mtime_ns + 10**9))
+    else:
+        os.unlink(target)
+    stats, real = collections.Counter(), os.stat
+    monkeypatch.setattr(dali_files.os, "stat", lambda path, *a, **kw: stats.update([str(path)]) or real(path, *a, **kw))
+    inputs, record = loader.prepare(loader.epoch, 0, ids)
+    assert {p: n for p, n in stats.items() if p in paths} == {paths[i]: 1 for i in ids}
+    kept = [0, 1, 2, 3] if change == "replaced" else [0, 1, 3]
+    assert len(inputs[0]) == len(kept) and inputs[0].dtype == np.uint8   # the names DALI is fed
+    assert list(loader._dims[2, :2]) == [37, 41] or change == "gone"     # the replacement learnt
 
 # ------------------------------------------------------------------------------------ decoder options
 def test_decoder_options_reach_the_pipeline(photo_folder, monkeypatch):

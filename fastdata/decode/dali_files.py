@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+from itertools import zip_longest
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -52,6 +53,11 @@ def _pil_opinion(data: bytes, path) -> str:
     except Exception as e:
         return f"; PIL: {e}"
     return "; PIL decodes it"
+
+
+def _unreadable(err: OSError) -> str:
+    """The reason a batch refuses a known file that a stat of its path fails on now."""
+    return f"cannot read it now ({err.strerror or err})"
 
 
 def dense_names(names: list[bytes]) -> np.ndarray:
@@ -120,8 +126,12 @@ class DaliFiles:
         only a stat and their name: done right here, as a thread hop per batch cost more than the
         stats."""
         if self._paths is not None and (self._state[ids] == OK).all():
-            names = self._unchanged_names(ids)
-            return (names, True) if names is not None else (self._read_files(ids), False)
+            names, stamps = self._unchanged_names(ids)
+            if names is not None:
+                return names, True
+            # A file changed or cannot be stat'ed (rare): file by file, each handed the stamp just taken
+            # (None past a stat that failed: not taken), so no file of the batch is stat'ed twice.
+            return [self._read_file(i, s) for i, s in zip_longest(ids.tolist(), stamps)], False
         chunks = np.array_split(ids, min(len(ids), self.read_threads)) if len(ids) else []
         return [d for chunk in self._pool().map(self._read_files, chunks) for d in chunk], False
 
@@ -209,29 +219,34 @@ class DaliFiles:
         except DecodeError as e:
             return e.why
 
-    def _unchanged_names(self, ids) -> list[bytes] | None:
-        """The encoded names of plain files known OK, when a stat of each finds its stamp unchanged
-        (every epoch after a file's first, but for a photo replaced): whole-batch list operations, one
-        stat per file and no per-file call into ``_read_file``, whose Python cost per file was as
-        large as the stat's. None when any file changed or cannot be stat'ed: then ``_read_files``
-        learns what changed, and words what cannot be read, file by file."""
+    def _unchanged_names(self, ids) -> tuple[list[bytes] | None, list]:
+        """(the encoded names of plain files known OK, when a stat of each finds its stamp unchanged, the
+        stamps). Every epoch after a file's first, but for a photo replaced: whole-batch list operations,
+        one stat per file and no per-file call into ``_read_file``, whose Python cost per file was as
+        large as the stat's. Names None when any file changed or cannot be stat'ed: then ``_read_file``
+        learns what changed, and words what cannot be read, file by file, from the stamps taken here:
+        one per file in order, up to and including the reason (str) of the first stat that failed."""
         paths = cast(list, self._paths)   # the caller's condition: plain files
         chosen = [paths[i] for i in ids.tolist()]
+        stamps: list = []
         try:
-            stamps = list(map(folders.file_stamp, map(os.stat, chosen)))   # one Python call a file
-        except OSError:
-            return None
-        if stamps != self._stamps[ids].tolist():
-            return None
-        return list(map(os.fsencode, chosen))
+            # One Python call a file. extend, not list(): the stamps before a stat that raises are kept
+            # (extend appends item by item), so the files before it are not stat'ed again.
+            stamps.extend(map(folders.file_stamp, map(os.stat, chosen)))
+        except OSError as err:
+            stamps.append(_unreadable(err))
+        if stamps != self._stamps[ids].tolist():   # a reason, or a shorter list, never equals
+            return None, stamps
+        return list(map(os.fsencode, chosen)), stamps
 
     def _read_files(self, ids):
         return [self._read_file(int(i)) for i in ids]
 
-    def _read_file(self, i: int):
+    def _read_file(self, i: int, stat: int | str | None = None):
         """Runs in a reader thread: file ``i``'s bytes (uint8 array; plain files decoded in DALI: its
         encoded path, ``bytes``), None for a file known to be unusable, or a reason (str) when it cannot
-        be read now.
+        be read now. ``stat``: for a plain file known OK, the stamp a stat of its path just gave, or the
+        reason it failed (``_unchanged_names``); None: stat it here.
 
         The first time, it also learns the file's size and EXIF orientation from the bytes just read
         (no second open) and, with ``validate``, decodes them once with PIL (``check_pixels``): a file
@@ -248,11 +263,10 @@ class DaliFiles:
             return None
         if self._paths is not None and state == OK:
             # Names only: DALI reads the file. A stat (no read) tells whether it changed since.
-            try:
-                unchanged = folders.file_stamp(os.stat(self._paths[i])) == self._stamps[i]
-            except OSError as err:
-                return f"cannot read it now ({err.strerror or err})"
-            if unchanged:
+            now = self._path_stamp(i) if stat is None else stat
+            if isinstance(now, str):
+                return now
+            if now == self._stamps[i]:
                 return os.fsencode(self._paths[i])
             state = UNSEEN
         path = self.source.sample_name(i)
@@ -299,6 +313,13 @@ class DaliFiles:
             return os.fsencode(self._paths[i])
         # A read-only view of the bytes: external_source copies them into DALI's own buffer.
         return np.frombuffer(raw, dtype=np.uint8)
+
+    def _path_stamp(self, i: int) -> int | str:
+        """Plain file ``i``'s stamp from a stat of its path, or the reason (str) it cannot be stat'ed."""
+        try:
+            return folders.file_stamp(os.stat(cast(list, self._paths)[i]))
+        except OSError as err:
+            return _unreadable(err)
 
     def _pil_opinion(self, i: int) -> str:
         try:
