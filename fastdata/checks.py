@@ -1,5 +1,5 @@
 """The argument checks every room shares: an integer that is not a bool, a number in a range, a flag, a
-choice among named values.
+choice among named values, an integer environment variable.
 
 One owner for each rule, on the ground floor, so that modules below ``config`` (prefetch, sampling,
 shards, profiling, ...) use the same check as those above it instead of keeping private copies that
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Literal, overload
 
 import numpy as np
@@ -101,6 +102,31 @@ def check_choice(name: str, value, choices):
     if any(_same_kind(value, c) and value == c for c in choices):
         return value
     raise ValueError(f"unknown {name} {value!r}; choose from {list(choices)}")
+
+
+@overload
+def env_integer(name: str, default: int, *, minimum: int) -> int: ...
+@overload
+def env_integer(name: str, default: None, *, minimum: int) -> int | None: ...
+def env_integer(name: str, default: int | None, *, minimum: int) -> int | None:
+    """The integer in the environment variable ``name`` (a launcher's ``RANK``, ``WORLD_SIZE``, ...),
+    ``default`` where it is unset; ValueError naming the variable, its value and the valid range where
+    it is not an integer >= ``minimum``.
+
+    Unset and empty (or blank) are the same on purpose: a launcher script that forwards a variable it
+    does not have (``RANK=$SLURM_PROCID``, a container's ``-e LOCAL_RANK=``) exports an empty string, and
+    that says "not given", not "rank 0" nor an error; an environment cannot unset a name it forwards."""
+    text = os.environ.get(name, "")
+    if not text.strip():
+        return default
+    try:
+        value = int(text)   # int() itself allows the surrounding whitespace a shell may leave
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"the {name} environment variable must be an integer{_bounds(minimum, None)}, "
+                         f"got {text!r}")
+    return value
 
 
 def _same_kind(value, choice) -> bool:

@@ -264,16 +264,7 @@ def resolve_dtype(dtype) -> torch.dtype:
 
 def _local_rank() -> int | None:
     """torchrun's LOCAL_RANK (this process's GPU on its node), or None outside torchrun."""
-    value = os.environ.get("LOCAL_RANK")
-    if value is None or value.strip() == "":
-        return None
-    try:
-        rank = int(value)
-    except ValueError:
-        raise ValueError(f"the LOCAL_RANK environment variable must be an integer >= 0, got {value!r}") from None
-    if rank < 0:
-        raise ValueError(f"the LOCAL_RANK environment variable must be an integer >= 0, got {value!r}")
-    return rank
+    return checks.env_integer("LOCAL_RANK", None, minimum=0)
 
 
 def rank_gpu(local: int, count: int, device="cuda") -> int:
@@ -345,13 +336,7 @@ def default_workers() -> int:
     torchrun starts LOCAL_WORLD_SIZE processes per node, each of which would otherwise take every core
     (8 ranks on 16 cores: 128 DataLoader workers plus 128 DALI threads, all thrashing).
     """
-    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    try:
-        ranks = max(1, int(text)) if text else 1
-    except ValueError:
-        raise ValueError(f"the LOCAL_WORLD_SIZE environment variable must be an integer >= 1, "
-                         f"got {text!r}") from None
-    return max(1, usable_cores() // ranks)
+    return max(1, usable_cores() // checks.env_integer("LOCAL_WORLD_SIZE", 1, minimum=1))
 
 
 @dataclass(frozen=True)

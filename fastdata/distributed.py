@@ -21,10 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checks import env_integer
+
 
 def env_world_size() -> int:
     """The world size torchrun announced (``WORLD_SIZE``), before or without a process group; 1 alone."""
-    return int(os.environ.get("WORLD_SIZE", 1))
+    return env_integer("WORLD_SIZE", 1, minimum=1)
 
 
 def is_distributed() -> bool:
@@ -53,7 +55,7 @@ def world_size() -> int:
 
 def local_rank() -> int:
     """This process's index on its machine (``LOCAL_RANK`` set by torchrun; 0 otherwise)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return env_integer("LOCAL_RANK", 0, minimum=0)
 
 
 def is_main() -> bool:

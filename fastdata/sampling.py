@@ -6,13 +6,12 @@ another rank, or a rerun computes the same permutation without any saved RNG sta
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .checks import check_integer
+from .checks import check_integer, env_integer
 
 
 def distributed_info(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -31,42 +30,33 @@ def distributed_info(rank: int | None = None, world_size: int | None = None) -> 
     if dist.is_available() and dist.is_initialized():
         r, w = dist.get_rank(), dist.get_world_size()
     else:
-        w = _env_int("WORLD_SIZE", 1)
+        w = env_integer("WORLD_SIZE", 1, minimum=1)
         r = _env_rank(w if world_size is None else world_size) if rank is None else rank
     return (r if rank is None else rank), (w if world_size is None else world_size)
 
 
 def _env_rank(world: int) -> int:
     """The global rank from the launcher's variables (see distributed_info)."""
-    if os.environ.get("RANK", "").strip():
-        return _env_int("RANK", 0)
-    local, node = os.environ.get("LOCAL_RANK", "").strip(), os.environ.get("NODE_RANK", "").strip()
-    if local:
-        node_rank = _env_int("NODE_RANK", 0)
-        if node_rank == 0:
-            return _env_int("LOCAL_RANK", 0)
-        if os.environ.get("LOCAL_WORLD_SIZE", "").strip():
-            return node_rank * _env_int("LOCAL_WORLD_SIZE", 1) + _env_int("LOCAL_RANK", 0)
-        missing = "LOCAL_WORLD_SIZE"
-    else:
+    rank = env_integer("RANK", None, minimum=0)
+    if rank is not None:
+        return rank
+    local, detail = env_integer("LOCAL_RANK", None, minimum=0), ""
+    if local is None:
         missing = "RANK (or LOCAL_RANK with NODE_RANK)"
+    else:
+        node = env_integer("NODE_RANK", 0, minimum=0)
+        if node == 0:
+            return local
+        per_node = env_integer("LOCAL_WORLD_SIZE", None, minimum=1)
+        if per_node is not None:
+            return node * per_node + local
+        missing, detail = "LOCAL_WORLD_SIZE", f" (NODE_RANK={node}, LOCAL_RANK={local})"
     if world > 1:
         raise RuntimeError(
-            f"WORLD_SIZE={world} but this process's rank is unknown: {missing} is not set"
-            f"{f' (NODE_RANK={node}, LOCAL_RANK={local})' if local else ''}. Build the loader after the "
-            f"process group exists (Lightning: in the DataModule's setup() or *_dataloader(); accelerate: "
-            f"after Accelerator()), or pass rank= and world_size= to make_loader")
+            f"WORLD_SIZE={world} but this process's rank is unknown: {missing} is not set{detail}. Build "
+            f"the loader after the process group exists (Lightning: in the DataModule's setup() or "
+            f"*_dataloader(); accelerate: after Accelerator()), or pass rank= and world_size= to make_loader")
     return 0
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"the {name} environment variable must be an integer, got {value!r}") from None
 
 
 def seed_for(*parts: int) -> int:

@@ -142,3 +142,29 @@ def test_choices_come_from_the_shared_constants():
               if str(p.relative_to(root)) not in owners
               and ('("auto", "bf16", "fp16", "off")' in p.read_text() or '("raise", "skip")' in p.read_text())]
     assert not copies, f"choices spelled out instead of AMP_CHOICES / ON_ERROR in {copies}"
+
+
+# ------------------------------------------------------------------ environment variables
+def test_env_integer_reads_the_variable_and_names_it_its_value_and_range_when_bad(monkeypatch):
+    monkeypatch.delenv("FD_TEST_N", raising=False)
+    assert checks.env_integer("FD_TEST_N", 7, minimum=1) == 7
+    assert checks.env_integer("FD_TEST_N", None, minimum=0) is None
+    monkeypatch.setenv("FD_TEST_N", " 3 ")
+    assert checks.env_integer("FD_TEST_N", 7, minimum=1) == 3
+    monkeypatch.setenv("FD_TEST_N", "0")
+    assert checks.env_integer("FD_TEST_N", 7, minimum=0) == 0
+    with pytest.raises(ValueError, match=r"^the FD_TEST_N environment variable must be an integer >= 1, got '0'$"):
+        checks.env_integer("FD_TEST_N", 7, minimum=1)
+    for bad in ("abc", "1.5", "-1"):
+        monkeypatch.setenv("FD_TEST_N", bad)
+        with pytest.raises(ValueError, match=rf"^the FD_TEST_N environment variable must be an integer >= 0, "
+                                             rf"got '{bad}'$"):
+            checks.env_integer("FD_TEST_N", 7, minimum=0)
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_env_integer_takes_an_empty_variable_as_unset(monkeypatch, blank):
+    """A launcher that forwards a variable it does not have exports it empty: that is "not given"."""
+    monkeypatch.setenv("FD_TEST_N", blank)
+    assert checks.env_integer("FD_TEST_N", 7, minimum=1) == 7
+    assert checks.env_integer("FD_TEST_N", None, minimum=1) is None

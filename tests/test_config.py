@@ -151,9 +151,13 @@ def test_under_torchrun_the_default_cuda_device_is_local_rank(monkeypatch, four_
     monkeypatch.setenv("LOCAL_RANK", "5")
     with pytest.raises(RuntimeError, match=r"LOCAL_RANK=5 .* 4 CUDA device\(s\)"):
         resolve_device(None)
-    monkeypatch.setenv("LOCAL_RANK", "x")
-    with pytest.raises(ValueError, match="LOCAL_RANK"):
-        resolve_device("cuda")
+    for bad in ("x", "-1"):
+        monkeypatch.setenv("LOCAL_RANK", bad)
+        with pytest.raises(ValueError, match=f"^the LOCAL_RANK environment variable must be an integer >= 0, "
+                                             f"got '{bad}'"):
+            resolve_device("cuda")
+    monkeypatch.setenv("LOCAL_RANK", " ")   # empty: unset, as a launcher that forwards nothing leaves it
+    assert resolve_device(None) == torch.device("cuda", 0)
     monkeypatch.delenv("LOCAL_RANK")
     assert resolve_device(None) == torch.device("cuda", 0)
 
@@ -206,9 +210,13 @@ def test_under_torchrun_each_rank_gets_its_share_of_the_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert LoaderConfig(device="cpu").num_workers == 1  # at least one
     assert LoaderConfig(device="cpu", num_workers=5).num_workers == 5  # explicit: kept
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
-        LoaderConfig(device="cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")
+    assert LoaderConfig(device="cpu").num_workers == 16  # empty: unset
+    for bad in ("eight", "0", "-2"):   # no processes on the node: a broken launch, not "take every core"
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(ValueError, match=f"^the LOCAL_WORLD_SIZE environment variable must be an integer >= 1, "
+                                             f"got '{bad}'"):
+            LoaderConfig(device="cpu")
 
 
 # ---------------------------------------------------------------- mean/std units; augment's hint

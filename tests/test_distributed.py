@@ -326,6 +326,28 @@ def test_rank_reads_lightnings_variables_as_the_loaders_do(monkeypatch):
     assert distributed.rank() == 0
 
 
+
+@pytest.mark.parametrize("name, bad, valid", [("WORLD_SIZE", "abc", ">= 1"), ("WORLD_SIZE", "0", ">= 1"),
+                                              ("LOCAL_RANK", "-1", ">= 0"), ("LOCAL_RANK", "one", ">= 0")])
+def test_a_bad_torchrun_variable_is_named_before_the_process_group_starts(monkeypatch, name, bad, valid):
+    """``int(os.environ[...])`` said only "invalid literal for int()", and took LOCAL_RANK=-1 as a rank
+    (cuda:-1); the error names the variable, its value and its range, as the loaders' own reading does."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("group started"))
+    for var, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", name: bad}.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=f"^the {name} environment variable must be an integer {valid}, got '{bad}'"):
+        fdist.init_distributed("cuda")
+
+
+def test_empty_torchrun_variables_are_unset(monkeypatch):
+    for name in ("WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "")
+    assert fdist.env_world_size() == 1 and fdist.local_rank() == 0
+    assert fdist.init_distributed("cpu") == torch.device("cpu")   # one process: no group
+
+
 GROUPS_FREED_SCRIPT = """
 import gc, json, os, sys, weakref
 from datetime import timedelta

@@ -68,8 +68,33 @@ def test_torchrun_variables_that_are_not_integers_are_named(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert distributed_info() == (1, 4)
     monkeypatch.setenv("WORLD_SIZE", "four")
-    with pytest.raises(ValueError, match="the WORLD_SIZE environment variable must be an integer, got 'four'"):
+    with pytest.raises(ValueError, match="the WORLD_SIZE environment variable must be an integer >= 1, got 'four'"):
         distributed_info()
+
+
+@pytest.mark.parametrize("name, bad, valid", [
+    ("WORLD_SIZE", "0", ">= 1"), ("WORLD_SIZE", "abc", ">= 1"), ("RANK", "-1", ">= 0"),
+    ("LOCAL_RANK", "-1", ">= 0"), ("NODE_RANK", "-1", ">= 0"), ("NODE_RANK", "x", ">= 0"),
+    ("LOCAL_WORLD_SIZE", "0", ">= 1")])
+def test_a_launcher_variable_out_of_its_range_is_named_with_the_range(no_launcher_env, name, bad, valid):
+    """A negative rank or an empty world read as a rank: rank -1 of 4 would take a slice no rank owns."""
+    env = no_launcher_env
+    good = {"WORLD_SIZE": "4", "LOCAL_RANK": "1", "NODE_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    for var, value in {**good, name: bad}.items():
+        env.setenv(var, value)
+    with pytest.raises(ValueError, match=f"^the {name} environment variable must be an integer {valid}, got '{bad}'"):
+        distributed_info()
+
+
+def test_an_empty_launcher_variable_is_unset(no_launcher_env):
+    env = no_launcher_env
+    for var, value in {"WORLD_SIZE": "4", "RANK": " ", "LOCAL_RANK": "1", "NODE_RANK": "",
+                       "LOCAL_WORLD_SIZE": ""}.items():
+        env.setenv(var, value)
+    assert distributed_info() == (1, 4)       # no RANK: LOCAL_RANK on node 0
+    env.setenv("WORLD_SIZE", "")
+    env.setenv("LOCAL_RANK", "")
+    assert distributed_info() == (0, 1)
 
 
 @pytest.mark.parametrize("drop_last", [True, False])
