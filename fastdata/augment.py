@@ -119,22 +119,27 @@ def draw_params(aug: Augmentation, rng: np.random.Generator, n: int, sizes) -> P
     for its flip, all drawn at once as an (n, RRC_DRAWS + 1) array. So for resizing crops, drawing
     sample by sample (n=1, as files are opened one by one) gives exactly the batch's parameters.
     """
-    crop = aug.crop
-    if not crop.resamples:
-        offsets = translate_offsets(rng, n, aug.pad) if crop is Crop.TRANSLATE else None
-        flips = rng.random(n) < aug.hflip if aug.hflip > 0 else np.zeros(n, dtype=bool)
-        return Params(offsets, None, flips)
-    sizes = np.broadcast_to(np.asarray(sizes).reshape(-1, 2), (n, 2))
-    flip = aug.hflip > 0
+    crop, flip = aug.crop, aug.hflip > 0
+    offsets: np.ndarray | None = None
+    boxes: np.ndarray | None = None
     if crop is Crop.RANDOM_RESIZED:
         # one row per sample: its box's uniforms, then its flip's (see RRC_DRAWS)
         u = rng.random((n, RRC_DRAWS + flip))
-        boxes = rrc_boxes(u, sizes, aug.scale, aug.ratio)
-        flips = u[:, RRC_DRAWS] < aug.hflip if flip else np.zeros(n, dtype=bool)
+        boxes = rrc_boxes(u, _batch_sizes(sizes, n), aug.scale, aug.ratio)
+        flip_u = u[:, RRC_DRAWS] if flip else None
     else:
-        boxes = center_boxes(sizes, aug.crop_size, aug.resize)
-        flips = rng.random(n) < aug.hflip if flip else np.zeros(n, dtype=bool)
-    return Params(None, boxes, flips)
+        if crop is Crop.TRANSLATE:
+            offsets = translate_offsets(rng, n, aug.pad)
+        elif crop.resamples:   # center
+            boxes = center_boxes(_batch_sizes(sizes, n), aug.crop_size, aug.resize)
+        flip_u = rng.random(n) if flip else None   # after the offsets; the center box draws nothing
+    flips = flip_u < aug.hflip if flip_u is not None else np.zeros(n, dtype=bool)
+    return Params(offsets, boxes, flips)
+
+
+def _batch_sizes(sizes, n: int) -> np.ndarray:
+    """``sizes`` (one (height, width) or one per sample) as an (n, 2) array."""
+    return np.broadcast_to(np.asarray(sizes).reshape(-1, 2), (n, 2))
 
 
 def sample_box(aug: Augmentation, rng: np.random.Generator, height: int, width: int):

@@ -46,6 +46,14 @@ def test_translate_draws_all_offsets_then_all_flips():
     assert np.array_equal(p.offsets, offsets) and np.array_equal(p.flips, flips) and p.boxes is None
 
 
+@pytest.mark.parametrize("aug", [Augmentation(hflip=0.3), Augmentation(crop="center", size=8, hflip=0.3)])
+def test_crops_that_draw_no_box_draw_n_flips_and_nothing_else(aug):
+    rng, ref = np.random.default_rng(4), np.random.default_rng(4)
+    p = draw_params(aug, rng, 9, (20, 30))
+    assert np.array_equal(p.flips, ref.random(9) < 0.3) and p.offsets is None
+    assert rng.random() == ref.random()    # the next batch's draws start where they did
+
+
 def test_resizing_crops_draw_box_then_flip_per_sample_so_one_by_one_equals_the_batch():
     sizes = np.array([[20, 30], [40, 25], [33, 33], [64, 48]])
     batch = draw_params(RRC, np.random.default_rng(5), 4, sizes)
