@@ -237,6 +237,72 @@ def pairs(a, b):
     return list(zip(a, b, strict=True))
 
 
+NOBODY = 65534   # uid and gid of "nobody"
+
+
+class ChildTraceback(Exception):
+    """The traceback of an error raised in ``run_as_nobody``'s child, shown as the cause of that error."""
+
+
+def _nobody_child(writer, fn, args) -> None:
+    import pickle
+    import traceback
+
+    try:
+        # Root's supplementary groups go too; the gid before the uid (as nobody, setgid is refused).
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        outcome = ("returned", fn(*args))
+    except BaseException as e:  # sent, not raised: the parent raises it
+        outcome = ("raised", e, traceback.format_exc())
+    try:
+        pickle.loads(pickle.dumps(outcome))   # what the parent will unpickle: fail here, with a message
+    except Exception as e:
+        outcome = ("unsendable", f"{outcome[0]} {type(outcome[1]).__name__}: {outcome[1]!r} ({e})",
+                   outcome[-1] if outcome[0] == "raised" else "")
+    writer.send(outcome)
+    writer.close()
+
+
+def run_as_nobody(fn, *args, timeout: float = 60):
+    """``fn(*args)`` in a forked child that first gives up root for uid and gid nobody (when this process
+    is root, as in CI; otherwise it runs as this user): what it returned, or the exception it raised,
+    raised here with the child's traceback as its cause. Root writes anywhere, so a test of what a user's
+    read-only folder does runs its code through this, against a root-owned folder. Forked: ``fn`` and
+    ``args`` need not pickle, but what comes back must (a result or error that does not is reported as
+    such); modules ``fn`` imports on the way should be imported before, as nobody may not read them."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    # A pipe, read before the join: through a queue, the child's exit waits for its feeder thread, which
+    # blocks on a large item until the parent reads it. The child holds the only write end once the
+    # parent closes its own, so a child that dies without a word reads as end-of-file, not a hang.
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_nobody_child, args=(writer, fn, args))
+    child.start()
+    writer.close()
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        if not reader.poll(timeout):
+            child.kill()
+            raise AssertionError(f"{name} as uid {NOBODY} did not finish in {timeout} s")
+        outcome = reader.recv()
+    except EOFError:
+        child.join(timeout)
+        raise AssertionError(f"{name} as uid {NOBODY}: the child exited (code {child.exitcode}) "
+                             f"without reporting a result") from None
+    finally:
+        reader.close()
+        child.join(timeout)
+    if outcome[0] == "returned":
+        return outcome[1]
+    if outcome[0] == "unsendable":
+        raise AssertionError(f"{name} as uid {NOBODY}: cannot send back {outcome[1]}\n{outcome[2]}")
+    raise outcome[1] from ChildTraceback(f"in the child, as uid {NOBODY}:\n{outcome[2]}")
+
+
 @contextlib.contextmanager
 def sync_debug_error():
     """torch's sync debug mode "error" inside (any host sync in any thread: .item(), a pageable copy,

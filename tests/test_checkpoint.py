@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import require
+from conftest import require, run_as_nobody
 from fastdata import checkpoint as ckpt
 
 
@@ -79,22 +79,9 @@ def test_failure_mid_write_keeps_previous(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
 
 
-def _save_as(uid, path, queue):
-    """In a forked child: drop to ``uid`` (when root) and try to save; report the exception's type."""
-    try:
-        if os.geteuid() == 0:
-            os.setgid(uid)
-            os.setuid(uid)
-        ckpt.save(_state(2.0), path)
-        queue.put(None)
-    except BaseException as e:  # reported, not raised: the parent asserts on it
-        queue.put(type(e).__name__)
-
-
 def test_unwritable_folder_raises_and_keeps_previous():
-    """Root can write anywhere, so the second save runs in a forked child that gives up root (uid
-    nobody) against a root-owned read-only folder: the same situation as a user's unwritable folder."""
-    import multiprocessing as mp
+    """Root can write anywhere, so the second save runs as uid nobody (``run_as_nobody``) against a
+    root-owned read-only folder: the same situation as a user's unwritable folder."""
     import shutil
     import tempfile
 
@@ -106,12 +93,9 @@ def test_unwritable_folder_raises_and_keeps_previous():
         path = os.path.join(folder, "c.pt")
         ckpt.save(_state(1.0), path)
         os.chmod(folder, 0o555)
-        ctx = mp.get_context("fork")
-        q = ctx.Queue()
-        child = ctx.Process(target=_save_as, args=(65534, path, q))
-        child.start()
-        child.join(60)
-        assert q.get(timeout=5) == "PermissionError"
+        with pytest.raises(PermissionError) as raised:
+            run_as_nobody(ckpt.save, _state(2.0), path)
+        assert raised.type is PermissionError
         assert torch.equal(ckpt.load(path)["w"], torch.ones(3))
         assert sorted(os.listdir(folder)) == ["c.pt"]
     finally:
@@ -234,21 +218,9 @@ def test_prepare_checks_the_path_before_any_save(tmp_path):
     assert not stale.exists()
 
 
-def _prepare_as(uid, path, queue):
-    try:
-        if os.geteuid() == 0:
-            os.setgid(uid)
-            os.setuid(uid)
-        ckpt.prepare(path)
-        queue.put(None)
-    except BaseException as e:  # reported, not raised: the parent asserts on it
-        queue.put(f"{type(e).__name__}: {e}")
-
-
 def test_prepare_refuses_an_unwritable_folder():
-    """As in test_unwritable_folder_raises_and_keeps_previous: root writes anywhere, so a forked child
-    gives up root against a root-owned read-only folder."""
-    import multiprocessing as mp
+    """As in test_unwritable_folder_raises_and_keeps_previous: root writes anywhere, so prepare runs as
+    uid nobody (``run_as_nobody``) against a root-owned read-only folder."""
     import shutil
     import tempfile
 
@@ -258,14 +230,9 @@ def test_prepare_refuses_an_unwritable_folder():
         folder = os.path.join(base, "ro")
         os.mkdir(folder, 0o555)
         os.chmod(folder, 0o555)
-        ctx = mp.get_context("fork")
-        q = ctx.Queue()
-        child = ctx.Process(target=_prepare_as, args=(65534, os.path.join(folder, "c.pt"), q))
-        child.start()
-        child.join(60)
-        got = q.get(timeout=5)
-        assert got is not None and got.startswith("PermissionError"), got
-        assert "c.pt" in got and "is not writable" in got
+        with pytest.raises(PermissionError, match=r"c\.pt.*is not writable") as raised:
+            run_as_nobody(ckpt.prepare, os.path.join(folder, "c.pt"))
+        assert raised.type is PermissionError
         assert os.listdir(folder) == []
     finally:
         os.chmod(os.path.join(base, "ro"), 0o755)

@@ -1,9 +1,8 @@
 """Tests of fit's profiler and run log (fastdata/engine/hooks.py)."""
-import re
 
 import pytest
 
-from conftest import require
+from conftest import require, run_as_nobody
 from engine_helpers import ListLoader, _batches
 from fastdata.engine import (
     fit,
@@ -68,24 +67,14 @@ def test_fit_checks_the_profiler_and_log_arguments_up_front(tmp_path, kwargs, er
     assert loader.iters == 0
 
 
-def _fit_as(uid, log_dir, queue):
-    """In a forked child: drop to ``uid`` (when root) and start fit with ``log_dir``; report the error."""
-    import os
-
-    try:
-        if os.geteuid() == 0:
-            os.setgid(uid)
-            os.setuid(uid)
-        fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, progress=False, log_dir=log_dir)
-        queue.put(None)
-    except BaseException as e:  # reported, not raised: the parent asserts on it
-        queue.put(f"{type(e).__name__}: {e}")
+def _fit(log_dir):
+    """Start a short fit with ``log_dir`` (run as uid nobody below)."""
+    fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, progress=False, log_dir=log_dir)
 
 
 def test_fit_refuses_a_log_dir_it_cannot_write():
-    """Root writes anywhere (CI runs as root), so fit runs in a forked child that gives up root (uid
-    nobody) against a root-owned read-only folder: a user's unwritable folder (as test_checkpoint does)."""
-    import multiprocessing as mp
+    """Root writes anywhere (CI runs as root), so fit runs as uid nobody (``run_as_nobody``) against a
+    root-owned read-only folder: a user's unwritable folder (as test_checkpoint does)."""
     import os
     import shutil
     import tempfile
@@ -98,15 +87,10 @@ def test_fit_refuses_a_log_dir_it_cannot_write():
         os.chmod(locked, 0o555)
         # A whole run here first: the modules fit imports on the way are loaded before the child gives up
         # root (uid nobody may not read this interpreter's library), so only the folder can stop it.
-        fit(SmallCNN(width=4), ListLoader(_batches(2)), epochs=1, progress=False, log_dir=os.path.join(base, "warm"))
-        ctx = mp.get_context("fork")
-        q = ctx.Queue()
-        child = ctx.Process(target=_fit_as, args=(65534, os.path.join(locked, "run"), q))
-        child.start()
-        child.join(120)
-        error = q.get(timeout=5)
-        assert error is not None and error.startswith("ValueError"), error
-        assert re.search(r"log_dir=.*cannot be written.*not a writable folder", error), error
+        _fit(os.path.join(base, "warm"))
+        with pytest.raises(ValueError, match=r"log_dir=.*cannot be written.*not a writable folder") as raised:
+            run_as_nobody(_fit, os.path.join(locked, "run"), timeout=120)
+        assert raised.type is ValueError
         assert os.listdir(locked) == []
     finally:
         shutil.rmtree(base)
