@@ -73,7 +73,19 @@ def test_a_bad_field_is_refused_when_the_config_is_built(fields, error, message)
 def test_the_step_is_built_from_the_config():
     model = SmallCNN()
     config = FitConfig(epochs=1, accumulate=3, clip_grad_norm=1.0, ema=0.9)
-    step = TrainStep.build(model, config, torch.device("cpu"), "off")
+    step = TrainStep.build(model, config, torch.device("cpu"))
     assert (step.accumulate, step.clip_grad_norm) == (3, 1.0)
+    assert step.mode == "off" and not step.scaler.is_enabled()   # amp "auto" on the CPU
     assert isinstance(step.ema, ModelEma) and step.ema.decay == 0.9
     assert isinstance(step.optimizer, torch.optim.AdamW) and step.scheduler is None
+
+
+@pytest.mark.parametrize("amp, scaled", [("bf16", False), ("fp16", True), ("off", False)])
+def test_the_step_resolves_its_precision_from_the_config(amp, scaled, monkeypatch):
+    """The mode, its autocast and its GradScaler come from one place, the config the step is built
+    from: a mode passed beside it could disagree with it."""
+    import fastdata.engine.amp as engine_amp
+
+    monkeypatch.setattr(engine_amp, "_WARNED_FP16_ON_CPU", True)   # fp16 on the CPU: said elsewhere
+    step = TrainStep.build(SmallCNN(), FitConfig(epochs=1, amp=amp), torch.device("cpu"))
+    assert step.mode == amp and step.scaler.is_enabled() == scaled

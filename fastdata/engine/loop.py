@@ -114,7 +114,7 @@ def fit(model: nn.Module, train_loader, *, config: FitConfig | None = None, **op
 def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig) -> list[dict]:
     """``fit`` once its arguments are checked, inside the device scope: build the step, restore a
     checkpoint, run the epochs."""
-    step = TrainStep.build(raw, config, device, resolve_amp(config.amp, device))
+    step = TrainStep.build(raw, config, device)
     for name, loader in (("train_loader", train_loader), ("eval_loader", config.eval_loader)):
         if loader is not None:
             step.check_dtype(_loader_dtype(loader), name)

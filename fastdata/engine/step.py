@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import distributed as fdist
 from ..models import checkpoint_blocks
-from .amp import autocast, resolve_compile
+from .amp import autocast, resolve_amp, resolve_compile
 from .hooks import no_region
 from .schedule import current_lr, one_or_each, resolve_scheduler_interval
 
@@ -96,12 +96,15 @@ class TrainStep:
         self.region = no_region
 
     @classmethod
-    def build(cls, raw, config, device, mode) -> TrainStep:
+    def build(cls, raw, config, device) -> TrainStep:
         """Put ``raw`` on ``device`` (channels-last if asked) and fill in the defaults of ``config`` (a
-        ``FitConfig``): the optimizer, a GradScaler, the loss, and a ``ModelEma`` when ``ema`` is a decay.
-        ``gradient_checkpointing``: ``models.checkpoint_blocks(raw)`` on the unwrapped model, before
-        ``wrap`` (DDP, compile); a model it cannot split is refused (ValueError naming it). ``mode``: the
-        resolved precision. The step runs ``raw`` itself until ``wrap``."""
+        ``FitConfig``): the precision (``resolve_amp(config.amp, device)``), the optimizer, a GradScaler,
+        the loss, and a ``ModelEma`` when ``ema`` is a decay. ``gradient_checkpointing``:
+        ``models.checkpoint_blocks(raw)`` on the unwrapped model, before ``wrap`` (DDP, compile); a model
+        it cannot split is refused (ValueError naming it). The step runs ``raw`` itself until ``wrap``."""
+        # Resolved here, from the config and device the step is built for, so that no caller can hand
+        # it a mode of another run (fp16's scaler with bf16's autocast, or amp off on a bf16 model).
+        mode = resolve_amp(config.amp, device)
         optimizer, scheduler, ema = config.optimizer, config.scheduler, config.ema
         if config.gradient_checkpointing:
             try:
