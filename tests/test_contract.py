@@ -45,6 +45,26 @@ def zip_source(tmp_path_factory):
     return src
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_array_kind_source_without_its_pixels_is_refused_by_name(backend):
+    """A source of kind ARRAY promises ``images`` and ``image_shape`` (datasets.base.ArrayPixels). One of
+    one's own that declares the kind without them is refused when the loader is built, by every backend
+    alike, naming what is missing; it was an AttributeError from whichever backend touched it first
+    (memory: 'images', dali: 'image_shape')."""
+    from fastdata.datasets import Source, SourceKind
+
+    class NoPixels(Source):
+        kind = SourceKind.ARRAY
+        channels, num_classes, mean, std = 3, 2, (0.5,) * 3, (0.25,) * 3
+
+        def __init__(self):
+            self.labels = np.zeros(8, np.int64)
+
+    refusal = "of kind 'array' but has no images and no image_shape.*ArrayPixels"
+    with pytest.raises((TypeError, ValueError), match=refusal):
+        make_loader(NoPixels(), backend, batch_size=4, device="cpu")
+
+
 # A fixed-size crop of the whole 16x16 image: photos need one, and it keeps the encoded pixels exact.
 WHOLE = Augmentation(crop="center", size=16)
 

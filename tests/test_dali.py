@@ -175,23 +175,6 @@ def test_empty_last_batch_on_a_rank():
     assert batches[1][1].shape == (0,) and batches[1][1].dtype == torch.int64
 
 
-def test_an_array_kind_source_without_image_shape_is_refused_naming_it():
-    """A source of kind ARRAY promises ``images`` and ``image_shape`` (datasets.base.ArrayPixels): one
-    that lacks them is an AttributeError naming what is missing, when the loader is built."""
-    from fastdata.datasets import Source, SourceKind
-
-    class NoPixels(Source):
-        kind = SourceKind.ARRAY
-        channels, num_classes, mean, std = 3, 2, (0.5,) * 3, (0.25,) * 3
-
-        def __init__(self):
-            self.labels = np.zeros(8, np.int64)
-
-    with pytest.raises(AttributeError, match="'NoPixels' object has no attribute 'image_shape'"):
-        dali(NoPixels(), batch_size=4)
-
-
-# ------------------------------------------------------------------- augmentation vs the torch backend
 def test_translation_equals_torch_backend_and_shift_statistics():
     # One bright pixel in the middle: its position in the output is the shift of that sample.
     n, size = 4000, 11

@@ -747,21 +747,6 @@ def test_an_array_shared_on_the_cpu_is_not_in_the_footprint(monkeypatch):
     loader.close()
 
 
-def test_an_array_kind_source_without_images_is_refused_naming_them():
-    """A source of kind ARRAY promises its pixels as ``images`` (datasets.base.ArrayPixels): one that
-    lacks them is an AttributeError naming ``images``, before anything is cached."""
-    from fastdata.datasets import Source, SourceKind
-
-    class NoPixels(Source):
-        kind = SourceKind.ARRAY
-        channels, num_classes, mean, std = 3, 2, (0.5,) * 3, (0.25,) * 3
-
-        def __init__(self):
-            self.labels = np.zeros(8, np.int64)
-
-    with pytest.raises(AttributeError, match="'NoPixels' object has no attribute 'images'"):
-        make_loader(NoPixels(), "memory", batch_size=4, device="cpu")
-
 def test_memory_imports_no_sibling_backend():
     """Its decoding goes through the shared decode layer (fastdata/decode/), not another backend: no module
     of the memory package imports a backend module beside the package (``from ..x``) but ``base``."""

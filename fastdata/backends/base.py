@@ -397,6 +397,17 @@ class Loader:
         """(whether this backend reads ``source`` at all: its kind, and its per-sample transform)."""
         if source.kind not in cls.reads:
             return False, cls._cannot_read(source)
+        if source.kind is SourceKind.ARRAY:
+            # What every backend reads of an array source (datasets.base.ArrayPixels), checked here so
+            # that a source of one's own declaring the kind without them is told so by name, not by an
+            # AttributeError from inside whichever backend touched them first.
+            missing = [a for a in ("images", "image_shape") if not hasattr(source, a)]
+            if missing:
+                return False, (f"{source!r} is of kind {SourceKind.ARRAY!r} but has no {' and no '.join(missing)}: "
+                               f"a source of that kind holds every image in one uint8 (N, H, W, C) array "
+                               f"'images', with its (H, W, C) 'image_shape' (fastdata.datasets.base."
+                               f"ArrayPixels); give it both, or declare kind FILES (encoded images, "
+                               f"read_stamped) or DATASET (a map-style Dataset)")
         transform = getattr(source, "sample_transform", None)
         if transform is not None and not cls.runs_sample_transforms:
             return False, (
