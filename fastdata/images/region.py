@@ -211,6 +211,11 @@ def is_jpeg(data: bytes) -> bool:
     return data[:3] == JPEG_START
 
 
+#: Bytes per value of each TIFF type Pillow reads (``TiffImagePlugin``'s ``_load_dispatch``); another
+#: type's entry is skipped by Pillow, and here.
+_TIFF_UNIT = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8}
+
+
 def jpeg_orientation(data: bytes) -> int | None:
     """The EXIF orientation (1..8) of a JPEG from its bytes, as Pillow reads it (IFD0's tag 0x0112 in
     the first APP1 "Exif" segment; 1 when there is none); None when the markers or the EXIF block are
@@ -247,12 +252,17 @@ def jpeg_orientation(data: bytes) -> int | None:
                 (ifd,) = struct.unpack_from(end + "I", tiff, 4)
                 (count,) = struct.unpack_from(end + "H", tiff, ifd)
                 for k in range(count):
-                    tag, kind, num = struct.unpack_from(end + "HHI", tiff, ifd + 2 + 12 * k)
+                    tag, kind, num, where = struct.unpack_from(end + "HHII", tiff, ifd + 2 + 12 * k)
                     if tag == 0x0112:
                         if kind != 3 or num != 1:     # not one SHORT: Pillow's reading decides
                             return None
                         (value,) = struct.unpack_from(end + "H", tiff, ifd + 2 + 12 * k + 8)
                         return value if 1 <= value <= 8 else None
+                    size = num * _TIFF_UNIT.get(kind, 0)
+                    if size > 4 and where + size > len(tiff):
+                        # Pillow stops reading the block at an entry whose values lie past its end, and
+                        # never sees an orientation after it (a photo turned by one backend only).
+                        return None
             except (KeyError, struct.error):
                 return None
             return 1
