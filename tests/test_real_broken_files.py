@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import threading
 import warnings
 
 import numpy as np
@@ -16,6 +17,7 @@ from PIL import Image, ImageOps
 
 from fastdata import Augmentation, DecodeError, make_loader
 from fastdata.datasets import ImageFolder, Shards
+from fastdata.datasets.folders import read_file
 
 EVAL = Augmentation(crop="center", size=32, resize=32)
 PLAIN = dict(mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))   # images come out as pixel / 255
@@ -68,6 +70,132 @@ def _jpeg(img: Image.Image, **kw) -> bytes:
     return buf.getvalue()
 
 
+# ----------------------------------------------------------------- refused alike, decoded alike
+@pytest.fixture(scope="module")
+def photo_folder(tmp_path_factory):
+    """Good photos and what a real folder holds besides: a JPEG named .png, a progressive JPEG, a
+    palette PNG with a transparent entry, a 1-bit BMP, an EXIF-8 photo, a link to a good photo, a
+    dangling link and a text file named .jpg."""
+    root = tmp_path_factory.mktemp("photos")
+    good, odd = root / "a_good", root / "b_odd"
+    good.mkdir()
+    odd.mkdir()
+    scene = Image.fromarray(_scene())
+    for i in range(3):
+        Image.fromarray(np.roll(_scene(), 9 * i, 1)).save(good / f"g{i}.jpg", quality=92)
+    (odd / "jpeg_named.png").write_bytes(_jpeg(scene))
+    scene.save(odd / "progressive.jpg", "JPEG", quality=95, progressive=True)
+    palette = scene.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    palette.save(odd / "palette_transparent.png", transparency=0)
+    scene.convert("1").save(odd / "onebit.bmp")
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    (odd / "rotated8.jpg").write_bytes(_jpeg(scene.transpose(Image.Transpose.ROTATE_270), exif=exif.tobytes()))
+    os.symlink(good / "g1.jpg", odd / "link.jpg")
+    os.symlink(root / "nowhere.jpg", odd / "dangling.jpg")
+    (odd / "text.jpg").write_text("not a photo\n" * 10)
+    return root
+
+
+BAD = ["dangling.jpg", "jpeg_named.png", "text.jpg"]   # in the folder's order
+
+
+@pytest.fixture(scope="module")
+def torch_reference(photo_folder):
+    loader = _loader(photo_folder, "torch", {"num_workers": 0}, on_error="skip")
+    return _epoch(loader)
+
+
+@pytest.mark.parametrize("backend, opts", BACKENDS, ids=IDS)
+def test_every_backend_refuses_the_same_files_and_decodes_the_odd_ones_alike(backend, opts, photo_folder,
+                                                                              torch_reference):
+    err = _refusal(photo_folder, backend, opts)
+    assert os.path.basename(err.path) == BAD[0] and "not found" in err.reason
+    loader = _loader(photo_folder, backend, opts, on_error="skip")
+    ref, _ = torch_reference
+    for _ in range(2):
+        images, skipped = _epoch(loader)
+        assert skipped == len(BAD) and len(images) == len(loader.dataset) - len(BAD) == len(ref)
+        diff = (images - ref).abs() * 255
+        # DALI's own decode and resize round differently (test_dali's tolerance); the others are exact
+        assert diff.mean() < 0.5 and diff.max() <= 8, (backend, opts, float(diff.mean()), float(diff.max()))
+    # and the odd ones are right, not only alike: each is the scene (or, for the link, photo g1)
+    names = [os.path.basename(p) for p in loader.dataset.paths if os.path.basename(p) not in BAD]
+    scene = np.asarray(Image.fromarray(_scene()).resize((43, 32), Image.Resampling.BILINEAR).crop((5, 0, 37, 32)))
+    for name, got in zip(names, ref.permute(0, 2, 3, 1).numpy() * 255, strict=True):
+        if name in ("progressive.jpg", "palette_transparent.png", "rotated8.jpg"):
+            assert np.abs(got - scene).mean() < 15, name
+    assert torch.equal(ref[names.index("link.jpg")], ref[names.index("g1.jpg")])
+
+
+def test_a_file_deleted_after_the_source_was_made_is_named_by_every_backend(tmp_path, photo_folder):
+    root = tmp_path / "photos"
+    (root / "a").mkdir(parents=True)
+    for i in range(3):
+        (root / "a" / f"g{i}.jpg").write_bytes((photo_folder / "a_good" / f"g{i}.jpg").read_bytes())
+    source = ImageFolder(root)
+    (root / "a" / "g1.jpg").unlink()
+    for backend, opts in BACKENDS:
+        err = _refusal(source, backend, opts)
+        assert err.path == str(root / "a" / "g1.jpg") and err.reason == "file not found", backend
+        images, skipped = _epoch(_loader(source, backend, opts, on_error="skip"))
+        assert (len(images), skipped) == (2, 1), backend
+
+
+# ------------------------------------------------------------------------ files that are not files
+def test_a_link_that_loops_is_a_file_every_backend_names_not_a_folder_that_cannot_be_opened(tmp_path,
+                                                                                              photo_folder):
+    root = tmp_path / "photos"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "g0.jpg").write_bytes((photo_folder / "a_good" / "g0.jpg").read_bytes())
+    loop = root / "a" / "loop.jpg"
+    os.symlink(loop, loop)
+    source = ImageFolder(root)   # was: OSError "Too many levels of symbolic links" for the whole folder
+    assert source.paths == [str(root / "a" / "g0.jpg"), str(loop)]
+    for backend, opts in BACKENDS[::2]:
+        err = _refusal(source, backend, opts)
+        assert err.path == str(loop) and "symbolic links" in err.reason
+        images, skipped = _epoch(_loader(source, backend, opts, on_error="skip"))
+        assert (len(images), skipped) == (1, 1)
+
+
+def _within(seconds: float, fn):
+    """fn()'s result or exception, or AssertionError when it does not return in time (a daemon thread:
+    a hang fails the test instead of the session)."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(("ok", fn()))
+        except BaseException as e:   # noqa: BLE001 (handed to the test)
+            out.append(("err", e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"still running after {seconds} s: a hang"
+    kind, value = out[0]
+    if kind == "err":
+        raise value
+    return value
+
+
+def test_a_named_pipe_or_a_device_named_jpg_is_refused_at_once_not_read_forever(tmp_path, photo_folder):
+    root = tmp_path / "photos"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "g0.jpg").write_bytes((photo_folder / "a_good" / "g0.jpg").read_bytes())
+    pipe, device = root / "a" / "pipe.jpg", root / "a" / "zeros.jpg"
+    os.mkfifo(pipe)                 # open() waited for a writer forever
+    os.symlink("/dev/zero", device)  # read() never ended
+    for path, kind in ((pipe, "named pipe"), (device, "character device")):
+        with pytest.raises(DecodeError, match=f"not a regular file \\(a {kind}") as info:
+            _within(10, lambda p=path: read_file(p))
+        assert info.value.path == str(path)
+    loader = _loader(root, "torch", {"num_workers": 0}, on_error="skip")
+    images, skipped = _within(30, lambda: _epoch(loader))
+    assert (len(images), skipped) == (1, 2)
+
+
 # ------------------------------------------------------------------------------ corrupt EXIF blocks
 def _with_exif(jpeg: bytes, tiff: bytes) -> bytes:
     segment = b"Exif\x00\x00" + tiff
@@ -114,6 +242,17 @@ def _as_pillow_shows(path) -> np.ndarray:
     img = img.resize((round(w * s), round(h * s)), Image.Resampling.BILINEAR)
     left, top = (img.width - 32) // 2, (img.height - 32) // 2
     return np.asarray(img.crop((left, top, left + 32, top + 32))).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPT_EXIF))
+def test_the_header_walk_reads_a_corrupt_exif_block_as_pillow_or_leaves_it_to_pillow(name):
+    from fastdata.images.region import jpeg_orientation
+
+    data = _with_exif(_jpeg(Image.fromarray(_scene())), CORRUPT_EXIF[name])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pillow = Image.open(io.BytesIO(data)).getexif().get(0x0112, 1)
+    assert jpeg_orientation(data) in (None, pillow)
 
 
 def _check_turned_as_pillow(exif_folder, backend, opts):

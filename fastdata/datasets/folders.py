@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import zlib
 from pathlib import Path
 
@@ -27,12 +28,22 @@ def _scandir(folder) -> list:
                                 f"images would be missing (fix its permissions or remove it)") from None
 
 
+def _is_folder(entry: os.DirEntry) -> bool:
+    """Whether a folder entry is a folder, following links. A link that cannot be followed (a loop,
+    ``a.jpg -> a.jpg``) is not one: like a dangling link it is listed as a file, and reading it is the
+    DecodeError naming it that ``on_error`` skips, rather than an OSError that refuses the whole folder."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
 def _walk_images(folder, exts, visited: set, real_root: str):
     """Image files under ``folder``, following links to folders, each real folder once."""
     for entry in _scandir(folder):
         if entry.name.startswith("."):
             continue
-        if entry.is_dir():  # follows links
+        if _is_folder(entry):
             real = os.path.realpath(entry.path)
             if real_root.startswith(real.rstrip(os.sep) + os.sep):
                 raise ValueError(f"folder link '{entry.path}' points to '{real}', which contains the image "
@@ -49,12 +60,25 @@ def read_file(path) -> tuple[bytes, int]:
     """(a file's bytes, a stamp of its size and mtime), read once; a failure is the DecodeError that
     names the file, as every backend raises it."""
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: opening a named pipe waits for a writer, forever (a hung epoch); for a regular
+        # file it changes nothing. Only a regular file is read: a pipe, or a link to /dev/zero, would
+        # be read until memory runs out.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                kind = _KIND_OF_MODE.get(stat.S_IFMT(mode), "a special file")
+                raise DecodeError(str(path), f"not a regular file ({kind}): an image is read from a file")
             data = f.read()
-            st = os.fstat(f.fileno())
+            st = os.fstat(fd)   # after the read, as before: the stamp describes the bytes read
     except OSError as e:
         raise _file_error(path, e) from None
     return data, file_stamp(st)
+
+
+#: How ``read_file`` names a file that is not a regular one.
+_KIND_OF_MODE = {stat.S_IFIFO: "a named pipe", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                 stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder"}
 
 
 def _file_error(path, e: OSError) -> DecodeError:
