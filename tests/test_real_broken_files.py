@@ -196,6 +196,16 @@ def test_a_named_pipe_or_a_device_named_jpg_is_refused_at_once_not_read_forever(
     assert (len(images), skipped) == (1, 2)
 
 
+def test_a_file_pillow_cannot_identify_is_named_with_what_it_starts_with(tmp_path):
+    (tmp_path / "a").mkdir()
+    text = tmp_path / "a" / "notes.jpg"
+    text.write_text("shopping list\n")
+    err = _refusal(tmp_path, "torch", {"num_workers": 0})
+    assert err.path == str(text)
+    # not Pillow's "cannot identify image file <_io.BytesIO object at 0x7f...>"
+    assert "object at 0x" not in str(err) and "b'shopping list\\n'" in err.reason
+
+
 # ------------------------------------------------------------------------------ corrupt EXIF blocks
 def _with_exif(jpeg: bytes, tiff: bytes) -> bytes:
     segment = b"Exif\x00\x00" + tiff

@@ -9,12 +9,13 @@ worker decoded the photo.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import warnings
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from ..augment import clamp_box, mirrored, sample_box
 from ..config import Augmentation
@@ -49,8 +50,14 @@ def open_image(path, fp=None) -> Image.Image:
     except FileNotFoundError:
         raise DecodeError(path, "file not found") from None
     except Exception as e:  # UnidentifiedImageError, OSError, SyntaxError from broken headers
-        size = _size_or_none(path)
-        why = "empty file (0 bytes)" if size == 0 else f"not a readable image ({type(e).__name__}: {e})"
+        size = len(fp.getbuffer()) if isinstance(fp, io.BytesIO) else _size_or_none(path)
+        if size == 0:
+            why = "empty file (0 bytes)"
+        elif isinstance(e, UnidentifiedImageError):
+            # Pillow's own text names its file object ("<_io.BytesIO object at 0x7f...>"), not the file.
+            why = f"not an image format Pillow recognizes (the file starts with {_head(path, fp)!r})"
+        else:
+            why = f"not a readable image ({type(e).__name__}: {e})"
         ext = _extension(path)
         feature = _FEATURE_OF_FORMAT.get(_FORMAT_OF_EXT.get(ext, ""))
         if size and feature:
@@ -78,6 +85,18 @@ def open_image(path, fp=None) -> Image.Image:
 def _extension(path: str) -> str:
     """The file name's ending, lower case (".jpg"), the key of ``_FORMAT_OF_EXT``; "" for none."""
     return os.path.splitext(path)[1].lower()
+
+
+def _head(path, fp, n: int = 16) -> bytes:
+    """The first ``n`` bytes of the file (of ``fp`` when given): what an unknown format starts with."""
+    try:
+        if fp is not None:
+            fp.seek(0)
+            return fp.read(n)
+        with open(path, "rb") as f:
+            return f.read(n)
+    except (OSError, ValueError):
+        return b""
 
 
 def _size_or_none(path):
