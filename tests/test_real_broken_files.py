@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+import fastdata
 from fastdata import Augmentation, DecodeError, make_loader
 from fastdata.datasets import ImageFolder, Shards
 from fastdata.datasets.folders import read_file
@@ -291,3 +292,35 @@ def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does(backend, opts, exif_f
     "the photos in the pipeline (fastdata/backends/dali.py)"))
 def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does_in_dalis_own_decoder(exif_folder):
     _check_turned_as_pillow(exif_folder, "dali", {"decode": "dali"})
+
+
+# -------------------------------------------------------------------------------------------- pack
+def test_pack_refuses_an_empty_or_unreadable_file_before_writing_anything(tmp_path, photo_folder):
+    root = tmp_path / "photos"
+    (root / "a").mkdir(parents=True)
+    for i in range(3):
+        (root / "a" / f"g{i}.jpg").write_bytes((photo_folder / "a_good" / f"g{i}.jpg").read_bytes())
+    (root / "a" / "text.jpg").write_text("not a photo\n")
+    empty = root / "a" / "empty.jpg"
+    empty.write_bytes(b"")
+    out = tmp_path / "packed"
+    # Was: packed, then Shards(out) refused the whole index ("an image member is not empty").
+    with pytest.raises(ValueError, match="empty file") as info:
+        fastdata.pack(ImageFolder(root), out, progress=False, workers=0)
+    assert str(empty) in str(info.value) and not list(out.glob("*.tar"))
+    empty.unlink()
+    os.symlink(root / "gone.jpg", root / "a" / "dangling.jpg")
+    # Was: a DecodeError whose hint, on_error='skip', is an option pack does not have.
+    with pytest.raises(ValueError, match="dangling.jpg' \\(file not found\\)") as info:
+        fastdata.pack(ImageFolder(root), out, progress=False, workers=0)
+    assert "on_error" not in str(info.value)
+    (root / "a" / "dangling.jpg").unlink()
+    # What is left packs, and reads back as the folder does: the undecodable file refused by name.
+    fastdata.pack(ImageFolder(root), out, progress=False, workers=0)
+    for backend, opts in BACKENDS[::2]:
+        err = _refusal(Shards(out), backend, opts)
+        assert err.path.endswith(".tar:00000003.jpg") and "not an image format" in err.reason
+        loader = _loader(Shards(out), backend, opts, on_error="skip")
+        for _ in range(2):
+            images, skipped = _epoch(loader)
+            assert (len(images), skipped) == (3, 1)

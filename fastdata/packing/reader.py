@@ -10,6 +10,8 @@ import zlib
 
 import numpy as np
 
+from ..errors import DecodeError
+
 #: Bumped when the bytes a plan produces change, so a re-run does not keep shards packed the old way.
 PACK_VERSION = 1
 JPEG_QUALITY = 90
@@ -133,7 +135,21 @@ class SampleReader:
             # sample cost ~15 us of pool overhead each (~20 s for ImageNet), more than a cached stat.
             runs = (range(a, min(a + _PLAN_RUN, n)) for a in range(0, n, _PLAN_RUN))
             with ThreadPoolExecutor(self.threads) as pool:
-                found = [f for run in pool.map(self._sizes_and_stamps, runs) for f in run]
+                try:
+                    found = [f for run in pool.map(self._sizes_and_stamps, runs) for f in run]
+                except DecodeError as e:
+                    # DecodeError's own hint (on_error='skip') is the loaders'; pack has no such option.
+                    raise ValueError(f"pack: cannot read '{e.path}' ({e.why}); pack copies every file of the "
+                                     f"source: remove the file or fix it, then pack again") from None
+            empty = [i for i, (size, _) in enumerate(found) if size == 0]
+            if empty:
+                # Before any shard is written: Shards refuses an index with an empty image member, so the
+                # pack would be written whole and then not open at all.
+                shown = ", ".join(repr(self.source.sample_name(i)) for i in empty[:3])
+                shown += ", ..." if len(empty) > 3 else ""
+                raise ValueError(f"pack: {len(empty)} empty file(s) (0 bytes: {shown})"
+                                 f"; every loader refuses such a file, and a shard holds none: remove them, "
+                                 f"then pack again")
             names = _below_common_folder([self.source.sample_name(i) for i in range(n)])
             return (np.array([f[0] for f in found], dtype=np.int64).reshape(n),
                     [f"{name}\0{size}\0{stamp}" for name, (size, stamp) in zip(names, found, strict=True)])
