@@ -71,7 +71,12 @@ def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
             out = io.BytesIO()
             img.save(out, format="JPEG", quality=JPEG_QUALITY)
             return out.getvalue()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except UnidentifiedImageError:
+        # Pillow's own text names its file object ("<_io.BytesIO object at 0x7f...>"), not the file.
+        raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: not an image format Pillow "
+                         f"recognizes (the file starts with {data[:16]!r})") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        # DecompressionBombError is no OSError: it left pack as Pillow's own error, naming no file.
         raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: {e}") from None
 
 
