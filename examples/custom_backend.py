@@ -10,6 +10,8 @@ batches are the torch backend's, pixel for pixel. ``registry.register`` makes th
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from fastdata import make_loader, registry
@@ -39,7 +41,14 @@ def register() -> None:
     registry.register("simple", SimpleLoader)
 
 
-def main() -> None:
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """No options: the parser answers ``--help`` and refuses a flag it does not know, instead of running
+    the demo."""
+    return argparse.ArgumentParser(description="Register a one-file backend ('simple') and read an epoch "
+                                               "of synthetic digits with it", add_help=add_help)
+
+
+def main(args: argparse.Namespace | None = None) -> None:
     """Register the backend and read an epoch of synthetic digits with it."""
     register()
     loader = make_loader(SyntheticDigits(2000), "simple", batch_size=250, device="cpu")
@@ -49,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(get_args_parser().parse_args())

@@ -11,6 +11,7 @@ interface (a remote stream, with its own epoch order).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import threading
 import zipfile
@@ -131,7 +132,15 @@ def zip_folder(folder, path) -> str:
     return os.fspath(path)
 
 
-def main() -> None:
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """No options: the parser answers ``--help`` and refuses a flag it does not know, instead of running
+    the demo."""
+    return argparse.ArgumentParser(description="Zip a small photo folder (in a temporary folder) and read it "
+                                               "with every backend through ZipImages, a one-file Source",
+                                   add_help=add_help)
+
+
+def main(args: argparse.Namespace | None = None) -> None:
     """Zip a small photo folder and read one training epoch from it with every available backend."""
     import tempfile
 
@@ -149,4 +158,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(get_args_parser().parse_args())

@@ -1,0 +1,124 @@
+"""What a new user types first, as they type it: every example answers ``--help``, refuses a flag it does
+not know, and ends a Ctrl-C or a bad ``--resume`` file with one line instead of a traceback.
+
+The other first commands are covered where their code is: the flags' checks in ``test_examples.py`` and
+``test_cli.py``, ``python -m fastdata`` in ``test_cli.py``, ``test_doctor.py`` and ``test_bench.py``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import load_example
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.py"))
+
+
+def test_the_examples_listed_are_the_ones_on_disk():
+    """A new example joins the parametrized tests below by being in the folder."""
+    assert {"train_mnist", "train_imagefolder", "custom_backend", "custom_source"} <= set(EXAMPLES)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_example_prints_its_usage_for_help_and_does_nothing_else(name, tmp_path):
+    """``custom_backend.py --help`` and ``custom_source.py --help`` ran their demo (photos drawn, zipped
+    and read by every backend) and printed no usage; an unknown flag was ignored the same way."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py"), "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: "), proc.stdout
+    assert not list(tmp_path.iterdir()), "--help wrote files"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_example_refuses_a_flag_it_does_not_know_naming_it(name, capsys):
+    parser = load_example(name).get_args_parser()
+    required = ["--data-root", "x"] if name == "train_imagefolder" else []
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args([*required, "--no-such-flag"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-such-flag" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("name", ["custom_backend", "custom_source"])
+def test_the_demos_still_run_when_called_with_their_parsed_arguments(name, capsys):
+    module = load_example(name)
+    module.main(module.get_args_parser().parse_args([]))
+    assert "batch" in capsys.readouterr().out
+
+
+def _interrupted(module, monkeypatch, argv):
+    """``main`` with ``fit`` raising KeyboardInterrupt, as Ctrl-C does in the middle of an epoch."""
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "fit", ctrl_c)
+    try:
+        module.main(module.get_args_parser().parse_args(argv))
+    except SystemExit as e:
+        return e.code
+    except KeyboardInterrupt:   # caught here: escaping, it would end the whole test session
+        pytest.fail("Ctrl-C left main as a KeyboardInterrupt traceback")
+    pytest.fail("main returned after Ctrl-C")
+
+
+def test_ctrl_c_in_training_ends_in_one_line_saying_how_to_resume(monkeypatch, tmp_path, capsys):
+    """Ctrl-C printed a 25-line traceback through fit, the step and autograd, and did not say that the
+    checkpoint on disk is where ``--resume`` goes on from. Exit status 130: the shell's for SIGINT."""
+    module = load_example("train_mnist")
+    common = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "64",
+              "--test-size", "32", "--batch-size", "32", "--backend", "torch", "--device", "cpu",
+              "--workers", "0", "--no-progress"]
+    ck = tmp_path / "ck.pt"
+    assert _interrupted(module, monkeypatch, [*common, "--checkpoint", str(ck), "--checkpoint-every", "5"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"interrupted: the same command with --resume goes on from the last "
+                                            f"save in '{ck}' (every epoch and every 5 steps)"), err
+    assert "Traceback" not in err
+    assert _interrupted(module, monkeypatch, common) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted: nothing saved to resume from (no --checkpoint given)", err
+
+
+def test_ctrl_c_in_the_imagefolder_example_is_one_line_too(monkeypatch, tmp_path, capsys):
+    from fastdata.datasets import make_image_folder
+
+    module = load_example("train_imagefolder")
+    root = make_image_folder(tmp_path / "photos", classes=2, per_class=2, seed=0)
+    ck = tmp_path / "ck.pt"
+    argv = ["--data-root", str(root), "--batch-size", "2", "--image-size", "32", "--backend", "torch",
+            "--device", "cpu", "--workers", "0", "--no-progress", "--checkpoint", str(ck)]
+    assert _interrupted(module, monkeypatch, argv) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"interrupted: the same command with --resume goes on from the last "
+                                            f"save in '{ck}' (every epoch)"), err
+
+
+def test_lightning_resume_from_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path, capsys):
+    """``--resume notes.txt`` passed the is-a-file check and failed deep inside Lightning's torch.load with
+    a bare ``EOFError`` (empty file) or an ``UnpicklingError`` traceback."""
+    module = load_example("lightning_mnist")
+    for content in (b"", b"not a checkpoint" * 10):
+        bad = tmp_path / "notes.txt"
+        bad.write_bytes(content)
+        parser = module.get_args_parser()
+        with pytest.raises(SystemExit) as info:
+            module._check_args(parser, parser.parse_args(["--resume", str(bad)]))
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --resume: '{bad}' is not a checkpoint" in err and "Traceback" not in err, err
+
+
+def test_lightning_resume_takes_a_file_torch_save_wrote(tmp_path):
+    import torch
+
+    module = load_example("lightning_mnist")
+    good = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}}, good)
+    parser = module.get_args_parser()
+    module._check_args(parser, parser.parse_args(["--resume", str(good)]))
