@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import io
 import os
+import zipfile
 
 import torch
 
@@ -79,6 +80,18 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     cli.check_output(parser, "--ckpt-dir", args.ckpt_dir, folder=True)
     if args.resume is not None and not os.path.isfile(args.resume):
         parser.error(f"argument --resume: '{args.resume}' is not a file")
+    # Lightning would find out inside trainer.fit, as a bare EOFError or UnpicklingError traceback. A
+    # checkpoint is torch.save's archive: a zip holding a data.pkl (read from the directory, not unpickled).
+    if args.resume is not None and not _is_torch_archive(args.resume):
+        parser.error(f"argument --resume: '{args.resume}' is not a checkpoint (not an archive torch.save wrote)")
+
+
+def _is_torch_archive(path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return any(name == "data.pkl" or name.endswith("/data.pkl") for name in zf.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def build(args):

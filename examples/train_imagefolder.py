@@ -19,7 +19,6 @@ import torch
 
 from fastdata import Augmentation, cli, make_loader
 from fastdata import distributed as fdist
-from fastdata.checkpoint import CheckpointError
 from fastdata.config import ON_ERROR
 from fastdata.datasets import ImageFolder
 from fastdata.engine import AMP_CHOICES, fit, resolve_scheduler_interval
@@ -116,16 +115,14 @@ def main(args) -> dict:
         optimizer = make_optimizer(model, lr, device)
         scheduler = make_schedule(optimizer, lr, args.epochs, -(-len(train_loader) // args.accumulate))
         start = time.perf_counter()
-        try:
+        # A --checkpoint that is not one, or one of another run, and Ctrl-C (saying how to resume, exit
+        # 130): one line, no traceback.
+        with cli.fit_errors(args):
             history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
                           eval_loader=val_loader, amp=args.amp, **cli.loop_kwargs(args),
                           channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
                           checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
                           accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm, ema=args.ema)
-        # A file that is not a checkpoint, or one of another run: one line, no traceback. Under torchrun
-        # the other ranks get rank 0's verdict as a PreparationError: the same line, not a traceback.
-        except (CheckpointError, fdist.PreparationError) as e:
-            raise SystemExit(f"error: --checkpoint: {e}") from None
         # --json-out records what ran: every flag as given (the resolved device and amp are the result's
         # own keys) and what the defaults resolved to. ``lr`` is the flag, meant for batch 256; ``peak_lr``
         # the one-cycle peak this run's batch size scaled it to.

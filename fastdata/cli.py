@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import math
 import os
+import sys
 
 #: The seeds every fastdata source and numpy accept.
 SEED_MAX = 2**32 - 1
@@ -264,13 +265,46 @@ def input_errors(what: str):
 
 def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """The checks the training scripts' flags need together, made right after parsing: ``--resume``
-    needs ``--checkpoint``; ``--checkpoint`` and ``--json-out`` must be writable files (a folder there
-    would fail only when the first checkpoint, or the result at the very end, is written); ``--profile``
-    and ``--log-dir`` writable folders."""
+    and ``--checkpoint-every`` need ``--checkpoint``; ``--checkpoint`` and ``--json-out`` must be
+    writable files (a folder there would fail only when the first checkpoint, or the result at the very
+    end, is written); ``--profile`` and ``--log-dir`` writable folders."""
     if getattr(args, "resume", False) and not getattr(args, "checkpoint", None):
         parser.error("argument --resume: needs --checkpoint PATH, the file to continue from")
+    # Else fit's own check refuses it with a ValueError traceback, after the data and loaders are built.
+    if getattr(args, "checkpoint_every", None) and not getattr(args, "checkpoint", None):
+        parser.error("argument --checkpoint-every: needs --checkpoint PATH, the file to save to")
     for flag in ("--checkpoint", "--json-out"):
         check_output(parser, flag, getattr(args, flag[2:].replace("-", "_"), None))
     for flag in ("--profile", "--log-dir"):   # folders: a file there would fail only when the run starts
         check_output(parser, flag, getattr(args, flag[2:].replace("-", "_"), None), folder=True)
     return args
+
+
+@contextlib.contextmanager
+def fit_errors(args: argparse.Namespace):
+    """Around a training script's ``fit``, what ends it early as one line instead of a traceback:
+
+    - a ``--checkpoint`` that is not one, or one of another run (``CheckpointError``; under torchrun the
+      other ranks get rank 0's verdict as a ``PreparationError``): ``error: --checkpoint: ...``;
+    - Ctrl-C: what the same command with ``--resume`` goes on from, and exit status 130 (128 + SIGINT,
+      what a shell reports for it), where it was a traceback through the loop, the step and autograd
+      that said nothing about resuming. Under torchrun every rank exits so; rank 0 alone says it."""
+    from . import distributed
+    from .checkpoint import CheckpointError
+
+    try:
+        yield
+    except (CheckpointError, distributed.PreparationError) as e:
+        raise SystemExit(f"error: --checkpoint: {e}") from None
+    except KeyboardInterrupt:
+        checkpoint = getattr(args, "checkpoint", None)
+        if checkpoint:
+            every = getattr(args, "checkpoint_every", None)
+            when = f"every epoch and every {every} steps" if every else "every epoch"
+            message = (f"interrupted: the same command with --resume goes on from the last save in "
+                       f"'{checkpoint}' ({when})")
+        else:
+            message = "interrupted: nothing saved to resume from (no --checkpoint given)"
+        if distributed.is_main():
+            print(message, file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

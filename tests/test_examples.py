@@ -357,6 +357,7 @@ def test_output_paths_and_resume_are_checked_before_training(name, tmp_path, cap
     (tmp_path / "afile").write_text("x")
     cases = [
         (["--resume"], "argument --resume: needs --checkpoint"),
+        (["--checkpoint-every", "5"], "argument --checkpoint-every: needs --checkpoint"),
         (["--checkpoint", str(tmp_path)], "argument --checkpoint: "),
         (["--json-out", str(tmp_path)], "is a folder"),
         (["--json-out", str(tmp_path / "afile" / "r.json")], "which is a file, not a folder"),
