@@ -180,6 +180,34 @@ def test_a_link_that_loops_is_a_file_every_backend_names_not_a_folder_that_canno
         assert (len(images), skipped) == (1, 1)
 
 
+def test_file_names_that_are_not_utf8_checkpoint_and_pack(tmp_path, photo_folder):
+    """A Latin-1 name (an old camera's, a Windows archive's) is a str with surrogates in Python: the
+    loaders read it, but the folder's fingerprint encoded it as UTF-8, so state_dict (every checkpoint)
+    and pack failed with UnicodeEncodeError."""
+    root = tmp_path / "photos"
+    (root / "a").mkdir(parents=True)
+    for i, name in enumerate([b"caf\xe9.jpg", b"g.jpg", b"na\xefve.jpg"]):
+        with open(os.path.join(os.fsencode(root / "a"), name), "wb") as f:
+            f.write((photo_folder / "a_good" / f"g{i}.jpg").read_bytes())
+    source = ImageFolder(root)
+
+    def loader():
+        return _loader(source, "torch", {"num_workers": 0}, train=True, seed=1, drop_last=False, batch_size=2)
+
+    whole, _ = _epoch(loader())
+    interrupted = loader()
+    batches = iter(interrupted)
+    first = next(batches)[0]
+    state = interrupted.state_dict()
+    del batches
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert torch.equal(torch.cat([first, _epoch(resumed)[0]]), whole)
+    fastdata.pack(source, tmp_path / "packed", progress=False, workers=0)
+    images, skipped = _epoch(_loader(Shards(tmp_path / "packed"), "torch", {"num_workers": 0}))
+    assert (len(images), skipped) == (3, 0)
+
+
 def _within(seconds: float, fn):
     """fn()'s result or exception, or AssertionError when it does not return in time (a daemon thread:
     a hang fails the test instead of the session)."""

@@ -253,14 +253,16 @@ class ImageFolder(Source):
         # at the first checkpoint or resume: for ImageNet's 1.28M files that took ~17 s on one thread,
         # half of it os.path.relpath (two abspaths, so two getcwd calls, per file).
         if self._fingerprint is None:
-            crc = zlib.crc32("\n".join(self.classes).encode())
+            # os.fsencode, not str.encode: a name that is not UTF-8 (a Latin-1 name from an old camera or
+            # archive) is a str with surrogates that encode() refuses; for any other name the same bytes.
+            crc = zlib.crc32(os.fsencode("\n".join(self.classes)))
             sizes = _file_sizes(self.paths)
             prefix = os.path.join(os.fspath(self.root), "")
             for path, label, size in zip(self.paths, self.labels, sizes, strict=True):
                 rel = path[len(prefix):] if path.startswith(prefix) else ""
                 if not rel or rel.startswith("..") or os.path.normpath(rel) != rel:
                     rel = os.path.relpath(path, self.root)   # what the slice equals for a normal path
-                crc = zlib.crc32(f"{rel}\0{label}\0{size}\n".encode(), crc)
+                crc = zlib.crc32(os.fsencode(f"{rel}\0{label}\0{size}\n"), crc)
             self._fingerprint = (f"{type(self).__name__} n={len(self)} classes={self.num_classes} "
                                  f"files={crc:08x}{self._subset_tag()}")
         return self._fingerprint

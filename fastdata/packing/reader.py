@@ -185,7 +185,7 @@ class SampleReader:
         h = hashlib.sha256(f"v{PACK_VERSION} max_side={self.max_side} {start}:{stop}\n".encode())
         h.update(self.labels[start:stop].tobytes())
         if self.kind == SourceKind.FILES:
-            h.update("\n".join(ident[start:stop]).encode())
+            h.update(os.fsencode("\n".join(ident[start:stop])))   # file names: not UTF-8 ones too
         elif self.kind == SourceKind.ARRAY:
             h.update(f"{zlib.crc32(np.ascontiguousarray(self.source.images[start:stop]).data):08x}".encode())
         else:   # a Dataset's bytes are only known by reading it: its fingerprint is what there is
