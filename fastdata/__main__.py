@@ -5,7 +5,9 @@ import sys
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fastdata", description=__doc__)
+    # Not __doc__: its ``markup`` would show as it is in --help.
+    parser = argparse.ArgumentParser(prog="python -m fastdata", description="fastdata's commands: doctor, "
+                                     "bench SOURCE and pack SOURCE OUT; each takes --help")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="torch/CUDA, Pillow-SIMD, DALI, cores and the usable backends")
     from .bench import get_args_parser as bench_parser
@@ -19,8 +21,24 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What Ctrl-C leaves behind, per command: one line instead of a traceback from wherever it landed.
+ON_INTERRUPT = {
+    "doctor": "interrupted",
+    "bench": "interrupted: nothing written (the reports are written once every backend is measured)",
+    "pack": "interrupted: the same command finishes the pack, keeping the shards already written",
+}
+
+
 def main(argv=None) -> int:
     args = get_args_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"fastdata {args.command}: {ON_INTERRUPT[args.command]}", file=sys.stderr, flush=True)
+        return 130   # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def _run(args) -> int:
     if args.command == "doctor":
         from .doctor import main as doctor
 

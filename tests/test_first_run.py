@@ -122,3 +122,38 @@ def test_lightning_resume_takes_a_file_torch_save_wrote(tmp_path):
     torch.save({"state_dict": {}}, good)
     parser = module.get_args_parser()
     module._check_args(parser, parser.parse_args(["--resume", str(good)]))
+
+
+def test_the_command_lines_help_is_plain_text():
+    """``python -m fastdata --help`` showed its module docstring's ``markup`` as it is."""
+    from fastdata.__main__ import get_args_parser
+
+    text = get_args_parser().format_help()
+    assert "``" not in text and "doctor" in text and "pack SOURCE OUT" in text, text
+
+
+@pytest.mark.parametrize("module,argv,says", [
+    ("fastdata.doctor", ["doctor"], "fastdata doctor: interrupted"),
+    ("fastdata.bench", ["bench", "digits"], "fastdata bench: interrupted: nothing written (the reports are "
+                                            "written once every backend is measured)"),
+    ("fastdata.packing.command", ["pack", "digits", "OUT"], "fastdata pack: interrupted: the same command "
+                                                            "finishes the pack, keeping the shards already written"),
+])
+def test_ctrl_c_in_a_command_is_one_line_and_status_130(module, argv, says, monkeypatch, capsys, tmp_path):
+    """Ctrl-C in ``python -m fastdata pack`` printed a traceback ending in whatever numpy or torch call it
+    landed in, although the docs promise that re-running an interrupted pack finishes it."""
+    import importlib
+
+    import fastdata.__main__ as entry
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), "main", ctrl_c)
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    try:
+        code = entry.main(argv)
+    except KeyboardInterrupt:   # caught here: escaping, it would end the whole test session
+        pytest.fail("Ctrl-C left main as a KeyboardInterrupt traceback")
+    err = capsys.readouterr().err
+    assert code == 130 and err.strip() == says, err
