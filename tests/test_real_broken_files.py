@@ -332,12 +332,34 @@ def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does(backend, opts, exif_f
     _check_turned_as_pillow(exif_folder, backend, opts)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "decode='dali': DALI's decoder applies the EXIF orientation as nvImageCodec reads it, while the boxes "
-    "are drawn from Pillow's reading; on a corrupt block they disagree (an orientation stored as LONG, a "
-    "truncated IFD, an unknown byte order) and DALI fails the batch with a RuntimeError that names no "
-    "file and that on_error='skip' cannot skip. Fixing it means adjust_orientation=False and turning "
-    "the photos in the pipeline (fastdata/backends/dali.py)"))
+#: The corrupt blocks DALI's decoder turns to another height and width than Pillow's reading does.
+DALI_TURNS_OTHERWISE = ["ifd_count_too_big", "orientation_as_long", "unknown_byte_order"]
+
+
+def test_dalis_own_decoder_refuses_by_name_a_photo_it_turns_otherwise_than_pillow(exif_folder):
+    """decode='dali': DALI's decoder applies the EXIF orientation as it reads the block, and the crop
+    windows are drawn in Pillow's reading. On a malformed block the two disagree on the photo's height
+    and width, and DALI failed the whole batch ('the cropping window ... is not valid') with a
+    RuntimeError that on_error='skip' could not skip; the probe found no culprit, each file decoding
+    alone. The probe now compares each file's size as DALI turns it with Pillow's: such a file is
+    refused by name and skipped and counted, and the others are read as Pillow turns them."""
+    first = DALI_TURNS_OTHERWISE[0]
+    with pytest.raises(DecodeError, match=f"{first}.jpg.*turns it to 64x48.*orientation 6.*malformed EXIF"):
+        _epoch(_loader(exif_folder, "dali", {"decode": "dali"}, on_error="raise"))
+    loader = _loader(exif_folder, "dali", {"decode": "dali"}, on_error="skip")
+    for _ in range(2):
+        images, skipped = _epoch(loader)
+        assert skipped == len(DALI_TURNS_OTHERWISE) and len(images) == len(CORRUPT_EXIF) - skipped
+    kept = [q for q in loader.dataset.paths if os.path.basename(q)[:-4] not in DALI_TURNS_OTHERWISE]
+    for path, got in zip(kept, images.permute(0, 2, 3, 1).numpy() * 255, strict=True):
+        assert np.abs(got - _as_pillow_shows(path)).mean() < 6, path
+
+
+@pytest.mark.xfail(strict=True, raises=DecodeError, reason=(
+    "decode='dali': a photo whose malformed EXIF block DALI's decoder reads otherwise than Pillow is "
+    "refused (above), where every other backend decodes it as Pillow turns it. Decoding it the same "
+    "means adjust_orientation=False in DALI's decoders and turning the crops in the pipeline by the "
+    "orientation fastdata read (fastdata/backends/dali.py)"))
 def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does_in_dalis_own_decoder(exif_folder):
     _check_turned_as_pillow(exif_folder, "dali", {"decode": "dali"})
 

@@ -514,7 +514,7 @@ class DaliLoader(DaliFiles, Loader):
                     self._probe_pipe = probe()
                     self._probe_pipe.build()
                 try:
-                    self._probe_pipe.run(enc=[data])
+                    (out,) = self._probe_pipe.run(enc=[data])
                 except Exception as e:
                     if is_dali_failure(e):
                         bad.append((i, dali_reason(e)))
@@ -523,8 +523,28 @@ class DaliLoader(DaliFiles, Loader):
                     if attempt:
                         raise
                     continue
+                turned = self._turned_otherwise(i, out.shape()[0])
+                if turned:
+                    bad.append((i, turned))
                 break
         return bad
+
+    def _turned_otherwise(self, i: int, shape) -> str | None:
+        """Why file ``i``, which DALI's decoder decodes, still fails its batch: DALI turns it by its EXIF
+        orientation to another height and width than Pillow's reading of the same block, which the
+        crop windows were drawn in (a malformed block: an orientation stored as LONG, an entry count
+        past the block's end, an unknown byte order; each reader stops or goes on differently). The
+        window then lies outside DALI's picture. None when the sizes agree or are not known."""
+        if self._state[i] != OK:
+            return None
+        height, width, orientation = (int(v) for v in self._dims[i])
+        got = (int(shape[0]), int(shape[1]))
+        if got == (height, width):
+            return None
+        return (f"DALI's decoder turns it to {got[0]}x{got[1]} (height x width) by its EXIF orientation, "
+                f"where Pillow's reading of the same EXIF block (orientation {orientation}) gives "
+                f"{height}x{width}: a malformed EXIF block, read otherwise by each. decode='host' "
+                f"decodes it as the other backends do")
 
     # ------------------------------------------------------------------ lifetime
     def close(self):
