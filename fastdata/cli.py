@@ -298,7 +298,9 @@ def fit_errors(args: argparse.Namespace):
         raise SystemExit(f"error: --checkpoint: {e}") from None
     except KeyboardInterrupt:
         checkpoint = getattr(args, "checkpoint", None)
-        if checkpoint:
+        if checkpoint and "://" not in str(checkpoint) and not os.path.exists(checkpoint):
+            message = f"interrupted before the first save to '{checkpoint}': nothing to resume from yet"
+        elif checkpoint:   # a URL is not looked up here: the next run's --resume finds out
             every = getattr(args, "checkpoint_every", None)
             when = f"every epoch and every {every} steps" if every else "every epoch"
             message = (f"interrupted: the same command with --resume goes on from the last save in "

@@ -75,6 +75,11 @@ def test_ctrl_c_in_training_ends_in_one_line_saying_how_to_resume(monkeypatch, t
               "--test-size", "32", "--batch-size", "32", "--backend", "torch", "--device", "cpu",
               "--workers", "0", "--no-progress"]
     ck = tmp_path / "ck.pt"
+    assert _interrupted(module, monkeypatch, [*common, "--checkpoint", str(ck)]) == 130
+    err = capsys.readouterr().err   # stopped in the first epoch, before any save: nothing to resume
+    assert err.strip().splitlines()[-1] == (f"interrupted before the first save to '{ck}': nothing to resume "
+                                            f"from yet"), err
+    ck.write_bytes(b"a save")
     assert _interrupted(module, monkeypatch, [*common, "--checkpoint", str(ck), "--checkpoint-every", "5"]) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == (f"interrupted: the same command with --resume goes on from the last "
@@ -91,6 +96,7 @@ def test_ctrl_c_in_the_imagefolder_example_is_one_line_too(monkeypatch, tmp_path
     module = load_example("train_imagefolder")
     root = make_image_folder(tmp_path / "photos", classes=2, per_class=2, seed=0)
     ck = tmp_path / "ck.pt"
+    ck.write_bytes(b"a save")
     argv = ["--data-root", str(root), "--batch-size", "2", "--image-size", "32", "--backend", "torch",
             "--device", "cpu", "--workers", "0", "--no-progress", "--checkpoint", str(ck)]
     assert _interrupted(module, monkeypatch, argv) == 130
