@@ -1136,6 +1136,24 @@ def test_the_gpu_build_reads_ahead_and_orders_by_events(mixed_folder, monkeypatc
     assert torch.equal(got.cache, ref.cache)
 
 
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_upright_turns_a_stored_photo_as_pils_exif_transpose(orientation):
+    """The nvImageCodec build decodes as stored and turns by fastdata's reading of the EXIF block
+    (images.whole.upright): numpy (the CPU build) and torch (the GPU build) give Pillow's pixels."""
+    from PIL import ImageOps
+
+    from fastdata.images.whole import upright
+
+    stored = np.random.default_rng(orientation).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+    img = Image.fromarray(stored)
+    exif = img.getexif()
+    exif[0x0112] = orientation
+    img.info["exif"] = exif.tobytes()
+    want = np.asarray(ImageOps.exif_transpose(img))
+    np.testing.assert_array_equal(upright(stored, orientation), want)
+    np.testing.assert_array_equal(upright(torch.from_numpy(stored), orientation).numpy(), want)
+
+
 @pytest.mark.parametrize("orientation", [3, 6, 8])
 def test_nvimgcodec_turns_exif_rotated_photos_as_pil_does(tmp_path, orientation):
     """A rotated JPEG smaller than twice the cached side is decoded by nvImageCodec itself (not handed

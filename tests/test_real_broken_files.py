@@ -364,6 +364,31 @@ def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does_in_dalis_own_decoder(
     _check_turned_as_pillow(exif_folder, "dali", {"decode": "dali"})
 
 
+@pytest.mark.parametrize("name", sorted(CORRUPT_EXIF))
+def test_the_memory_caches_nvimagecodec_build_turns_a_corrupt_exif_photo_as_pillow(tmp_path, name):
+    """The memory backend's nvImageCodec build (cache_build='nvimgcodec'; on a GPU, the default) let the
+    decoder apply the EXIF orientation as it reads the block, which on a malformed block is not
+    Pillow's reading: that photo was cached turned otherwise than every other build and backend caches
+    it. The decoder now decodes as stored and the photo is turned by fastdata's reading (Pillow's; a
+    block the header walk cannot vouch for goes to PIL)."""
+    from fastdata.backends.memory import NvWholeDecoder, WholePhotos, nvimgcodec
+
+    if nvimgcodec() is None:
+        pytest.skip("nvImageCodec is not installed")
+    (tmp_path / "c").mkdir()
+    stored = _jpeg(Image.fromarray(_scene()).transpose(Image.Transpose.ROTATE_90))
+    (tmp_path / "c" / "p.jpg").write_bytes(_with_exif(stored, CORRUPT_EXIF[name]))
+    photos = WholePhotos(ImageFolder(tmp_path), 40)
+    nv = NvWholeDecoder(photos, torch.device("cpu"))
+    got, ref = (torch.zeros((1, 40, 40, 3), dtype=torch.uint8) for _ in range(2))
+    s_got, s_ref = np.zeros((1, 4), np.int64), np.zeros((1, 4), np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # Pillow's "Corrupt EXIF data"
+        assert nv.decode_rows([0], got, s_got).all() and photos.decode_rows([0], ref, s_ref).all()
+    np.testing.assert_array_equal(s_got, s_ref)
+    assert torch.equal(got, ref)
+
+
 # -------------------------------------------------------------------------------------------- pack
 def test_pack_refuses_an_empty_or_unreadable_file_before_writing_anything(tmp_path, photo_folder):
     root = tmp_path / "photos"

@@ -24,6 +24,7 @@ from ..images.photo import (
     open_image,
 )
 from .on_error import OnError
+from .region import jpeg_orientation
 
 
 def load_whole(data: bytes, path, side: int) -> tuple[np.ndarray, int, int]:
@@ -114,6 +115,21 @@ def place(row: np.ndarray | torch.Tensor, arr: np.ndarray | torch.Tensor) -> Non
 
 
 
+def upright(t: np.ndarray | torch.Tensor, orientation: int) -> np.ndarray | torch.Tensor:
+    """A decoded (H, W, C) photo as stored → as displayed under EXIF ``orientation`` (1..8): Pillow's
+    ``exif_transpose`` (2 mirror, 3 half turn, 4 flip, 5 transpose, 6 quarter turn clockwise, 7
+    transverse, 8 counterclockwise) as a transpose then flips. numpy: a view; torch: a copy where it
+    turns (exact either way: whole pixels move)."""
+    if orientation in (5, 6, 7, 8):
+        t = t.transpose(1, 0, 2) if isinstance(t, np.ndarray) else t.permute(1, 0, 2)
+    dims = [d for d, flips in ((1, (2, 3, 6, 7)), (0, (3, 4, 7, 8))) if orientation in flips]
+    if isinstance(t, np.ndarray):
+        for d in dims:
+            t = np.flip(t, d)
+        return t
+    return torch.flip(t, dims) if dims else t
+
+
 def nvimgcodec():
     """nvImageCodec's module, or None where it is not installed (it comes with DALI)."""
     try:
@@ -189,7 +205,10 @@ class NvWholeDecoder:
     written into its row: no decoded pixel crosses PCIe. On the CPU: nvImageCodec's CPU (libjpeg-turbo)
     backend decodes the photos smaller than twice the cached side (the larger ones PIL decodes at a
     reduced scale, see ``load_whole``), PIL resizes: the "threads" build's pixels exactly (tested).
-    EXIF orientation is applied by the decoder. Anything it does not take (not a JPEG, CMYK, 16-bit,
+    EXIF orientation is fastdata's reading of the block (``region.jpeg_orientation``, Pillow's), applied
+    to the photo decoded as stored (``upright``), not the decoder's own: on a malformed block the two
+    disagree and the photo was cached turned otherwise than every other build caches it; a block the
+    header walk cannot vouch for goes to PIL. Anything it does not take (not a JPEG, CMYK, 16-bit,
     beyond the decompression-bomb limit, unreadable, or failing to decode) goes through ``load_whole``
     instead: the "threads" build's pixels for those files, and the same DecodeError naming a broken one.
 
@@ -237,7 +256,7 @@ class NvWholeDecoder:
             self.decoder = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
                                       backends=[nv.Backend(nv.BackendKind.CPU_ONLY)],
                                       options="libjpeg_turbo_decoder:fancy_upsampling=1")
-        self.params = nv.DecodeParams(apply_exif_orientation=True, color_spec=nv.ColorSpec.SRGB,
+        self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB,
                                       sample_format=nv.SampleFormat.I_RGB)
         #: CUDA: the last group's decoded photos and the event after the GPU work that reads them (see
         #: _release), kept while the next group is decoded.
@@ -255,10 +274,14 @@ class NvWholeDecoder:
         return out
 
     def _stream(self, data):
-        """nvImageCodec's parsed header of a file's bytes, or None when it is not one it should decode."""
+        """(nvImageCodec's parsed header of a file's bytes, its EXIF orientation as Pillow reads it), or
+        None when it is not one it should decode."""
         from PIL import Image
 
         if data is None:
+            return None
+        orientation = jpeg_orientation(data)
+        if orientation is None:   # not a JPEG, or a block only Pillow can read as Pillow does
             return None
         try:
             cs = self.nv.CodeStream(data)
@@ -270,7 +293,7 @@ class NvWholeDecoder:
             ok = ok and (self.cuda or max(cs.width, cs.height) < 2 * self.photos.side)
         except (OSError, RuntimeError):   # unreadable, or not an image it parses: load_whole names why
             return None
-        return cs if ok else None
+        return (cs, orientation) if ok else None
 
     def _pixels(self, img):
         """(H, W, 3) uint8 of a decoded image: on the GPU a tensor viewing its device memory, else a
@@ -309,12 +332,13 @@ class NvWholeDecoder:
 
         side = self.photos.side
         data = self.read(ids) if data is None else data
-        streams, where, fallback = [], [], []
-        for j, cs in enumerate(map(self._stream, data)):
-            if cs is None:
+        streams, turns, where, fallback = [], [], [], []
+        for j, parsed in enumerate(map(self._stream, data)):
+            if parsed is None:
                 fallback.append(j)
             else:
-                streams.append(cs)
+                streams.append(parsed[0])
+                turns.append(parsed[1])
                 where.append(j)
         # The decode is ordered before the resizes on the current stream (the one torch's kernels use).
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
@@ -332,13 +356,14 @@ class NvWholeDecoder:
                     if t is None or t.ndim != 3 or t.shape[2] != 3:
                         fallback.append(j)   # nvImageCodec gave up on it: PIL decodes it or names the problem
                         continue
+                    t = upright(t, turns[k])
                     H, W = t.shape[:2]
                     if isinstance(t, torch.Tensor):
                         small = resize_whole(t, side)
                     else:   # PIL's resize: measured as fast as torch's uint8 one here, the same pixels
                         h, w = whole_size(H, W, side)
-                        small = t if (h, w) == (H, W) else \
-                            np.asarray(Image.fromarray(t).resize((w, h), Image.Resampling.BILINEAR))
+                        small = t if (h, w) == (H, W) else np.asarray(
+                            Image.fromarray(np.ascontiguousarray(t)).resize((w, h), Image.Resampling.BILINEAR))
                     place(host[j], small)
                     sizes[j] = (H, W, *small.shape[:2])
                     ok[j] = True
