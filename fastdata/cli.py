@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 
 #: The seeds every fastdata source and numpy accept.
 SEED_MAX = 2**32 - 1
@@ -292,13 +293,14 @@ def fit_errors(args: argparse.Namespace):
     from . import distributed
     from .checkpoint import CheckpointError
 
+    started = time.time()
     try:
         yield
     except (CheckpointError, distributed.PreparationError) as e:
         raise SystemExit(f"error: --checkpoint: {e}") from None
     except KeyboardInterrupt:
         checkpoint = getattr(args, "checkpoint", None)
-        if checkpoint and "://" not in str(checkpoint) and not os.path.exists(checkpoint):
+        if checkpoint and "://" not in str(checkpoint) and not _saved_by_this_run(checkpoint, args, started):
             message = f"interrupted before the first save to '{checkpoint}': nothing to resume from yet"
         elif checkpoint:   # a URL is not looked up here: the next run's --resume finds out
             every = getattr(args, "checkpoint_every", None)
@@ -310,3 +312,13 @@ def fit_errors(args: argparse.Namespace):
         if distributed.is_main():
             print(message, file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+
+
+def _saved_by_this_run(checkpoint, args: argparse.Namespace, started: float) -> bool:
+    """Whether ``--resume`` would go on from this run: the file is there and this run wrote it or resumed
+    from it (a file of an earlier run, overwritten at this run's first save, is not this run's)."""
+    try:
+        # A second's slack: file times come from the kernel's coarse clock, which may lag time.time().
+        return bool(getattr(args, "resume", False)) or os.path.getmtime(checkpoint) >= started - 1.0
+    except OSError:   # not there (yet)
+        return False

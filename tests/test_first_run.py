@@ -6,8 +6,10 @@ The other first commands are covered where their code is: the flags' checks in `
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,9 +54,12 @@ def test_the_demos_still_run_when_called_with_their_parsed_arguments(name, capsy
     assert "batch" in capsys.readouterr().out
 
 
-def _interrupted(module, monkeypatch, argv):
-    """``main`` with ``fit`` raising KeyboardInterrupt, as Ctrl-C does in the middle of an epoch."""
+def _interrupted(module, monkeypatch, argv, saves=None):
+    """``main`` with ``fit`` raising KeyboardInterrupt, as Ctrl-C does in the middle of an epoch (after
+    writing ``saves``, a checkpoint of this run, when given)."""
     def ctrl_c(*args, **kwargs):
+        if saves is not None:
+            saves.write_bytes(b"this run's save")
         raise KeyboardInterrupt
 
     monkeypatch.setattr(module, "fit", ctrl_c)
@@ -79,12 +84,18 @@ def test_ctrl_c_in_training_ends_in_one_line_saying_how_to_resume(monkeypatch, t
     err = capsys.readouterr().err   # stopped in the first epoch, before any save: nothing to resume
     assert err.strip().splitlines()[-1] == (f"interrupted before the first save to '{ck}': nothing to resume "
                                             f"from yet"), err
-    ck.write_bytes(b"a save")
-    assert _interrupted(module, monkeypatch, [*common, "--checkpoint", str(ck), "--checkpoint-every", "5"]) == 130
+    ck.write_bytes(b"an earlier run's save")   # not this run's: overwritten at its first save
+    os.utime(ck, (time.time() - 60, time.time() - 60))
+    assert _interrupted(module, monkeypatch, [*common, "--checkpoint", str(ck)]) == 130
+    assert "nothing to resume from yet" in capsys.readouterr().err
+    assert _interrupted(module, monkeypatch, [*common, "--checkpoint", str(ck), "--checkpoint-every", "5"],
+                        saves=ck) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == (f"interrupted: the same command with --resume goes on from the last "
                                             f"save in '{ck}' (every epoch and every 5 steps)"), err
     assert "Traceback" not in err
+    assert _interrupted(module, monkeypatch, [*common, "--checkpoint", str(ck), "--resume"]) == 130
+    assert "--resume goes on from the last save" in capsys.readouterr().err   # resumed from it: still good
     assert _interrupted(module, monkeypatch, common) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "interrupted: nothing saved to resume from (no --checkpoint given)", err
@@ -96,10 +107,9 @@ def test_ctrl_c_in_the_imagefolder_example_is_one_line_too(monkeypatch, tmp_path
     module = load_example("train_imagefolder")
     root = make_image_folder(tmp_path / "photos", classes=2, per_class=2, seed=0)
     ck = tmp_path / "ck.pt"
-    ck.write_bytes(b"a save")
     argv = ["--data-root", str(root), "--batch-size", "2", "--image-size", "32", "--backend", "torch",
             "--device", "cpu", "--workers", "0", "--no-progress", "--checkpoint", str(ck)]
-    assert _interrupted(module, monkeypatch, argv) == 130
+    assert _interrupted(module, monkeypatch, argv, saves=ck) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == (f"interrupted: the same command with --resume goes on from the last "
                                             f"save in '{ck}' (every epoch)"), err
