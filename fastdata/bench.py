@@ -378,7 +378,8 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    help="an undecodable file: stop naming it (raise), or skip it and count it (skip)")
     p.add_argument("--quick", action="store_true",
                    help="30 batches (unless --batches) on 6,000 digits: does it run, not how fast")
-    p.add_argument("--out", default="fastdata-bench", help="folder for bench-<tag>.{md,json,png}")
+    p.add_argument("--out", default="fastdata-bench",
+                   help="folder for bench-<tag>.{md,json,png} (default: fastdata-bench, in the current folder)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 

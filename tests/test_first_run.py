@@ -215,3 +215,12 @@ def test_a_profiled_run_one_batch_short_says_that_no_step_was_recorded(tmp_path,
     traces, said, out = _profiled_fit(_least_profiled_batches() - 1, tmp_path / "short", capsys)
     assert "profile: where" not in out
     assert any("no step" in s or "no trace was written" in s for s in said), (traces, said)
+
+
+def test_bench_help_says_where_its_reports_go_by_default():
+    """``bench --help`` said "folder for bench-<tag>.{md,json,png}" and not that, without --out, the
+    reports land in ./fastdata-bench."""
+    from fastdata.bench import get_args_parser
+
+    text = " ".join(get_args_parser().format_help().split())
+    assert "(default: fastdata-bench, in the current folder)" in text, text
