@@ -49,7 +49,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                                             "backend", add_help=add_help)
     p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
                    help="data-loading backend")
-    p.add_argument("--epochs", type=cli.positive_int, default=3)
+    p.add_argument("--epochs", type=cli.positive_int, default=3, help="passes over the training set (default 3)")
     p.add_argument("--batch-size", type=cli.positive_int, default=256, help="per process")
     p.add_argument("--lr", type=cli.positive_float, default=0.1, help="peak learning rate of the one-cycle schedule")
     p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "gpu"),
@@ -59,7 +59,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     cli.add_digits_args(p)   # --data, --data-root, --download, --train-size, --test-size
     p.add_argument("--workers", type=cli.nonnegative_int, default=None,
                    help="loader workers per process (default: the usable cores / processes on the node)")
-    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0, help="data order, augmentation and initial weights (default 0)")
     p.add_argument("--limit-train-batches", type=_limit, default=None, metavar="N|FRACTION",
                    help="train on the first N batches (or this fraction) of each epoch")
     p.add_argument("--max-steps", type=cli.positive_int, default=None,

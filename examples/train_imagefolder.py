@@ -33,7 +33,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--val-root", default=None, help="validation folder with the same classes (optional)")
     p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
                    help="data-loading backend")
-    p.add_argument("--epochs", type=cli.positive_int, default=10)
+    p.add_argument("--epochs", type=cli.positive_int, default=10, help="passes over the training set (default 10)")
     p.add_argument("--batch-size", type=cli.positive_int, default=128, help="per process")
     p.add_argument("--lr", type=cli.positive_float, default=0.2, help="peak learning rate at batch size 256")
     p.add_argument("--image-size", type=cli.positive_int, default=224, help="training / evaluation crop size")
@@ -44,7 +44,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="channels-last model and batches (faster convolutions on tensor cores)")
     p.add_argument("--workers", type=cli.nonnegative_int, default=None,
                    help="loader workers (default: the usable cores)")
-    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0, help="data order, augmentation and initial weights (default 0)")
     p.add_argument("--checkpoint", default=None, metavar="PATH", help="save here every epoch")
     p.add_argument("--checkpoint-every", type=cli.positive_int, default=None, metavar="STEPS",
                    help="also save every STEPS steps")

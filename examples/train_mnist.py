@@ -50,7 +50,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                                 add_help=add_help)
     p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
                    help="data-loading backend")
-    p.add_argument("--epochs", type=cli.positive_int, default=3)
+    p.add_argument("--epochs", type=cli.positive_int, default=3, help="passes over the training set (default 3)")
     p.add_argument("--batch-size", type=cli.positive_int, default=256, help="per process")
     p.add_argument("--lr", type=cli.positive_float, default=0.1, help="peak learning rate of the one-cycle schedule")
     p.add_argument("--device", default=None, type=cli.device, help="cpu, cuda or cuda:N (default: CUDA when available)")
@@ -62,7 +62,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     cli.add_digits_args(p)   # --data, --data-root, --download, --train-size, --test-size
     p.add_argument("--workers", type=cli.nonnegative_int, default=None,
                    help="loader workers (default: the usable cores)")
-    p.add_argument("--seed", type=cli.seed, default=0)
+    p.add_argument("--seed", type=cli.seed, default=0, help="data order, augmentation and initial weights (default 0)")
     p.add_argument("--checkpoint", default=None, metavar="PATH", help="save here every epoch")
     p.add_argument("--checkpoint-every", type=cli.positive_int, default=None, metavar="STEPS",
                    help="also save every STEPS steps")

@@ -371,7 +371,8 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p.add_argument("--workers", type=cli.nonnegative_int, default=None, help="loader workers (default: fastdata's)")
     p.add_argument("--batches", type=cli.positive_int, default=None,
                    help="timed batches per backend (default: 200; 30 with --quick)")
-    p.add_argument("--amp", default="auto", choices=AMP_CHOICES)
+    p.add_argument("--amp", default="auto", choices=AMP_CHOICES,
+                   help="the model step's precision (auto: bf16 or fp16 on CUDA, off on the CPU)")
     p.add_argument("--backends", nargs="+", default=None, type=_measured_backend,
                    help="default: every available backend")
     p.add_argument("--on-error", default="raise", choices=ON_ERROR,
@@ -380,7 +381,7 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    help="30 batches (unless --batches) on 6,000 digits: does it run, not how fast")
     p.add_argument("--out", default="fastdata-bench",
                    help="folder for bench-<tag>.{md,json,png} (default: fastdata-bench, in the current folder)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
 

@@ -224,3 +224,15 @@ def test_bench_help_says_where_its_reports_go_by_default():
 
     text = " ".join(get_args_parser().format_help().split())
     assert "(default: fastdata-bench, in the current folder)" in text, text
+
+
+@pytest.mark.parametrize("name", [*EXAMPLES, "fastdata bench"])
+def test_every_flag_says_what_it_does_in_help(name):
+    """``--epochs`` and ``--seed`` of every training example (and ``--batch-size`` of
+    custom_augmentation, ``--amp`` and ``--no-progress`` of bench) showed in --help with no word."""
+    if name == "fastdata bench":
+        from fastdata.bench import get_args_parser
+    else:
+        get_args_parser = load_example(name).get_args_parser
+    bare = [a.option_strings[0] for a in get_args_parser()._actions if a.option_strings and not a.help]
+    assert not bare, bare
