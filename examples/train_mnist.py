@@ -196,5 +196,14 @@ def main(args) -> dict:
         fdist.cleanup(barrier=ok)
 
 
+
+def run(argv=None) -> dict:
+    """The command line: ``main`` on the parsed flags. Ctrl-C before training too (drawing the digits,
+    building a loader's cache: the slow part of a first run) is one line, not a traceback."""
+    args = get_args_parser().parse_args(argv)
+    with cli.fit_errors(args):
+        return main(args)
+
+
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run()

@@ -236,3 +236,23 @@ def test_every_flag_says_what_it_does_in_help(name):
         get_args_parser = load_example(name).get_args_parser
     bare = [a.option_strings[0] for a in get_args_parser()._actions if a.option_strings and not a.help]
     assert not bare, bare
+
+
+@pytest.mark.parametrize("name,slow_part", [("train_mnist", "load_digits"), ("train_imagefolder", "ImageFolder")])
+def test_ctrl_c_before_training_is_one_line_too(name, slow_part, monkeypatch, tmp_path, capsys):
+    """A first run spends its first minute drawing 70,000 digits (or decoding photos into a cache): a
+    Ctrl-C there was a traceback through numpy or PIL."""
+    module = load_example(name)
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, slow_part, ctrl_c)
+    try:
+        module.run(["--data-root", str(tmp_path / "d"), "--device", "cpu", "--no-progress"])
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:   # caught here: escaping, it would end the whole test session
+        pytest.fail("Ctrl-C left the command as a KeyboardInterrupt traceback")
+    err = capsys.readouterr().err
+    assert code == 130 and err.strip() == "interrupted: nothing saved to resume from (no --checkpoint given)", err
