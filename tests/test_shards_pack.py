@@ -523,6 +523,24 @@ def test_cli_bad_arguments_are_one_line_errors(photos, tmp_path, args, rc, match
     assert match in last[-1] and "Traceback" not in run.stderr
 
 
+def test_cli_reads_a_pack_of_shards_as_its_source(photos, tmp_path):
+    """pack and bench take a pack (a folder holding index.json, or a URL of one) as SOURCE, as
+    Shards(...) does in Python: resizing or resharding a pack from the command line said "image folder
+    ... has no class sub-folders"."""
+    from fastdata.datasets import ImageFolder, Shards, spec
+
+    first = tmp_path / "first"
+    pack(ImageFolder(photos), first, shard_size="4KB", workers=0, progress=False)
+    assert isinstance(spec.open_source(first), Shards) and isinstance(spec.open_source(f"file://{first}"), Shards)
+    with pytest.raises(ValueError, match="is a pack of shards"):
+        spec.open_source(first, split="test")
+    run = _cli(first, tmp_path / "small", "--max-side", "16", "--workers", "1", "--no-progress")
+    assert run.returncode == 0, run.stderr
+    small = Shards(tmp_path / "small")
+    assert small.labels.tolist() == ImageFolder(photos).labels.tolist()
+    assert max(max(Image.open(io.BytesIO(small.read(i))).size) for i in range(len(small))) == 16
+
+
 def test_cli_missing_source_and_a_file_as_out_are_one_line_errors(photos, tmp_path):
     run = _cli(tmp_path / "nowhere", tmp_path / "out")
     assert run.returncode == 1 and "Traceback" not in run.stderr
@@ -685,7 +703,7 @@ def test_open_source_reads_digits_and_names_a_missing_folder(tmp_path):
 
     assert len(spec.open_source("digits", digits=100)) == 100
     assert len(spec.open_source("digits", split="test")) == 10_000
-    with pytest.raises(FileNotFoundError, match="neither 'digits' nor a folder"):
+    with pytest.raises(FileNotFoundError, match="neither 'digits' nor a folder nor a URL"):
         spec.open_source(tmp_path / "nowhere")
 
 

@@ -24,7 +24,8 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p.add_argument("--timeout", type=cli.positive_float, default=None, metavar="SECONDS",
                    help="under torchrun: how long rank 0 waits for the other ranks' parts and they wait for "
                         "the index (default: as long as it takes)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (for logs and CI; where the index was written is still printed)")
     return p
 
 
