@@ -227,6 +227,15 @@ class StepProfiler:
             self.rows.append(row)
         self._marks = []
         self._reported = True
+        if not self.rows:
+            # stop() inside the first recorded step (a run of exactly wait + warmup steps): torch writes
+            # the trace of the unfinished step, but no step ended, so there is no table to print.
+            if fdist.is_main():
+                warnings.warn(f"StepProfiler: the run took {self._steps} step(s) and ended inside the first "
+                              f"recorded one (wait + warmup + 1 = {self.wait + self.warmup + 1} are needed): no "
+                              f"step was recorded; the trace in {self.out_dir} holds only that unfinished step",
+                              RuntimeWarning, stacklevel=2)
+            return
         if self.print_table and fdist.is_main():
             print(self.table(), flush=True)
 

@@ -208,13 +208,12 @@ def test_training_md_says_truly_how_many_batches_a_profiled_run_needs(tmp_path, 
     assert not traces and "profile: where" not in out and any("no trace was written" in s for s in said), said
 
 
-@pytest.mark.xfail(strict=True, reason="fastdata/profiling.py StepProfiler.stop: a run of exactly wait + warmup "
-                                       "steps ends inside the first active step, whose trace is written with no "
-                                       "step recorded, no table and no warning")
 def test_a_profiled_run_one_batch_short_says_that_no_step_was_recorded(tmp_path, capsys):
+    """A run of exactly wait + warmup steps ends inside the first recorded step: torch writes that
+    unfinished step's trace, and the run said nothing (no table, no warning)."""
     traces, said, out = _profiled_fit(_least_profiled_batches() - 1, tmp_path / "short", capsys)
-    assert "profile: where" not in out
-    assert any("no step" in s or "no trace was written" in s for s in said), (traces, said)
+    assert "profile: " not in out
+    assert len(said) == 1 and "ended inside the first recorded one" in said[0] and "no step was recorded" in said[0]
 
 
 def test_bench_help_says_where_its_reports_go_by_default():
