@@ -366,11 +366,13 @@ def test_output_paths_and_resume_are_checked_before_training(name, tmp_path, cap
     ]
     for extra, message in cases:
         with pytest.raises(SystemExit) as info:   # main checks them first, however it is called
-            module.main(module.get_args_parser().parse_args(["--data-root", "x", *extra]))
+            # A data root in tmp_path: were a check to regress, main would go on and write data there,
+            # not into the checkout.
+            module.main(module.get_args_parser().parse_args(["--data-root", str(tmp_path / "data"), *extra]))
         assert info.value.code == 2
         assert message in capsys.readouterr().err, extra
     parser = module.get_args_parser()   # a file in a folder still to be made is fine
-    module.cli.check_training_args(parser, parser.parse_args(["--data-root", "x", "--json-out",
+    module.cli.check_training_args(parser, parser.parse_args(["--data-root", str(tmp_path / "data"), "--json-out",
                                                               str(tmp_path / "new" / "r.json")]))
 
 
