@@ -166,7 +166,7 @@ def test_mnist_auto_without_mnist_trains_on_synthetic_digits_and_says_so_once(mn
 def test_mnist_required_but_missing_fails_naming_the_files(mnist_example, tmp_path, no_network):
     args = mnist_example.get_args_parser().parse_args(["--data", "mnist", "--data-root", str(tmp_path),
                                                        "--no-download", "--device", "cpu"])
-    with pytest.raises(SystemExit, match="--data mnist: MNIST files not found"):
+    with pytest.raises(SystemExit, match="^error: --data mnist: MNIST files not found"):
         mnist_example.main(args)
 
 
