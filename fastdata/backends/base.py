@@ -510,12 +510,28 @@ class Loader:
         return self._next[0]
 
     def set_epoch(self, epoch: int) -> None:
-        """The next ``iter()`` reads epoch ``epoch`` from its start (resume, DDP)."""
+        """The next ``iter()`` reads epoch ``epoch`` from its start (resume, DDP); so does an iterator
+        that has not handed out a batch yet, as a DataLoader's would."""
         epoch = check_integer("epoch", epoch, minimum=0)
         self._next = (epoch, 0)
         # The position too: a checkpoint taken right after set_epoch() (at an epoch boundary) must
         # resume in this epoch, not in the one the loader last ran.
         self._position = (epoch, 0, 0, None)
+        self._retarget_unstarted()
+
+    def _retarget_unstarted(self) -> None:
+        """An iterator that has not handed out a batch yet reads from ``_next``, as a DataLoader's
+        iterator (its sampler is read at the first ``next()``) reads the epoch set after ``iter()``.
+        Lightning resuming from a checkpoint saved on the last batch of a ``limit_train_batches`` epoch
+        calls ``iter()`` after ``load_state_dict`` (still mid-epoch, for the loader) and only then
+        ``sampler.set_epoch(next epoch)``, and trains on that iterator."""
+        it = self._current() if self._current is not None else None
+        if it is None or it._superseded or inspect.getgeneratorstate(it._batches) != inspect.GEN_CREATED:
+            return
+        epoch, offset = self._next
+        batches = self.plan.batches_from(epoch, offset)
+        it._batches = self._count(epoch, offset, batches)   # the unstarted generator held nothing yet
+        self._position = (epoch, offset, 0, len(batches))
 
     #: What a saved position must agree on to be resumed: the same order over the same data. The world
     #: size and batch size may differ (elastic resume: the rest of the epoch is re-split).

@@ -1,0 +1,143 @@
+"""fastdata loaders inside the real client libraries (Lightning, accelerate), in the cases a QA pass found
+wrong: each test failed on the code before its fix (or is a strict xfail naming where the fix lies).
+
+Samples carry their ids in their pixels (``conftest.indexed_source``), so each test reads which samples
+were trained on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import backend_params, decode_ids, indexed_source, optional
+from fastdata import Augmentation, make_loader
+
+L = optional("lightning")
+
+N, BATCH, EPOCHS, LIMIT = 40, 8, 3, 3   # 5 batches an epoch, Lightning trains on the first 3
+
+
+def _loader(backend: str, **kw):
+    return make_loader(indexed_source(N), backend, batch_size=BATCH, num_workers=0, device="cpu",
+                       augment=Augmentation.none(), seed=3, quiet=True, **kw)
+
+
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_set_epoch_after_iter_moves_an_iterator_that_has_not_started(backend):
+    """As a DataLoader's iterator reads its sampler at the first next(): set_epoch between iter() and the
+    first batch picks what that iterator reads. One that has handed out a batch keeps its epoch."""
+    loader, ref = _loader(backend), _loader(backend)
+    try:
+        ref.set_epoch(1)
+        epoch1 = list(ref.batch_sampler)
+        ref.set_epoch(2)
+        epoch2 = list(ref.batch_sampler)
+        # Mid-epoch 0 (as a restored checkpoint leaves it), then iter(), then the next epoch is set.
+        loader.load_state_dict({**loader.state_dict(), "batch": 3, "samples": 24})
+        it = iter(loader)
+        loader.sampler.set_epoch(1)
+        assert [decode_ids(images).tolist() for images, _ in it] == epoch1
+        assert loader.state_dict()["epoch"] == 2
+        started = iter(loader)
+        assert decode_ids(next(started)[0]).tolist() == epoch2[0]
+        loader.set_epoch(0)   # for the next iter(): the pass under way goes on in its own epoch
+        assert [decode_ids(images).tolist() for images, _ in started] == epoch2[1:]
+    finally:
+        loader.close()
+        ref.close()
+
+
+class Recorder(L.LightningModule):
+    """Writes down, per training batch, (epoch, batch index, sample ids)."""
+
+    def __init__(self, stop_at: int | None = None):
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 10)
+        self.seen: list[tuple[int, int, list[int]]] = []
+        self.stop_at = stop_at
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.stop_at is not None and self.global_step == self.stop_at:
+            raise Interrupted
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        self.seen.append((self.current_epoch, batch_idx, decode_ids(images).tolist()))
+        return torch.nn.functional.cross_entropy(self.layer(images.flatten(1)), labels)
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Interrupted(Exception):
+    pass
+
+
+class Data(L.LightningDataModule):
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+
+    def setup(self, stage):
+        self.train, self.val = _loader(self.backend), _loader(self.backend, train=False)
+
+    def train_dataloader(self):
+        return self.train
+
+    def val_dataloader(self):
+        return self.val
+
+    def teardown(self, stage):
+        self.train.close()
+        self.val.close()
+
+
+def _trainer(root, **kw):
+    return L.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, limit_train_batches=LIMIT, default_root_dir=root,
+                     **{"enable_checkpointing": False, **kw})
+
+
+@pytest.mark.requires("lightning")
+@pytest.mark.parametrize("stop", [LIMIT, 2 * LIMIT], ids=["end-of-epoch-0", "end-of-epoch-1"])
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_resume_from_the_last_batch_of_a_limited_epoch_trains_the_next_epoch(backend, stop, tmp_path):
+    """limit_train_batches=3 of 5, ModelCheckpoint on the epoch's last trained batch: the loader's state
+    is mid-epoch (it handed out 3 of 5), Lightning's is 'epoch done'. It calls iter() after
+    load_state_dict and only then sampler.set_epoch(next), and trains on that iterator: before the fix
+    the resumed epoch read the rest of the old epoch (2 batches of it), not the next epoch's first 3."""
+    full = Recorder()
+    _trainer(tmp_path / "full").fit(full, Data(backend))
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=stop, save_top_k=-1,
+                                               filename="{step}")
+    with pytest.raises(Interrupted):
+        _trainer(tmp_path / "a", enable_checkpointing=True, callbacks=[ckpt]).fit(Recorder(stop_at=stop),
+                                                                                  Data(backend))
+    resumed = Recorder()
+    _trainer(tmp_path / "b").fit(resumed, Data(backend), ckpt_path=tmp_path / "ck" / f"step={stop}.ckpt")
+    assert resumed.seen == full.seen[stop:]
+
+
+@pytest.mark.requires("accelerate")
+@pytest.mark.xfail(strict=True, reason="accelerate's skip_first_batches rebuilds a torch DataLoader from "
+                   "loader.dataset and loader.batch_sampler: over a fastdata loader it yields the source's raw "
+                   "uint8 NHWC samples, un-normalized (with workers), or fails on prefetch_factor (without); "
+                   "accelerate has no hook for another loader type. Resume with register_for_checkpointing + "
+                   "load_state (or loader.load_state_dict) instead, as docs/scaling.md says")
+def test_skip_first_batches_yields_the_loaders_batches_from_there():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    loader = _loader("memory", num_workers=1)
+    try:
+        expected = list(loader.batch_sampler)[2:]
+        skipped = Accelerator(cpu=True).skip_first_batches(loader, 2)
+        got = [(decode_ids(images).tolist(), images.dtype) for images, _ in skipped]
+        assert got == [(ids, torch.float32) for ids in expected]
+    finally:
+        loader.close()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
