@@ -133,7 +133,11 @@ class Shards(Source):
         if cache_dir is None:
             tag = hashlib.sha1(f"{self.location}\0{self.index.fingerprint}".encode()).hexdigest()[:16]
             cache_dir = os.path.join(tempfile.gettempdir(), "fastdata-shards", tag)
-        os.makedirs(cache_dir, exist_ok=True)
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:   # a file there, a file above it, a read-only disk: "File exists" named nothing
+            raise ValueError(f"Shards: cache_dir '{cache_dir}' cannot be a folder of shards ({type(e).__name__}: "
+                             f"{e.strerror or e}); give cache_dir= a folder that can be written") from None
         limit = self._cache_limit
         if limit is None:
             limit = shutil.disk_usage(cache_dir).free // 2
@@ -501,11 +505,13 @@ class _Prefetcher:
                     return
                 name, upcoming = self._wanted.pop(0)
             try:
-                self.cache.get(name)
+                self.cache.get(name, remember_failure=False)
                 self.cache.release(name)
-                self._done.add((name, upcoming))
             except Exception as e:   # the reader's own get() retries and raises it, naming the shard
                 self.error = e
+            # Tried once a pass, fetched or not: a shard that failed is not tried again at every batch,
+            # which kept this thread on it instead of fetching the shards after it.
+            self._done.add((name, upcoming))
 
     def stop(self) -> None:
         """End the thread: it finishes the shard it is fetching (bounded by the storage's timeout) and

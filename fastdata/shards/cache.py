@@ -42,7 +42,7 @@ import uuid
 import weakref
 
 from fastdata.checks import check_integer, check_number
-from fastdata.shards.storage import ShardMismatch, check_name
+from fastdata.shards.storage import ShardMismatch, StorageError, check_name
 
 __all__ = ["ShardCache", "CacheFull", "Verdicts"]
 
@@ -92,10 +92,14 @@ class ShardCache:
             shards, which is checked here, before any download.
         wait_timeout: seconds ``get`` waits for another process's download of the same shard, or for
             room held by shards in use, before it raises.
+        failure_hold: seconds a reader's ``get`` that failed after the storage's retries (a 5xx that
+            did not end, a 404) is raised again at once by this process's ``get`` of that shard, instead
+            of every sample of the shard going through the retries again: under ``on_error="skip"`` a
+            shard that stays unreachable cost its retries per sample (hours for a shard of thousands).
     """
 
     def __init__(self, storage, cache_dir, *, limit_bytes: int, expected_sizes: dict, window: int = 1,
-                 wait_timeout: float = 600.0, digests: dict | None = None):
+                 wait_timeout: float = 600.0, digests: dict | None = None, failure_hold: float = 60.0):
         if not expected_sizes:
             raise ValueError("ShardCache: expected_sizes is empty; it maps each shard name to its size")
         sizes = {}
@@ -111,6 +115,7 @@ class ShardCache:
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         self.limit_bytes = check_integer("ShardCache: limit_bytes", limit_bytes, minimum=0)
         self.wait_timeout = check_number("ShardCache: wait_timeout (seconds)", wait_timeout, above=0)
+        self.failure_hold = check_number("ShardCache: failure_hold (seconds)", failure_hold, minimum=0)
         self.in_place = getattr(storage, "local_path", lambda n: None)(next(iter(sizes))) is not None
         largest = sorted(sizes.values(), reverse=True)[:self.window]
         need = sum(largest)
@@ -141,6 +146,7 @@ class ShardCache:
     def _reset(self):
         self._held: dict[str, list] = {}          # name -> [lock fd (shared), count]
         self._mismatched: dict[str, BaseException] = {}   # shards whose download is another shard
+        self._failed: dict[str, tuple[BaseException, float]] = {}   # name -> (error, raised again until)
         self._pid = os.getpid()
 
     def __getstate__(self):
@@ -218,8 +224,10 @@ class ShardCache:
 
     # -- public API ------------------------------------------------------------------------------
 
-    def get(self, name: str) -> str:
-        """The local path of shard ``name``, downloaded if needed and held (not evicted) until ``release``."""
+    def get(self, name: str, *, remember_failure: bool = True) -> str:
+        """The local path of shard ``name``, downloaded if needed and held (not evicted) until ``release``.
+        ``remember_failure=False`` (the read-ahead thread): a failed download is not kept for the readers,
+        who try once themselves."""
         self._check_process()
         self._known(name)
         if self.in_place:
@@ -230,13 +238,21 @@ class ShardCache:
                 os.utime(self.path(name))
                 return self.path(name)
             mismatched = self._mismatched.get(name)
+            failed = self._failed.get(name)
         if mismatched is not None:
             raise mismatched
+        if failed is not None and time.monotonic() < failed[1]:
+            raise failed[0].with_traceback(None)
         try:
             fd = self._acquire(name)
         except ShardMismatch as e:
             with self._lock:
                 self._mismatched[name] = e
+            raise
+        except StorageError as e:   # after the storage's retries, or final at once (a 404, a 403)
+            if remember_failure:
+                with self._lock:
+                    self._failed[name] = (e, time.monotonic() + self.failure_hold)
             raise
         with self._lock:
             if name in self._held:         # another thread of this process got it meanwhile

@@ -211,7 +211,10 @@ class Storage:
 
     @staticmethod
     def _join(base: str, name: str) -> str:
-        return base.rstrip("/") + "/" + check_name(name)
+        # A location's query (an Azure SAS or CDN token for the folder) goes after each file's name:
+        # appended to it, the name would land inside the token and every request would miss.
+        path, mark, query = base.partition("?") if "://" in base else (base, "", "")
+        return path.rstrip("/") + "/" + check_name(name) + mark + query
 
     def _filesystem(self):
         """(fs, root) for this process: fsspec's loop thread and HTTP session do not survive a fork."""

@@ -1,0 +1,138 @@
+"""Shards as a user with a dataset in a bucket meets them: a pack of small JPEGs served over HTTP (the tests'
+server on 127.0.0.1), read by every backend through a cache smaller than the pack, and the faults a real
+bucket gives that no other test covers: a location URL carrying a token, a cache_dir that is not a folder,
+and a shard that stays unreachable while ``on_error="skip"`` passes its samples."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import BACKENDS
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ImageFolder, Shards, make_image_folder
+from shard_servers import Faults, http_server
+
+pytestmark = pytest.mark.requires("fsspec", "aiohttp")
+
+NONE = Augmentation(crop="center", size=32)
+KW = dict(batch_size=16, device="cpu", train=False, augment=NONE, shuffle=True, seed=5, drop_last=False)
+
+
+@pytest.fixture(scope="module")
+def pack_dir(tmp_path_factory):
+    """96 small JPEGs in 4 classes packed into 16 shards of ~6 photos."""
+    from fastdata.packing import pack
+
+    root = tmp_path_factory.mktemp("qa-shards")
+    folder = make_image_folder(root / "photos", classes=4, per_class=24, seed=1, size_range=((40, 64), (40, 64)))
+    pack(ImageFolder(folder), root / "packed", shard_size=30_000, progress=False)
+    return root / "packed"
+
+
+def _largest(pack_dir) -> int:
+    return max(s["size"] for s in json.loads((pack_dir / "index.json").read_text())["shards"])
+
+
+def _cached_bytes(cache_dir) -> int:
+    total = 0
+    for folder, dirs, names in os.walk(cache_dir):
+        dirs[:] = [d for d in dirs if d != ".locks"]
+        for n in names:
+            try:
+                total += os.path.getsize(os.path.join(folder, n))
+            except FileNotFoundError:   # published or evicted between the listing and the stat
+                pass
+    return total
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_epochs_over_http_through_an_evicting_cache_give_the_local_packs_batches(pack_dir, tmp_path, backend):
+    limit = 2 * _largest(pack_dir)                   # window=1: the smallest budget accepted, 1/8 of the pack
+    cache = tmp_path / "cache"
+    reference = make_loader(Shards(pack_dir, window=1), "torch", num_workers=0, **KW)
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _cached_bytes(cache))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    with http_server(pack_dir) as server:
+        source = Shards(server.url, window=1, cache_dir=cache, cache_limit=limit)
+        watcher.start()
+        try:
+            with make_loader(source, backend, num_workers=2, **KW) as loader:
+                for _ in range(2):
+                    got = [(x.numpy(), y.numpy()) for x, y in loader]
+                    expected = [(x.numpy(), y.numpy()) for x, y in reference]
+                    assert len(got) == len(expected) == 6
+                    for (x, y), (xe, ye) in zip(got, expected):
+                        np.testing.assert_array_equal(y, ye)
+                        np.testing.assert_allclose(x, xe, atol=1e-5)
+        finally:
+            stop.set()
+            watcher.join()
+            source.close()
+        assert server.count(".tar", "GET") > 16        # it evicted and fetched again: the cache was small
+    assert 0 < peak[0] <= limit
+
+
+def test_a_location_url_with_a_token_reads_and_never_prints_the_token(pack_dir, tmp_path):
+    # An Azure SAS or CDN token on the folder's URL: every file's URL keeps it after the file name.
+    with http_server(pack_dir) as server:
+        source = Shards(f"{server.url}/?sig=SECRET", cache_dir=tmp_path / "cache", cache_limit=10**8)
+        assert len(source) == 96
+        names = {p for _, p, _ in server.requests}
+        assert names == {"/index.json"}
+        n = sum(len(y) for _, y in make_loader(source, "torch", num_workers=0, **KW))
+        assert n == 96
+        assert all(p == "/index.json" or p.startswith("/shard-") and p.endswith(".tar") for _, p, _ in server.requests)
+        assert "SECRET" not in source.sample_name(0) and "SECRET" not in repr(source)
+        assert source.sample_name(0).startswith(f"{server.url}/shard-")
+        assert source.storage._remote("shard-000000.tar")[1] == f"{server.url}/shard-000000.tar?sig=SECRET"
+
+
+@pytest.mark.parametrize("make", ["file", "inside-a-file"])
+def test_a_cache_dir_that_cannot_be_a_folder_is_refused_naming_it(pack_dir, tmp_path, make):
+    (tmp_path / "afile").write_text("not a folder")
+    cache_dir = tmp_path / "afile" if make == "file" else tmp_path / "afile" / "cache"
+    with http_server(pack_dir) as server:
+        with pytest.raises(ValueError, match=rf"^Shards: cache_dir '{cache_dir}' cannot be a folder of shards"):
+            Shards(server.url, cache_dir=cache_dir)
+
+
+def test_a_shard_that_stays_unreachable_is_retried_once_not_once_per_sample_under_skip(pack_dir, tmp_path):
+    """A 503 that never ends for one shard: its samples are skipped and counted; before, every sample
+    went through all the retries again (with the default retries and backoff, 15 s a sample: hours for
+    a real shard of thousands)."""
+    failing = "/shard-000003.tar"
+    local = threading.local()
+
+    class Requests(list):   # the server's handler records each request in its own thread, then asks _take
+        def append(self, item):
+            local.path = item[1]
+            super().append(item)
+
+    with http_server(pack_dir, Faults(fail_first=-1, status=503)) as server:
+        server.requests = Requests()
+        server._take = lambda kind, limit: kind == "fail" and getattr(local, "path", "") == failing
+        source = Shards(server.url, cache_dir=tmp_path / "cache", window=2, retries=2)
+        source.storage.backoff = 0.01
+        samples = int((np.asarray(source.index.shard) == 3).sum())
+        assert samples >= 4
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = make_loader(source, "torch", num_workers=0, on_error="skip", **KW)
+            n = sum(len(y) for _, y in loader)
+        assert n == 96 - samples
+        assert any(f"skipped {samples} " in str(w.message) for w in caught)
+        # The read-ahead thread's try and the first reader's: 3 requests each, not 3 per sample.
+        assert server.count(failing) <= 2 * 3
+        source.close()
