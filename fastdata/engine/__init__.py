@@ -8,7 +8,8 @@ steps into an ``EpochMeter`` (device-side sums, data wait, CUDA event pairs), wh
 
 The loop says ``for images, labels in loader`` and nothing else about data: batches arrive on
 ``loader.device`` already normalized, so any backend (or any object honouring the loader contract:
-``len``, ``set_epoch``, ``state_dict``/``load_state_dict``, ``device``) plugs in unchanged. Labels
+``device``, ``len``, iteration; ``set_epoch`` when it has one; ``state_dict``/``load_state_dict`` to
+checkpoint) plugs in unchanged. Labels
 are class indices or soft (N, classes) targets (MixUp/CutMix); accuracy then compares argmaxes.
 
 Schedulers are stepped per batch or per epoch by one documented rule (``resolve_scheduler_interval``):

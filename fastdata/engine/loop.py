@@ -14,7 +14,7 @@ from .meter import EpochMeter, Progress, format_record, warmup_steps
 from .options import FitConfig, check_loss
 from .schedule import check_schedule_length
 from .state import PeriodicSave, TrainingState
-from .step import TrainStep, check_input_dtype, check_labels, correct_count
+from .step import TrainStep, batch_pair, check_input_dtype, check_labels, correct_count
 
 
 @torch.no_grad()
@@ -42,7 +42,8 @@ def _evaluate(model, loader, device, amp, loss_fn) -> dict:
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, samples
     try:
-        for images, labels in loader:
+        for pair in loader:
+            images, labels = batch_pair(pair, "the evaluation loader")
             check_input_dtype(images.dtype, model_dtype, mode, "the evaluation loader")
             n = images.shape[0]
             if n == 0:  # a rank's share of the last step can be empty under DDP
@@ -76,7 +77,9 @@ def fit(model: nn.Module, train_loader, *, config: FitConfig | None = None, **op
             model already on another device than the loader's is an error. Under ``torchrun`` it is
             wrapped in DistributedDataParallel on the loader's GPU (the process group is initialized
             here if the caller did not), and on CUDA that GPU must be ``cuda:LOCAL_RANK``.
-        train_loader: any fastdata loader (or an object with the same contract). It decides the device:
+        train_loader: any fastdata loader, or an object with ``device``, ``len()`` and a new pass over
+            ``(images, labels)`` at each ``iter()``; ``set_epoch(epoch)`` is called when it has one, and
+            ``checkpoint=`` needs ``state_dict``/``load_state_dict`` (its position). It decides the device:
             training runs with that CUDA device made current (restored afterwards). Labels may be
             class indices (int64 (N,)) or soft targets (float (N, classes), e.g. from MixUp/CutMix
             batch transforms): the default loss takes both, and accuracy against a soft label counts
@@ -95,7 +98,7 @@ def fit(model: nn.Module, train_loader, *, config: FitConfig | None = None, **op
     ``x.view(x.shape[0], -1)``).
     """
     config = FitConfig.of(config, options)
-    _check_model_and_loaders(model, train_loader, config.eval_loader)
+    _check_model_and_loaders(model, train_loader, config.eval_loader, config.checkpoint is not None)
     device = _loader_device(train_loader)
     eval_loader = config.eval_loader
     if eval_loader is not None and _loader_device(eval_loader) != device:
@@ -146,7 +149,9 @@ class _Run:
         """Train one epoch, evaluate, record (printed, logged) and save."""
         step, state, loader = self.step, self.state, self.loader
         first = state.first_batch(epoch)
-        if not state.mid_epoch(epoch):  # a resumed half epoch keeps the position its loader restored
+        # A resumed half epoch keeps the position its loader restored. A loader without set_epoch (a
+        # wrapper of the contract's three musts) starts its own next pass at each iter().
+        if not state.mid_epoch(epoch) and callable(getattr(loader, "set_epoch", None)):
             loader.set_epoch(epoch)
         bar = Progress.open(self.config.progress and fdist.is_main(), len(loader), first, epoch, self.config.epochs)
         meter = EpochMeter(step.device, state.carried(epoch),
@@ -158,7 +163,7 @@ class _Run:
         train_one_epoch(step, loader, meter, first_batch=first, after_batch=saver, progress=bar, hooks=self.hooks)
         # The position, taken before evaluation: eval_loader may be this very loader, and iterating
         # it again would move the position a whole epoch on (a resume would skip an epoch).
-        position = loader.state_dict()
+        position = loader.state_dict() if self.config.checkpoint is not None else None
         record = _epoch_figures(step, meter, epoch, self.config.eval_loader, self.config.eval_loss_fn)
         # Before the save: a checkpoint taken at an epoch's end holds the scheduler already stepped
         # for it, and a mid-epoch one the scheduler before it, so a resume steps it exactly once.
@@ -188,9 +193,10 @@ def _epoch_figures(step: TrainStep, meter: EpochMeter, epoch: int, eval_loader, 
     return record
 
 
-def _check_model_and_loaders(model, train_loader, eval_loader) -> None:
+def _check_model_and_loaders(model, train_loader, eval_loader, checkpoint: bool) -> None:
     """``fit``'s model and loaders of the wrong kind, refused before anything starts and named (the
-    options were checked when their ``FitConfig`` was built)."""
+    options were checked when their ``FitConfig`` was built). ``set_epoch`` is optional; the position
+    (``state_dict``/``load_state_dict``) is needed only to checkpoint."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {model!r} ({type(model).__name__})")
     for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
@@ -206,6 +212,11 @@ def _check_model_and_loaders(model, train_loader, eval_loader) -> None:
             raise TypeError(f"{name} must be a fastdata loader (fastdata.make_loader) or an object with its "
                             f"contract (.device, len(), iteration over (images, labels)); got "
                             f"{type(loader).__name__} without {', '.join(missing)}{hint}")
+    missing = [a for a in ("state_dict", "load_state_dict") if not callable(getattr(train_loader, a, None))]
+    if checkpoint and missing:
+        raise TypeError(f"checkpoint= needs train_loader's position: {type(train_loader).__name__} has no "
+                        f"{', '.join(missing)} (a fastdata loader has both; a loader of your own saves and "
+                        f"restores its place in the epoch with them), so its run cannot be resumed")
 
 
 def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: int = 0, after_batch=None,
@@ -226,7 +237,8 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
     batches = len(loader) if step.accumulate > 1 else None
     batch = first_batch
     try:
-        for images, labels in meter.timed(loader, hooks.region if hooks is not None else None):
+        for pair in meter.timed(loader, hooks.region if hooks is not None else None):
+            images, labels = batch_pair(pair, "train_loader")
             if batch == first_batch:  # metadata only: no sync
                 step.check_dtype(images.dtype, "train_loader")
             start, end = step.group(batch, first_batch, batches)

@@ -347,6 +347,22 @@ def _zero_loss(logits, params) -> torch.Tensor:
     return 0.0 * (logits.float().sum() + sum(p.sum() for p in params))
 
 
+def batch_pair(batch, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` as ``(images, labels)``, or a TypeError naming ``name`` and what it yielded. Unpacking a
+    dict gives its keys, and the error came later and named neither ("'str' object has no attribute
+    'dtype'"). Type checks only: nothing is read from the device."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+        return batch[0], batch[1]
+    if isinstance(batch, dict):
+        what = f"a dict with keys {list(batch)}"
+    elif isinstance(batch, (tuple, list)):
+        what = f"a {type(batch).__name__} of {len(batch)} ({', '.join(type(t).__name__ for t in batch)})"
+    else:
+        what = f"a {type(batch).__name__}"
+    raise TypeError(f"{name} must yield (images, labels) pairs of tensors; it yielded {what}: wrap it so that "
+                    f"each batch is (images, labels), e.g. (b['images'], b['labels']) for a loader of dicts")
+
+
 def check_input_dtype(dtype, model_dtype, mode: str, name: str) -> None:
     """With autocast off, the batches must already have the model's dtype.
 
