@@ -1,7 +1,7 @@
 """Train fastdata's SmallCNN on MNIST digits with Hugging Face accelerate and fastdata loaders.
 
     python examples/accelerate_mnist.py --backend memory --epochs 3
-    accelerate launch --num_processes 2 --cpu examples/accelerate_mnist.py --data synthetic --cpu
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_mnist.py --data synthetic --cpu
     torchrun --nproc-per-node 2 examples/accelerate_mnist.py --data synthetic --cpu
     python examples/accelerate_mnist.py --ckpt-dir ck --ckpt-every 50 --max-steps 120   # stop mid-epoch ...
     python examples/accelerate_mnist.py --ckpt-dir ck --resume                          # ... and go on there

@@ -141,3 +141,44 @@ def test_skip_first_batches_yields_the_loaders_batches_from_there():
         loader.close()
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def _documented(command: str) -> list[str]:
+    """The line of docs/scaling.md that starts with ``command``, as argv."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    lines = [line for line in text.splitlines() if line.startswith(command)]
+    assert len(lines) == 1, f"docs/scaling.md has {len(lines)} lines starting with {command!r}"
+    return shlex.split(lines[0].split("#")[0])
+
+
+@pytest.mark.requires("accelerate")
+def test_the_documented_accelerate_launch_line_starts_two_processes(tmp_path):
+    """`accelerate launch --num_processes 2 --cpu` (the line docs/scaling.md and the example gave) runs ONE
+    process: without a config file or an mpirun hostfile accelerate's --cpu takes its simple launcher,
+    whatever --num_processes says. The documented line must give the 2 ranks it promises."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    argv = _documented("accelerate launch")
+    argv[0] = str(Path(sys.executable).with_name("accelerate"))
+    argv = [str(root / a) if a.startswith("examples/") else a for a in argv]
+    out = tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "ACCELERATE_USE_CPU"):
+        env.pop(name, None)
+    proc = subprocess.run([*argv, "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "75",
+                           "--batch-size", "32", "--workers", "0", "--epochs", "1", "--json-out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["world_size"], result["global_step"], result["test_samples"]) == (2, 4, 75)
+    # The example's docstring shows the same line.
+    assert " ".join(_documented("accelerate launch")) in (root / "examples" / "accelerate_mnist.py").read_text()
