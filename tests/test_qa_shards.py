@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import BACKENDS
+from conftest import BACKENDS, require
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder, Shards, make_image_folder
 from shard_servers import Faults, http_server
@@ -136,3 +136,61 @@ def test_a_shard_that_stays_unreachable_is_retried_once_not_once_per_sample_unde
         # The read-ahead thread's try and the first reader's: 3 requests each, not 3 per sample.
         assert server.count(failing) <= 2 * 3
         source.close()
+
+
+def test_s3_requests_are_retried_retries_times_not_times_s3fs_and_botocores_own_retries(tmp_path):
+    """An endpoint that closes every connection: ``retries=2`` is 3 attempts. s3fs (5 tries) and botocore
+    (4 retries) retried inside each of ours, so a bucket that was down took minutes to be named."""
+    import socket
+
+    require("s3fs")
+    from fastdata.shards.storage import Storage, StorageError
+    from shard_servers import S3_KEYS
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    accepted, stop = [0], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted[0] += 1
+            conn.close()                                  # closed before any answer: a dropped connection
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        storage = Storage("s3://bucket/ds", retries=2, backoff=0.01, timeout=5,
+                          storage_options={"client_kwargs": {"endpoint_url": endpoint}, **S3_KEYS})
+        with pytest.raises(StorageError, match=r"cannot download shard 'shard-000000\.tar' at "
+                                               r"s3://bucket/ds/shard-000000\.tar: .*after 3 attempts") as caught:
+            storage.fetch("shard-000000.tar", tmp_path / "x.tar", size=10)
+        assert "testing" not in str(caught.value)         # the key and secret are never printed
+        # aiohttp asks once more on a connection closed before any answer: at most 2 per attempt (was 150).
+        assert 3 <= accepted[0] <= 2 * 3
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+@pytest.mark.parametrize("code, status", [("SlowDown", 503), ("ServiceUnavailable", 503), ("InternalError", 500)])
+def test_s3_throttling_and_5xx_as_s3fs_raises_them_are_retried(code, status):
+    """s3fs turns S3's 503 SlowDown into OSError(EBUSY) with the ClientError as its cause: it was taken as
+    final (now that s3fs's own loop no longer retries, the only retries are ours)."""
+    require("s3fs")
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    from fastdata.shards.storage import is_transient
+
+    error = ClientError({"Error": {"Code": code, "Message": "Please reduce your request rate."},
+                         "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+    assert is_transient(translate_boto_error(error))
+    denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"},
+                          "ResponseMetadata": {"HTTPStatusCode": 403}}, "GetObject")
+    assert not is_transient(translate_boto_error(denied))

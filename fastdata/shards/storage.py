@@ -138,6 +138,9 @@ def is_transient(exc: BaseException) -> bool:
         cause = exc.__cause__
         return cause is not None and cause is not exc and is_transient(cause)
     status = _status(exc)
+    if status is None and exc.__cause__ is not None and exc.__cause__ is not exc:
+        # s3fs raises S3's errors as OSErrors caused by botocore's: a 503 SlowDown is OSError(EBUSY).
+        status = _status(exc.__cause__)
     if status is not None:
         return status >= 500 or status in (408, 429)
     import asyncio
@@ -239,6 +242,8 @@ class Storage:
             raise ImportError(f"shard location '{redact(self.location)}': fsspec cannot open {scheme}:// "
                               f"URLs ({_describe(e)}); {hint} (pip install fastdata[shards] installs "
                               f"fsspec, aiohttp and s3fs); fsspec knows {known}, ...") from None
+        if scheme in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
+            fs.retries = 1   # s3fs's own loop: one try (see _options)
         self._fs, self._root, self._pid = fs, root.rstrip("/"), os.getpid()
         return fs, self._root
 
@@ -257,7 +262,12 @@ class Storage:
             config = dict(options.get("config_kwargs") or {})
             config.setdefault("connect_timeout", self.timeout)
             config.setdefault("read_timeout", self.timeout)
+            # Our loop is the one that retries (``retries``, with its backoff): botocore's retries (4 more)
+            # and s3fs's (5 tries, _filesystem) inside each of our attempts made a down endpoint cost
+            # 50 connections and about a minute per attempt instead of one.
+            config.setdefault("retries", {"total_max_attempts": 1})
             options["config_kwargs"] = config
+            options.setdefault("skip_instance_cache", True)   # our own instance: its retries are set below
         return options
 
     def _remote(self, name: str):
