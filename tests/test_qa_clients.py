@@ -121,6 +121,26 @@ def test_resume_from_the_last_batch_of_a_limited_epoch_trains_the_next_epoch(bac
     assert resumed.seen == full.seen[stop:]
 
 
+@pytest.mark.requires("lightning")
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_overfit_batches_trains_and_validates_on_the_first_batches_of_unshuffled_loaders(backend, tmp_path):
+    """Trainer(overfit_batches=2) rebuilds, as a DataLoader, each loader whose sampler is not a
+    SequentialSampler: on a fastdata loader, even one made with shuffle=False, fit() raised 'needs to
+    subclass DataLoader' before the first step. An unshuffled loader's sampler is one now."""
+    train = _loader(backend, shuffle=False)
+    assert not train.sampler.shuffle and isinstance(train.sampler, torch.utils.data.SequentialSampler)
+    with _loader(backend) as shuffled:
+        assert not isinstance(shuffled.sampler, torch.utils.data.SequentialSampler)
+    model = Recorder()
+    data = Data(backend)
+    data.setup = lambda stage: (setattr(data, "train", train), setattr(data, "val", _loader(backend, train=False)))
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+              enable_checkpointing=False, enable_model_summary=False, overfit_batches=2,
+              default_root_dir=tmp_path).fit(model, data)
+    first_two = [list(range(BATCH)), list(range(BATCH, 2 * BATCH))]
+    assert model.seen == [(e, b, first_two[b]) for e in range(2) for b in range(2)]
+
+
 @pytest.mark.requires("accelerate")
 @pytest.mark.xfail(strict=True, reason="accelerate's skip_first_batches rebuilds a torch DataLoader from "
                    "loader.dataset and loader.batch_sampler: over a fastdata loader it yields the source's raw "

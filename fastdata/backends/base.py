@@ -213,6 +213,19 @@ class LoaderSampler:
                 f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last})")
 
 
+class InOrderLoaderSampler(LoaderSampler, torch.utils.data.SequentialSampler):
+    """``loader.sampler`` of a loader that does not shuffle, a ``SequentialSampler`` to code that asks:
+    Lightning's ``overfit_batches`` rebuilds, as a DataLoader, every loader whose sampler is not one,
+    which fails on a fastdata loader (a ValueError before the first step), even one made with
+    ``shuffle=False``. Under DDP it is this rank's share, in order. LoaderSampler's methods come
+    first; SequentialSampler's ``__init__`` (its ``data_source``) is not used."""
+
+
+def sampler_of(loader: "Loader") -> LoaderSampler:
+    """``loader``'s sampler: an ``InOrderLoaderSampler`` when its epochs are not shuffled."""
+    return LoaderSampler(loader) if loader.plan.shuffle else InOrderLoaderSampler(loader)
+
+
 class LoaderBatchSampler:
     """``loader.batch_sampler``: the coming pass's batches of sample ids (``len`` = ``len(loader)``)."""
 
@@ -222,7 +235,7 @@ class LoaderBatchSampler:
     @property
     def sampler(self) -> LoaderSampler:
         """The loader's sampler."""
-        return LoaderSampler(self._loader)
+        return sampler_of(self._loader)
 
     @property
     def batch_size(self) -> int:
@@ -346,7 +359,7 @@ class Loader:
         """The order, as a DataLoader's sampler: ``loader.sampler.set_epoch(epoch)``, ``len``."""
         # Made per access, not kept: a loader holding an object that holds it back would be a reference
         # cycle, and a dropped loader's workers would then wait for the cyclic GC.
-        return LoaderSampler(self)
+        return sampler_of(self)
 
     @property
     def batch_sampler(self) -> LoaderBatchSampler:
