@@ -194,3 +194,29 @@ def test_s3_throttling_and_5xx_as_s3fs_raises_them_are_retried(code, status):
     denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"},
                           "ResponseMetadata": {"HTTPStatusCode": 403}}, "GetObject")
     assert not is_transient(translate_boto_error(denied))
+
+
+def test_half_files_of_a_killed_process_whose_pid_is_running_again_are_removed(pack_dir, tmp_path):
+    """A container restarted on a kept cache_dir runs its trainer under the pid it had (PID 1, say):
+    the half download and the reservations the killed run left carry a pid that is alive, were kept
+    forever and counted against the budget, and with a small cache no room could ever be made (each
+    read waited wait_timeout, 10 minutes, then failed)."""
+    largest = _largest(pack_dir)
+    cache = tmp_path / "cache"
+    with http_server(pack_dir) as server:
+        source = Shards(server.url, window=1, cache_dir=cache, cache_limit=2 * largest)
+        names = [os.path.basename(source.cached_path(s.name)) for s in source.index.shards[:3]]
+        source.close()
+        pid = os.getpid()   # the killed run's pid, alive again
+        left = [cache / f"{names[0]}.tmp-{pid}-0a1b2c3d", cache / f"{names[1]}.tmp-{pid}-reserved0a1b2c3d",
+                cache / f"{names[2]}.tmp-{pid}-reserved4e5f6a7b"]
+        left[0].write_bytes(b"\0" * (largest // 2))
+        for marker in left[1:]:
+            marker.touch()
+        source = Shards(server.url, window=1, cache_dir=cache, cache_limit=2 * largest)
+        assert not [p for p in left if p.exists()]
+        source._cache.wait_timeout = 5.0          # were they kept, each read below would wait this long
+        n = sum(len(y) for _, y in make_loader(source, "torch", num_workers=0, **KW))
+        source.close()
+    assert n == 96
+    assert not list(cache.glob("*.tmp-*"))

@@ -5,6 +5,7 @@ URL (a Storage that copies, unlike a plain folder, which is read in place)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import multiprocessing
 import os
 import subprocess
@@ -227,11 +228,19 @@ def test_temporary_files_of_dead_processes_are_removed(remote, tmp_path):
     (tmp_path / "cache").mkdir()
     stale = tmp_path / "cache" / f"s0.tar.tmp-{dead}-0a1b2c3d"
     stale.write_bytes(b"half")
-    mine = tmp_path / "cache" / f"s1.tar.tmp-{os.getpid()}-0a1b2c3d"     # a live process's: kept
+    mine = tmp_path / "cache" / f"s1.tar.tmp-{os.getpid()}-0a1b2c3d"     # a live download's: kept
     mine.write_bytes(b"half")
-    ShardCache(Storage(f"file://{root}"), tmp_path / "cache", limit_bytes=10 * SIZE,
-               expected_sizes=sizes(files)).close()
-    assert not stale.exists() and mine.exists()
+    reused = tmp_path / "cache" / f"s2.tar.tmp-{os.getpid()}-0a1b2c3d"   # a dead one's whose pid runs again
+    reused.write_bytes(b"half")
+    (tmp_path / "cache" / ".locks").mkdir()
+    lock = os.open(tmp_path / "cache" / ".locks" / "s1.tar.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)          # as a download holds its shard's lock until it publishes
+    try:
+        ShardCache(Storage(f"file://{root}"), tmp_path / "cache", limit_bytes=10 * SIZE,
+                   expected_sizes=sizes(files)).close()
+    finally:
+        os.close(lock)
+    assert not stale.exists() and mine.exists() and not reused.exists()
 
 
 def _idle(thread: threading.Thread) -> bool:

@@ -390,7 +390,7 @@ class ShardCache:
                 name = f if rel == "." else "/".join([*rel.split(os.sep), f])
                 match = _TMP.match(name)
                 if match is not None:
-                    if not _alive(int(match["pid"])):
+                    if not _alive(int(match["pid"])) or self._abandoned(match["base"]):
                         _unlink(os.path.join(folder, f))
                     elif match["base"] in self._names:
                         pending.add(self._names[match["base"]])
@@ -406,6 +406,20 @@ class ShardCache:
                 (published if ours else stale).append((st.st_mtime, name, st.st_size))
         usage += sum(self.expected_sizes[n] for n in pending)
         return usage, sorted(stale) + sorted(published)
+
+    def _abandoned(self, file: str) -> bool:
+        """Whether no process holds cached ``file``'s lock, so that a temporary file of it is left by a
+        process that died: a download holds its shard's lock exclusively from its reservation to its
+        publication. The pid in the name is not enough: a container restarted on a kept cache_dir runs
+        its trainer under the pid the killed one had (PID 1, say), and its half files looked alive."""
+        fd = self._open_lock(file)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)   # closing releases the lock this took
+        return True
 
     def _old_version(self, file: str) -> bool:
         """Whether ``file`` is another version (another digest) of one of the manifest's shards, or a
