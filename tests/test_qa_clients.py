@@ -202,3 +202,40 @@ def test_the_documented_accelerate_launch_line_starts_two_processes(tmp_path):
     assert (result["world_size"], result["global_step"], result["test_samples"]) == (2, 4, 75)
     # The example's docstring shows the same line.
     assert " ".join(_documented("accelerate launch")) in (root / "examples" / "accelerate_mnist.py").read_text()
+
+
+@pytest.mark.requires("timm")
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_a_timm_model_trains_on_its_data_config_as_docs_training_says(backend, photo_folder):
+    """docs/training.md's recipe: mean/std, input size and crop_pct from resolve_data_config, channels-last,
+    one epoch of fastdata.fit; and create_transform(use_prefetcher=True) as a per-sample transform."""
+    import timm
+    from timm.data import create_transform, resolve_data_config
+
+    from fastdata import fit
+    from fastdata.datasets import ImageFolder
+
+    model = timm.create_model("test_resnet", pretrained=False, num_classes=3)
+    cfg = resolve_data_config({}, model=model)
+    size = cfg["input_size"][-1]
+    train = make_loader(ImageFolder(photo_folder), backend, batch_size=6, device="cpu", num_workers=0, quiet=True,
+                        mean=cfg["mean"], std=cfg["std"], channels_last=True,
+                        augment=Augmentation(crop="random_resized", size=size, hflip=0.5))
+    test = make_loader(ImageFolder(photo_folder), backend, like=train, quiet=True,
+                       augment=Augmentation(crop="center", size=size, resize=round(size / cfg["crop_pct"])))
+    images, _ = next(iter(test))
+    assert images.shape[1:] == cfg["input_size"] and images.is_contiguous(memory_format=torch.channels_last)
+    history = fit(model, train, epochs=1, eval_loader=test, progress=False, channels_last=True)
+    assert len(history) == 1 and 0.0 <= history[0]["eval_accuracy"] <= 1.0
+    for loader in (train, test):
+        loader.close()
+    if backend not in ("torch", "prefetch"):
+        return
+    with pytest.raises(TypeError, match="mean=/std="):   # timm's default ends in Normalize
+        make_loader(ImageFolder(photo_folder, transform=create_transform(**cfg)), backend, device="cpu")
+    per_sample = ImageFolder(photo_folder, transform=create_transform(**cfg, is_training=True, use_prefetcher=True))
+    with make_loader(per_sample, backend, batch_size=6, device="cpu", num_workers=0, mean=cfg["mean"],
+                     std=cfg["std"]) as loader:
+        images, labels = next(iter(loader))
+    assert images.dtype == torch.float32 and images.shape == (6, *cfg["input_size"])
+    assert -1.01 <= float(images.min()) and float(images.max()) <= 1.01   # mean 0.5, std 0.5: [-1, 1]
