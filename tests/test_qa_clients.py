@@ -18,8 +18,8 @@ N, BATCH, EPOCHS, LIMIT = 40, 8, 3, 3   # 5 batches an epoch, Lightning trains o
 
 
 def _loader(backend: str, **kw):
-    return make_loader(indexed_source(N), backend, batch_size=BATCH, num_workers=0, device="cpu",
-                       augment=Augmentation.none(), seed=3, quiet=True, **kw)
+    return make_loader(indexed_source(N), backend, num_workers=0, device="cpu", augment=Augmentation.none(),
+                       seed=3, quiet=True, **{"batch_size": BATCH, **kw})
 
 
 @pytest.mark.parametrize("backend", backend_params(auto=True))
@@ -239,3 +239,42 @@ def test_a_timm_model_trains_on_its_data_config_as_docs_training_says(backend, p
         images, labels = next(iter(loader))
     assert images.dtype == torch.float32 and images.shape == (6, *cfg["input_size"])
     assert -1.01 <= float(images.min()) and float(images.max()) <= 1.01   # mean 0.5, std 0.5: [-1, 1]
+
+
+@pytest.mark.requires("accelerate")
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_accelerate_gradient_accumulation_syncs_on_the_pass_end_with_an_evaluation_in_between(backend):
+    """docs/scaling.md: with gradient_accumulation_steps=2, accumulate() syncs every 2 batches and on the
+    pass's last one (the loader tells accelerate's GradientState where the pass stands), an evaluation
+    loader run inside the pass included; split_batches does not touch a fastdata loader's batch size."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, split_batches=True)
+    train = _loader(backend)
+    test = _loader(backend, train=False, drop_last=False, even_batches=True, batch_size=6)
+    model = torch.nn.Linear(64, 10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        model, optimizer, prepared, _ = accelerator.prepare(model, optimizer, train, test)
+        assert prepared is train
+        for epoch in range(2):
+            syncs, evaluated = [], []
+            for i, (images, labels) in enumerate(train):
+                assert len(images) == BATCH
+                with accelerator.accumulate(model):
+                    accelerator.backward(torch.nn.functional.cross_entropy(model(images.flatten(1)), labels))
+                    syncs.append(accelerator.sync_gradients)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if i == 1:
+                    for images, _ in test:
+                        evaluated += accelerator.gather_for_metrics(torch.from_numpy(decode_ids(images))).tolist()
+            assert syncs == [False, True, False, True, True], f"epoch {epoch}"
+            assert sorted(evaluated) == list(range(N))
+        assert not accelerator.gradient_state.in_dataloader
+    finally:
+        train.close()
+        test.close()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
