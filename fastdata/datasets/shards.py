@@ -317,9 +317,12 @@ class Shards(Source):
     # ------------------------------------------------------------------ the rest of Source
     def fingerprint(self) -> str:
         # The index's fingerprint (the packed source's), not the location: a copy of the shards on
-        # another store or a local disk resumes.
+        # another store or a local disk resumes. The window of a pack of photos too: it decides the
+        # epoch's order, so a position saved under another window would read other samples than the
+        # ones the run had left. (A pack of arrays is shuffled as an array source: no window.)
+        window = "" if self.images is not None else f" window={self.window}"
         return (f"Shards n={len(self)} classes={self.num_classes} index={self.index.fingerprint}"
-                f"{self._subset_tag()}")
+                f"{window}{self._subset_tag()}")
 
     @property
     def sample_transform(self):
