@@ -102,7 +102,7 @@ def _trainer(root, **kw):
 
 
 @pytest.mark.requires("lightning")
-@pytest.mark.parametrize("stop", [LIMIT, 2 * LIMIT], ids=["end-of-epoch-0", "end-of-epoch-1"])
+@pytest.mark.parametrize("stop", [LIMIT, 2 * LIMIT, "last"], ids=["end-of-epoch-0", "end-of-epoch-1", "last.ckpt"])
 @pytest.mark.parametrize("backend", backend_params(auto=True))
 def test_resume_from_the_last_batch_of_a_limited_epoch_trains_the_next_epoch(backend, stop, tmp_path):
     """limit_train_batches=3 of 5, ModelCheckpoint on the epoch's last trained batch: the loader's state
@@ -111,13 +111,18 @@ def test_resume_from_the_last_batch_of_a_limited_epoch_trains_the_next_epoch(bac
     the resumed epoch read the rest of the old epoch (2 batches of it), not the next epoch's first 3."""
     full = Recorder()
     _trainer(tmp_path / "full").fit(full, Data(backend))
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=stop, save_top_k=-1,
-                                               filename="{step}")
+    if stop == "last":   # the everyday checkpoint: ModelCheckpoint's own, at each epoch's end (after validation)
+        ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)
+        stop, path = LIMIT, tmp_path / "ck" / "last.ckpt"
+    else:
+        ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=stop, save_top_k=-1,
+                                                   filename="{step}")
+        path = tmp_path / "ck" / f"step={stop}.ckpt"
     with pytest.raises(Interrupted):
         _trainer(tmp_path / "a", enable_checkpointing=True, callbacks=[ckpt]).fit(Recorder(stop_at=stop),
                                                                                   Data(backend))
     resumed = Recorder()
-    _trainer(tmp_path / "b").fit(resumed, Data(backend), ckpt_path=tmp_path / "ck" / f"step={stop}.ckpt")
+    _trainer(tmp_path / "b").fit(resumed, Data(backend), ckpt_path=path)
     assert resumed.seen == full.seen[stop:]
 
 
