@@ -238,3 +238,15 @@ def test_a_position_saved_under_another_window_is_refused_not_read_as_another_or
     same.load_state_dict(state)                          # the run's own window resumes
     rest = np.concatenate([ids for ids in same.batch_sampler])
     np.testing.assert_array_equal(np.sort(rest), np.sort(crashed.plan.order(0)[16:]))
+
+
+def test_a_server_that_stops_answering_is_named_as_a_timeout_with_its_limit(pack_dir, tmp_path):
+    """fsspec's FSTimeoutError has no text: the error read 'FSTimeoutError: (no message)'."""
+    from fastdata.shards.storage import Storage, StorageError
+
+    with http_server(pack_dir, Faults(delay=5.0)) as server:
+        storage = Storage(server.url, retries=1, backoff=0.01, timeout=0.3)
+        with pytest.raises(StorageError, match=r"shard 'shard-000000\.tar' at .*/shard-000000\.tar: FSTimeoutError: "
+                                               r"no answer or no bytes for 0\.3 s \(timeout=\) .*after 2 attempts"):
+            storage.fetch("shard-000000.tar", tmp_path / "x.tar", size=10)
+        assert server.count("/shard-000000.tar") == 2

@@ -297,7 +297,11 @@ class Storage:
                 attempts = k + 1
                 tail = (f" (after {attempts} attempts over {time.monotonic() - started:.1f} s)" if transient
                         else " (not retried: a missing file or a refused request does not change by waiting)")
-                message = f"cannot {what} shard '{name}' at {self.url(name)}: {_describe(error)}{tail}"
+                detail = _describe(error)
+                if detail.endswith("(no message)") and isinstance(error, TimeoutError):
+                    # fsspec's FSTimeoutError carries no text: say which limit ran out.
+                    detail = f"{type(error).__name__}: no answer or no bytes for {self.timeout:g} s (timeout=)"
+                message = f"cannot {what} shard '{name}' at {self.url(name)}: {detail}{tail}"
                 # from None: the original error's text and traceback can carry the unredacted URL.
                 if isinstance(error, ShortRead):
                     raise ShortRead(message, name, self.url(name), attempts, transient,
