@@ -283,3 +283,93 @@ def test_accelerate_gradient_accumulation_syncs_on_the_pass_end_with_an_evaluati
         test.close()
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+SPAWN_SCRIPT = """
+import json, os, sys
+import numpy as np, torch
+import lightning as L
+from fastdata import Augmentation, make_loader
+from fastdata import distributed as fdist
+from fastdata.datasets import ArraySource
+
+backend, out = sys.argv[1], sys.argv[2]
+N = 44   # 2 ranks x batch 4, drop_last=False: uneven on purpose
+images = np.zeros((N, 8, 8), np.uint8)
+images[:, 0, 0], images[:, 0, 1] = np.arange(N) // 256, np.arange(N) % 256
+src = ArraySource(images, np.arange(N) % 10, mean=(0.0,), std=(1.0,))
+
+
+def ids(x):
+    px = torch.round(x[:, 0, 0, :2] * 255).long()
+    return (px[:, 0] * 256 + px[:, 1]).tolist()
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 10)
+        self.seen, self.val = {}, {}
+
+    def training_step(self, batch, i):
+        self.seen.setdefault(self.current_epoch, []).extend(ids(batch[0]))
+        return torch.nn.functional.cross_entropy(self.layer(batch[0].flatten(1)), batch[1])
+
+    def validation_step(self, batch, i):
+        if not self.trainer.sanity_checking:
+            self.val.setdefault(self.current_epoch, []).extend(ids(batch[0]))
+
+    def on_train_end(self):
+        with open(os.path.join(out, f"rank{self.global_rank}.json"), "w") as f:
+            json.dump({"seen": self.seen, "val": self.val}, f)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Data(L.LightningDataModule):
+    def setup(self, stage):
+        kw = dict(batch_size=4, num_workers=0, device="cpu", augment=Augmentation.none(), seed=5, drop_last=False,
+                  quiet=True)
+        self.train, self.val = make_loader(src, backend, **kw), make_loader(src, backend, train=False, **kw)
+
+    def train_dataloader(self):
+        return self.train
+
+    def val_dataloader(self):
+        return self.val
+
+
+if __name__ == "__main__":
+    L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", use_distributed_sampler=False, max_epochs=2,
+              logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(Model(), Data())
+    fdist.cleanup()
+"""
+
+
+@pytest.mark.requires("lightning")
+def test_ddp_spawn_without_lightnings_sampler_shards_training_and_validation(tmp_path):
+    """docs/scaling.md: strategy="ddp_spawn" and use_distributed_sampler=False change nothing for a fastdata
+    loader built in setup(): each epoch the two ranks' training samples and validation samples are
+    disjoint and cover all 44, and the second epoch's order is new."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "spawn.py"
+    script.write_text(SPAWN_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(script), "memory", str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for epoch in ("0", "1"):
+        for part in ("seen", "val"):
+            a, b = r0[part][epoch], r1[part][epoch]
+            assert len(a) == len(b) == 22 and not set(a) & set(b), f"{part}, epoch {epoch}"
+            assert sorted(a + b) == list(range(44))
+    assert r0["seen"]["0"] != r0["seen"]["1"]
