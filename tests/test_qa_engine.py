@@ -135,3 +135,38 @@ def test_a_run_killed_with_sigkill_resumes_in_a_new_process_to_the_uninterrupted
     assert all(torch.equal(a[k], b[k]) for k in a), "weights differ from the uninterrupted run"
     ema_ref, ema_got = ckpt.load(tmp_path / "ref.pt")["ema"], ckpt.load(tmp_path / "c.pt")["ema"]
     assert all(torch.equal(ema_ref[k], ema_got[k]) for k in ema_ref)
+
+
+def _moved(batches, images_to=None, labels_to=None):
+    return [(x.to(images_to or x.device), y.to(labels_to or y.device)) for x, y in batches]
+
+
+def test_batches_on_another_device_than_the_loader_says_are_named():
+    """A loader of one's own that says ``device="cuda:0"`` and yields CPU tensors (a wrapped DataLoader:
+    fit moves nothing) failed inside the model with torch's "Input type ... and weight type ... should be
+    the same", naming neither the loader nor the cure. The meta device stands for the other device on a
+    CPU-only machine."""
+    with pytest.raises(ValueError, match=r"train_loader says its batches are on cpu but yielded images on meta: "
+                                         r"fit does not move batches"):
+        fit(SmallCNN(width=4), ListLoader(_moved(_batches(2), images_to="meta")), epochs=1, progress=False)
+    with pytest.raises(ValueError, match=r"train_loader says .* on cpu but yielded labels on meta"):
+        fit(SmallCNN(width=4), ListLoader(_moved(_batches(2), labels_to="meta")), epochs=1, progress=False)
+    with pytest.raises(ValueError, match=r"the evaluation loader says .* on cpu but yielded images on meta"):
+        evaluate(SmallCNN(width=4), ListLoader(_moved(_batches(2), images_to="meta")))
+
+
+@pytest.mark.cuda
+def test_cpu_batches_from_a_loader_that_says_cuda_are_named_on_a_gpu():
+    loader = ListLoader(_batches(2), device="cuda:0")   # yields the CPU tensors it was given
+    with pytest.raises(ValueError, match=r"train_loader says its batches are on cuda:0 but yielded images on cpu"):
+        fit(SmallCNN(width=4), loader, epochs=1, progress=False)
+
+
+def test_evaluate_names_a_plain_dataloader_as_fit_does():
+    """fit refuses a plain DataLoader with a hint; evaluate, the other public entry, raised
+    "AttributeError: 'DataLoader' object has no attribute 'device'"."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 1, 28, 28),
+                                                                      torch.zeros(4, dtype=torch.long)))
+    with pytest.raises(TypeError, match=r"loader must be a fastdata loader .* got DataLoader without device: "
+                                        r"a torch DataLoader does not say where its batches are"):
+        evaluate(SmallCNN(width=4), data)

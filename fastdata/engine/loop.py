@@ -14,7 +14,7 @@ from .meter import EpochMeter, Progress, format_record, warmup_steps
 from .options import FitConfig, check_loss
 from .schedule import check_schedule_length
 from .state import PeriodicSave, TrainingState
-from .step import TrainStep, batch_pair, check_input_dtype, check_labels, correct_count
+from .step import TrainStep, batch_pair, check_batch_device, check_input_dtype, check_labels, correct_count
 
 
 @torch.no_grad()
@@ -29,6 +29,7 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
     ``SoftTargetCrossEntropy`` takes soft targets alone, and evaluation labels are usually class indices).
     """
     check_loss("loss_fn", loss_fn)
+    _check_loader("loader", loader)   # before .device: a plain DataLoader was a bare AttributeError
     device = _loader_device(loader)
     with device_scope(device):
         return _evaluate(model, loader, device, amp, loss_fn)
@@ -42,9 +43,11 @@ def _evaluate(model, loader, device, amp, loss_fn) -> dict:
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, samples
     try:
-        for pair in loader:
+        for k, pair in enumerate(loader):
             images, labels = batch_pair(pair, "the evaluation loader")
             check_input_dtype(images.dtype, model_dtype, mode, "the evaluation loader")
+            if k == 0:
+                check_batch_device(images, labels, device, "the evaluation loader")
             n = images.shape[0]
             if n == 0:  # a rank's share of the last step can be empty under DDP
                 continue
@@ -199,24 +202,27 @@ def _check_model_and_loaders(model, train_loader, eval_loader, checkpoint: bool)
     (``state_dict``/``load_state_dict``) is needed only to checkpoint."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {model!r} ({type(model).__name__})")
-    for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
-        if name == "eval_loader" and loader is None:
-            continue
-        # evaluate never asks an eval_loader its length; fit counts the training batches.
-        needed = ("device", "__iter__", "__len__") if name == "train_loader" else ("device", "__iter__")
-        missing = [a for a in needed if not hasattr(loader, a)]
-        if missing:
-            plain = isinstance(loader, torch.utils.data.DataLoader)
-            hint = (": a torch DataLoader does not say where its batches are; build the loader with "
-                    "fastdata.make_loader(source, 'torch', ...)") if plain else ""
-            raise TypeError(f"{name} must be a fastdata loader (fastdata.make_loader) or an object with its "
-                            f"contract (.device, len(), iteration over (images, labels)); got "
-                            f"{type(loader).__name__} without {', '.join(missing)}{hint}")
+    _check_loader("train_loader", train_loader, ("device", "__iter__", "__len__"))
+    if eval_loader is not None:
+        _check_loader("eval_loader", eval_loader)
     missing = [a for a in ("state_dict", "load_state_dict") if not callable(getattr(train_loader, a, None))]
     if checkpoint and missing:
         raise TypeError(f"checkpoint= needs train_loader's position: {type(train_loader).__name__} has no "
                         f"{', '.join(missing)} (a fastdata loader has both; a loader of your own saves and "
                         f"restores its place in the epoch with them), so its run cannot be resumed")
+
+
+def _check_loader(name: str, loader, needed=("device", "__iter__")) -> None:
+    """A loader without what fit or evaluate asks of it (``needed``), refused naming it; evaluate never
+    asks a loader its length, fit counts the training batches."""
+    missing = [a for a in needed if not hasattr(loader, a)]
+    if missing:
+        plain = isinstance(loader, torch.utils.data.DataLoader)
+        hint = (": a torch DataLoader does not say where its batches are; build the loader with "
+                "fastdata.make_loader(source, 'torch', ...)") if plain else ""
+        raise TypeError(f"{name} must be a fastdata loader (fastdata.make_loader) or an object with its "
+                        f"contract (.device, len(), iteration over (images, labels)); got "
+                        f"{type(loader).__name__} without {', '.join(missing)}{hint}")
 
 
 def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: int = 0, after_batch=None,
@@ -241,6 +247,7 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
             images, labels = batch_pair(pair, "train_loader")
             if batch == first_batch:  # metadata only: no sync
                 step.check_dtype(images.dtype, "train_loader")
+                check_batch_device(images, labels, meter.device, "train_loader")
             start, end = step.group(batch, first_batch, batches)
             n, last, loss = images.shape[0], batch + 1 == end, None
             stepped = False

@@ -363,6 +363,19 @@ def batch_pair(batch, name: str) -> tuple[torch.Tensor, torch.Tensor]:
                     f"each batch is (images, labels), e.g. (b['images'], b['labels']) for a loader of dicts")
 
 
+def check_batch_device(images, labels, device: torch.device, name: str) -> None:
+    """Refuse a batch whose tensors are not on ``device`` (the loader's ``device``, where the model is),
+    naming the loader: fit never moves batches (the contract puts them there), and torch's own error
+    ("Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the same")
+    names neither the loader nor the cure. Metadata only: no sync."""
+    for what, t in (("images", images), ("labels", labels)):
+        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+            raise ValueError(f"{name} says its batches are on {device} but yielded {what} on {t.device}: "
+                             f"fit does not move batches; yield them on {device} (a fastdata loader does: "
+                             f"make_loader(source, 'torch', device='{device}')) or set the loader's device "
+                             f"to where they are")
+
+
 def check_input_dtype(dtype, model_dtype, mode: str, name: str) -> None:
     """With autocast off, the batches must already have the model's dtype.
 
