@@ -390,8 +390,10 @@ class ShardCache:
                 name = f if rel == "." else "/".join([*rel.split(os.sep), f])
                 match = _TMP.match(name)
                 if match is not None:
-                    if not _alive(int(match["pid"])) or self._abandoned(match["base"]):
+                    if not _alive(int(match["pid"])):
                         _unlink(os.path.join(folder, f))
+                    elif self._remove_abandoned(match["base"], os.path.join(folder, f)):
+                        pass
                     elif match["base"] in self._names:
                         pending.add(self._names[match["base"]])
                     continue
@@ -407,19 +409,25 @@ class ShardCache:
         usage += sum(self.expected_sizes[n] for n in pending)
         return usage, sorted(stale) + sorted(published)
 
-    def _abandoned(self, file: str) -> bool:
-        """Whether no process holds cached ``file``'s lock, so that a temporary file of it is left by a
-        process that died: a download holds its shard's lock exclusively from its reservation to its
-        publication. The pid in the name is not enough: a container restarted on a kept cache_dir runs
-        its trainer under the pid the killed one had (PID 1, say), and its half files looked alive."""
+    def _remove_abandoned(self, file: str, tmp: str) -> bool:
+        """Remove temporary file ``tmp`` of cached ``file`` if no process holds ``file``'s lock (taken
+        here exclusively, without waiting) and ``tmp`` is still there: a download holds its shard's lock
+        from its reservation to its publication, so it was left by a process that died. The pid in the
+        name is not enough: a container restarted on a kept cache_dir runs its trainer under the pid the
+        killed one had (PID 1, say), and its half files looked alive. A ``tmp`` gone by the time the lock
+        is free was published meanwhile (False: counted as pending, as the listing may miss the shard)."""
         fd = self._open_lock(file)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False                # a live download, or readers of the published shard
+            if not os.path.exists(tmp):
+                return False
+            _unlink(tmp)
+            return True
         finally:
-            os.close(fd)   # closing releases the lock this took
-        return True
+            _unlock_close(fd)             # not a bare close: a process forked meanwhile keeps no lock
 
     def _old_version(self, file: str) -> bool:
         """Whether ``file`` is another version (another digest) of one of the manifest's shards, or a
