@@ -108,6 +108,35 @@ def test_a_cache_dir_that_cannot_be_a_folder_is_refused_naming_it(pack_dir, tmp_
             Shards(server.url, cache_dir=cache_dir)
 
 
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """An existing folder that cannot be written: mode 0o500, or as root (who writes anyway) a read-only
+    bind mount (skipped where this process may not mount)."""
+    import subprocess
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o500)
+        yield folder
+        folder.chmod(0o700)
+        return
+    done = subprocess.run(["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"root, and cannot mount a read-only folder here: {done.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_read_only_cache_dir_is_refused_naming_it(pack_dir, read_only_folder):
+    with http_server(pack_dir) as server:
+        with pytest.raises(ValueError, match=rf"^Shards: cache_dir '{read_only_folder}' cannot be a folder of "
+                                             rf"shards \(.*(Read-only|Permission)"):
+            Shards(server.url, cache_dir=read_only_folder)
+
+
 def test_a_shard_that_stays_unreachable_is_retried_once_not_once_per_sample_under_skip(pack_dir, tmp_path):
     """A 503 that never ends for one shard: its samples are skipped and counted; before, every sample
     went through all the retries again (with the default retries and backoff, 15 s a sample: hours for

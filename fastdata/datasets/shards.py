@@ -135,6 +135,9 @@ class Shards(Source):
             cache_dir = os.path.join(tempfile.gettempdir(), "fastdata-shards", tag)
         try:
             os.makedirs(cache_dir, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=cache_dir)   # writable: said now, not at a read
+            os.close(fd)
+            os.unlink(probe)
         except OSError as e:   # a file there, a file above it, a read-only disk: "File exists" named nothing
             raise ValueError(f"Shards: cache_dir '{cache_dir}' cannot be a folder of shards ({type(e).__name__}: "
                              f"{e.strerror or e}); give cache_dir= a folder that can be written") from None
