@@ -176,7 +176,7 @@ class _Run:
             print(format_record(record, self.config.epochs), flush=True)
         # With its eval figures, before the save: a crash in between re-runs the epoch, whose row RunLog replaces.
         self.hooks.epoch(record)
-        if self.config.checkpoint is not None:
+        if self.config.checkpoint is not None and position is not None:   # position: taken when checkpointing
             state.save(self.config.checkpoint, position, every_rank=True)
 
 
