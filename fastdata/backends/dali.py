@@ -120,6 +120,7 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
 )
 from ..errors import DecodeError
 from ..images.on_error import OnError
+from ..images.photo import exif_orientation, open_image
 from .base import Loader, labels_on
 
 
@@ -523,21 +524,29 @@ class DaliLoader(DaliFiles, Loader):
                     if attempt:
                         raise
                     continue
-                turned = self._turned_otherwise(i, out.shape()[0])
+                turned = self._turned_otherwise(i, data, out.shape()[0])
                 if turned:
                     bad.append((i, turned))
                 break
         return bad
 
-    def _turned_otherwise(self, i: int, shape) -> str | None:
+    def _turned_otherwise(self, i: int, data: np.ndarray, shape) -> str | None:
         """Why file ``i``, which DALI's decoder decodes, still fails its batch: DALI turns it by its EXIF
-        orientation to another height and width than Pillow's reading of the same block, which the
-        crop windows were drawn in (a malformed block: an orientation stored as LONG, an entry count
+        orientation to another height and width than Pillow's reading of the same bytes, which the
+        crop windows are drawn in (a malformed block: an orientation stored as LONG, an entry count
         past the block's end, an unknown byte order; each reader stops or goes on differently). The
-        window then lies outside DALI's picture. None when the sizes agree or are not known."""
-        if self._state[i] != OK:
-            return None
-        height, width, orientation = (int(v) for v in self._dims[i])
+        window then lies outside DALI's picture. Pillow reads the bytes just probed, not the sizes
+        learnt earlier: a photo replaced in place since is another size for both, and is learnt again
+        (``_handle_decode_failure``). None when the two agree."""
+        import io
+
+        path = self.source.sample_name(i)
+        try:
+            img = open_image(path, io.BytesIO(data.tobytes()))
+        except DecodeError:
+            return None   # DALI decodes what Pillow cannot even open: not an orientation question
+        orientation = exif_orientation(img, path)
+        width, height = (img.height, img.width) if orientation in (5, 6, 7, 8) else img.size
         got = (int(shape[0]), int(shape[1]))
         if got == (height, width):
             return None
