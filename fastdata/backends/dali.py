@@ -120,7 +120,7 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
 )
 from ..errors import DecodeError
 from ..images.on_error import OnError
-from ..images.photo import exif_orientation, open_image
+from ..images.photo import displayed_size, exif_orientation, open_image
 from .base import Loader, labels_on
 
 
@@ -546,7 +546,7 @@ class DaliLoader(DaliFiles, Loader):
         except DecodeError:
             return None   # DALI decodes what Pillow cannot even open: not an orientation question
         orientation = exif_orientation(img, path)
-        width, height = (img.height, img.width) if orientation in (5, 6, 7, 8) else img.size
+        height, width = displayed_size(img.height, img.width, orientation)
         got = (int(shape[0]), int(shape[1]))
         if got == (height, width):
             return None

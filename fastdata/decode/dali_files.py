@@ -17,7 +17,7 @@ import numpy as np
 from ..augment import draw_params
 from ..datasets import ImageFolder, folders
 from ..errors import DecodeError
-from ..images.photo import check_pixels, crop_photo, exif_orientation, open_image
+from ..images.photo import check_pixels, crop_photo, displayed_size, exif_orientation, open_image
 from .dali_feed import batch_record
 
 if TYPE_CHECKING:
@@ -296,8 +296,7 @@ class DaliFiles:
             self._dims[i] = (img.height, img.width, 1)
             try:
                 orientation = exif_orientation(img, path)
-                width, height = (img.height, img.width) if orientation in (5, 6, 7, 8) else img.size
-                self._dims[i] = (height, width, orientation)
+                self._dims[i] = (*displayed_size(img.height, img.width, orientation), orientation)
                 if self.validate:
                     check_pixels(img, path)
             except DecodeError as err:
