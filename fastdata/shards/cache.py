@@ -392,9 +392,8 @@ class ShardCache:
                 if match is not None:
                     if not _alive(int(match["pid"])):
                         _unlink(os.path.join(folder, f))
-                    elif self._remove_abandoned(match["base"], os.path.join(folder, f)):
-                        pass
-                    elif match["base"] in self._names:
+                    elif not self._remove_abandoned(match["base"], os.path.join(folder, f)) \
+                            and match["base"] in self._names:   # a live download: pending
                         pending.add(self._names[match["base"]])
                     continue
                 ours = name in self._names
