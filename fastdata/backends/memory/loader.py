@@ -32,7 +32,7 @@ from .budgeting import (
     uses_ready,
 )
 from .cache import CacheBuild, chunks, pad_images
-from .epochs import DrawAhead, Draws, Epoch, grid_lines, starts, window
+from .epochs import DrawAhead, Draws, Epoch, grid_lines, group_bounds, starts, window
 from .node import NodeCache
 
 
@@ -242,13 +242,16 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             for k, (a, b) in enumerate(ep.bounds):
                 yield self._resized_crops(ep.ids[a:b], ep.grid, a, b, ep.exact[k]), ep.labels[a:b]
             return
-        # Per batch: two slices and one gather (two more kernels with flips, plus the normalization
-        # of a uint8 cache); everything else was done for the whole epoch in prepare_epoch.
+        # Per group of batches (see group_bounds): one gather (two more kernels with flips, plus the
+        # normalization of a uint8 cache); per batch two slices; everything else was done for the whole
+        # epoch in prepare_epoch.
         rows, labels, flip, view = ep.starts, ep.labels, ep.flip, self._window
         ready = self.ready is not None
         width = 3 if ready else 2           # (n, c, h, w) ready floats, (n, h, w, c) uint8
         layout = torch.channels_last if ready and self.config.channels_last else None
-        for a, b in ep.bounds:
+        sample = view.shape[1:].numel() * self.normalizer.dtype.itemsize   # a batch's bytes are its output's
+        for group in group_bounds(ep.bounds, sample, self.device):
+            a, b = group[0][0], group[-1][1]
             x = view[rows[a:b]]
             if flip is not None:
                 x = torch.where(flip[a:b, None, None, None], x.flip(width), x)
@@ -256,7 +259,10 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
                 x = self.normalize(x)
             elif layout is not None:
                 x = x.contiguous(memory_format=layout)   # a no-op: the gather keeps the cache's layout
-            yield x, labels[a:b]
+            for s, e in group:
+                # A slice of dim 0 keeps the group's layout (contiguous or channels-last) and owns no
+                # storage of its own: the group's memory is freed once its last batch is.
+                yield x[s - a:e - a], labels[s:e]
 
     def prepare_epoch(self, epoch: int, batches: list, start: int) -> Epoch:
         """Every batch's ids and augmentation parameters for the epoch, on the device (see epochs.py).
