@@ -162,15 +162,18 @@ class EpochMeter:
         end = object()
         mark = torch.cuda.Event() if self.device.type == "cuda" else None
         while True:
-            t = time.perf_counter()
             if mark is not None:   # what the GPU was given before this wait
                 mark.record(torch.cuda.current_stream(self.device))
+            # The clock starts after the mark and stops before the query: the meter's own calls (tens
+            # of microseconds a batch) are not the loader's, and a host-bound step would count them.
+            t = time.perf_counter()
             with region("data_wait") if region is not None else contextlib.nullcontext():
                 batch = next(it, end)
+            waited = time.perf_counter() - t
             if batch is end:
                 return
             if gpu_starved(mark):
-                self.wait += time.perf_counter() - t
+                self.wait += waited
             yield batch
 
     def global_sums(self) -> list[float]:
