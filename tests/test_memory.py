@@ -576,8 +576,9 @@ def test_cuda_memory_epoch_makes_no_host_sync(recipe, photo_folder):
 def test_cuda_training_on_the_memory_backend_waits_for_data_at_most_1_percent():
     """Issue 30.6: the first command's training (train_mnist.py: SmallCNN, batch 256, SGD fused, one
     cycle) on the memory backend waits on data for at most 1% of each epoch from the second one (the
-    first builds the cache and warms everything up). It waited 3-7% on an H200, 2.8-3.1% with one gather per batch, 1.4-1.7% with a gather per
-    group of batches (benchmarks/results/memory-groups-cuda-h200.txt): not yet under 1%."""
+    first builds the cache and warms everything up). It waited 3-7% on an H200, 2.8-3.1% with one
+    gather per batch, 1.4-1.7% with a gather per group of batches
+    (benchmarks/results/memory-groups-cuda-h200.txt): not yet under 1%."""
     from fastdata.engine import fit
     from fastdata.models import SmallCNN
 
