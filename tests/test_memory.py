@@ -485,12 +485,16 @@ def test_group_bounds_fill_each_group_up_to_its_bytes_on_a_gpu_only():
 
     bounds = [(0, 4), (4, 8), (8, 12), (12, 14)]
     gpu = torch.device("cuda")
-    assert group_bounds(bounds, 10, gpu, limit=80) == [[(0, 4), (4, 8)], [(8, 12), (12, 14)]]
-    assert group_bounds(bounds, 10, gpu, limit=10**6) == [bounds]
+    assert group_bounds(bounds, 16, gpu, limit=128) == [[(0, 4), (4, 8)], [(8, 12), (12, 14)]]
+    assert group_bounds(bounds, 16, gpu, limit=10**6) == [bounds]
     # A batch larger than the limit is a group of its own, never split or dropped.
-    assert group_bounds(bounds, 10, gpu, limit=5) == [[ab] for ab in bounds]
-    assert group_bounds(bounds, 10, torch.device("cpu"), limit=10**6) == [[ab] for ab in bounds]
-    assert group_bounds([], 10, gpu) == []
+    assert group_bounds(bounds, 16, gpu, limit=5) == [[ab] for ab in bounds]
+    assert group_bounds(bounds, 16, torch.device("cpu"), limit=10**6) == [[ab] for ab in bounds]
+    assert group_bounds([], 16, gpu) == []
+    # Every batch of a group starts on 16 bytes: 4 samples of 6 bytes (24) do not, so the batch after
+    # one starts a new group; 8 samples (48 bytes) do.
+    assert group_bounds([(0, 4), (4, 8), (8, 12)], 6, gpu) == [[(0, 4)], [(4, 8)], [(8, 12)]]
+    assert group_bounds([(0, 8), (8, 16), (16, 19), (19, 27)], 6, gpu) == [[(0, 8), (8, 16), (16, 19)], [(19, 27)]]
 
 
 @pytest.mark.parametrize("case", ["ready", "ready-flip", "uint8", "uint8-flip", "ready-channels-last"])

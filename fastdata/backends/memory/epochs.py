@@ -116,6 +116,9 @@ def grid_lines(lin: torch.Tensor, steps: torch.Tensor, hs: int, ws: int) -> tupl
 #: MNIST digits in float32, one of 256 CIFAR images, less than one batch of 224² photos.
 GROUP_BYTES = 16 * 2**20
 
+#: The alignment in bytes every batch of a group starts on (the caching allocator's blocks start on 512).
+ALIGN = 16
+
 
 def group_bounds(bounds: list, sample_bytes: int, device: torch.device, limit: int = GROUP_BYTES) -> list:
     """The epoch's batch bounds in consecutive groups that one gather serves, on a GPU.
@@ -135,7 +138,10 @@ def group_bounds(bounds: list, sample_bytes: int, device: torch.device, limit: i
     size = 0
     for a, b in bounds:
         n = (b - a) * sample_bytes
-        if group and size + n > limit:
+        # A batch starts at the group's size in bytes into it: one that would not start on ALIGN bytes
+        # starts a group of its own (kernels that load 16 bytes at once, cuDNN's and Inductor's among
+        # them, take a misaligned input on a slower path or copy it first).
+        if group and (size + n > limit or size % ALIGN):
             groups.append(group)
             group, size = [], 0
         group.append((a, b))
