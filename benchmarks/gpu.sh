@@ -17,7 +17,7 @@
 #
 # Stages, each under `timeout` (its limit in seconds): one stuck stage is stopped (SIGINT first, so pytest
 # still prints its summary), counted as failed, and the next one runs. The H200 run of 2026-11-27 took 9.5
-# minutes of commands (the limits now add up to 14.6), 10.2 minutes of device time with the start.
+# minutes of commands (the limits now add up to 15.6), 10.2 minutes of device time with the start.
 # GPU_SH_LIMIT_PCT scales every limit (percent; `dry` 300).
 #   call1  doctor [30]      python -m fastdata doctor
 #          tests [180]      FASTDATA_REQUIRE_CUDA=1 pytest -m cuda without the dali tests (no DALI yet:
@@ -28,9 +28,11 @@
 #          loaders [60]     bench_loaders.py on digits: images/s of each backend against the tutorial pipeline
 #          cache [90]       bench_cache.py on CUDA: memory's photo cache built by processes, threads, nvImageCodec
 #   call3  dali-tests [180] FASTDATA_REQUIRE_CUDA=1 pytest -m cuda -k dali (setup says "DALI yes" by then)
+#          dali-train [60] bench_training.py with dali alone, digits and JPEGs (the first command's data wait
+#                           on dali; report training-<tag>-dali)
 #          dali-gpu [200]   bench_dali_gpu.py: DALI's own pipeline, the dali backend's settings, torch, PIL
-# Call 2's benchmarks leave DALI out (it is complete only in call 3), where dali-gpu
-# measures it on JPEGs.
+# Call 2's benchmarks leave DALI out (it is complete only in call 3), where dali-train
+# trains on it and dali-gpu measures its settings on JPEGs.
 #
 # Where things go: every stage writes its log and report under $FASTDATA_GPU_KEEP (default
 # /var/tmp/fastdata-gpu-run; `dry`: /var/tmp/fastdata-gpu-dry), which outlives the calls. At the end of each
@@ -88,6 +90,8 @@ for n in sys.argv[2:]: print(f"{n} photos: {common.photo_folder(sys.argv[1], int
     loaders) bench bench_loaders.py --workloads digits --backends torch memory prefetch auto "${LOADERS[@]}" ;;
     cache) bench bench_cache.py --contenders processes threads nvimgcodec "${CACHE[@]}" ;;
     dali-tests) cuda_tests -k dali ;;
+    dali-train) "$PY" benchmarks/bench_training.py --backends dali --no-baseline "${TRAIN[@]}" "${DEV[@]}" \
+                  --cache "$KEEP/jpegs" --out "$KEEP/reports" --tag "$TAG-dali" ;;
     dali-gpu) bench bench_dali_gpu.py "${DALI_GPU[@]}" ;;
     *) echo "gpu.sh: no stage '$1'" >&2; return 2 ;;
   esac
@@ -103,7 +107,7 @@ fi
 # its 25 tests, 116 s, all passed: 180 now); cache (six builds, each a fresh process importing torch and
 # nvImageCodec) ran out at 45 s in its fifth build, and dali-tests at 75 s after its last test.
 declare -A CALLS=([call1]="doctor:30 tests:180" [call2]="jpegs:45 training:90 loaders:60 cache:90"
-                  [call3]="dali-tests:180 dali-gpu:200")
+                  [call3]="dali-tests:180 dali-train:60 dali-gpu:200")
 case $mode in
   call1|call2|call3) calls=("$mode") ;;
   all|dry) calls=(call1 call2 call3) ;;

@@ -20,8 +20,9 @@ except ImportError:  # run as a script: python benchmarks/gpu_summary.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import common
 
-#: The report each benchmark stage writes, as ``<stem>-<tag>.json`` under ``<keep>/reports``.
-REPORTS = {"training": "training", "loaders": "loaders", "cache": "cache", "dali-gpu": "dali-gpu"}
+#: The report each benchmark stage writes under ``<keep>/reports``: its file name without ``.json``.
+REPORTS = {"training": "training-{tag}", "loaders": "loaders-{tag}", "cache": "cache-{tag}",
+           "dali-train": "training-{tag}-dali", "dali-gpu": "dali-gpu-{tag}"}
 _PYTEST_TAIL = re.compile(r"\b\d+ (passed|failed|error|errors|skipped|deselected|selected)\b.* in [\d.]+s")
 
 
@@ -79,7 +80,7 @@ def rows_headline(payload: dict) -> str:
 
 
 def headline(keep: Path, tag: str, stage: str) -> str:
-    report = keep / "reports" / f"{REPORTS[stage]}-{tag}.json" if stage in REPORTS else None
+    report = keep / "reports" / f"{REPORTS[stage].format(tag=tag)}.json" if stage in REPORTS else None
     if report is not None and report.exists():
         return rows_headline(json.loads(report.read_text()))
     log = keep / "logs" / f"{stage}.log"

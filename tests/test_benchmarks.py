@@ -378,7 +378,7 @@ def test_gpu_script_refuses_a_machine_without_a_usable_gpu(tmp_path):
 
 GPU_SH = ROOT / "benchmarks" / "gpu.sh"
 STAGES = [("call1", "doctor"), ("call1", "tests"), ("call2", "jpegs"), ("call2", "training"), ("call2", "loaders"),
-          ("call2", "cache"), ("call3", "dali-tests"), ("call3", "dali-gpu")]
+          ("call2", "cache"), ("call3", "dali-tests"), ("call3", "dali-train"), ("call3", "dali-gpu")]
 
 
 def gpu_sh(mode, tmp_path, *, timeout, **env):
@@ -419,13 +419,13 @@ def test_gpu_script_dry_run_runs_every_stage_on_the_cpu(tmp_path):
     out = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert len(out) <= 8 and "summary-dry.md" in out and "gpu-reports-dry.tar.gz" in out, out
     summary = (tmp_path / "out" / "summary-dry.md").read_text()
-    assert "8 of 8 stages passed" in summary
+    assert "9 of 9 stages passed" in summary
     for call, stage in STAGES:
         assert f"| {call}" in summary and f" {stage} " in summary
     assert "tests collected" in summary and "ceiling" in summary and "memory" in summary   # the headlines
     with tarfile.open(tmp_path / "out" / "gpu-reports-dry.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"reports/dali-gpu-dry.json", "reports/training-dry.json", "reports/loaders-dry.json",
+    assert {"reports/dali-gpu-dry.json", "reports/training-dry.json", "reports/training-dry-dali.json", "reports/loaders-dry.json",
             "reports/cache-dry.json", "reports/tests-dry.txt", "reports/summary-dry.md", "stages.tsv"} <= names, names
 
 
@@ -437,7 +437,7 @@ def test_a_stuck_stage_is_stopped_and_the_next_ones_still_run(tmp_path):
     got = stages_run(tmp_path)
     assert [(c, s) for c, s, *_ in got] == STAGES
     assert all(status.startswith("timeout after") for _, _, status, *_ in got), got
-    assert "0 of 8 stages passed" in (tmp_path / "out" / "summary-dry.md").read_text()
+    assert "0 of 9 stages passed" in (tmp_path / "out" / "summary-dry.md").read_text()
 
 
 def carried(text):
