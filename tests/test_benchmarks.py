@@ -425,8 +425,9 @@ def test_gpu_script_dry_run_runs_every_stage_on_the_cpu(tmp_path):
     assert "tests collected" in summary and "ceiling" in summary and "memory" in summary   # the headlines
     with tarfile.open(tmp_path / "out" / "gpu-reports-dry.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"reports/dali-gpu-dry.json", "reports/training-dry.json", "reports/training-dry-dali.json", "reports/loaders-dry.json",
-            "reports/cache-dry.json", "reports/tests-dry.txt", "reports/summary-dry.md", "stages.tsv"} <= names, names
+    assert {"reports/dali-gpu-dry.json", "reports/training-dry.json", "reports/training-dry-dali.json",
+            "reports/loaders-dry.json", "reports/cache-dry.json", "reports/tests-dry.txt", "reports/summary-dry.md",
+            "stages.tsv"} <= names, names
 
 
 @pytest.mark.slow
