@@ -1,6 +1,7 @@
 """Sources: MNIST's IDX files, synthetic digits, image folders, the photo generator."""
 import gzip
 import os
+import re
 import struct
 
 import numpy as np
@@ -877,3 +878,74 @@ def test_fastdatas_own_sources_wrapped_in_concat_or_subset_keep_their_layout():
     x, _ = next(iter(make_loader(twice, "torch", batch_size=4, device="cpu", num_workers=0, train=False,
                                  mean=(0.0,) * 3, std=(1.0,) * 3)))
     assert x.shape == (4, 3, 10, 12)
+
+
+# ---------------------------------------------------------------- a float transform, per backend
+#: What the refusal of a float transform must say for the backends that run no per-sample transform.
+BATCH_ONLY = r"Backends 'memory' and 'dali' run no per-sample transform"
+
+
+def named_recipes(message: str) -> list[str]:
+    """The Augmentation presets a message names, each checked to exist (a hint must not name a made-up one)."""
+    presets = re.findall(r"Augmentation\.(\w+)\(\)", message)
+    assert {"imagenet_train", "imagenet_eval", "cifar_train", "digits_train"} <= set(presets), message
+    assert all(callable(getattr(Augmentation, p, None)) for p in presets), presets
+    return presets
+
+
+@pytest.mark.parametrize("backend", ["memory", "dali", "auto"])
+def test_a_float_transform_refusal_names_the_way_out_for_the_backend_asked(photo_folder, backend):
+    """ImageFolder(transform=Compose([..., ToTensor(), Normalize()])) said only "drop ToTensor/Normalize, pass
+    mean=/std=": for memory and dali, which run no per-sample transform, doing so met a second refusal. The
+    first one now says so and names their way out (no transform, augment=Augmentation(...)), and torch's."""
+    from torchvision import transforms as T
+
+    crop = [T.Resize(40), T.CenterCrop(32)]
+    stats = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+    with pytest.raises(TypeError) as err:
+        ImageFolder(photo_folder, transform=T.Compose([*crop, T.ToTensor(), T.Normalize(**stats)]))
+    message = str(err.value)
+    assert "drop ToDtype/Normalize/ToTensor from the transform and pass mean=/std= to make_loader for " \
+           "backend 'torch' or 'prefetch', which run per-sample transforms ('auto' picks one of them" in message
+    assert re.search(rf"{BATCH_ONLY} .*: for them drop the transform from ImageFolder '.*', and pass "
+                     r"augment=Augmentation\(\.\.\.\) with mean=/std= to make_loader", message), message
+    assert "fields crop (one of ['none', 'translate', 'random_resized', 'center']), size, pad" in message
+    named_recipes(message)
+    kw = {"batch_size": 6, "device": "cpu", "num_workers": 0, "train": False, "quiet": True, **stats}
+    if backend == "auto":   # the first way: the transform without its float steps
+        loader = make_loader(ImageFolder(photo_folder, transform=T.Compose(crop)), backend, **kw)
+    else:                   # memory/dali's way: no transform, the recipe as augment=
+        loader = make_loader(ImageFolder(photo_folder), backend, augment=Augmentation.imagenet_eval(size=32, resize=40),
+                             **kw)
+    with loader:
+        images, _ = next(iter(loader))
+    assert images.shape == (6, 3, 32, 32) and images.dtype == torch.float32
+
+
+def test_the_backends_a_float_transform_refusal_names_are_the_registrys():
+    """The refusal is written when the source is made, before any backend is named: the backends it names as
+    running per-sample transforms, and as not, are the ones whose classes say so."""
+    from fastdata import registry
+    from fastdata.datasets.sample_transforms import BATCH_BACKENDS, PER_SAMPLE_BACKENDS
+
+    runs = {s.name: s.load().runs_sample_transforms for s in registry.specs() if s.available}
+    assert {n for n, r in runs.items() if r} == set(PER_SAMPLE_BACKENDS) & set(runs)
+    assert {n for n, r in runs.items() if not r} == set(BATCH_BACKENDS) & set(runs)
+    assert set(PER_SAMPLE_BACKENDS) | set(BATCH_BACKENDS) == set(registry.BACKENDS)
+
+
+@pytest.mark.parametrize("backend", ["memory", "dali"])
+def test_a_datasets_float_sample_refusal_says_memory_and_dali_read_no_dataset(backend):
+    """A Dataset of one's own returning float tensors: 'drop ToTensor, pass mean=/std=' alone left memory and
+    dali refusing the Dataset itself. The first refusal names their way: the pixels as an ArraySource."""
+    images = np.random.default_rng(0).integers(0, 256, (8, 6, 5, 3), dtype=np.uint8)
+    floats = [torch.from_numpy(im).permute(2, 0, 1).float() / 255 for im in images]
+    with pytest.raises(TypeError) as err:
+        make_loader(_Samples(floats), backend, batch_size=4, device="cpu")
+    message = str(err.value)
+    assert re.search(rf"{BATCH_ONLY} .*: for them _Samples cannot serve at all, transform or not .* pass "
+                     r"ArraySource\(images, labels\)", message), message
+    named_recipes(message)
+    with make_loader(ArraySource(images, np.zeros(8, np.int64)), backend, batch_size=4, device="cpu",
+                     augment=Augmentation.none(), mean=(0.5,), std=(0.25,), num_workers=0) as loader:
+        assert next(iter(loader))[0].shape == (4, 3, 6, 5)

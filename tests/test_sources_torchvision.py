@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 import struct
 
 import numpy as np
@@ -217,7 +218,8 @@ def test_a_dataset_with_its_own_transform_is_not_converted_and_memory_says_why(c
     assert src.refusal_hint.startswith("_LocalCIFAR10 has its own transform=Compose(RandomCrop(")
     assert "for memory/dali pass _LocalCIFAR10(..., transform=None)" in src.refusal_hint
     for backend in ("memory", "dali"):
-        with pytest.raises(TypeError, match=r"has its own transform=.*augment=/batch_transforms="):
+        with pytest.raises(TypeError, match=r"has its own transform=.*transform=None\), which fastdata reads as "
+                                            r"arrays, .*augment=Augmentation\(\.\.\.\) \(presets .*batch_transforms="):
             make_loader(cifar, backend, batch_size=8, device="cpu")
 
 
@@ -265,6 +267,50 @@ def test_a_float_step_a_random_container_rarely_runs_is_refused_before_any_batch
     with pytest.raises(TypeError, match=r"_LocalCIFAR10 ends with float images \(ToTensor\) in some of its random "
                                         r"draws: drop ToDtype/Normalize/ToTensor"):
         make_loader(cifar, "torch", batch_size=8, device="cpu", num_workers=0)
+
+
+@pytest.mark.parametrize("backend", ["memory", "dali", "auto"])
+def test_a_float_transform_refusal_names_the_way_out_for_the_backend_asked(photo_folder, backend):
+    """torchvision's ImageFolder(transform=Compose([..., ToTensor(), Normalize()])) given to memory or dali: the
+    refusal said only "drop ToTensor/Normalize, pass mean=/std=", after which the transform itself was refused.
+    The first refusal names both ways; each is followed here, literally, to a batch."""
+    crop = [T.Resize(40), T.CenterCrop(32)]
+    stats = {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
+    tv = torchvision.datasets.ImageFolder(str(photo_folder), transform=T.Compose([*crop, T.ToTensor(),
+                                                                                   T.Normalize(**stats)]))
+    kw = {"batch_size": 6, "device": "cpu", "num_workers": 0, "train": False, "quiet": True, **stats}
+    with pytest.raises(TypeError) as err:
+        make_loader(tv, backend, **kw)
+    message = str(err.value)
+    assert "drop ToDtype/Normalize/ToTensor from the transform and pass mean=/std= to make_loader for backend " \
+           "'torch' or 'prefetch'" in message
+    assert re.search(r"Backends 'memory' and 'dali' run no per-sample transform .*: for them pass "
+                     r"ImageFolder\(\.\.\., transform=None\), .* and pass augment=Augmentation\(\.\.\.\) with "
+                     r"mean=/std=", message), message
+    assert "Augmentation.imagenet_eval()" in message
+    if backend == "auto":   # the first way: the transform without its float steps
+        tv.transform = tv.transforms.transform = T.Compose(crop)
+        loader = make_loader(tv, backend, **kw)
+    else:                   # memory/dali's way: no transform, the recipe as augment=
+        loader = make_loader(torchvision.datasets.ImageFolder(str(photo_folder), transform=None), backend,
+                             augment=Augmentation.imagenet_eval(size=32, resize=40), **kw)
+    with loader:
+        images, labels = next(iter(loader))
+    assert images.shape == (6, 3, 32, 32) and labels.tolist() == tv.targets[:6]
+
+
+def test_a_dataset_memory_cannot_read_even_without_its_transform_is_not_told_to_drop_it():
+    """FakeData (neither files nor arrays) with a transform: the hint said "pass FakeData(..., transform=None)"
+    for memory/dali, which then refused FakeData itself. Both refusals now say it is the Dataset they cannot
+    read, and how to hand them its pixels."""
+    tv = torchvision.datasets.FakeData(8, image_size=(3, 6, 5), num_classes=2, transform=T.RandomHorizontalFlip())
+    assert "transform=None" not in as_source(tv).refusal_hint
+    with pytest.raises(TypeError, match=r"backend 'memory' cannot read .*FakeData has its own transform=.*ArraySource"):
+        make_loader(tv, "memory", batch_size=4, device="cpu")
+    tv.transform = T.Compose([T.RandomHorizontalFlip(), T.ToTensor()])
+    with pytest.raises(TypeError, match=r"run no per-sample transform .*: for them FakeData cannot serve at all, "
+                                        r"transform or not .*ArraySource\(images, labels\)"):
+        make_loader(tv, "memory", batch_size=4, device="cpu")
 
 
 # ---------------------------------------------------------------- every backend reads them

@@ -33,6 +33,7 @@ import torch
 from ..augment import output_size, recipe, require_padding_fits
 from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats
 from ..datasets import Source, SourceKind, check_transform_and_augment
+from ..datasets.sample_transforms import recipe_choices
 from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
@@ -426,9 +427,9 @@ class Loader:
             return False, (
                 f"backend {cls.name!r} cannot run the per-sample transform of {source!r} "
                 f"({type(transform).__name__}): it decodes and augments whole batches, not PIL images "
-                f"one by one. Drop the transform and express it as augment=Augmentation(...) plus "
-                f"batch_transforms=[...] (batched tensor ops on the device, every backend; see "
-                f"fastdata.batch_transforms), or use backend 'torch' or 'prefetch', which run it")
+                f"one by one. Drop the transform and express it as augment=Augmentation(...) "
+                f"({recipe_choices()}) plus batch_transforms=[...] (batched tensor ops on the device, every "
+                f"backend; see fastdata.batch_transforms), or use backend 'torch' or 'prefetch', which run it")
         return True, f"{cls.name} reads {source.kind} sources"
 
     @classmethod

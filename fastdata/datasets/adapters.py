@@ -11,13 +11,13 @@ from .arrays import ArraySource
 from .base import Source
 from .folders import ImageFolder
 from .sample_transforms import (
-    TV_CIFAR,
     TV_FOLDERS,
-    TV_LOADERS,
-    TV_MNIST,
+    batch_route,
     describe,
     own_getitem,
     own_transforms,
+    readable_kind,
+    recipe_choices,
     torchvision_names,
 )
 from .torch_datasets import DatasetSource
@@ -42,29 +42,17 @@ def from_torchvision(obj) -> Source | None:
     Args:
         obj: any object.
     """
-    names = torchvision_names(obj)
-    if not names:
-        return None
-    kind = next((n for n in names if n in TV_FOLDERS + TV_CIFAR + TV_MNIST), None)
-    if kind is None or "QMNIST" in names:  # QMNIST's targets are rows of 8 fields, not class indices
-        return None
-    if own_transforms(obj) or own_getitem(obj):
+    kind = readable_kind(obj)   # the classes above, with PIL's loader, no __getitem__ of their own
+    if kind is None or own_transforms(obj):
         return None
     classes = list(getattr(obj, "classes", None) or [])
     label = type(obj).__name__
     if kind in TV_FOLDERS:
-        loader = getattr(obj, "loader", None)
-        if getattr(loader, "__module__", "") != "torchvision.datasets.folder" or \
-                getattr(loader, "__name__", "") not in TV_LOADERS:
-            return None  # a loader of its own (npy files, ...): only its __getitem__ knows the pixels
         root = getattr(obj, "root", None)
         return ImageFolder.from_samples(obj.samples, classes, root=root,
                                         name=f"{label.lower()}:{Path(root).name if root else ''}")
-    data, targets = getattr(obj, "data", None), getattr(obj, "targets", None)
-    if data is None or targets is None:
-        return None
     digits = kind == "MNIST"  # the nearest known class: FashionMNIST, KMNIST, EMNIST are not digits
-    return ArraySource(data, np.asarray(targets), classes=classes or None, name=label.lower(), digits=digits)
+    return ArraySource(obj.data, np.asarray(obj.targets), classes=classes or None, name=label.lower(), digits=digits)
 
 
 def _refusal_hint(obj) -> str | None:
@@ -78,10 +66,12 @@ def _refusal_hint(obj) -> str | None:
         return (f"{label} has its own __getitem__ ({getitem}.__getitem__), which only the torch and prefetch "
                 f"backends call; memory and dali read files or arrays: pass an ImageFolder.from_samples or an "
                 f"ArraySource holding what it returns, or use the torch backend")
-    if names and own:
+    readable = readable_kind(obj)
+    if names and own and (readable or not any(n in TV_FOLDERS for n in names)):
+        # Only a dataset fastdata reads as files or arrays is served by memory/dali without its transform.
         return (f"{label} has its own {', '.join(own)}, which only the torch and prefetch backends run per "
-                f"sample; for memory/dali pass {label}(..., transform=None) and express the augmentation "
-                f"as augment=/batch_transforms=")
+                f"sample; for memory/dali {batch_route(obj)}, and express the augmentation as "
+                f"augment=Augmentation(...) ({recipe_choices()}) plus batch_transforms=[...]")
     if any(n in TV_FOLDERS for n in names):
         return (f"{label} has its own loader={describe(getattr(obj, 'loader', None))}, which only the torch "
                 f"and prefetch backends call; memory and dali read image files with PIL: use its default "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import Augmentation
+from ..config import Augmentation, Crop
 from .base import Source
 
 _FLOAT_FIX = ("drop ToDtype/Normalize/ToTensor from the transform and pass mean=/std= to make_loader: "
@@ -11,6 +11,43 @@ _FLOAT_FIX = ("drop ToDtype/Normalize/ToTensor from the transform and pass mean=
 #: What a Dataset's sample image may be, and the fix for a float one.
 EXPECTED_IMAGES = ("the torch backend expects PIL images, uint8 (C, H, W) tensors or uint8 (H, W, C) arrays. "
                     f"If the dataset's transform ends in ToTensor, ToDtype or Normalize: {_FLOAT_FIX}")
+
+#: The backends that run a source's per-sample transform, and those that run none (they augment whole
+#: batches with the loader's ``Augmentation``, on the device or in DALI). Each backend class says which it
+#: is (``Loader.runs_sample_transforms``); a source refuses its transform when it is made, before any
+#: backend is named, so its message names both (tests/test_datasets.py holds these to the classes).
+PER_SAMPLE_BACKENDS = ("torch", "prefetch")
+BATCH_BACKENDS = ("memory", "dali")
+
+
+def recipe_choices() -> str:
+    """The ``Augmentation`` presets and fields, read from the class, for a message that sends a user to
+    ``augment=Augmentation(...)``."""
+    import dataclasses
+
+    presets = [f"Augmentation.{n}()" for n, v in vars(Augmentation).items() if isinstance(v, classmethod)]
+    fields = [f.name for f in dataclasses.fields(Augmentation)]
+    fields[fields.index("crop")] = f"crop (one of {[c.value for c in Crop]})"
+    return f"presets {', '.join(presets)}; or fields {', '.join(fields)}"
+
+
+def batch_backends_fix(route: str) -> str:
+    """What memory and dali need instead of a per-sample transform: ``route`` (how the data reaches them
+    without one), then the loader's recipe."""
+    return (f"Backends {' and '.join(map(repr, BATCH_BACKENDS))} run no per-sample transform (they augment "
+            f"whole batches, on the device or in DALI): for them {route}, and pass augment=Augmentation(...) "
+            f"with mean=/std= to make_loader ({recipe_choices()}), plus batch_transforms=[...] for batched "
+            f"ops the recipe lacks")
+
+
+def float_fix(route: str) -> str:
+    """The fix for a transform that ends with float images, for every backend: the per-sample way (drop
+    the float steps) and memory/dali's (``route``, then the recipe)."""
+    per_sample = " or ".join(map(repr, PER_SAMPLE_BACKENDS))
+    return (f"drop ToDtype/Normalize/ToTensor from the transform and pass mean=/std= to make_loader for backend "
+            f"{per_sample}, which run per-sample transforms ('auto' picks one of them for a source with a "
+            f"transform). {batch_backends_fix(route)}. fastdata keeps batches uint8 until the device and "
+            f"normalizes there")
 
 
 _FLOAT_MAKERS = {"ToTensor", "Normalize"}        # always float out
@@ -64,15 +101,18 @@ def _makes_float(step) -> bool | None:
     return None
 
 
-def check_sample_transform(transform, where: str = "the source"):
+def check_sample_transform(transform, where: str = "the source", route: str | None = None):
     """Refuse, before any batch, a per-sample transform that cannot work here: not callable, or one
     whose steps may leave the images float (ToTensor, Normalize or ToDtype(float) with no later
     conversion back to uint8), wherever they sit: in a Compose, an ``nn.Sequential``, or a RandomApply/
-    RandomChoice/RandomOrder that runs them only in some draws. Returns the transform.
+    RandomChoice/RandomOrder that runs them only in some draws. Returns the transform. The refusal names
+    the fix for every backend: no backend is named yet when a source is made.
 
     Args:
         transform: the callable.
         where: how the error names the source holding it.
+        route: how memory and dali, which run no per-sample transform, read the data without it (None:
+            drop the transform from ``where``).
     """
     if not callable(transform):
         raise TypeError(f"transform of {where} must be callable, got {transform!r}")
@@ -81,7 +121,7 @@ def check_sample_transform(transform, where: str = "the source"):
     if floating:
         when = "" if all(is_float for is_float, _ in ends) else " in some of its random draws"
         raise TypeError(f"the transform of {where} ends with float images ({', '.join(floating)}){when}: "
-                        f"{_FLOAT_FIX}")
+                        f"{float_fix(route or f'drop the transform from {where}')}")
     return transform
 
 
@@ -186,6 +226,36 @@ def own_transforms(obj) -> list[str]:
     if not found and getattr(obj, "transforms", None) is not None:
         found.append(f"transforms={describe(obj.transforms)}")
     return found
+
+
+def readable_kind(obj) -> str | None:
+    """The torchvision class by which ``as_source`` reads ``obj`` as files or arrays (so every backend
+    reads it) once it carries no transform of its own, or None: ImageFolder/DatasetFolder with PIL's
+    loader, CIFAR and the MNIST family with ``data`` and ``targets`` (not QMNIST, whose targets are rows
+    of 8 fields, not class indices), none with a ``__getitem__`` of its own (only calling it gives what
+    the user means)."""
+    names = torchvision_names(obj)
+    kind = next((n for n in names if n in TV_FOLDERS + TV_CIFAR + TV_MNIST), None)
+    if kind is None or "QMNIST" in names or own_getitem(obj):
+        return None
+    if kind in TV_FOLDERS:
+        loader = getattr(obj, "loader", None)
+        pil = (getattr(loader, "__module__", "") == "torchvision.datasets.folder"
+               and getattr(loader, "__name__", "") in TV_LOADERS)
+        return kind if pil else None  # a loader of its own (npy files, ...): only it knows the pixels
+    return kind if getattr(obj, "data", None) is not None and getattr(obj, "targets", None) is not None else None
+
+
+def batch_route(obj) -> str:
+    """How memory and dali, which run no per-sample transform, read Dataset ``obj``'s data without it."""
+    label = type(obj).__name__
+    kind = readable_kind(obj)
+    if kind:
+        return (f"pass {label}(..., transform=None), which fastdata reads as "
+                f"{'image files' if kind in TV_FOLDERS else 'arrays'}")
+    return (f"{label} cannot serve at all, transform or not (they read arrays and image files, not a "
+            f"Dataset's __getitem__): pass ArraySource(images, labels) or ImageFolder.from_samples(samples, "
+            f"classes) holding its images")
 
 
 def own_getitem(obj) -> str | None:

@@ -9,6 +9,8 @@ from ..config import SourceKind
 from .base import IMAGENET_MEAN, IMAGENET_STD, Source, check_labels, count_classes, crc
 from .sample_transforms import (
     EXPECTED_IMAGES,
+    batch_backends_fix,
+    batch_route,
     check_sample_transform,
     fastdata_samples,
     own_getitem,
@@ -64,7 +66,11 @@ class DatasetSource(Source):
 
     Pass ``channels=1`` to convert colour samples to grey (Pillow's luma) on purpose, or ``channels=3``.
     A first sample that is a float tensor (a transform ending in ToTensor/Normalize) is refused here,
-    naming the fix. ``source[i]`` is the dataset's own sample.
+    naming the fix for every backend: for torch and prefetch, drop the float steps and pass mean=/std=;
+    memory and dali run no per-sample transform and read no DatasetSource, so for them it says how they get
+    the data (``batch_route``: the torchvision dataset with transform=None, which ``make_loader`` reads as
+    files or arrays, or an ArraySource) and the augmentation (``augment=Augmentation(...)``). ``source[i]``
+    is the dataset's own sample.
 
     Args:
         dataset: the Dataset; ``__getitems__`` is used for batched fetching when it exists.
@@ -91,7 +97,7 @@ class DatasetSource(Source):
         if self.sample_transform is not None and torchvision_names(dataset) and not own_getitem(dataset):
             # torchvision's datasets end __getitem__ with the transform, so its steps say what comes out
             # (a user's Dataset may convert back after it: its samples are checked as they come).
-            check_sample_transform(self.sample_transform, self.name)
+            check_sample_transform(self.sample_transform, self.name, batch_route(dataset))
         if channels is None:
             with _global_rngs_kept():   # building a loader must not move the caller's RNG (dropout, init)
                 first = self.pair(dataset[0], 0)[0]
@@ -214,7 +220,9 @@ class DatasetSource(Source):
                 (isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.floating))):
             return
         where = self.name if index is None else f"{self.name}[{index}]"
-        raise TypeError(f"{where} returned a {dtype} image; {EXPECTED_IMAGES}")
+        # Said when the source is made, before any backend is named: memory and dali's way too.
+        raise TypeError(f"{where} returned a {dtype} image; {EXPECTED_IMAGES}. "
+                        f"{batch_backends_fix(batch_route(self.dataset))}")
 
     def _array(self, image) -> np.ndarray:
         """A tensor or array sample as uint8 (H, W, C): tensors are (C, H, W) or (H, W), torch's layout;
@@ -249,7 +257,8 @@ class DatasetSource(Source):
         PIL images: any mode → RGB as ImageFolder does (grey replicated, alpha dropped, 16-bit scaled),
         or → L with Pillow's luma. Tensors: uint8 (C, H, W) or (H, W); grey is replicated to RGB, RGB(A)
         becomes grey exactly as Pillow's convert("L") computes it. A float tensor is refused, naming the
-        fix (drop ToTensor/ToDtype/Normalize from the transform, pass mean=/std=).
+        fix (drop ToTensor/ToDtype/Normalize from the transform, pass mean=/std=; memory and dali's way
+        as the class docstring says).
 
         Args:
             image: the dataset's sample image.
