@@ -439,6 +439,79 @@ def test_not_json_is_refused_and_a_pickle_is_never_loaded(tmp_path):
         parse_index(b"{}", "idx.json")
 
 
+_WHERE = "https://example.org/data/index.json"
+
+
+def _index_error(data) -> str:
+    """The message ``parse_index`` refuses ``data`` with: it names the index (the pack's manifest, not a
+    shard) by its address, and says what writes one."""
+    with pytest.raises(BadIndex) as info:
+        parse_index(data, _WHERE)
+    message = str(info.value)
+    assert message.startswith(f"index '{_WHERE}'") and "shard index" not in message, message
+    assert "python -m fastdata pack" in message, message
+    return message
+
+
+def test_an_index_that_is_not_json_says_what_is_wrong_and_where(index_doc):
+    import re
+
+    text = json.dumps(index_doc).encode()
+    assert "is empty (0 bytes)" in _index_error(b"")
+    assert "holds only whitespace (2 bytes)" in _index_error(b" \n")
+    half = len(text) // 2
+    cut = _index_error(text[:half])
+    assert re.search(rf"is truncated: its {half} bytes end inside the JSON \(line 1 column \d+: ", cut), cut
+    assert "copy it again" in cut
+    assert "is not JSON" in _index_error(b'{\n  "a": 1,\n    oops}') and \
+        "line 3 column 5" in _index_error(b'{\n  "a": 1,\n    oops}')
+    latin = _index_error(b'{"a":\n  "caf\xe9"}')              # an e-acute in Latin-1: not UTF-8
+    assert "not UTF-8" in latin and "line 2 column 7" in latin, latin
+    html = _index_error(b"<!DOCTYPE html><html>sign in</html>")
+    assert "looks like HTML" in html and "check the URL" in html, html
+
+
+@pytest.mark.parametrize("edit, found", [
+    (lambda d: d.update(classes="cat"), "classes must be a non-empty list of class names, got str 'cat'"),
+    (lambda d: d.update(shards={}), "shards must be a list of shard records, got dict {}"),
+    (lambda d: d.update(fingerprint=7), "fingerprint must be a string, got int 7"),
+    (lambda d: d.update(samples=[]), "samples must be an object of parallel arrays, got list []"),
+    (lambda d: d.pop("samples"), "field 'samples' is missing"),
+    (lambda d: d.update(format="wids-shard-index-v1"),
+     "format is 'wids-shard-index-v1', expected 'fastdata-shards'"),
+])
+def test_an_index_of_another_schema_names_the_field_expected_and_found(index_doc, edit, found):
+    edit(index_doc)
+    message = _index_error(json.dumps(index_doc))
+    assert found in message, message
+
+
+@pytest.mark.parametrize("version, why", [(2, "newer fastdata"), (0, "no fastdata writes"), ("1", "no fastdata")])
+def test_an_index_of_another_version_says_which_versions_this_fastdata_reads(index_doc, version, why):
+    index_doc["version"] = version
+    message = _index_error(json.dumps(index_doc))
+    assert f"version is {version!r}" in message and "this fastdata reads version 1" in message, message
+    assert why in message, message
+
+
+def test_read_index_of_a_folder_without_one_names_the_missing_index(tmp_path):
+    from fastdata.shards.index import IndexNotFound
+
+    where = tmp_path / "index.json"
+    with pytest.raises(IndexNotFound) as info:
+        read_index(tmp_path)
+    message = str(info.value)
+    assert isinstance(info.value, FileNotFoundError) and "shard" not in message.split(":")[0], message
+    assert message.startswith(f"cannot read the index at {where}: FileNotFoundError: [Errno 2]"), message
+    assert "it is missing" in message and "python -m fastdata pack" in message, message
+    where.mkdir()                                   # a folder where the file should be: unreadable
+    with pytest.raises(OSError) as info:
+        read_index(tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"cannot read the index at {where}: IsADirectoryError: [Errno 21]"), message
+    assert "python -m fastdata pack" in message, message
+
+
 def _set(doc, field, i, value):
     doc["samples"][field][i] = value
 
@@ -463,7 +536,7 @@ def _set(doc, field, i, value):
 ])
 def test_lying_fields_are_refused_naming_the_index_and_the_field(index_doc, edit, match):
     edit(index_doc)
-    with pytest.raises(BadIndex, match=r"^shard index 'https://example.org/data/index.json'") as info:
+    with pytest.raises(BadIndex, match=r"^index 'https://example.org/data/index.json'") as info:
         _parse(index_doc)
     assert info.match(match)
 

@@ -12,7 +12,7 @@ from conftest import BACKENDS, pairs
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import ImageFolder, Shards, make_image_folder
 from fastdata.errors import DecodeError
-from shard_servers import http_server, s3_server
+from shard_servers import Faults, http_server, s3_server
 
 NONE = Augmentation(crop="center", size=32)
 
@@ -202,6 +202,139 @@ def test_offsets_that_lie_are_refused_and_a_shard_that_disagrees_with_its_index_
     (bad / "index.json").write_text(json.dumps(doc))
     with pytest.raises(DecodeError, match="holds '00000099.jpg' at offset .* the index does not describe"):
         Shards(bad, cache_dir=tmp_path / "verdicts").read(0)
+
+
+# ------------------------------------------------------------------ errors about the index
+# The index (index.json, the pack's manifest) is not a shard: its errors name it as the index, with its
+# full address, what is wrong and what to do; a shard's errors keep naming the shard.
+def _without_index(out, tmp_path) -> Path:
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(out, bare)
+    (bare / "index.json").unlink()
+    return bare
+
+
+def _index_error(error, pack: bool = True) -> str:
+    """``error``'s message, which names the index, not a shard; ``pack``: and says what writes one."""
+    message = str(error)
+    assert "shard 'index.json'" not in message and "shard index" not in message, message
+    assert not pack or "python -m fastdata pack" in message, message
+    return message
+
+
+@pytest.mark.parametrize("kind", ["folder", "file-url", "http", "s3"])
+def test_a_missing_index_is_named_as_the_index_at_its_address(packed, tmp_path, kind):
+    import contextlib
+
+    from conftest import require
+
+    bare = _without_index(packed[1], tmp_path)
+    with contextlib.ExitStack() as stack:
+        options = None
+        if kind == "folder":
+            location, where = str(bare), str(bare / "index.json")
+        elif kind == "file-url":
+            location = where = f"file://{bare}"
+            where += "/index.json"
+        elif kind == "http":
+            location = stack.enter_context(http_server(bare)).url
+            where = f"{location}/index.json"
+        else:
+            require("moto.server")
+            files = {p.name: p.read_bytes() for p in bare.iterdir()}
+            location, options = stack.enter_context(s3_server(files=files))
+            where = f"{location}/index.json"
+        with pytest.raises(FileNotFoundError) as info:
+            Shards(location, storage_options=options, retries=1, cache_dir=tmp_path / "cache")
+    message = _index_error(info.value)
+    assert message.startswith(f"cannot read the index at {where}: "), message
+    assert "it is missing" in message, message
+    assert ("check the URL" if kind in ("http", "s3") else "the folder that `python -m fastdata pack` wrote") \
+        in message, message
+
+
+def test_a_local_index_that_cannot_be_read_or_parsed_says_why(packed, tmp_path):
+    _, out = packed
+    bare = _without_index(out, tmp_path)
+    where = bare / "index.json"
+    where.mkdir()                                    # a folder in the index's place
+    with pytest.raises(OSError) as info:
+        Shards(bare)
+    message = _index_error(info.value)
+    assert message.startswith(f"cannot read the index at {where}: IsADirectoryError: [Errno 21]"), message
+    where.rmdir()
+    text = (out / "index.json").read_bytes()
+    where.write_bytes(text[: len(text) // 3])        # an interrupted copy
+    with pytest.raises(ValueError) as info:
+        Shards(bare)
+    message = _index_error(info.value)
+    assert message.startswith(f"index '{where}' is truncated: its {len(text) // 3} bytes end inside"), message
+    if os.geteuid() != 0:                            # root reads a file of mode 000 all the same
+        where.write_bytes(text)
+        where.chmod(0)
+        try:
+            with pytest.raises(PermissionError) as info:
+                Shards(bare)
+        finally:
+            where.chmod(0o644)
+        message = _index_error(info.value)
+        assert "[Errno 13]" in message and "permissions" in message, message
+
+
+def test_the_index_file_given_as_the_location_says_to_give_its_folder(packed):
+    _, out = packed
+    with pytest.raises(FileNotFoundError) as info:
+        Shards(out / "index.json")
+    message = str(info.value)
+    assert message.startswith(f"shard location '{out / 'index.json'}' is a file, not a folder"), message
+    assert f"give the folder that holds it: '{out}'" in message, message
+
+
+def test_an_index_server_that_fails_is_named_with_the_url_and_what_to_do(packed, tmp_path):
+    _, out = packed
+    with http_server(out, Faults(fail_first=-1)) as server:     # every request: 500
+        with pytest.raises(OSError) as info:
+            Shards(server.url, retries=1, timeout=5, cache_dir=tmp_path / "cache")
+    message = _index_error(info.value, pack=False)   # the server, not the pack, is at fault
+    assert message.startswith(f"cannot read the index at {server.url}/index.json: ClientResponseError: 500"), message
+    assert "after 2 attempts" in message and "check the URL and that the server is up" in message, message
+    with http_server(out, Faults(fail_first=-1, status=403)) as server:
+        with pytest.raises(OSError) as info:
+            Shards(server.url, retries=1, cache_dir=tmp_path / "cache")
+    message = _index_error(info.value, pack=False)
+    assert message.startswith(f"cannot read the index at {server.url}/index.json: ClientResponseError: 403"), message
+    assert "refused" in message and "credentials" in message, message
+    # A server that answers with a web page (a login, a proxy's error) instead of the index.
+    page = tmp_path / "page"
+    page.mkdir()
+    (page / "index.json").write_text("<html><body>Please sign in</body></html>")
+    with http_server(page) as server:
+        with pytest.raises(ValueError) as info:
+            Shards(server.url, cache_dir=tmp_path / "cache")
+    message = _index_error(info.value)
+    assert message.startswith(f"index '{server.url}/index.json' is not JSON"), message
+    assert "looks like HTML" in message and "check the URL" in message, message
+
+
+def test_a_missing_shard_is_still_named_as_the_shard(packed, tmp_path):
+    import shutil
+
+    _, out = packed
+    gone = tmp_path / "gone"
+    shutil.copytree(out, gone)
+    (gone / "shard-000000.tar").unlink()
+    with http_server(gone) as server:
+        shards = Shards(server.url, retries=1, cache_dir=tmp_path / "cache")
+        try:
+            with pytest.raises(DecodeError) as info:   # its samples' error, naming the shard
+                shards.read(0)
+        finally:
+            shards.close()
+    message = str(info.value)
+    assert "shard 'shard-000000.tar'" in message and f"{server.url}/shard-000000.tar" in message, message
+    assert "the index" not in message.split(":")[0], message
 
 
 def test_a_subset_of_shards_reads_its_own_samples_window_by_window(packed):

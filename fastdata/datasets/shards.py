@@ -81,15 +81,15 @@ class Shards(Source):
                  storage_options: dict | None = None, retries: int = 5, timeout: float = 60.0,
                  mean=None, std=None, transform=None):
         from ..checks import check_integer
-        from ..shards.index import parse_index
+        from ..shards.index import INDEX_NAME, load_index
         from ..shards.storage import Storage, redact
         from .sample_transforms import check_sample_transform
 
         self.window = check_integer("window", window, minimum=1)
         cache_limit = check_integer("cache_limit (bytes)", cache_limit, minimum=1, optional=True)
         self.storage = Storage(location, retries=retries, timeout=timeout, storage_options=storage_options)
-        where = self.storage.url("index.json")
-        self.index = parse_index(self.storage.read("index.json"), where)
+        where = self.storage.url(INDEX_NAME)
+        self.index = load_index(self.storage)   # its errors name the index, never a shard
         info = self.index.source or {}
         self.classes = list(self.index.classes)
         self.num_classes = len(self.classes)

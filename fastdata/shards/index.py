@@ -9,15 +9,23 @@ An index may come from a remote server, so ``parse_index`` treats it as untruste
 (never pickle), shard names that would leave the data folder, offsets and sizes that do not fit a tar
 of the stated size, members larger than an image limit and counts that disagree are refused, each
 error naming the index and the field.
+
+The index is the pack's manifest, not a shard: every error about it (``load_index``, ``read_index``,
+``parse_index``) calls it the index, gives its full address (path or redacted URL), says what is wrong
+(missing, unreadable and why, not JSON and where, which field is not what was expected, which versions
+are read) and what to do; ``index.json`` is written by ``python -m fastdata pack``.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .storage import StorageError
 
 FORMAT = "fastdata-shards"
 VERSION = 1
@@ -30,8 +38,17 @@ _EXT = re.compile(r"[A-Za-z0-9]+\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 
 
+#: What every error about the index's content ends with: what writes one, so what to do about it.
+_REPACK = "index.json is written by `python -m fastdata pack`: re-run pack to write it again"
+
+
 class BadIndex(ValueError):
     """An index that is not what ``pack`` writes (a ``ValueError``, so ``cli.input_errors`` reports it)."""
+
+
+class IndexNotFound(StorageError, FileNotFoundError):
+    """The location has no ``index.json`` (no such file, a 404, no such key): it is not a pack, or the
+    pack was interrupted before it wrote the index (last). A ``FileNotFoundError``; not a shard's error."""
 
 
 @dataclass
@@ -83,7 +100,13 @@ class ShardIndex:
 
 
 def _fail(where: str, message: str):
-    raise BadIndex(f"shard index '{where}': {message}")
+    raise BadIndex(f"index '{where}': {message} ({_REPACK})")
+
+
+def _found(value) -> str:
+    """``value`` as an error shows what it found instead: its type and a short repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def check_shard_name(name, where: str, what: str = "shard name") -> str:
@@ -154,28 +177,56 @@ def _document(data, where: str) -> dict:
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        hint = " (it looks like a pickle, which is never loaded)" if isinstance(data, bytes) and \
-            data[:1] == b"\x80" else ""
-        raise BadIndex(f"shard index '{where}' is not JSON{hint}: {e}") from None
+        raise BadIndex(_not_json(data, where, e)) from None
     if not isinstance(doc, dict):
-        _fail(where, f"must be a JSON object, got {type(doc).__name__}")
+        _fail(where, f"must be a JSON object, got {_found(doc)}")
     if doc.get("format") != FORMAT:
-        _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r} (written by fastdata.pack)")
-    if doc.get("version") != VERSION:
-        _fail(where, f"version is {doc.get('version')!r}; this fastdata reads version {VERSION}")
+        _fail(where, f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+    version = doc.get("version")
+    if version != VERSION:
+        why = ("an index of a newer fastdata: upgrade fastdata, or re-pack with this one" if
+               isinstance(version, int) and not isinstance(version, bool) and version > VERSION
+               else "no fastdata writes that version")
+        _fail(where, f"version is {version!r}; this fastdata reads version {VERSION} only ({why})")
     for key in ("shards", "classes", "samples", "num_samples", "fingerprint", "key_width"):
         if key not in doc:
-            _fail(where, f"field '{key}' is missing")
+            _fail(where, f"field '{key}' is missing (the index has {', '.join(map(repr, doc))})"[:400])
     return doc
+
+
+def _not_json(data, where: str, error: Exception) -> str:
+    """Why ``data`` did not parse, as a message: empty, truncated (an interrupted copy: the text ends
+    inside the JSON), a web page or a pickle instead, or where (line and column) the JSON goes wrong."""
+    raw = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+    if not raw.strip():
+        what = "is empty (0 bytes)" if not raw else f"holds only whitespace ({len(raw)} bytes)"
+        return f"index '{where}' {what}; {_REPACK}"
+    if isinstance(error, UnicodeDecodeError):
+        line, column = raw.count(b"\n", 0, error.start) + 1, error.start - raw.rfind(b"\n", 0, error.start)
+        problem = f"is not JSON: byte {raw[error.start]:#04x} at line {line} column {column} is not UTF-8"
+    else:
+        # JSON that runs out before its last bracket closes: the failure is at the end, or is a string
+        # that never ends.
+        cut = error.pos >= len(error.doc.rstrip()) or error.msg.startswith("Unterminated string")
+        where_in = f"line {error.lineno} column {error.colno}"
+        problem = (f"is truncated: its {len(raw)} bytes end inside the JSON ({where_in}: {error.msg}); an "
+                   f"interrupted copy or download: copy it again" if cut else f"is not JSON ({error.msg}: {where_in})")
+    start = raw.lstrip()[:1]
+    if start[:1] == b"\x80":
+        problem += " (it looks like a pickle, which is never loaded)"
+    elif start[:1] == b"<":   # <!DOCTYPE html>, <html>, <?xml ...>: what servers answer with instead
+        problem += (" (it looks like HTML or XML: a web page, such as a login or a proxy's error page, "
+                    "was served instead of the index; check the URL)")
+    return f"index '{where}' {problem}; {_REPACK}"
 
 
 def _header(doc: dict, where: str) -> tuple[list, int, int]:
     """(classes, key_width, num_samples), checked."""
     classes = doc["classes"]
     if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
-        _fail(where, "classes must be a non-empty list of names")
+        _fail(where, f"classes must be a non-empty list of class names, got {_found(classes)}")
     if not isinstance(doc["fingerprint"], str):
-        _fail(where, "fingerprint must be a string")
+        _fail(where, f"fingerprint must be a string, got {_found(doc['fingerprint'])}")
     key_width = _int(doc["key_width"], where, "key_width", 1)
     if key_width > 18:
         _fail(where, f"key_width is {key_width}; at most 18 digits")
@@ -185,7 +236,7 @@ def _header(doc: dict, where: str) -> tuple[list, int, int]:
 def _shards(raw_shards, where: str, n: int) -> list[ShardInfo]:
     """The shard list, each entry checked, holding ``n`` samples in all."""
     if not isinstance(raw_shards, list):
-        _fail(where, "shards must be a list")
+        _fail(where, f"shards must be a list of shard records, got {_found(raw_shards)}")
     shards, names = [], set()
     for j, s in enumerate(raw_shards):
         if not isinstance(s, dict):
@@ -210,7 +261,7 @@ def _shards(raw_shards, where: str, n: int) -> list[ShardInfo]:
 def _sample_arrays(samples, n: int, where: str) -> tuple:
     """(exts, shard, offset, size, ext_code, label): the per-sample parallel arrays, ``n`` integers each."""
     if not isinstance(samples, dict):
-        _fail(where, "samples must be an object of parallel arrays")
+        _fail(where, f"samples must be an object of parallel arrays, got {_found(samples)}")
     for key in ("shard", "offset", "size", "ext", "label", "exts"):
         if key not in samples:
             _fail(where, f"field 'samples.{key}' is missing")
@@ -280,8 +331,49 @@ def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, INDEX_NAME)
-    with open(path, "rb") as f:
-        return parse_index(f.read(), path, max_member_bytes=max_member_bytes)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        cls = IndexNotFound if isinstance(e, FileNotFoundError) else StorageError
+        error = cls(f"cannot read the index at {path}: {type(e).__name__}: {e}", os.path.basename(path), path,
+                    code=e.errno)
+        raise _with_advice(error, local=True) from None
+    return parse_index(data, path, max_member_bytes=max_member_bytes)
+
+
+def load_index(storage, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
+    """The validated index of a ``shards.storage.Storage``'s location (its ``index.json``), read with the
+    storage's retries. Errors call it the index (never a shard) at its full, redacted address, and say
+    what to do: ``IndexNotFound`` when there is none, a ``StorageError`` when it cannot be read,
+    ``BadIndex`` when it is not an index ``pack`` wrote."""
+    try:
+        data = storage.read(INDEX_NAME, subject="the index")
+    except StorageError as e:
+        if isinstance(e, FileNotFoundError):
+            e = IndexNotFound(str(e), e.name, e.url, e.attempts, e.transient, code=e.errno, status=e.status)
+        raise _with_advice(e, local=storage.is_local) from None
+    return parse_index(data, storage.url(INDEX_NAME), max_member_bytes=max_member_bytes)
+
+
+def _with_advice(error: StorageError, *, local: bool) -> StorageError:
+    """``error`` (about reading the index) with what to do about it appended to its message."""
+    if isinstance(error, FileNotFoundError):
+        written = "the folder that `python -m fastdata pack` wrote"
+        advice = (f"it is missing: give {written} (index.json beside its tars)" if local else
+                  f"it is missing: check the URL ({written}, uploaded as it is: index.json beside its tars)")
+        advice += ", or re-run pack (it writes index.json last, so an interrupted pack leaves none)"
+    elif error.errno in (errno.EACCES, errno.EPERM) or error.status in (401, 403):
+        advice = ("reading it was refused: check the file's permissions" if local else
+                  "reading it was refused: check the credentials (storage_options, the environment) or the "
+                  "URL's token")
+    elif error.transient:
+        advice = "the server did not answer it: check the URL and that the server is up, then try again " \
+                 "(retries= and timeout= wait longer)"
+    else:
+        advice = "it must be the file index.json that `python -m fastdata pack` writes; re-run pack"
+    error.args = (f"{error}; {advice}",)
+    return error
 
 
 def index_document(*, shards: list[dict], classes, samples: dict, key_width: int, fingerprint: str,

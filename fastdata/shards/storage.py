@@ -73,12 +73,15 @@ def check_name(name) -> str:
 
 
 class StorageError(OSError):
-    """Reading a shard failed: ``.name`` (the file), ``.url`` (redacted), ``.attempts``, ``.transient``."""
+    """Reading a shard failed: ``.name`` (the file), ``.url`` (redacted), ``.attempts``, ``.transient``;
+    ``.errno`` and ``.status`` (HTTP) of the failure, where it had one (what a caller tells the user to do
+    depends on them: a 403 is not a missing file)."""
 
     def __init__(self, message: str, name: str | None = None, url: str | None = None, attempts: int = 1,
-                 transient: bool = False):
+                 transient: bool = False, *, code: int | None = None, status: int | None = None):
         super().__init__(message)
         self.name, self.url, self.attempts, self.transient = name, url, attempts, transient
+        self.errno, self.status = code, status
 
     def __str__(self):
         return self.args[0] if self.args else ""
@@ -186,7 +189,11 @@ class Storage:
         self._fs = self._root = None
         self._pid = None
         if self.is_local and not os.path.isdir(self.location):
-            raise ShardNotFound(f"shard location '{self.location}' is not a folder", url=self.location)
+            # A file there is most often the pack's index.json, given in place of its folder.
+            folder = os.path.dirname(self.location) or "."
+            what = (f"is a file, not a folder: give the folder that holds it: '{folder}'"
+                    if os.path.isfile(self.location) else "is not a folder")
+            raise ShardNotFound(f"shard location '{self.location}' {what}", url=self.location)
         if not self.is_local:
             self._filesystem()   # an unknown scheme or a missing package is said now, not at the first read
 
@@ -276,9 +283,11 @@ class Storage:
 
     # -- retries ---------------------------------------------------------------------------------
 
-    def _retry(self, what: str, name: str, attempt):
-        """``attempt()`` until it succeeds, a final error, or ``retries`` retries; errors name the shard."""
+    def _retry(self, what: str, name: str, attempt, subject: str | None = None):
+        """``attempt()`` until it succeeds, a final error, or ``retries`` retries; errors name the file as
+        ``subject`` (default ``shard 'NAME'``: the index, read here too, is not a shard)."""
         check_name(name)
+        subject = subject or f"shard '{name}'"
         started = time.monotonic()
         error: Exception
         for k in range(self.retries + 1):
@@ -301,13 +310,17 @@ class Storage:
                 if detail.endswith("(no message)") and isinstance(error, TimeoutError):
                     # fsspec's FSTimeoutError carries no text: say which limit ran out.
                     detail = f"{type(error).__name__}: no answer or no bytes for {self.timeout:g} s (timeout=)"
-                message = f"cannot {what} shard '{name}' at {self.url(name)}: {detail}{tail}"
+                message = f"cannot {what} {subject} at {self.url(name)}: {detail}{tail}"
                 # from None: the original error's text and traceback can carry the unredacted URL.
                 if isinstance(error, ShortRead):
                     raise ShortRead(message, name, self.url(name), attempts, transient,
                                     expected=error.expected, got=error.got) from None
                 cls = ShardNotFound if isinstance(error, FileNotFoundError) and not transient else StorageError
-                raise cls(message, name, self.url(name), attempts, transient) from None
+                code = error.errno if isinstance(error, OSError) and isinstance(error.errno, int) else None
+                if code is None and isinstance(error, PermissionError):   # s3fs's AccessDenied carries none
+                    code = errno.EACCES
+                raise cls(message, name, self.url(name), attempts, transient, code=code,
+                          status=_status(error) or _status(error.__cause__)) from None
             wait = min(_MAX_WAIT, self.backoff * 2 ** k) * (0.5 + random.random())
             time.sleep(wait)
 
@@ -318,15 +331,16 @@ class Storage:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def read(self, name: str) -> bytes:
-        """The whole file ``name`` (meant for small files: the index)."""
+    def read(self, name: str, *, subject: str | None = None) -> bytes:
+        """The whole file ``name`` (meant for small files: the index); errors call it ``subject``
+        (default ``shard 'NAME'``)."""
         def attempt():
             if self.is_local:
                 with open(self._path(name), "rb") as f:
                     return f.read()
             fs, path = self._remote(name)
             return fs.cat_file(path)
-        return self._retry("read", name, attempt)
+        return self._retry("read", name, attempt, subject)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``name``; exactly ``end - start`` of them or an error."""
