@@ -116,6 +116,9 @@ class CountingStep:
         self.steps += bool(self.accumulated)
         self.accumulated = 0
 
+    def finish_group(self, planned, arrived):
+        self.optimizer_step()
+
 
 def _plain_net():
     """No BatchNorm, no dropout: a batch's gradient is the mean of its samples', whatever the split."""

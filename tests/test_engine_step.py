@@ -2,6 +2,8 @@
 clipping, EMA, gradient checkpointing."""
 import contextlib
 import math
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ from fastdata import make_loader
 from fastdata.datasets import SyntheticDigits
 from fastdata.engine import (
     EpochMeter,
+    FitConfig,
     TrainStep,
     default_optimizer,
     evaluate,
@@ -371,6 +374,181 @@ def test_an_empty_last_batch_of_a_step_still_steps_on_the_batches_before_it():
             (nn.functional.cross_entropy(ref(x), y) / 2).backward()
         opt.step()
     torch.testing.assert_close(_params(model), _params(ref), atol=1e-6, rtol=0)
+
+
+class _Says(ListLoader):
+    """A loader whose ``len()`` says ``says`` batches whatever it yields (a stream that ends early, a
+    ``__len__`` that over- or under-reports)."""
+
+    def __init__(self, batches, says, device="cpu"):
+        super().__init__(batches, device)
+        self.says = says
+
+    def __len__(self):
+        return self.says
+
+
+class _Unsized:
+    """Iteration and a device, no ``len()`` (an iterable of unknown length)."""
+
+    def __init__(self, batches):
+        self.batches, self.device = batches, torch.device("cpu")
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def _by_hand(batches, groups):
+    """The reference: one SGD (momentum) step per group of batch numbers, on the mean of its batches' losses."""
+    ref = _plain_net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for group in groups:
+        opt.zero_grad()
+        for k in group:
+            x, y = batches[k]
+            (nn.functional.cross_entropy(ref(x), y) / len(group)).backward()
+        opt.step()
+    return _params(ref)
+
+
+@pytest.mark.parametrize("yields, says, groups", [
+    (9, 12, [range(0, 4), range(4, 8), [8]]),            # the last group planned [8, 12): 1 batch came
+    (9, 10, [range(0, 4), range(4, 8), [8]]),            # planned [8, 10), the remainder of 2: 1 came
+    (6, 12, [range(0, 4), range(4, 6)]),                 # the second group planned whole: 2 of 4 came
+    (9, 6, [range(0, 4), range(4, 6), [6], [7], [8]]),   # more than len(): each extra batch steps alone
+])
+def test_a_loader_yielding_other_than_its_len_steps_on_the_mean_of_what_came(yields, says, groups):
+    """accumulate=4: every optimizer step's gradient is the mean over the batches its group really got,
+    the trailing group a loader cut short included (it was scaled by 1/the planned group size: with
+    one batch of four, a quarter of the step), whatever ``len()`` said."""
+    batches = _batches(yields, size=8, seed=3)
+    model = _plain_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stepped = []
+    opt.register_step_post_hook(lambda *a: stepped.append(1))
+    fit(model, _Says(batches, says), epochs=1, optimizer=opt, accumulate=4, progress=False)
+    assert len(stepped) == len(groups)
+    torch.testing.assert_close(_params(model), _by_hand(batches, groups), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("yields, groups", [
+    (9, [range(0, 4), range(4, 8), [8]]),
+    (8, [range(0, 4), range(4, 8)]),
+])
+def test_train_one_epoch_accumulates_over_a_loader_without_len(yields, groups):
+    """fit asks for ``len()``; ``train_one_epoch`` does not: groups of ``accumulate`` from the epoch's
+    start, the trailing partial one stepped on the mean of the batches it got."""
+    batches = _batches(yields, size=8, seed=4)
+    model = _plain_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = TrainStep.build(model, FitConfig(epochs=1, optimizer=opt, amp="off", accumulate=4), torch.device("cpu"))
+    meter = EpochMeter(torch.device("cpu"))
+    train_one_epoch(step, _Unsized(batches), meter)
+    assert meter.images == 8 * yields and step.accumulated == 0
+    torch.testing.assert_close(_params(model), _by_hand(batches, groups), atol=1e-6, rtol=0)
+
+
+def test_under_ddp_a_group_cut_short_is_all_reduced_before_its_step(monkeypatch):
+    """The batches of a group the loader cut short all ran in ``no_sync`` (a batch is known to be the
+    last only when the next ``next()`` ends the loop): its gradients are averaged over the ranks by hand,
+    in one all-reduce a gradient, then rescaled, before the step. Two ranks stubbed: the peer's
+    gradients are this rank's times 3, so the average is twice this rank's."""
+    import torch.distributed as dist
+
+    from fastdata.engine import step as step_module
+
+    reduced = []
+
+    def all_reduce(t, op=None):
+        reduced.append(t.shape)
+        t.mul_(4)   # this rank's + the peer's 3x
+
+    monkeypatch.setattr(step_module.fdist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    batches = _batches(9, size=8, seed=3)
+    model = _plain_net()
+    ddp = _FakeDDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = TrainStep(ddp, model, opt, torch.amp.GradScaler("cpu", enabled=False), None, nn.CrossEntropyLoss(),
+                     torch.device("cpu"), "off", ddp=True, accumulate=4)
+    step.eager = ddp
+    ref = _plain_net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for group, factor in ((range(0, 4), 1), (range(4, 8), 1), ([8], 2)):
+        ref_opt.zero_grad()
+        for k in group:
+            (nn.functional.cross_entropy(ref(batches[k][0]), batches[k][1]) * factor / len(group)).backward()
+        ref_opt.step()
+    train_one_epoch(step, _Says(batches, 12), EpochMeter(torch.device("cpu")))
+    assert ddp.quiet == 3 + 3 + 1 and reduced == [p.shape for p in model.parameters()]
+    torch.testing.assert_close(_params(model), _params(ref), atol=1e-6, rtol=0)
+
+
+SHORT_DDP_SCRIPT = """
+import json
+import torch
+from fastdata import distributed as fdist
+from fastdata.engine import fit
+from engine_helpers import ListLoader, _batches, _params, _plain_net
+
+fdist.init_distributed("cpu")
+rank = fdist.rank()
+
+class Says(ListLoader):
+    def __len__(self): return 6   # 5 batches come: the second group, planned [4, 6), gets one
+
+model = _plain_net()
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+fit(model, Says(_batches(5, size=8, seed=10 + rank)), epochs=2, optimizer=opt, accumulate=4, progress=False)
+with open(f"rank{rank}.json", "w") as f:
+    json.dump({"params": _params(model).tolist()}, f)
+fdist.cleanup()
+"""
+
+
+def test_two_ranks_whose_loaders_end_early_step_alike_on_the_mean_of_what_came(tmp_path, monkeypatch):
+    """Two gloo ranks, each loader saying 6 batches and yielding 5, accumulate=4, two epochs: the
+    cut-short group's batch ran in no_sync on each rank; both replicas still end equal (its gradients
+    were all-reduced), at the weights of one model stepped on the mean over both ranks' batches of each
+    group."""
+    from test_distributed import _torchrun
+
+    here = str(Path(__file__).parent)   # the ranks import engine_helpers, as this file does
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    r0, r1 = _torchrun(SHORT_DDP_SCRIPT, [], tmp_path)
+    ranks = [_batches(5, size=8, seed=10 + r) for r in (0, 1)]
+    ref = _plain_net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for group in (range(0, 4), [4]) * 2:   # two epochs: DDP's reducer goes on after the hand-made reduce
+        opt.zero_grad()
+        for batches in ranks:
+            for k in group:
+                x, y = batches[k]
+                (nn.functional.cross_entropy(ref(x), y) / (2 * len(group))).backward()
+        opt.step()
+    assert r0["params"] == r1["params"]
+    torch.testing.assert_close(torch.tensor(r0["params"]), _params(ref), atol=1e-6, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])   # fp16: the default AdamW is fused, its scaler reads nothing
+def test_a_group_cut_short_steps_without_a_host_sync_on_a_gpu(amp):
+    """A loader saying 8 batches and yielding 6 under accumulate=4: the trailing group's rescale and step
+    run under sync debug mode "error" (after a warm epoch: cuDNN's choice, the optimizer's state)."""
+    from conftest import sync_debug_error
+
+    device = torch.device("cuda")
+    batches = _batches(6, size=64, device="cuda")
+    model = SmallCNN(width=8)
+    step = TrainStep.build(model, FitConfig(epochs=1, amp=amp, accumulate=4), device)
+    train_one_epoch(step, ListLoader(batches[:4], device="cuda"), EpochMeter(device))
+    meter = EpochMeter(device)
+    before = _params(model)
+    torch.cuda.synchronize()
+    with sync_debug_error():
+        train_one_epoch(step, _Says(batches, 8, device="cuda"), meter)
+    assert step.accumulated == 0 and meter.images == 6 * 64
+    assert not torch.equal(_params(model), before)
 
 
 def test_clipping_bounds_a_huge_step_to_the_manually_clipped_one():

@@ -229,7 +229,10 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
                     progress: Progress | None = None, hooks: RunHooks | None = None) -> None:
     """One pass over ``loader``: ``step.backward`` per batch, ``step.optimizer_step`` per ``step.accumulate``
     batches (the last group of the epoch holds the remainder, see ``TrainStep.group``), their figures added
-    to ``meter``.
+    to ``meter``. Groups are planned from ``len(loader)`` (a loader without ``len()`` plans every group
+    whole); a group the loader cuts short still steps, on the mean of the batches it got
+    (``TrainStep.finish_group``), so whatever the loader really yields, every step's gradient is the
+    mean over its batches.
 
     ``first_batch`` is where a resumed epoch starts (the loader already skips the batches before it).
     ``after_batch(batch)`` runs after each batch with the count of batches done in the epoch (``fit``
@@ -240,8 +243,8 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
     follows every optimizer step, so the meter's warm-up ends after the step it names.
     """
     step.net.train()  # evaluation (or the caller) may have left the model in eval mode
-    batches = len(loader) if step.accumulate > 1 else None
-    batch = first_batch
+    batches = _length(loader) if step.accumulate > 1 else None
+    batch = start = end = first_batch
     try:
         for pair in meter.timed(loader, hooks.region if hooks is not None else None):
             images, labels = batch_pair(pair, "train_loader")
@@ -272,11 +275,21 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
                 progress.update(meter)
             if after_batch is not None:
                 after_batch(batch)
-        # A loader that ended before len() said: its last group's gradients still make a step.
-        meter.add_grad_norm(step.optimizer_step())
+        # A loader that ended inside a group (before len() said, or without one): the batches that came
+        # still make a step, their mean (the group's batches were scaled by 1/its planned size).
+        meter.add_grad_norm(step.finish_group(end - start, batch - start))
     finally:
         if progress is not None:
             progress.close()
+
+
+def _length(loader) -> int | None:
+    """``len(loader)``, or None for a loader without one (a DataLoader over an IterableDataset has
+    ``__len__`` and raises TypeError from it)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _loader_device(loader) -> torch.device:

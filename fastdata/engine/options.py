@@ -60,8 +60,9 @@ class FitConfig:
             once per N batches (a per-step schedule's length is counted in optimizer steps:
             ``steps_per_epoch=math.ceil(len(train_loader) / N)``). Under DDP the first N-1 batches run in
             ``no_sync``: one gradient all-reduce per step. An epoch's batches are grouped from its start;
-            when N does not divide them, the last group is the remainder, its losses scaled by 1/its size,
-            so every step's gradient is the mean over the batches it saw (with equal batches, the mean
+            when N does not divide them, the last group is the remainder, its losses scaled by 1/its size
+            (a group the loader ends before ``len()`` said is rescaled to the batches that came), so every
+            step's gradient is the mean over the batches it saw (with equal batches, the mean
             over its samples: the gradient one batch of them all would give). Checkpoints fall on step
             boundaries only (a ``checkpoint_every`` save due inside a step waits for the step's end), so a
             resume gives the uninterrupted run's weights.

@@ -8,6 +8,7 @@ import copy
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import distributed as fdist
@@ -184,13 +185,16 @@ class TrainStep:
         Groups are ``accumulate`` batches aligned to multiples of it from the epoch's start, so a resumed
         epoch (checkpoints fall on group ends) groups its batches as the uninterrupted run did; the last
         group holds the remainder. A resume that started elsewhere (another world size re-split the
-        epoch) makes its first group the rest of the one it started in. A loader yielding more than
-        ``batches`` steps on each extra batch alone."""
+        epoch) makes its first group the rest of the one it started in. ``batches`` is the epoch's
+        length as ``len()`` says it, None when the loader has none: every group is then planned whole.
+        A loader yielding more than ``batches`` steps on each extra batch alone; one that ends before a
+        group's planned end leaves that group to ``finish_group``."""
         n = self.accumulate
-        if n == 1 or batches is None:
+        if n == 1 or (batches is not None and batch >= batches):
             return batch, batch + 1
         aligned = batch - batch % n
-        return max(first_batch, aligned), max(min(aligned + n, batches), batch + 1)
+        end = aligned + n if batches is None else min(aligned + n, batches)
+        return max(first_batch, aligned), end
 
     def __call__(self, images, labels, sums, *, scale: float = 1.0, last: bool = True):
         """``backward`` on one batch, then ``optimizer_step`` when ``last``; returns its grad norm."""
@@ -258,6 +262,29 @@ class TrainStep:
             check_labels(logits, labels)
             loss = self.loss_fn(logits, labels) if n else _zero_loss(logits, self.params)
         return logits, loss
+
+    def finish_group(self, planned: int, arrived: int) -> torch.Tensor | None:
+        """Step on a group the loader ended inside: ``arrived`` of its ``planned`` batches came (empty ones
+        counted, as in a whole group), each backpropagated with its loss over ``planned``. Returns
+        ``optimizer_step``'s norm; None when no gradient is pending (the group was stepped whole).
+
+        Why after the fact: a batch is known to be the group's last only when the next ``next()`` ends
+        the loop, and looking one batch ahead would hold one more batch on the device and move the
+        loader's position past what ``after_batch`` (a checkpoint) records. So the gradients are
+        rescaled by ``planned / arrived`` here: one multiply a gradient per group cut short (at most once
+        an epoch), never a host read per batch. Under DDP its batches all ran in ``no_sync``: they are
+        averaged over the ranks by hand (one all-reduce a gradient, no host read; DDP's own reducer
+        averages the same way), so replicas stay equal. Like every step, it is a collective there: the
+        ranks' loaders must end alike (as they must yield alike for DDP's own all-reduces)."""
+        if not self.accumulated:
+            return None
+        factor = planned / arrived / (fdist.world_size() if self.ddp else 1)
+        for grad in (p.grad for p in self.params if p.grad is not None):
+            if self.ddp:
+                dist.all_reduce(grad)
+            if factor != 1.0:
+                grad.mul_(factor)
+        return self.optimizer_step()
 
     def optimizer_step(self) -> torch.Tensor | None:
         """Step the optimizer on the gradients accumulated since the last step (none: nothing happens),
