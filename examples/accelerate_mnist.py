@@ -137,64 +137,78 @@ def main(args) -> dict:
     from accelerate.utils import set_seed
 
     accelerator = Accelerator(cpu=args.cpu)
-    set_seed(args.seed)   # same initial weights on every rank
-    use_mnist = _use_mnist(accelerator, args)
-    dataset = "mnist" if use_mnist else "synthetic"
+    ok = False   # after a failure or Ctrl-C, no barrier at the end: a peer may never reach it
+    try:
+        set_seed(args.seed)   # same initial weights on every rank
+        use_mnist = _use_mnist(accelerator, args)
+        dataset = "mnist" if use_mnist else "synthetic"
 
-    with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
-        train_loader = make_loader(cli.digits_source(args, True, use_mnist), args.backend, device=accelerator.device,
-                                   batch_size=args.batch_size, train=True, seed=args.seed, num_workers=args.workers)
-        eval_loader = make_loader(cli.digits_source(args, False, use_mnist), args.backend, like=train_loader,
-                                  batch_size=max(args.batch_size, 512), even_batches=True)
-    model = SmallCNN(num_classes=10, in_channels=1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    steps_per_epoch = len(train_loader)   # before any resume: a resumed pass's len() is what is left of it
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, epochs=args.epochs,
-                                                    steps_per_epoch=steps_per_epoch)
-    # The loaders come back as they went in. The scheduler is not prepared: accelerate's wrapper steps it
-    # once per process at every step (it expects a schedule counted in whole-dataset batches, as for a
-    # DataLoader it split), and this one counts this rank's batches: under 2 processes it would end halfway.
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    accelerator.register_for_checkpointing(train_loader, scheduler)
+        with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
+            train_loader = make_loader(cli.digits_source(args, True, use_mnist), args.backend,
+                                       device=accelerator.device, batch_size=args.batch_size, train=True,
+                                       seed=args.seed, num_workers=args.workers)
+            eval_loader = make_loader(cli.digits_source(args, False, use_mnist), args.backend, like=train_loader,
+                                      batch_size=max(args.batch_size, 512), even_batches=True)
+        model = SmallCNN(num_classes=10, in_channels=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        steps_per_epoch = len(train_loader)   # before any resume: a resumed pass's len() is what is left of it
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, epochs=args.epochs,
+                                                        steps_per_epoch=steps_per_epoch)
+        # The loaders come back as they went in. The scheduler is not prepared: accelerate's wrapper steps it
+        # once per process at every step (it expects a schedule counted in whole-dataset batches, as for a
+        # DataLoader it split), and this one counts this rank's batches: under 2 processes it would end halfway.
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader,
+                                                                          eval_loader)
+        accelerator.register_for_checkpointing(train_loader, scheduler)
 
-    step = _starting_step(accelerator, args, train_loader, steps_per_epoch)
-    accuracy = seen = None
-    stopped = False
-    for epoch in range(train_loader.epoch, args.epochs):
-        for images, labels in train_loader:
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            if args.ckpt_every and step % args.ckpt_every == 0:
-                accelerator.save_state(args.ckpt_dir)
-            if args.max_steps and step >= args.max_steps:
-                stopped = True
-                break
-        if stopped:
-            break
-        accuracy, seen = evaluate(accelerator, model, eval_loader)
-        accelerator.print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}, {dataset} test accuracy "
-                          f"{accuracy:.4f} ({seen} images)")
-        if args.ckpt_dir:
-            # After the last batch the loader's position is the next epoch's start.
-            accelerator.save_state(args.ckpt_dir)
-    result = {"backend": args.backend, "dataset": dataset, "world_size": accelerator.num_processes,
-              "global_step": step, "epoch": train_loader.epoch, "test_accuracy": accuracy, "test_samples": seen}
-    if args.json_out and accelerator.is_main_process:
-        with open(args.json_out, "w") as f:
-            json.dump(result, f)
-    for loader in (train_loader, eval_loader):
-        loader.close()
-    # Leave together, and let gloo's threads finish before the interpreter shuts down: without it a rank
-    # aborted now and then on a loaded machine after its work was done (exit -6; see fdist.cleanup).
-    # end_training then finds the process group gone and only stops the trackers.
-    fdist.cleanup()
-    accelerator.end_training()
-    return result
+        step = _starting_step(accelerator, args, train_loader, steps_per_epoch)
+        accuracy = seen = None
+        stopped = False
+        # The loaders close however the run ends, Ctrl-C too: no worker process or thread outlives it.
+        with train_loader, eval_loader:
+            for epoch in range(train_loader.epoch, args.epochs):
+                for images, labels in train_loader:
+                    loss = torch.nn.functional.cross_entropy(model(images), labels)
+                    optimizer.zero_grad(set_to_none=True)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    scheduler.step()
+                    step += 1
+                    if args.ckpt_every and step % args.ckpt_every == 0:
+                        accelerator.save_state(args.ckpt_dir)
+                    if args.max_steps and step >= args.max_steps:
+                        stopped = True
+                        break
+                if stopped:
+                    break
+                accuracy, seen = evaluate(accelerator, model, eval_loader)
+                accelerator.print(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f}, {dataset} test "
+                                  f"accuracy {accuracy:.4f} ({seen} images)")
+                if args.ckpt_dir:
+                    # After the last batch the loader's position is the next epoch's start.
+                    accelerator.save_state(args.ckpt_dir)
+        result = {"backend": args.backend, "dataset": dataset, "world_size": accelerator.num_processes,
+                  "global_step": step, "epoch": train_loader.epoch, "test_accuracy": accuracy, "test_samples": seen}
+        if args.json_out and accelerator.is_main_process:
+            with open(args.json_out, "w") as f:
+                json.dump(result, f)
+        ok = True
+        return result
+    finally:
+        # Leave together, and let gloo's threads finish before the interpreter shuts down: without it a rank
+        # aborted now and then on a loaded machine after its work was done (exit -6; see fdist.cleanup).
+        # end_training then finds the process group gone and only stops the trackers.
+        fdist.cleanup(barrier=ok)
+        accelerator.end_training()
+
+
+def run(argv=None) -> dict:
+    """The command line: ``main`` on the parsed flags. Ctrl-C is one line saying what ``--resume`` goes on
+    from (the last ``save_state`` in ``--ckpt-dir``) and exit status 130, not a traceback."""
+    args = get_args_parser().parse_args(argv)
+    with cli.fit_errors(args, flags=("--ckpt-dir", "--ckpt-every")):
+        return main(args)
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run()

@@ -78,16 +78,16 @@ def main(args) -> dict:
         # Evaluation sees the plain images: no batch transforms, the training set's statistics.
         test = make_loader(test_src, args.backend, like=train, batch_size=max(args.batch_size, 512))
     start = time.perf_counter()
-    history = fit(SmallCNN(num_classes=10, in_channels=1), train, epochs=args.epochs, eval_loader=test,
-                  progress=not args.no_progress)
+    with train, test:   # closed however the run ends, Ctrl-C too: no worker outlives it
+        history = fit(SmallCNN(num_classes=10, in_channels=1), train, epochs=args.epochs, eval_loader=test,
+                      progress=not args.no_progress)
     result = run_result(history, train_loader=train, backend=args.backend, device=train.device, amp="auto",
                         wall_seconds=time.perf_counter() - start, dataset="synthetic", epochs=args.epochs,
                         batch_size=args.batch_size)
     report_run(result, accuracy_name="synthetic digits test accuracy")
-    train.close()
-    test.close()
     return result
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    with cli.on_ctrl_c():   # Ctrl-C: one line, "interrupted", and exit status 130, not a traceback
+        main(get_args_parser().parse_args())

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from fastdata import make_loader, registry
+from fastdata import cli, make_loader, registry
 from fastdata.backends.base import Loader
 from fastdata.datasets import SourceKind, SyntheticDigits
 from fastdata.decode import decode
@@ -58,4 +58,5 @@ def main(args: argparse.Namespace | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    with cli.on_ctrl_c():   # Ctrl-C: one line, "interrupted", and exit status 130, not a traceback
+        main(get_args_parser().parse_args())

@@ -19,6 +19,7 @@ import zlib
 
 import numpy as np
 
+from fastdata import cli
 from fastdata.datasets import IMAGE_EXTENSIONS, IMAGENET_MEAN, IMAGENET_STD, ImageFolder, Source, SourceKind
 from fastdata.errors import DecodeError
 
@@ -158,4 +159,5 @@ def main(args: argparse.Namespace | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    with cli.on_ctrl_c():   # Ctrl-C: one line, "interrupted", and exit status 130, not a traceback
+        main(get_args_parser().parse_args())

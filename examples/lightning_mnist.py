@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import io
 import os
+import shlex
 import zipfile
 
 import torch
@@ -65,7 +66,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=cli.positive_int, default=None,
                    help="stop after this many optimizer steps (a stand-in for a preemption)")
     p.add_argument("--ckpt-dir", default=None, metavar="DIR",
-                   help="save last.ckpt here at every epoch's end (or every --ckpt-every steps)")
+                   help="save here at every epoch's end (or every --ckpt-every steps): the newest checkpoint, "
+                        "and last.ckpt linking to it")
     p.add_argument("--ckpt-every", type=cli.positive_int, default=None, metavar="STEPS",
                    help="save every STEPS steps instead: mid-epoch checkpoints")
     p.add_argument("--resume", default=None, metavar="CKPT", help="continue from this checkpoint (ckpt_path=)")
@@ -166,7 +168,12 @@ def _digits(L, args):
         def teardown(self, stage):
             if stage == "fit":
                 for loader in (self.train_loader, self.val_loader):
-                    loader.close()
+                    if loader is not None:
+                        loader.close()
+
+        def on_exception(self, exception):
+            # Ctrl-C included: Lightning stops without calling teardown, and the workers must not outlive it.
+            self.teardown("fit")
 
     return Digits()
 
@@ -222,6 +229,20 @@ def _classifier(L, args):
     return Classifier()
 
 
+def _interrupted(args, checkpoints=None) -> str:
+    """The line Ctrl-C ends with: which ``--resume`` goes on from where (``ModelCheckpoint`` knows its
+    last save: last.ckpt, or last-v1.ckpt beside an earlier run's), or that nothing is saved yet."""
+    if not args.ckpt_dir:
+        return "interrupted: nothing saved to resume from (no --ckpt-dir given)"
+    saved = checkpoints.last_model_path if checkpoints is not None else ""
+    # Before this run's first save, the checkpoint it resumed from (if any) is still where to go on from.
+    last = os.path.join(args.ckpt_dir, os.path.basename(saved)) if saved else args.resume
+    if not last:
+        return f"interrupted before the first save to '{args.ckpt_dir}': nothing to resume from yet"
+    when = f"every {args.ckpt_every} steps" if args.ckpt_every else "every epoch"
+    return f"interrupted: the same command with --resume {shlex.quote(last)} goes on from the last save ({when})"
+
+
 def main(args) -> dict:
     """Train (and validate each epoch) as ``args`` says; return what the run reached."""
     _check_args(get_args_parser(), args)
@@ -229,17 +250,27 @@ def main(args) -> dict:
 
     L.seed_everything(args.seed, verbose=False)   # same initial weights on every rank
     model, data = build(args)
-    callbacks = []
+    checkpoints = None
     if args.ckpt_dir:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0,
-                                                             every_n_train_steps=args.ckpt_every))
+        # The newest checkpoint (save_top_k=1 without a monitor) and last.ckpt linking to it. With
+        # save_top_k=0, Lightning 2.6 writes last.ckpt only when training ends, not at each epoch's end.
+        checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last="link",
+                                                          every_n_train_steps=args.ckpt_every)
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices,
                         strategy="ddp" if args.devices > 1 else "auto", max_epochs=args.epochs,
                         max_steps=args.max_steps or -1, limit_train_batches=args.limit_train_batches,
-                        callbacks=callbacks, enable_checkpointing=bool(args.ckpt_dir), logger=False,
-                        enable_progress_bar=not args.no_progress, enable_model_summary=False,
+                        callbacks=[checkpoints] if checkpoints else [], enable_checkpointing=bool(checkpoints),
+                        logger=False, enable_progress_bar=not args.no_progress, enable_model_summary=False,
                         num_sanity_val_steps=0)
-    trainer.fit(model, data, ckpt_path=args.resume)
+    with cli.on_ctrl_c(lambda: _interrupted(args, checkpoints)):
+        try:
+            trainer.fit(model, data, ckpt_path=args.resume)
+        except SystemExit as e:
+            # Lightning's own end for Ctrl-C: "Detected KeyboardInterrupt", then exit status 1, saying
+            # nothing of what resumes. Ours says it, with 130.
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            raise
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     result = {"backend": args.backend, "dataset": data.dataset, "world_size": trainer.world_size,
               "current_epoch": trainer.current_epoch, "global_step": trainer.global_step,
@@ -255,5 +286,13 @@ def main(args) -> dict:
     return result
 
 
+def run(argv=None) -> dict:
+    """The command line: ``main`` on the parsed flags. Ctrl-C, in training or before it (importing
+    Lightning takes seconds), is one line saying what ``--resume`` goes on from and exit status 130."""
+    args = get_args_parser().parse_args(argv)
+    with cli.on_ctrl_c(lambda: _interrupted(args)):
+        return main(args)
+
+
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    run()

@@ -282,43 +282,66 @@ def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 
 @contextlib.contextmanager
-def fit_errors(args: argparse.Namespace):
+def on_ctrl_c(say="interrupted"):
+    """Ctrl-C inside ends the program with one line on stderr, ``say`` (or what ``say()`` returns then:
+    what is on disk by that time), and exit status 130 (128 + SIGINT, what a shell reports for it), where
+    it was a traceback from wherever it landed (the step, autograd, a decoder). Under torchrun every rank
+    exits so; rank 0 alone says it."""
+    from . import distributed
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        if distributed.is_main():
+            print(say() if callable(say) else say, file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+@contextlib.contextmanager
+def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpoint", "--checkpoint-every")):
     """Around a training script's ``fit``, what ends it early as one line instead of a traceback:
 
     - a ``--checkpoint`` that is not one, or one of another run (``CheckpointError``; under torchrun the
       other ranks get rank 0's verdict as a ``PreparationError``): ``error: --checkpoint: ...``;
-    - Ctrl-C: what the same command with ``--resume`` goes on from, and exit status 130 (128 + SIGINT,
-      what a shell reports for it), where it was a traceback through the loop, the step and autograd
-      that said nothing about resuming. Under torchrun every rank exits so; rank 0 alone says it."""
+    - Ctrl-C (``on_ctrl_c``): what the same command with ``--resume`` goes on from, where it was a
+      traceback through the loop, the step and autograd that said nothing about resuming.
+
+    ``flags``: the script's flags for where it saves (a file, or a folder as accelerate's ``save_state``
+    writes) and how many steps apart, when they are not ``--checkpoint`` and ``--checkpoint-every``."""
     from . import distributed
     from .checkpoint import CheckpointError
 
+    saves, every = (getattr(args, flag[2:].replace("-", "_"), None) for flag in flags)
     started = time.time()
+
+    def say() -> str:
+        if not saves:
+            return f"interrupted: nothing saved to resume from (no {flags[0]} given)"
+        # A URL is not looked up here: the next run's --resume finds out.
+        if "://" not in str(saves) and not _saved_by_this_run(saves, args, started):
+            return f"interrupted before the first save to '{saves}': nothing to resume from yet"
+        when = f"every epoch and every {every} steps" if every else "every epoch"
+        return f"interrupted: the same command with --resume goes on from the last save in '{saves}' ({when})"
+
     try:
-        yield
+        with on_ctrl_c(say):
+            yield
     except (CheckpointError, distributed.PreparationError) as e:
-        raise SystemExit(f"error: --checkpoint: {e}") from None
-    except KeyboardInterrupt:
-        checkpoint = getattr(args, "checkpoint", None)
-        if checkpoint and "://" not in str(checkpoint) and not _saved_by_this_run(checkpoint, args, started):
-            message = f"interrupted before the first save to '{checkpoint}': nothing to resume from yet"
-        elif checkpoint:   # a URL is not looked up here: the next run's --resume finds out
-            every = getattr(args, "checkpoint_every", None)
-            when = f"every epoch and every {every} steps" if every else "every epoch"
-            message = (f"interrupted: the same command with --resume goes on from the last save in "
-                       f"'{checkpoint}' ({when})")
-        else:
-            message = "interrupted: nothing saved to resume from (no --checkpoint given)"
-        if distributed.is_main():
-            print(message, file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        raise SystemExit(f"error: {flags[0]}: {e}") from None
 
 
 def _saved_by_this_run(checkpoint, args: argparse.Namespace, started: float) -> bool:
     """Whether ``--resume`` would go on from this run: the file is there and this run wrote it or resumed
-    from it (a file of an earlier run, overwritten at this run's first save, is not this run's)."""
+    from it (a file of an earlier run, overwritten at this run's first save, is not this run's). A folder
+    counts by its newest file: a save that overwrites the files in it leaves the folder's own time as it was."""
     try:
+        if getattr(args, "resume", False):
+            return True
+        if os.path.isdir(checkpoint):
+            newest = max((entry.stat().st_mtime for entry in os.scandir(checkpoint)), default=-math.inf)
+        else:
+            newest = os.path.getmtime(checkpoint)
         # A second's slack: file times come from the kernel's coarse clock, which may lag time.time().
-        return bool(getattr(args, "resume", False)) or os.path.getmtime(checkpoint) >= started - 1.0
+        return newest >= started - 1.0
     except OSError:   # not there (yet)
         return False

@@ -6,7 +6,9 @@ The other first commands are covered where their code is: the flags' checks in `
 """
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import procs
 from conftest import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,3 +258,150 @@ def test_ctrl_c_before_training_is_one_line_too(name, slow_part, monkeypatch, tm
         pytest.fail("Ctrl-C left the command as a KeyboardInterrupt traceback")
     err = capsys.readouterr().err
     assert code == 130 and err.strip() == "interrupted: nothing saved to resume from (no --checkpoint given)", err
+
+
+# What each example says when Ctrl-C comes while it builds its loaders (before anything is saved), and
+# the flags that make it quick. A new example must join: Ctrl-C in it is one line too.
+ON_CTRL_C = {
+    "accelerate_mnist": (["--data", "synthetic", "--train-size", "64", "--test-size", "32", "--cpu"],
+                         "interrupted: nothing saved to resume from (no --ckpt-dir given)"),
+    "lightning_mnist": (["--data", "synthetic", "--train-size", "64", "--test-size", "32", "--accelerator", "cpu",
+                         "--no-progress"], "interrupted: nothing saved to resume from (no --ckpt-dir given)"),
+    "train_mnist": (["--data", "synthetic", "--data-root", "d", "--train-size", "64", "--test-size", "32",
+                     "--device", "cpu", "--no-progress"],
+                    "interrupted: nothing saved to resume from (no --checkpoint given)"),
+    "train_imagefolder": (["--data-root", "photos", "--device", "cpu", "--no-progress"],
+                          "interrupted: nothing saved to resume from (no --checkpoint given)"),
+    "custom_augmentation": (["--limit", "64", "--device", "cpu", "--no-progress"], "interrupted"),
+    "custom_backend": ([], "interrupted"),
+    "custom_source": ([], "interrupted"),
+}
+NEEDS = {"accelerate_mnist": "accelerate", "lightning_mnist": "lightning"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.requires(NEEDS[n])) if n in NEEDS else n
+                                  for n in EXAMPLES])
+def test_ctrl_c_in_every_example_run_as_a_script_is_one_line_and_status_130(name, monkeypatch, capfd, tmp_path):
+    """accelerate_mnist and the custom_* examples printed a traceback (exit -2); lightning_mnist Lightning's
+    "Detected KeyboardInterrupt" and exit status 1. The example runs as ``python examples/NAME.py`` does
+    (its ``__main__`` block), with ``make_loader`` taking Ctrl-C as a slow loader build would."""
+    import runpy
+
+    import fastdata
+    from fastdata.datasets import make_image_folder
+
+    argv, says = ON_CTRL_C[name]
+    make_image_folder(tmp_path / "photos", classes=2, per_class=2, seed=0)
+    monkeypatch.chdir(tmp_path)
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fastdata, "make_loader", ctrl_c)   # the examples import it when they run
+    path = str(ROOT / "examples" / f"{name}.py")
+    monkeypatch.setattr(sys, "argv", [path, *argv])
+    handler = signal.getsignal(signal.SIGINT)   # Lightning ignores SIGINT once it has handled a Ctrl-C
+    try:
+        runpy.run_path(path, run_name="__main__")
+        pytest.fail("the script went on after Ctrl-C")
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:   # caught here: escaping, it would end the whole test session
+        pytest.fail("Ctrl-C left the script as a KeyboardInterrupt traceback")
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if name == "accelerate_mnist":   # accelerate keeps its state in process-wide singletons
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    err = capfd.readouterr().err
+    assert code == 130 and err.strip().splitlines()[-1] == says and "Traceback" not in err, (code, err)
+
+
+def _ctrl_c_in_training(name: str, argv: list[str], cwd: Path, saved: str) -> tuple[int, str]:
+    """``python examples/NAME.py ARGV`` in a process group of its own, as a terminal runs it; once the
+    file ``saved`` is there (training is under way and has saved) and the loader's worker processes are
+    up, Ctrl-C to the whole group, as a terminal sends it (the workers get it too). Returns (exit status,
+    stderr), after checking that every worker ended with the run."""
+    err = cwd / "stderr.txt"
+    with open(err, "w") as stderr:   # a file: a full pipe would stall the run
+        # SIGINT back to its default in the child, as under a terminal (a background CI job inherits it
+        # ignored).
+        proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / f"{name}.py"), *argv], cwd=cwd,
+                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        started = procs.wait_until(lambda: proc.poll() is not None or ((cwd / saved).exists()
+                                                                      and procs.children(proc.pid)), timeout=300)
+        assert proc.poll() is None, f"ended before training began:\n{err.read_text()[-3000:]}"
+        assert started, f"no save to '{saved}' in 300 s:\n{err.read_text()[-3000:]}"
+        workers = procs.children(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=120)   # a hang's limit, not the test's measure
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert procs.wait_until(lambda: all(procs.state(p) in (None, "Z", "X") for p in workers), timeout=10), \
+        f"worker processes {sorted(workers)} outlived the interrupted run"
+    return code, err.read_text()
+
+
+@pytest.mark.parametrize("name,argv,saved,says", [
+    # save_state writes the objects registered for checkpointing last (the scheduler is the second).
+    pytest.param("accelerate_mnist", ["--cpu", "--ckpt-dir", "ck"], "ck/custom_checkpoint_1.pkl",
+                 "interrupted: the same command with --resume goes on from the last save in 'ck' (every epoch)",
+                 marks=pytest.mark.requires("accelerate"), id="accelerate_mnist"),
+    pytest.param("lightning_mnist", ["--accelerator", "cpu", "--ckpt-dir", "ck", "--no-progress"], "ck/last.ckpt",
+                 "interrupted: the same command with --resume ck/last.ckpt goes on from the last save (every epoch)",
+                 marks=pytest.mark.requires("lightning"), id="lightning_mnist"),
+    pytest.param("train_mnist", ["--device", "cpu", "--checkpoint", "ck.pt", "--no-progress"], "ck.pt",
+                 "interrupted: the same command with --resume goes on from the last save in 'ck.pt' (every epoch)",
+                 id="train_mnist"),
+])
+def test_ctrl_c_in_training_ends_the_run_in_one_line_leaving_no_worker(name, argv, saved, says, tmp_path):
+    """A real Ctrl-C after the first epoch's save, with the torch backend's worker processes running: one
+    line saying where the last save is and what resumes from it, exit status 130, and no worker left
+    behind. accelerate_mnist printed a traceback through autograd (exit -2); lightning_mnist "Detected
+    KeyboardInterrupt" and exit status 1, and saved last.ckpt only when training ended."""
+    common = ["--data", "synthetic", "--data-root", "d", "--train-size", "1024", "--test-size", "64",
+              "--epochs", "1000", "--batch-size", "32", "--backend", "torch", "--workers", "2"]
+    code, err = _ctrl_c_in_training(name, [*common, *argv], tmp_path, saved)
+    assert code == 130 and err.strip().splitlines()[-1] == says and "Traceback" not in err, (code, err[-3000:])
+
+
+def test_ctrl_c_names_a_save_state_folder_once_this_run_has_saved_into_it(tmp_path, capsys):
+    """accelerate_mnist's --ckpt-dir is a folder that ``save_state`` fills, overwriting an earlier run's
+    files in place: the folder's own time stays as it was, so it counts by its newest file."""
+    from fastdata import cli
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    earlier = time.time() - 60
+    (ck / "model.safetensors").write_bytes(b"an earlier run's save")
+    for path in (ck / "model.safetensors", ck):
+        os.utime(path, (earlier, earlier))
+    args = argparse.Namespace(ckpt_dir=str(ck), ckpt_every=5, resume=False)
+
+    def interrupted(save: bool) -> str:
+        with pytest.raises(SystemExit) as info, cli.fit_errors(args, flags=("--ckpt-dir", "--ckpt-every")):
+            if save:   # this run's save_state, in place
+                (ck / "model.safetensors").write_bytes(b"this run's save")
+                os.utime(ck, (earlier, earlier))
+            raise KeyboardInterrupt
+        assert info.value.code == 130
+        return capsys.readouterr().err.strip()
+
+    assert interrupted(False) == f"interrupted before the first save to '{ck}': nothing to resume from yet"
+    assert interrupted(True) == (f"interrupted: the same command with --resume goes on from the last save in '{ck}' "
+                                 f"(every epoch and every 5 steps)")
+
+
+def test_lightning_ctrl_c_before_the_first_save_of_a_resumed_run_names_the_checkpoint_it_resumed_from():
+    module = load_example("lightning_mnist")
+    args = module.get_args_parser().parse_args(["--ckpt-dir", "my ck", "--resume", "my ck/last.ckpt"])
+    assert module._interrupted(args) == ("interrupted: the same command with --resume 'my ck/last.ckpt' goes on "
+                                         "from the last save (every epoch)")
+    args = module.get_args_parser().parse_args(["--ckpt-dir", "ck", "--ckpt-every", "50"])
+    assert module._interrupted(args) == "interrupted before the first save to 'ck': nothing to resume from yet"
