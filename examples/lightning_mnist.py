@@ -229,6 +229,28 @@ def _classifier(L, args):
     return Classifier()
 
 
+def _checkpoints(L):
+    """ModelCheckpoint that also saves on the batch where ``--max-steps`` stops the run.
+
+    Lightning ends a max_steps run mid-epoch by closing the epoch's books: its fit loop counts the cut
+    epoch as processed and completed, and only then does ModelCheckpoint save (``on_train_epoch_end``,
+    or ``save_last`` in ``on_train_end``). Such a checkpoint resumes at the next epoch: the loader's
+    saved position (mid-epoch, rightly) is not even loaded, and the batches left in the cut epoch are
+    never trained on. Saved at the step's batch end instead, as ``every_n_train_steps`` saves, the
+    checkpoint is a mid-epoch one that Lightning resumes where it stopped; the later hooks then see this
+    step already saved and write nothing over it."""
+
+    class Checkpoints(L.pytorch.callbacks.ModelCheckpoint):
+        def on_train_batch_end(self, trainer, pl_module, *rest):
+            super().on_train_batch_end(trainer, pl_module, *rest)
+            if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+                candidates = self._monitor_candidates(trainer)
+                self._save_topk_checkpoint(trainer, candidates)
+                self._save_last_checkpoint(trainer, candidates)
+
+    return Checkpoints
+
+
 def _interrupted(args, checkpoints=None) -> str:
     """The line Ctrl-C ends with: which ``--resume`` goes on from where (``ModelCheckpoint`` knows its
     last save: last.ckpt, or last-v1.ckpt beside an earlier run's), or that nothing is saved yet."""
@@ -254,8 +276,7 @@ def main(args) -> dict:
     if args.ckpt_dir:
         # The newest checkpoint (save_top_k=1 without a monitor) and last.ckpt linking to it. With
         # save_top_k=0, Lightning 2.6 writes last.ckpt only when training ends, not at each epoch's end.
-        checkpoints = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last="link",
-                                                          every_n_train_steps=args.ckpt_every)
+        checkpoints = _checkpoints(L)(dirpath=args.ckpt_dir, save_last="link", every_n_train_steps=args.ckpt_every)
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices,
                         strategy="ddp" if args.devices > 1 else "auto", max_epochs=args.epochs,
                         max_steps=args.max_steps or -1, limit_train_batches=args.limit_train_batches,

@@ -308,3 +308,63 @@ def test_the_lightning_example_takes_its_backends_from_the_registry():
     with pytest.raises(SystemExit):
         parser.parse_args(["--backend", "nope"])
     assert all(a.type is not bool for a in parser._actions)
+
+
+def _recording(example, monkeypatch):
+    """Make the example's LightningModule write down, per global step, the epoch and what it trained on
+    (the labels and a digest of the augmented images); returns that record and the last model built."""
+    import hashlib
+
+    steps: dict[int, tuple[int, list[int], str]] = {}
+    built = []
+    original = example._classifier
+
+    def classifier(L, args):
+        model = original(L, args)
+        step = model.training_step
+
+        def training_step(batch, batch_idx):
+            images, labels = batch
+            digest = hashlib.sha1(images.detach().cpu().numpy().tobytes()).hexdigest()
+            steps[model.global_step] = (model.current_epoch, labels.tolist(), digest)
+            return step(batch, batch_idx)
+
+        model.training_step = training_step
+        built.append(model)
+        return model
+
+    monkeypatch.setattr(example, "_classifier", classifier)
+    return steps, built
+
+
+@pytest.mark.parametrize("stop,every,more", [(12, "50", []), (12, "50", ["--max-steps", "30"]), (12, None, []),
+                                             (16, None, [])],
+                         ids=["mid-epoch-ckpt-every", "then-a-larger-max-steps", "mid-epoch-epoch-saves",
+                              "epoch-boundary"])
+def test_the_lightning_example_resumes_a_max_steps_stop_with_the_batches_it_had_left(stop, every, more, tmp_path,
+                                                                                   monkeypatch):
+    """docs/scaling.md: ``--max-steps`` stops a run, ``--resume ck/last.ckpt`` goes on. Lightning ends a
+    max_steps run mid-epoch by finishing the epoch's bookkeeping (its fit loop counts the cut epoch as
+    processed and completed) and writes last.ckpt in on_train_epoch_end / on_train_end: that checkpoint
+    resumed at the next epoch, and the 4 batches left in epoch 1 were never trained on (20 steps of 24).
+    The resumed run must train steps stop..23 on exactly the uninterrupted run's batches, to the same
+    weights."""
+    example = _example()
+    common = ["--backend", "memory", "--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size",
+              "256", "--test-size", "64", "--batch-size", "32", "--workers", "0", "--epochs", "3", "--no-progress"]
+    parse = example.get_args_parser().parse_args
+    full, models = _recording(example, monkeypatch)
+    assert example.main(parse(common))["global_step"] == 24   # 8 steps an epoch
+    weights = {k: v.clone() for k, v in models[-1].state_dict().items()}
+
+    saves = ["--ckpt-dir", str(tmp_path / "ck"), *(["--ckpt-every", every] if every else [])]
+    _recording(example, monkeypatch)
+    assert example.main(parse([*common, *saves, "--max-steps", str(stop)]))["global_step"] == stop
+    resumed, models = _recording(example, monkeypatch)
+    again = example.main(parse([*common, *saves, *more, "--resume", str(tmp_path / "ck" / "last.ckpt")]))
+    assert (again["current_epoch"], again["global_step"]) == (3, 24)
+    assert sorted(resumed) == list(range(stop, 24))
+    for step, seen in resumed.items():
+        assert seen == full[step], f"step {step} trained on other samples after the resume"
+    for name, value in models[-1].state_dict().items():
+        torch.testing.assert_close(value, weights[name], msg=f"{name} differs from the uninterrupted run's")
