@@ -215,18 +215,53 @@ def _classifier(L, args):
         def configure_optimizers(self):
             optimizer = torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                         weight_decay=5e-4)
-            # The steps come from the loader, not trainer.estimated_stepping_batches: reading that here
-            # made Lightning skip restoring the loader's position on resume (Lightning issue #20550).
-            steps = len(self.trainer.datamodule.train_loader)
-            limit = self.trainer.limit_train_batches
-            steps = min(steps, limit) if isinstance(limit, int) else max(1, int(steps * limit))
             # Not shortened by --max-steps: a run stopped early must resume the same schedule, not one whose
             # end it would step past.
-            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
-                                                            total_steps=steps * self.trainer.max_epochs)
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=args.lr, total_steps=_steps_per_epoch(self.trainer) * self.trainer.max_epochs)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["lightning_mnist"] = {"epochs": self.trainer.max_epochs}   # named by _check_schedule
+
+        def on_load_checkpoint(self, checkpoint):
+            _check_schedule(args, checkpoint, self.trainer)
+
     return Classifier()
+
+
+def _steps_per_epoch(trainer) -> int:
+    """The optimizer steps of a training epoch, under ``--limit-train-batches``. From the loader, not
+    trainer.estimated_stepping_batches: reading that in configure_optimizers made Lightning skip
+    restoring the loader's position on resume (Lightning issue #20550)."""
+    steps = len(trainer.datamodule.train_loader)
+    limit = trainer.limit_train_batches
+    return min(steps, limit) if isinstance(limit, int) else max(1, int(steps * limit))
+
+
+def _check_schedule(args, checkpoint, trainer) -> None:
+    """Refuse, before any training, to resume a run that would step the checkpoint's one-cycle schedule
+    past its end. Lightning restores the saved OneCycleLR over the one configure_optimizers built for
+    this run's --epochs, so a larger --epochs failed steps later with torch's "Tried to step N times"
+    traceback (the same refusal as train_mnist's, through fastdata's fit)."""
+    from fastdata.checkpoint import ResumeError
+
+    total = (checkpoint.get("lr_schedulers") or [{}])[0].get("total_steps")
+    steps = _steps_per_epoch(trainer)
+    needed = steps * trainer.max_epochs
+    if trainer.max_steps > 0:
+        needed = min(needed, trainer.max_steps)
+    if total is None or needed <= total:
+        return
+    # Checkpoints of an earlier version of this example do not record their --epochs.
+    saved = checkpoint.get("lightning_mnist", {}).get("epochs", -(-total // steps))
+    most = total // steps
+    advice = f"resume with --epochs {most} or fewer" if most else \
+        "resume with the saved run's --batch-size, --train-size and --limit-train-batches"
+    raise ResumeError(f"--epochs {args.epochs}: '{args.resume}' was saved by a run of --epochs {saved}, whose "
+                      f"one-cycle learning-rate schedule (restored with it) ends after {total} steps; at {steps} "
+                      f"steps an epoch this run would step it {needed} times, and a one-cycle schedule cannot be "
+                      f"stretched once it has started: {advice}, or start a new run without --resume")
 
 
 def _checkpoints(L):
@@ -270,6 +305,8 @@ def main(args) -> dict:
     _check_args(get_args_parser(), args)
     import lightning as L
 
+    from fastdata.checkpoint import ResumeError
+
     L.seed_everything(args.seed, verbose=False)   # same initial weights on every rank
     model, data = build(args)
     checkpoints = None
@@ -286,6 +323,8 @@ def main(args) -> dict:
     with cli.on_ctrl_c(lambda: _interrupted(args, checkpoints)):
         try:
             trainer.fit(model, data, ckpt_path=args.resume)
+        except ResumeError as e:   # _check_schedule's refusal: one line, as train_mnist's
+            raise SystemExit(f"error: {e}") from None
         except SystemExit as e:
             # Lightning's own end for Ctrl-C: "Detected KeyboardInterrupt", then exit status 1, saying
             # nothing of what resumes. Ours says it, with 130.

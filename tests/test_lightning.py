@@ -368,3 +368,23 @@ def test_the_lightning_example_resumes_a_max_steps_stop_with_the_batches_it_had_
         assert seen == full[step], f"step {step} trained on other samples after the resume"
     for name, value in models[-1].state_dict().items():
         torch.testing.assert_close(value, weights[name], msg=f"{name} differs from the uninterrupted run's")
+
+
+def test_the_lightning_example_refuses_to_resume_with_more_epochs_than_its_schedule_in_one_line(tmp_path, capsys):
+    """The checkpoint's OneCycleLR was built for --epochs 1 (8 steps) and Lightning restores it over the
+    new one: --epochs 3 --resume stepped it past its end, a "Tried to step 9 times" traceback from
+    inside the training loop. Refused before training instead, naming --epochs and the saved run's."""
+    example = _example()
+    common = ["--backend", "memory", "--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size",
+              "256", "--test-size", "64", "--batch-size", "32", "--workers", "0", "--no-progress",
+              "--ckpt-dir", str(tmp_path / "ck")]
+    parse = example.get_args_parser().parse_args
+    assert example.main(parse([*common, "--epochs", "1"]))["global_step"] == 8
+    last = tmp_path / "ck" / "last.ckpt"
+    with pytest.raises(SystemExit) as info:
+        example.main(parse([*common, "--epochs", "3", "--resume", str(last)]))
+    message = str(info.value.code)
+    assert message.startswith("error: --epochs 3: ") and "\n" not in message, message
+    assert f"'{last}' was saved by a run of --epochs 1" in message and "--epochs 1 or fewer" in message, message
+    # The same --epochs (or fewer) still resumes.
+    assert example.main(parse([*common, "--epochs", "1", "--resume", str(last)]))["global_step"] == 8
