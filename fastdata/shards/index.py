@@ -204,13 +204,15 @@ def _not_json(data, where: str, error: Exception) -> str:
     if isinstance(error, UnicodeDecodeError):
         line, column = raw.count(b"\n", 0, error.start) + 1, error.start - raw.rfind(b"\n", 0, error.start)
         problem = f"is not JSON: byte {raw[error.start]:#04x} at line {line} column {column} is not UTF-8"
-    else:
+    elif isinstance(error, json.JSONDecodeError):
         # JSON that runs out before its last bracket closes: the failure is at the end, or is a string
         # that never ends.
         cut = error.pos >= len(error.doc.rstrip()) or error.msg.startswith("Unterminated string")
         where_in = f"line {error.lineno} column {error.colno}"
         problem = (f"is truncated: its {len(raw)} bytes end inside the JSON ({where_in}: {error.msg}); an "
                    f"interrupted copy or download: copy it again" if cut else f"is not JSON ({error.msg}: {where_in})")
+    else:
+        problem = f"is not JSON ({error})"
     start = raw.lstrip()[:1]
     if start[:1] == b"\x80":
         problem += " (it looks like a pickle, which is never loaded)"
