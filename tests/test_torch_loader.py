@@ -282,3 +282,40 @@ def test_a_datasets_own_randomness_in_workers_follows_the_loaders_seed():
 
     assert torch.equal(first(0), first(0))
     assert not torch.equal(first(0), first(1))
+
+
+_PEER_LEAVES = """
+import os, socket, sys, time
+from multiprocessing import resource_sharer
+if sys.argv[1] == "quiet":
+    from fastdata.backends.torch_loader import quiet_worker
+    quiet_worker(0)
+resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))     # a worker sharing a batch's descriptor
+peer = socket.socket(socket.AF_UNIX)
+peer.connect(resource_sharer._resource_sharer._address)    # the main process comes for it,
+peer.close()                                                # and leaves mid-handshake (Ctrl-C)
+time.sleep(0.5)
+raise ValueError("a worker's own error still shows")
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "plain"])
+def test_a_worker_does_not_print_the_main_processs_ctrl_c_as_a_traceback(mode):
+    """A worker hands batches over as file descriptors from multiprocessing's resource-sharer thread; when
+    the main process goes away mid-transfer (Ctrl-C) that thread printed a BrokenPipe traceback under the
+    run's one line. quiet_worker (the workers' worker_init_fn) silences that thread's peer-gone errors
+    only: the worker's own errors still print. "plain" shows the traceback the hook removes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PEER_LEAVES, mode], capture_output=True, text=True, timeout=60)
+    assert "ValueError: a worker's own error still shows" in proc.stderr
+    assert ("resource_sharer.py" in proc.stderr) == (mode == "plain"), proc.stderr
+
+
+def test_the_workers_start_with_quiet_worker():
+    from fastdata.backends.torch_loader import make_dataloader, quiet_worker
+
+    opts = {"prefetch_factor": 2, "persistent_workers": True, "timeout": 0, "multiprocessing_context": None}
+    assert make_dataloader([], None, 2, False, opts).worker_init_fn is quiet_worker
+    assert make_dataloader([], None, 0, False, opts).worker_init_fn is None

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import signal
+import sys
 import time
 
 import torch
@@ -102,6 +104,30 @@ def worker_seed_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+#: What a worker's fd-sharing thread meets when the process it sends a batch to goes away mid-transfer.
+_PEER_GONE = (ConnectionError, EOFError, multiprocessing.AuthenticationError)
+
+
+def quiet_worker(worker_id: int) -> None:
+    """The workers' ``worker_init_fn``: a batch's tensors reach the main process as file descriptors,
+    which each worker hands over from multiprocessing's resource-sharer thread
+    (``multiprocessing/resource_sharer.py``, ``_serve``). On Ctrl-C the main process stops reading
+    mid-transfer, and that thread prints the broken connection's traceback through ``sys.excepthook``
+    unless the worker is already exiting: a race that put a BrokenPipe traceback under the one line an
+    interrupted run prints (seen in CI with the Lightning example). Only that thread's peer-gone errors
+    are silenced; anything else still reaches the previous hook."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        frame = tb.tb_frame.f_code if tb is not None else None
+        if issubclass(kind, _PEER_GONE) and frame is not None and frame.co_name == "_serve" \
+                and frame.co_filename.endswith("resource_sharer.py"):
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict, seed: int = 0) -> DataLoader:
     """The backend's DataLoader: one job per batch, no collate. No ``pin_memory_device`` (deprecated
     and ignored in torch 2.14): the pinning device comes from ``device_scope``. ``seed``: see
@@ -109,7 +135,7 @@ def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict, seed:
     pf = opts["prefetch_factor"]
     return DataLoader(
         fetcher, batch_size=None, sampler=sampler, num_workers=workers, pin_memory=pin,
-        generator=worker_seed_generator(seed),
+        generator=worker_seed_generator(seed), worker_init_fn=quiet_worker if workers else None,
         persistent_workers=bool(workers and opts["persistent_workers"]),
         prefetch_factor=pf if workers else None, timeout=opts["timeout"],
         multiprocessing_context=opts["multiprocessing_context"] if workers else None)
