@@ -64,9 +64,9 @@ else
   CACHE=(--device cuda --passes 1); DALI_GPU=(--budget 150)
 fi
 
-bench() {  # a benchmark script with the run's folders and tag
+bench() {  # a benchmark script with the run's folders and tag (BENCH_TAG: another tag, for a second report)
   local script=$1; shift
-  "$PY" "benchmarks/$script" "$@" "${DEV[@]}" --cache "$KEEP/jpegs" --out "$KEEP/reports" --tag "$TAG"
+  "$PY" "benchmarks/$script" "$@" "${DEV[@]}" --cache "$KEEP/jpegs" --out "$KEEP/reports" --tag "${BENCH_TAG:-$TAG}"
 }
 
 cuda_tests() {  # pytest over the `cuda` tests; every one must run (FASTDATA_REQUIRE_CUDA) except in a dry run
@@ -90,8 +90,7 @@ for n in sys.argv[2:]: print(f"{n} photos: {common.photo_folder(sys.argv[1], int
     loaders) bench bench_loaders.py --workloads digits --backends torch memory prefetch auto "${LOADERS[@]}" ;;
     cache) bench bench_cache.py --contenders processes threads nvimgcodec "${CACHE[@]}" ;;
     dali-tests) cuda_tests -k dali ;;
-    dali-train) "$PY" benchmarks/bench_training.py --backends dali --no-baseline "${TRAIN[@]}" "${DEV[@]}" \
-                  --cache "$KEEP/jpegs" --out "$KEEP/reports" --tag "$TAG-dali" ;;
+    dali-train) BENCH_TAG="$TAG-dali" bench bench_training.py --backends dali --no-baseline "${TRAIN[@]}" ;;
     dali-gpu) bench bench_dali_gpu.py "${DALI_GPU[@]}" ;;
     *) echo "gpu.sh: no stage '$1'" >&2; return 2 ;;
   esac
