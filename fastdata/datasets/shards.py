@@ -23,6 +23,7 @@ what the source gave (its channels, pixels, default augmentation and statistics)
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -376,26 +377,41 @@ class _OpenFiles:
     def __init__(self, limit: int):
         self.limit = max(1, int(limit))
         self._lock = threading.Lock()
-        self._open: dict[str, list] = {}   # path -> [fd, readers, retired]
+        self._open: dict[str, list] = {}   # path -> [fd, readers, retired, (size, mtime_ns) at open]
+
+    def __reduce__(self):
+        # Descriptors and the lock are this process's: a copy (a spawn or forkserver DataLoader
+        # worker, which pickles the source) starts with none open. A lock cannot be pickled at all.
+        return (_OpenFiles, (self.limit,))
 
     def pread(self, path: str, start: int, length: int, check=None) -> bytes:
         """``length`` bytes of ``path`` from ``start``; a read that fails (a cached shard replaced
         under us) opens the file afresh once. ``check(fd)`` runs on each new descriptor before it is
-        used (and shared): it raises when the file is not what it must be."""
-        entry = self._take(path, check)
-        try:
-            return os.pread(entry[0], length, start)
-        except OSError:
-            with self._lock:   # forgotten: the next _take opens the file afresh
+        used (and shared): it raises when the file is not what it must be.
+
+        A descriptor stays open for many reads (epochs, with persistent workers), so a file written
+        in place while it is open (``cp`` of a re-packed shard over it, ``rsync --inplace``) was never
+        checked again: its new bytes were read under the old index's labels. Its size and mtime are
+        compared after every read (one ``fstat``); a file that changed is opened and checked afresh
+        (``check`` raises for another version) and read again."""
+        for attempt in range(3):
+            entry = self._take(path, check)
+            try:
+                data = os.pread(entry[0], length, start)
+                if _version(os.fstat(entry[0])) == entry[3]:
+                    return data
+                if attempt == 2:
+                    raise OSError(errno.EAGAIN, f"the file changed at each of {attempt + 1} reads: it is being "
+                                                f"written while it is read")
+            except OSError:
+                if attempt:
+                    raise
+            finally:
+                self._give(entry)
+            with self._lock:   # forgotten: the next _take opens the file afresh (and checks it)
                 if self._open.get(path) is entry:
                     self._retire(self._open.pop(path))
-        finally:
-            self._give(entry)
-        entry = self._take(path, check)
-        try:
-            return os.pread(entry[0], length, start)
-        finally:
-            self._give(entry)
+        raise AssertionError("unreachable")
 
     def _take(self, path: str, check=None) -> list:
         with self._lock:
@@ -407,6 +423,8 @@ class _OpenFiles:
         # keep reading the shards already open meanwhile.
         fd = os.open(path, os.O_RDONLY)
         try:
+            # The version before the check: a file that changes while it is hashed is checked again.
+            version = _version(os.fstat(fd))
             if check is not None:
                 check(fd)
         except BaseException:
@@ -417,7 +435,7 @@ class _OpenFiles:
             if entry is not None:               # another thread opened it meanwhile: use that one
                 os.close(fd)
             else:
-                entry = self._open[path] = [fd, 0, False]
+                entry = self._open[path] = [fd, 0, False, version]
                 while len(self._open) > self.limit:   # the oldest first (dicts keep insertion order)
                     self._retire(self._open.pop(next(iter(self._open))))
             entry[1] += 1
@@ -527,6 +545,11 @@ class _Prefetcher:
             self._cond.notify()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
+
+
+def _version(st: os.stat_result) -> tuple[int, int]:
+    """What tells one version of an open file from the next: its size and modification time."""
+    return st.st_size, st.st_mtime_ns
 
 
 def _image_shape(value) -> tuple[int, int, int] | None:

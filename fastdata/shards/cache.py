@@ -150,9 +150,10 @@ class ShardCache:
         self._pid = os.getpid()
 
     def __getstate__(self):
-        # Locks and held shards belong to the process that took them: a copy starts empty.
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-        return state
+        # Locks and held shards belong to the process that took them: a copy starts empty (``_reset``).
+        # The file names of the shards' versions (``_files``, ``_names``) are the cache's layout: kept.
+        per_process = ("_lock", "_held", "_mismatched", "_failed", "_pid")
+        return {k: v for k, v in self.__dict__.items() if k not in per_process}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -534,6 +535,16 @@ class Verdicts:
         self.folder = None if folder is None else os.fspath(folder)
         self._lock = threading.Lock()
         self._seen: dict[tuple, str] = {}   # file version -> its sha256
+
+    def __getstate__(self):
+        # A spawn or forkserver DataLoader worker pickles the source: the lock stays here (it cannot be
+        # pickled), the digests seen travel (they are facts about file versions, true in any process).
+        with self._lock:
+            return {"folder": self.folder, "_seen": dict(self._seen)}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def check(self, path: str, fd: int, *, size: int, sha256: str, name: str, where: str) -> None:
         """Raise ``ShardMismatch`` naming shard ``name`` (at ``where``) unless the open file ``fd`` has

@@ -157,6 +157,13 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO
 
 
+def _no_credentials(exc: BaseException) -> bool:
+    """Whether ``exc`` is botocore's "found no (or half the) credentials": raised before any request."""
+    missing = _module_types("botocore.exceptions", "NoCredentialsError", "PartialCredentialsError",
+                            "CredentialRetrievalError")
+    return bool(missing) and isinstance(exc, missing)
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return redact(f"{type(exc).__name__}: {text[0] if text else '(no message)'}")
@@ -310,6 +317,10 @@ class Storage:
                 if detail.endswith("(no message)") and isinstance(error, TimeoutError):
                     # fsspec's FSTimeoutError carries no text: say which limit ran out.
                     detail = f"{type(error).__name__}: no answer or no bytes for {self.timeout:g} s (timeout=)"
+                if _no_credentials(error):
+                    detail += (" (no credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                               "AWS_PROFILE or ~/.aws/credentials, or pass storage_options={'key': ..., "
+                               "'secret': ...}; storage_options={'anon': True} reads a public bucket)")
                 message = f"cannot {what} {subject} at {self.url(name)}: {detail}{tail}"
                 # from None: the original error's text and traceback can carry the unredacted URL.
                 if isinstance(error, ShortRead):
@@ -317,7 +328,9 @@ class Storage:
                                     expected=error.expected, got=error.got) from None
                 cls = ShardNotFound if isinstance(error, FileNotFoundError) and not transient else StorageError
                 code = error.errno if isinstance(error, OSError) and isinstance(error.errno, int) else None
-                if code is None and isinstance(error, PermissionError):   # s3fs's AccessDenied carries none
+                if code is None and (isinstance(error, PermissionError) or _no_credentials(error)):
+                    # s3fs's AccessDenied carries no errno; botocore's "no credentials" is no OSError at
+                    # all: both are a refusal (check the credentials), not a missing or broken file.
                     code = errno.EACCES
                 raise cls(message, name, self.url(name), attempts, transient, code=code,
                           status=_status(error) or _status(error.__cause__)) from None
