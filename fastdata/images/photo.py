@@ -87,6 +87,14 @@ def _extension(path: str) -> str:
     return os.path.splitext(path)[1].lower()
 
 
+def may_hold_jpeg(path) -> bool:
+    """Whether ``open_image`` lets the file ``path`` hold JPEG data: a JPEG ending, or one that promises
+    no format (a shard member's key, a name without an ending). A decoder that reads JPEG bytes without
+    Pillow (the region decode, nvImageCodec's cache build) asks this first, so a JPEG named .png is
+    refused by every backend, not decoded by the ones that never open it with Pillow."""
+    return _FORMAT_OF_EXT.get(_extension(str(path)), "JPEG") == "JPEG"
+
+
 def _head(path, fp, n: int = 16) -> bytes:
     """The first ``n`` bytes of the file (of ``fp`` when given): what an unknown format starts with."""
     try:
@@ -242,9 +250,7 @@ def _jpeg_header(path, data: bytes):
     (``region.jpeg_header``: 0.1 ms less a photo), or None: Pillow's ``open_image`` is needed (region
     decoding off, not an 8-bit RGB/grey JPEG, a name that promises another format, over the
     decompression-bomb limit: each refused there with its message)."""
-    path = str(path)
-    ext = _extension(path)
-    if _FORMAT_OF_EXT.get(ext, "JPEG") != "JPEG" or not region_decode_enabled():
+    if not may_hold_jpeg(path) or not region_decode_enabled():
         return None
     from .region import jpeg_header
 

@@ -21,6 +21,7 @@ from ..images.photo import (
     JPEG_FORMATS,
     decode_upright,
     exif_orientation,
+    may_hold_jpeg,
     open_image,
 )
 from .on_error import OnError
@@ -273,12 +274,13 @@ class NvWholeDecoder:
                 out.append(None)
         return out
 
-    def _stream(self, data):
+    def _stream(self, data, name=None):
         """(nvImageCodec's parsed header of a file's bytes, its EXIF orientation as Pillow reads it), or
-        None when it is not one it should decode."""
+        None when it is not one it should decode. ``name``: the file's, whose ending must allow JPEG
+        data (``open_image`` refuses a JPEG named .png; ``load_whole`` names it); None: not checked."""
         from PIL import Image
 
-        if data is None:
+        if data is None or (name is not None and not may_hold_jpeg(name)):
             return None
         orientation = jpeg_orientation(data)
         if orientation is None:   # not a JPEG, or a block only Pillow can read as Pillow does
@@ -333,7 +335,8 @@ class NvWholeDecoder:
         side = self.photos.side
         data = self.read(ids) if data is None else data
         streams, turns, where, fallback = [], [], [], []
-        for j, parsed in enumerate(map(self._stream, data)):
+        names = map(self.photos.source.sample_name, ids)
+        for j, parsed in enumerate(map(self._stream, data, names)):
             if parsed is None:
                 fallback.append(j)
             else:
