@@ -277,3 +277,70 @@ def test_every_training_cache_build_refuses_a_jpeg_named_png(misnamed_folder, bu
     images, _, loader = _epoch(source, "memory", opts, TRAIN, on_error="skip")
     assert loader.skipped == 2 and len(images) == 3
     assert sorted(loader.kept.tolist()) == [i for i, p in enumerate(source.paths) if "good" in p]
+
+
+# ------------------------------------------------------------- files DALI's own decoder reads otherwise
+def _pnm(arr: np.ndarray, maxval: int) -> bytes:
+    """A binary PGM (2-D) or PPM of ``arr`` in [0, 255] rescaled to ``maxval`` (a 12-bit scanner's 4095,
+    say): the header's maxval says what white is."""
+    magic, h, w = (b"P5" if arr.ndim == 2 else b"P6"), arr.shape[0], arr.shape[1]
+    values = (arr.astype(np.float64) * maxval / 255).round()
+    body = values.astype(">u2" if maxval > 255 else "u1").tobytes()
+    return magic + f" {w} {h} {maxval}\n".encode() + body
+
+
+def _dali_case(name: str, folder) -> None:
+    """Write the file ``name`` (its ending is its format) into ``folder``."""
+    scene = Image.fromarray(_scene())
+    path = folder / name
+    if name.endswith(("pgm", "ppm")):
+        maxval = int(name.split("_")[1].split(".")[0])
+        path.write_bytes(_pnm(np.asarray(scene.convert("L")) if name.endswith("pgm") else _scene(), maxval))
+    elif name == "orientation6.tif":
+        scene.transpose(_STORE[6]).save(path, tiffinfo={0x0112: 6})   # TIFF's own orientation tag
+    else:
+        pixels = {"float.tif": lambda: Image.fromarray(_scene()[..., 1].astype(np.float32)),
+                  "int32.tif": lambda: Image.fromarray(_scene()[..., 1].astype(np.int32)),
+                  }.get(name, lambda: scene.convert({"grey_alpha.tif": "LA", "palette_alpha.tif": "PA",
+                                                     "onebit.tif": "1"}[name]))
+        pixels().save(path)
+
+
+#: Valid files that DALI's own decoder (decode="dali": the default on a GPU) reads otherwise than Pillow,
+#: which the torch, memory and decode="host" backends read them with. Found here on DALI 2.4 (CPU).
+_DALI_READS_OTHERWISE = {
+    # a silently different picture (mean difference 40-128 grey levels):
+    "grey_alpha.tif": "a grey + alpha TIFF: DALI's picture is not the grey one",
+    "palette_alpha.tif": "a palette + alpha TIFF: DALI's picture is not the palette's colours",
+    "float.tif": "a 32-bit float TIFF (values 0-255): DALI saturates it to white",
+    "grey_4095.pgm": "a 16-bit PGM whose maxval is 4095 (12-bit data): DALI ignores maxval, all but black",
+    "colour_1023.ppm": "a 16-bit PPM whose maxval is 1023: DALI ignores maxval, all but black",
+    "grey_100.pgm": "an 8-bit PGM whose maxval is 100: DALI ignores maxval, too dark",
+    # refused by DALI's decoder alone (a DecodeError naming it, where every other backend decodes it):
+    "onebit.tif": "a 1-bit TIFF without BitsPerSample (the default 1): nvImageCodec's parser refuses it",
+    "int32.tif": "a 32-bit integer TIFF: 'Invalid sample_type'",
+    "orientation6.tif": "a TIFF whose own Orientation tag is 6: DALI does not turn it, Pillow does",
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"DALI's own decoder: {why}"))
+    for name, why in _DALI_READS_OTHERWISE.items()])
+def test_dalis_own_decoder_reads_a_valid_file_as_the_other_backends_do(tmp_path, name):
+    _dali_case(name, tmp_path)
+    source = ImageFolder.from_samples([(tmp_path / name, 0)], ["a"])
+
+    def reading(backend, opts):
+        try:
+            return _epoch(source, backend, opts, EVAL)[0]
+        except DecodeError as e:
+            assert e.path == str(tmp_path / name)
+            return None
+
+    ref, got = reading("torch", {"num_workers": 0}), reading("dali", {"decode": "dali"})
+    # Alike: both refuse it, or both decode it to the same picture (DALI's resize rounds otherwise).
+    if (ref is None) != (got is None):
+        pytest.fail(f"{name}: the torch backend {'refuses' if ref is None else 'decodes'} it, DALI's decoder not")
+    if ref is not None:
+        diff = float((got - ref).abs().mean() * 255)
+        assert diff < 3, f"{name}: DALI's picture differs from the torch backend's by {diff:.1f} levels"
