@@ -336,13 +336,43 @@ def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does(backend, opts, exif_f
 DALI_TURNS_OTHERWISE = ["ifd_count_too_big", "orientation_as_long", "unknown_byte_order"]
 
 
-def test_dalis_own_decoder_refuses_by_name_a_photo_it_turns_otherwise_than_pillow(exif_folder):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("packed", [False, True], ids=["file names", "shard bytes"])
+def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does_in_dalis_own_decoder(exif_folder, tmp_path, packed,
+                                                                                 device):
     """decode='dali': DALI's decoder applies the EXIF orientation as it reads the block, and the crop
-    windows are drawn in Pillow's reading. On a malformed block the two disagree on the photo's height
-    and width, and DALI failed the whole batch ('the cropping window ... is not valid') with a
-    RuntimeError that on_error='skip' could not skip; the probe found no culprit, each file decoding
-    alone. The probe now compares each file's size as DALI turns it with Pillow's: such a file is
-    refused by name and skipped and counted, and the others are read as Pillow turns them."""
+    windows are drawn in Pillow's reading. On a malformed block the two disagreed on the photo's height
+    and width: the batch failed ('the cropping window ... is not valid'), and the file was refused by
+    name, where every other backend decodes it as Pillow turns it. DALI is now given such a file with
+    its block rewritten to Pillow's orientation (decode.dali_exif), from a copy for plain files (DALI
+    reads them by name), in the bytes fed for shards; a second epoch reads the same; close() removes
+    the copies. On a GPU nvJPEG reads the rewritten block."""
+    source = exif_folder
+    if packed:
+        fastdata.pack(ImageFolder(exif_folder), tmp_path / "packed", progress=False, workers=0)
+        source = Shards(tmp_path / "packed")
+    loader = _loader(source, "dali", {"decode": "dali"}, device=device)
+    photos = ImageFolder(exif_folder).paths   # pack keeps the folder's order
+    for _ in range(2):
+        images, skipped = _epoch(loader)
+        assert skipped == 0
+        for path, got in zip(photos, images.permute(0, 2, 3, 1).cpu().numpy() * 255, strict=True):
+            assert np.abs(got - _as_pillow_shows(path)).mean() < 6, os.path.basename(path)
+    copies = loader._rewrite_dir
+    assert (copies is not None) != packed    # copies for plain files only
+    loader.close()
+    assert copies is None or not os.path.exists(copies)
+
+
+def test_dalis_own_decoder_refuses_by_name_a_photo_it_still_turns_otherwise_than_pillow(exif_folder, monkeypatch):
+    """The safety net behind the rewrite: a file DALI still turns to another height and width than
+    Pillow's reading (here: the rewrite switched off) failed the whole batch with a RuntimeError that
+    on_error='skip' could not skip, the probe finding no culprit, each file decoding alone. The probe
+    compares each file's size as DALI turns it with Pillow's: such a file is refused by name and
+    skipped and counted, and the others are read as Pillow turns them."""
+    import fastdata.decode.dali_files as dali_files
+
+    monkeypatch.setattr(dali_files, "dali_bytes", lambda data, orientation: None)
     first = DALI_TURNS_OTHERWISE[0]
     with pytest.raises(DecodeError, match=f"{first}.jpg.*turns it to 64x48.*orientation 6.*malformed EXIF"):
         _epoch(_loader(exif_folder, "dali", {"decode": "dali"}, on_error="raise"))
@@ -353,15 +383,6 @@ def test_dalis_own_decoder_refuses_by_name_a_photo_it_turns_otherwise_than_pillo
     kept = [q for q in loader.dataset.paths if os.path.basename(q)[:-4] not in DALI_TURNS_OTHERWISE]
     for path, got in zip(kept, images.permute(0, 2, 3, 1).numpy() * 255, strict=True):
         assert np.abs(got - _as_pillow_shows(path)).mean() < 6, path
-
-
-@pytest.mark.xfail(strict=True, raises=DecodeError, reason=(
-    "decode='dali': a photo whose malformed EXIF block DALI's decoder reads otherwise than Pillow is "
-    "refused (above), where every other backend decodes it as Pillow turns it. Decoding it the same "
-    "means adjust_orientation=False in DALI's decoders and turning the crops in the pipeline by the "
-    "orientation fastdata read (fastdata/backends/dali.py)"))
-def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does_in_dalis_own_decoder(exif_folder):
-    _check_turned_as_pillow(exif_folder, "dali", {"decode": "dali"})
 
 
 @pytest.mark.parametrize("name", sorted(CORRUPT_EXIF))

@@ -93,6 +93,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import threading
 import weakref
 from typing import cast
 
@@ -227,6 +228,8 @@ class DaliLoader(DaliFiles, Loader):
         self._dims = np.zeros((n, 3), np.int32)
         self._stamps = np.zeros(n, np.int64)   # each file's (size, mtime) when its size was read
         self._why: dict[int, str] = {}
+        self._rewritten: dict[int, str | None] = {}   # see DaliFiles._learn_exif
+        self._rewrite_dir, self._rewrite_lock = None, threading.Lock()
         # Reading: one assembler thread prepares whole batches in stream order (the augmentation draws
         # need each file's size); it spreads a batch's files over the reader threads. Threads, not
         # processes or DALI's parallel external source: file reads and PIL's decode release the GIL,
@@ -505,8 +508,8 @@ class DaliLoader(DaliFiles, Loader):
 
         bad: list[tuple[int, str]] = []
         for i in ids:
-            try:
-                data = np.frombuffer(self.source.read(i), dtype=np.uint8)
+            try:   # the bytes DALI is given (an EXIF block rewritten, see DaliFiles._learn_exif)
+                data = np.frombuffer(self._as_fed(i, self.source.read(i)), dtype=np.uint8)
             except DecodeError as err:
                 bad.append((i, err.why))
                 continue
@@ -574,6 +577,7 @@ class DaliLoader(DaliFiles, Loader):
         for pool in (self._readers, self.assembler):
             if pool is not None:
                 pool.shutdown(join_timeout)
+        self._drop_rewritten()   # after the readers, which write the copies
 
     def __del__(self):
         try:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
+import tempfile
+import threading
 from itertools import zip_longest
 from typing import TYPE_CHECKING, cast
 
@@ -18,6 +21,7 @@ from ..augment import draw_params
 from ..datasets import ImageFolder, folders
 from ..errors import DecodeError
 from ..images.photo import check_pixels, crop_photo, displayed_size, exif_orientation, open_image
+from .dali_exif import dali_bytes, with_orientation
 from .dali_feed import batch_record
 
 if TYPE_CHECKING:
@@ -90,6 +94,11 @@ class DaliFiles:
     _dims: np.ndarray            # int32 (n, 3): height, width, EXIF orientation
     _stamps: np.ndarray          # int64: file_stamp when the size was read
     _why: dict[int, str]
+    #: Files DALI is given with their EXIF block rewritten (``dali_exif``): the rewritten copy's path
+    #: for plain files (in ``_rewrite_dir``, removed by ``_drop_rewritten``), None for bytes fed.
+    _rewritten: dict[int, str | None]
+    _rewrite_dir: str | None
+    _rewrite_lock: threading.Lock
 
     def _prepare_files(self, rng, k, ids):
         """Runs in the assembler thread: reads the batch's files (in the reader threads), then draws
@@ -237,6 +246,8 @@ class DaliFiles:
             stamps.append(_unreadable(err))
         if stamps != self._stamps[ids].tolist():   # a reason, or a shorter list, never equals
             return None, stamps
+        if self._rewritten:   # the few files DALI reads from a rewritten copy (_learn_exif)
+            chosen = [self._rewritten.get(i) or p for i, p in zip(ids.tolist(), chosen)]
         return list(map(os.fsencode, chosen)), stamps
 
     def _read_files(self, ids):
@@ -267,7 +278,7 @@ class DaliFiles:
             if isinstance(now, str):
                 return now
             if now == self._stamps[i]:
-                return os.fsencode(self._paths[i])
+                return os.fsencode(self._dali_path(i))
             state = UNSEEN
         path = self.source.sample_name(i)
         try:
@@ -304,14 +315,56 @@ class DaliFiles:
                 verdict = BROKEN
             finally:
                 img.close()
+            if verdict == OK and not self.host_decode:
+                self._learn_exif(i, raw)
             self._stamps[i] = stamp
             self._state[i] = verdict  # last: a thread that sees OK/BROKEN also sees the size
             if verdict == BROKEN:
                 return None
         if self._paths is not None:   # learnt; from now on DALI reads it (the page cache has it now)
-            return os.fsencode(self._paths[i])
+            return os.fsencode(self._dali_path(i))
         # A read-only view of the bytes: external_source copies them into DALI's own buffer.
-        return np.frombuffer(raw, dtype=np.uint8)
+        return np.frombuffer(self._as_fed(i, raw), dtype=np.uint8)
+
+    # ------------------------------------------------------------------ EXIF blocks DALI reads otherwise
+    def _learn_exif(self, i: int, raw: bytes) -> None:
+        """Decoding in DALI: whether file ``i`` (just learnt, its orientation in ``_dims``) goes to DALI
+        with its EXIF block rewritten (``dali_exif.dali_bytes``: a malformed block, which DALI would read
+        otherwise than Pillow). A plain file's rewritten copy is written once, to a folder of the
+        loader's own, and DALI is given that copy's name (it reads files by name)."""
+        fixed = dali_bytes(raw, int(self._dims[i, 2]))
+        if fixed is None:
+            self._rewritten.pop(i, None)   # a replaced file may not need it any more
+            return
+        path = None
+        if self._paths is not None:
+            with self._rewrite_lock:
+                if self._rewrite_dir is None:
+                    self._rewrite_dir = tempfile.mkdtemp(prefix="fastdata-dali-exif-")
+            path = os.path.join(self._rewrite_dir, f"{i}{os.path.splitext(self._paths[i])[1]}")
+            with open(path, "wb") as f:
+                f.write(fixed)
+        self._rewritten[i] = path
+
+    def _dali_path(self, i: int) -> str:
+        """The name DALI reads plain file ``i`` by: its path, or its rewritten copy's (``_learn_exif``)."""
+        return self._rewritten.get(i) or cast(list, self._paths)[i]
+
+    def _as_fed(self, i: int, raw: bytes) -> bytes:
+        """File ``i``'s bytes as DALI is given them (its EXIF block rewritten where ``_learn_exif`` said)."""
+        if i not in self._rewritten:
+            return raw
+        return with_orientation(raw, int(self._dims[i, 2])) or raw
+
+    def _drop_rewritten(self) -> None:
+        """Remove the rewritten copies (the loader is closed). Their files are learnt again if the
+        loader is iterated after all, which writes the copies again."""
+        folder, self._rewrite_dir = self._rewrite_dir, None
+        for i in list(self._rewritten):
+            self._state[i] = UNSEEN
+        self._rewritten.clear()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _path_stamp(self, i: int) -> int | str:
         """Plain file ``i``'s stamp from a stat of its path, or the reason (str) it cannot be stat'ed."""

@@ -213,7 +213,7 @@ def is_jpeg(data: bytes) -> bool:
 
 #: Bytes per value of each TIFF type Pillow reads (``TiffImagePlugin``'s ``_load_dispatch``); another
 #: type's entry is skipped by Pillow, and here.
-_TIFF_UNIT = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8}
+TIFF_UNIT = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8}
 
 
 def jpeg_orientation(data: bytes) -> int | None:
@@ -258,7 +258,7 @@ def jpeg_orientation(data: bytes) -> int | None:
                             return None
                         (value,) = struct.unpack_from(end + "H", tiff, ifd + 2 + 12 * k + 8)
                         return value if 1 <= value <= 8 else None
-                    size = num * _TIFF_UNIT.get(kind, 0)
+                    size = num * TIFF_UNIT.get(kind, 0)
                     if size > 4 and where + size > len(tiff):
                         # Pillow stops reading the block at an entry whose values lie past its end, and
                         # never sees an orientation after it (a photo turned by one backend only).
