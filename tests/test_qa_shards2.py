@@ -120,3 +120,137 @@ def test_a_shard_written_in_place_while_a_reader_holds_it_open_is_checked_again(
     skipping = make_loader(source, "torch", num_workers=0, on_error="skip", **KW)
     with pytest.warns(RuntimeWarning, match=rf"skipped {len(in_first)} "):
         assert sum(len(y) for _, y in skipping) == 32 - len(in_first)
+
+
+# ---------------------------------------------------------------- tars written by other tools
+def _photo(seed: int, fmt: str = "JPEG") -> bytes:
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (20 + seed % 7, 24, 3), dtype=np.uint8)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def _tar(path, members, *, fmt=None, mode="w"):
+    """Write ``members`` ([(name, bytes or None for a folder or ("link", target))]) with Python's tarfile."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, mode, **({"format": fmt} if fmt is not None else {})) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif isinstance(data, tuple):
+                info.type, info.linkname = tarfile.LNKTYPE, data[1]
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def _pairs_of(source) -> list:
+    """(image bytes, class name) of every sample, sorted."""
+    return sorted((source.read(i), source.classes[int(source.labels[i])]) for i in range(len(source)))
+
+
+def test_webdataset_tars_of_other_tools_convert_with_pack_and_read_back_every_sample(tmp_path):
+    """A folder of WebDataset-style tars written by tarfile and GNU tar: members out of order, a folder
+    member, keys with dots, upper-case and .jpeg/.png endings, labels in .cls, .txt and .json, a
+    second image (a mask) in a sample, pax and GNU long names, a hard link, a .tar.gz. Before, pack took
+    the folder for an image folder ('no class sub-folders') and Shards said to give pack's folder: a
+    user's WebDataset could not be read at all."""
+    import json
+    import subprocess
+    import sys
+    import tarfile
+
+    tars = tmp_path / "wds"
+    tars.mkdir()
+    p = [_photo(k) for k in range(10)]
+    long_key = "deep/" + "k" * 120
+    _tar(tars / "a-000.tar", [
+        ("b.cls", b"1"), ("a.jpg", p[0]), ("sub", None), ("sub/c.JPEG", p[1]), ("a.cls", b"0\n"),
+        ("b.png", _photo(2, "PNG")), ("sub/c.txt", b" 7 "),
+        (f"{long_key}.jpg", p[3]), (f"{long_key}.json", json.dumps({"label": 3, "w": 24}).encode()),
+        ("img.v2.jpg", p[4]), ("img.v2.cls", b"2"),                      # a dot in the key
+        ("d.jpg", p[5]), ("d.seg.png", _photo(6, "PNG")), ("d.cls", b"5"),  # an image and its mask
+        ("e.jpg", ("link", "a.jpg")), ("e.cls", b"4"),                     # a hard link
+    ], fmt=tarfile.PAX_FORMAT)
+    _tar(tars / "a-001.tar.gz", [("x.jpg", p[7]), ("x.json", b"6"), (f"{long_key}.jpg", p[8]),
+                                 (f"{long_key}.cls", b"2")], fmt=tarfile.GNU_FORMAT, mode="w:gz")
+    gnu = tmp_path / "gnu"
+    (gnu / "f").mkdir(parents=True)
+    (gnu / "f" / "y.jpg").write_bytes(p[9])
+    (gnu / "f" / "y.cls").write_text("1")
+    subprocess.run(["tar", "-cf", str(tars / "a-002.tar"), "-C", str(gnu), "f"], check=True)
+    expected = sorted([(p[0], "0"), (_photo(2, "PNG"), "1"), (p[1], "7"), (p[3], "3"), (p[4], "2"), (p[5], "5"),
+                       (p[0], "4"), (p[7], "6"), (p[8], "2"), (p[9], "1")])
+
+    from fastdata.packing import TarImages
+    from fastdata.shards.index import IndexNotFound
+
+    with pytest.raises(IndexNotFound, match=r"holds 3 tar file\(s\) but no index.*python -m fastdata pack"):
+        Shards(tars)
+    assert _pairs_of(TarImages(tars)) == expected
+    done = subprocess.run([sys.executable, "-m", "fastdata", "pack", str(tars), str(tmp_path / "out"),
+                           "--no-progress", "--workers", "0"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    packed = Shards(tmp_path / "out")
+    assert packed.classes == [str(k) for k in range(8)] and _pairs_of(packed) == expected
+    n = sum(len(y) for _, y in make_loader(packed, "torch", num_workers=0, **KW))
+    assert n == 10
+
+
+@pytest.mark.parametrize("case, match", [
+    ("no-label", r"a-000\.tar': sample 'b' has no label \(\.cls, .* only 'b\.jpg'"),
+    ("no-image", r"a-000\.tar': sample 'c' has no image member, only 'c\.cls'"),
+    ("two-images", r"a-000\.tar': sample 'b' has several images \(b\.jpg, b\.png\)"),
+    ("mixed-labels", r"class indices \(0\) and others with class names \('cat'\)"),
+    ("bad-label", r"label member '.*a-000\.tar:b\.cls' holds 'cat'"),
+    ("truncated", r"tar '.*a-000\.tar' is truncated or damaged: it ends inside or after member 'b\.jpg'"),
+    ("truncated-gz", r"tar '.*a-000\.tar\.gz' is truncated or damaged"),
+    ("sparse", r"member 's\.jpg' is sparse"),
+])
+def test_tars_that_cannot_be_converted_are_named_with_the_member_and_what_is_wrong(tmp_path, case, match):
+    import subprocess
+
+    from fastdata.packing import TarImages
+
+    folder = tmp_path / "wds"
+    folder.mkdir()
+    members = [("a.jpg", _photo(0)), ("a.cls", b"0")]
+    extra = {"no-label": [("b.jpg", _photo(1))], "no-image": [("c.cls", b"1")],
+             "two-images": [("b.jpg", _photo(1)), ("b.png", _photo(2, "PNG")), ("b.cls", b"1")],
+             "mixed-labels": [("b.jpg", _photo(1)), ("b.txt", b"cat")],
+             "bad-label": [("b.jpg", _photo(1)), ("b.cls", b"cat")]}
+    if case == "sparse":
+        data = tmp_path / "src"
+        data.mkdir()
+        with open(data / "s.jpg", "wb") as f:
+            f.truncate(1 << 20)
+            f.write(_photo(3))
+        (data / "s.cls").write_text("0")
+        subprocess.run(["tar", "-S", "--format=gnu", "-cf", str(folder / "a-000.tar"), "-C", str(data),
+                        "s.jpg", "s.cls"], check=True)
+    elif case == "truncated-gz":
+        _tar(folder / "a-000.tar.gz", members + [("b.jpg", _photo(1)), ("b.cls", b"1")], mode="w:gz")
+        whole = (folder / "a-000.tar.gz").read_bytes()
+        (folder / "a-000.tar.gz").write_bytes(whole[: len(whole) // 2])
+    else:
+        _tar(folder / "a-000.tar", members + extra.get(case, [("b.jpg", _photo(1)), ("b.cls", b"1")]))
+    if case == "truncated":
+        import tarfile
+
+        with tarfile.open(folder / "a-000.tar") as tar:
+            cut = tar.getmember("b.jpg").offset_data + 100
+        whole = (folder / "a-000.tar").read_bytes()
+        (folder / "a-000.tar").write_bytes(whole[:cut])   # inside b.jpg's data
+    with pytest.raises(ValueError, match=match):
+        TarImages(folder)
+    with pytest.raises(ValueError, match=match):
+        fastdata.pack(str(folder), tmp_path / "out", progress=False, workers=0)

@@ -32,8 +32,10 @@ The folder is not called ``pack``: importing a submodule ``fastdata.pack`` would
 ``fastdata.pack`` with the module.
 
 Modules: ``reader`` (what is read from a source), ``writer`` (the plan, the tars and the index), ``ranks``
-(how the ranks of one pack share a folder), ``command`` (the command line).
+(how the ranks of one pack share a folder), ``command`` (the command line), ``tars`` (WebDataset tars
+written by another tool, read as a source: ``pack`` converts them).
 """
+from .tars import TarImages
 from .writer import PackReport, pack, parse_size
 
-__all__ = ["PackReport", "pack", "parse_size"]
+__all__ = ["PackReport", "TarImages", "pack", "parse_size"]

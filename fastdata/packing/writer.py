@@ -285,7 +285,12 @@ def _pack_source(source, split):
     """The fastdata source ``pack`` reads: opened from a path, or through ``as_source``."""
     if isinstance(source, (str, os.PathLike)):
         from ..datasets.spec import open_source  # at the call: a test stands in for the shared parser
+        from .tars import TarImages, find_tars
 
+        if _is_tars(source, find_tars(source)):   # WebDataset tars of another tool: converted to a pack
+            if split is not None:
+                raise ValueError(f"--split {split} applies to MNIST and digits; '{source}' holds tars")
+            return TarImages(source)
         return open_source(source, split=split)
     if split is not None:
         raise ValueError("split applies to a source given by path ('digits', an MNIST root); "
@@ -293,6 +298,15 @@ def _pack_source(source, split):
     from ..registry import as_source
 
     return as_source(source)
+
+
+def _is_tars(path, tars: list) -> bool:
+    """Whether ``path`` names tars to convert: a tar file, or a folder with tars and no sub-folder (an
+    image folder's classes) and no ``index.json`` (a pack's tars are read through their index)."""
+    if not tars or not os.path.isdir(path):
+        return bool(tars)
+    return not os.path.exists(os.path.join(path, INDEX_NAME)) and not any(
+        e.is_dir() and not e.name.startswith(".") for e in os.scandir(path))
 
 
 def _plan(reader: SampleReader, shard_size: int) -> list[ShardPlan]:

@@ -340,7 +340,7 @@ def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
         cls = IndexNotFound if isinstance(e, FileNotFoundError) else StorageError
         error = cls(f"cannot read the index at {path}: {type(e).__name__}: {e}", os.path.basename(path), path,
                     code=e.errno)
-        raise _with_advice(error, local=True) from None
+        raise _with_advice(error, local=True, folder=os.path.dirname(path)) from None
     return parse_index(data, path, max_member_bytes=max_member_bytes)
 
 
@@ -354,13 +354,20 @@ def load_index(storage, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardInd
     except StorageError as e:
         if isinstance(e, FileNotFoundError):
             e = IndexNotFound(str(e), e.name, e.url, e.attempts, e.transient, code=e.errno, status=e.status)
-        raise _with_advice(e, local=storage.is_local) from None
+        raise _with_advice(e, local=storage.is_local,
+                           folder=storage.location if storage.is_local else None) from None
     return parse_index(data, storage.url(INDEX_NAME), max_member_bytes=max_member_bytes)
 
 
-def _with_advice(error: StorageError, *, local: bool) -> StorageError:
-    """``error`` (about reading the index) with what to do about it appended to its message."""
-    if isinstance(error, FileNotFoundError):
+def _with_advice(error: StorageError, *, local: bool, folder: str | None = None) -> StorageError:
+    """``error`` (about reading the index) with what to do about it appended to its message. ``folder``:
+    the local folder the index was looked for in (its tars, written by another tool, are named)."""
+    tars = _foreign_tars(folder) if isinstance(error, FileNotFoundError) and folder else 0
+    if tars:
+        advice = (f"the folder holds {tars} tar file(s) but no index: tars written by another tool (WebDataset "
+                  f"style) are read once they are converted: python -m fastdata pack '{folder}' OUT, then "
+                  f"Shards(OUT)")
+    elif isinstance(error, FileNotFoundError):
         written = "the folder that `python -m fastdata pack` wrote"
         advice = (f"it is missing: give {written} (index.json beside its tars)" if local else
                   f"it is missing: check the URL ({written}, uploaded as it is: index.json beside its tars)")
@@ -376,6 +383,18 @@ def _with_advice(error: StorageError, *, local: bool) -> StorageError:
         advice = "it must be the file index.json that `python -m fastdata pack` writes; re-run pack"
     error.args = (f"{error}; {advice}",)
     return error
+
+
+def _foreign_tars(folder: str) -> int:
+    """How many tar files (``.tar``, ``.tar.gz``, ``.tgz``) that ``pack`` did not write lie in local
+    ``folder`` (0 if it cannot be listed). ``pack`` writes a record ``NAME.json`` beside each of its
+    tars: a folder of those is an interrupted pack, not another tool's tars."""
+    try:
+        names = {e.name for e in os.scandir(folder)}
+    except OSError:
+        return 0
+    return sum(1 for n in names if n.lower().endswith((".tar", ".tar.gz", ".tgz"))
+               and f"{n.rpartition('.tar')[0]}.json" not in names)
 
 
 def index_document(*, shards: list[dict], classes, samples: dict, key_width: int, fingerprint: str,
