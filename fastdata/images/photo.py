@@ -15,7 +15,7 @@ import os
 import warnings
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from ..augment import clamp_box, mirrored, sample_box
 from ..config import Augmentation
@@ -261,13 +261,41 @@ def _jpeg_header(path, data: bytes):
     return head
 
 
+#: The turn of each EXIF orientation (none for 1), as ``ImageOps.exif_transpose`` makes it.
+_TURN_OF_ORIENTATION = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+                        4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+                        6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90}
+
+
 def decode_upright(img: Image.Image, path, orientation: int) -> Image.Image:
     """Decode an opened image (at the scale a ``draft`` chose) as displayed: EXIF orientation applied,
-    RGB. A decoding failure is the DecodeError naming ``path`` that every backend raises for it."""
+    RGB. A decoding failure is the DecodeError naming ``path`` that every backend raises for it, and so
+    is pixels that cannot be converted to RGB (CIELAB without littleCMS).
+
+    The pixels alone are turned (``transpose``), not through ``ImageOps.exif_transpose``: that one also
+    rewrites the turned copy's EXIF block, and raised on a block Pillow reads but cannot write back (a
+    tag stored with another type than the standard's, as old cameras and editors write): a valid
+    photo, turned by an orientation read without fault, failed with an error naming no file."""
     load_pixels(img, path)
-    if orientation != 1:
-        img = ImageOps.exif_transpose(img)
-    return to_rgb(img)
+    try:
+        turn = _TURN_OF_ORIENTATION.get(orientation)
+        return to_rgb(img if turn is None else img.transpose(turn))
+    except MemoryError:   # the machine's condition, not the file's: never skipped as a broken file
+        raise
+    except Exception as e:
+        raise DecodeError(path, _not_convertible(img, e)) from None
+
+
+def _not_convertible(img: Image.Image, e: Exception) -> str:
+    """Why ``img``'s decoded pixels did not become RGB, with the way out where there is one."""
+    why = f"its {img.mode} pixels cannot be converted to RGB ({type(e).__name__}: {e})"
+    if img.mode == "LAB":
+        from PIL import features
+
+        if not features.check("littlecms2"):
+            why += ("; converting CIELAB needs a Pillow built with littleCMS (PIL.features.check('littlecms2') "
+                    "is False): convert such files to RGB, or install a Pillow built with it")
+    return why
 
 
 def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims, *, img=None,
