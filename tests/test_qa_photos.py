@@ -251,6 +251,24 @@ def test_the_folder_lists_torchvisions_files_and_classes_less_dot_names(tmp_path
     assert images.shape == (len(samples), 3, 32, 32) and labels.tolist() == [y for _, y in samples]
 
 
+
+def test_a_folder_linked_from_two_classes_is_in_both_as_torchvision_lists_it(tmp_path):
+    # Folders were read once for the whole tree: a folder linked from two classes (a label view built
+    # with links) went to the class that sorts first, and a class folder that is a link to another
+    # class's own sub-folder took that sub-folder out of it; silently, where torchvision lists both.
+    datasets = pytest.importorskip("torchvision.datasets")
+    root, shared = tmp_path / "root", tmp_path / "shared"
+    for path in (root / "a" / "x.png", root / "a" / "sub" / "s.png", root / "b" / "y.png", shared / "z.png"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(path)
+    os.symlink(shared, root / "a" / "shared")
+    os.symlink(shared, root / "b" / "shared")
+    os.symlink(root / "a" / "sub", root / "c")
+    ours, theirs = ImageFolder(root), datasets.ImageFolder(root)
+    assert list(zip(ours.paths, ours.labels.tolist(), strict=True)) == theirs.samples
+    assert [os.path.relpath(p, root) for p in ours.paths] == ["a/x.png", "a/shared/z.png", "a/sub/s.png",
+                                                              "b/y.png", "b/shared/z.png", "c/s.png"]
+
 # ---------------------------------------------------------------------- what each backend refuses
 @pytest.fixture(scope="module")
 def misnamed_folder(tmp_path_factory):

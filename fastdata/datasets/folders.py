@@ -38,8 +38,11 @@ def _is_folder(entry: os.DirEntry) -> bool:
         return False
 
 
-def _walk_images(folder, exts, visited: set, real_root: str):
-    """Image files under ``folder``, following links to folders, each real folder once."""
+def _walk_images(folder, exts, visited: set, marked: set, real_root: str):
+    """Image files under ``folder``, following links to folders, each real folder once (``visited``:
+    those of this class, so a loop ends and a folder linked twice is read once). A link to one of the
+    ``marked`` folders (the root, a class folder) is skipped: it would loop, or relabel another class's
+    photos. A real sub-folder is read even where a class folder links to it: it is this class's too."""
     for entry in _scandir(folder):
         if entry.name.startswith("."):
             continue
@@ -48,10 +51,10 @@ def _walk_images(folder, exts, visited: set, real_root: str):
             if real_root.startswith(real.rstrip(os.sep) + os.sep):
                 raise ValueError(f"folder link '{entry.path}' points to '{real}', which contains the image "
                                  f"folder '{real_root}' itself: reading it would loop")
-            if real in visited:  # a loop, or a folder already read (under its own class)
+            if real in visited or (real in marked and entry.is_symlink()):
                 continue
             visited.add(real)
-            yield from _walk_images(entry.path, exts, visited, real_root)
+            yield from _walk_images(entry.path, exts, visited, marked, real_root)
         elif entry.name.lower().endswith(exts):
             yield entry.path
 
@@ -177,17 +180,19 @@ class ImageFolder(Source):
         if not classes:
             raise FileNotFoundError(f"image folder '{root}' has no class sub-folders "
                                     f"(expected root/<class>/<image>{exts[0]})")
-        # Every real directory is walked once. The root and the class folders are marked up front, so a
-        # link back to them (a/loop -> ..) neither loops (os.walk(followlinks=True) re-reads the tree
-        # through it: 6 images became 2,706) nor relabels another class's images.
+        # Every real directory is walked once per class. The root and the class folders are marked up
+        # front, so a link back to them (a/loop -> ..) neither loops (os.walk(followlinks=True) re-reads
+        # the tree through it: 6 images became 2,706) nor relabels another class's images. Once per class,
+        # not once for the tree: a folder linked from two classes (a label view made of links) is in
+        # both, as torchvision lists it, not in whichever class sorts first.
         real_root = os.path.realpath(root)
-        visited = {real_root} | {os.path.realpath(root / c) for c in classes}
+        marked = {real_root} | {os.path.realpath(root / c) for c in classes}
         paths, labels = [], []
         for label, cls in enumerate(classes):
             # torchvision's order: folders by path, then the files of each by name (its
             # sorted(os.walk(...)) then sorted(fnames)), so a nested class folder lists "z.jpg" before
             # "more/b.jpg" in both, and sample i is the same file in both (fingerprints, indices=).
-            files = sorted(_walk_images(root / cls, exts, visited, real_root),
+            files = sorted(_walk_images(root / cls, exts, {os.path.realpath(root / cls)}, marked, real_root),
                            key=lambda p: (os.path.dirname(p), os.path.basename(p)))
             if not files:
                 raise FileNotFoundError(f"class folder '{root / cls}' has no images with endings {list(exts)}")
