@@ -344,7 +344,7 @@ def test_a_corrupt_exif_block_turns_a_photo_as_pillow_does_in_dalis_own_decoder(
     windows are drawn in Pillow's reading. On a malformed block the two disagreed on the photo's height
     and width: the batch failed ('the cropping window ... is not valid'), and the file was refused by
     name, where every other backend decodes it as Pillow turns it. DALI is now given such a file with
-    its block rewritten to Pillow's orientation (decode.dali_exif), from a copy for plain files (DALI
+    its block rewritten to Pillow's orientation (decode.dali_input), from a copy for plain files (DALI
     reads them by name), in the bytes fed for shards; a second epoch reads the same; close() removes
     the copies. On a GPU nvJPEG reads the rewritten block."""
     source = exif_folder
@@ -370,9 +370,9 @@ def test_dalis_own_decoder_refuses_by_name_a_photo_it_still_turns_otherwise_than
     on_error='skip' could not skip, the probe finding no culprit, each file decoding alone. The probe
     compares each file's size as DALI turns it with Pillow's: such a file is refused by name and
     skipped and counted, and the others are read as Pillow turns them."""
-    import fastdata.decode.dali_files as dali_files
+    import fastdata.decode.dali_input as dali_input
 
-    monkeypatch.setattr(dali_files, "dali_bytes", lambda data, orientation: None)
+    monkeypatch.setattr(dali_input, "dali_bytes", lambda data, orientation: None)
     first = DALI_TURNS_OTHERWISE[0]
     with pytest.raises(DecodeError, match=f"{first}.jpg.*turns it to 64x48.*orientation 6.*malformed EXIF"):
         _epoch(_loader(exif_folder, "dali", {"decode": "dali"}, on_error="raise"))

@@ -228,7 +228,7 @@ class DaliLoader(DaliFiles, Loader):
         self._dims = np.zeros((n, 3), np.int32)
         self._stamps = np.zeros(n, np.int64)   # each file's (size, mtime) when its size was read
         self._why: dict[int, str] = {}
-        self._rewritten: dict[int, str | None] = {}   # see DaliFiles._learn_exif
+        self._rewritten: dict[int, str | None] = {}   # see DaliFiles._learn_input
         self._rewrite_dir, self._rewrite_lock = None, threading.Lock()
         # Reading: one assembler thread prepares whole batches in stream order (the augmentation draws
         # need each file's size); it spreads a batch's files over the reader threads. Threads, not
@@ -508,11 +508,15 @@ class DaliLoader(DaliFiles, Loader):
 
         bad: list[tuple[int, str]] = []
         for i in ids:
-            try:   # the bytes DALI is given (an EXIF block rewritten, see DaliFiles._learn_exif)
-                data = np.frombuffer(self._as_fed(i, self.source.read(i)), dtype=np.uint8)
+            try:   # the bytes DALI is given (see DaliFiles._learn_input)
+                fed = self._as_fed(i, self.source.read(i))
             except DecodeError as err:
                 bad.append((i, err.why))
                 continue
+            if isinstance(fed, str):
+                bad.append((i, fed))
+                continue
+            data = np.frombuffer(fed, dtype=np.uint8)
             for attempt in (0, 1):
                 if self._probe_pipe is None:
                     self._probe_pipe = probe()

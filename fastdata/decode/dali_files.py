@@ -21,8 +21,9 @@ from ..augment import draw_params
 from ..datasets import ImageFolder, folders
 from ..errors import DecodeError
 from ..images.photo import check_pixels, crop_photo, displayed_size, exif_orientation, open_image
-from .dali_exif import dali_bytes, with_orientation
+from ..images.region import is_jpeg
 from .dali_feed import batch_record
+from .dali_input import dali_input
 
 if TYPE_CHECKING:
     from ..config import Augmentation
@@ -94,8 +95,8 @@ class DaliFiles:
     _dims: np.ndarray            # int32 (n, 3): height, width, EXIF orientation
     _stamps: np.ndarray          # int64: file_stamp when the size was read
     _why: dict[int, str]
-    #: Files DALI is given with their EXIF block rewritten (``dali_exif``): the rewritten copy's path
-    #: for plain files (in ``_rewrite_dir``, removed by ``_drop_rewritten``), None for bytes fed.
+    #: Files DALI is given other bytes for (``_learn_input``): the copy's path for plain files (in
+    #: ``_rewrite_dir``, removed by ``_drop_rewritten``), None for bytes fed.
     _rewritten: dict[int, str | None]
     _rewrite_dir: str | None
     _rewrite_lock: threading.Lock
@@ -246,7 +247,7 @@ class DaliFiles:
             stamps.append(_unreadable(err))
         if stamps != self._stamps[ids].tolist():   # a reason, or a shorter list, never equals
             return None, stamps
-        if self._rewritten:   # the few files DALI reads from a rewritten copy (_learn_exif)
+        if self._rewritten:   # the few files DALI reads from a copy (_learn_input)
             chosen = [self._rewritten.get(i) or p for i, p in zip(ids.tolist(), chosen)]
         return list(map(os.fsencode, chosen)), stamps
 
@@ -295,6 +296,7 @@ class DaliFiles:
                 self._state[i] = NO_HEADER
                 return None
             return f"cannot read it now ({err.why})"
+        fed = None   # the bytes DALI is given, where learning the file made them (_learn_input)
         if state == UNSEEN:
             try:
                 img = open_image(path, io.BytesIO(raw))
@@ -316,7 +318,9 @@ class DaliFiles:
             finally:
                 img.close()
             if verdict == OK and not self.host_decode:
-                self._learn_exif(i, raw)
+                fed = self._learn_input(i, raw, img.format)
+                if isinstance(fed, str):
+                    self._why[i], verdict = fed, BROKEN
             self._stamps[i] = stamp
             self._state[i] = verdict  # last: a thread that sees OK/BROKEN also sees the size
             if verdict == BROKEN:
@@ -324,37 +328,55 @@ class DaliFiles:
         if self._paths is not None:   # learnt; from now on DALI reads it (the page cache has it now)
             return os.fsencode(self._dali_path(i))
         # A read-only view of the bytes: external_source copies them into DALI's own buffer.
-        return np.frombuffer(self._as_fed(i, raw), dtype=np.uint8)
+        fed = fed if fed is not None else self._as_fed(i, raw)
+        return fed if isinstance(fed, str) else np.frombuffer(fed, dtype=np.uint8)
 
-    # ------------------------------------------------------------------ EXIF blocks DALI reads otherwise
-    def _learn_exif(self, i: int, raw: bytes) -> None:
-        """Decoding in DALI: whether file ``i`` (just learnt, its orientation in ``_dims``) goes to DALI
-        with its EXIF block rewritten (``dali_exif.dali_bytes``: a malformed block, which DALI would read
-        otherwise than Pillow). A plain file's rewritten copy is written once, to a folder of the
-        loader's own, and DALI is given that copy's name (it reads files by name)."""
-        fixed = dali_bytes(raw, int(self._dims[i, 2]))
+    # ------------------------------------------------------------------ files DALI would read otherwise
+    def _learn_input(self, i: int, raw: bytes, image_format: str | None) -> bytes | str:
+        """Decoding in DALI: what DALI is given for file ``i`` (just learnt, its orientation in
+        ``_dims``): ``raw``, or other bytes (``dali_input.dali_input``: a JPEG's malformed EXIF block
+        rewritten, a PNG of a format DALI reads otherwise); the reason (str) when Pillow cannot decode
+        it. A plain file's other bytes are written once, to a folder of the loader's own, and DALI is
+        given that copy's name (it reads files by name)."""
+        path = self.source.sample_name(i)
+        try:
+            fixed = dali_input(path, raw, int(self._dims[i, 2]), image_format)
+        except DecodeError as err:
+            return err.why
         if fixed is None:
             self._rewritten.pop(i, None)   # a replaced file may not need it any more
-            return
-        path = None
+            return raw
+        copy = None
         if self._paths is not None:
             with self._rewrite_lock:
                 if self._rewrite_dir is None:
-                    self._rewrite_dir = tempfile.mkdtemp(prefix="fastdata-dali-exif-")
-            path = os.path.join(self._rewrite_dir, f"{i}{os.path.splitext(self._paths[i])[1]}")
-            with open(path, "wb") as f:
-                f.write(fixed)
-        self._rewritten[i] = path
+                    self._rewrite_dir = tempfile.mkdtemp(prefix="fastdata-dali-")
+            ext = os.path.splitext(self._paths[i])[1] if is_jpeg(fixed) else ".png"
+            copy = os.path.join(self._rewrite_dir, f"{i}{ext}")
+            try:
+                with open(copy, "wb") as f:
+                    f.write(fixed)
+            except OSError as err:
+                raise OSError(err.errno, f"dali backend: {path!r} is given to DALI's decoder as a copy "
+                                         f"(its format or EXIF block DALI reads otherwise than Pillow), and "
+                                         f"writing it to {copy!r} failed ({err.strerror or err}); set TMPDIR "
+                                         f"to a folder with room, or decode='host' on the CPU") from err
+        self._rewritten[i] = copy
+        return fixed
 
     def _dali_path(self, i: int) -> str:
-        """The name DALI reads plain file ``i`` by: its path, or its rewritten copy's (``_learn_exif``)."""
+        """The name DALI reads plain file ``i`` by: its path, or its copy's (``_learn_input``)."""
         return self._rewritten.get(i) or cast(list, self._paths)[i]
 
-    def _as_fed(self, i: int, raw: bytes) -> bytes:
-        """File ``i``'s bytes as DALI is given them (its EXIF block rewritten where ``_learn_exif`` said)."""
+    def _as_fed(self, i: int, raw: bytes) -> bytes | str:
+        """File ``i``'s bytes as DALI is given them (``_learn_input``), or the reason (str) they cannot
+        be made now."""
         if i not in self._rewritten:
             return raw
-        return with_orientation(raw, int(self._dims[i, 2])) or raw
+        try:
+            return dali_input(self.source.sample_name(i), raw, int(self._dims[i, 2])) or raw
+        except DecodeError as err:
+            return f"cannot decode it now ({err.why})"
 
     def _drop_rewritten(self) -> None:
         """Remove the rewritten copies (the loader is closed). Their files are learnt again if the

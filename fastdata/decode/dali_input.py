@@ -1,36 +1,67 @@
-"""A JPEG's EXIF block rewritten for DALI's decoder, so that DALI turns the photo as Pillow reads it.
+"""What DALI's decoder is given for a file, so that it decodes the picture Pillow reads (the picture
+of every other backend, and the one the crop boxes are drawn in): the file's own bytes, a JPEG with
+its EXIF block rewritten, or a PNG of Pillow's reading.
 
-Why: the crop boxes of every backend are drawn in the photo as Pillow shows it (``exif_orientation``:
-its EXIF orientation applied), and the torch, memory and host-decoding dali paths turn the pixels by
-that same reading. DALI's decoders (``fn.decoders.image``/``image_slice``, nvJPEG on a GPU,
-libjpeg-turbo on the CPU) read the EXIF block themselves and turn the photo as they read it. On a
-well-formed block the two readings agree. On a malformed one (an orientation stored as a LONG, an entry
-count past the block's end, a byte order that is neither "II" nor "MM": all found in the wild) each
-reader stops or goes on differently: DALI turned such a photo to another height and width than the
-box was drawn for, and the batch failed (or, where the box still fit, the crop came from a photo
-turned the other way).
+Formats. DALI's decoder (nvImageCodec: nvJPEG on a GPU, libjpeg-turbo and others on the CPU) reads
+JPEG (MPO too: its first picture), PNG and BMP as Pillow does, in every mode Pillow writes (checked on
+DALI 2.4: the same pixels). The others it reads otherwise or not at all: a GIF fails the batch; a
+TIFF's own Orientation tag is not applied, a grey+alpha, palette+alpha or float TIFF comes out a
+different picture, a 1-bit or 32-bit integer TIFF is refused; a PGM/PPM's maxval is ignored (12-bit
+data comes out black). Such a file is given to DALI as a PNG of Pillow's reading, turned upright
+(``decode_upright``, the torch backend's decode): one decode and encode when the file is first read,
+and DALI decodes a PNG (on its CPU threads, even on a GPU). A dataset of TIFFs is faster converted to
+JPEG or PNG once than re-read through copies: ``python -m fastdata pack``.
 
-The fix, where DALI decodes: the file is handed to DALI with its EXIF segments replaced by one minimal,
-well-formed block holding Pillow's orientation (none at all for orientation 1). Only the block
-changes: the compressed scan is the same bytes, so DALI decodes the same pixels and turns them as
-Pillow does. Not turning in DALI instead (``adjust_orientation=False`` and a per-sample turn in the
-graph) would add a pass over every photo of every batch on the GPU's hot path for the few photos whose
-block is malformed; this costs a rewrite of those few files, once, when each is first read.
-Which files: those whose EXIF block is not strictly well-formed (``strict_orientation``: one block,
+EXIF. The torch, memory and host-decoding dali paths turn a photo by Pillow's reading of its EXIF
+orientation (``exif_orientation``). DALI's decoders read the block themselves. On a well-formed block
+the two readings agree. On a malformed one (an orientation stored as a LONG, an entry count past the
+block's end, a byte order that is neither "II" nor "MM": all found in the wild) each reader stops or
+goes on differently: DALI turned such a photo to another height and width than the box was drawn
+for, and the batch failed (or, where the box still fit, the crop came from a photo turned the other
+way). Such a JPEG is given to DALI with its EXIF segments replaced by one minimal, well-formed block
+holding Pillow's orientation (none at all for orientation 1). Only the block changes: the compressed
+scan is the same bytes, so DALI decodes the same pixels and turns them as Pillow does. Not turning
+in DALI instead (``adjust_orientation=False`` and a per-sample turn in the graph) would add a pass
+over every photo of every batch on the GPU's hot path for the few photos whose block is malformed.
+Which JPEGs: those whose EXIF block is not strictly well-formed (``strict_orientation``: one block,
 a TIFF header, IFD0 and every value it points to inside the block, the orientation one SHORT in 1..8)
 or holds another orientation than Pillow's reading. The lenient header walk the decoders use
-(``images.region.jpeg_orientation``, which reads as Pillow does) is not enough: an IFD whose entry count
-runs past the block still gives it (and Pillow) the orientation in its first entry, where DALI's reader
-refuses the whole block and turns nothing.
+(``images.region.jpeg_orientation``, which reads as Pillow does) is not enough: an IFD whose entry
+count runs past the block still gives it (and Pillow) the orientation in its first entry, where
+DALI's reader refuses the whole block and turns nothing.
 """
 from __future__ import annotations
 
+import io
 import struct
 
+from ..images.photo import decode_upright, open_image
 from ..images.region import TIFF_UNIT, is_jpeg
+
+#: Pillow's names of the formats DALI's decoder reads as Pillow does (see the module docstring).
+DALI_READS = frozenset({"JPEG", "MPO", "PNG", "BMP"})
 
 _SOI = b"\xff\xd8"
 _EXIF = b"Exif\x00\x00"
+
+
+def dali_input(path, data: bytes, orientation: int, image_format: str | None = None) -> bytes | None:
+    """The bytes DALI's decoder is given for the file ``path`` whose bytes are ``data`` and whose
+    EXIF orientation Pillow reads as ``orientation``: None for its own bytes, else a JPEG with its EXIF
+    block rewritten (``dali_bytes``) or a PNG of Pillow's reading (a format DALI reads otherwise).
+    ``image_format``: Pillow's name of the format, where the caller has opened the file already.
+    Raises the DecodeError naming ``path`` for a file Pillow cannot decode."""
+    if image_format is None:
+        with open_image(path, io.BytesIO(data)) as img:
+            image_format = img.format
+    if image_format in DALI_READS:
+        return dali_bytes(data, orientation)
+    with open_image(path, io.BytesIO(data)) as img:
+        picture = decode_upright(img, path, orientation)
+    out = io.BytesIO()
+    # The fastest zlib level: the copy is read by DALI, not kept (3-4x faster to write than the default).
+    picture.save(out, "PNG", compress_level=1)
+    return out.getvalue()
 
 
 def dali_bytes(data: bytes, orientation: int) -> bytes | None:

@@ -1,5 +1,6 @@
-"""decode.dali_exif: which JPEGs DALI is given with their EXIF block rewritten, and the rewrite itself
-(no DALI needed: the loader's tests in test_real_broken_files.py decode the results in DALI)."""
+"""decode.dali_input: which files DALI is given other bytes for (a JPEG's EXIF block rewritten, a PNG of
+Pillow's reading for a format DALI reads otherwise) and those bytes; the last test decodes them in the dali
+backend (test_real_broken_files.py and test_qa_photos.py have more)."""
 from __future__ import annotations
 
 import io
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastdata.decode.dali_exif import dali_bytes, exif_segment, strict_orientation, with_orientation
+from fastdata.decode.dali_input import dali_bytes, dali_input, exif_segment, strict_orientation, with_orientation
 from test_real_broken_files import CORRUPT_EXIF, _with_exif
 
 
@@ -98,3 +99,76 @@ def test_the_minimal_block_is_one_short_orientation_in_a_big_endian_tiff():
     assert seg[:2] == b"\xff\xe1" and struct.unpack(">H", seg[2:4])[0] == len(seg) - 2
     tiff = seg[10:]
     assert tiff[:4] == b"MM\x00\x2a" and struct.unpack(">IHHHIH", tiff[4:20]) == (8, 1, 0x0112, 3, 1, 6)
+
+
+# ------------------------------------------------------------------------------ formats
+def _saved(img: Image.Image, fmt: str, **kw) -> bytes:
+    out = io.BytesIO()
+    img.save(out, fmt, **kw)
+    return out.getvalue()
+
+
+def _scene() -> Image.Image:
+    yy, xx = np.mgrid[0:24, 0:40]
+    return Image.fromarray(np.stack([xx * 6, yy * 10, (xx + yy) * 4], -1).astype(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP"])
+def test_the_formats_dali_reads_as_pillow_go_as_they_are(fmt):
+    assert dali_input("p", _saved(_scene(), fmt), 1) is None
+
+
+@pytest.mark.parametrize("fmt, mode", [("GIF", "P"), ("TIFF", "LA"), ("TIFF", "RGB"), ("PPM", "RGB")])
+def test_another_format_goes_as_a_png_of_pillows_reading_turned_upright(fmt, mode):
+    data = _saved(_scene().convert(mode), fmt)
+    png = dali_input("p", data, 6)   # as if its orientation were 6: the PNG holds the turned picture
+    expected = _scene().convert(mode).convert("RGB").transpose(Image.Transpose.ROTATE_270)
+    got = Image.open(io.BytesIO(png))
+    assert got.format == "PNG" and got.mode == "RGB" and not got.getexif()
+    assert np.array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_a_file_pillow_cannot_decode_is_a_decode_error_naming_it():
+    from fastdata import DecodeError
+
+    data = _saved(_scene(), "TIFF")
+    with pytest.raises(DecodeError, match="broken.tif"):
+        dali_input("broken.tif", data[: len(data) // 2], 1)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["file names", "shard bytes"])
+def test_dalis_own_decoder_reads_a_gif_and_a_turned_tiff_as_the_torch_backend(tmp_path, packed):
+    """decode='dali': a GIF failed the whole batch inside DALI (every other backend reads its first
+    frame), and a TIFF's own Orientation tag was not applied. Both now reach DALI as PNGs of Pillow's
+    reading: the torch backend's pixels, in two epochs (the second reads plain files from the copies)."""
+    pytest.importorskip("nvidia.dali.plugin.pytorch")
+    import fastdata
+    from fastdata import Augmentation, make_loader
+    from fastdata.datasets import ImageFolder, Shards
+
+    (tmp_path / "photos" / "a").mkdir(parents=True)
+    scene = _scene().resize((80, 48))
+    scene.save(tmp_path / "photos" / "a" / "anim.gif", save_all=True,
+               append_images=[scene.transpose(Image.Transpose.ROTATE_180)])
+    scene.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "photos" / "a" / "turned.tif", tiffinfo={0x0112: 6})
+    scene.save(tmp_path / "photos" / "a" / "plain.jpg", quality=95)
+    source = ImageFolder(tmp_path / "photos")
+    if packed:
+        fastdata.pack(source, tmp_path / "packed", progress=False, workers=0)
+        source = Shards(tmp_path / "packed")
+    recipe = Augmentation(crop="center", size=32, resize=32, hflip=0.0)
+    kw = {"batch_size": 3, "train": False, "device": "cpu", "augment": recipe}
+    ref = torch_cat(make_loader(source, "torch", num_workers=0, **kw))
+    loader = make_loader(source, "dali", decode="dali", **kw)
+    try:
+        for _ in range(2):
+            got = torch_cat(loader)
+            assert got.shape == ref.shape and float((got - ref).abs().mean()) * 255 < 3
+    finally:
+        loader.close()
+
+
+def torch_cat(loader):
+    import torch
+
+    return torch.cat([x for x, _ in loader])
