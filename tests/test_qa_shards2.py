@@ -254,3 +254,43 @@ def test_tars_that_cannot_be_converted_are_named_with_the_member_and_what_is_wro
         TarImages(folder)
     with pytest.raises(ValueError, match=match):
         fastdata.pack(str(folder), tmp_path / "out", progress=False, workers=0)
+
+
+# ---------------------------------------------------------------- the cache's bytes on disk
+def _open_deleted(folder) -> int:
+    """Bytes of files under ``folder`` that this process holds open after they were deleted: disk space
+    the cache counts as free, which the file system cannot give back."""
+    total = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(folder)) and target.endswith(" (deleted)"):
+                total += os.stat(f"/proc/self/fd/{fd}").st_size
+        except OSError:   # closed meanwhile
+            pass
+    return total
+
+
+@pytest.mark.requires("fsspec", "aiohttp")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors through Linux's /proc")
+def test_shards_the_cache_evicts_are_not_kept_open_by_the_reader(pack_dir, tmp_path):
+    """A reader kept the last 2 x window shard files open after releasing them: once the cache evicted
+    one, its bytes stayed on the disk (deleted, still open) while the cache counted them as free. Each
+    DataLoader worker kept its own, so a cache_limit sized for the disk was overrun by up to
+    workers x 2 x window shards (16 GB of 256 MB shards with 8 workers), and the disk filled."""
+    import json
+
+    from shard_servers import http_server
+
+    largest = max(s["size"] for s in json.loads((pack_dir / "index.json").read_text())["shards"])
+    cache = tmp_path / "cache"
+    held = []
+    with http_server(pack_dir) as server:
+        source = Shards(server.url, window=1, cache_dir=cache, cache_limit=2 * largest)
+        loader = make_loader(source, "torch", num_workers=0, **dict(KW, batch_size=2))
+        for _ in range(2):
+            for _, y in loader:
+                held.append(_open_deleted(cache))
+        source.close()
+        assert server.count(".tar", "GET") > 4                    # the cache evicted and fetched again
+    assert len(held) == 32 and max(held) == 0

@@ -263,8 +263,11 @@ class Shards(Source):
         except OSError as e:
             raise DecodeError(self.sample_name(i), f"cannot read its shard ({type(e).__name__}: {e})") from None
         finally:
+            # Released by every reader of this process, the file may be evicted: its descriptor is closed
+            # first, else an evicted shard's bytes stayed on the disk (deleted, still open) while the cache
+            # counted them free, up to 2 x window shards per worker past cache_limit.
             if cache is not None:
-                cache.release(shard)
+                cache.release(shard, last=lambda: self._files.forget(path))
         if len(raw) != size + _TAR_HEADER:
             raise DecodeError(self.sample_name(i), f"its shard ends {size + _TAR_HEADER - len(raw)} bytes before "
                                                    f"the member's end: a truncated shard")
@@ -453,6 +456,13 @@ class _OpenFiles:
         entry[2] = True
         if entry[1] == 0:
             os.close(entry[0])
+
+    def forget(self, path: str) -> None:
+        """Close ``path``'s descriptor (once its readers are done); the next read opens it afresh."""
+        with self._lock:
+            entry = self._open.pop(path, None)
+            if entry is not None:
+                self._retire(entry)
 
     def close(self) -> None:
         with self._lock:

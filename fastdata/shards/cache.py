@@ -263,8 +263,12 @@ class ShardCache:
                 self._held[name] = [fd, 1]
         return self.path(name)
 
-    def release(self, name: str) -> None:
-        """Done with ``name`` (once per ``get``): when no reader of this process holds it, it may be evicted."""
+    def release(self, name: str, *, last=None) -> None:
+        """Done with ``name`` (once per ``get``): when no reader of this process holds it, it may be evicted.
+
+        ``last``: called when this process's last hold ends, before the file may be evicted: the reader
+        closes its descriptors of the file there. An evicted file that is still open keeps its bytes on
+        the disk while the budget counts them as free."""
         self._check_process()
         self._known(name)
         if self.in_place:
@@ -275,7 +279,11 @@ class ShardCache:
                 raise ValueError(f"release({name!r}): this cache does not hold that shard (one release per get)")
             entry[1] -= 1
             if entry[1] == 0:
-                self._drop(name)
+                try:
+                    if last is not None:
+                        last()
+                finally:
+                    self._drop(name)
 
     def _drop(self, name: str):
         fd, _ = self._held.pop(name)
