@@ -269,6 +269,21 @@ def test_a_folder_linked_from_two_classes_is_in_both_as_torchvision_lists_it(tmp
     assert [os.path.relpath(p, root) for p in ours.paths] == ["a/x.png", "a/shared/z.png", "a/sub/s.png",
                                                               "b/y.png", "b/shared/z.png", "c/s.png"]
 
+
+def test_every_class_folder_without_images_is_named_at_once(tmp_path):
+    # One empty class folder was named per run: a folder with several (a split that lost some classes,
+    # folders holding only macOS's ._ files) took a run per folder to find, and nothing said how to keep
+    # such a class.
+    for cls in ("a", "b_empty", "c_only_dot_files", "d"):
+        (tmp_path / cls).mkdir()
+    for cls in ("a", "d"):
+        Image.new("RGB", (8, 8)).save(tmp_path / cls / "x.png")
+    (tmp_path / "c_only_dot_files" / "._x.png").write_bytes(b"\0\5\26\7")
+    with pytest.raises(FileNotFoundError, match="have no images") as err:
+        ImageFolder(tmp_path)
+    assert str(tmp_path / "b_empty") in str(err.value) and str(tmp_path / "c_only_dot_files") in str(err.value)
+    assert "from_samples" in str(err.value)
+
 # ---------------------------------------------------------------------- what each backend refuses
 @pytest.fixture(scope="module")
 def misnamed_folder(tmp_path_factory):

@@ -59,6 +59,16 @@ def _walk_images(folder, exts, visited: set, marked: set, real_root: str):
             yield entry.path
 
 
+def _refuse_empty(empty: list[str], exts) -> None:
+    """The error for class folders without an image: all of them at once (not one per run), and the
+    way to keep such a class (a validation split that lacks one keeps the training split's labels)."""
+    names = ", ".join(f"'{e}'" for e in empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+    raise FileNotFoundError(f"class folder{'s' if len(empty) > 1 else ''} {names} "
+                            f"{'have' if len(empty) > 1 else 'has'} no images with endings {list(exts)}: "
+                            f"remove {'them' if len(empty) > 1 else 'it'}, or list the files with "
+                            f"ImageFolder.from_samples(samples, classes), which keeps a class without files")
+
+
 def read_file(path) -> tuple[bytes, int]:
     """(a file's bytes, a stamp of its size and mtime), read once; a failure is the DecodeError that
     names the file, as every backend raises it."""
@@ -187,7 +197,7 @@ class ImageFolder(Source):
         # both, as torchvision lists it, not in whichever class sorts first.
         real_root = os.path.realpath(root)
         marked = {real_root} | {os.path.realpath(root / c) for c in classes}
-        paths, labels = [], []
+        paths, labels, empty = [], [], []
         for label, cls in enumerate(classes):
             # torchvision's order: folders by path, then the files of each by name (its
             # sorted(os.walk(...)) then sorted(fnames)), so a nested class folder lists "z.jpg" before
@@ -195,9 +205,11 @@ class ImageFolder(Source):
             files = sorted(_walk_images(root / cls, exts, {os.path.realpath(root / cls)}, marked, real_root),
                            key=lambda p: (os.path.dirname(p), os.path.basename(p)))
             if not files:
-                raise FileNotFoundError(f"class folder '{root / cls}' has no images with endings {list(exts)}")
+                empty.append(str(root / cls))
             paths += files
             labels += [label] * len(files)
+        if empty:
+            _refuse_empty(empty, exts)
         self._init(root, classes, paths, np.asarray(labels, dtype=np.int64), mean, std, transform,
                    f"imagefolder:{root.name}")
 
