@@ -20,7 +20,8 @@ class Faults:
     ``fail_first`` requests get ``status`` (500); the ``drop_first`` GETs after them send their headers
     and half the body, then close the connection; ``short_first`` GETs answer a valid 206 for only the
     first half of the range asked; every request waits ``delay`` seconds first (``delay_first``: only
-    that many). A count of -1 means every request.
+    that many). A count of -1 means every request. ``stall``: every GET sends half its body, waits that
+    many seconds (a download in progress, its file open), then sends the rest.
     """
 
     fail_first: int = 0
@@ -29,6 +30,7 @@ class Faults:
     short_first: int = 0
     delay: float = 0.0
     delay_first: int = -1
+    stall: float = 0.0
 
 
 @dataclass
@@ -122,6 +124,12 @@ def _handler(server: HTTPShardServer):
                 with contextlib.suppress(OSError):
                     self.connection.shutdown(socket.SHUT_RDWR)
                 return
+            if f.stall:
+                self.wfile.write(chunk[: len(chunk) // 2])
+                self.wfile.flush()
+                if server._stop.wait(f.stall):
+                    return
+                chunk = chunk[len(chunk) // 2:]
             self.wfile.write(chunk)
 
         def _send_status(self, status: int):

@@ -294,3 +294,58 @@ def test_shards_the_cache_evicts_are_not_kept_open_by_the_reader(pack_dir, tmp_p
         source.close()
         assert server.count(".tar", "GET") > 4                    # the cache evicted and fetched again
     assert len(held) == 32 and max(held) == 0
+
+
+def _cache_fds(folder) -> list[str]:
+    """What this process's descriptors on files under ``folder`` point at."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"{folder}{os.sep}"):
+            found.append(target)
+    return found
+
+
+def _report_cache_fds(folder, queue):
+    queue.put(_cache_fds(folder))
+
+
+@pytest.mark.requires("fsspec", "aiohttp")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors through Linux's /proc")
+def test_a_worker_forked_during_a_download_keeps_no_descriptor_of_the_cache(pack_dir, tmp_path):
+    """A DataLoader worker forks while the read-ahead thread downloads (a pass tells the source where it
+    is before its first batch, as its workers start): the worker inherited the open download file, and
+    once that shard was published and evicted, its bytes stayed on the disk for the worker's whole life
+    (with persistent workers, the run's), past cache_limit."""
+    import multiprocessing
+    import threading
+    import time
+
+    from shard_servers import Faults, http_server
+
+    cache = tmp_path / "cache"
+    with http_server(pack_dir, Faults(stall=1.5)) as server:
+        source = Shards(server.url, window=1, cache_dir=cache)
+        def read_ahead():                          # what the read-ahead thread does
+            source._cache.get("shard-000000.tar")
+            source._cache.release("shard-000000.tar")
+
+        ahead = threading.Thread(target=read_ahead)
+        ahead.start()
+        deadline = time.monotonic() + 20
+        while not [t for t in _cache_fds(cache) if ".tmp-" in t] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [t for t in _cache_fds(cache) if ".tmp-" in t], "the download never opened its file"
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_report_cache_fds, args=(str(cache), queue))
+        child.start()
+        inherited = queue.get(timeout=30)
+        child.join(30)
+        ahead.join(30)
+        assert source.read(0)                      # the parent's download finished as it was
+        source.close()
+    assert inherited == []

@@ -128,7 +128,7 @@ class ShardCache:
         self._reset()
         # In a forked child, drop the inherited lock copies at once, not at its first use of the cache.
         ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (c := ref()) is not None and c._check_process())
+        os.register_at_fork(after_in_child=lambda: (c := ref()) is not None and c._after_fork())
         if not self.in_place:
             os.makedirs(os.path.join(self.cache_dir, _LOCKS), exist_ok=True)
             self._scan()   # removes what dead processes left half written
@@ -159,6 +159,11 @@ class ShardCache:
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._reset()
+
+    def _after_fork(self):
+        """In a forked child, at once: no descriptor it inherited keeps a cache file (or lock) alive."""
+        _detach_inherited(self.cache_dir)
+        self._check_process()
 
     def _check_process(self):
         if self._pid != os.getpid():
@@ -500,6 +505,33 @@ def _versioned(name: str, digest: str | None) -> str:
         stem, dot, ext = base, "", ""
     versioned = f"{stem}.{digest[:16]}{dot}{ext}"
     return f"{folder}/{versioned}" if folder else versioned
+
+
+def _detach_inherited(folder: str) -> None:
+    """Point every descriptor of this (just forked) process that is open on a file under ``folder`` at
+    ``/dev/null``. A DataLoader worker forks while the read-ahead thread downloads (a pass starts both at
+    once): it inherited the download's open file, and once that shard was published and evicted, its
+    bytes stayed on the disk, past the budget, for the worker's whole life. ``dup2``, not ``close``: the
+    parent's objects copied into the child (the download's file object) may close their descriptor
+    later, and a closed number could by then be another file's. Linux (``/proc``); elsewhere nothing."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    prefix, null = folder.rstrip(os.sep) + os.sep, None
+    try:
+        for name in fds:
+            try:
+                if not os.readlink(f"/proc/self/fd/{name}").startswith(prefix):
+                    continue
+                if null is None:
+                    null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, int(name))
+            except OSError:   # closed meanwhile (listdir's own descriptor)
+                pass
+    finally:
+        if null is not None:
+            os.close(null)
 
 
 def _unlock_close(fd: int) -> None:
