@@ -372,6 +372,29 @@ def test_a_lab_tiff_is_converted_or_refused_by_name(stumbling_folder, backend, o
     assert len(images) == 2 and loader.skipped == 1
 
 
+
+def _exif_with_a_byte_resolution() -> bytes:
+    """An EXIF block whose XResolution is one BYTE (a RATIONAL by the standard), with a ResolutionUnit:
+    Pillow's JPEG header reading takes the DPI from it and fails (IndexError), so it opens no such JPEG."""
+    ifd = struct.pack("<H", 2) + struct.pack("<HHIBxxx", 0x011A, 1, 1, 72) + struct.pack("<HHIHxx", 0x0128, 3, 1, 2)
+    return b"Exif\0\0" + b"II*\0" + struct.pack("<I", 8) + ifd + struct.pack("<I", 0)
+
+
+@pytest.mark.parametrize("backend, opts", [p for p in BACKENDS if p.id in ("torch", "memory-threads", "dali-dali")])
+def test_a_file_pillow_cannot_open_is_named_with_its_format_and_why(tmp_path, backend, opts):
+    # Both were "not an image format Pillow recognizes": a JPEG whose EXIF block breaks Pillow's header
+    # reading is a JPEG (the failure is Pillow's JPEG reader's), and a phone's HEIC photo named .jpg says so.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "dpi.jpg").write_bytes(_jpeg(Image.fromarray(_scene()), exif=_exif_with_a_byte_resolution()))
+    (tmp_path / "a" / "phone.jpg").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(200))
+    reasons = {}
+    for name in ("dpi.jpg", "phone.jpg"):
+        with pytest.raises(DecodeError) as err:
+            _epoch(ImageFolder.from_samples([(tmp_path / "a" / name, 0)], ["a"]), backend, opts, EVAL)
+        reasons[name] = err.value.reason
+    assert "a JPEG file whose header Pillow cannot read (SyntaxError: index out of range)" in reasons["dpi.jpg"]
+    assert "HEIF/AVIF photo (brand heic" in reasons["phone.jpg"] and "pillow-heif" in reasons["phone.jpg"]
+
 # ------------------------------------------------------------- files DALI's own decoder reads otherwise
 def _pnm(arr: np.ndarray, maxval: int) -> bytes:
     """A binary PGM (2-D) or PPM of ``arr`` in [0, 255] rescaled to ``maxval`` (a 12-bit scanner's 4095,

@@ -9,6 +9,7 @@ worker decoded the photo.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -54,8 +55,7 @@ def open_image(path, fp=None) -> Image.Image:
         if size == 0:
             why = "empty file (0 bytes)"
         elif isinstance(e, UnidentifiedImageError):
-            # Pillow's own text names its file object ("<_io.BytesIO object at 0x7f...>"), not the file.
-            why = f"not an image format Pillow recognizes (the file starts with {_head(path, fp)!r})"
+            why = _unidentified(path, fp)
         else:
             why = f"not a readable image ({type(e).__name__}: {e})"
         ext = _extension(path)
@@ -93,6 +93,35 @@ def may_hold_jpeg(path) -> bool:
     Pillow (the region decode, nvImageCodec's cache build) asks this first, so a JPEG named .png is
     refused by every backend, not decoded by the ones that never open it with Pillow."""
     return _FORMAT_OF_EXT.get(_extension(str(path)), "JPEG") == "JPEG"
+
+
+def _unidentified(path: str, fp) -> str:
+    """Why Pillow identified no format: the failure of the format whose signature the file carries (a
+    JPEG whose EXIF block breaks Pillow's header reading is a JPEG, not an unknown format), else what
+    the file starts with. Pillow's own text names neither (its file object, "<_io.BytesIO ...>")."""
+    head = _head(path, fp)
+    Image.init()
+    for fmt in Image.ID:
+        factory, accept = Image.OPEN[fmt]
+        if accept is None or not accept(head):
+            continue
+        try:
+            with (open(path, "rb") if fp is None else contextlib.nullcontext(fp)) as stream, \
+                    warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # Image.open warned already
+                stream.seek(0)
+                factory(stream, path).close()
+        except Exception as e:   # what Image.open swallows: SyntaxError, IndexError, struct.error, ...
+            return f"a {fmt} file whose header Pillow cannot read ({type(e).__name__}: {e})"
+    why = f"not an image format Pillow recognizes (the file starts with {head!r})"
+    if head[4:8] == b"ftyp" and head[8:12] in _HEIF_BRANDS:
+        why += (f"; it is a HEIF/AVIF photo (brand {head[8:12].decode()}: a phone's), which Pillow reads "
+                f"only with a plugin such as pillow-heif: convert such files to JPEG")
+    return why
+
+
+#: ISO-BMFF brands of HEIF/HEIC and AVIF photos (what iPhones and recent Android phones save).
+_HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"heim", b"heis", b"mif1", b"msf1", b"avif", b"avis")
 
 
 def _head(path, fp, n: int = 16) -> bytes:
