@@ -349,3 +349,37 @@ def test_a_worker_forked_during_a_download_keeps_no_descriptor_of_the_cache(pack
         assert source.read(0)                      # the parent's download finished as it was
         source.close()
     assert inherited == []
+
+
+# ---------------------------------------------------------------- pack: a full OUT disk
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pack_onto_a_full_disk_names_out_and_the_shard_not_the_source(tmp_path, monkeypatch, workers):
+    """OUT's disk filling up mid-pack read 'error: fastdata pack: SOURCE 'photos': [Errno 28] No space
+    left on device': the source named, neither OUT nor the shard, nor what to do."""
+    import errno
+    import shutil
+
+    from fastdata.packing import command, writer
+
+    photos = make_image_folder(tmp_path / "photos", classes=2, per_class=6, seed=1, size_range=((40, 64), (40, 64)))
+    real = writer._HashingFile.write
+
+    def write(self, data):
+        if self.n + len(data) > 20_000:           # the disk fills inside the second shard
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+
+    monkeypatch.setattr(writer._HashingFile, "write", write)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match=r"cannot write shard '.*shard-00000\d\.tar' in '.*out': No space left on "
+                                      r"device.*free space there") as caught:
+        fastdata.pack(photos, out, shard_size=30_000, progress=False, workers=workers)
+    assert caught.value.errno == errno.ENOSPC
+    assert not list(out.glob("*.tmp-*")) and not (out / "index.json").exists()
+    shutil.rmtree(out)
+    args = command.get_args_parser().parse_args([str(photos), str(out), "--shard-size", "30000", "--no-progress",
+                                                 "--workers", str(workers)])
+    with pytest.raises(SystemExit, match=rf"^error: fastdata pack: OUT '{out}': cannot write shard .*No space "
+                                         rf"left on device") as exited:
+        command.main(args)
+    assert "SOURCE" not in str(exited.value)

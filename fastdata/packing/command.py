@@ -5,7 +5,7 @@ import argparse
 
 from .. import cli
 from ..datasets.spec import SOURCE_HELP, SPLITS
-from .writer import PackReport, pack, parse_size
+from .writer import OutputError, PackReport, pack, parse_size
 
 
 def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -40,8 +40,11 @@ def main(args) -> PackReport:
     """Run ``fastdata pack`` for parsed ``args``; prints where the index is."""
     cli.check_output(get_args_parser(), "OUT", args.out, folder=True)
     with cli.input_errors(f"fastdata pack: SOURCE '{args.source}'"):
-        report = pack(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
-                      workers=args.workers, split=args.split, progress=args.progress, timeout=args.timeout)
+        try:
+            report = pack(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
+                          workers=args.workers, split=args.split, progress=args.progress, timeout=args.timeout)
+        except OutputError as e:   # OUT's disk, not the source: named as OUT
+            raise SystemExit(f"error: fastdata pack: OUT '{args.out}': {e.strerror}") from None
     what = f"{report.samples} samples in {report.shards} shards ({report.written} written, {report.skipped} kept)"
     print(f"{what}: {report.index or report.out}", flush=True)
     return report

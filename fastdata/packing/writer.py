@@ -2,6 +2,8 @@
 package's docstring for the layout, interruptions and ranks."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import hashlib
 import io
@@ -98,9 +100,36 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
+class OutputError(OSError):
+    """Writing into OUT failed for a reason of OUT's own (its disk full, over quota, read-only): an
+    ``OSError`` with its errno, whose message names the file and OUT (not the source)."""
+
+
+#: What only writing can fail with: reading the source never fills a disk.
+_OUT_ERRNOS = {errno.ENOSPC, errno.EROFS, getattr(errno, "EDQUOT", 122)}
+
+
+@contextlib.contextmanager
+def _writing(what: str, out):
+    """Turn an ``OSError`` of OUT's own (``_OUT_ERRNOS``) raised inside into an ``OutputError`` naming ``what``."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _OUT_ERRNOS or isinstance(e, OutputError):
+            raise
+        raise OutputError(e.errno, f"cannot write {what} in '{out}': {e.strerror or e}; free space there (or "
+                                   f"make it writable), or give another OUT; finished shards are kept and a "
+                                   f"re-run writes only the others") from None
+
+
 def write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int, progress=None) -> dict:
     """Write shard ``plan`` into folder ``out`` (temporary name, then ``os.replace``), then its DALI ``.idx``
-    and its record ``NAME.json``; returns the record."""
+    and its record ``NAME.json``; returns the record. A full disk is an ``OutputError`` naming the shard."""
+    with _writing(f"shard '{os.path.join(out, plan.name)}'", out):
+        return _write_shard(reader, plan, out, key_width, progress)
+
+
+def _write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int, progress=None) -> dict:
     final = os.path.join(out, plan.name)
     for stale in glob.glob(glob.escape(final) + ".tmp-*"):   # left by a killed run: this shard is ours now
         os.remove(stale)
@@ -260,16 +289,19 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
                         skipped=len(mine) - len(todo), samples=n)
     written = _Written(source, plans, key_width, split, shard_size, max_side, plan_digest)
     if world == 1:
-        report.index = _write_index(out, written, records)
+        with _writing(f"the index '{out / INDEX_NAME}'", out):
+            report.index = _write_index(out, written, records)
         return report
     config = {"pack_version": PACK_VERSION, "world_size": world, "num_samples": n, "key_width": key_width,
               "plan": plan_digest}
     mine_records = [records[p.index] for p in mine]
-    write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank, "records": mine_records})
+    with _writing(f"this rank's part '{out / f'index.rank{rank}.json'}'", out):
+        write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank, "records": mine_records})
     barrier()
     if rank == 0:
         records = merge_parts(out, world, config, timeout)
-        report.index = _write_index(out, written, records)
+        with _writing(f"the index '{out / INDEX_NAME}'", out):
+            report.index = _write_index(out, written, records)
         for r in range(world):
             (out / f"index.rank{r}.json").unlink(missing_ok=True)
     # Every rank returns once the index exists (a rank may read it next): with a process group the
