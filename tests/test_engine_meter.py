@@ -334,4 +334,13 @@ def test_a_wait_counts_only_where_the_gpu_ran_out_of_work(monkeypatch):
     assert meter.wait == pytest.approx(0.05)   # the one wait that found the GPU idle
     cpu = EpochMeter(torch.device("cpu"))
     assert list(cpu.timed(Slow())) == [0, 1, 2] and cpu.wait == pytest.approx(0.15)
+    # The trace (a diagnosis of where a wait figure came from): iter() first, then every next() with
+    # its time and whether it counted; None, and nothing kept, unless asked for.
+    assert meter.trace is None
+    meter.trace, meter.wait = [], 0.0
+    done = iter([False, True, False])
+    assert list(meter.timed(Slow())) == [0, 1, 2]
+    assert [(round(w, 6), c) for _, w, c in meter.trace] == [(0.0, True), (0.05, False), (0.05, True),
+                                                              (0.05, False)]
+    assert sum(w for _, w, c in meter.trace if c) == pytest.approx(meter.wait)
 

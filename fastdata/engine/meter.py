@@ -11,7 +11,6 @@ given a warm-up of N optimizer steps (``fit`` gives its first epoch one): ``imag
 and the warm-up's wall time is a figure of its own, ``warmup_seconds``."""
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -98,6 +97,9 @@ class EpochMeter:
         self.device = device
         self.sums = torch.tensor(carried or [0.0, 0.0, 0.0], dtype=torch.float64, device=device)
         self.images, self.wait = 0, 0.0
+        #: None, or a list that ``timed`` appends ``(start, seconds, counted)`` to for every wait (the
+        #: first for ``iter()``): where a data-wait figure came from, for a diagnosis (the CUDA tests').
+        self.trace: list | None = None
         self.timer = StepTimer(device)
         self.norms = torch.zeros(2, dtype=torch.float64, device=device)  # sum, count of finite grad norms
         self.warmup_steps, self.steps = warmup_steps, 0
@@ -158,7 +160,10 @@ class EpochMeter:
         of ready batches in ``next`` read 2.4% data wait that way with the GPU busy throughout."""
         t = time.perf_counter()
         it = iter(loader)
-        self.wait += time.perf_counter() - t  # starting workers / pipelines is waiting for data too
+        waited = time.perf_counter() - t
+        self.wait += waited  # starting workers / pipelines is waiting for data too
+        if self.trace is not None:
+            self.trace.append((t, waited, True))
         end = object()
         mark = torch.cuda.Event() if self.device.type == "cuda" else None
         while True:
@@ -167,13 +172,19 @@ class EpochMeter:
             # The clock starts after the mark and stops before the query: the meter's own calls (tens
             # of microseconds a batch) are not the loader's, and a host-bound step would count them.
             t = time.perf_counter()
-            with region("data_wait") if region is not None else contextlib.nullcontext():
+            if region is None:   # no context manager inside the clock where there is no profiler
                 batch = next(it, end)
+            else:
+                with region("data_wait"):
+                    batch = next(it, end)
             waited = time.perf_counter() - t
             if batch is end:
                 return
-            if gpu_starved(mark):
+            counted = gpu_starved(mark)
+            if counted:
                 self.wait += waited
+            if self.trace is not None:
+                self.trace.append((t, waited, counted))
             yield batch
 
     def global_sums(self) -> list[float]:
