@@ -135,6 +135,8 @@ def _write_valid(root) -> None:
         stored = scene.transpose(_STORE[orientation]) if orientation in _STORE else scene
         (exif / f"o{orientation}.jpg").write_bytes(_jpeg(stored, exif=block.tobytes()))
         stored.save(exif / f"o{orientation}.png", exif=block.tobytes())
+        if orientation in (3, 5, 6, 8):   # TIFF's own Orientation tag (Pillow turns a TIFF as it loads it)
+            stored.save(exif / f"o{orientation}.tif", tiffinfo={0x0112: orientation})
 
 
 @pytest.fixture(scope="module")

@@ -170,8 +170,13 @@ def exif_orientation(img: Image.Image, path) -> int:
     failure there is the file's (a broken data stream), raised as the DecodeError naming ``path``, not
     an unreadable EXIF block (a failed load leaves the image half-decoded, and loading it again does
     nothing, so it must not pass unseen).
+
+    A TIFF is loaded first too: Pillow's TIFF reader reports the displayed size as soon as it opens one
+    turned by a quarter, and turns the pixels by the tag itself as it loads them (then drops the tag).
+    Read after the load, such a TIFF is upright (1) at the size it decodes to; read before, its sides
+    were swapped twice and the crops drawn in the wrong shape.
     """
-    if img.format == "PNG" and "exif" not in img.info:
+    if (img.format == "PNG" and "exif" not in img.info) or img.format == "TIFF":
         load_pixels(img, path)
     hidden = {k: img.info.pop(k) for k in _XMP_KEYS if k in img.info}
     try:
