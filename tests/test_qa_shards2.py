@@ -383,3 +383,54 @@ def test_pack_onto_a_full_disk_names_out_and_the_shard_not_the_source(tmp_path, 
                                          rf"left on device") as exited:
         command.main(args)
     assert "SOURCE" not in str(exited.value)
+
+
+# ---------------------------------------------------------------- the node's cache is not a sample's fault
+@pytest.mark.requires("fsspec", "aiohttp")
+def test_a_full_cache_disk_stops_the_pass_even_under_skip_instead_of_skipping_every_sample(pack_dir, tmp_path):
+    """A full cache disk (or a cache lock never freed) was a DecodeError of each sample: under
+    on_error="skip" the pass went on and yielded nothing, then warned of 32 'undecodable' samples.
+    The disk is the node's, not the samples': the error is raised as it is, naming the cache."""
+    import errno
+
+    from fastdata.shards.cache import CacheFull
+    from shard_servers import http_server
+
+    with http_server(pack_dir) as server:
+        source = Shards(server.url, cache_dir=tmp_path / "cache")
+
+        def fetch(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        source.storage.fetch = fetch                      # every download finds the disk full
+        loader = make_loader(source, "torch", num_workers=0, on_error="skip", **KW)
+        with pytest.raises(CacheFull, match=r"the disk holding the shard cache .*cache is full: shard 'shard-"):
+            list(loader)
+        source.close()
+
+
+@pytest.mark.requires("fsspec", "aiohttp")
+def test_a_cache_dir_without_file_locks_is_refused_when_shards_is_created(pack_dir, tmp_path, monkeypatch):
+    """A cache_dir on a file system without flock (a FUSE mount, Lustre without -o flock): every read
+    failed, each as one sample's DecodeError, and under on_error="skip" every sample was skipped."""
+    import errno
+    import fcntl
+
+    from fastdata.shards import cache as cache_module
+    from shard_servers import http_server
+
+    real = fcntl.flock
+
+    def flock(fd, operation):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path / "cache")):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return real(fd, operation)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("tells the cache's descriptors apart through Linux's /proc")
+    monkeypatch.setattr(cache_module.fcntl, "flock", flock)
+    with http_server(pack_dir) as server:
+        with pytest.raises(ValueError, match=rf"the file system of cache_dir {tmp_path / 'cache'} does not support "
+                                             rf"file locks \(flock: No locks available\)"):
+            Shards(server.url, cache_dir=tmp_path / "cache")
+        assert len(Shards(server.url, cache_dir=tmp_path / "other")) == 32

@@ -240,6 +240,7 @@ class Shards(Source):
     def read_stamped(self, i: int) -> tuple[bytes, int]:
         """Sample ``i``'s bytes from its shard (a shard's bytes never change under one index: stamp 0)."""
         # Imported here, as the rest of the shards format: importing fastdata loads none of it.
+        from ..shards.cache import CacheFull
         from ..shards.storage import ShardMismatch
 
         self._check_process()
@@ -253,6 +254,10 @@ class Shards(Source):
                 raise RuntimeError(f"{self!r}: shard {shard!r} is neither local nor cached")
         except ShardMismatch as e:
             raise DecodeError(self.sample_name(i), f"its shard is not the one the index describes: {e}") from None
+        except (CacheFull, TimeoutError):
+            # The node's cache (its disk full, a lock held past wait_timeout), not this sample's shard: as a
+            # DecodeError, on_error="skip" skipped every sample after it and the pass yielded nothing.
+            raise
         except OSError as e:   # StorageError: the shard and URL are in its message; credentials are not
             raise DecodeError(self.sample_name(i), f"cannot fetch its shard ({e})") from None
         try:

@@ -131,7 +131,24 @@ class ShardCache:
         os.register_at_fork(after_in_child=lambda: (c := ref()) is not None and c._after_fork())
         if not self.in_place:
             os.makedirs(os.path.join(self.cache_dir, _LOCKS), exist_ok=True)
+            self._check_locks()
             self._scan()   # removes what dead processes left half written
+
+    def _check_locks(self) -> None:
+        """Refuse a ``cache_dir`` whose file system has no ``flock`` (some FUSE mounts, Lustre without
+        ``-o flock``): every ``get`` failed there, and each failure was one sample's (``on_error="skip"``
+        skipped them all)."""
+        fd = os.open(os.path.join(self.cache_dir, _LOCKS, ".budget"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass                         # another process holds it: locks work
+        except OSError as e:
+            raise ValueError(f"ShardCache: the file system of cache_dir {self.cache_dir} does not support file "
+                             f"locks (flock: {e.strerror or e}), which the processes sharing the cache need; "
+                             f"give cache_dir= a folder on a local disk") from None
+        finally:
+            _unlock_close(fd)
 
     @staticmethod
     def _check_digests(digests: dict, sizes: dict) -> dict:
