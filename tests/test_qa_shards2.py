@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -158,6 +159,7 @@ def _pairs_of(source) -> list:
     return sorted((source.read(i), source.classes[int(source.labels[i])]) for i in range(len(source)))
 
 
+@pytest.mark.skipif(shutil.which("tar") is None, reason="makes one of its tars with GNU tar")
 def test_webdataset_tars_of_other_tools_convert_with_pack_and_read_back_every_sample(tmp_path):
     """A folder of WebDataset-style tars written by tarfile and GNU tar: members out of order, a folder
     member, keys with dots, upper-case and .jpeg/.png endings, labels in .cls, .txt and .json, a
@@ -183,18 +185,19 @@ def test_webdataset_tars_of_other_tools_convert_with_pack_and_read_back_every_sa
     ], fmt=tarfile.PAX_FORMAT)
     _tar(tars / "a-001.tar.gz", [("x.jpg", p[7]), ("x.json", b"6"), (f"{long_key}.jpg", p[8]),
                                  (f"{long_key}.cls", b"2")], fmt=tarfile.GNU_FORMAT, mode="w:gz")
+    _tar(tars / "a-003.tar.xz", [("z.PNG", _photo(10, "PNG")), ("z.txt", b"3")], mode="w:xz")
     gnu = tmp_path / "gnu"
     (gnu / "f").mkdir(parents=True)
     (gnu / "f" / "y.jpg").write_bytes(p[9])
     (gnu / "f" / "y.cls").write_text("1")
     subprocess.run(["tar", "-cf", str(tars / "a-002.tar"), "-C", str(gnu), "f"], check=True)
     expected = sorted([(p[0], "0"), (_photo(2, "PNG"), "1"), (p[1], "7"), (p[3], "3"), (p[4], "2"), (p[5], "5"),
-                       (p[0], "4"), (p[7], "6"), (p[8], "2"), (p[9], "1")])
+                       (p[0], "4"), (p[7], "6"), (p[8], "2"), (p[9], "1"), (_photo(10, "PNG"), "3")])
 
     from fastdata.packing import TarImages
     from fastdata.shards.index import IndexNotFound
 
-    with pytest.raises(IndexNotFound, match=r"holds 3 tar file\(s\) but no index.*python -m fastdata pack"):
+    with pytest.raises(IndexNotFound, match=r"holds 4 tar file\(s\) but no index.*python -m fastdata pack"):
         Shards(tars)
     assert _pairs_of(TarImages(tars)) == expected
     done = subprocess.run([sys.executable, "-m", "fastdata", "pack", str(tars), str(tmp_path / "out"),
@@ -203,7 +206,7 @@ def test_webdataset_tars_of_other_tools_convert_with_pack_and_read_back_every_sa
     packed = Shards(tmp_path / "out")
     assert packed.classes == [str(k) for k in range(8)] and _pairs_of(packed) == expected
     n = sum(len(y) for _, y in make_loader(packed, "torch", num_workers=0, **KW))
-    assert n == 10
+    assert n == 11
 
 
 @pytest.mark.parametrize("case, match", [
@@ -214,6 +217,7 @@ def test_webdataset_tars_of_other_tools_convert_with_pack_and_read_back_every_sa
     ("bad-label", r"label member '.*a-000\.tar:b\.cls' holds 'cat'"),
     ("truncated", r"tar '.*a-000\.tar' is truncated or damaged: it ends inside or after member 'b\.jpg'"),
     ("truncated-gz", r"tar '.*a-000\.tar\.gz' is truncated or damaged"),
+    ("captions", r"give 20 different text labels to 20 samples \(such as 'a photo of 0'\): captions, not classes"),
     ("sparse", r"member 's\.jpg' is sparse"),
 ])
 def test_tars_that_cannot_be_converted_are_named_with_the_member_and_what_is_wrong(tmp_path, case, match):
@@ -228,7 +232,11 @@ def test_tars_that_cannot_be_converted_are_named_with_the_member_and_what_is_wro
              "two-images": [("b.jpg", _photo(1)), ("b.png", _photo(2, "PNG")), ("b.cls", b"1")],
              "mixed-labels": [("b.jpg", _photo(1)), ("b.txt", b"cat")],
              "bad-label": [("b.jpg", _photo(1)), ("b.cls", b"cat")]}
+    if case == "captions":
+        members = [m for k in range(20) for m in ((f"c{k}.jpg", _photo(k)), (f"c{k}.txt", f"a photo of {k}".encode()))]
     if case == "sparse":
+        if shutil.which("tar") is None:
+            pytest.skip("makes a sparse member with GNU tar")
         data = tmp_path / "src"
         data.mkdir()
         with open(data / "s.jpg", "wb") as f:
@@ -242,7 +250,8 @@ def test_tars_that_cannot_be_converted_are_named_with_the_member_and_what_is_wro
         whole = (folder / "a-000.tar.gz").read_bytes()
         (folder / "a-000.tar.gz").write_bytes(whole[: len(whole) // 2])
     else:
-        _tar(folder / "a-000.tar", members + extra.get(case, [("b.jpg", _photo(1)), ("b.cls", b"1")]))
+        _tar(folder / "a-000.tar", members + extra.get(case, [] if case == "captions" else
+                                                       [("b.jpg", _photo(1)), ("b.cls", b"1")]))
     if case == "truncated":
         import tarfile
 

@@ -20,8 +20,9 @@ The rules, as WebDataset's and DALI's where they have one:
   ``class``/``target``). Integers are the classes ``0 .. max``; names are sorted into classes.
 - Directories, symbolic links and macOS's ``._`` files are not members of a sample; a hard link reads
   its target's bytes. A sparse member (GNU tar ``--sparse``) is refused: its bytes are not in one piece.
-- ``.tar.gz``/``.tgz`` tars are read through ``gzip`` (a member costs the decompression up to it: fine
-  for ``pack``, which reads them in order; random reads of an uncompressed tar cost one ``pread``).
+- Compressed tars (``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``) are read through their decompressor
+  (a member costs the decompression up to it: fine for ``pack``, which reads them in order; random
+  reads of an uncompressed tar cost one ``pread``).
 
 A sample without an image or a label, labels of both kinds, a member past the end of a truncated tar:
 each is an error naming the tar and the member, raised when the source is created (a truncated
@@ -29,7 +30,7 @@ each is an error naming the tar and the member, raised when the source is create
 """
 from __future__ import annotations
 
-import gzip
+import importlib
 import json
 import os
 import tarfile
@@ -44,8 +45,10 @@ from ..datasets.base import IMAGENET_MEAN, IMAGENET_STD, Source
 from ..datasets.folders import IMAGE_EXTENSIONS, ImageFolder
 from ..errors import DecodeError
 
-#: File endings of a tar this reads.
-TAR_ENDINGS = (".tar", ".tar.gz", ".tgz")
+#: File endings of a tar this reads, and the module that decompresses each compressed one.
+_COMPRESSED = {".tar.gz": "gzip", ".tgz": "gzip", ".tar.bz2": "bz2", ".tbz2": "bz2", ".tar.xz": "lzma",
+               ".txz": "lzma"}
+TAR_ENDINGS = (".tar", *_COMPRESSED)
 _IMAGES = {e[1:] for e in IMAGE_EXTENSIONS}
 #: Label members, most specific first: the first one a sample has is its label.
 _LABELS = ("cls", "class", "label", "target", "txt", "json")
@@ -239,7 +242,7 @@ class TarImages(Source):
         self.name = f"tars:{os.path.basename(os.path.normpath(self.location))}"
         # Per tar, its size and mtime: a sample's stamp changes when its tar is rewritten.
         self._versions = [zlib.crc32(f"{(st := os.stat(t)).st_size}\0{st.st_mtime_ns}".encode()) for t in self.tars]
-        self._gz: dict = {}
+        self._decompressors: dict = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -251,23 +254,24 @@ class TarImages(Source):
                 with open(tar, "rb") as f:
                     data = os.pread(f.fileno(), size, offset)
             else:
-                data = self._read_gz(tar, offset, size)
-        except (OSError, EOFError, zlib.error) as e:
+                data = self._read_compressed(tar, offset, size)
+        except (OSError, EOFError, ValueError, zlib.error) as e:   # lzma's and bz2's errors are OSErrors
             raise DecodeError(self.sample_name(i), f"cannot read it from its tar ({type(e).__name__}: {e})") from None
         if len(data) != size:
             raise DecodeError(self.sample_name(i), f"its tar ends {size - len(data)} bytes before the member's end: "
                                                    f"truncated since it was scanned")
         return data, self.stamp(i)[1]
 
-    def _read_gz(self, tar: str, offset: int, size: int) -> bytes:
+    def _read_compressed(self, tar: str, offset: int, size: int) -> bytes:
         # One decompressor per tar and process: read in order (as pack does), each seek goes forward
         # from the last member; a seek backward starts the tar's decompression again.
         with self._lock:
             if self._pid != os.getpid():
-                self._gz, self._pid = {}, os.getpid()
-            f = self._gz.get(tar)
+                self._decompressors, self._pid = {}, os.getpid()
+            f = self._decompressors.get(tar)
             if f is None:
-                f = self._gz[tar] = gzip.open(tar, "rb")
+                module = next(m for end, m in _COMPRESSED.items() if tar.lower().endswith(end))
+                f = self._decompressors[tar] = importlib.import_module(module).open(tar, "rb")
             f.seek(offset)
             return f.read(size)
 
@@ -290,12 +294,12 @@ class TarImages(Source):
         self.members = [self.members[i] for i in idx]
         self.labels, self.tar_of = self.labels[idx], self.tar_of[idx]
         self.offsets, self.sizes = self.offsets[idx], self.sizes[idx]
-        self._gz, self._lock = {}, threading.Lock()   # the copy reads on its own
+        self._decompressors, self._lock = {}, threading.Lock()   # the copy reads on its own
 
     def __getstate__(self):
         # A copy sent to a worker process opens its own decompressors; a lock cannot be pickled.
         state = self.__dict__.copy()
-        state["_gz"], state["_lock"] = {}, None
+        state["_decompressors"], state["_lock"] = {}, None
         return state
 
     def __setstate__(self, state):
@@ -318,5 +322,9 @@ def _classes(raw: list, where: str) -> tuple[list[str], list[int]]:
     if numbers:
         return [str(k) for k in range(max(numbers) + 1)], numbers
     names = sorted(set(raw))
+    if len(raw) >= 20 and len(names) > len(raw) // 2:
+        raise ValueError(f"the tars in '{where}' give {len(names)} different text labels to {len(raw)} samples "
+                         f"(such as {names[0][:40]!r}): captions, not classes; give each sample its class index "
+                         f"(KEY.cls) or class name")
     index = {c: k for k, c in enumerate(names)}
     return names, [index[v] for v in raw]

@@ -386,14 +386,15 @@ def _with_advice(error: StorageError, *, local: bool, folder: str | None = None)
 
 
 def _foreign_tars(folder: str) -> int:
-    """How many tar files (``.tar``, ``.tar.gz``, ``.tgz``) that ``pack`` did not write lie in local
+    """How many tar files (``.tar``, ``.tar.gz``, ``.tar.xz``, ...) that ``pack`` did not write lie in local
     ``folder`` (0 if it cannot be listed). ``pack`` writes a record ``NAME.json`` beside each of its
     tars: a folder of those is an interrupted pack, not another tool's tars."""
     try:
         names = {e.name for e in os.scandir(folder)}
     except OSError:
         return 0
-    return sum(1 for n in names if n.lower().endswith((".tar", ".tar.gz", ".tgz"))
+    endings = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")   # packing.tars reads these
+    return sum(1 for n in names if n.lower().endswith(endings)
                and f"{n.rpartition('.tar')[0]}.json" not in names)
 
 
