@@ -463,3 +463,22 @@ def test_dalis_own_decoder_reads_a_valid_file_as_the_other_backends_do(tmp_path,
     if ref is not None:
         diff = float((got - ref).abs().mean() * 255)
         assert diff < 3, f"{name}: DALI's picture differs from the torch backend's by {diff:.1f} levels"
+
+
+@pytest.mark.xfail(strict=True, reason="decode='dali' refuses a truncated JPEG/PNG that Pillow decodes under "
+                                       "ImageFile.LOAD_TRUNCATED_IMAGES=True (DALI reads JPEG and PNG itself)")
+@pytest.mark.parametrize("suffix", [".jpg", ".png"])
+def test_load_truncated_images_is_honoured_by_every_backend_alike(tmp_path, monkeypatch, suffix):
+    # A common recipe (ImageFile.LOAD_TRUNCATED_IMAGES = True) makes Pillow decode a cut file, grey
+    # below the cut: torch, memory and decode="host" then keep it, DALI's own decoder refuses it by name.
+    from PIL import ImageFile
+
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    buf = io.BytesIO()
+    Image.fromarray(_scene(96, 128)).save(buf, "JPEG" if suffix == ".jpg" else "PNG")
+    (tmp_path / f"cut{suffix}").write_bytes(buf.getvalue()[: len(buf.getvalue()) * 2 // 3])
+    source = ImageFolder.from_samples([(tmp_path / f"cut{suffix}", 0)], ["a"])
+    kept = {name: len(_epoch(source, backend, opts, EVAL, on_error="skip")[0])
+            for name, backend, opts in (("torch", "torch", {"num_workers": 0}), ("memory", "memory", {}),
+                                        ("dali-host", "dali", {}), ("dali-dali", "dali", {"decode": "dali"}))}
+    assert kept == {"torch": 1, "memory": 1, "dali-host": 1, "dali-dali": 1}
