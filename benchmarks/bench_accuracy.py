@@ -28,7 +28,8 @@ except ImportError:  # run as a script: python benchmarks/bench_accuracy.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import common
 
-from fastdata import available_backends
+from fastdata import available_backends, cli
+from fastdata.engine import AMP_CHOICES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,19 +49,22 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     backends = [b for b in available_backends() if b != "auto"]
     p.add_argument("--backends", nargs="+", default=backends, choices=backends,
                    help="default: every available backend")
-    p.add_argument("--target", type=float, default=0.99, help="test accuracy to reach (default 0.99)")
-    p.add_preset("--epochs", type=int, full=3, quick=1)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--device", default=None)
-    p.add_argument("--amp", default="auto")
-    p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"))
-    p.add_argument("--data-root", default="./data")
-    p.add_preset("--train-size", type=int, full=None, quick=6000, help="training images (default: all)")
-    p.add_preset("--test-size", type=int, full=None, quick=1000, help="test images (default: all)")
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
-    p.add_argument("--tag", default=None)
+    p.add_argument("--target", type=cli.fraction, default=0.99,
+                   help="test accuracy to reach, a fraction (default 0.99)")
+    p.add_preset("--epochs", type=cli.positive_int, full=3, quick=1, help="epochs per backend")
+    p.add_argument("--batch-size", type=cli.positive_int, default=256, help="default 256")
+    p.add_argument("--lr", type=cli.positive_float, default=0.1, help="peak learning rate (default 0.1)")
+    p.add_argument("--device", default=None, type=cli.device, help="cpu, cuda or cuda:N (default: CUDA when available)")
+    p.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 (or fp16) on CUDA, off on CPU")
+    p.add_argument("--workers", type=cli.nonnegative_int, default=None,
+                   help="loader workers (default: the usable cores)")
+    p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
+                   help="auto: MNIST from --data-root when it is there, else synthetic digits")
+    p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw (default ./data)")
+    p.add_preset("--train-size", type=cli.positive_int, full=None, quick=6000, help="training images (None: all)")
+    p.add_preset("--test-size", type=cli.positive_int, full=None, quick=1000, help="test images (None: all)")
+    p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
+    p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")
     return p
 
 

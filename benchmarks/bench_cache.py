@@ -41,6 +41,8 @@ except ImportError:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import common
 
+from fastdata import cli
+
 REPO = Path(__file__).resolve().parents[1]
 CONTENDERS = ("today", "processes", "threads", "nvimgcodec")
 #: The last commit before ``cache_build``: the build issue 13 asks to make 2x faster.
@@ -87,13 +89,17 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = common.PresetParser(description="Build time of the memory backend's photo cache: today's worker "
                             "processes against threads and nvImageCodec.", add_help=add_help,
                             quick_help="few photos and rounds: checks that it runs, not how fast")
-    p.add_preset("--photos", type=int, full=1500, quick=40, help="photos in the folder (rounded up to 10 classes)")
-    p.add_preset("--passes", type=int, full=3, quick=1, help="timed rounds (after one warm-up), median reported")
-    p.add_argument("--side", type=int, default=256, help="cache_size: the cached photos' longest side (default 256)")
+    p.add_preset("--photos", type=cli.positive_int, full=1500, quick=40,
+                 help="photos in the folder (rounded up to 10 classes)")
+    p.add_preset("--passes", type=cli.positive_int, full=3, quick=1,
+                 help="timed rounds (after one warm-up), median reported")
+    p.add_argument("--side", type=cli.positive_int, default=256,
+                   help="cache_size: the cached photos' longest side (default 256)")
     p.add_argument("--workers", default="default",
                    help="cache_workers for every contender (default: each build's own default)")
-    p.add_argument("--device", default="cpu", help="where the cache lives (default cpu)")
-    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    p.add_argument("--device", default="cpu", type=cli.device, help="where the cache lives (default cpu)")
+    p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS,
+                   help="cache builds to time (default: all)")
     p.add_argument("--base", default=BASE, help=f"the commit 'today' runs (default {BASE})")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEGs are kept")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")

@@ -51,6 +51,8 @@ except ImportError:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import common
 
+from fastdata import cli
+
 TARGET = 0.95
 READER, FASTDATA = "DALI readers.file", "fastdata dali"
 #: The second ceiling: DALI's leanest RandomResizedCrop, decoding the box alone (not the same graph).
@@ -61,13 +63,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = common.PresetParser(description="dali backend (decode='dali') vs DALI's own readers.file pipeline "
                             "with the same graph, on small JPEGs, on the CPU.", add_help=add_help,
                             quick_help="few images and rounds: checks that it runs, not how fast")
-    p.add_preset("--images", type=int, full=512, quick=64, help="JPEGs generated (64-128 px a side)")
-    p.add_preset("--rounds", type=int, full=41, quick=2,
+    p.add_preset("--images", type=cli.positive_int, full=512, quick=64, help="JPEGs generated (64-128 px a side)")
+    p.add_preset("--rounds", type=cli.positive_int, full=41, quick=2,
                  help="timed epochs per contender, interleaved (41: the median's 95%% interval is the 14th to 28th)")
-    p.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
-    p.add_argument("--size", type=int, default=64, help="output side (default 64)")
-    p.add_argument("--threads", type=int, default=None, help="DALI threads (default: the usable cores)")
-    p.add_argument("--depth", type=int, default=2, help="prefetch_queue_depth of both (default 2)")
+    p.add_argument("--batch", type=cli.positive_int, default=64, help="batch size (default 64)")
+    p.add_argument("--size", type=cli.positive_int, default=64, help="output side (default 64)")
+    p.add_argument("--threads", type=cli.positive_int, default=None, help="DALI threads (default: the usable cores)")
+    p.add_argument("--depth", type=cli.positive_int, default=2, help="prefetch_queue_depth of both (default 2)")
     p.add_argument("--folder", default=None, help="an existing JPEG folder instead of generated ones")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")

@@ -58,6 +58,7 @@ except ImportError:  # run as a script: python benchmarks/bench_dali_gpu.py
     from benchmarks import common
 
 import fastdata
+from fastdata import cli
 from fastdata.config import usable_cores
 
 WORKLOAD = "jpeg"
@@ -71,24 +72,25 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                             "torch backend and PIL's decode-only limit: images/s and CPU cores used.",
                             add_help=add_help, quick_help="tiny sizes, two short passes: checks that it runs "
                                                           "(with --device cpu: on any machine), not how fast")
-    p.add_argument("--device", default=None, help="cuda[:N] or cpu (default: cuda when available)")
-    p.add_argument("--workers", type=int, default=usable_cores(),
+    p.add_argument("--device", default=None, type=cli.device, help="cuda[:N] or cpu (default: cuda when available)")
+    p.add_argument("--workers", type=cli.positive_int, default=usable_cores(),
                    help="num_workers of every row that does not vary it, and the limit's processes "
                         "(default: usable cores)")
-    p.add_preset("--jpeg-images", type=int, full=1500, quick=40, help="photos in the JPEG folder")
-    p.add_preset("--batches", type=int, nargs="+", full=[64, 256], quick=[8, 16],
+    p.add_preset("--jpeg-images", type=cli.positive_int, full=1500, quick=40, help="photos in the JPEG folder")
+    p.add_preset("--batches", type=cli.positive_int, nargs="+", full=[64, 256], quick=[8, 16],
                  help="batch sizes to try; the first is every other row's")
-    p.add_preset("--thread-counts", type=int, nargs="+", full=[4, 16], quick=[1, 2],
+    p.add_preset("--thread-counts", type=cli.positive_int, nargs="+", full=[4, 16], quick=[1, 2],
                  help="num_workers values to try on the dali backend")
-    p.add_argument("--hw-loads", type=float, nargs="+", default=[0.0, 0.65, 1.0],
+    p.add_argument("--hw-loads", type=cli.fraction, nargs="+", default=[0.0, 0.65, 1.0],
                    help="hw_decoder_load values (the ceiling's and the dali backend's)")
-    p.add_argument("--depths", type=int, nargs="+", default=[2, 4], help="prefetch_queue_depth values")
-    p.add_preset("--passes", type=int, full=3, quick=2, help="timed passes per row, after one warm-up pass")
-    p.add_preset("--min-pass", type=float, full=1.0, quick=0.0,
+    p.add_argument("--depths", type=cli.positive_int, nargs="+", default=[2, 4], help="prefetch_queue_depth values")
+    p.add_preset("--passes", type=cli.positive_int, full=3, quick=2,
+                 help="timed passes per row, after one warm-up pass")
+    p.add_preset("--min-pass", type=cli.nonnegative_float, full=1.0, quick=0.0,
                  help="seconds a pass lasts at least: whole epochs repeated until then")
-    p.add_preset("--row-budget", type=float, full=15.0, quick=5.0,
+    p.add_preset("--row-budget", type=cli.positive_float, full=15.0, quick=5.0,
                  help="seconds of timed passes per row before it stops early")
-    p.add_preset("--budget", type=float, full=170.0, quick=120.0,
+    p.add_preset("--budget", type=cli.positive_float, full=170.0, quick=120.0,
                  help="seconds for the whole experiment: rows not started by then are listed as not run")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEG folder is kept")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")

@@ -40,6 +40,8 @@ except ImportError:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import common
 
+from fastdata import cli
+
 SIZE, RESIZE = 224, 256
 CONTENDERS = ("PIL full decode", "PIL draft", "nvImageCodec full decode", "region window", "region auto")
 ROLES = {"PIL full decode": "baseline", "nvImageCodec full decode": "decoder"}
@@ -50,11 +52,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = common.PresetParser(description="Per-sample cost of a 224² crop from a JPEG: full decode, Image.draft, "
                             "and region decoding (fastdata.images.region).", add_help=add_help,
                             quick_help="few images and passes: checks that it runs, not how fast")
-    p.add_preset("--images", type=int, full=32, quick=4, help="ImageNet-sized JPEGs")
-    p.add_preset("--large-images", type=int, full=8, quick=2, help="JPEGs of 1,024-2,000 px a side")
-    p.add_preset("--passes", type=int, full=7, quick=2, help="timed passes (after one warm-up), median reported")
-    p.add_argument("--crops", type=int, default=8, help="crops per image and pass (default 8)")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_preset("--images", type=cli.positive_int, full=32, quick=4, help="ImageNet-sized JPEGs")
+    p.add_preset("--large-images", type=cli.positive_int, full=8, quick=2, help="JPEGs of 1,024-2,000 px a side")
+    p.add_preset("--passes", type=cli.positive_int, full=7, quick=2,
+                 help="timed passes (after one warm-up), median reported")
+    p.add_argument("--crops", type=cli.positive_int, default=8, help="crops per image and pass (default 8)")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
+                   help="photo sizes and crops to time (default: all; quote the names)")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEGs are kept")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")

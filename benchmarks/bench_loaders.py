@@ -41,7 +41,7 @@ except ImportError:  # run as a script: python benchmarks/bench_loaders.py
     from benchmarks import common
 
 import fastdata
-from fastdata import registry
+from fastdata import cli, registry
 from fastdata.config import usable_cores
 
 WORKLOADS = ("digits", "jpeg")
@@ -57,26 +57,27 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                             "available fastdata backend and the machine's limit.", add_help=add_help,
                             quick_help="small sizes, one timed pass: checks that it runs (under 2 minutes "
                                        "on 2 cores), not how fast")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS,
+                   help="digits (28x28 arrays) and/or jpeg (a folder of photos) (default: both)")
     p.add_argument("--backends", nargs="+", default=backend_names(), choices=backend_names(),
                    help="fastdata backends to try (default: all; unavailable ones are skipped)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the tutorial pipeline")
     p.add_argument("--no-limit", dest="limit", action="store_false", help="skip the limit measurement")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
-    p.add_argument("--workers", type=int, default=usable_cores(),
+    p.add_argument("--device", default=None, type=cli.device, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--workers", type=cli.positive_int, default=usable_cores(),
                    help="worker processes/threads (default: usable cores)")
-    p.add_preset("--passes", type=int, full=5, quick=1,
+    p.add_preset("--passes", type=cli.positive_int, full=5, quick=1,
                  help="timed rounds (each contender one pass per round; medians reported); one warm-up "
                       "pass each precedes them")
-    p.add_preset("--digits", type=int, full=60_000, quick=6000, help="digit images")
-    p.add_argument("--digits-batch", type=int, default=256)
-    p.add_preset("--min-pass", type=float, full=2.0, quick=0.0,
+    p.add_preset("--digits", type=cli.positive_int, full=60_000, quick=6000, help="digit images")
+    p.add_argument("--digits-batch", type=cli.positive_int, default=256, help="default 256")
+    p.add_preset("--min-pass", type=cli.nonnegative_float, full=2.0, quick=0.0,
                  help="seconds a timed pass lasts at least: a pass repeats whole epochs until then")
-    p.add_preset("--jpeg-images", type=int, full=1500, quick=96, help="photos in the JPEG folder")
-    p.add_preset("--jpeg-batch", type=int, full=64, quick=32)
+    p.add_preset("--jpeg-images", type=cli.positive_int, full=1500, quick=96, help="photos in the JPEG folder")
+    p.add_preset("--jpeg-batch", type=cli.positive_int, full=64, quick=32)
     p.add_argument("--data", default="./data", help="folder holding MNIST/raw (used when present)")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEG folder is kept")
-    p.add_preset("--budget", type=float, full=60.0, quick=8.0,
+    p.add_preset("--budget", type=cli.positive_float, full=60.0, quick=8.0,
                  help="seconds of timed passes per contender before stopping early")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")

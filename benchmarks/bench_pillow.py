@@ -33,6 +33,8 @@ except ImportError:  # run as a script (also how --compare runs it under another
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import common
 
+from fastdata import cli
+
 OPS = ("decode", "decode+rrc", "decode+rrc (draft)", "resize 1024²→224²")
 SIZE = 224
 
@@ -41,10 +43,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = common.PresetParser(description="Per-sample cost of JPEG decode + RandomResizedCrop and of a "
                             "1024²→224² resize with the installed PIL (Pillow or Pillow-SIMD).", add_help=add_help,
                             quick_help="short rounds: checks that it runs, not how fast")
-    p.add_argument("--images", type=int, default=16, help="distinct JPEGs cycled through (default 16)")
-    p.add_preset("--rounds", type=int, full=7, quick=3, help="timed rounds per operation, median reported")
-    p.add_preset("--round-s", type=float, full=0.5, quick=0.1, help="seconds per round")
-    p.add_argument("--compare", nargs="*", default=[], metavar="PYTHON",
+    p.add_argument("--images", type=cli.positive_int, default=16, help="distinct JPEGs cycled through (default 16)")
+    p.add_preset("--rounds", type=cli.positive_int, full=7, quick=3, help="timed rounds per operation, median reported")
+    p.add_preset("--round-s", type=cli.positive_float, full=0.5, quick=0.1, help="seconds per round")
+    p.add_argument("--compare", nargs="*", default=[], metavar="PYTHON", type=_interpreter,
                    help="other interpreters (with another PIL) to run the same measurement under")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEGs are kept")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
@@ -155,6 +157,17 @@ def run_elsewhere(python: str, job: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _interpreter(text: str) -> str:
+    """``--compare``'s PYTHON: an executable found as given or on PATH. Checked before the measuring,
+    where a missing one used to cost the whole run and leave only a line on screen (the report has no
+    column for it)."""
+    import shutil
+
+    if shutil.which(text) is None:
+        raise argparse.ArgumentTypeError(f"no interpreter {text!r}: not an executable file, nor a command on PATH")
+    return text
+
+
 def label(res: dict) -> str:
     pil = res["pil"]
     avx2 = {True: ", AVX2", False: ", no AVX2", None: ""}[pil.get("avx2")] if pil.get("simd") else ""
@@ -207,6 +220,9 @@ def main(args) -> dict:
               f"libjpeg can only shrink by 1/2, 1/4 or 1/8, so it applies to the "
               f"{100 * ok[0]['draft_fraction']:.0f}% of these crops that are at least {2 * SIZE} px on "
               f"each side.")
+    for r in results:
+        if not r["ops"]:   # a --compare interpreter that failed: said in the report, not only on screen
+            body += f"\n\nNot measured: {r['error'].splitlines()[0]}"
     if not ok[0]["pil"].get("simd"):
         body += ("\n\nThis PIL is not Pillow-SIMD: `pip uninstall -y pillow && CC='cc -mavx2' pip install "
                  "--no-binary :all: pillow-simd` (or the project's install.sh) swaps it in.")

@@ -39,6 +39,7 @@ clears it; a range across the threshold is ``within noise``.
 """
 from __future__ import annotations
 
+import argparse
 import fcntl
 import io
 import json
@@ -60,6 +61,7 @@ except ImportError:  # run as a script: python benchmarks/bench_shards.py
     from benchmarks import bench_loaders, common
 
 import fastdata
+from fastdata import cli
 from fastdata.config import usable_cores
 
 BACKENDS = ("torch", "dali", "prefetch")
@@ -67,6 +69,18 @@ LOADER_CONTENDERS = ("folder", "shards", "shards http", "shards http small cache
 SMALL_WINDOW = 2   # the small-cache contender's window: its cache holds 2 windows, fewer shards than the set
 DECODE_PATHS = ("load_photo", "PIL full decode")
 TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
+
+
+def _shard_size(text: str) -> str:
+    """``--shard-size``: a size ``fastdata pack`` takes (256MB, 1GB, 512MiB), checked before the photos
+    are made, and kept as written (it names the pack's folder in the cache)."""
+    from fastdata.packing.writer import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def get_args_parser(add_help: bool = True):
@@ -77,25 +91,28 @@ def get_args_parser(add_help: bool = True):
     p.add_argument("--backends", nargs="+", default=["torch", "dali"], choices=BACKENDS,
                    help="backends to measure (one table each; a missing one is listed as skipped)")
     p.add_argument("--no-decode", dest="decode", action="store_false", help="skip the per-photo decode workload")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
-    p.add_argument("--workers", type=int, default=usable_cores(),
+    p.add_argument("--device", default=None, type=cli.device, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--workers", type=cli.nonnegative_int, default=usable_cores(),
                    help="worker processes/threads (default: usable cores)")
-    p.add_preset("--passes", type=int, full=5, quick=1,
+    p.add_preset("--passes", type=cli.positive_int, full=5, quick=1,
                  help="timed rounds (each contender one pass per round); one warm-up pass each precedes them")
-    p.add_preset("--min-pass", type=float, full=2.0, quick=0.0,
+    p.add_preset("--min-pass", type=cli.nonnegative_float, full=2.0, quick=0.0,
                  help="seconds a timed pass lasts at least: a pass repeats whole epochs until then")
-    p.add_preset("--jpeg-images", type=int, full=1500, quick=96, help="photos in the JPEG folder")
-    p.add_preset("--jpeg-batch", type=int, full=64, quick=32)
-    p.add_preset("--shard-size", full="16MB", quick="1MB",
+    p.add_preset("--jpeg-images", type=cli.positive_int, full=1500, quick=96, help="photos in the JPEG folder")
+    p.add_preset("--jpeg-batch", type=cli.positive_int, full=64, quick=32)
+    p.add_preset("--shard-size", type=_shard_size, full="16MB", quick="1MB",
                  help="target bytes per shard for both packs (see the module docstring for why not 256MB)")
-    p.add_argument("--max-side", type=int, default=256, help="the re-encoded pack's longer side (default 256)")
-    p.add_argument("--window", type=int, default=4, help="Shards(window=...): shards shuffled together")
-    p.add_argument("--delay", type=float, default=0.02, help="seconds the HTTP server adds to every request")
-    p.add_preset("--decode-photos", type=int, full=200, quick=8, help="photos in the per-photo decode workload")
-    p.add_preset("--decode-passes", type=int, full=7, quick=2, help="timed passes of the decode workload")
+    p.add_argument("--max-side", type=cli.positive_int, default=256,
+                   help="the re-encoded pack's longer side (default 256)")
+    p.add_argument("--window", type=cli.positive_int, default=4, help="Shards(window=...): shards shuffled together")
+    p.add_argument("--delay", type=cli.nonnegative_float, default=0.02,
+                   help="seconds the HTTP server adds to every request")
+    p.add_preset("--decode-photos", type=cli.positive_int, full=200, quick=8,
+                 help="photos in the per-photo decode workload")
+    p.add_preset("--decode-passes", type=cli.positive_int, full=7, quick=2, help="timed passes of the decode workload")
     p.add_argument("--cache", default=str(common.CACHE_DIR),
                    help="where the generated JPEG folder and its packs are kept between runs")
-    p.add_preset("--budget", type=float, full=60.0, quick=8.0,
+    p.add_preset("--budget", type=cli.positive_float, full=60.0, quick=8.0,
                  help="seconds of timed passes per contender before stopping early")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")

@@ -41,6 +41,7 @@ except ImportError:  # run as a script: python benchmarks/bench_training.py
     from benchmarks import common
 
 import fastdata
+from fastdata import cli
 from fastdata.config import usable_cores
 from fastdata.engine import AMP_CHOICES
 
@@ -54,21 +55,34 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--workloads", nargs="+", default=None, choices=WORKLOADS,
                    help="default: digits on CPU (a CNN on 224² photos trains at a few dozen images/s on "
                         "a CPU), digits and jpeg on CUDA")
-    p.add_argument("--backends", nargs="+", default=loaders.backend_names(), choices=loaders.backend_names())
-    p.add_argument("--no-baseline", dest="baseline", action="store_false")
-    p.add_argument("--no-limit", dest="limit", action="store_false")
-    p.add_argument("--device", default=None)
-    p.add_argument("--workers", type=int, default=usable_cores(), help="default: usable cores")
-    p.add_preset("--steps", type=int, full=30, quick=6, help="optimizer steps per epoch")
-    p.add_preset("--epochs", type=int, full=3, quick=2, help="epochs per contender, the first one a warm-up")
-    p.add_preset("--digits-batch", type=int, full=256, quick=64)
-    p.add_preset("--jpeg-batch", type=int, full=64, quick=16)
-    p.add_argument("--amp", default="auto", choices=AMP_CHOICES)
-    p.add_argument("--data", default="./data")
-    p.add_argument("--cache", default=str(common.CACHE_DIR))
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
-    p.add_argument("--tag", default=None)
+    p.add_argument("--backends", nargs="+", default=loaders.backend_names(), choices=loaders.backend_names(),
+                   help="fastdata backends to train with (default: all; unavailable ones are skipped)")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the tutorial pipeline")
+    p.add_argument("--no-limit", dest="limit", action="store_false",
+                   help="skip the limit (ready batches gathered from memory: the model's own speed)")
+    p.add_argument("--device", default=None, type=cli.device, help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--workers", type=cli.nonnegative_int, default=usable_cores(),
+                   help="loader worker processes (default: usable cores)")
+    p.add_preset("--steps", type=cli.positive_int, full=30, quick=6, help="optimizer steps per epoch")
+    # Round 1 is a warm-up that is not counted: one epoch alone would leave no figures at all.
+    p.add_preset("--epochs", type=_rounds, full=3, quick=2, help="epochs per contender, the first one a warm-up")
+    p.add_preset("--digits-batch", type=cli.positive_int, full=256, quick=64, help="batch size of the digits")
+    p.add_preset("--jpeg-batch", type=cli.positive_int, full=64, quick=16, help="batch size of the photos")
+    p.add_argument("--amp", default="auto", choices=AMP_CHOICES,
+                   help="the step's precision (default auto: bf16 or fp16 on CUDA, off on the CPU)")
+    p.add_argument("--data", default="./data", help="folder holding MNIST/raw (used when present; default ./data)")
+    p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEG folder is kept")
+    p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
+    p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")
     return p
+
+
+def _rounds(text: str) -> int:
+    """``--epochs``: at least 2, the warm-up and one counted."""
+    value = cli.positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2 (the first epoch is a warm-up), got {text!r}")
+    return value
 
 
 def default_workloads(device) -> list[str]:

@@ -61,6 +61,29 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (seconds a pass lasts at least, an added delay: 0 means none)."""
+    value = _number(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1] (a share: a hardware decoder's load, an accuracy). ``0.99``, not ``99``."""
+    value = _number(text)
+    if not 0 <= value <= 1:   # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1] such as 0.99, got {text!r}")
+    return value
+
+
 def ema_decay(text: str) -> float:
     """A weight-average decay in (0, 1) (0.999: about the last 1,000 steps; 1 would never move)."""
     try:

@@ -29,7 +29,9 @@ class PresetParser(argparse.ArgumentParser):
 
     ``add_preset("--steps", full=30, quick=6, type=int)`` adds an option that defaults to 30, or to 6
     under ``--quick``; an explicit value always wins. The parsed namespace also records ``argv`` (the
-    arguments parsed), so a report can print the command that made it.
+    arguments parsed), so a report can print the command that made it. Its ``--out`` and ``--cache``,
+    where a script has them, are folders checked before any work (``cli.output_problem``): a file there
+    failed only when the reports were written, after the whole measurement.
     """
 
     def __init__(self, *args, quick_help: str = "small sizes: checks that it runs, not how fast", **kwargs):
@@ -52,6 +54,11 @@ class PresetParser(argparse.ArgumentParser):
             if values.get(dest) is None:
                 values[dest] = quick if ns.quick else full
         ns.argv = list(sys.argv[1:] if args is None else args)
+        from .cli import check_output
+
+        for dest in ("out", "cache"):
+            if isinstance(values.get(dest), str):
+                check_output(self, f"--{dest}", values[dest], folder=True)
         return ns, rest
 
 

@@ -156,8 +156,11 @@ def test_bench_pillow_quick(tmp_path):
 
 
 def test_pillow_compare_runs_the_same_job_elsewhere(tmp_path):
-    """--compare re-runs the measurement under another interpreter; here the same one stands in."""
+    """--compare re-runs the measurement under another interpreter; here the same one stands in. One
+    that fails (here: exits 3) is listed as failed (a missing one is refused when parsing)."""
     bench = load("bench_pillow")
+    (tmp_path / "nope").write_text("#!/bin/sh\nexit 3\n")
+    (tmp_path / "nope").chmod(0o755)
     args = bench.get_args_parser().parse_args(
         ["--quick", "--out", str(tmp_path), "--images", "2", "--rounds", "1", "--round-s", "0.02",
          "--tag", "cmp", "--cache", str(tmp_path / "c"), "--compare", sys.executable, str(tmp_path / "nope")])
@@ -166,7 +169,7 @@ def test_pillow_compare_runs_the_same_job_elsewhere(tmp_path):
     failed = [r for r in payload["results"] if not r["ops"]]
     assert len(ok) == 2 and len(failed) == 1 and "nope" in failed[0]["error"]
     md = Path(payload["paths"]["md"]).read_text()
-    assert "speed-up of" in md
+    assert "speed-up of" in md and f"{tmp_path / 'nope'} failed (exit 3)" in md
 
 
 def test_targets_and_ratios():
