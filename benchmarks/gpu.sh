@@ -70,7 +70,8 @@ bench() {  # a benchmark script with the run's folders and tag (BENCH_TAG: anoth
 }
 
 cuda_tests() {  # pytest over the `cuda` tests; every one must run (FASTDATA_REQUIRE_CUDA) except in a dry run
-  local opts=(-q -rfEs -m cuda -p no:cacheprovider "${COLLECT[@]}")
+  # -rP: the output of passing tests too (the memory 1% test prints where its data wait came from)
+  local opts=(-q -rfEsP -m cuda -p no:cacheprovider "${COLLECT[@]}")
   if [[ ${#COLLECT[@]} == 0 ]] && "$PY" -c "import pytest_timeout" 2>/dev/null; then opts+=(--timeout 120); fi
   if [[ ${#COLLECT[@]} == 0 ]]; then
     FASTDATA_REQUIRE_CUDA=${FASTDATA_REQUIRE_CUDA:-1} "$PY" -m pytest "${opts[@]}" "$@"
