@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, PngImagePlugin
 
 from fastdata import Augmentation, DecodeError, make_loader
 from fastdata.backends.memory import nvimgcodec
@@ -351,6 +351,34 @@ def test_a_photo_with_a_mistyped_exif_tag_is_turned_not_a_crash(stumbling_folder
     if recipe is EVAL:   # turned the right way: the upright photo's picture
         assert float((images[0] - images[1]).abs().mean() * 255) < 3
 
+
+
+def _raw_profile_exif(orientation: int) -> PngImagePlugin.PngInfo:
+    """ImageMagick's way of keeping a photo's EXIF block in a PNG: a "Raw profile type exif" text chunk
+    (the block in hex), which Pillow's getexif reads and DALI's and nvImageCodec's PNG decoders do not."""
+    block = Image.Exif()
+    block[0x0112] = orientation
+    raw = block.tobytes()
+    text = "\nexif\n" + f"{len(raw):8d}\n" + "\n".join(raw.hex()[i:i + 72] for i in range(0, 2 * len(raw), 72))
+    info = PngImagePlugin.PngInfo()
+    info.add_text("Raw profile type exif", text + "\n", zip=True)
+    return info
+
+
+@pytest.mark.parametrize("backend, opts", BACKENDS)
+def test_an_orientation_in_a_pngs_raw_exif_profile_turns_no_backend(tmp_path, backend, opts):
+    # Pillow's reading turned such a PNG (torch, memory, decode="host"), DALI's own decoder did not: upside
+    # down in one backend only (3), or refused by it alone (6). As XMP's orientation, it turns none.
+    (tmp_path / "a").mkdir()
+    stored = Image.fromarray(_scene()).transpose(_STORE[6])
+    stored.save(tmp_path / "a" / "plain.png")
+    for orientation in (3, 6):
+        stored.save(tmp_path / "a" / f"raw{orientation}.png", pnginfo=_raw_profile_exif(orientation))
+    assert Image.open(tmp_path / "a" / "raw6.png").getexif().get(0x0112) == 6   # what Pillow alone reads
+    images, _, loader = _epoch(ImageFolder(tmp_path), backend, opts, EVAL)
+    assert len(images) == 3 and loader.skipped == 0
+    for i in (1, 2):   # raw3, raw6: the picture as stored, as plain.png
+        assert float((images[i] - images[0]).abs().mean() * 255) < 0.5
 
 _PIL_BACKENDS = [p for p in BACKENDS if p.id != "dali-dali"]
 

@@ -164,7 +164,9 @@ def exif_orientation(img: Image.Image, path) -> int:
 
     EXIF's alone: an orientation given only in XMP (``tiff:Orientation``), which Pillow's ``getexif``
     also reports, is ignored, as nvImageCodec, DALI, torchvision.io and web browsers ignore it. Every
-    backend must put a photo the same way up, and the GPU decoders apply EXIF's tag only.
+    backend must put a photo the same way up, and the GPU decoders apply EXIF's tag only. So is a PNG's
+    EXIF block kept by ImageMagick as a "Raw profile type exif" text chunk (in hex), which Pillow
+    also reads and DALI's and nvImageCodec's PNG decoders do not (a PNG's own eXIf chunk counts).
 
     A PNG's EXIF chunk may follow its pixel data, so Pillow loads the whole image to look for it: a
     failure there is the file's (a broken data stream), raised as the DecodeError naming ``path``, not
@@ -178,12 +180,12 @@ def exif_orientation(img: Image.Image, path) -> int:
     """
     if (img.format == "PNG" and "exif" not in img.info) or img.format == "TIFF":
         load_pixels(img, path)
-    hidden = {k: img.info.pop(k) for k in _XMP_KEYS if k in img.info}
+    hidden = {k: img.info.pop(k) for k in _NOT_EXIF_KEYS if k in img.info}
     try:
         if hidden:
-            # Pillow may have read the EXIF, XMP's orientation merged in, while opening the file (a
-            # JPEG's DPI): forget that reading. The one made now, with the XMP out of sight, is cached
-            # and is the one exif_transpose applies.
+            # Pillow may have read the EXIF, XMP's (or a raw profile's) orientation merged in, while
+            # opening the file (a JPEG's DPI): forget that reading. The one made now, with them out of
+            # sight, is cached for any later reading of this image.
             img._exif = None
         return int(img.getexif().get(_EXIF_ORIENTATION, 1) or 1)
     except Exception:  # a broken EXIF block does not make the pixels unreadable
@@ -200,6 +202,9 @@ def displayed_size(height: int, width: int, orientation: int) -> tuple[int, int]
 
 #: Where Pillow keeps an image's XMP packet (JPEG, WebP, TIFF: "xmp"; PNG's iTXt: "XML:com.adobe.xmp").
 _XMP_KEYS = ("xmp", "XML:com.adobe.xmp")
+#: Where Pillow's ``getexif`` finds an orientation that no GPU decoder reads: XMP, and ImageMagick's PNG
+#: text chunk holding an EXIF block in hex.
+_NOT_EXIF_KEYS = _XMP_KEYS + ("Raw profile type exif",)
 
 
 def load_pixels(img: Image.Image, path) -> None:
