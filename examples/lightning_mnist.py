@@ -84,16 +84,34 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"argument --resume: '{args.resume}' is not a file")
     # Lightning would find out inside trainer.fit, as a bare EOFError or UnpicklingError traceback. A
     # checkpoint is torch.save's archive: a zip holding a data.pkl (read from the directory, not unpickled).
-    if args.resume is not None and not _is_torch_archive(args.resume):
+    pickled = None if args.resume is None else _archive_pickle(args.resume)
+    if args.resume is not None and pickled is None:
         parser.error(f"argument --resume: '{args.resume}' is not a checkpoint (not an archive torch.save wrote)")
+    # A torch.save file of something else (train_mnist.py's --checkpoint, a bare state_dict) got as far as
+    # trainer.fit, after the data and model were built, and died there on KeyError: 'pytorch-lightning_version'.
+    if pickled is not None and b"pytorch-lightning_version" not in pickled:
+        what = ("a checkpoint of fastdata's fit (train_mnist.py --checkpoint)" if b"fastdata-checkpoint" in pickled
+                else "a file torch.save wrote")
+        parser.error(f"argument --resume: '{args.resume}' is {what}, not a Lightning checkpoint; give one that "
+                     f"--ckpt-dir holds (e.g. last.ckpt)")
+    # Lightning's "gpu" is CUDA or Apple's MPS (one device).
+    gpus = torch.cuda.device_count() or int(torch.backends.mps.is_available())
+    if args.accelerator == "gpu" and args.devices > gpus:
+        # Lightning's MisconfigurationException traceback otherwise, after the imports and the model.
+        parser.error(f"argument --accelerator: gpu with --devices {args.devices}, but torch sees {gpus} GPU(s) "
+                     f"here; use --accelerator cpu (or auto)")
 
 
-def _is_torch_archive(path) -> bool:
+def _archive_pickle(path) -> bytes | None:
+    """The pickle of a torch.save archive (a zip holding a data.pkl; the tensors are stored beside it, so
+    this is small), or None when ``path`` is not one. Its keys are plain strings in it, read without
+    unpickling anything."""
     try:
         with zipfile.ZipFile(path) as zf:
-            return any(name == "data.pkl" or name.endswith("/data.pkl") for name in zf.namelist())
+            name = next((n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")), None)
+            return None if name is None else zf.read(name)
     except (zipfile.BadZipFile, OSError):
-        return False
+        return None
 
 
 def build(args):

@@ -138,7 +138,7 @@ def test_lightning_resume_takes_a_file_torch_save_wrote(tmp_path):
 
     module = load_example("lightning_mnist")
     good = tmp_path / "last.ckpt"
-    torch.save({"state_dict": {}}, good)
+    torch.save({"state_dict": {}, "pytorch-lightning_version": "2.6.0"}, good)
     parser = module.get_args_parser()
     module._check_args(parser, parser.parse_args(["--resume", str(good)]))
 

@@ -97,3 +97,46 @@ def test_a_bad_benchmark_flag_from_the_shell_is_one_line_and_status_2():
     assert out.stderr.strip().splitlines()[-1] == \
         "bench_loaders.py: error: argument --passes: must be an integer >= 1, got '0'"
     assert "Traceback" not in out.stderr and not out.stdout
+
+
+# ------------------------------------------------------------------------------ the examples
+def _example(name):
+    from conftest import load_example
+
+    return load_example(name)
+
+
+def test_lightning_resume_from_a_checkpoint_of_fit_is_one_line_naming_it(tmp_path, capsys):
+    """train_mnist.py's --checkpoint (a torch.save archive) passed the archive check and died inside
+    trainer.fit, after the data and the model were built: KeyError: 'pytorch-lightning_version'."""
+    import torch
+
+    module = _example("lightning_mnist")
+    for content, says in (({"format": "fastdata-checkpoint-2", "model": {}}, "a checkpoint of fastdata's fit"),
+                          ({"weight": torch.zeros(2)}, "a file torch.save wrote")):
+        ck = tmp_path / "ck.pt"
+        torch.save(content, ck)
+        parser = module.get_args_parser()
+        with pytest.raises(SystemExit) as info:
+            module._check_args(parser, parser.parse_args(["--resume", str(ck)]))
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --resume: '{ck}' is {says}" in err and "not a Lightning checkpoint" in err, err
+
+
+def test_lightning_accelerator_gpu_without_one_is_one_line_before_lightning_starts(monkeypatch, capsys):
+    """It was Lightning's MisconfigurationException traceback ("No supported gpu backend found!")."""
+    import torch
+
+    module = _example("lightning_mnist")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    parser = module.get_args_parser()
+    with pytest.raises(SystemExit) as info:
+        module._check_args(parser, parser.parse_args(["--accelerator", "gpu"]))
+    assert info.value.code == 2
+    assert "argument --accelerator: gpu with --devices 1, but torch sees 0 GPU(s) here" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)   # two GPUs: --devices 2 is fine, 3 is not
+    module._check_args(parser, parser.parse_args(["--accelerator", "gpu", "--devices", "2"]))
+    with pytest.raises(SystemExit):
+        module._check_args(parser, parser.parse_args(["--accelerator", "gpu", "--devices", "3"]))
