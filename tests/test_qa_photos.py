@@ -417,13 +417,20 @@ def test_a_file_pillow_cannot_open_is_named_with_its_format_and_why(tmp_path, ba
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "dpi.jpg").write_bytes(_jpeg(Image.fromarray(_scene()), exif=_exif_with_a_byte_resolution()))
     (tmp_path / "a" / "phone.jpg").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(200))
+    try:   # Pillow 12 fails on that block (an IndexError it does not catch); a later one may not
+        Image.open(tmp_path / "a" / "dpi.jpg").close()
+        names = ["phone.jpg"]
+    except Exception:
+        names = ["dpi.jpg", "phone.jpg"]
     reasons = {}
-    for name in ("dpi.jpg", "phone.jpg"):
+    for name in names:
         with pytest.raises(DecodeError) as err:
             _epoch(ImageFolder.from_samples([(tmp_path / "a" / name, 0)], ["a"]), backend, opts, EVAL)
         reasons[name] = err.value.reason
-    assert "a JPEG file whose header Pillow cannot read (SyntaxError: index out of range)" in reasons["dpi.jpg"]
+    if "dpi.jpg" in reasons:
+        assert "a JPEG file whose header Pillow cannot read (SyntaxError: index out of range)" in reasons["dpi.jpg"]
     assert "HEIF/AVIF photo (brand heic" in reasons["phone.jpg"] and "pillow-heif" in reasons["phone.jpg"]
+
 
 # ------------------------------------------------------------- files DALI's own decoder reads otherwise
 def _pnm(arr: np.ndarray, maxval: int) -> bytes:
