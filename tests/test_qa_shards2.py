@@ -443,3 +443,51 @@ def test_a_cache_dir_without_file_locks_is_refused_when_shards_is_created(pack_d
                                              rf"file locks \(flock: No locks available\)"):
             Shards(server.url, cache_dir=tmp_path / "cache")
         assert len(Shards(server.url, cache_dir=tmp_path / "other")) == 32
+
+
+# ---------------------------------------------------------------- pack: OUT is what it reads
+def test_packing_a_pack_into_its_own_folder_is_refused_before_anything_is_touched(pack_dir, tmp_path):
+    """'python -m fastdata pack shards/ shards/ --shard-size ...' (reshard in place) removed the index,
+    then replaced shards it had not read yet: it failed half-way, the pack destroyed. Tars of another tool
+    named as pack names its shards (webdataset's ShardWriter writes shard-000000.tar) likewise."""
+    import hashlib
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "packed"
+    shutil.copytree(pack_dir, folder)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+    done = subprocess.run([sys.executable, "-m", "fastdata", "pack", str(folder), str(folder), "--shard-size", "10KB",
+                           "--no-progress", "--workers", "0"], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"OUT '{folder}' holds files the source reads ({folder / 'shard-000000.tar'}" in done.stderr
+    assert "give another OUT" in done.stderr and "on_error" not in done.stderr
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()} == before
+    # The same pack into another folder, then that folder read: what the user meant, done right.
+    fastdata.pack(str(folder), tmp_path / "resharded", shard_size="10KB", progress=False, workers=0)
+    assert _pairs_of(Shards(tmp_path / "resharded")) == _pairs_of(Shards(folder))
+
+    wds = tmp_path / "wds"
+    wds.mkdir()
+    _tar(wds / "shard-000000.tar", [("a.jpg", _photo(0)), ("a.cls", b"0"), ("b.jpg", _photo(1)), ("b.cls", b"1")])
+    with pytest.raises(ValueError, match=r"holds files the source reads \(.*wds/shard-000000\.tar\)"):
+        fastdata.pack(str(wds), wds, progress=False, workers=0)
+
+
+def test_packing_a_damaged_pack_names_the_shard_and_gives_no_loader_advice(pack_dir, tmp_path):
+    """A reshard of a pack with a truncated shard failed with the loaders' DecodeError hint, 'on_error=skip
+    skips and counts such files', an option pack does not have."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "packed"
+    shutil.copytree(pack_dir, folder)
+    tar = folder / "shard-000001.tar"
+    tar.write_bytes(tar.read_bytes()[:3000])
+    done = subprocess.run([sys.executable, "-m", "fastdata", "pack", str(folder), str(tmp_path / "out"),
+                           "--no-progress", "--workers", "0"], capture_output=True, text=True)
+    assert done.returncode == 1
+    assert f"pack: cannot read '{folder / 'shard-000001.tar'}:" in done.stderr
+    assert "is 3000 bytes, but its index says" in done.stderr and "on_error" not in done.stderr

@@ -210,7 +210,12 @@ class SampleReader:
         label = int(self.labels[i])
         if self.kind == SourceKind.FILES:
             name = self.source.sample_name(i)
-            data = self.source.read_stamped(i)[0]
+            try:
+                data = self.source.read_stamped(i)[0]
+            except DecodeError as e:
+                # As while planning: DecodeError's own hint (on_error='skip') is the loaders'; pack has none.
+                raise ValueError(f"pack: cannot read '{e.path}' ({e.why}); pack copies every file of the "
+                                 f"source: remove the file or fix it, then pack again") from None
             if self.max_side is not None:
                 small = shrink(data, self.max_side, f"'{name}'")
                 if small is not None:

@@ -273,6 +273,7 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     key_width = max(8, len(str(n - 1)))
     plans = _plan(reader, shard_size)
     plan_digest = hashlib.sha256("\n".join(p.identity for p in plans).encode()).hexdigest()
+    _refuse_inputs_in_out(source, out, n)
     # First, before any shard is rewritten: an index of another pack must not describe them meanwhile.
     drop_other_index(out, plan_digest)
     mine = plans[rank::world]
@@ -330,6 +331,43 @@ def _pack_source(source, split):
     from ..registry import as_source
 
     return as_source(source)
+
+
+def _refuse_inputs_in_out(source, out: Path, n: int) -> None:
+    """A ValueError when packing into ``out`` would overwrite what ``source`` reads (``_inputs_in_out``):
+    before anything is written, as a reshard in place destroyed the pack it read half-way."""
+    overwritten = _inputs_in_out(source, out, n)
+    if overwritten:
+        more = f" and {len(overwritten) - 1} more" if len(overwritten) > 1 else ""
+        raise ValueError(f"pack: OUT '{out}' holds files the source reads ({overwritten[0]}{more}): packing "
+                         f"there would remove their index and replace them while they are still read; give "
+                         f"another OUT, then put it in place of the folder")
+
+
+def _inputs_in_out(source, out: Path, n: int) -> list[str]:
+    """The files ``source`` reads that packing into ``out`` would replace or remove: a pack's own tars
+    when OUT is the pack being resharded or resized, tars of another tool named as ``pack`` names its
+    shards. Found through ``sample_name`` (a file, or ``archive:member``), as every reader names them."""
+    from ..config import SourceKind
+
+    if getattr(source, "kind", None) != SourceKind.FILES or not out.is_dir():
+        return []
+    here, same, found = os.stat(out), {}, set()
+    for i in range(n):
+        name = source.sample_name(i)
+        for path in (name, name.rpartition(":")[0]):   # a file, or an archive's member: its archive
+            folder, base = os.path.split(path)
+            if not (_SHARD_FILE.match(base) or base == INDEX_NAME):
+                continue                      # a name pack never writes: no stat (ImageNet: 1.28 M names)
+            if folder not in same:
+                try:
+                    st = os.stat(folder or ".")
+                    same[folder] = (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
+                except OSError:               # a URL: not a local file
+                    same[folder] = False
+            if same[folder]:
+                found.add(path)
+    return sorted(found)
 
 
 def _is_tars(path, tars: list) -> bool:
