@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import MEAN, STD, decode_ids, indexed_source, label_of, pairs, skip_missing  # noqa: E402
+from engine_helpers import traced_waits, wait_diagnosis  # noqa: E402
 
 try:
     import nvidia.dali.plugin.pytorch  # noqa: F401
@@ -707,6 +708,59 @@ def gpu(source, **kw):
 def _levels(a, b, std):
     """|a - b| in 0..255 pixel levels, for batches normalized with ``std``."""
     return ((a.float().cpu() - b.float().cpu()) * torch.tensor(std).view(1, -1, 1, 1) * 255).abs().flatten()
+
+
+@pytest.mark.cuda
+def test_cuda_the_first_command_on_dali_waits_for_data_at_most_5_percent(monkeypatch):
+    """``train_mnist.py --backend dali``, the first command users run (SmallCNN on digits, batch 256, SGD
+    fused, one cycle), waited on data for 17% of each epoch on an H200 in the first GPU run (torch 24%,
+    memory 3-7%), before one pipeline per loader. The bar: at most 5% from the second epoch (memory's
+    is 1%). Whatever the result, it prints where the wait went per batch: the input callback that
+    gathers a batch on the training thread (``Feeder.__call__``, inside DALI's iterator), the rest of
+    DALI's iterator (``_fetch`` less the callback: scheduling, the host wait for the outputs, DLPack)
+    and the hand-over (``_convert``). DALI calls the callback from inside its iterator, so ``fetch``
+    includes it."""
+    import functools
+    import statistics
+    import time
+
+    from fastdata.backends.dali import DaliLoader
+    from fastdata.datasets import SyntheticDigits
+    from fastdata.decode.dali_feed import Feeder
+    from fastdata.engine import fit
+    from fastdata.models import SmallCNN
+
+    spent: dict = {"callback": [], "fetch": [], "convert": []}
+
+    def timed(name, fn):
+        @functools.wraps(fn)   # the signature kept: DALI counts the callback's arguments
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name].append(time.perf_counter() - t)
+        return run
+
+    for cls, attr, name in ((Feeder, "__call__", "callback"), (DaliLoader, "_fetch", "fetch"),
+                            (DaliLoader, "_convert", "convert")):
+        monkeypatch.setattr(cls, attr, timed(name, getattr(cls, attr)))
+    loader = make_loader(SyntheticDigits(60_000, seed=0), "dali", batch_size=256, device="cuda", seed=0)
+    model = SmallCNN(num_classes=10, in_channels=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                                fused=True)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, epochs=3, steps_per_epoch=len(loader))
+    with traced_waits() as (meters, collections):
+        history = fit(model, loader, epochs=3, optimizer=optimizer, scheduler=scheduler, progress=False)
+    loader.close()
+    waits = [r["data_wait_fraction"] for r in history]
+    per_batch = {k: statistics.median(v) * 1e6 for k, v in spent.items() if v}
+    diagnosis = "\n".join([f"epoch {e + 1}: {wait_diagnosis(m, r['seconds'], collections)}"
+                           for e, (m, r) in enumerate(zip(meters, history, strict=True))] +
+                          [f"median per batch (us): {', '.join(f'{k} {v:.0f}' for k, v in per_batch.items())}; "
+                           f"images/s {[round(r['images_per_second']) for r in history]}"])
+    print(diagnosis)   # in the GPU run's log whether the test passes or not
+    assert max(waits[1:]) <= 0.05, f"data wait per epoch: {waits}\n{diagnosis}"
 
 
 @pytest.mark.cuda

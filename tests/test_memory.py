@@ -1,9 +1,6 @@
 """memory backend: the torch backend's batches from a cache: digits and padded translation bit for bit,
 photo crops drawn from each whole photo, exact evaluation crops."""
-import contextlib
-import statistics
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -11,6 +8,7 @@ import torch
 from PIL import Image
 
 from conftest import batches_without_host_sync, pairs, skip_missing
+from engine_helpers import traced_waits, wait_diagnosis
 from fastdata import Augmentation, make_loader
 from fastdata.augment import draw_params
 from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits
@@ -601,63 +599,6 @@ def test_cuda_training_on_the_memory_backend_waits_for_data_at_most_1_percent():
                           for e, (m, r) in enumerate(zip(meters, history, strict=True)))
     print(diagnosis)   # in the GPU run's log whether the test passes or not
     assert max(waits[1:]) <= 0.01, f"data wait per epoch: {waits}\n{diagnosis}"
-
-
-@contextlib.contextmanager
-def traced_waits():
-    """Every ``EpochMeter`` made inside keeps its trace of waits (``EpochMeter.trace``), and Python's
-    garbage collections are timed (``gc.callbacks``): yields (the meters, the collections as
-    (start, seconds, generation))."""
-    import gc
-
-    from fastdata.engine.meter import EpochMeter
-
-    meters: list = []
-    collections: list = []
-    started: list = []
-    original = EpochMeter.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.trace = []
-        meters.append(self)
-
-    def on_gc(phase, info):
-        now = time.perf_counter()
-        if phase == "start":
-            started[:] = [now]
-        elif started:
-            collections.append((started[0], now - started.pop(), info["generation"]))
-
-    EpochMeter.__init__ = init
-    gc.callbacks.append(on_gc)
-    try:
-        yield meters, collections
-    finally:
-        EpochMeter.__init__ = original
-        gc.callbacks.remove(on_gc)
-
-
-def wait_diagnosis(meter, seconds: float, collections: list) -> str:
-    """Where an epoch's counted data wait came from (``meter.trace``: ``iter()`` first, then each
-    ``next``): ``iter()``, the first batch, the rest (how many counted, their median, the five longest
-    with their batch numbers: periodic ones are the memory backend's group gathers), and the garbage
-    collections that ran inside a counted wait. Milliseconds, and percent of the epoch's ``seconds``."""
-    trace = meter.trace
-    if not trace:
-        return "no trace"
-    (_, it, _), first, rest = trace[0], trace[1] if len(trace) > 1 else (0.0, 0.0, False), trace[2:]
-    counted = [(k + 1, w) for k, (_, w, c) in enumerate(rest) if c]
-    top = sorted(counted, key=lambda kw: -kw[1])[:5]
-    windows = [(t, t + w) for t, w, c in trace if c]
-    in_gc = [(s, d, g) for s, d, g in collections if any(a <= s < b for a, b in windows)]
-    ms = 1e3
-    total = sum(w for _, w in counted) + it + (first[1] if first[2] else 0.0)
-    return (f"counted {total * ms:.2f} ms ({total / seconds:.2%}): iter() {it * ms:.2f} ms, first batch "
-            f"{first[1] * ms:.2f} ms{'' if first[2] else ' (not counted)'}, {len(counted)} of {len(rest)} "
-            f"later batches counted, median {statistics.median([w for _, w in counted] or [0]) * 1e6:.0f} us, "
-            f"longest {', '.join(f'#{k} {w * ms:.2f}' for k, w in top)} ms; gc inside counted waits: "
-            f"{len(in_gc)} ({sum(d for _, d, _ in in_gc) * ms:.2f} ms)")
 
 
 def test_the_next_epochs_draws_are_made_on_a_thread_and_used_only_when_they_match(monkeypatch):
