@@ -412,16 +412,18 @@ def _exif_with_a_byte_resolution() -> bytes:
 
 @pytest.mark.parametrize("backend, opts", [p for p in BACKENDS if p.id in ("torch", "memory-threads", "dali-dali")])
 def test_a_file_pillow_cannot_open_is_named_with_its_format_and_why(tmp_path, backend, opts):
-    # Both were "not an image format Pillow recognizes": a JPEG whose EXIF block breaks Pillow's header
-    # reading is a JPEG (the failure is Pillow's JPEG reader's), and a phone's HEIC photo named .jpg says so.
+    # All were "not an image format Pillow recognizes": a JPEG whose EXIF block breaks Pillow's header
+    # reading is a JPEG (the failure is Pillow's JPEG reader's); a phone's HEIC photo named .jpg and a
+    # macOS ._ file say what they are.
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "dpi.jpg").write_bytes(_jpeg(Image.fromarray(_scene()), exif=_exif_with_a_byte_resolution()))
     (tmp_path / "a" / "phone.jpg").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(200))
+    (tmp_path / "a" / "._mac.jpg").write_bytes(b"\0\5\26\7\0\2\0\0Mac OS X        " + bytes(100))
     try:   # Pillow 12 fails on that block (an IndexError it does not catch); a later one may not
         Image.open(tmp_path / "a" / "dpi.jpg").close()
-        names = ["phone.jpg"]
+        names = ["phone.jpg", "._mac.jpg"]
     except Exception:
-        names = ["dpi.jpg", "phone.jpg"]
+        names = ["dpi.jpg", "phone.jpg", "._mac.jpg"]
     reasons = {}
     for name in names:
         with pytest.raises(DecodeError) as err:
@@ -430,6 +432,8 @@ def test_a_file_pillow_cannot_open_is_named_with_its_format_and_why(tmp_path, ba
     if "dpi.jpg" in reasons:
         assert "a JPEG file whose header Pillow cannot read (SyntaxError: index out of range)" in reasons["dpi.jpg"]
     assert "HEIF/AVIF photo (brand heic" in reasons["phone.jpg"] and "pillow-heif" in reasons["phone.jpg"]
+    # (listed by torchvision's ImageFolder, whose .samples a torchvision folder is read through)
+    assert "macOS AppleDouble file" in reasons["._mac.jpg"]
 
 
 # ------------------------------------------------------------- files DALI's own decoder reads otherwise

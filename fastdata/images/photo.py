@@ -114,7 +114,10 @@ def _unidentified(path: str, fp) -> str:
         except Exception as e:   # what Image.open swallows: SyntaxError, IndexError, struct.error, ...
             return f"a {fmt} file whose header Pillow cannot read ({type(e).__name__}: {e})"
     why = f"not an image format Pillow recognizes (the file starts with {head!r})"
-    if head[4:8] == b"ftyp" and head[8:12] in _HEIF_BRANDS:
+    if head.startswith(b"\x00\x05\x16\x07"):   # AppleDouble's magic number
+        why += ("; it is a macOS AppleDouble file (a ._ file: another file's metadata, not a photo), which "
+                "fastdata's ImageFolder leaves out and torchvision's lists: delete them (dot_clean)")
+    elif head[4:8] == b"ftyp" and head[8:12] in _HEIF_BRANDS:
         why += (f"; it is a HEIF/AVIF photo (brand {head[8:12].decode()}: a phone's), which Pillow reads "
                 f"only with a plugin such as pillow-heif: convert such files to JPEG")
     return why
