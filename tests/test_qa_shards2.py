@@ -491,3 +491,17 @@ def test_packing_a_damaged_pack_names_the_shard_and_gives_no_loader_advice(pack_
     assert done.returncode == 1
     assert f"pack: cannot read '{folder / 'shard-000001.tar'}:" in done.stderr
     assert "is 3000 bytes, but its index says" in done.stderr and "on_error" not in done.stderr
+
+
+@pytest.mark.requires("fsspec", "aiohttp")
+def test_the_index_url_given_as_the_location_says_to_give_its_folder(pack_dir):
+    """A folder's index.json given in place of the folder is named so (test_shards_source); its URL was
+    read as 'URL/index.json/index.json', a 404 whose advice was to check the URL or re-run pack."""
+    from fastdata.shards.index import IndexNotFound
+    from shard_servers import http_server
+
+    with http_server(pack_dir) as server:
+        with pytest.raises(IndexNotFound, match=rf"the location names the index itself: give the folder that holds "
+                                                rf"it, '{server.url}'$"):
+            Shards(f"{server.url}/index.json?sig=SECRET")
+        assert len(Shards(server.url)) == 32

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .storage import StorageError
+from .storage import StorageError, redact
 
 FORMAT = "fastdata-shards"
 VERSION = 1
@@ -354,6 +354,12 @@ def load_index(storage, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardInd
     except StorageError as e:
         if isinstance(e, FileNotFoundError):
             e = IndexNotFound(str(e), e.name, e.url, e.attempts, e.transient, code=e.errno, status=e.status)
+        if isinstance(e, FileNotFoundError) and not storage.is_local:
+            path = storage.location.partition("?")[0].rstrip("/")
+            if path.endswith("/" + INDEX_NAME):   # the index's own URL, given in place of its folder's
+                e.args = (f"{e}; the location names the index itself: give the folder that holds it, "
+                          f"'{redact(path[: -len(INDEX_NAME) - 1])}'",)
+                raise e from None
         raise _with_advice(e, local=storage.is_local,
                            folder=storage.location if storage.is_local else None) from None
     return parse_index(data, storage.url(INDEX_NAME), max_member_bytes=max_member_bytes)
