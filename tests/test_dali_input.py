@@ -172,3 +172,20 @@ def torch_cat(loader):
     import torch
 
     return torch.cat([x for x, _ in loader])
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_a_cut_file_goes_as_pillows_reading_only_where_the_program_lets_pillow_decode_it(fmt, monkeypatch):
+    """ImageFile.LOAD_TRUNCATED_IMAGES=True (a common recipe): Pillow decodes a file cut short, grey below
+    the cut, and every other backend keeps it; DALI refuses it, so it gets Pillow's reading as a PNG.
+    Without the setting the file goes as it is (every backend refuses it, DALI by its own check)."""
+    from PIL import ImageFile
+
+    whole = _saved(_scene().resize((80, 64)), fmt)
+    cut = whole[: len(whole) * 2 // 3]
+    assert dali_input("p", cut, 1) is None and dali_input("p", whole, 1) is None
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    assert dali_input("p", whole, 1) is None
+    png = Image.open(io.BytesIO(dali_input("p", cut, 1)))
+    assert png.format == "PNG" and png.size == (80, 64)
+    assert np.array_equal(np.asarray(png), np.asarray(Image.open(io.BytesIO(cut)).convert("RGB")))

@@ -10,7 +10,9 @@ different picture, a 1-bit or 32-bit integer TIFF is refused; a PGM/PPM's maxval
 data comes out black). Such a file is given to DALI as a PNG of Pillow's reading, turned upright
 (``decode_upright``, the torch backend's decode): one decode and encode when the file is first read,
 and DALI decodes a PNG (on its CPU threads, even on a GPU). A dataset of TIFFs is faster converted to
-JPEG or PNG once than re-read through copies: ``python -m fastdata pack``.
+JPEG or PNG once than re-read through copies: ``python -m fastdata pack``. So is a JPEG or PNG cut
+short where the program set Pillow's ``ImageFile.LOAD_TRUNCATED_IMAGES`` (a common recipe): Pillow then
+decodes it, grey below the cut, and the other backends keep it; DALI would refuse it.
 
 EXIF. The torch, memory and host-decoding dali paths turn a photo by Pillow's reading of its EXIF
 orientation (``exif_orientation``). DALI's decoders read the block themselves. On a well-formed block
@@ -35,6 +37,8 @@ from __future__ import annotations
 import io
 import struct
 
+from PIL import ImageFile
+
 from ..images.photo import decode_upright, open_image
 from ..images.region import TIFF_UNIT, is_jpeg
 
@@ -54,14 +58,28 @@ def dali_input(path, data: bytes, orientation: int, image_format: str | None = N
     if image_format is None:
         with open_image(path, io.BytesIO(data)) as img:
             image_format = img.format
-    if image_format in DALI_READS:
+    if image_format in DALI_READS and (_whole(data, image_format) or not ImageFile.LOAD_TRUNCATED_IMAGES):
         return dali_bytes(data, orientation)
+    # A format DALI reads otherwise, or a file cut short that Pillow decodes because the program set
+    # ImageFile.LOAD_TRUNCATED_IMAGES (grey below the cut; DALI would refuse it where every other
+    # backend keeps it): Pillow's reading, as a PNG.
     with open_image(path, io.BytesIO(data)) as img:
         picture = decode_upright(img, path, orientation)
     out = io.BytesIO()
     # The fastest zlib level: the copy is read by DALI, not kept (3-4x faster to write than the default).
     picture.save(out, "PNG", compress_level=1)
     return out.getvalue()
+
+
+def _whole(data: bytes, image_format: str) -> bool:
+    """Whether a JPEG ends with its end-of-image marker, a PNG with its IEND chunk (trailing padding
+    aside; other formats: True). A file cut short lacks them."""
+    tail = data[-64:].rstrip(b"\x00\r\n\t ")
+    if image_format in ("JPEG", "MPO"):
+        return tail.endswith(b"\xff\xd9")
+    if image_format == "PNG":
+        return b"IEND" in tail[-12:]
+    return True
 
 
 def dali_bytes(data: bytes, orientation: int) -> bytes | None:
