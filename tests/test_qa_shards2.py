@@ -182,6 +182,7 @@ def test_webdataset_tars_of_other_tools_convert_with_pack_and_read_back_every_sa
         ("img.v2.jpg", p[4]), ("img.v2.cls", b"2"),                      # a dot in the key
         ("d.jpg", p[5]), ("d.seg.png", _photo(6, "PNG")), ("d.cls", b"5"),  # an image and its mask
         ("e.jpg", ("link", "a.jpg")), ("e.cls", b"4"),                     # a hard link
+        ("m.x.cls", b"1"), ("m.jpg", p[2]), ("m.x.jpg", p[6]), ("m.cls", b"0"),   # keys m and m.x
     ], fmt=tarfile.PAX_FORMAT)
     _tar(tars / "a-001.tar.gz", [("x.jpg", p[7]), ("x.json", b"6"), (f"{long_key}.jpg", p[8]),
                                  (f"{long_key}.cls", b"2")], fmt=tarfile.GNU_FORMAT, mode="w:gz")
@@ -192,7 +193,8 @@ def test_webdataset_tars_of_other_tools_convert_with_pack_and_read_back_every_sa
     (gnu / "f" / "y.cls").write_text("1")
     subprocess.run(["tar", "-cf", str(tars / "a-002.tar"), "-C", str(gnu), "f"], check=True)
     expected = sorted([(p[0], "0"), (_photo(2, "PNG"), "1"), (p[1], "7"), (p[3], "3"), (p[4], "2"), (p[5], "5"),
-                       (p[0], "4"), (p[7], "6"), (p[8], "2"), (p[9], "1"), (_photo(10, "PNG"), "3")])
+                       (p[0], "4"), (p[7], "6"), (p[8], "2"), (p[9], "1"), (_photo(10, "PNG"), "3"),
+                       (p[2], "0"), (p[6], "1")])
 
     from fastdata.packing import TarImages
     from fastdata.shards.index import IndexNotFound
@@ -206,7 +208,7 @@ def test_webdataset_tars_of_other_tools_convert_with_pack_and_read_back_every_sa
     packed = Shards(tmp_path / "out")
     assert packed.classes == [str(k) for k in range(8)] and _pairs_of(packed) == expected
     n = sum(len(y) for _, y in make_loader(packed, "torch", num_workers=0, **KW))
-    assert n == 11
+    assert n == 13
 
 
 @pytest.mark.parametrize("case, match", [

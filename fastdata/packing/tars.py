@@ -137,20 +137,22 @@ def _samples(tar_path: str, members: list[_Member]) -> list[tuple[_Member, _Memb
             groups.setdefault(key, []).append((ext, m))
     out = []
     for key, group in groups.items():
+        # Keys with dots (img.001.jpg + img.001.cls, img.002.jpg + img.002.cls: one WebDataset key 'img'):
+        # when every full stem has its own image and label, each is a sample.
+        by_stem: dict[str, list] = {}
+        for ext, m in group:
+            by_stem.setdefault(_split(m.name, "last")[0], []).append((ext, m))
+        stems = [_pair(g) for g in by_stem.values()]
+        if len(stems) > 1 and all(p is not None and None not in p for p in stems):
+            out += stems
+            continue
         pair = _pair(group)
-        if pair is None:   # several images and labels under one key: keys with dots in their names
-            by_stem: dict[str, list] = {}
-            for ext, m in group:
-                by_stem.setdefault(_split(m.name, "last")[0], []).append((ext, m))
-            pairs = [_pair(g) for g in by_stem.values()]
-            if any(p is None for p in pairs):
-                names = ", ".join(m.name for ext, m in group if _kind(ext) == "image")
-                raise ValueError(f"tar '{tar_path}': sample '{key}' has several images ({names}) and none is "
-                                 f"the sample's own: WebDataset's key is the file name up to its first dot; "
-                                 f"give each sample one image (KEY.jpg) and one label (KEY.cls)")
-            out += [p for p in pairs if p is not None]
-        else:
-            out.append(pair)
+        if pair is None:
+            names = ", ".join(m.name for ext, m in group if _kind(ext) == "image")
+            raise ValueError(f"tar '{tar_path}': sample '{key}' has several images ({names}) and none is "
+                             f"the sample's own: WebDataset's key is the file name up to its first dot; "
+                             f"give each sample one image (KEY.jpg) and one label (KEY.cls)")
+        out.append(pair)
     for image, label in out:
         if image is None or label is None:
             what, has = ("image", label) if image is None else ("label (.cls, .txt, .json, ...)", image)
@@ -160,7 +162,8 @@ def _samples(tar_path: str, members: list[_Member]) -> list[tuple[_Member, _Memb
 
 
 def _pair(group: list[tuple[str, _Member]]):
-    """(image or None, label or None) of one key's members; None when its image is ambiguous."""
+    """(image or None, label or None) of one key's members; None when its image is ambiguous. Of several,
+    the plain ones (``KEY.jpg``, ``KEY.cls``) are the sample's; labels in ``_LABELS``' order."""
     images = [(ext, m) for ext, m in group if _kind(ext) == "image"]
     labels = [(ext, m) for ext, m in group if _kind(ext) == "label"]
     if len(images) > 1:
@@ -168,7 +171,8 @@ def _pair(group: list[tuple[str, _Member]]):
         if len(plain) != 1:
             return None
         images = plain
-    label = min(labels, key=lambda em: _LABELS.index(em[0].rpartition(".")[2]), default=(None, None))[1]
+    label = min(labels, key=lambda em: (_LABELS.index(em[0].rpartition(".")[2]), "." in em[0]),
+                default=(None, None))[1]
     return (images[0][1] if images else None), label
 
 
