@@ -480,9 +480,8 @@ _DALI_READS_OTHERWISE = {
 }
 
 
-# (The lead, 18:50 UTC: no longer xfail. DALI is now given a PNG of Pillow's reading for every format
-# but JPEG/MPO/PNG/BMP: fastdata/decode/dali_input.py; the dali backend's own tests are in
-# tests/test_dali_input.py and tests/test_real_broken_files.py.)
+# DALI's own decoder read these otherwise until decode/dali_input gave it a PNG of Pillow's reading for
+# every format but JPEG/MPO/PNG/BMP (its own tests: tests/test_dali_input.py).
 @pytest.mark.parametrize("name", sorted(_DALI_READS_OTHERWISE))
 def test_dalis_own_decoder_reads_a_valid_file_as_the_other_backends_do(tmp_path, name):
     _dali_case(name, tmp_path)
@@ -504,12 +503,11 @@ def test_dalis_own_decoder_reads_a_valid_file_as_the_other_backends_do(tmp_path,
         assert diff < 3, f"{name}: DALI's picture differs from the torch backend's by {diff:.1f} levels"
 
 
-@pytest.mark.xfail(strict=True, reason="decode='dali' refuses a truncated JPEG/PNG that Pillow decodes under "
-                                       "ImageFile.LOAD_TRUNCATED_IMAGES=True (DALI reads JPEG and PNG itself)")
 @pytest.mark.parametrize("suffix", [".jpg", ".png"])
 def test_load_truncated_images_is_honoured_by_every_backend_alike(tmp_path, monkeypatch, suffix):
     # A common recipe (ImageFile.LOAD_TRUNCATED_IMAGES = True) makes Pillow decode a cut file, grey
-    # below the cut: torch, memory and decode="host" then keep it, DALI's own decoder refuses it by name.
+    # below the cut: torch, memory and decode="host" then keep it, DALI's own decoder refused it by name
+    # (it now gets Pillow's reading as a PNG: decode/dali_input).
     from PIL import ImageFile
 
     monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
