@@ -30,6 +30,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 
 import torch
 
@@ -72,8 +73,47 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"argument {flag}: needs --ckpt-dir DIR")
     cli.check_output(parser, "--ckpt-dir", args.ckpt_dir, folder=True)
     cli.check_output(parser, "--json-out", args.json_out)
-    if args.resume and not os.path.isdir(args.ckpt_dir):
-        parser.error(f"argument --resume: '{args.ckpt_dir}' holds no saved state")
+    if args.resume:
+        _recover(args.ckpt_dir)
+        # Else accelerate's load_state: a FileNotFoundError traceback for its model file, after the data
+        # and the model were built.
+        if not any(os.path.isfile(os.path.join(args.ckpt_dir, name)) for name in MODEL_FILES):
+            parser.error(f"argument --resume: '{args.ckpt_dir}' holds no saved state (no {' or '.join(MODEL_FILES)}: "
+                         f"not a folder accelerator.save_state wrote)")
+
+
+#: The model file accelerator.save_state writes (safetensors by default, else torch.save's).
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def save_state(accelerator, ckpt_dir: str) -> None:
+    """``accelerator.save_state`` that never leaves half a save in ``ckpt_dir``: it writes its files one
+    by one, so a save cut short (Ctrl-C, a crash, a full disk) in place left the new model beside the old
+    optimizer, or a truncated file, where the previous save was good. Saved into ``ckpt_dir.partial``
+    first, then swapped in: the old folder moves to ``ckpt_dir.old`` for the moment between the two
+    renames (``_recover`` puts it back if the run dies just then), and is removed after."""
+    partial, old = f"{ckpt_dir}.partial", f"{ckpt_dir}.old"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)   # a save cut short earlier
+    accelerator.wait_for_everyone()
+    accelerator.save_state(partial)   # every rank: each writes its own random states
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(ckpt_dir):
+            os.replace(ckpt_dir, old)
+        os.replace(partial, ckpt_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _recover(ckpt_dir: str) -> None:
+    """A run that died between ``save_state``'s two renames left the last good save in ``ckpt_dir.old``."""
+    old = f"{ckpt_dir}.old"
+    if not os.path.isdir(ckpt_dir) and os.path.isdir(old):
+        os.replace(old, ckpt_dir)
+        print(f"'{ckpt_dir}': restored the last complete save from '{old}' (the run stopped while saving)",
+              flush=True)
 
 
 def _has_mnist(args) -> bool:
@@ -175,7 +215,7 @@ def main(args) -> dict:
                     scheduler.step()
                     step += 1
                     if args.ckpt_every and step % args.ckpt_every == 0:
-                        accelerator.save_state(args.ckpt_dir)
+                        save_state(accelerator, args.ckpt_dir)
                     if args.max_steps and step >= args.max_steps:
                         stopped = True
                         break
@@ -186,7 +226,7 @@ def main(args) -> dict:
                                   f"accuracy {accuracy:.4f} ({seen} images)")
                 if args.ckpt_dir:
                     # After the last batch the loader's position is the next epoch's start.
-                    accelerator.save_state(args.ckpt_dir)
+                    save_state(accelerator, args.ckpt_dir)
         result = {"backend": args.backend, "dataset": dataset, "world_size": accelerator.num_processes,
                   "global_step": step, "epoch": train_loader.epoch, "test_accuracy": accuracy, "test_samples": seen}
         if args.json_out and accelerator.is_main_process:
