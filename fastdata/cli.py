@@ -304,6 +304,37 @@ def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     return args
 
 
+def check_resumed_lr(args: argparse.Namespace, optimizer, *, flags: str = "--lr") -> None:
+    """Before ``fit(resume=True)``: refuse a peak learning rate other than the checkpoint's. Resuming
+    restores the optimizer and its one-cycle schedule, so a changed ``--lr`` was ignored without a word
+    (and the run's --json-out recorded the flag, not the rate it trained at). ``flags``: what set the
+    rate, for the message (train_imagefolder scales ``--lr`` by the batch size). A checkpoint that is not
+    there (yet) or cannot be read is left to ``fit``, whose own checks name it."""
+    if not (getattr(args, "resume", False) and getattr(args, "checkpoint", None)):
+        return
+    from . import checkpoint
+
+    try:
+        if not checkpoint.exists(args.checkpoint):
+            return
+        saved = checkpoint.load(args.checkpoint)
+    except (checkpoint.CheckpointError, OSError):
+        return
+
+    def peaks(groups) -> list:   # OneCycleLR keeps its peak in each group's max_lr
+        return [g.get("max_lr", g.get("initial_lr")) for g in groups]
+
+    was = peaks((saved.get("optimizer") or {}).get("param_groups") or [])
+    now = peaks(optimizer.param_groups)
+    if not was or None in was or None in now or len(was) != len(now):
+        return
+    if all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(was, now)):
+        return
+    raise SystemExit(f"error: {flags}: '{args.checkpoint}' was saved by a run whose schedule peaks at lr {was[0]:g}, "
+                     f"and resuming restores it: this run's {now[0]:g} would be ignored. Resume with the saved "
+                     f"run's {flags}, or start a new run without --resume")
+
+
 @contextlib.contextmanager
 def on_ctrl_c(say="interrupted"):
     """Ctrl-C inside ends the program with one line on stderr, ``say`` (or what ``say()`` returns then:

@@ -4,6 +4,7 @@ file where a folder goes). Each must end in one line naming the flag, with statu
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,62 @@ def test_lightning_accelerator_gpu_without_one_is_one_line_before_lightning_star
     module._check_args(parser, parser.parse_args(["--accelerator", "gpu", "--devices", "2"]))
     with pytest.raises(SystemExit):
         module._check_args(parser, parser.parse_args(["--accelerator", "gpu", "--devices", "3"]))
+
+
+def test_accelerate_resume_from_a_folder_without_a_saved_state_is_one_line(tmp_path, capsys):
+    """An empty --ckpt-dir (or any folder) passed the is-a-folder check and ended in accelerate's
+    load_state as a FileNotFoundError traceback for pytorch_model.bin, after the data and model were built."""
+    module = _example("accelerate_mnist")
+    parser = module.get_args_parser()
+    with pytest.raises(SystemExit) as info:
+        module._check_args(parser, parser.parse_args(["--ckpt-dir", str(tmp_path), "--resume"]))
+    assert info.value.code == 2
+    assert f"argument --resume: '{tmp_path}' holds no saved state" in capsys.readouterr().err
+
+
+def test_accelerate_a_save_cut_short_leaves_the_previous_one_whole(tmp_path, monkeypatch, capsys):
+    """save_state wrote its files into --ckpt-dir one by one: Ctrl-C in the middle of the second save left
+    a truncated model file where the first save's was, and --resume failed on it."""
+    from accelerate import Accelerator
+
+    module = _example("accelerate_mnist")
+    ck = tmp_path / "ck"
+    argv = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "64",
+            "--backend", "memory", "--workers", "0", "--epochs", "1", "--batch-size", "64", "--cpu",
+            "--ckpt-dir", str(ck), "--ckpt-every", "2"]
+    real, calls = Accelerator.save_state, []
+
+    def cut_short(self, output_dir=None, **kw):
+        calls.append(output_dir)
+        if len(calls) == 2:   # the step-4 save: the model file half written, then Ctrl-C
+            os.makedirs(output_dir, exist_ok=True)
+            (Path(output_dir) / "model.safetensors").write_bytes(b"half a file")
+            raise KeyboardInterrupt
+        return real(self, output_dir, **kw)
+
+    monkeypatch.setattr(Accelerator, "save_state", cut_short)
+    with pytest.raises(SystemExit) as info:
+        module.run(argv)
+    assert info.value.code == 130
+    monkeypatch.setattr(Accelerator, "save_state", real)
+    capsys.readouterr()
+    result = module.run([*argv, "--resume"])
+    assert f"resumed from '{ck}': epoch 0, batch 2/4" in capsys.readouterr().out
+    assert result["global_step"] == 4 and result["epoch"] == 1
+
+
+def test_resuming_with_another_lr_is_refused_not_ignored(tmp_path):
+    """Resuming restores the optimizer and its one-cycle schedule: --lr 0.01 on a run saved at 0.1 trained
+    at 0.1 without a word, and --json-out's config said 0.01."""
+    module = _example("train_mnist")
+    ck = tmp_path / "ck.pt"
+    common = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "64",
+              "--backend", "memory", "--device", "cpu", "--workers", "0", "--no-progress", "--batch-size", "128",
+              "--epochs", "1", "--checkpoint", str(ck)]
+    module.main(module.get_args_parser().parse_args(common))
+    saved = ck.read_bytes()
+    with pytest.raises(SystemExit, match=rf"error: --lr: '{ck}' was saved by a run whose schedule peaks at lr 0.1, "
+                                         r"and resuming restores it: this run's 0.01 would be ignored"):
+        module.main(module.get_args_parser().parse_args([*common, "--resume", "--lr", "0.01"]))
+    assert ck.read_bytes() == saved
+    module.main(module.get_args_parser().parse_args([*common, "--resume", "--lr", "0.1"]))   # the same: fine
