@@ -21,7 +21,8 @@ class Faults:
     and half the body, then close the connection; ``short_first`` GETs answer a valid 206 for only the
     first half of the range asked; every request waits ``delay`` seconds first (``delay_first``: only
     that many). A count of -1 means every request. ``stall``: every GET sends half its body, waits that
-    many seconds (a download in progress, its file open), then sends the rest.
+    many seconds (a download in progress, its file open), then sends the rest. ``trickle``: every GET
+    sends its body in 10 pieces over that many seconds (a slow link whose bytes keep coming).
     """
 
     fail_first: int = 0
@@ -31,6 +32,7 @@ class Faults:
     delay: float = 0.0
     delay_first: int = -1
     stall: float = 0.0
+    trickle: float = 0.0
 
 
 @dataclass
@@ -130,6 +132,14 @@ def _handler(server: HTTPShardServer):
                 if server._stop.wait(f.stall):
                     return
                 chunk = chunk[len(chunk) // 2:]
+            if f.trickle:
+                step = max(1, -(-len(chunk) // 10))
+                for k in range(0, len(chunk), step):
+                    self.wfile.write(chunk[k:k + step])
+                    self.wfile.flush()
+                    if server._stop.wait(f.trickle / 10):
+                        return
+                return
             self.wfile.write(chunk)
 
         def _send_status(self, status: int):

@@ -507,3 +507,40 @@ def test_the_index_url_given_as_the_location_says_to_give_its_folder(pack_dir):
                                                 rf"it, '{server.url}'$"):
             Shards(f"{server.url}/index.json?sig=SECRET")
         assert len(Shards(server.url)) == 32
+
+
+# ---------------------------------------------------------------- a slow link
+@pytest.mark.requires("fsspec", "aiohttp")
+def test_a_reader_waits_for_a_download_that_keeps_progressing_past_wait_timeout(pack_dir, tmp_path):
+    """A shard over a slow link "takes as long as it takes while bytes keep coming" (timeout= bounds each
+    wait for bytes): but a reader waiting for the read-ahead thread's download of that shard gave up
+    after wait_timeout (10 minutes) however fast the bytes came, and the pass stopped."""
+    import threading
+    import time
+
+    from shard_servers import Faults, http_server
+
+    with http_server(pack_dir, Faults(trickle=2.0)) as server:
+        source = Shards(server.url, window=1, cache_dir=tmp_path / "cache")
+        cache = source._cache
+        cache.wait_timeout = 0.6                          # the download takes 2 s, its bytes every 0.2 s
+        errors = []
+
+        def read_ahead():
+            try:
+                cache.get("shard-000000.tar", remember_failure=False)
+                cache.release("shard-000000.tar")
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        ahead = threading.Thread(target=read_ahead)
+        ahead.start()
+        while not [p for p in (tmp_path / "cache").glob("shard-000000.*.tar.tmp-*") if p.stat().st_size]:
+            assert ahead.is_alive() and not errors, errors
+            time.sleep(0.01)
+        path = cache.get("shard-000000.tar")              # waits on the download's lock, then reads it
+        cache.release("shard-000000.tar")
+        ahead.join(30)
+        assert not errors and os.path.getsize(path) == source.index.shards[0].size
+        assert server.count("/shard-000000.tar", "GET") == 1
+        source.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import os
 import re
 import shutil
@@ -232,18 +233,36 @@ class ShardCache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
-    def _flock(self, fd: int, mode: int, deadline: float, what: str):
-        """flock(fd, mode), waiting at most until ``deadline``: polled, so a stuck peer is an error, not
-        a hang."""
+    def _flock(self, fd: int, mode: int, deadline: float, what: str, progress=None) -> float:
+        """flock(fd, mode), waiting at most until ``deadline``: polled, so a stuck peer is an error, not a
+        hang; returns the deadline, moved by ``progress``: a value that changes while the holder gets on
+        (a download's bytes so far), each change giving the wait another ``wait_timeout``. A big shard over
+        a slow link takes as long as it takes while its bytes keep coming, for the process downloading it
+        (``timeout`` bounds each wait for bytes) and so for the ones waiting for it too."""
+        seen = progress() if progress is not None else None
         while True:
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                return
+                return deadline
             except BlockingIOError:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if progress is not None and (moved := progress()) != seen:
+                    seen, deadline = moved, max(deadline, now + self.wait_timeout)
+                if now >= deadline:
                     raise TimeoutError(f"waited {self.wait_timeout:.0f} s for {what} in {self.cache_dir} "
                                        f"(another process holds it; wait_timeout= sets the limit)") from None
                 time.sleep(_POLL)
+
+    def _downloaded(self, name: str) -> int:
+        """Bytes written so far by the downloads of ``name`` in progress (their temporary files)."""
+        final = self.path(name)
+        total = 0
+        for tmp in glob.glob(glob.escape(final) + ".tmp-*"):
+            try:
+                total += os.path.getsize(tmp)
+            except FileNotFoundError:   # published or removed meanwhile
+                pass
+        return total
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -335,16 +354,20 @@ class ShardCache:
         """A lock descriptor holding ``name`` shared, with the file published under its final name."""
         deadline = time.monotonic() + self.wait_timeout
         fd = self._open_lock(self._files[name])
+
+        def progress():   # another process's download of it: waited for while its bytes keep coming
+            return self._downloaded(name)
+
         try:
             while True:
-                self._flock(fd, fcntl.LOCK_SH, deadline, f"shard {name!r}'s lock")
+                deadline = self._flock(fd, fcntl.LOCK_SH, deadline, f"shard {name!r}'s lock", progress)
                 # Checked under the shared lock: from here on no one can evict it.
                 if self._good(name):
                     os.utime(self.path(name))
                     return fd
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 # Exclusive: we download it, or wait here while another process does.
-                self._flock(fd, fcntl.LOCK_EX, deadline, f"shard {name!r}'s lock")
+                deadline = self._flock(fd, fcntl.LOCK_EX, deadline, f"shard {name!r}'s lock", progress)
                 if not self._good(name):
                     try:
                         os.unlink(self.path(name))   # wrong size: nobody holds it (we hold it exclusively)
