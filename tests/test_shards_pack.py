@@ -913,3 +913,28 @@ def test_a_zip_and_a_pack_are_planned_from_their_directory_and_index(photos, tmp
             reads.clear()
         pack(source, tmp_path / f"from-{cls.__name__}", shard_size="1MB", workers=0, progress=False)
         assert set(reads.values()) == {1} and len(reads) == len(source), cls.__name__
+
+
+def test_max_side_turns_a_photo_as_the_loaders_do_whatever_its_exif_block_holds(tmp_path):
+    """pack --max-side turned photos with ImageOps.exif_transpose, which also rewrites the copy's EXIF
+    block: a valid photo whose block holds a tag Pillow cannot write back (a Make stored as a RATIONAL, as
+    old cameras write) stopped pack with an AttributeError naming no file; and it turned a PNG by the
+    orientation in ImageMagick's 'Raw profile type exif' text chunk, which no loader does. It now turns
+    by the loaders' reading (exif_orientation, decode_upright): the shard holds what they show."""
+    from test_qa_photos import _exif_with_a_mistyped_tag, _raw_profile_exif
+
+    (tmp_path / "photos" / "a").mkdir(parents=True)
+    yy, xx = np.mgrid[0:120, 0:180]   # smooth, and no two corners alike: a turn shows
+    scene = Image.fromarray(np.stack([xx * 255 // 179, yy * 255 // 119, (xx + yy) * 255 // 298], -1).astype(np.uint8))
+    scene.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "photos" / "a" / "mistyped.jpg", quality=95,
+                                                    exif=_exif_with_a_mistyped_tag(6))
+    scene.save(tmp_path / "photos" / "a" / "raw.png", pnginfo=_raw_profile_exif(6))
+    out = tmp_path / "out"
+    pack(tmp_path / "photos", out, max_side=90, workers=0, progress=False)
+    idx = read_index(out)
+    blob = (out / idx.shards[0].name).read_bytes()
+    for i in range(2):
+        shrunk = Image.open(io.BytesIO(blob[idx.offset[i]: idx.offset[i] + idx.size[i]]))
+        assert shrunk.size == (90, 60)   # landscape, as every loader shows both
+        reference = np.asarray(scene.resize(shrunk.size), dtype=np.float32)
+        assert np.abs(np.asarray(shrunk.convert("RGB"), dtype=np.float32) - reference).mean() < 12

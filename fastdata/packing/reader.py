@@ -48,29 +48,39 @@ def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
     goes through): 16-bit and 32-bit grey scaled to 8 bits as they scale them, palettes through RGBA,
     alpha dropped, CMYK converted. Pillow's own ``convert`` clips 16-bit data at 255 (a white image)
     and refuses to resample some modes; converting first and resizing the 8-bit result avoids both.
-    A grey image stays a grey JPEG (the loaders' RGB of it has three equal channels)."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    A grey image stays a grey JPEG (the loaders' RGB of it has three equal channels).
 
-    from ..images.photo import JPEG_FORMATS, to_rgb
+    Upright as the loaders turn it: their reading of the orientation (``exif_orientation``: EXIF's tag
+    alone, a TIFF's own tag as Pillow applies it) and their turn (``decode_upright``: the pixels alone).
+    ``ImageOps.exif_transpose`` also rewrote the copy's EXIF block and raised on a tag Pillow reads but
+    cannot write back (a Make stored as a RATIONAL: an error naming no file), and turned a PNG by the
+    orientation in an ImageMagick text chunk, which no loader does."""
+    from PIL import Image, UnidentifiedImageError
+
+    from ..errors import DecodeError
+    from ..images.photo import JPEG_FORMATS, decode_upright, exif_orientation
 
     try:
         with Image.open(io.BytesIO(data)) as opened:
-            img: Image.Image = opened   # replaced below by the transposed, converted images
+            img: Image.Image = opened   # replaced below by the turned, converted images
             if max(img.size) <= max_side:
                 return None
             grey = img.mode in _GREY_MODES
+            orientation = exif_orientation(img, what)
             if img.format in JPEG_FORMATS and img.mode in ("RGB", "L"):
                 # A square bound: downscaling before the rotation gives the same pixels as after it, and
                 # thumbnail() lets a JPEG decode at a reduced DCT scale (draft) instead of full size.
                 img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
-                img = ImageOps.exif_transpose(img)
+                img = decode_upright(img, what, orientation)
             else:
-                img = to_rgb(ImageOps.exif_transpose(img))   # what the loaders see, 8-bit RGB
+                img = decode_upright(img, what, orientation)   # what the loaders see, 8-bit RGB
                 img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
-            img = img.convert("L") if grey else to_rgb(img)
+            img = img.convert("L") if grey else img
             out = io.BytesIO()
             img.save(out, format="JPEG", quality=JPEG_QUALITY)
             return out.getvalue()
+    except DecodeError as e:
+        raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: {e.why}") from None
     except UnidentifiedImageError:
         # Pillow's own text names its file object ("<_io.BytesIO object at 0x7f...>"), not the file.
         raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: not an image format Pillow "
