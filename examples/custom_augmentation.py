@@ -59,7 +59,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=cli.positive_int, default=3, help="passes over the training set (default 3)")
     p.add_argument("--batch-size", type=cli.positive_int, default=256, help="default 256")
     p.add_argument("--device", default=None, type=cli.device, help="cpu, cuda or cuda:N (default: CUDA when available)")
-    p.add_argument("--limit", type=cli.positive_int, default=20_000, help="training images (the test set is a fifth)")
+    p.add_argument("--limit", type=cli.positive_int, default=20_000,
+                   help="training images (default 20,000; the test set is a fifth)")
     p.add_argument("--seed", type=cli.seed, default=0, help="data order, augmentation and initial weights (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
