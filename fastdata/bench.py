@@ -265,7 +265,8 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
     from .registry import available_backends
 
     device = resolve_device(device)
-    names = [b for b in (backends or available_backends()) if b != "auto"]
+    # Once each: ``--backends torch torch`` measured torch twice, and both rows said "(recommended)".
+    names = list(dict.fromkeys(b for b in (backends or available_backends()) if b != "auto"))
     kw = {} if num_workers is None else {"num_workers": num_workers}
     size = len(source) if hasattr(source, "__len__") else None
     if size is not None and batch_size > size:
@@ -304,8 +305,12 @@ def run(source, *, model_name: str = "smallcnn", batch_size: int = 256, device=N
     del sample
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    from .engine import resolve_amp
+
+    # The precision the step ran at (auto resolved), not only the flag: the report says what was measured.
     return {"benchmark": "fastdata bench", "source": repr(source), "model": model_name,
-            "batch_size": batch_size, "device": str(device), "batches": batches,
+            "batch_size": batch_size, "device": str(device), "amp": resolve_amp(amp, device, warn=False),
+            "batches": batches,
             "model_images_per_second": step_rate, "recommended": best.backend,
             "rows": [asdict(r) for r in rows]}
 
@@ -353,8 +358,9 @@ def report_markdown(payload: dict) -> str:
                             "predicted training images/s", "note"], lines)
     return (f"Source {payload['source']}, batch {payload['batch_size']}, device `{payload['device']}`; "
             f"delivery rates with the slowest–fastest fifth of the timed batches in brackets. "
-            f"The model ({payload['model']}) trains at {fmt_num(payload['model_images_per_second'])} "
-            f"images/s on ready tensors.\n\n{table}\n\nUse `backend=\"{payload['recommended']}\"`.")
+            f"The model ({payload['model']}, amp {payload.get('amp', '-')}) trains at "
+            f"{fmt_num(payload['model_images_per_second'])} images/s on ready tensors.\n\n{table}\n\n"
+            f"Use `backend=\"{payload['recommended']}\"`.")
 
 
 def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

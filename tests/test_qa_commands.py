@@ -217,3 +217,16 @@ def test_pack_names_out_when_out_cannot_be_made(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert "OUT" in last and "SOURCE" not in last, last
+
+
+def test_bench_measures_a_backend_named_twice_once_and_says_the_precision_it_ran(capsys):
+    """``--backends memory memory`` measured memory twice, both rows "(recommended)"; and the report did not
+    say at which precision the model's step was timed (``--amp auto`` resolves per device)."""
+    from fastdata import bench
+    from fastdata.datasets import SyntheticDigits
+
+    payload = bench.run(SyntheticDigits(256, seed=0), batch_size=64, device="cpu", batches=2, warmup=1,
+                        num_workers=0, progress=False, backends=["memory", "memory"])
+    assert [r["backend"] for r in payload["rows"]] == ["memory"]
+    assert payload["amp"] == "off"   # auto on the CPU
+    assert "(smallcnn, amp off)" in bench.report_markdown(payload)
