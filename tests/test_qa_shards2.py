@@ -544,3 +544,21 @@ def test_a_reader_waits_for_a_download_that_keeps_progressing_past_wait_timeout(
         assert not errors and os.path.getsize(path) == source.index.shards[0].size
         assert server.count("/shard-000000.tar", "GET") == 1
         source.close()
+
+
+def test_an_out_folder_that_cannot_be_made_is_named_as_out(tmp_path):
+    """mkdir of a name too long for the file system failed inside the command's SOURCE wrapper:
+    'fastdata pack: SOURCE <photos>: [Errno 36] File name too long' (test_qa_commands has the command)."""
+    import errno
+
+    from fastdata.packing import command
+    from fastdata.packing.writer import OutputError
+
+    photos = make_image_folder(tmp_path / "photos", classes=2, per_class=2, seed=0)
+    out = tmp_path / ("x" * 300) / "out"
+    with pytest.raises(OutputError, match=r"cannot create the folder '.*xxx/out': File name too long") as caught:
+        fastdata.pack(photos, out, progress=False, workers=0)
+    assert caught.value.errno == errno.ENAMETOOLONG
+    args = command.get_args_parser().parse_args([str(photos), str(tmp_path / ("y" * 300)), "--no-progress"])
+    with pytest.raises(SystemExit, match=r"^error: fastdata pack: OUT '.*yyy': cannot create the folder"):
+        command.main(args)

@@ -261,10 +261,7 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     rank, world = distributed_info(rank, world_size)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside [0, world_size={world})")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"pack: OUT '{out}' is a file, not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _make_out(Path(out))
 
     reader = SampleReader(source, max_side)
     n = len(reader.labels)
@@ -331,6 +328,20 @@ def _pack_source(source, split):
     from ..registry import as_source
 
     return as_source(source)
+
+
+def _make_out(out: Path) -> Path:
+    """``out``, created: a file there is a ``NotADirectoryError``, a folder that cannot be made (a name
+    too long, no permission, a read-only disk) an ``OutputError``, each naming OUT, not the source."""
+    try:
+        a_file = out.exists() and not out.is_dir()   # a name too long is raised by exists() already
+        if not a_file:
+            out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(e.errno, f"cannot create the folder '{out}': {e.strerror or e}") from None
+    if a_file:
+        raise NotADirectoryError(f"pack: OUT '{out}' is a file, not a folder")
+    return out
 
 
 def _refuse_inputs_in_out(source, out: Path, n: int) -> None:
