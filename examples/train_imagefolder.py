@@ -114,7 +114,8 @@ def main(args) -> dict:
         lr = args.lr * args.batch_size * args.accumulate * fdist.world_size() / 256
         optimizer = make_optimizer(model, lr, device)
         scheduler = make_schedule(optimizer, lr, args.epochs, -(-len(train_loader) // args.accumulate))
-        cli.check_resumed_lr(args, optimizer, flags="--lr (scaled by --batch-size x --accumulate x processes / 256)")
+        cli.check_resumed_lr(args, model, optimizer,
+                             flags="--lr (scaled by --batch-size x --accumulate x processes / 256)")
         start = time.perf_counter()
         # A --checkpoint that is not one, or one of another run, and Ctrl-C (saying how to resume, exit
         # 130): one line, no traceback.

@@ -304,12 +304,13 @@ def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     return args
 
 
-def check_resumed_lr(args: argparse.Namespace, optimizer, *, flags: str = "--lr") -> None:
+def check_resumed_lr(args: argparse.Namespace, model, optimizer, *, flags: str = "--lr") -> None:
     """Before ``fit(resume=True)``: refuse a peak learning rate other than the checkpoint's. Resuming
     restores the optimizer and its one-cycle schedule, so a changed ``--lr`` was ignored without a word
     (and the run's --json-out recorded the flag, not the rate it trained at). ``flags``: what set the
     rate, for the message (train_imagefolder scales ``--lr`` by the batch size). A checkpoint that is not
-    there (yet) or cannot be read is left to ``fit``, whose own checks name it."""
+    there (yet), cannot be read, or is of another model or optimizer is left to ``fit``, whose own checks
+    name what is wrong (a rate would be the wrong thing to complain about)."""
     if not (getattr(args, "resume", False) and getattr(args, "checkpoint", None)):
         return
     from . import checkpoint
@@ -324,6 +325,9 @@ def check_resumed_lr(args: argparse.Namespace, optimizer, *, flags: str = "--lr"
     def peaks(groups) -> list:   # OneCycleLR keeps its peak in each group's max_lr
         return [g.get("max_lr", g.get("initial_lr")) for g in groups]
 
+    if (not isinstance(saved.get("model"), dict) or set(saved["model"]) != set(model.state_dict())
+            or saved.get("optimizer_class", type(optimizer).__name__) != type(optimizer).__name__):
+        return
     was = peaks((saved.get("optimizer") or {}).get("param_groups") or [])
     now = peaks(optimizer.param_groups)
     if not was or None in was or None in now or len(was) != len(now):

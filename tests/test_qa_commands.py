@@ -230,3 +230,24 @@ def test_bench_measures_a_backend_named_twice_once_and_says_the_precision_it_ran
     assert [r["backend"] for r in payload["rows"]] == ["memory"]
     assert payload["amp"] == "off"   # auto on the CPU
     assert "(smallcnn, amp off)" in bench.report_markdown(payload)
+
+
+def test_resuming_a_checkpoint_of_another_model_names_the_model_not_the_lr(tmp_path):
+    """The --lr check reads the checkpoint before fit: one of another model is fit's to name."""
+    import torch
+
+    module = _example("train_mnist")
+    ck = tmp_path / "other.pt"
+    other = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(other.parameters(), lr=0.5)
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)
+    from fastdata import checkpoint
+
+    checkpoint.save({"format": "fastdata-checkpoint-2", "model": other.state_dict(), "optimizer": opt.state_dict(),
+                     "optimizer_class": "SGD"}, ck)
+    argv = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "64",
+            "--backend", "memory", "--device", "cpu", "--workers", "0", "--no-progress", "--batch-size", "128",
+            "--epochs", "1", "--checkpoint", str(ck), "--resume"]
+    with pytest.raises(SystemExit, match="^error: --checkpoint: ") as info:   # fit's verdict, not "--lr: ..."
+        module.main(module.get_args_parser().parse_args(argv))
+    assert "lr" not in str(info.value.code), info.value.code
