@@ -198,6 +198,26 @@ def test_translation_equals_torch_backend_and_shift_statistics():
     assert chi2 < 52.6, f"shift histogram not uniform (chi2={chi2:.1f} > 99.9% quantile, 24 dof)"
 
 
+def test_generators_seeded_ahead_give_each_batch_its_own_draws_across_stretches_and_resumes():
+    """The input callback takes each batch's generator from a stretch seeded at once (_seeded, 64 at a
+    time): the draws are still batch_rng(epoch, k)'s over stretch boundaries, from a resumed position
+    and when a batch is prepared again (a restart): the torch backend's pixels each time."""
+    n = 1300
+    images = np.zeros((n, 7, 7), np.uint8)
+    images[:, 3, 3] = 255
+    src = ArraySource(images, np.arange(n) % 10, mean=(0.0,), std=(1.0,), digits=True)
+    kw = dict(batch_size=10, train=True, seed=3)          # 130 batches: three stretches
+    t = torch.cat([x for x, _ in torch_loader(src, **kw)])
+    loader = dali(src, **kw)
+    torch.testing.assert_close(torch.cat([x for x, _ in loader]), t, rtol=0, atol=1e-6)
+    state = loader.state_dict() | {"epoch": 0, "batch": 70, "samples": 700}
+    loader.load_state_dict(state)                          # resumed mid-stretch
+    torch.testing.assert_close(torch.cat([x for x, _ in loader]), t[700:], rtol=0, atol=1e-6)
+    ids = loader.plan.batches_from(0, 0)[5]
+    first, again = loader.prepare(0, 5, ids)[0], loader.prepare(0, 5, ids)[0]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+
+
 def test_translation_fills_with_zeros():
     src = ArraySource(np.full((64, 8, 8), 255, np.uint8), np.zeros(64, np.int64), mean=(0.0,), std=(1.0,))
     x = torch.cat([x for x, _ in dali(src, batch_size=64, train=True, augment=Augmentation(crop="translate", pad=3))])
