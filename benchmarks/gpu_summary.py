@@ -20,6 +20,8 @@ except ImportError:  # run as a script: python benchmarks/gpu_summary.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import common
 
+from fastdata import cli
+
 #: The report each benchmark stage writes under ``<keep>/reports``: its file name without ``.json``.
 REPORTS = {"training": "training-{tag}", "loaders": "loaders-{tag}", "cache": "cache-{tag}",
            "dali-train": "training-{tag}-dali", "dali-gpu": "dali-gpu-{tag}"}
@@ -28,10 +30,26 @@ _PYTEST_TAIL = re.compile(r"\b\d+ (passed|failed|error|errors|skipped|deselected
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="The summary table of a benchmarks/gpu.sh run.", add_help=add_help)
-    p.add_argument("--keep", required=True, help="gpu.sh's folder: stages.tsv, logs/, reports/")
+    p.add_argument("--keep", required=True, type=_run_folder, help="gpu.sh's folder: stages.tsv, logs/, reports/")
     p.add_argument("--tag", required=True, help="the run's file-name tag (cuda-<gpu>, or dry)")
-    p.add_argument("--out", required=True, help="where summary-<tag>.md is written")
+    p.add_argument("--out", required=True, type=_out_folder,
+                   help="where summary-<tag>.md is written (created if missing)")
     return p
+
+
+def _run_folder(text: str) -> str:
+    """``--keep``: a folder that is there. A mistyped one summed up as "0 of 0 stages passed"."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"'{text}' is not a folder (gpu.sh's --keep: stages.tsv, logs/, reports/)")
+    return text
+
+
+def _out_folder(text: str) -> str:
+    """``--out``: a folder that can be written (made when missing; it was a FileNotFoundError traceback)."""
+    problem = cli.output_problem(text, folder=True)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def read_stages(keep: Path) -> list[dict]:
@@ -115,6 +133,7 @@ def summary_markdown(keep: Path, tag: str) -> str:
 def main(args) -> Path:
     keep, out = Path(args.keep), Path(args.out)
     machine = common.machine_info()
+    out.mkdir(parents=True, exist_ok=True)
     path = out / f"summary-{args.tag}.md"
     body = summary_markdown(keep, args.tag)
     title, rest = body.split("\n\n", 1)

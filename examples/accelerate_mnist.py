@@ -43,7 +43,8 @@ from fastdata.models import SmallCNN
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The command line, as a parser other scripts and the tests reuse."""
     p = argparse.ArgumentParser(description="Train a small CNN on MNIST digits with accelerate and a fastdata "
-                                            "backend", add_help=add_help)
+                                            "backend", add_help=add_help,
+                                formatter_class=cli.HelpFormatter)
     p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
                    help="data-loading backend")
     p.add_argument("--epochs", type=cli.positive_int, default=3, help="passes over the training set (default 3)")

@@ -52,7 +52,8 @@ class RandomGainAndNoise(BatchTransform):
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The command line, as a parser other scripts and the tests reuse."""
     p = argparse.ArgumentParser(description="Train a small CNN on synthetic digits with a custom batch "
-                                            "transform and Cutout", add_help=add_help)
+                                            "transform and Cutout", add_help=add_help,
+                                formatter_class=cli.HelpFormatter)
     # fastdata.cli's types: a bad value is argparse's one-line error naming the flag (exit 2), before any work.
     p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),
                    help="data-loading backend")

@@ -28,7 +28,8 @@ from fastdata.report import report_run, run_result
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The command line, as a parser other scripts and the tests reuse."""
     p = argparse.ArgumentParser(description="Train ResNet-18 on an ImageFolder of JPEGs with a fastdata backend",
-                                add_help=add_help)
+                                add_help=add_help,
+                                formatter_class=cli.HelpFormatter)
     p.add_argument("--data-root", required=True, help="training folder: one sub-folder per class")
     p.add_argument("--val-root", default=None, help="validation folder with the same classes (optional)")
     p.add_argument("--backend", default="auto", type=cli.backend, metavar=cli.backend_metavar(),

@@ -11,13 +11,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="torch/CUDA, Pillow-SIMD, DALI, cores and the usable backends")
     from .bench import get_args_parser as bench_parser
+    from .cli import HelpFormatter
 
-    bench_parser(sub.add_parser("bench", help="which backend keeps the GPU busy on your data and model: "
-                                              "measures each backend and the model's step, predicts the data wait"))
+    bench_parser(sub.add_parser("bench", formatter_class=HelpFormatter,
+                                help="which backend keeps the GPU busy on your data and model: "
+                                     "measures each backend and the model's step, predicts the data wait"))
     from .packing.command import get_args_parser as pack_parser
 
-    pack_parser(sub.add_parser("pack", help="write a source as tar shards (WebDataset layout) with an index, "
-                                            "for streaming and DALI"))
+    pack_parser(sub.add_parser("pack", formatter_class=HelpFormatter,
+                               help="write a source as tar shards (WebDataset layout) with an index, "
+                                    "for streaming and DALI"))
     return parser
 
 

@@ -19,6 +19,26 @@ import time
 SEED_MAX = 2**32 - 1
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` that gives each flag's default where its text does not already (``--batch-size``
+    said "per process" and not 256, ``--data-root`` not ./data). None, a plain switch's False and a text
+    that names its default itself are left as written; a ``--x/--no-x`` pair shows the one in force."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text or default is None or default is argparse.SUPPRESS
+                or (isinstance(default, bool) and not isinstance(action, argparse.BooleanOptionalAction))):
+            return text
+        if isinstance(action, argparse.BooleanOptionalAction):
+            shown = action.option_strings[0 if default else 1]
+        elif isinstance(default, (list, tuple)):
+            shown = " ".join(map(str, default))
+        else:
+            shown = str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -158,7 +178,8 @@ def add_loop_args(parser: argparse.ArgumentParser) -> None:
     ``check_training_args`` checks the folders before any work)."""
     parser.add_argument("--compile", nargs="?", const="default", default="off", type=compile_mode,
                         metavar="{" + ",".join(COMPILE_MODES) + "}",
-                        help="torch.compile the model (--compile alone: default); reduce-overhead records CUDA "
+                        help="torch.compile the model (default off; --compile alone: mode default); "
+                             "reduce-overhead records CUDA "
                              "graphs, for small models whose GPU step is launch-bound (on the CPU: default)")
     # The flag was a boolean before the modes: --no-compile keeps working.
     parser.add_argument("--no-compile", dest="compile", action="store_const", const=False, help=argparse.SUPPRESS)

@@ -35,6 +35,9 @@ class PresetParser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args, quick_help: str = "small sizes: checks that it runs, not how fast", **kwargs):
+        from .cli import HelpFormatter
+
+        kwargs.setdefault("formatter_class", HelpFormatter)   # --help gives every default
         super().__init__(*args, **kwargs)
         self.presets: dict[str, tuple] = {}  # dest → (full, quick)
         self.add_argument("--quick", action="store_true", help=quick_help)

@@ -203,8 +203,6 @@ def test_resuming_with_another_lr_is_refused_not_ignored(tmp_path):
 
 
 # ------------------------------------------------------------------------------ python -m fastdata
-@pytest.mark.xfail(strict=True, reason="fastdata/packing/command.py wraps the whole pack in "
-                   "cli.input_errors(\"SOURCE '...'\"): an OUT that cannot be created is blamed on SOURCE")
 def test_pack_names_out_when_out_cannot_be_made(tmp_path):
     """A name too long for the file system passes cli.output_problem (its parent is writable) and fails at
     mkdir: the one line said ``SOURCE '<folder>': [Errno 36] File name too long: '<OUT>'``."""
@@ -251,3 +249,49 @@ def test_resuming_a_checkpoint_of_another_model_names_the_model_not_the_lr(tmp_p
     with pytest.raises(SystemExit, match="^error: --checkpoint: ") as info:   # fit's verdict, not "--lr: ..."
         module.main(module.get_args_parser().parse_args(argv))
     assert "lr" not in str(info.value.code), info.value.code
+
+
+def test_gpu_summary_refuses_a_keep_that_is_not_there_and_makes_its_out(tmp_path, capsys):
+    """A mistyped --keep summed up as "0 of 0 stages passed", and a missing --out was a
+    FileNotFoundError traceback for summary-<tag>.md.tmp."""
+    summary = _bench("gpu_summary")
+    with pytest.raises(SystemExit) as info:
+        summary.get_args_parser().parse_args(["--keep", str(tmp_path / "nope"), "--tag", "t", "--out", str(tmp_path)])
+    assert info.value.code == 2 and "argument --keep: " in capsys.readouterr().err
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "stages.tsv").write_text("1\tdoctor\tpass\t3\t60\n")
+    args = summary.get_args_parser().parse_args(["--keep", str(tmp_path / "keep"), "--tag", "t",
+                                                 "--out", str(tmp_path / "new" / "out")])
+    assert summary.main(args).read_text().startswith("# GPU run `t`: 1 of 1 stages passed")
+
+
+def _parsers():
+    from conftest import load_example
+
+    from fastdata.__main__ import get_args_parser as fastdata_parser
+
+    subs = fastdata_parser()._subparsers._group_actions[0].choices
+    yield "fastdata bench", subs["bench"]
+    yield "fastdata pack", subs["pack"]
+    for name in ("train_mnist", "train_imagefolder", "lightning_mnist", "accelerate_mnist", "custom_augmentation"):
+        yield name, load_example(name).get_args_parser()
+    for name in BENCHMARKS:
+        yield name, _bench(name).get_args_parser()
+
+
+def test_every_flag_with_a_default_gives_it_in_help():
+    """--batch-size said "per process" and not 256, --data-root not ./data, --lr not 0.1, bench_accuracy's
+    --amp nothing at all: a new user had to read the source for what a plain run does."""
+    import argparse
+
+    silent = []
+    for name, parser in _parsers():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if (not action.option_strings or action.help == argparse.SUPPRESS or action.default is None
+                    or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                           argparse._HelpAction))):
+                continue
+            if "default" not in (formatter._get_help_string(action) or ""):
+                silent.append(f"{name} {action.option_strings[0]} (default {action.default!r})")
+    assert not silent, "\n".join(silent)

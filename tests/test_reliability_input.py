@@ -328,7 +328,12 @@ def test_folder_errors_name_the_path(tmp_path):
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="no class sub-folders") as info:
         ImageFolder(empty)
-    assert str(empty) in str(info.value)
+    assert str(empty) in str(info.value) and "tar" not in str(info.value)
+    # WebDataset shards of another tool, taken for an image folder: the way to read them is named.
+    (empty / "train-000.tar").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no class sub-folders.*1 tar file\(s\) \(train-000.tar.*"
+                                                r"fastdata pack .*empty OUT"):
+        ImageFolder(empty)
     root = tmp_path / "root"
     (root / "cats").mkdir(parents=True)
     (root / "dogs").mkdir()

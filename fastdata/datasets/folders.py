@@ -151,6 +151,19 @@ def photo_augmentation(train: bool, transform) -> Augmentation:
     return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
 
 
+def _tars_hint(root: Path) -> str:
+    """Advice for a folder of tar files taken for an image folder: WebDataset shards of another tool,
+    which ``pack`` converts (``fastdata.packing.TarImages``); empty for any other folder."""
+    from ..shards.index import foreign_tars  # at the call: only a failed listing needs it
+
+    tars = foreign_tars(root)
+    if not tars:
+        return ""
+    return (f"; it holds {len(tars)} tar file(s) ({tars[0]}, ...): WebDataset shards written by another "
+            f"tool are converted once with `python -m fastdata pack {root} OUT`, and OUT is then the "
+            f"source (Shards(OUT))")
+
+
 class ImageFolder(Source):
     """One sub-folder per class of image files (ImageNet's layout); classes sorted by name. The files
     are those torchvision's ImageFolder lists (``IMAGE_EXTENSIONS``: JPEG, PNG, BMP, TIFF, WebP, PPM/PGM),
@@ -189,7 +202,7 @@ class ImageFolder(Source):
         classes = sorted(e.name for e in _scandir(root) if e.is_dir() and not e.name.startswith("."))
         if not classes:
             raise FileNotFoundError(f"image folder '{root}' has no class sub-folders "
-                                    f"(expected root/<class>/<image>{exts[0]})")
+                                    f"(expected root/<class>/<image>{exts[0]}){_tars_hint(root)}")
         # Every real directory is walked once per class. The root and the class folders are marked up
         # front, so a link back to them (a/loop -> ..) neither loops (os.walk(followlinks=True) re-reads
         # the tree through it: 6 images became 2,706) nor relabels another class's images. Once per class,

@@ -44,11 +44,11 @@ from ..config import SourceKind
 from ..datasets.base import IMAGENET_MEAN, IMAGENET_STD, Source
 from ..datasets.folders import IMAGE_EXTENSIONS, ImageFolder
 from ..errors import DecodeError
+from ..shards.index import TAR_ENDINGS
 
-#: File endings of a tar this reads, and the module that decompresses each compressed one.
+#: The module that decompresses each compressed tar ending (the endings read: shards.index.TAR_ENDINGS).
 _COMPRESSED = {".tar.gz": "gzip", ".tgz": "gzip", ".tar.bz2": "bz2", ".tbz2": "bz2", ".tar.xz": "lzma",
                ".txz": "lzma"}
-TAR_ENDINGS = (".tar", *_COMPRESSED)
 _IMAGES = {e[1:] for e in IMAGE_EXTENSIONS}
 #: Label members, most specific first: the first one a sample has is its label.
 _LABELS = ("cls", "class", "label", "target", "txt", "json")

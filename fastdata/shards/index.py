@@ -368,7 +368,7 @@ def load_index(storage, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardInd
 def _with_advice(error: StorageError, *, local: bool, folder: str | None = None) -> StorageError:
     """``error`` (about reading the index) with what to do about it appended to its message. ``folder``:
     the local folder the index was looked for in (its tars, written by another tool, are named)."""
-    tars = _foreign_tars(folder) if isinstance(error, FileNotFoundError) and folder else 0
+    tars = len(foreign_tars(folder)) if isinstance(error, FileNotFoundError) and folder else 0
     if tars:
         advice = (f"the folder holds {tars} tar file(s) but no index: tars written by another tool (WebDataset "
                   f"style) are read once they are converted: python -m fastdata pack '{folder}' OUT, then "
@@ -391,17 +391,21 @@ def _with_advice(error: StorageError, *, local: bool, folder: str | None = None)
     return error
 
 
-def _foreign_tars(folder: str) -> int:
-    """How many tar files (``.tar``, ``.tar.gz``, ``.tar.xz``, ...) that ``pack`` did not write lie in local
-    ``folder`` (0 if it cannot be listed). ``pack`` writes a record ``NAME.json`` beside each of its
-    tars: a folder of those is an interrupted pack, not another tool's tars."""
+#: The endings of the tar files ``packing.TarImages`` reads (plain, gzip, bzip2 and xz): another tool's
+#: WebDataset shards, which ``pack`` converts.
+TAR_ENDINGS = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+
+
+def foreign_tars(folder) -> list[str]:
+    """The names of the tar files (``TAR_ENDINGS``) that ``pack`` did not write in local ``folder``, sorted
+    (none if it cannot be listed; dot files aside). ``pack`` writes a record ``NAME.json`` beside each
+    of its tars: a folder of those is an interrupted pack, not another tool's tars."""
     try:
-        names = {e.name for e in os.scandir(folder)}
+        names = {e.name for e in os.scandir(folder) if not e.name.startswith(".")}
     except OSError:
-        return 0
-    endings = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")   # packing.tars reads these
-    return sum(1 for n in names if n.lower().endswith(endings)
-               and f"{n.rpartition('.tar')[0]}.json" not in names)
+        return []
+    return sorted(n for n in names if n.lower().endswith(TAR_ENDINGS)
+                  and f"{n.rpartition('.tar')[0]}.json" not in names)
 
 
 def index_document(*, shards: list[dict], classes, samples: dict, key_width: int, fingerprint: str,
