@@ -60,7 +60,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="loader workers (default: the usable cores)")
     p.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
                    help="auto: MNIST from --data-root when it is there, else synthetic digits")
-    p.add_argument("--data-root", default="./data", help="folder holding MNIST/raw (default ./data)")
+    p.add_argument("--data-root", default="./data", type=cli.folder_path,
+                   help="folder holding MNIST/raw (default ./data)")
     p.add_preset("--train-size", type=cli.positive_int, full=None, quick=6000, help="training images (None: all)")
     p.add_preset("--test-size", type=cli.positive_int, full=None, quick=1000, help="test images (None: all)")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")

@@ -120,12 +120,21 @@ def add_digits_args(parser: argparse.ArgumentParser) -> None:
     ``--data-root``, ``--download``, ``--train-size``, ``--test-size``."""
     parser.add_argument("--data", default="auto", choices=("auto", "mnist", "synthetic"),
                         help="auto: MNIST from --data-root (downloaded unless --no-download), else synthetic digits")
-    parser.add_argument("--data-root", default="./data", help="folder holding MNIST/raw")
+    parser.add_argument("--data-root", default="./data", type=folder_path,
+                        help="folder holding MNIST/raw (and the synthetic digits drawn, kept for the next run)")
     parser.add_argument("--download", action=argparse.BooleanOptionalAction, default=True,
                         help="fetch MNIST through torchvision when it is not in --data-root "
                              "(--no-download: never touch the network, e.g. in tests)")
     parser.add_argument("--train-size", type=positive_int, default=None, help="use the first N training images")
     parser.add_argument("--test-size", type=positive_int, default=None, help="use the first N test images")
+
+
+def folder_path(text: str) -> str:
+    """``--data-root``: a folder, or a path where one can be made. A file there was found only after the
+    digits were drawn (over a minute for the default 70,000), when they could not be kept under it."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is a file, not a folder")
+    return text
 
 
 def first_digits(source, n: int | None):

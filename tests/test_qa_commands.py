@@ -267,7 +267,6 @@ def test_gpu_summary_refuses_a_keep_that_is_not_there_and_makes_its_out(tmp_path
 
 def _parsers():
     from conftest import load_example
-
     from fastdata.__main__ import get_args_parser as fastdata_parser
 
     subs = fastdata_parser()._subparsers._group_actions[0].choices
@@ -295,3 +294,14 @@ def test_every_flag_with_a_default_gives_it_in_help():
             if "default" not in (formatter._get_help_string(action) or ""):
                 silent.append(f"{name} {action.option_strings[0]} (default {action.default!r})")
     assert not silent, "\n".join(silent)
+
+
+@pytest.mark.parametrize("name", ["train_mnist", "lightning_mnist", "accelerate_mnist"])
+def test_a_data_root_that_is_a_file_is_refused_before_the_digits_are_drawn(name, tmp_path, capsys):
+    """train_mnist drew the digits (over a minute for the default sizes) and then failed to keep them
+    under the file: ``[Errno 20] Not a directory``; the other two said "MNIST is not in '<file>'"."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit) as info:
+        _example(name).get_args_parser().parse_args(["--data-root", str(tmp_path / "afile")])
+    assert info.value.code == 2
+    assert f"argument --data-root: '{tmp_path / 'afile'}' is a file, not a folder" in capsys.readouterr().err
