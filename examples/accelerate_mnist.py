@@ -171,6 +171,27 @@ def _starting_step(accelerator, args, train_loader, steps_per_epoch: int) -> int
     return at["epoch"] * steps_per_epoch + at["batch"]
 
 
+def _check_schedule(accelerator, args, scheduler, steps_per_epoch: int) -> None:
+    """Refuse, before any training, a resume that would step the restored one-cycle schedule past its end.
+    ``load_state`` puts the saved run's OneCycleLR (its total_steps) over the one built for this run's
+    --epochs, so a larger --epochs was torch's "Tried to step N times" traceback when the old end came."""
+    total = scheduler.total_steps
+    needed = args.epochs * steps_per_epoch
+    if args.max_steps:
+        needed = min(needed, args.max_steps)
+    if needed <= total:
+        return
+    if not accelerator.is_main_process:   # one line for the run, not one per rank
+        raise SystemExit(1)
+    most = total // steps_per_epoch
+    advice = (f"resume with --epochs {most} or fewer" if most else
+              "resume with the saved run's --batch-size and --train-size")
+    raise SystemExit(f"error: --epochs {args.epochs}: '{args.ckpt_dir}' was saved by a run whose one-cycle "
+                     f"learning-rate schedule (restored with it) ends after {total} steps; at {steps_per_epoch} "
+                     f"steps an epoch this run would step it {needed} times, and a one-cycle schedule cannot be "
+                     f"stretched once it has started: {advice}, or start a new run without --resume")
+
+
 def main(args) -> dict:
     """Train (and evaluate each epoch) as ``args`` says; return what the run reached."""
     _check_args(get_args_parser(), args)
@@ -203,6 +224,8 @@ def main(args) -> dict:
         accelerator.register_for_checkpointing(train_loader, scheduler)
 
         step = _starting_step(accelerator, args, train_loader, steps_per_epoch)
+        if args.resume:
+            _check_schedule(accelerator, args, scheduler, steps_per_epoch)
         accuracy = seen = None
         stopped = False
         # The loaders close however the run ends, Ctrl-C too: no worker process or thread outlives it.

@@ -305,3 +305,16 @@ def test_a_data_root_that_is_a_file_is_refused_before_the_digits_are_drawn(name,
         _example(name).get_args_parser().parse_args(["--data-root", str(tmp_path / "afile")])
     assert info.value.code == 2
     assert f"argument --data-root: '{tmp_path / 'afile'}' is a file, not a folder" in capsys.readouterr().err
+
+
+def test_accelerate_resume_with_more_epochs_than_its_schedule_is_one_line(tmp_path):
+    """load_state restores the saved run's OneCycleLR over the one built for --epochs 2: training went on
+    until torch's "Tried to step 5 times. The specified number of total steps is 4" traceback."""
+    module = _example("accelerate_mnist")
+    ck = tmp_path / "ck"
+    argv = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "64",
+            "--backend", "memory", "--workers", "0", "--batch-size", "64", "--cpu", "--ckpt-dir", str(ck)]
+    module.run([*argv, "--epochs", "1"])
+    with pytest.raises(SystemExit, match=rf"error: --epochs 2: '{ck}' was saved by a run whose one-cycle .* ends "
+                                         r"after 4 steps; .* resume with --epochs 1 or fewer"):
+        module.run([*argv, "--epochs", "2", "--resume"])
