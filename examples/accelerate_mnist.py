@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import shutil
 
@@ -172,9 +173,17 @@ def _starting_step(accelerator, args, train_loader, steps_per_epoch: int) -> int
 
 
 def _check_schedule(accelerator, args, scheduler, steps_per_epoch: int) -> None:
-    """Refuse, before any training, a resume that would step the restored one-cycle schedule past its end.
+    """Refuse, before any training, a resume with another --lr than the saved run's (ignored otherwise), or
+    one that would step the restored one-cycle schedule past its end.
     ``load_state`` puts the saved run's OneCycleLR (its total_steps) over the one built for this run's
     --epochs, so a larger --epochs was torch's "Tried to step N times" traceback when the old end came."""
+    peak = scheduler.optimizer.param_groups[0].get("max_lr")   # load_state restored the saved run's
+    if peak is not None and not math.isclose(peak, args.lr, rel_tol=1e-6):
+        if not accelerator.is_main_process:
+            raise SystemExit(1)
+        raise SystemExit(f"error: --lr {args.lr:g}: '{args.ckpt_dir}' was saved by a run whose schedule peaks at "
+                         f"lr {peak:g}, and resuming restores it: this run's rate would be ignored. Resume with "
+                         f"--lr {peak:g}, or start a new run without --resume")
     total = scheduler.total_steps
     needed = args.epochs * steps_per_epoch
     if args.max_steps:

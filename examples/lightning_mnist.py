@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import shlex
 import zipfile
@@ -244,6 +245,7 @@ def _classifier(L, args):
             checkpoint["lightning_mnist"] = {"epochs": self.trainer.max_epochs}   # named by _check_schedule
 
         def on_load_checkpoint(self, checkpoint):
+            _check_lr(args, checkpoint)
             _check_schedule(args, checkpoint, self.trainer)
 
     return Classifier()
@@ -256,6 +258,19 @@ def _steps_per_epoch(trainer) -> int:
     steps = len(trainer.datamodule.train_loader)
     limit = trainer.limit_train_batches
     return min(steps, limit) if isinstance(limit, int) else max(1, int(steps * limit))
+
+
+def _check_lr(args, checkpoint) -> None:
+    """Refuse a --lr other than the saved run's: Lightning restores the optimizer and its one-cycle
+    schedule, so the new rate was ignored without a word."""
+    from fastdata.checkpoint import ResumeError
+
+    groups = [g for state in checkpoint.get("optimizer_states") or [] for g in state.get("param_groups", [])]
+    saved = groups[0].get("max_lr") if groups else None
+    if saved is not None and not math.isclose(saved, args.lr, rel_tol=1e-6):
+        raise ResumeError(f"--lr {args.lr:g}: '{args.resume}' was saved by a run whose schedule peaks at lr "
+                          f"{saved:g}, and resuming restores it: this run's rate would be ignored. Resume with "
+                          f"--lr {saved:g}, or start a new run without --resume")
 
 
 def _check_schedule(args, checkpoint, trainer) -> None:

@@ -318,3 +318,18 @@ def test_accelerate_resume_with_more_epochs_than_its_schedule_is_one_line(tmp_pa
     with pytest.raises(SystemExit, match=rf"error: --epochs 2: '{ck}' was saved by a run whose one-cycle .* ends "
                                          r"after 4 steps; .* resume with --epochs 1 or fewer"):
         module.run([*argv, "--epochs", "2", "--resume"])
+
+
+@pytest.mark.parametrize("name", ["accelerate_mnist", "lightning_mnist"])
+def test_resuming_with_another_lr_is_refused_in_accelerate_and_lightning_too(name, tmp_path):
+    """load_state and Lightning's ckpt_path restore the optimizer and its one-cycle schedule: --lr 0.05
+    on a run saved at 0.1 trained on at 0.1 without a word."""
+    module = _example(name)
+    ck = tmp_path / "ck"
+    argv = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "64",
+            "--backend", "memory", "--workers", "0", "--batch-size", "64", "--ckpt-dir", str(ck), "--epochs", "1",
+            *(["--cpu"] if name == "accelerate_mnist" else ["--accelerator", "cpu", "--no-progress"])]
+    module.run(argv)
+    resume = ["--resume"] if name == "accelerate_mnist" else ["--resume", str(ck / "last.ckpt")]
+    with pytest.raises(SystemExit, match=r"error: --lr 0.05: .* was saved by a run whose schedule peaks at lr 0.1"):
+        module.run([*argv, *resume, "--lr", "0.05"])
