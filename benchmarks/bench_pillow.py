@@ -24,6 +24,7 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -150,7 +151,8 @@ def photos(args) -> list[str]:
 
 
 def run_elsewhere(python: str, job: dict) -> dict:
-    cmd = [python, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
+    # --out: a worker writes no report, but its parser checks the folder (the default may not be writable).
+    cmd = [python, str(Path(__file__).resolve()), "--worker", json.dumps(job), "--out", tempfile.gettempdir()]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"{python} failed (exit {out.returncode}): {out.stderr.strip()[-600:]}")
