@@ -418,6 +418,17 @@ def test_a_full_cache_disk_stops_the_pass_even_under_skip_instead_of_skipping_ev
         with pytest.raises(CacheFull, match=r"the disk holding the shard cache .*cache is full: shard 'shard-"):
             list(loader)
         source.close()
+        # A cache disk remounted read-only mid-run: the same, naming what to do.
+        source = Shards(server.url, cache_dir=tmp_path / "cache2")
+
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+        source.storage.fetch = read_only
+        loader = make_loader(source, "torch", num_workers=0, on_error="skip", **KW)
+        with pytest.raises(CacheFull, match=r"shard cache .*cache2 is on a read-only file system .*writable"):
+            list(loader)
+        source.close()
 
 
 @pytest.mark.requires("fsspec", "aiohttp")

@@ -56,7 +56,8 @@ _POLL = 0.05
 
 
 class CacheFull(OSError):
-    """The cache cannot make room for a shard: its budget is held by shards in use, or its disk is full."""
+    """The cache cannot make room for a shard: its budget is held by shards in use, or its disk is full
+    (or read-only)."""
 
 
 def _human(n: float) -> str:
@@ -391,6 +392,12 @@ class ShardCache:
                 self.storage.fetch(name, final, size=size, **digest)
                 return
             except OSError as e:
+                if e.errno == errno.EROFS:
+                    # The node's disk, not the shard's: raised as it is, never each sample's DecodeError
+                    # (on_error="skip" would skip the whole pass), and no eviction makes it writable.
+                    raise CacheFull(errno.EROFS, f"the shard cache {self.cache_dir} is on a read-only file "
+                                    f"system (shard {name!r} could not be written there): give a cache_dir "
+                                    f"on a writable disk") from None
                 if e.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", 122)):
                     raise
                 if attempt == 1:

@@ -45,8 +45,9 @@ _MAX_WAIT = 30.0
 _TRANSIENT_ERRNO = {errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
                     errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN,
                     getattr(errno, "EREMOTEIO", 121)}
-# The local disk is full: not the storage's fault, and not helped by waiting; the cache handles it.
-_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", 122)}
+# The local disk is full or read-only: not the storage's fault, and not helped by waiting; the cache
+# handles it.
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", 122), errno.EROFS}
 
 
 def redact(text) -> str:
