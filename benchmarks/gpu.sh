@@ -17,7 +17,8 @@
 #
 # Stages, each under `timeout` (its limit in seconds): one stuck stage is stopped (SIGINT first, so pytest
 # still prints its summary), counted as failed, and the next one runs. The H200 run of 2026-11-27 took 9.5
-# minutes of commands (the limits now add up to 15.6), 10.2 minutes of device time with the start.
+# minutes of commands, 10.2 minutes of device time with the start (the limits add up to 16.6: bounds on a
+# stuck stage, not the run's time).
 # GPU_SH_LIMIT_PCT scales every limit (percent; `dry` 300).
 #   call1  doctor [30]      python -m fastdata doctor
 #          tests [180]      FASTDATA_REQUIRE_CUDA=1 pytest -m cuda without the dali tests (no DALI yet:
@@ -27,7 +28,7 @@
 #          training [90]    bench_training.py, digits and JPEGs: fit's images/s, data wait, GPU idle
 #          loaders [60]     bench_loaders.py on digits: images/s of each backend against the tutorial pipeline
 #          cache [90]       bench_cache.py on CUDA: memory's photo cache built by processes, threads, nvImageCodec
-#   call3  dali-tests [180] FASTDATA_REQUIRE_CUDA=1 pytest -m cuda -k dali (setup says "DALI yes" by then)
+#   call3  dali-tests [240] FASTDATA_REQUIRE_CUDA=1 pytest -m cuda -k dali (setup says "DALI yes" by then)
 #          dali-train [60] bench_training.py with dali alone, digits and JPEGs (the first command's data wait
 #                           on dali; report training-<tag>-dali)
 #          dali-gpu [200]   bench_dali_gpu.py: DALI's own pipeline, the dali backend's settings, torch, PIL
@@ -104,10 +105,11 @@ fi
 
 # Limits: the H200 run of 2026-11-27 took doctor 13 s, tests 136, jpegs 19, training 44, loaders 37,
 # dali-tests 79 and dali-gpu 124 (the second run, 15:50: dali-tests reached its 120 s limit after 22 of
-# its 25 tests, 116 s, all passed: 180 now); cache (six builds, each a fresh process importing torch and
-# nvImageCodec) ran out at 45 s in its fifth build, and dali-tests at 75 s after its last test.
+# its 25 tests, 116 s, all passed; 240 now, with the first command on dali and the EXIF cases added);
+# cache (six builds, each a fresh process importing torch and nvImageCodec) ran out at 45 s in its fifth
+# build, and dali-tests at 75 s after its last test.
 declare -A CALLS=([call1]="doctor:30 tests:180" [call2]="jpegs:45 training:90 loaders:60 cache:90"
-                  [call3]="dali-tests:180 dali-train:60 dali-gpu:200")
+                  [call3]="dali-tests:240 dali-train:60 dali-gpu:200")
 case $mode in
   call1|call2|call3) calls=("$mode") ;;
   all|dry) calls=(call1 call2 call3) ;;
