@@ -170,6 +170,17 @@ def _interpreter(text: str) -> str:
     return text
 
 
+def measure_elsewhere(python: str, job: dict) -> dict:
+    """``run_elsewhere``'s result, or one without ops that says why it failed (the report names it)."""
+    try:
+        res = run_elsewhere(python, job)
+    except Exception as e:
+        print(f"  {python}: {e}", flush=True)
+        return {"pil": {"flavour": f"{python} (failed)"}, "python": python, "ops": {}, "error": str(e)}
+    print(f"  {python}: {label(res)}", flush=True)
+    return res
+
+
 def label(res: dict) -> str:
     pil = res["pil"]
     avx2 = {True: ", AVX2", False: ", no AVX2", None: ""}[pil.get("avx2")] if pil.get("simd") else ""
@@ -186,15 +197,7 @@ def main(args) -> dict:
           flush=True)
     results = [measure(job)]
     print(f"  this interpreter: {label(results[0])}", flush=True)
-    for python in args.compare:
-        try:
-            res = run_elsewhere(python, job)
-        except Exception as e:
-            print(f"  {python}: {e}", flush=True)
-            results.append({"pil": {"flavour": f"{python} (failed)"}, "python": python, "ops": {}, "error": str(e)})
-            continue
-        print(f"  {python}: {label(res)}", flush=True)
-        results.append(res)
+    results += [measure_elsewhere(python, job) for python in args.compare]
 
     ok = [r for r in results if r["ops"]]
     header = ["operation"] + [f"{label(r)}: µs/sample" for r in ok] + [f"{label(r)}: samples/s/core" for r in ok]
