@@ -182,7 +182,7 @@ def _label(data: bytes, where: str):
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise ValueError(f"label member '{where}' is not text (UTF-8)") from None
-    value = text
+    value: object = text
     if where.lower().endswith(".json"):
         try:
             value = json.loads(text)
