@@ -82,6 +82,30 @@ def test_a_new_key_in_a_later_record_adds_a_column(tmp_path):
     assert list(rows[0])[-1] == "grad_norm"
 
 
+def test_a_write_reads_the_file_only_when_it_must(tmp_path, monkeypatch):
+    """Every write read the whole CSV back (to find its header), so a long run's step writes cost more and
+    more: 20,000 rows read every 50 steps. The file is read at the first write after opening (a resume's
+    rows) and when a new column makes it rewritten; appends read nothing."""
+    import fastdata.runlog as runlog
+
+    reads = []
+    real = runlog._read
+    monkeypatch.setattr(runlog, "_read", lambda path: reads.append(path.name) or real(path))
+    with RunLog(tmp_path, every_steps=1, tensorboard=False) as log:
+        for step in range(1, 201):
+            log.step(step, loss=1.0, lr=0.1, images_per_s=10.0, data_wait=0.0)
+        log.epoch(_record(1))
+        log.epoch(_record(2, grad_norm=1.25))   # a new column: one read to rewrite the file
+        log.epoch(_record(3))
+    assert reads == ["epochs.csv"]   # steps.csv did not exist yet at its first write: nothing to read
+    assert len(_rows(tmp_path / "steps.csv")) == 200 and len(_rows(tmp_path / "epochs.csv")) == 3
+    reads.clear()
+    with RunLog(tmp_path, every_steps=1, tensorboard=False) as log:   # a resume: each file read once
+        for step in range(201, 301):
+            log.step(step, loss=1.0, lr=0.1, images_per_s=10.0, data_wait=0.0)
+    assert reads == ["steps.csv"] and len(_rows(tmp_path / "steps.csv")) == 300
+
+
 def test_reopening_a_log_dir_appends_and_a_repeated_epoch_replaces_its_row(tmp_path):
     _run(tmp_path, epochs=2, tensorboard=False)
     _run(tmp_path, epochs=4, first_epoch=3, tensorboard=False)       # a resume after epoch 2: appended
