@@ -189,3 +189,29 @@ def test_a_cut_file_goes_as_pillows_reading_only_where_the_program_lets_pillow_d
     png = Image.open(io.BytesIO(dali_input("p", cut, 1)))
     assert png.format == "PNG" and png.size == (80, 64)
     assert np.array_equal(np.asarray(png), np.asarray(Image.open(io.BytesIO(cut)).convert("RGB")))
+
+
+def test_copies_past_a_gigabyte_warn_once_that_the_dataset_is_better_converted(tmp_path, monkeypatch):
+    """A whole dataset in a format DALI reads otherwise (TIFFs, say) would fill TMPDIR with a second copy
+    of itself, silently: past COPIES_WARN_BYTES (here lowered to a byte) the loader warns once, naming
+    the folder of copies and the conversion."""
+    pytest.importorskip("nvidia.dali.plugin.pytorch")
+    import warnings
+
+    import fastdata.decode.dali_files as dali_files
+    from fastdata import Augmentation, make_loader
+    from fastdata.datasets import ImageFolder
+
+    (tmp_path / "a").mkdir()
+    for k in range(3):
+        _scene().save(tmp_path / "a" / f"p{k}.tif")
+    monkeypatch.setattr(dali_files, "COPIES_WARN_BYTES", 1)
+    loader = make_loader(ImageFolder(tmp_path), "dali", decode="dali", batch_size=3, train=False, device="cpu",
+                         augment=Augmentation(crop="center", size=16, resize=16, hflip=0.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert sum(len(x) for x, _ in loader) == 3
+    said = [str(w.message) for w in caught if "copies" in str(w.message)]
+    loader.close()
+    assert len(said) == 1 and "python -m fastdata pack" in said[0] and "fastdata-dali-" in said[0]

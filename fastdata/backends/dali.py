@@ -231,6 +231,7 @@ class DaliLoader(DaliFiles, Loader):
         self._rewritten: dict[int, str | None] = {}   # see DaliFiles._learn_input
         self._rngs: dict = {}   # (epoch, batch) -> its generator, seeded ahead (_seeded)
         self._rewrite_dir, self._rewrite_lock = None, threading.Lock()
+        self._copied_bytes, self._copies_warned = 0, False
         # Reading: one assembler thread prepares whole batches in stream order (the augmentation draws
         # need each file's size); it spreads a batch's files over the reader threads. Threads, not
         # processes or DALI's parallel external source: file reads and PIL's decode release the GIL,

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from itertools import zip_longest
 from typing import TYPE_CHECKING, cast
 
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 
 # What the loader knows about each file, learnt the first time the file is read (see _read_file).
 UNSEEN, OK, NO_HEADER, BROKEN = 0, 1, 2, 3
+
+#: Bytes of copies (``DaliFiles._learn_input``) past which the loader warns, once: a whole dataset in a
+#: format DALI reads otherwise (TIFFs, say) would otherwise fill TMPDIR with a second copy of itself.
+COPIES_WARN_BYTES = 2**30
 
 
 def plain_file_paths(source) -> list | None:
@@ -100,6 +105,8 @@ class DaliFiles:
     _rewritten: dict[int, str | None]
     _rewrite_dir: str | None
     _rewrite_lock: threading.Lock
+    _copied_bytes: int            # bytes of the copies written (COPIES_WARN_BYTES)
+    _copies_warned: bool
 
     def _prepare_files(self, rng, k, ids):
         """Runs in the assembler thread: reads the batch's files (in the reader threads), then draws
@@ -346,23 +353,38 @@ class DaliFiles:
         if fixed is None:
             self._rewritten.pop(i, None)   # a replaced file may not need it any more
             return raw
-        copy = None
-        if self._paths is not None:
-            with self._rewrite_lock:
-                if self._rewrite_dir is None:
-                    self._rewrite_dir = tempfile.mkdtemp(prefix="fastdata-dali-")
-            ext = os.path.splitext(self._paths[i])[1] if is_jpeg(fixed) else ".png"
-            copy = os.path.join(self._rewrite_dir, f"{i}{ext}")
-            try:
-                with open(copy, "wb") as f:
-                    f.write(fixed)
-            except OSError as err:
-                raise OSError(err.errno, f"dali backend: {path!r} is given to DALI's decoder as a copy "
-                                         f"(its format or EXIF block DALI reads otherwise than Pillow), and "
-                                         f"writing it to {copy!r} failed ({err.strerror or err}); set TMPDIR "
-                                         f"to a folder with room, or decode='host' on the CPU") from err
-        self._rewritten[i] = copy
+        self._rewritten[i] = self._write_copy(i, path, fixed) if self._paths is not None else None
         return fixed
+
+    def _write_copy(self, i: int, path: str, data: bytes) -> str:
+        """Write plain file ``i``'s bytes for DALI (``data``) to the loader's folder of copies; its path.
+        Past ``COPIES_WARN_BYTES`` of copies it warns, once: a whole dataset of a format DALI reads
+        otherwise is read faster converted once than through copies that fill TMPDIR."""
+        with self._rewrite_lock:
+            if self._rewrite_dir is None:
+                self._rewrite_dir = tempfile.mkdtemp(prefix="fastdata-dali-")
+        paths = cast(list, self._paths)
+        copy = os.path.join(self._rewrite_dir, f"{i}{os.path.splitext(paths[i])[1] if is_jpeg(data) else '.png'}")
+        try:
+            with open(copy, "wb") as f:
+                f.write(data)
+        except OSError as err:
+            raise OSError(err.errno, f"dali backend: {path!r} is given to DALI's decoder as a copy (its format "
+                                     f"or EXIF block DALI reads otherwise than Pillow), and writing it to "
+                                     f"{copy!r} failed ({err.strerror or err}); set TMPDIR to a folder with "
+                                     f"room, or decode='host' on the CPU") from err
+        with self._rewrite_lock:   # reader threads write copies at once
+            self._copied_bytes += len(data)
+            warn = self._copied_bytes >= COPIES_WARN_BYTES and not self._copies_warned
+            self._copies_warned |= warn
+        if warn:
+            warnings.warn(f"dali backend: {len(self._rewritten) + 1} files so far are given to DALI's decoder "
+                          f"as copies in {self._rewrite_dir} ({self._copied_bytes / 2**30:.1f} GiB), their "
+                          f"format or EXIF block being one DALI reads otherwise than Pillow (e.g. {path!r}); such "
+                          f"a dataset is read faster and without the copies once converted (python -m fastdata "
+                          f"pack SOURCE OUT writes JPEG shards), or with the torch or memory backend",
+                          RuntimeWarning, stacklevel=2)
+        return copy
 
     def _dali_path(self, i: int) -> str:
         """The name DALI reads plain file ``i`` by: its path, or its copy's (``_learn_input``)."""
