@@ -40,7 +40,7 @@ import struct
 from PIL import ImageFile
 
 from ..images.photo import decode_upright, open_image
-from ..images.region import TIFF_UNIT, is_jpeg
+from ..images.region import TIFF_UNIT, is_jpeg, jpeg_segments
 
 #: Pillow's names of the formats DALI's decoder reads as Pillow does (see the module docstring).
 DALI_READS = frozenset({"JPEG", "MPO", "PNG", "BMP"})
@@ -86,35 +86,10 @@ def dali_bytes(data: bytes, orientation: int) -> bytes | None:
     """``data`` (a file's bytes) as DALI's decoder should be given them to turn the photo by
     ``orientation`` (Pillow's reading, 1..8), or None when the bytes are right as they are (not a JPEG,
     or a well-formed block with ``orientation``, see ``strict_orientation``) or cannot be rewritten
-    (markers this walk does not follow: the batch's failure then names the file, ``DaliLoader._probe``)."""
+    (markers ``jpeg_segments`` does not follow: the batch's failure then names the file, ``DaliLoader._probe``)."""
     if not is_jpeg(data) or strict_orientation(data) == orientation:
         return None
     return with_orientation(data, orientation)
-
-
-def _segments(data: bytes):
-    """(marker, start of its payload, end) of each length-prefixed segment before the scan; a final
-    ``(None, 0, 0)`` when the walk reached the scan, nothing more where the markers are not a plain
-    sequence of segments."""
-    n, pos = len(data), 2
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return
-        marker = data[pos + 1]
-        if marker == 0xFF:         # a fill byte before a marker
-            pos += 1
-            continue
-        if marker in (0xDA, 0xD9):  # start of scan, or end of image
-            yield None, 0, 0
-            return
-        if marker == 0x01 or 0xD0 <= marker <= 0xD7:   # standalone markers
-            pos += 2
-            continue
-        length = (data[pos + 2] << 8) | data[pos + 3]
-        if length < 2 or pos + 2 + length > n:
-            return
-        yield marker, pos + 4, pos + 2 + length
-        pos += 2 + length
 
 
 def strict_orientation(data: bytes) -> int | None:
@@ -123,7 +98,7 @@ def strict_orientation(data: bytes) -> int | None:
     the next-IFD pointer inside the block, every entry's values inside it, and the orientation (if
     any) one SHORT in 1..8. Any reader, DALI's and Pillow's included, reads such a block the same way."""
     blocks, reached_scan = [], False
-    for marker, a, b in _segments(data):
+    for marker, a, b in jpeg_segments(data):
         if marker is None:
             reached_scan = True
         elif marker == 0xE1 and data[a:a + 6] == _EXIF:
@@ -169,12 +144,12 @@ def exif_segment(orientation: int) -> bytes:
 def with_orientation(data: bytes, orientation: int) -> bytes | None:
     """The JPEG ``data`` with every EXIF APP1 segment before its scan removed and, unless
     ``orientation`` is 1, one minimal block with that orientation right after the start marker. None
-    when the markers before the scan are not a plain sequence of segments (``_segments``)."""
+    when the markers before the scan are not a plain sequence of segments (``jpeg_segments``)."""
     if not is_jpeg(data) or not 1 <= orientation <= 8:
         return None
     kept = [_SOI, exif_segment(orientation) if orientation != 1 else b""]
     start = 2   # the first byte not yet copied into ``kept``
-    for marker, a, b in _segments(data):
+    for marker, a, b in jpeg_segments(data):
         if marker is None:   # the scan: everything from here is copied as it is
             kept.append(data[start:])
             return b"".join(kept)

@@ -216,37 +216,52 @@ def is_jpeg(data: bytes) -> bool:
 TIFF_UNIT = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8}
 
 
+def jpeg_segments(data: bytes):
+    """``(marker, payload start, payload end)`` of each length-prefixed segment of a JPEG before its scan,
+    then a final ``(None, 0, 0)`` when the walk reached the scan (or the end-of-image marker). Nothing
+    more where the bytes stop being a plain sequence of segments (a byte that is not a marker, a length
+    below 2 or past the end): the caller then asks Pillow. Fill bytes and standalone markers are stepped
+    over. The one walk of a JPEG's headers (the EXIF orientation here, DALI's EXIF rewrite in
+    ``decode.dali_input``)."""
+    n, pos = len(data), 2
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return
+        marker = data[pos + 1]
+        if marker == 0xFF:          # a fill byte before a marker
+            pos += 1
+            continue
+        if marker == 0xDA or marker == 0xD9:   # start of scan (or end of image)
+            yield None, 0, 0
+            return
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:   # standalone markers
+            pos += 2
+            continue
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        if length < 2 or pos + 2 + length > n:
+            return
+        yield marker, pos + 4, pos + 2 + length
+        pos += 2 + length
+
+
 def jpeg_orientation(data: bytes) -> int | None:
     """The EXIF orientation (1..8) of a JPEG from its bytes, as Pillow reads it (IFD0's tag 0x0112 in
     the first APP1 "Exif" segment; 1 when there is none); None when the markers or the EXIF block are
     not what this walk expects (the caller then asks Pillow).
 
     Why not Pillow: opening a JPEG with it parses every marker into Python objects, 0.1 ms a photo
-    here, a fifteenth of a region decode; this walks the segment headers before the scan and reads
-    one TIFF tag.
+    here, a fifteenth of a region decode; this walks the segment headers before the scan
+    (``jpeg_segments``) and reads one TIFF tag.
     """
     import struct
 
-    n, pos = len(data), 2
     if not is_jpeg(data):
         return None
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return None
-        marker = data[pos + 1]
-        if marker == 0xFF:          # fill byte before a marker
-            pos += 1
-            continue
-        if marker == 0xDA or marker == 0xD9:   # start of scan (or end of image): no EXIF before it
+    for marker, a, b in jpeg_segments(data):
+        if marker is None:          # the scan: no EXIF before it
             return 1
-        if marker == 0x01 or 0xD0 <= marker <= 0xD7:
-            pos += 2
-            continue
-        length = (data[pos + 2] << 8) | data[pos + 3]
-        if length < 2:
-            return None
-        if marker == 0xE1 and data[pos + 4:pos + 10] == b"Exif\x00\x00":
-            tiff = data[pos + 10:pos + 2 + length]
+        if marker == 0xE1 and data[a:a + 6] == b"Exif\x00\x00":
+            tiff = data[a + 6:b]
             try:
                 end = {b"II": "<", b"MM": ">"}[bytes(tiff[:2])]
                 (ifd,) = struct.unpack_from(end + "I", tiff, 4)
@@ -266,7 +281,6 @@ def jpeg_orientation(data: bytes) -> int | None:
             except (KeyError, struct.error):
                 return None
             return 1
-        pos += 2 + length
     return None
 
 
