@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets fastdata up on a fresh machine: a virtual environment (.venv) with torch and
 # torchvision pinned by constraints.txt, NVIDIA DALI, the test tools, the trainers fastdata is tested
-# inside (Lightning, accelerate, timm, TensorBoard), and Pillow-SIMD in place of Pillow.
+# inside (Lightning, accelerate, Ray Train, timm, TensorBoard), and Pillow-SIMD in place of Pillow.
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -104,7 +104,8 @@ def skip_missing(reason: str, *, allow_module_level: bool = False):
 
 #: The optional libraries the tests use, each with the extra (pyproject.toml) that installs it.
 EXTRAS = {"lightning": "integrations", "accelerate": "integrations", "timm": "integrations",
-          "tensorboard": "integrations", "webdataset": "dev", "moto": "dev", "matplotlib": "dev", "mypy": "dev",
+          "tensorboard": "integrations", "ray": "integrations",
+          "webdataset": "dev", "moto": "dev", "matplotlib": "dev", "mypy": "dev",
           "fsspec": "shards", "aiohttp": "shards", "s3fs": "shards"}
 
 
