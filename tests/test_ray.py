@@ -2,14 +2,15 @@
 
 What docs/scaling.md ("Ray Train") promises, checked against the library: in ``train_loop_per_worker`` a
 loader made with ``device=ray.train.torch.get_device()`` shards by the worker's rank with nothing
-fastdata-specific, ``fastdata.fit`` trains there, and a loader position put into the checkpoint given to
-``ray.train.report`` resumes a later run (Ray Train's V2 API: the same ``RunConfig(name, storage_path)``
-hands the run's latest checkpoint to ``ray.train.get_checkpoint()``) on the same or another number of
-workers.
+fastdata-specific, ``fastdata.fit`` trains there and resumes from its own checkpoint, and a loader
+position put into the checkpoint given to ``ray.train.report`` resumes a later run (Ray Train's V2 API:
+the same ``RunConfig(name, storage_path)`` hands the run's latest checkpoint to
+``ray.train.get_checkpoint()``) on the same or another number of workers.
 
 Samples carry their ids in their pixels (``conftest.indexed_source``); each worker writes the ids of
-its batches to a JSON file beside the test, which the test then reads. One Ray instance serves the
-module: starting it takes seconds on a 2-core machine.
+its batches to a JSON file, which the test then reads. On the shared 2-core machine Ray starts in ~6 s
+and each ``TorchTrainer.fit`` spends ~15 s starting its worker group, so one Ray serves the module and
+the sharding and resume tests share a run: five runs, under 2 minutes.
 """
 from __future__ import annotations
 
@@ -90,62 +91,9 @@ def _backends() -> list[str]:
     return [b for b in available_backends() if b != "auto"]
 
 
-def shard_loop(config: dict) -> None:
-    """Two epochs of each backend's loader, built the way the docs say (nothing but ``device=``); each
-    rank writes its batches' ids."""
-    import ray.train.torch
-    import torch.distributed as dist
-
-    from fastdata import make_loader
-
-    record = {"world": dist.get_world_size(), "env": {k: os.environ.get(k) for k in (
-        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")}, "backends": {}}
-    for backend in config["backends"]:
-        loader = make_loader(indexed_source(N), backend, batch_size=BATCH, shuffle=True, drop_last=False,
-                             seed=3, device=ray.train.torch.get_device())
-        epochs, devices = [], set()
-        for _ in range(2):
-            batches = []
-            for images, labels in loader:
-                ids = decode_ids(images)
-                assert (labels.cpu().numpy() == label_of(ids)).all(), backend
-                devices.update({str(images.device), str(labels.device)})
-                batches.append(ids.tolist())
-            epochs.append(batches)
-        record["backends"][backend] = {"epochs": epochs, "len": len(loader), "devices": sorted(devices)}
-    _write(config["out"], record)
-
-
-def test_loaders_shard_by_worker_rank(ray_cluster, tmp_path):
-    """Every backend shards by the Ray worker's rank: per epoch the two workers' samples are disjoint
-    and cover the data, with as many batches each as ``len()`` says, on ``get_device()`` (the CPU)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    backends = _backends()
-    _trainer(shard_loop, {"backends": backends, "out": str(out)}, workers=WORKERS, name="shard",
-             storage=tmp_path / "runs").fit()
-    ranks = _read(out, WORKERS)
-    # What the docs say Ray sets before the loop runs (the loaders read RANK/WORLD_SIZE from it).
-    assert [rec["env"] for rec in ranks] == [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                              "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0"} for r in range(WORKERS)]
-    assert [rec["world"] for rec in ranks] == [WORKERS] * WORKERS
-    for backend in backends:
-        runs = [rec["backends"][backend] for rec in ranks]
-        for epoch in range(2):
-            shards = [np.concatenate(run["epochs"][epoch]) for run in runs]
-            assert set(shards[0]).isdisjoint(shards[1]), backend
-            assert sorted(np.concatenate(shards).tolist()) == list(range(N)), backend
-            # 30 samples a worker: 8, 8, 8, 6
-            assert [len(run["epochs"][epoch]) for run in runs] == [run["len"] for run in runs] == [4, 4], backend
-        assert runs[0]["epochs"][0] != runs[0]["epochs"][1], f"{backend}: the same order in both epochs"
-        assert [run["devices"] for run in runs] == [["cpu"]] * WORKERS, backend
-
-
 def fit_loop(config: dict) -> None:
     """``fastdata.fit`` inside the worker (DDP over Ray's process group) with its own checkpoint and
     ``resume=True``, each epoch's figures reported to Ray; the rank writes its weights and its records."""
-    import tempfile
-
     import ray.train
     import ray.train.torch
     import torch
@@ -206,16 +154,17 @@ def test_fit_trains_reports_and_resumes(ray_cluster, tmp_path):
     assert records[0][0]["weights"] != records[1][0]["weights"]
 
 
-def resume_loop(config: dict) -> None:
-    """One epoch of each backend's loader, resumable. Given a checkpoint (``ray.train.get_checkpoint()``:
-    the run's latest), each loader continues where it was saved; otherwise each runs its epoch whole, and
-    their positions after ``config["save_at"]`` batches go into the checkpoint reported at the end. The
-    rank writes its batches."""
-    import tempfile
+def epoch_loop(config: dict) -> None:
+    """Each backend's loader built the way the docs say (nothing but ``device=``), resumable.
 
+    Without a checkpoint: two epochs of each, and each loader's position after ``config["save_at"]``
+    batches of the first goes into the checkpoint reported at the end. Given one
+    (``ray.train.get_checkpoint()``: the run's latest), each loader continues where it was saved, to the
+    end of that epoch. The rank writes the ids of its batches, and what Ray set up for it."""
     import ray.train
     import ray.train.torch
     import torch
+    import torch.distributed as dist
 
     from fastdata import make_loader
 
@@ -224,18 +173,27 @@ def resume_loop(config: dict) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             saved = torch.load(Path(d, "loaders.pt"))
-    positions, record = {}, {"resumed": saved is not None, "backends": {}}
+    positions = {}
+    record = {"resumed": saved is not None, "world": dist.get_world_size(), "backends": {},
+              "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                     "NODE_RANK")}}
     for backend in config["backends"]:
         loader = make_loader(indexed_source(N), backend, batch_size=BATCH, shuffle=True, drop_last=False,
                              seed=5, device=ray.train.torch.get_device())
         if saved is not None:
             loader.load_state_dict(saved[backend])
-        batches = []
-        for images, _ in loader:
-            batches.append(decode_ids(images).tolist())
-            if saved is None and len(batches) == config["save_at"]:
-                positions[backend] = loader.state_dict()
-        record["backends"][backend] = batches
+        epochs, devices = [], set()
+        for epoch in range(1 if saved is not None else 2):
+            batches = []
+            for images, labels in loader:
+                ids = decode_ids(images)
+                assert (labels.cpu().numpy() == label_of(ids)).all(), backend
+                devices.update({str(images.device), str(labels.device)})
+                batches.append(ids.tolist())
+                if saved is None and epoch == 0 and len(batches) == config["save_at"]:
+                    positions[backend] = loader.state_dict()
+            epochs.append(batches)
+        record["backends"][backend] = {"epochs": epochs, "len": len(loader), "devices": sorted(devices)}
     if saved is None:
         with tempfile.TemporaryDirectory() as d:
             ckpt = None
@@ -246,27 +204,61 @@ def resume_loop(config: dict) -> None:
     _write(config["out"], record)
 
 
-def test_resume_from_reported_checkpoint(ray_cluster, tmp_path):
-    """A run reports each loader's position after 2 of the 4 batches a worker reads in the epoch; a second
-    run of the same name (Ray hands it that checkpoint) reads exactly the batches the first read after
-    that point, and a third, on one worker, reads each of the epoch's remaining samples once."""
-    runs, backends = tmp_path / "runs", _backends()
-    seen = []
-    for workers in (WORKERS, WORKERS, 1):
-        out = tmp_path / f"out{len(seen)}"
-        out.mkdir()
-        _trainer(resume_loop, {"backends": backends, "out": str(out), "save_at": 2}, workers=workers,
-                 name="resume", storage=runs).fit()
-        seen.append(_read(out, workers))
-    whole, again, (alone,) = seen
+SAVE_AT = 2   # of the 4 batches a worker reads an epoch
+
+
+@pytest.fixture(scope="module")
+def first_run(ray_cluster, tmp_path_factory):
+    """``epoch_loop`` run fresh on two workers: ``(storage, its records)``. Ray starts a worker group in
+    ~15 s here, so the sharding test and the resume test share this run."""
+    base = tmp_path_factory.mktemp("epochs")
+    return base / "runs", _run_epochs(base, WORKERS)
+
+
+def _run_epochs(base: Path, workers: int) -> list[dict]:
+    out = Path(tempfile.mkdtemp(dir=base))
+    _trainer(epoch_loop, {"backends": _backends(), "out": str(out), "save_at": SAVE_AT}, workers=workers,
+             name="epochs", storage=base / "runs").fit()
+    return _read(out, workers)
+
+
+def test_loaders_shard_by_worker_rank(first_run):
+    """Every backend shards by the Ray worker's rank: per epoch the two workers' samples are disjoint
+    and cover the data, with as many batches each as ``len()`` says, on ``get_device()`` (the CPU)."""
+    _, ranks = first_run
+    # What the docs say Ray sets before the loop runs (the loaders read RANK/WORLD_SIZE from it).
+    assert [rec["env"] for rec in ranks] == [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                              "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0"} for r in range(WORKERS)]
+    assert [rec["world"] for rec in ranks] == [WORKERS] * WORKERS
+    for backend in _backends():
+        runs = [rec["backends"][backend] for rec in ranks]
+        for epoch in range(2):
+            shards = [np.concatenate(run["epochs"][epoch]) for run in runs]
+            assert set(shards[0]).isdisjoint(shards[1]), backend
+            assert sorted(np.concatenate(shards).tolist()) == list(range(N)), backend
+            # 30 samples a worker: 8, 8, 8, 6
+            assert [len(run["epochs"][epoch]) for run in runs] == [run["len"] for run in runs] == [4, 4], backend
+        assert runs[0]["epochs"][0] != runs[0]["epochs"][1], f"{backend}: the same order in both epochs"
+        assert [run["devices"] for run in runs] == [["cpu"]] * WORKERS, backend
+
+
+def test_resume_from_reported_checkpoint(first_run):
+    """The first run reported each loader's position after 2 of the 4 batches a worker reads in the
+    epoch; a second run of the same name (Ray hands it that checkpoint) reads exactly the batches the
+    first read after that point, and a third, on one worker, reads each of the epoch's remaining samples
+    once. The first run went on to the epoch's end: it is the uninterrupted run."""
+    storage, whole = first_run
+    again = _run_epochs(storage.parent, WORKERS)
+    (alone,) = _run_epochs(storage.parent, 1)
     assert [rec["resumed"] for rec in (*whole, *again, alone)] == [False, False, True, True, True]
-    for backend in backends:
-        first = [rec["backends"][backend] for rec in whole]
-        assert [len(batches) for batches in first] == [4, 4], backend
-        assert [rec["backends"][backend] for rec in again] == [batches[2:] for batches in first], backend
-        rest = sorted(i for batches in first for batch in batches[2:] for i in batch)
-        assert len(rest) == N - 2 * 2 * BATCH, backend
-        assert sorted(i for batch in alone["backends"][backend] for i in batch) == rest, backend
+    for backend in _backends():
+        first = [rec["backends"][backend]["epochs"][0] for rec in whole]
+        assert [rec["backends"][backend]["epochs"] for rec in again] == [[batches[SAVE_AT:]] for batches in first], \
+            backend
+        rest = sorted(i for batches in first for batch in batches[SAVE_AT:] for i in batch)
+        assert len(rest) == N - SAVE_AT * WORKERS * BATCH, backend
+        (read,) = alone["backends"][backend]["epochs"]
+        assert sorted(i for batch in read for i in batch) == rest, backend
 
 
 def test_resume_from_checkpoint_is_refused(tmp_path):
@@ -279,5 +271,5 @@ def test_resume_from_checkpoint_is_refused(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_TRAIN_V2_ENABLED", "1")
         with pytest.raises(DeprecationWarning, match="resume_from_checkpoint"):
-            TorchTrainer(shard_loop, resume_from_checkpoint=ray.train.Checkpoint.from_directory(str(tmp_path)),
+            TorchTrainer(epoch_loop, resume_from_checkpoint=ray.train.Checkpoint.from_directory(str(tmp_path)),
                          scaling_config=ray.train.ScalingConfig(num_workers=1))
