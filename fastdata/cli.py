@@ -72,10 +72,7 @@ def seed(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (learning rates: a NaN or a negative one trains to nothing)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value

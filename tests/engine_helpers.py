@@ -204,3 +204,31 @@ def wait_diagnosis(meter, seconds: float, collections: list) -> str:
             f"later batches counted, median {statistics.median([w for _, w in counted] or [0]) * 1e6:.0f} us, "
             f"longest {', '.join(f'#{k} {w * ms:.2f}' for k, w in top)} ms; gc inside counted waits: "
             f"{len(in_gc)} ({sum(d for _, d, _ in in_gc) * ms:.2f} ms)")
+
+
+def first_command_run(backend: str, epochs: int = 3, *, device: str = "cuda",
+                      samples: int = 60_000) -> tuple[list, str]:
+    """``train_mnist.py``'s recipe (SmallCNN on 60,000 digits, batch 256, SGD fused with Nesterov
+    momentum, one cycle) on ``backend``, its waits traced: (fit's records, each epoch's
+    ``wait_diagnosis`` joined by lines). The CUDA data-wait tests of the memory and dali backends."""
+    from fastdata import make_loader
+    from fastdata.datasets import SyntheticDigits
+    from fastdata.engine import fit
+    from fastdata.models import SmallCNN
+
+    loader = make_loader(SyntheticDigits(samples, seed=0), backend, batch_size=256, device=device, seed=0)
+    model = SmallCNN(num_classes=10, in_channels=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
+                                fused=True)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, epochs=epochs,
+                                                    steps_per_epoch=len(loader))
+    try:
+        with traced_waits() as (meters, collections):
+            history = fit(model, loader, epochs=epochs, optimizer=optimizer, scheduler=scheduler, progress=False)
+    finally:
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+    diagnosis = "\n".join(f"epoch {e + 1}: {wait_diagnosis(m, r['seconds'], collections)}"
+                          for e, (m, r) in enumerate(zip(meters, history, strict=True)))
+    return history, diagnosis
