@@ -136,11 +136,13 @@ def test_a_file_pillow_cannot_decode_is_a_decode_error_naming_it():
         dali_input("broken.tif", data[: len(data) // 2], 1)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("packed", [False, True], ids=["file names", "shard bytes"])
-def test_dalis_own_decoder_reads_a_gif_and_a_turned_tiff_as_the_torch_backend(tmp_path, packed):
+def test_dalis_own_decoder_reads_a_gif_and_a_turned_tiff_as_the_torch_backend(tmp_path, packed, device):
     """decode='dali': a GIF failed the whole batch inside DALI (every other backend reads its first
     frame), and a TIFF's own Orientation tag was not applied. Both now reach DALI as PNGs of Pillow's
-    reading: the torch backend's pixels, in two epochs (the second reads plain files from the copies)."""
+    reading: the torch backend's pixels, in two epochs (the second reads plain files from the copies).
+    On a GPU the PNGs go through DALI's mixed decoder."""
     pytest.importorskip("nvidia.dali.plugin.pytorch")
     import fastdata
     from fastdata import Augmentation, make_loader
@@ -159,10 +161,10 @@ def test_dalis_own_decoder_reads_a_gif_and_a_turned_tiff_as_the_torch_backend(tm
     recipe = Augmentation(crop="center", size=32, resize=32, hflip=0.0)
     kw = {"batch_size": 3, "train": False, "device": "cpu", "augment": recipe}
     ref = torch_cat(make_loader(source, "torch", num_workers=0, **kw))
-    loader = make_loader(source, "dali", decode="dali", **kw)
+    loader = make_loader(source, "dali", decode="dali", **{**kw, "device": device})
     try:
         for _ in range(2):
-            got = torch_cat(loader)
+            got = torch_cat(loader).cpu()
             assert got.shape == ref.shape and float((got - ref).abs().mean()) * 255 < 3
     finally:
         loader.close()
