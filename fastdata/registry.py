@@ -224,9 +224,11 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
             and resume then apply to the subset.
         like: a training loader this one evaluates against: its device, dtype, layout, batch size,
             seed and, above all, its normalization statistics (a test set must be normalized with
-            the training set's mean/std, not its own), with ``train=False``. Keyword arguments and
-            ``config`` fields still override, except a config's ``train`` (True by default, not by
-            choice): only a ``train=True`` keyword makes it a training loader.
+            the training set's mean/std, not its own), with ``train=False``; over photos, the
+            evaluation crop at the training loader's crop size (``imagenet_eval(size=s, resize=s*256/224)``
+            after ``imagenet_train(size=s)``). Keyword arguments and ``config`` fields still override,
+            except a config's ``train`` (True by default, not by choice): only a ``train=True`` keyword
+            makes it a training loader.
         quiet: do not report ``auto``'s choice.
         **kwargs: LoaderConfig fields (batch_size, device, train, ...) and backend-specific options.
     """
@@ -285,6 +287,9 @@ def _like(train_loader, source, config, kwargs) -> tuple:
     else:
         given = {}
     caller = {**given, **kwargs}   # what the caller set: its config's fields, then the keywords over them
+    recipe = None if kwargs.get("train") is True else _eval_recipe(train_loader, source, caller)
+    if recipe is not None:
+        kwargs = {**kwargs, "augment": recipe}
     taken = [k for k in ("mean", "std") if k in inherited and k not in kwargs]
     scale = caller.get("scale", 1)
     if taken and not isinstance(scale, bool) and scale == 255:
@@ -300,3 +305,27 @@ def _like(train_loader, source, config, kwargs) -> tuple:
             kwargs = {**kwargs, name: tuple(v / 255.0 for v in values)}
         kwargs = {**kwargs, "scale": 1}
     return config, {**{k: v for k, v in inherited.items() if k not in kwargs}, **kwargs}
+
+
+def _eval_recipe(train_loader, source, caller: dict):
+    """The evaluation recipe of a ``like=`` loader over photos when the training loader crops to a size
+    of its own (``imagenet_train(size=128)``): the center crop at that size, the shorter side resized in
+    proportion (``size * 256 / 224``, the ratio of the default recipe, as torchvision's references and
+    timm's ``crop_pct`` keep it), or the training loader's own center crop. None: the source's default
+    stands (the caller gave ``augment``, the source has a per-sample transform or is not photos, or
+    the sizes already agree). Without it, a model trained at 128 was evaluated at 224: another
+    resolution than it learnt (a ViT's position embeddings refuse it)."""
+    from .config import Augmentation, Crop
+
+    theirs = getattr(train_loader, "augment", None)
+    if caller.get("augment") is not None or not isinstance(theirs, Augmentation) or not theirs.crop.fixes_size:
+        return None
+    if getattr(source, "sample_transform", None) is not None:
+        return None
+    mine = source.default_augmentation(False)
+    if mine.crop is not Crop.CENTER or mine.size is None or mine.resize is None or mine.size == theirs.size:
+        return None
+    if theirs.crop is Crop.CENTER:
+        return Augmentation.imagenet_eval(size=theirs.size, resize=theirs.resize)
+    return Augmentation.imagenet_eval(size=theirs.size, resize=max(theirs.size, round(theirs.size * mine.resize
+                                                                                     / mine.size)))
