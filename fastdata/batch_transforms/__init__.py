@@ -14,9 +14,10 @@ Two kinds of transform are accepted:
 - any other callable (a torchvision v2 transform that works on batched tensors, a lambda) is called as
   ``t(images)``; labels pass through. It draws from torch's global RNG, so the pipeline runs it under
   ``torch.random.fork_rng`` with the CPU generator and the batch device's generator seeded from the same
-  per-batch seed: it is repeatable per batch, and the global RNG (dropout, the model's init) is left as
-  it was. A torchvision transform given a batch treats it as one image: it draws once per batch (every
-  image gets the same flip or erased box), unlike the per-sample transforms here.
+  per-batch seed (Python's ``random`` and numpy's global RNG too, restored after): it is repeatable per
+  batch, and the global RNGs (dropout, the model's init, the user's own) are left as they were. A
+  torchvision transform given a batch treats it as one image: it draws once per batch (every image gets
+  the same flip or erased box), unlike the per-sample transforms here.
 
 Randomness is drawn on the batch's device (CPU and CUDA generators differ, so the same seed gives
 different draws on a CPU and a GPU; on one device it is exact). Per-batch scalars (MixUp's and CutMix's

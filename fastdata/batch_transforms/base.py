@@ -2,6 +2,8 @@
 transform (``step_generator``), host-side numbers from its seed (``host_rng``), child streams for OneOf."""
 from __future__ import annotations
 
+import contextlib
+import random
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -10,9 +12,9 @@ import torch
 
 from ..sampling import seed_for
 
-# Tags mixed into derived seeds, so that the device stream, the host stream and OneOf's child streams
-# of one transform never coincide.
-_STEP, _HOST, _CHILD = 0xBA7C, 0x4057, 0xC41D
+# Tags mixed into derived seeds, so that the device stream, the host stream, OneOf's child streams and
+# the global Python/numpy streams a plain callable draws from never coincide.
+_STEP, _HOST, _CHILD, _PY, _NP = 0xBA7C, 0x4057, 0xC41D, 0x9E7, 0x4E9
 
 
 def _words(seed: int) -> tuple[int, int]:
@@ -108,10 +110,30 @@ class BatchTransform:
 
 
 
+@contextlib.contextmanager
+def _host_rngs_seeded(seed: int):
+    """Python's ``random`` and numpy's legacy global RNG seeded from ``seed`` inside, restored after.
+
+    Callables from other libraries draw from these too: timm's RandomErasing (made for normalized
+    device batches, as timm's PrefetchLoader runs it) picks its boxes with ``random.random()``. Left
+    alone, those draws would follow whatever the process drew before: another batch for the same seed,
+    and a resumed run off the uninterrupted one's. Saving and restoring the two states costs microseconds.
+    """
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        random.seed(seed_for(*_words(seed), _PY))
+        np.random.seed(seed_for(*_words(seed), _NP) & 0xFFFFFFFF)   # legacy seeding takes 32 bits
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
 @dataclass(frozen=True)
 class ImageCallable(BatchTransform):
-    """A callable that takes only the images (a torchvision v2 transform, a lambda), run repeatably:
-    under ``fork_rng`` with the global CPU generator and the device's seeded from the batch's seed."""
+    """A callable that takes only the images (a torchvision v2 transform, timm's RandomErasing, a lambda),
+    run repeatably: under ``fork_rng`` with the global CPU generator and the device's seeded from the
+    batch's seed, and with Python's ``random`` and numpy's global RNG seeded from it and restored after."""
 
     fn: Callable
 
@@ -121,7 +143,7 @@ class ImageCallable(BatchTransform):
         cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
         # Only this device's generator is forked and seeded: torch.manual_seed would also reseed every
         # other GPU's, outside the fork.
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        with torch.random.fork_rng(devices=cuda, device_type="cuda"), _host_rngs_seeded(seed):
             torch.default_generator.manual_seed(seed)
             for i in cuda:
                 torch.cuda.default_generators[i].manual_seed(seed)

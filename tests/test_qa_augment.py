@@ -1,0 +1,116 @@
+"""QA of augmentation as a user uses it: batch transforms against torchvision v2 and timm, plain callables
+from other libraries, class counts and label smoothing of the mixing transforms, ColorJitter's arguments
+as torchvision users write them, and the statistics a colour transform un-normalizes with."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from fastdata import make_loader
+from fastdata.batch_transforms import (
+    BatchPipeline,
+)
+from fastdata.datasets import ArraySource
+
+MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
+K = 10
+
+
+def pipe(transforms, *, num_classes=K, mean=MEAN, std=STD):
+    return BatchPipeline(transforms, num_classes=num_classes, device="cpu", mean=mean, std=std)
+
+
+def pixels(n=16, c=3, h=12, w=12, seed=0) -> torch.Tensor:
+    """Random pixels strictly inside (0, 1), so that no clamp touches them."""
+    return torch.rand((n, c, h, w), generator=torch.Generator().manual_seed(seed)) * 0.8 + 0.1
+
+
+def norm(x, mean=MEAN, std=STD):
+    c = x.shape[1]
+    m, s = torch.tensor(mean[:c]).view(1, -1, 1, 1), torch.tensor(std[:c]).view(1, -1, 1, 1)
+    return (x - m) / s
+
+
+def unnorm(z, mean=MEAN, std=STD):
+    c = z.shape[1]
+    m, s = torch.tensor(mean[:c]).view(1, -1, 1, 1), torch.tensor(std[:c]).view(1, -1, 1, 1)
+    return z.float() * s + m
+
+
+def labels_of(n):
+    return torch.arange(n) % K
+
+
+class _Unlabelled(torch.utils.data.Dataset):
+    """A torch Dataset with neither .classes nor .targets: its class count is unknown to fastdata."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.full((3, 8, 8), i * 7 % 256, dtype=torch.uint8), i % 7
+
+
+# ----------------------------------------------------------------------------------- plain callables
+def test_a_plain_callable_drawing_from_pythons_random_repeats_per_batch():
+    """timm's RandomErasing is made for normalized device batches (timm's PrefetchLoader runs it there),
+    so a timm user passes it as it is; it draws its boxes from Python's ``random``. Forking only torch's
+    RNG left those draws to whatever the global state was: the same seed gave other batches, a resumed
+    run other ones than the uninterrupted run, and the user's own ``random`` stream moved."""
+    from timm.data.random_erasing import RandomErasing as TimmErasing
+
+    z, y = norm(pixels(8)), labels_of(8)
+    p = pipe([TimmErasing(probability=0.5, mode="pixel", device="cpu")])
+    random.seed(1)
+    first = p(z.clone(), y, 3)[0]    # (a clone: timm's erases in place)
+    after = random.random()
+    random.seed(2)
+    again = p(z.clone(), y, 3)[0]
+    assert not torch.equal(first, z)
+    assert torch.equal(first, again)                       # the batch's seed decides, not the global state
+    assert not torch.equal(first, p(z.clone(), y, 4)[0])   # and another seed draws other boxes
+    random.seed(1)
+    expected = random.random()
+    assert after == expected                               # the caller's `random` stream did not move
+
+
+def test_a_plain_callable_drawing_from_numpys_global_rng_repeats_per_batch():
+    def jitter(x):   # a user's lambda-style transform on numpy's legacy global RNG
+        return x + torch.from_numpy(np.random.standard_normal(x.shape[1:]).astype(np.float32))
+
+    z, y = norm(pixels(4)), labels_of(4)
+    np.random.seed(0)
+    first = pipe([jitter])(z, y, 5)[0]
+    after = np.random.random()
+    np.random.seed(9)
+    assert torch.equal(first, pipe([jitter])(z, y, 5)[0])
+    np.random.seed(0)
+    assert np.random.random() == after                     # numpy's global stream left alone
+
+
+def test_timm_random_erasing_through_a_loader_resumes_with_the_same_batches():
+    from timm.data.random_erasing import RandomErasing as TimmErasing
+
+    rng = np.random.default_rng(0)
+    src = ArraySource(rng.integers(0, 255, (96, 16, 16, 3)).astype(np.uint8), rng.integers(0, 10, 96))
+
+    def loader():
+        return make_loader(src, "torch", batch_size=16, device="cpu", num_workers=0, seed=1,
+                           batch_transforms=[TimmErasing(probability=0.5, mode="pixel", device="cpu")])
+
+    with loader() as whole:
+        reference = [x.clone() for x, _ in whole]
+    with loader() as first:
+        it = iter(first)
+        for _ in range(2):
+            next(it)
+        state = first.state_dict()
+        it.close()
+    random.random()   # the process went on drawing meanwhile
+    with loader() as resumed:
+        resumed.load_state_dict(state)
+        rest = [x.clone() for x, _ in resumed]
+    assert len(rest) == len(reference) - 2
+    assert all(torch.equal(a, b) for a, b in zip(rest, reference[2:]))
