@@ -264,6 +264,8 @@ THIRD_PARTY_PRIVATE = {
                               "torch.utils.checkpoint keys by it) from a real forward (models.py)",
     "_cdata": "torch's UntypedStorage: the handle _storage_Use_Count takes",
     "_parent": "fsspec: the parent folder of a path under the file system's own rules (protocols, buckets)",
+    "_orig_mod": "torch.compile's OptimizedModule: the module it wraps, whose weights a checkpoint keeps "
+                 "(torch has no public accessor for it)",
 }
 
 

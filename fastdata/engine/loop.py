@@ -14,7 +14,15 @@ from .meter import EpochMeter, Progress, format_record, warmup_steps
 from .options import FitConfig, check_loss
 from .schedule import check_schedule_length
 from .state import PeriodicSave, TrainingState
-from .step import TrainStep, batch_pair, check_batch_device, check_input_dtype, check_labels, correct_count
+from .step import (
+    TrainStep,
+    batch_pair,
+    check_batch_device,
+    check_input_dtype,
+    check_labels,
+    compiled_original,
+    correct_count,
+)
 
 
 @torch.no_grad()
@@ -108,16 +116,22 @@ def fit(model: nn.Module, train_loader, *, config: FitConfig | None = None, **op
         raise ValueError(f"eval_loader is on {eval_loader.device} but train_loader is on {device}: the "
                          f"model trains and evaluates on one device; build both loaders with the same one")
     fdist.check_device(device)
+    # A model the caller compiled runs compiled, but its weights are saved and restored as the model's
+    # own: the OptimizedModule's state_dict prefixes every key with "_orig_mod.", which no plain model loads.
+    compiled = model if compiled_original(model) is not None else None
+    model = compiled_original(model) or model
     raw = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    if compiled is None and compiled_original(raw) is not None:   # DDP(torch.compile(model))
+        compiled, raw = raw, compiled_original(raw)
     _check_model_device(raw, device)
     if fdist.env_world_size() > 1 and not fdist.is_distributed():
         # Before the device scope below: init_distributed makes cuda:LOCAL_RANK current for good.
         fdist.init_distributed(device.type)
     with device_scope(device), cuda_switches(device, cudnn_benchmark=config.cudnn_benchmark, tf32=config.tf32):
-        return _train(raw, train_loader, device, config)
+        return _train(raw, train_loader, device, config, compiled=compiled)
 
 
-def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig) -> list[dict]:
+def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig, compiled=None) -> list[dict]:
     """``fit`` once its arguments are checked, inside the device scope: build the step, restore a
     checkpoint, run the epochs."""
     step = TrainStep.build(raw, config, device)
@@ -131,7 +145,8 @@ def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig
     check_schedule_length(step.scheduler, step.interval, epochs=config.epochs, start_epoch=state.epoch,
                           start_batch=state.batch, batches=len(train_loader), built_total=built_total,
                           accumulate=config.accumulate)
-    step.wrap(compile=config.compile)  # after the restore: DDP broadcasts rank 0's (restored) weights
+    # After the restore: DDP broadcasts rank 0's (restored) weights.
+    step.wrap(compile=config.compile, compiled=compiled)
     with RunHooks(device, profile=config.profile, log_dir=config.log_dir, log_every=config.log_every) as hooks:
         step.region = hooks.region
         run = _Run(step, state, hooks, config)

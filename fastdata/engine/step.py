@@ -134,13 +134,18 @@ class TrainStep:
                    scheduler_interval=config.scheduler_interval, accumulate=config.accumulate,
                    clip_grad_norm=config.clip_grad_norm, ema=ema)
 
-    def wrap(self, *, compile: bool | str) -> None:
+    def wrap(self, *, compile: bool | str, compiled=None) -> None:
         """DistributedDataParallel under torchrun (on the loader's GPU), then ``torch.compile`` if asked
-        (``compile="reduce-overhead"``: CUDA graphs on CUDA, see ``resolve_compile``)."""
-        net = fdist.wrap_ddp(self.raw, self.device)
-        self.ddp = net is not self.raw
-        self.eager = net
+        (``compile="reduce-overhead"``: CUDA graphs on CUDA, see ``resolve_compile``).
+
+        ``compiled``: the caller's own ``torch.compile`` of ``raw``: it runs as they built it, unless
+        ``compile=`` asks fit to compile ``raw`` its own way."""
         mode = resolve_compile(compile, self.device)
+        own = compiled if mode is None else None
+        base = own if own is not None and compiled_original(own) is self.raw else self.raw
+        net = fdist.wrap_ddp(base, self.device)
+        self.ddp = net is not base
+        self.eager = net
         self.graphs = mode == "reduce-overhead"
         self.net = net if mode is None else torch.compile(net, mode=None if mode == "default" else mode)
 
@@ -368,6 +373,13 @@ def check_ema(ema) -> None:
         raise TypeError(f"ema must be a decay (a float in (0, 1), e.g. 0.999), an object with update(model) "
                         f"and a .module (fastdata.engine.ModelEma, timm's ModelEmaV3), or None; got {ema!r} "
                         f"({type(ema).__name__})")
+
+
+def compiled_original(module) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped, when ``module`` is what it returned (an ``OptimizedModule``,
+    whose state_dict prefixes every key with ``_orig_mod.``); None for any other module."""
+    original = getattr(module, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else None
 
 
 def _zero_loss(logits, params) -> torch.Tensor:
