@@ -6,11 +6,13 @@ Every dataset is made here, small; torchvision's own classes read it where they 
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torchvision  # a core dependency, as torch (tests/test_sources_torchvision.py)
 from torchvision.transforms import v2
 
+from conftest import backend_params
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import make_image_folder
 
@@ -74,3 +76,82 @@ def test_like_leaves_a_per_sample_transform_alone(small_photos):
     val = make_loader(val_ds, "torch", like=train)
     assert val.augment == Augmentation.none()
     assert next(iter(val))[0].shape == (2, 3, 32, 32)
+
+
+# ---------------------------------------------------------------- torch's ConcatDataset
+def _photo(path, value, size=(12, 10)):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (value, 255 - value, value // 2)).save(path)
+
+
+@pytest.fixture
+def two_folders(tmp_path):
+    """A training folder (cat, dog) and an extra one holding only cat photos: torchvision labels both
+    cat folders 0, so concatenated they agree."""
+    for i in range(3):
+        _photo(tmp_path / "main" / "cat" / f"{i}.png", 10 + i)
+        _photo(tmp_path / "main" / "dog" / f"{i}.png", 100 + i)
+    for i in range(2):
+        _photo(tmp_path / "extra" / "cat" / f"x{i}.png", 200 + i)
+    return tmp_path / "main", tmp_path / "extra"
+
+
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_a_concat_of_two_image_folders_is_read_by_every_backend_with_its_classes(two_folders, backend):
+    """ConcatDataset([ImageFolder(a), ImageFolder(b)]) was a Dataset memory and dali refused, whose
+    classes and class count were unknown (0). It is now one file list: every backend reads it, the
+    classes are the folders', and the batches are those of the same list given as samples."""
+    from fastdata.datasets import ImageFolder
+
+    main, extra = (torchvision.datasets.ImageFolder(str(f)) for f in two_folders)
+    both = torch.utils.data.ConcatDataset([main, extra])
+    kw = dict(batch_size=4, train=False, augment=Augmentation.imagenet_eval(size=8, resize=8), **CPU)
+    loader = make_loader(both, backend, **kw)
+    assert loader.classes == ["cat", "dog"] and loader.num_classes == 2 and len(loader.dataset) == 8
+    same = make_loader(ImageFolder.from_samples(main.samples + extra.samples, ["cat", "dog"]), backend, **kw)
+    got, want = _batches(loader), _batches(same)
+    assert len(got) == len(loader) == 2
+    assert torch.cat([y for _, y in got]).tolist() == [0, 0, 0, 1, 1, 1, 0, 0]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
+
+
+def test_a_concat_whose_parts_name_their_classes_differently_is_refused(two_folders, tmp_path):
+    """A folder of (bird, cat) after one of (cat, dog): label 0 is cat in one and bird in the other. The
+    DataLoader mixes them without a word; fastdata names the clash."""
+    for name in ("bird", "cat"):
+        _photo(tmp_path / "other" / name / "a.png", 50)
+    parts = [torchvision.datasets.ImageFolder(str(two_folders[0])),
+             torchvision.datasets.ImageFolder(str(tmp_path / "other"))]
+    with pytest.raises(ValueError, match=r"class 0 is 'bird' in the one and 'cat' in the other.*label 0"):
+        make_loader(torch.utils.data.ConcatDataset(parts), "torch", **CPU)
+
+
+def test_a_concat_of_cifar_train_and_test_is_one_array(tmp_path):
+    from fastdata.datasets import ArraySource, as_source
+    from test_sources_torchvision import _LocalCIFAR10, write_cifar10
+
+    write_cifar10(tmp_path)
+    train, test = _LocalCIFAR10(str(tmp_path), train=True), _LocalCIFAR10(str(tmp_path), train=False)
+    src = as_source(torch.utils.data.ConcatDataset([train, test]))
+    assert isinstance(src, ArraySource) and len(src) == len(train) + len(test) and src.classes == train.classes
+    assert src.labels.tolist() == list(train.targets) + list(test.targets)
+    loader = make_loader(torch.utils.data.ConcatDataset([train, test]), "memory", batch_size=len(src), train=False,
+                         mean=(0.0,) * 3, std=(1.0,) * 3, **CPU)
+    images, labels = next(iter(loader))
+    last = np.array(test[len(test) - 1][0])  # torchvision's own PIL image of the last sample
+    assert torch.equal((images[-1].permute(1, 2, 0) * 255).round().byte(), torch.from_numpy(last))
+    assert labels[-1].item() == test[len(test) - 1][1]
+
+
+def test_a_concat_that_stays_a_dataset_keeps_its_parts_classes_and_labels(two_folders):
+    """A part with a transform of its own keeps the ConcatDataset a Dataset (torch and prefetch): its
+    classes and label count come from the parts instead of being unknown."""
+    main = torchvision.datasets.ImageFolder(str(two_folders[0]), transform=v2.Compose([v2.Resize((8, 8)),
+                                                                                     v2.PILToTensor()]))
+    extra = torchvision.datasets.ImageFolder(str(two_folders[1]), transform=main.transform)
+    loader = make_loader(torch.utils.data.ConcatDataset([main, extra]), "torch", batch_size=4, train=False, **CPU)
+    assert loader.classes == ["cat", "dog"] and loader.num_classes == 2
+    assert loader.dataset.labels.tolist() == [0, 0, 0, 1, 1, 1, 0, 0]
+    assert [y.tolist() for _, y in loader] == [[0, 0, 0, 1], [1, 1, 0, 0]]

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 
 from ..checks import check_integer, check_number
 from .arrays import ArraySource
-from .base import Source
+from .base import Source, merge_classes
 from .folders import ImageFolder
 from .sample_transforms import (
     TV_FOLDERS,
@@ -99,6 +100,8 @@ def as_source(obj) -> Source:
         return ArraySource(*obj)
     if _is_subset(obj):
         return as_source(obj.dataset).subset(obj.indices)
+    if _is_torch("ConcatDataset", obj):
+        return _concat(obj)
     converted = from_torchvision(obj)
     if converted is not None:
         return converted
@@ -114,10 +117,49 @@ def as_source(obj) -> Source:
 
 
 def _is_subset(obj) -> bool:
+    return _is_torch("Subset", obj)
+
+
+def _is_torch(name: str, obj) -> bool:
+    """Whether ``obj`` is an instance of ``torch.utils.data.<name>`` (without importing torch)."""
     import sys
 
     data = sys.modules.get("torch.utils.data")  # a Subset exists only once torch is imported
-    return data is not None and isinstance(obj, data.Subset)
+    return data is not None and isinstance(obj, getattr(data, name))
+
+
+def _concat(obj) -> Source:
+    """A ``torch.utils.data.ConcatDataset`` (a training folder and an extra one, CIFAR's train and test
+    sets) as one source: image folders as one ``ImageFolder.from_samples`` over their files, arrays of
+    one shape as one ``ArraySource`` (copied into one array; statistics measured anew unless every
+    part has the same), so every backend reads it; anything else stays a ``DatasetSource`` of the
+    ConcatDataset (torch and prefetch), with the parts' classes and targets. The parts' class names must
+    agree (label i is one class in every part; a part may lack the last classes): two folders whose
+    class sub-folders differ are an error, as the DataLoader would have mixed their labels silently."""
+    parts = [as_source(d) for d in obj.datasets]
+    # Names only: a part without them answers 0 .. num_classes-1, which names nothing to compare.
+    names = merge_classes([p.classes if any(isinstance(c, str) for c in p.classes) else None for p in parts],
+                          [f"part {i} ({p.name})" for i, p in enumerate(parts)])
+    name = "+".join(p.name for p in parts)
+    same_stats = all(p.mean == parts[0].mean and p.std == parts[0].std for p in parts)
+    if all(type(p) is ImageFolder and p.transform is None for p in parts) and same_stats:
+        roots = {os.fspath(p.root) for p in parts}
+        samples = [(path, int(label)) for p in parts for path, label in zip(p.paths, p.labels)]
+        return ImageFolder.from_samples(samples, names or parts[0].classes, root=roots.pop() if len(roots) == 1
+                                        else None, mean=parts[0].mean, std=parts[0].std, name=name)
+    if all(type(p) is ArraySource for p in parts) and len({(p.image_shape, p.digits) for p in parts}) == 1:
+        stats = dict(mean=parts[0].mean, std=parts[0].std) if same_stats else {}
+        return ArraySource(np.concatenate([p.images for p in parts]), np.concatenate([p.labels for p in parts]),
+                           classes=names, num_classes=None if names else max(p.num_classes for p in parts),
+                           name=name, digits=parts[0].digits, **stats)
+    src = DatasetSource(obj, num_classes=len(names) if names else None)
+    if names:
+        src.classes = names
+    labels = np.concatenate([p.labels for p in parts])
+    if (labels >= 0).all():   # every part knows its labels (targets, files, arrays): fingerprint, class count
+        src.labels = labels
+        src.num_classes = max(src.num_classes, int(labels.max()) + 1)
+    return src
 
 
 def split(source, fractions, seed: int = 0) -> tuple[Source, ...]:

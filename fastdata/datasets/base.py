@@ -271,6 +271,29 @@ def count_classes(classes, num_classes) -> int | None:
     return num_classes
 
 
+def merge_classes(names: list, where: list[str]) -> list | None:
+    """The class names of datasets read as one (a ConcatDataset's parts): the longest list, when every
+    part's names (None: unnamed) begin it; a part whose class i has another name is an error naming
+    both, since label i would mean two classes. None when no part names its classes.
+
+    Args:
+        names: each part's class names, or None.
+        where: how errors name each part.
+    """
+    named = [(n, w) for n, w in zip(names, where) if n]
+    if not named:
+        return None
+    longest, at = max(named, key=lambda nw: len(nw[0]))
+    for n, w in named:
+        if list(n) != list(longest[:len(n)]):
+            i = next(k for k, (a, b) in enumerate(zip(n, longest)) if a != b)
+            raise ValueError(f"the classes of {w} differ from those of {at}: class {i} is {n[i]!r} in the one "
+                             f"and {longest[i]!r} in the other, so label {i} would mean two classes; give every "
+                             f"part the same class folders (or class names), or remap the labels in a Dataset "
+                             f"of your own")
+    return list(longest)
+
+
 def check_labels(labels, what: str = "labels", num_classes: int | None = None) -> np.ndarray:
     """Labels as int64, refusing what a cast would silently change: fractions (1.7 → 1), NaN (→ INT64_MIN),
     negatives (a negative class count), non-numbers, and, with ``num_classes``, labels past the last
