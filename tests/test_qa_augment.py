@@ -6,12 +6,11 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from fastdata import make_loader
-from fastdata.batch_transforms import (
-    BatchPipeline,
-)
+from fastdata.batch_transforms import BatchPipeline, CutMix, MixUp, OneOf, RandomHorizontalFlip
 from fastdata.datasets import ArraySource
 
 MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
@@ -114,3 +113,34 @@ def test_timm_random_erasing_through_a_loader_resumes_with_the_same_batches():
         rest = [x.clone() for x, _ in resumed]
     assert len(rest) == len(reference) - 2
     assert all(torch.equal(a, b) for a, b in zip(rest, reference[2:]))
+
+
+# ----------------------------------------------------------------------------------- class counts
+def _first(source, transforms, **kw):
+    with make_loader(source, "torch", batch_size=16, device="cpu", num_workers=0, batch_transforms=transforms,
+                     **kw) as loader:
+        return next(iter(loader))
+
+
+@pytest.mark.parametrize("make", [lambda: [MixUp(num_classes=7)], lambda: [CutMix(num_classes=7)],
+                                  lambda: [OneOf([MixUp(num_classes=7), RandomHorizontalFlip(p=1.0)])],
+                                  lambda: [RandomHorizontalFlip(), OneOf([CutMix(), MixUp(num_classes=7)])]])
+def test_a_class_count_given_to_the_mixing_transform_serves_a_source_without_one(make):
+    """MixUp's own error for such a source says "give MixUp(..., num_classes=N)", and num_classes is
+    documented as the source's count only when None: given, it was refused all the same."""
+    images, labels = _first(_Unlabelled(), make())
+    assert labels.shape == (16, 7) and labels.dtype == torch.float32
+    torch.testing.assert_close(labels.sum(1), torch.ones(16))
+
+
+def test_different_class_counts_in_one_list_are_refused_naming_both():
+    with pytest.raises(ValueError, match=r"num_classes.*\b7\b.*\b8\b"):
+        _first(_Unlabelled(), [MixUp(num_classes=7), CutMix(num_classes=8)])
+
+
+def test_a_label_past_the_given_class_count_is_named_on_the_cpu():
+    # the source cannot check its labels against a count it does not know: the soft targets do
+    with pytest.raises(ValueError, match=r"label 6.*\[0, 5\).*num_classes=5"):
+        _first(_Unlabelled(), [MixUp(num_classes=5)])
+    with pytest.raises(ValueError, match=r"label -1.*\[0, 10\)"):
+        pipe([MixUp()])(norm(pixels(2)), torch.tensor([3, -1]), 0)

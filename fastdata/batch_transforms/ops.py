@@ -29,10 +29,20 @@ def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0)
     """int64 (N,) → float32 (N, num_classes) targets, label-smoothed; soft labels pass through as float32.
 
     scatter_ instead of F.one_hot: one_hot checks the label range with .item() on the CPU path, and
-    neither needs the range from the device.
+    neither needs the range from the device. On the CPU the range is checked here (two reductions of N
+    labels), so a label past the class count is named; on CUDA that check would be a host sync per batch,
+    and a label out of range trips scatter_'s device-side assert, as it would trip cross_entropy's. (A
+    source that knows its class count has checked its labels already; one that does not, given
+    ``MixUp(num_classes=N)``, relies on this.)
     """
     if labels.ndim == 2:
         return labels.float()
+    if labels.device.type == "cpu" and labels.numel():
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= num_classes:
+            raise ValueError(f"label {low if low < 0 else high} is outside [0, {num_classes}): soft labels are "
+                             f"(N, num_classes={num_classes}); give the mixing transform (or the source) the "
+                             f"true class count")
     out = torch.full((labels.shape[0], num_classes), smoothing / num_classes, dtype=torch.float32,
                      device=labels.device)
     return out.scatter_(1, labels.view(-1, 1), 1.0 - smoothing + smoothing / num_classes)
