@@ -155,3 +155,35 @@ def test_a_concat_that_stays_a_dataset_keeps_its_parts_classes_and_labels(two_fo
     assert loader.classes == ["cat", "dog"] and loader.num_classes == 2
     assert loader.dataset.labels.tolist() == [0, 0, 0, 1, 1, 1, 0, 0]
     assert [y.tolist() for _, y in loader] == [[0, 0, 0, 1], [1, 1, 0, 0]]
+
+
+# ---------------------------------------------------------------- torch's TensorDataset
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_a_tensor_dataset_of_uint8_images_is_read_by_every_backend_as_its_arrays(backend):
+    """TensorDataset(images (N, C, H, W) uint8, labels) was a Dataset memory and dali refused, with an
+    unknown class count. It is the arrays it holds: every backend reads it, as the same ArraySource."""
+    from fastdata.datasets import ArraySource
+
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (10, 3, 6, 5), dtype=torch.uint8, generator=gen)
+    labels = torch.arange(10) % 4
+    kw = dict(batch_size=4, train=True, seed=2, drop_last=False, **CPU)
+    loader = make_loader(torch.utils.data.TensorDataset(images, labels), backend, **kw)
+    assert loader.num_classes == 4 and len(loader) == 3
+    same = make_loader(ArraySource(images.permute(0, 2, 3, 1).numpy(), labels.numpy()), backend, **kw)
+    got, want = _batches(loader), _batches(same)
+    assert [tuple(x.shape) for x, _ in got] == [(4, 3, 6, 5), (4, 3, 6, 5), (2, 3, 6, 5)]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    # The pixels of sample i are the tensor's (C, H, W), as the Dataset hands them out.
+    plain = make_loader(torch.utils.data.TensorDataset(images, labels), backend, batch_size=10, train=False,
+                        mean=(0.0,) * 3, std=(1.0,) * 3, **CPU)
+    x, y = next(iter(plain))
+    assert torch.equal((x * 255).round().byte(), images) and torch.equal(y, labels)
+
+
+def test_a_tensor_dataset_that_is_not_uint8_images_stays_a_dataset_and_says_why():
+    grey = torch.utils.data.TensorDataset(torch.zeros(4, 7, 7, dtype=torch.uint8), torch.tensor([0, 1, 2, 1]))
+    assert next(iter(make_loader(grey, "memory", batch_size=4, train=False, **CPU)))[0].shape == (4, 1, 7, 7)
+    floats = torch.utils.data.TensorDataset(torch.rand(4, 3, 7, 7), torch.tensor([0, 1, 2, 1]))
+    with pytest.raises(TypeError, match=r"TensorDataset\[0\] returned a torch.float32 image.*mean=/std="):
+        make_loader(floats, "torch", **CPU)

@@ -88,6 +88,8 @@ def as_source(obj) -> Source:
     - a torchvision dataset: its files or arrays (``from_torchvision``), so every backend reads it;
     - a ``torch.utils.data.Subset`` (what ``random_split`` returns): ``as_source(subset.dataset)
       .subset(subset.indices)`` (nested Subsets compose);
+    - a ``ConcatDataset``: one source (``_concat``); a ``TensorDataset`` of uint8 images and integer
+      labels: an ``ArraySource`` (``_tensor_arrays``);
     - any other map-style Dataset (``__getitem__`` and ``__len__``): a ``DatasetSource`` (torch and
       prefetch backends), whose ``refusal_hint`` tells the others' error what to do.
 
@@ -102,6 +104,10 @@ def as_source(obj) -> Source:
         return as_source(obj.dataset).subset(obj.indices)
     if _is_torch("ConcatDataset", obj):
         return _concat(obj)
+    if _is_torch("TensorDataset", obj):
+        arrays = _tensor_arrays(obj)
+        if arrays is not None:
+            return arrays
     converted = from_torchvision(obj)
     if converted is not None:
         return converted
@@ -126,6 +132,27 @@ def _is_torch(name: str, obj) -> bool:
 
     data = sys.modules.get("torch.utils.data")  # a Subset exists only once torch is imported
     return data is not None and isinstance(obj, getattr(data, name))
+
+
+def _tensor_arrays(obj) -> ArraySource | None:
+    """A ``TensorDataset(images, labels)`` of uint8 images, (N, C, H, W) with C in 1, 3, 4 (alpha dropped)
+    or (N, H, W), and integer labels (N,), as the ``ArraySource`` it is, so every backend reads it (as a
+    Dataset, memory and dali refused it and its class count was unknown). Its samples are read as a
+    Dataset's tensors are, (C, H, W), into one (N, H, W, C) copy. None for anything else (float images,
+    more tensors): the ``DatasetSource`` then says what it expects."""
+    import torch
+
+    tensors = obj.tensors
+    if len(tensors) != 2:
+        return None
+    images, labels = tensors
+    if images.dtype != torch.uint8 or labels.dim() != 1 or labels.is_floating_point() or labels.dtype == torch.bool:
+        return None
+    if images.dim() == 4 and images.shape[1] in (1, 3, 4):
+        images = images[:, :3].permute(0, 2, 3, 1)
+    elif images.dim() != 3:
+        return None
+    return ArraySource(images.contiguous(), labels, name="tensordataset")
 
 
 def _concat(obj) -> Source:
