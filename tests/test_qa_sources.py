@@ -187,3 +187,29 @@ def test_a_tensor_dataset_that_is_not_uint8_images_stays_a_dataset_and_says_why(
     floats = torch.utils.data.TensorDataset(torch.rand(4, 3, 7, 7), torch.tensor([0, 1, 2, 1]))
     with pytest.raises(TypeError, match=r"TensorDataset\[0\] returned a torch.float32 image.*mean=/std="):
         make_loader(floats, "torch", **CPU)
+
+
+# ---------------------------------------------------------------- a Dataset of the user's own
+class _Tabled(torch.utils.data.Dataset):
+    """A Dataset as a table-driven one is written: class names from ``np.unique`` of a column."""
+
+    def __init__(self, labels):
+        self.names = ["dog", "cat", "bird", "cat", "dog", "bird"]
+        self.classes = np.unique(self.names)          # a numpy array: ['bird', 'cat', 'dog']
+        self.labels = labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return np.full((5, 5, 3), i, np.uint8), self.labels[i]
+
+
+def test_class_names_in_a_numpy_array_are_the_datasets_classes():
+    """classes = np.unique(...) was dropped (only a list or tuple counted): num_classes 0, MixUp refused
+    and a label past the classes went unchecked."""
+    loader = make_loader(_Tabled([2, 1, 0, 1, 2, 0]), "torch", batch_size=3, **CPU)
+    assert loader.classes == ["bird", "cat", "dog"] and loader.num_classes == 3
+    assert all(type(c) is str for c in loader.classes)
+    with pytest.raises(ValueError, match=r"_Tabled\[1\] returned label 3; labels must be integers in \[0, 3\)"):
+        list(make_loader(_Tabled([2, 3, 0, 1, 2, 0]), "torch", batch_size=3, shuffle=False, **CPU))

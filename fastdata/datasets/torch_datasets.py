@@ -48,6 +48,16 @@ def _grey_data(dataset) -> bool:
     return isinstance(shape, tuple) and len(shape) == 3
 
 
+def _class_names(names) -> list | None:
+    """A Dataset's ``classes`` as a list: a list or tuple, or any other sequence of names (a numpy array
+    from ``np.unique``, a pandas Index), which was dropped before (classes unknown, labels unchecked);
+    None when it has none (a dict, a string, empty)."""
+    if isinstance(names, (str, bytes, dict)) or not hasattr(names, "__len__") or not hasattr(names, "__getitem__"):
+        return None
+    names = [n.item() if isinstance(n, np.generic) else n for n in names]
+    return names or None
+
+
 class DatasetSource(Source):
     """Any map-style torch Dataset returning (PIL image or uint8 tensor (C,H,W) or (H,W), int).
     torch and prefetch backends. fastdata's own sources inside torch's ``Subset``/``ConcatDataset``
@@ -109,8 +119,7 @@ class DatasetSource(Source):
         #: (H, W) of the first sample where it was read (channels=None), else None: what an empty batch's
         #: images are shaped as before any batch was read (``augment.output_size``).
         self.sample_size = tuple(self.as_array(first).shape[:2]) if first is not None else None
-        names = getattr(dataset, "classes", None)
-        names = list(names) if isinstance(names, (list, tuple)) and names else None
+        names = _class_names(getattr(dataset, "classes", None))
         own = getattr(dataset, "num_classes", None)   # torchvision's FakeData, and many a user's Dataset
         if num_classes is None and names is None and isinstance(own, int) and not isinstance(own, bool) and own > 0:
             num_classes = own
