@@ -249,8 +249,12 @@ def test_mixup_label_smoothing_and_soft_input():
     torch.testing.assert_close(soft.sum(1), torch.ones(n))
     assert float(soft.min()) == pytest.approx(eps / K)      # the classes in neither image
     # soft labels from an earlier transform are mixed as they are (no second smoothing)
-    out, twice = pipe([MixUp(1.0), MixUp(1.0, label_smoothing=eps)])(z, y, 3)
+    out, twice = pipe([MixUp(1.0, label_smoothing=eps), MixUp(1.0, label_smoothing=eps)])(z, y, 3)
     torch.testing.assert_close(twice.sum(1), torch.ones(n))
+    assert float(twice.min()) == pytest.approx(eps / K)
+    # so a later transform's own smoothing would be ignored: refused (tests/test_qa_augment.py)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        pipe([MixUp(1.0), MixUp(1.0, label_smoothing=eps)])
 
 
 def test_cutmix_lambda_is_the_pasted_area():

@@ -144,3 +144,31 @@ def test_a_label_past_the_given_class_count_is_named_on_the_cpu():
         _first(_Unlabelled(), [MixUp(num_classes=5)])
     with pytest.raises(ValueError, match=r"label -1.*\[0, 10\)"):
         pipe([MixUp()])(norm(pixels(2)), torch.tensor([3, -1]), 0)
+
+
+# ----------------------------------------------------------------------------------- label smoothing
+def test_label_smoothing_holds_for_the_batches_a_one_of_does_not_mix():
+    """timm's Mixup(prob=p, label_smoothing=ε) smooths every batch, mixed or not (and torchvision's
+    references smooth in the loss, every batch). OneOf([MixUp(label_smoothing=ε), flip]) made the
+    flip's batches plain one-hot targets: ε accepted, and ignored on part of the batches."""
+    eps = 0.1
+    z, y = norm(pixels(8)), labels_of(8)
+    p = pipe([OneOf([MixUp(label_smoothing=eps), RandomHorizontalFlip(p=1.0)])])
+    expected = torch.full((8, K), eps / K).scatter_(1, y.view(-1, 1), 1 - eps + eps / K)
+    flipped = 0
+    for seed in range(20):
+        out, soft = p(z, y, seed)
+        if torch.equal(out, z.flip(-1)):
+            flipped += 1
+            torch.testing.assert_close(soft, expected)
+    assert 0 < flipped < 20
+
+
+@pytest.mark.parametrize("make", [lambda: [OneOf([MixUp(label_smoothing=0.1), CutMix()])],
+                                  lambda: [MixUp(label_smoothing=0.1), CutMix(label_smoothing=0.2)],
+                                  lambda: [CutMix(), OneOf([MixUp(label_smoothing=0.1), RandomHorizontalFlip()])]])
+def test_mixing_transforms_that_disagree_on_label_smoothing_are_refused(make):
+    # one list's targets get one smoothing: in a OneOf the batches would differ by branch, and in a
+    # sequence the later transform's would be ignored (the labels are soft already)
+    with pytest.raises(ValueError, match=r"label_smoothing.*0\.1.*0\.[02]|label_smoothing.*0\.[02].*0\.1"):
+        pipe(make())

@@ -6,7 +6,8 @@ import dataclasses
 import math
 
 from ..checks import check_number
-from .base import BatchContext
+from .base import BatchContext, BatchTransform
+from .validation import describe
 
 
 def probability(owner: str, name: str, value) -> float:
@@ -72,3 +73,32 @@ def with_stats(t, context: BatchContext):
     return dataclasses.replace(t, mean=tuple(context.mean), std=tuple(context.std))
 
 
+
+
+def agreed_smoothing(owner: str, transforms) -> float:
+    """The ``label_smoothing`` that the soft-label transforms among ``transforms`` (a OneOf's branches
+    included) share; 0.0 if there is none. Values that differ are a ValueError naming each.
+
+    One list's targets get one smoothing, as timm's Mixup and torchvision's references (smoothing in the
+    loss) give every batch: in a OneOf the batches a branch does not mix get it too, and in a sequence a
+    later transform's value would be ignored (the labels are soft already), so a different one is refused.
+    """
+    found: dict[float, str] = {}
+
+    def walk(ts):
+        for t in ts:
+            if not isinstance(t, BatchTransform):
+                continue
+            children = getattr(t, "transforms", None)   # a OneOf: its branches speak for it
+            if isinstance(children, tuple):
+                walk(children)
+            elif t.soft_labels and isinstance(getattr(t, "label_smoothing", None), float):
+                found.setdefault(t.label_smoothing, describe(t, 60))
+
+    walk(transforms)
+    if len(found) > 1:
+        raise ValueError(f"{owner}: its mixing transforms give different label_smoothing: "
+                         f"{'; '.join(f'{v} ({where})' for v, where in sorted(found.items()))}. Every batch's "
+                         f"targets get one smoothing (in a OneOf the unmixed batches too; in a sequence the "
+                         f"labels are soft after the first): give them all the same label_smoothing")
+    return next(iter(found), 0.0)

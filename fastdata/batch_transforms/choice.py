@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .arguments import check_class_count, set_field
+from .arguments import agreed_smoothing, check_class_count, set_field
 from .base import BatchTransform, as_transform, child_generator, host_rng
 from .ops import soft_targets
 from .validation import check_one
@@ -20,7 +20,9 @@ class OneOf(BatchTransform):
     CutMix(1.0)])`` is timm's and torchvision's references' "mixup or cutmix".
 
     The choice is drawn on the host (no device sync); only the chosen transform runs. If any choice
-    makes soft labels, every batch gets soft labels.
+    makes soft labels, every batch gets soft labels, smoothed by the ``label_smoothing`` its mixing
+    branches share (a OneOf whose branches differ is refused): ``OneOf([MixUp(0.8, label_smoothing=0.1),
+    lambda x: x], weights=(0.5, 0.5))`` is timm's ``Mixup(prob=0.5, label_smoothing=0.1)``.
 
     Args:
         transforms: BatchTransforms or plain image callables.
@@ -45,6 +47,12 @@ class OneOf(BatchTransform):
                     for x in w) or sum(w) <= 0:
                 raise ValueError(f"OneOf: weights must be {len(ts)} numbers >= 0 with a positive sum, got {w!r}")
             set_field(self, "weights", tuple(float(x) for x in w))
+        agreed_smoothing("OneOf", self.transforms)   # refused now, not at the first batch
+
+    @property
+    def label_smoothing(self) -> float:
+        """The smoothing its mixing branches share: the targets of the batches it does not mix get it too."""
+        return agreed_smoothing("OneOf", self.transforms)
 
     @property
     def soft_labels(self) -> bool:  # type: ignore[override]
@@ -64,6 +72,6 @@ class OneOf(BatchTransform):
             if self.num_classes is None:
                 raise ValueError("OneOf needs num_classes to make soft labels: use it in a loader's "
                                  "batch_transforms or a BatchPipeline")
-            labels = soft_targets(labels, self.num_classes)
+            labels = soft_targets(labels, self.num_classes, self.label_smoothing)
         return images, labels
 

@@ -56,7 +56,9 @@ class MixUp(_Mixing):
         alpha: the Beta distribution's parameter (0.2 mixes a little, 1.0 uniformly).
         label_smoothing: ε of the one-hot targets before mixing: ``(1 - ε) one_hot + ε / num_classes``.
             Applied where integer labels become soft; soft labels from an earlier transform are mixed
-            as they are.
+            as they are. One list's targets get one smoothing: every mixing transform in it (a OneOf's
+            branches too) gives the same value, else the loader refuses them; a OneOf's unmixed batches
+            get it as well.
         num_classes: None (the default) takes the loader's source's.
     """
 

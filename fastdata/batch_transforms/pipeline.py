@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_integer
-from .arguments import mean_std
+from .arguments import agreed_smoothing, mean_std
 from .base import BatchContext, BatchTransform, ImageCallable, as_transform, step_generator
 from .ops import soft_targets
 from .validation import PER_SAMPLE, check_batch_transforms, describe
@@ -34,6 +34,8 @@ class BatchPipeline:
         mean, std = mean_std("BatchPipeline", mean, std)
         self.context = BatchContext(int(num_classes), torch.device(device), mean, std)
         self.steps = tuple(as_transform(t).bind(self.context) for t in self.transforms)
+        #: the smoothing every batch's soft targets get (the mixing transforms' shared label_smoothing).
+        self.label_smoothing = agreed_smoothing("batch_transforms", self.steps)
         #: whether every batch's labels come out soft (float32 (N, num_classes)).
         self.soft_labels = any(s.soft_labels for s in self.steps)
         if self.soft_labels and self.context.num_classes < 1:
@@ -71,7 +73,7 @@ class BatchPipeline:
                 raise
             images, labels = self._check(i, out, n, c, dtype, device)
         if self.soft_labels and labels.ndim == 1:
-            labels = soft_targets(labels, self.context.num_classes)
+            labels = soft_targets(labels, self.context.num_classes, self.label_smoothing)
         if layout is not None and not images.is_contiguous(memory_format=layout):
             images = images.contiguous(memory_format=layout)
         return images, labels
