@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastdata import make_loader
-from fastdata.batch_transforms import BatchPipeline, CutMix, MixUp, OneOf, RandomHorizontalFlip
+from fastdata.batch_transforms import BatchPipeline, ColorJitter, CutMix, MixUp, OneOf, RandomHorizontalFlip
 from fastdata.datasets import ArraySource
 
 MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
@@ -172,3 +172,19 @@ def test_mixing_transforms_that_disagree_on_label_smoothing_are_refused(make):
     # sequence the later transform's would be ignored (the labels are soft already)
     with pytest.raises(ValueError, match=r"label_smoothing.*0\.1.*0\.[02]|label_smoothing.*0\.[02].*0\.1"):
         pipe(make())
+
+
+# ----------------------------------------------------------------------------------- ColorJitter's arguments
+def test_color_jitter_written_as_torchvisions_with_a_hue_says_hue():
+    """torchvision's signature is ColorJitter(brightness, contrast, saturation, hue): ported as it is,
+    ColorJitter(0.4, 0.4, 0.4, 0.1) put the hue into mean= and failed with "give both mean and std"."""
+    with pytest.raises(ValueError, match=r"ColorJitter: hue.*not offered"):
+        ColorJitter(0.4, 0.4, 0.4, 0.1)
+    with pytest.raises(ValueError, match=r"ColorJitter: hue"):
+        ColorJitter(brightness=0.4, hue=(-0.1, 0.1))
+    z = norm(pixels())
+    plain = pipe([ColorJitter(0.4, 0.4, 0.4)])(z, labels_of(16), 3)[0]
+    for no_hue in (0, 0.0, None, (0, 0)):   # torchvision's identity hue is accepted, and changes nothing
+        assert torch.equal(pipe([ColorJitter(0.4, 0.4, 0.4, no_hue)])(z, labels_of(16), 3)[0], plain)
+    with pytest.raises(TypeError):          # mean/std only by keyword: no fifth positional number
+        ColorJitter(0.4, 0.4, 0.4, 0.0, (0.5,), (0.2,))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,17 +40,27 @@ class ColorJitter(BatchTransform):
     Args:
         brightness, contrast, saturation: v ≥ 0 draws the factor from [max(0, 1 - v), 1 + v]; a
             (min, max) pair gives the range; 0 or (1, 1) leaves the property alone.
-        mean, std: the batches' normalization; None (the default) takes the loader's. Give them only
-            to use the transform outside a loader.
+        hue: only torchvision's identity (0, None or (0, 0)): the argument is there so that
+            torchvision's ``ColorJitter(b, c, s, h)`` ported as it is gets an error about the hue, not
+            a hue read as ``mean``.
+        mean, std: keyword-only; the batches' normalization; None (the default) takes the loader's.
+            Give them only to use the transform outside a loader.
     """
 
     brightness: float | tuple = 0.0
     contrast: float | tuple = 0.0
     saturation: float | tuple = 0.0
-    mean: tuple | None = None
-    std: tuple | None = None
+    hue: float | tuple | None = None
+    mean: tuple | None = field(default=None, kw_only=True)
+    std: tuple | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
+        if not (self.hue is None or self.hue == 0 or (isinstance(self.hue, (tuple, list)) and len(self.hue) == 2
+                                                       and self.hue[0] == self.hue[1] == 0)):
+            raise ValueError(f"ColorJitter: hue={self.hue!r} is not offered (a hue shift is an HSV round trip per "
+                             f"pixel): drop it (0 or None), or run torchvision's ColorJitter per sample on the "
+                             f"source (ImageFolder(root, transform=...) or a torch Dataset, torch/prefetch backends)")
+        set_field(self, "hue", None)
         for name in ("brightness", "contrast", "saturation"):
             set_field(self, name, _jitter_range(name, getattr(self, name)))
         mean, std = mean_std("ColorJitter", self.mean, self.std)
