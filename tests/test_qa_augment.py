@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from fastdata import make_loader
-from fastdata.batch_transforms import BatchPipeline, ColorJitter, CutMix, MixUp, OneOf, RandomHorizontalFlip
+from fastdata.batch_transforms import (
+    BatchPipeline,
+    ColorJitter,
+    CutMix,
+    MixUp,
+    OneOf,
+    RandomGrayscale,
+    RandomHorizontalFlip,
+)
 from fastdata.datasets import ArraySource
 
 MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
@@ -188,3 +196,22 @@ def test_color_jitter_written_as_torchvisions_with_a_hue_says_hue():
         assert torch.equal(pipe([ColorJitter(0.4, 0.4, 0.4, no_hue)])(z, labels_of(16), 3)[0], plain)
     with pytest.raises(TypeError):          # mean/std only by keyword: no fifth positional number
         ColorJitter(0.4, 0.4, 0.4, 0.0, (0.5,), (0.2,))
+
+
+def _rgb_source(mean=(0.3, 0.4, 0.5), std=(0.2, 0.25, 0.3)):
+    rng = np.random.default_rng(0)
+    return ArraySource(rng.integers(0, 255, (64, 12, 12, 3)).astype(np.uint8), rng.integers(0, 10, 64),
+                       mean=mean, std=std)
+
+
+@pytest.mark.parametrize("cls", [ColorJitter, RandomGrayscale])
+def test_statistics_other_than_the_loaders_are_refused_when_the_loader_is_made(cls):
+    """The batches are normalized with the loader's mean/std; a colour transform given others
+    un-normalized them wrongly (shifted, rescaled pixels, then clamped) without a word."""
+    src = _rgb_source()
+    make = (lambda **kw: ColorJitter(0.4, **kw)) if cls is ColorJitter else (lambda **kw: RandomGrayscale(0.5, **kw))
+    with pytest.raises(ValueError, match=rf"{cls.__name__}.*mean=\(0\.485.*loader.*\(0\.3, 0\.4, 0\.5\)"):
+        _first(src, [make(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))])
+    # the loader's own statistics (also as one number per channel) are accepted
+    _first(src, [make(mean=(0.3, 0.4, 0.5), std=(0.2, 0.25, 0.3))])
+    _first(_rgb_source((0.5,) * 3, (0.25,) * 3), [make(mean=0.5, std=0.25)])

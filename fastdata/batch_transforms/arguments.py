@@ -63,8 +63,18 @@ def check_class_count(t, context: BatchContext) -> None:
 
 
 def with_stats(t, context: BatchContext):
-    """``t`` holding the batches' mean/std: its own, else the loader's from ``context`` (an error if neither)."""
+    """``t`` holding the batches' mean/std: its own, else the loader's from ``context`` (an error if neither).
+
+    Its own must be the loader's where the loader has them (a number stands for every channel): the
+    batches are normalized with the loader's, and un-normalizing with others shifts and rescales every
+    pixel before the [0, 1] clamp, without a word."""
     if t.mean is not None:
+        if context.mean is not None and context.std is not None and not (
+                _same_stats(t.mean, context.mean) and _same_stats(t.std, context.std)):
+            raise ValueError(f"{type(t).__name__}(mean={t.mean}, std={t.std}) differs from the loader's "
+                             f"normalization, mean={tuple(context.mean)} std={tuple(context.std)}, which the "
+                             f"batches are normalized with: drop mean=/std= (the loader's are used), or pass "
+                             f"these to make_loader")
         return t
     if context.mean is None or context.std is None:
         raise ValueError(f"{type(t).__name__} works on un-normalized pixels, so it needs the batches' "
@@ -102,3 +112,14 @@ def agreed_smoothing(owner: str, transforms) -> float:
                          f"targets get one smoothing (in a OneOf the unmixed batches too; in a sequence the "
                          f"labels are soft after the first): give them all the same label_smoothing")
     return next(iter(found), 0.0)
+
+
+def _same_stats(mine: tuple, theirs) -> bool:
+    """Whether two per-channel statistics agree (to float32 rounding); one value stands for every channel."""
+    theirs = tuple(theirs)
+    if len(mine) == 1 and len(theirs) > 1:
+        mine = mine * len(theirs)
+    elif len(theirs) == 1 and len(mine) > 1:
+        theirs = theirs * len(mine)
+    return len(mine) == len(theirs) and all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+                                            for a, b in zip(mine, theirs))

@@ -44,7 +44,8 @@ class ColorJitter(BatchTransform):
             torchvision's ``ColorJitter(b, c, s, h)`` ported as it is gets an error about the hue, not
             a hue read as ``mean``.
         mean, std: keyword-only; the batches' normalization; None (the default) takes the loader's.
-            Give them only to use the transform outside a loader.
+            Give them only to use the transform outside a loader (in one, others than the loader's
+            are refused: the batches are normalized with the loader's).
     """
 
     brightness: float | tuple = 0.0
@@ -122,7 +123,8 @@ class RandomGrayscale(BatchTransform):
 
     Args:
         p: probability that an image turns grey.
-        mean, std: the batches' normalization; None (the default) takes the loader's.
+        mean, std: the batches' normalization; None (the default) takes the loader's (others than
+            the loader's are refused).
     """
 
     p: float = 0.1
