@@ -215,3 +215,27 @@ def test_statistics_other_than_the_loaders_are_refused_when_the_loader_is_made(c
     # the loader's own statistics (also as one number per channel) are accepted
     _first(src, [make(mean=(0.3, 0.4, 0.5), std=(0.2, 0.25, 0.3))])
     _first(_rgb_source((0.5,) * 3, (0.25,) * 3), [make(mean=0.5, std=0.25)])
+
+
+def test_color_jitter_contrast_and_saturation_refuse_batches_neither_rgb_nor_grey():
+    # torchvision refuses them ("permitted channel values are 1 or 3"): a grey level of 4 channels
+    # (RGBA, multispectral) is not defined; the channels' plain mean stood in for it silently
+    z = torch.randn(4, 4, 8, 8)
+    for t in (ColorJitter(contrast=0.4), ColorJitter(saturation=0.4)):
+        with pytest.raises(ValueError, match=r"ColorJitter.*contrast and saturation.*4 channels"):
+            pipe([t], mean=(0.5,) * 4, std=(0.25,) * 4)(z, labels_of(4), 0)
+    out, _ = pipe([ColorJitter(brightness=(2.0, 2.0))], mean=(0.5,) * 4, std=(0.25,) * 4)(z, labels_of(4), 0)
+    torch.testing.assert_close(unnorm(out, (0.5,) * 4, (0.25,) * 4),
+                               (unnorm(z, (0.5,) * 4, (0.25,) * 4) * 2).clamp(0, 1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name, factor", [("brightness", 1.4), ("contrast", 0.5), ("contrast", 1.6),
+                                          ("saturation", 0.2)])
+def test_color_jitter_on_a_grey_batch_equals_torchvision(name, factor):
+    from torchvision.transforms.v2 import functional as F
+
+    x = pixels(c=1)
+    out, _ = pipe([ColorJitter(**{name: (factor, factor)})], mean=(0.45,), std=(0.22,))(
+        norm(x, (0.45,), (0.22,)), labels_of(16), 2)
+    torch.testing.assert_close(unnorm(out, (0.45,), (0.22,)), getattr(F, f"adjust_{name}")(x, factor), atol=1e-5,
+                               rtol=0)

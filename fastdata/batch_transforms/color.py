@@ -81,6 +81,10 @@ class ColorJitter(BatchTransform):
         ops = [k for k, _ in self._ops() if not (k == 2 and c == 1)]
         if not ops:
             return images, labels
+        if c not in (1, 3) and (1 in ops or 2 in ops):
+            # torchvision refuses them too: a grey level of RGBA or multispectral images is not defined
+            raise ValueError(f"ColorJitter: contrast and saturation take RGB (3-channel) or grey batches, got "
+                             f"{c} channels (brightness alone takes any)")
         if self.mean is None:
             raise ValueError("ColorJitter needs the batches' mean/std: use it in a loader's batch_transforms, "
                              "a BatchPipeline(..., mean=, std=), or give ColorJitter(..., mean=, std=)")
@@ -104,7 +108,7 @@ class ColorJitter(BatchTransform):
             pick = order[:, slot:slot + 1]
             out = x * f.gather(1, pick).view(-1, 1, 1, 1)
             if 1 in ops or 2 in ops:
-                grey = gray(x) if c == 3 else x.mean(1, keepdim=True)
+                grey = gray(x) if c == 3 else x
                 if 2 in ops:
                     out.add_(grey * to_grey.gather(1, pick).view(-1, 1, 1, 1))
                 if 1 in ops:
