@@ -213,3 +213,41 @@ def test_class_names_in_a_numpy_array_are_the_datasets_classes():
     assert all(type(c) is str for c in loader.classes)
     with pytest.raises(ValueError, match=r"_Tabled\[1\] returned label 3; labels must be integers in \[0, 3\)"):
         list(make_loader(_Tabled([2, 3, 0, 1, 2, 0]), "torch", batch_size=3, shuffle=False, **CPU))
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.full((3, 4, 4), i, dtype=torch.uint8), i % 2
+
+
+class _Short(_Pairs):
+    """A batched fetch that loses the last index (a bug of the user's)."""
+
+    def __getitems__(self, indices):
+        return [self[i] for i in indices][:-1]
+
+
+class _Collated(_Pairs):
+    """A batched fetch that collates, for a DataLoader with a collate_fn of the user's."""
+
+    def __getitems__(self, indices):
+        return torch.stack([self[i][0] for i in indices]), torch.tensor([self[i][1] for i in indices])
+
+
+def test_a_batched_fetch_that_returns_fewer_samples_is_an_error_not_a_shorter_epoch():
+    """__getitems__'s result was zipped with the ids: one sample short made every batch 3 of 4 and the
+    epoch 6 of 8 samples, silently (drop_last=False promises each sample once)."""
+    with pytest.raises(TypeError, match=r"_Short.__getitems__\(4 indices\) returned a 3-item list; fastdata "
+                                        r"reads a list of 4 \(image, label\) pairs"):
+        list(make_loader(_Short(), "torch", batch_size=4, train=False, **CPU))
+
+
+def test_a_batched_fetch_that_collates_is_named_as_such():
+    with pytest.raises(TypeError, match=r"_Collated.__getitems__\(2 indices\)\[0\] returned an object of type "
+                                        r"Tensor"):
+        list(make_loader(_Collated(), "torch", batch_size=2, train=False, **CPU))
+    with pytest.raises(TypeError, match=r"_Collated.__getitems__\(4 indices\) returned a 2-item tuple"):
+        list(make_loader(_Collated(), "torch", batch_size=4, train=False, **CPU))

@@ -58,6 +58,15 @@ def _class_names(names) -> list | None:
     return names or None
 
 
+def _what(value) -> str:
+    """How an error names what a Dataset returned instead of what fastdata reads."""
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))[:6]}"
+    if isinstance(value, (tuple, list)):
+        return f"a {len(value)}-item {type(value).__name__}"
+    return f"an object of type {type(value).__name__}"
+
+
 class DatasetSource(Source):
     """Any map-style torch Dataset returning (PIL image or uint8 tensor (C,H,W) or (H,W), int).
     torch and prefetch backends. fastdata's own sources inside torch's ``Subset``/``ConcatDataset``
@@ -177,19 +186,28 @@ class DatasetSource(Source):
         """
         ds_ids = [self.dataset_index(i) for i in ids]
         ds = self.dataset
-        samples = ds.__getitems__(ds_ids) if hasattr(ds, "__getitems__") else [ds[i] for i in ds_ids]
-        return [self.pair(sample, i) for sample, i in zip(samples, ds_ids)], ds_ids
+        if not hasattr(ds, "__getitems__"):
+            return [self.pair(ds[i], i) for i in ds_ids], ds_ids
+        samples = ds.__getitems__(ds_ids)
+        # torch's contract for __getitems__: a list of the samples (its default collate takes them
+        # one by one). A batch collated already, a dict, or a short list was zipped with the ids: the
+        # first refused as "[i] returned a Tensor", the last silently dropped samples from the epoch.
+        call = f"{self.name}.__getitems__({len(ds_ids)} indices)"
+        if not isinstance(samples, (list, tuple)) or len(samples) != len(ds_ids):
+            raise TypeError(f"{call} returned {_what(samples)}; fastdata reads a list of {len(ds_ids)} (image, "
+                            f"label) pairs from it, one per index, as torch's default collate does: return "
+                            f"[self[i] for i in indices], or remove __getitems__")
+        return [self.pair(sample, i, f"{call}[{k}]") for k, (sample, i) in enumerate(zip(samples, ds_ids))], ds_ids
 
-    def pair(self, sample, index: int) -> tuple | list:
+    def pair(self, sample, index: int, where: str | None = None) -> tuple | list:
         """``sample`` as the (image, label) pair every fastdata source yields; anything else (a dict, as
-        Hugging Face datasets return, a triple, a bare image) is refused, naming the dataset and index."""
+        Hugging Face datasets return, a triple, a bare image) is refused, naming the dataset and index
+        (``where``: how the error names the call that returned it; None: ``dataset[index]``)."""
         if isinstance(sample, (tuple, list)) and len(sample) == 2:
             return sample
-        what = (f"a dict with keys {sorted(map(str, sample))[:6]}" if isinstance(sample, dict) else
-                f"a {len(sample)}-item {type(sample).__name__}" if isinstance(sample, (tuple, list)) else
-                f"an object of type {type(sample).__name__}")
-        raise TypeError(f"{self.name}[{index}] returned {what}; fastdata reads (image, label) pairs: wrap the "
-                        f"dataset so that __getitem__ returns (image, label), e.g. (s['image'], s['label'])")
+        raise TypeError(f"{where or f'{self.name}[{index}]'} returned {_what(sample)}; fastdata reads (image, "
+                        f"label) pairs: wrap the dataset so that __getitem__ returns (image, label), e.g. "
+                        f"(s['image'], s['label'])")
 
     def __getitem__(self, i):
         """The dataset's own sample for this source's sample ``i``.
