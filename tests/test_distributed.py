@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_helpers import ListLoader
 from fastdata import distributed as fdist
 from fastdata.engine import fit
 from fastdata.models import SmallCNN
@@ -193,6 +194,62 @@ def test_ddp_rank_with_empty_batches_stays_in_step(tmp_path):
         assert math.isfinite(record["train_loss"])
         assert 0.0 <= record["train_accuracy"] <= 1.0
     assert all(math.isfinite(v) for v in r0["params"])
+
+
+OWN_GROUP_SCRIPT = """
+import json
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from fastdata import distributed as fdist
+from fastdata.engine import fit
+
+fdist.init_distributed("cpu")
+rank = fdist.rank()
+own = [torch.distributed.new_group([r]) for r in (0, 1)][rank]   # every rank creates every group
+
+class Batches:
+    \"\"\"6 batches announced, 4 yielded (as when files are skipped): the second group of 3 is cut short.\"\"\"
+    def __init__(self, batches):
+        self.batches, self.device = batches, torch.device("cpu")
+    def __len__(self): return len(self.batches) + 2
+    def set_epoch(self, e): pass
+    def state_dict(self): return {"epoch": 0, "batch": 0}
+    def load_state_dict(self, s): pass
+    def __iter__(self): return iter(self.batches)
+
+g = torch.Generator().manual_seed(rank)
+batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(4)]
+torch.manual_seed(0)
+model = nn.Linear(16, 10)
+fit(DistributedDataParallel(model, process_group=own), Batches(batches), epochs=1, accumulate=3, progress=False)
+with open(f"rank{rank}.json", "w") as f:
+    json.dump([p.detach().flatten().tolist() for p in model.parameters()], f)
+fdist.cleanup()
+"""
+
+
+class EndsEarly(ListLoader):
+    """Announces 2 batches more than it yields, as a loader whose files were skipped does."""
+
+    def __len__(self):
+        return len(self.batches) + 2
+
+
+def test_a_users_ddp_on_its_own_group_steps_a_group_cut_short_on_that_group(tmp_path):
+    """A model the user wrapped in DDP over a group of its own (here one rank each: two independent
+    runs) is trained through that wrapper. Before, fit rewrapped it in a DDP over the default group,
+    which averaged the two runs' gradients. The loader ends 2 batches before its len(), so the second
+    group of 3 is cut short: fit averages that group's gradients by hand, also over DDP's own group."""
+    ranks = _torchrun(OWN_GROUP_SCRIPT, [], tmp_path)
+    for rank, params in enumerate(ranks):
+        g = torch.Generator().manual_seed(rank)
+        batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(4)]
+        torch.manual_seed(0)
+        alone = torch.nn.Linear(16, 10)
+        fit(alone, EndsEarly(batches), epochs=1, accumulate=3, progress=False)
+        for got, want in zip(params, alone.parameters()):
+            torch.testing.assert_close(torch.tensor(got), want.detach().flatten())
 
 
 # ------------------------------------------------------------------------------ resume: each rank's RNG

@@ -328,6 +328,7 @@ class _FakeDDP(nn.Module):
     def __init__(self, module):
         super().__init__()
         self.module, self.quiet, self.inside = module, 0, False
+        self.process_group = object()   # DDP's group: a stand-in, compared by identity
 
     def forward(self, x):
         self.quiet += self.inside
@@ -459,11 +460,12 @@ def test_under_ddp_a_group_cut_short_is_all_reduced_before_its_step(monkeypatch)
 
     reduced = []
 
-    def all_reduce(t, op=None):
+    def all_reduce(t, op=None, group=None):
+        assert group is ddp.process_group   # DDP's own group, which may not be the default one
         reduced.append(t.shape)
         t.mul_(4)   # this rank's + the peer's 3x
 
-    monkeypatch.setattr(step_module.fdist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group is ddp.process_group else 5)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     batches = _batches(9, size=8, seed=3)
     model = _plain_net()

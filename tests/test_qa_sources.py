@@ -251,3 +251,22 @@ def test_a_batched_fetch_that_collates_is_named_as_such():
         list(make_loader(_Collated(), "torch", batch_size=2, train=False, **CPU))
     with pytest.raises(TypeError, match=r"_Collated.__getitems__\(4 indices\) returned a 2-item tuple"):
         list(make_loader(_Collated(), "torch", batch_size=4, train=False, **CPU))
+
+
+def test_a_dataloader_or_an_iterable_dataset_is_refused_with_what_to_pass():
+    """A script switching to fastdata hands over the DataLoader it had: the error named only the kinds
+    of source, not that the loader's dataset is one."""
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 3, 4, 4, dtype=torch.uint8), torch.arange(4))
+    with pytest.raises(TypeError, match=r"this is a DataLoader: pass its dataset \(make_loader\(loader.dataset, "
+                                        r"batch_size=2"):
+        make_loader(torch.utils.data.DataLoader(data, batch_size=2), "torch", **CPU)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from data
+
+        def __len__(self):   # for progress bars; it was then read as a map-style Dataset, whose
+            return len(data)  # __getitem__ (Dataset's) raised NotImplementedError
+
+    with pytest.raises(TypeError, match=r"an IterableDataset has no __getitem__.*map-style Dataset"):
+        make_loader(Stream(), "torch", **CPU)

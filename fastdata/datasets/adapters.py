@@ -111,7 +111,9 @@ def as_source(obj) -> Source:
     converted = from_torchvision(obj)
     if converted is not None:
         return converted
-    if hasattr(obj, "__getitem__") and hasattr(obj, "__len__"):
+    # An IterableDataset inherits Dataset's __getitem__ (which raises NotImplementedError) and often has
+    # a __len__ (for progress bars): it is no map-style Dataset all the same.
+    if hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not _is_torch("IterableDataset", obj):
         src = DatasetSource(obj)
         hint = _refusal_hint(obj)
         if hint:
@@ -119,7 +121,21 @@ def as_source(obj) -> Source:
         return src
     raise TypeError(f"cannot load from {type(obj).__name__}: pass a fastdata source (MNIST, ImageFolder, "
                     f"SyntheticDigits, ArraySource), a torchvision dataset, a map-style torch Dataset, or "
-                    f"(images, labels) arrays")
+                    f"(images, labels) arrays{_not_a_dataset(obj)}")
+
+
+def _not_a_dataset(obj) -> str:
+    """What to pass instead of a DataLoader (a script switching to fastdata hands over the loader it
+    had) or an iterable-style Dataset (no index: nothing to shuffle, shard or resume by)."""
+    if _is_torch("DataLoader", obj):
+        return (f"; this is a DataLoader: pass its dataset (make_loader(loader.dataset, batch_size="
+                f"{getattr(obj, 'batch_size', None)}, ...)), fastdata makes the batches itself (its sampler and "
+                f"collate_fn are not used)")
+    if _is_torch("IterableDataset", obj):
+        return ("; an IterableDataset has no __getitem__ to read sample i by, which fastdata needs to shuffle, "
+                "shard and resume: make it a map-style Dataset (__getitem__ and __len__), or write its "
+                "samples to an image folder or into (images, labels) arrays")
+    return ""
 
 
 def _is_subset(obj) -> bool:

@@ -87,7 +87,9 @@ def fit(model: nn.Module, train_loader, *, config: FitConfig | None = None, **op
         model: an ``nn.Module``; moved to ``train_loader.device`` when its parameters are on the CPU. A
             model already on another device than the loader's is an error. Under ``torchrun`` it is
             wrapped in DistributedDataParallel on the loader's GPU (the process group is initialized
-            here if the caller did not), and on CUDA that GPU must be ``cuda:LOCAL_RANK``.
+            here if the caller did not), and on CUDA that GPU must be ``cuda:LOCAL_RANK``. A model the
+            caller wrapped in DistributedDataParallel is trained through that wrapper as it was built
+            (its process group, ``find_unused_parameters``, ``static_graph``, bucket sizes).
         train_loader: any fastdata loader, or an object with ``device``, ``len()`` and a new pass over
             ``(images, labels)`` at each ``iter()``; ``set_epoch(epoch)`` is called when it has one, and
             ``checkpoint=`` needs ``state_dict``/``load_state_dict`` (its position). It decides the device:
@@ -128,10 +130,12 @@ def fit(model: nn.Module, train_loader, *, config: FitConfig | None = None, **op
         # Before the device scope below: init_distributed makes cuda:LOCAL_RANK current for good.
         fdist.init_distributed(device.type)
     with device_scope(device), cuda_switches(device, cudnn_benchmark=config.cudnn_benchmark, tf32=config.tf32):
-        return _train(raw, train_loader, device, config, compiled=compiled)
+        return _train(raw, train_loader, device, config, ddp=model if raw is not model else None,
+                      compiled=compiled)
 
 
-def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig, compiled=None) -> list[dict]:
+def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig, ddp=None,
+           compiled=None) -> list[dict]:
     """``fit`` once its arguments are checked, inside the device scope: build the step, restore a
     checkpoint, run the epochs."""
     step = TrainStep.build(raw, config, device)
@@ -146,7 +150,7 @@ def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig
                           start_batch=state.batch, batches=len(train_loader), built_total=built_total,
                           accumulate=config.accumulate)
     # After the restore: DDP broadcasts rank 0's (restored) weights.
-    step.wrap(compile=config.compile, compiled=compiled)
+    step.wrap(compile=config.compile, ddp=ddp, compiled=compiled)
     with RunHooks(device, profile=config.profile, log_dir=config.log_dir, log_every=config.log_every) as hooks:
         step.region = hooks.region
         run = _Run(step, state, hooks, config)

@@ -134,19 +134,23 @@ class TrainStep:
                    scheduler_interval=config.scheduler_interval, accumulate=config.accumulate,
                    clip_grad_norm=config.clip_grad_norm, ema=ema)
 
-    def wrap(self, *, compile: bool | str, compiled=None) -> None:
-        """DistributedDataParallel under torchrun (on the loader's GPU), then ``torch.compile`` if asked
-        (``compile="reduce-overhead"``: CUDA graphs on CUDA, see ``resolve_compile``).
+    def wrap(self, *, compile: bool | str, ddp=None, compiled=None) -> None:
+        """DistributedDataParallel under torchrun (on the loader's GPU), or ``ddp``, the caller's own
+        wrapper of the model, kept: rebuilt on the default group, a DDP over another group would average
+        gradients with ranks the caller kept apart, and lose its options. Then ``torch.compile`` if
+        asked (``compile="reduce-overhead"``: CUDA graphs on CUDA, see ``resolve_compile``).
 
-        ``compiled``: the caller's own ``torch.compile`` of ``raw``: it runs as they built it, unless
-        ``compile=`` asks fit to compile ``raw`` its own way."""
+        ``compiled``: the caller's own ``torch.compile`` of ``raw`` (or of ``ddp``): it runs as they built
+        it, unless ``compile=`` asks fit to compile ``raw`` its own way."""
         mode = resolve_compile(compile, self.device)
         own = compiled if mode is None else None
         base = own if own is not None and compiled_original(own) is self.raw else self.raw
-        net = fdist.wrap_ddp(base, self.device)
+        net = ddp if ddp is not None else fdist.wrap_ddp(base, self.device)
         self.ddp = net is not base
         self.eager = net
         self.graphs = mode == "reduce-overhead"
+        if own is not None and compiled_original(own) is net:   # torch.compile(DDP(model))
+            net = own
         self.net = net if mode is None else torch.compile(net, mode=None if mode == "default" else mode)
 
     @property
@@ -283,10 +287,12 @@ class TrainStep:
         ranks' loaders must end alike (as they must yield alike for DDP's own all-reduces)."""
         if not self.accumulated:
             return None
-        factor = planned / arrived / (fdist.world_size() if self.ddp else 1)
+        # DDP's own group (the default one when fit wraps the model, but a user's DDP may hold another).
+        group = self.eager.process_group if self.ddp else None
+        factor = planned / arrived / (dist.get_world_size(group) if self.ddp else 1)
         for grad in (p.grad for p in self.params if p.grad is not None):
             if self.ddp:
-                dist.all_reduce(grad)
+                dist.all_reduce(grad, group=group)
             if factor != 1.0:
                 grad.mul_(factor)
         return self.optimizer_step()
