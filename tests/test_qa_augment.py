@@ -239,3 +239,25 @@ def test_color_jitter_on_a_grey_batch_equals_torchvision(name, factor):
         norm(x, (0.45,), (0.22,)), labels_of(16), 2)
     torch.testing.assert_close(unnorm(out, (0.45,), (0.22,)), getattr(F, f"adjust_{name}")(x, factor), atol=1e-5,
                                rtol=0)
+
+
+def test_timms_mixup_is_refused_with_fastdatas_equivalent():
+    """timm's Mixup takes (images, targets) and mixes them in place: refused by its signature only, the
+    message said to subclass BatchTransform, not that fastdata has it, nor how its arguments map."""
+    from timm.data import Mixup
+
+    with pytest.raises(TypeError, match=r"timm's Mixup.*OneOf\(\[MixUp\(.*CutMix\(.*label_smoothing"):
+        pipe([Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=K)])
+
+
+def test_the_mapping_of_timms_mixup_smooths_the_unmixed_batches_as_timm_does():
+    from timm.data.mixup import mixup_target
+
+    eps, y = 0.1, labels_of(8)
+    p = pipe([OneOf([MixUp(0.8, label_smoothing=eps), CutMix(1.0, label_smoothing=eps), lambda x: x],
+                    weights=(0.25, 0.25, 0.5))])      # timm's Mixup(prob=0.5, switch_prob=0.5)
+    z = norm(pixels(8))
+    unmixed = [soft for out, soft in (p(z, y, s) for s in range(16)) if torch.equal(out, z)]
+    assert unmixed
+    for soft in unmixed:   # timm's target for a batch it does not mix: lam = 1, smoothed
+        torch.testing.assert_close(soft, mixup_target(y, K, lam=1.0, smoothing=eps))

@@ -111,6 +111,13 @@ def check_one(where: str, t) -> None:
     _check_composed(f"{where} ({describe(t)})", t, set())
     if type(t).__module__.startswith("torchvision"):
         return
+    if type(t).__module__.startswith("timm") and type(t).__name__ in ("Mixup", "FastCollateMixup"):
+        raise TypeError(f"{where} is timm's {type(t).__name__}, which takes (images, targets) and mixes them in "
+                        f"place: use fastdata's, which know the class count and draw from the batch's seed. "
+                        f"timm's Mixup(mixup_alpha=a, cutmix_alpha=c, prob=p, switch_prob=s, label_smoothing=e) is "
+                        f"OneOf([MixUp(a, label_smoothing=e), CutMix(c, label_smoothing=e), lambda x: x], "
+                        f"weights=(p * (1 - s), p * s, 1 - p)) (drop a branch whose alpha is 0, and the identity "
+                        f"when p is 1)")
     try:
         signature = inspect.signature(t)
     except (TypeError, ValueError):  # builtins and C callables may have none: they are tried at the first batch
@@ -132,7 +139,8 @@ def check_batch_transforms(value) -> tuple:
     (fastdata already normalizes: pass ``mean=``/``std=``), its transforms that assume pixels in [0, 1]
     (``_PIXEL_RANGE``: colour jitter, grey, autocontrast, equalize, AutoAugment...), its PIL conversions
     (ToTensor, PILToTensor, ToImage, ToPILImage: a per-sample pipeline that belongs on the source), its
-    MixUp/CutMix (use fastdata's), and fastdata transforms nested inside a torchvision container.
+    MixUp/CutMix and timm's Mixup (use fastdata's), and fastdata transforms nested inside a torchvision
+    container.
     Compositions are walked recursively (``composition_parts``: ``nn.Sequential``, Compose, RandomApply,
     RandomChoice, RandomOrder, a module's children), so a refused transform is refused wherever it sits.
 
