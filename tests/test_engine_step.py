@@ -456,8 +456,6 @@ def test_under_ddp_a_group_cut_short_is_all_reduced_before_its_step(monkeypatch)
     gradients are this rank's times 3, so the average is twice this rank's."""
     import torch.distributed as dist
 
-    from fastdata.engine import step as step_module
-
     reduced = []
 
     def all_reduce(t, op=None, group=None):
