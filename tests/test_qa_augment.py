@@ -261,3 +261,30 @@ def test_the_mapping_of_timms_mixup_smooths_the_unmixed_batches_as_timm_does():
     assert unmixed
     for soft in unmixed:   # timm's target for a batch it does not mix: lam = 1, smoothed
         torch.testing.assert_close(soft, mixup_target(y, K, lam=1.0, smoothing=eps))
+
+
+# ----------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+def test_this_rounds_paths_run_on_cuda_without_a_host_sync_and_as_on_the_cpu():
+    """The smoothed targets of a OneOf's unmixed batches, a class count given to MixUp, and a plain
+    callable under the seeded Python/numpy RNGs: on CUDA without a host sync (the label range check is
+    the CPU's only), and with the CPU's labels (all drawn on the host)."""
+    from conftest import sync_debug_error
+
+    def host_drawn_gain(x):
+        return x * (1.0 + random.random() + float(np.random.random()))
+
+    ts = [host_drawn_gain, OneOf([MixUp(0.8, label_smoothing=0.1, num_classes=K), lambda x: x])]
+    z = norm(pixels(32, h=16, w=16)).contiguous(memory_format=torch.channels_last)
+    y = labels_of(32)
+    cpu = BatchPipeline(ts, num_classes=0, device="cpu")
+    gpu = BatchPipeline(ts, num_classes=0, device="cuda")
+    zc, yc = z.cuda(), y.cuda()
+    torch.cuda.synchronize()
+    for seed in range(6):
+        with sync_debug_error():
+            out, labels = gpu(zc, yc, seed)
+        expected, expected_labels = cpu(z, y, seed)
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(labels.cpu(), expected_labels, atol=1e-6, rtol=0)
+        assert labels.shape == (32, K) and float(labels.min()) >= 0.1 / K - 1e-7
