@@ -270,3 +270,51 @@ def test_a_dataloader_or_an_iterable_dataset_is_refused_with_what_to_pass():
 
     with pytest.raises(TypeError, match=r"an IterableDataset has no __getitem__.*map-style Dataset"):
         make_loader(Stream(), "torch", **CPU)
+
+
+# ---------------------------------------------------------------- QMNIST: targets of 8 fields a sample
+def write_qmnist(root, n: int = 12) -> np.ndarray:
+    """QMNIST's training files under root/QMNIST/raw (images idx3 ubyte, labels idx2 int32 rows of 8:
+    digit, NIST class, writer, ...); returns the label rows."""
+    import struct
+
+    rng = np.random.default_rng(0)
+    raw = root / "QMNIST" / "raw"
+    raw.mkdir(parents=True)
+    images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+    rows = np.zeros((n, 8), np.int32)
+    rows[:, 0] = (np.arange(n) * 7) % 10          # the digit
+    rows[:, 2] = 300 + np.arange(n)               # the writer
+    rows[:, 5] = np.arange(n) * 1000              # the index in NIST
+    (raw / "qmnist-train-images-idx3-ubyte").write_bytes(struct.pack(">HBB", 0, 8, 3) + struct.pack(">III", n, 28, 28)
+                                                         + images.tobytes())
+    (raw / "qmnist-train-labels-idx2-int").write_bytes(struct.pack(">HBB", 0, 0x0C, 2) + struct.pack(">II", n, 8)
+                                                       + rows.astype(">i4").tobytes())
+    return rows
+
+
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_qmnist_is_read_by_every_backend_labelled_by_its_digit(tmp_path, backend):
+    """QMNIST crashed every backend with "can only convert an array of size 1 to a Python scalar": its
+    targets, rows of 8 fields, were checked as one label each. With compat=True (its default) its label
+    is the digit, and it is now the digits' arrays."""
+    rows = write_qmnist(tmp_path)
+    ds = torchvision.datasets.QMNIST(str(tmp_path), what="train", download=False)
+    loader = make_loader(ds, backend, batch_size=6, train=False, mean=(0.0,), std=(1.0,), **CPU)
+    assert loader.num_classes == 10 and loader.classes == ds.classes
+    got = list(loader)
+    assert torch.cat([y for _, y in got]).tolist() == rows[:, 0].tolist() == [ds[i][1] for i in range(len(ds))]
+    first = torch.from_numpy(np.array(ds[0][0]))
+    assert torch.equal((got[0][0][0, 0] * 255).round().byte(), first)
+
+
+def test_qmnist_without_compat_stays_a_dataset_whose_row_labels_are_refused_by_name(tmp_path):
+    write_qmnist(tmp_path)
+    ds = torchvision.datasets.QMNIST(str(tmp_path), what="train", download=False, compat=False)
+    loader = make_loader(ds, "torch", batch_size=6, train=False, **CPU)     # made: its targets are not read
+    with pytest.raises(ValueError, match=r"QMNIST\[0\] returned label tensor\(\[ *0, +0, 300,"):
+        next(iter(loader))
+    from fastdata.datasets import check_labels
+
+    with pytest.raises(ValueError, match=r"rows must hold one integer per sample, got shape \(3, 2\)"):
+        check_labels(np.zeros((3, 2), np.int64), "rows")

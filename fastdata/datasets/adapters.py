@@ -33,7 +33,8 @@ def from_torchvision(obj) -> Source | None:
       ``ImageFolder.from_samples`` over ``.samples`` with its ``.classes``.
     - ``CIFAR10``/``CIFAR100`` → ``ArraySource`` over ``.data`` (N, 32, 32, 3) and ``.targets``.
     - ``MNIST``/``FashionMNIST``/``KMNIST``/``EMNIST`` → ``ArraySource`` over ``.data`` (N, 28, 28)
-      and ``.targets`` (digit recipe for MNIST itself only: the others are not digits).
+      and ``.targets`` (digit recipe for MNIST itself only: the others are not digits); ``QMNIST`` with
+      ``compat=True`` (its default) → the same, labelled by the first field of its targets, the digit.
 
     Class names are kept, statistics are measured (arrays) or ImageNet's (files). A dataset with its own
     ``transform``, ``target_transform`` or ``transforms`` is not converted: the transform would be
@@ -52,8 +53,11 @@ def from_torchvision(obj) -> Source | None:
         root = getattr(obj, "root", None)
         return ImageFolder.from_samples(obj.samples, classes, root=root,
                                         name=f"{label.lower()}:{Path(root).name if root else ''}")
-    digits = kind == "MNIST"  # the nearest known class: FashionMNIST, KMNIST, EMNIST are not digits
-    return ArraySource(obj.data, np.asarray(obj.targets), classes=classes or None, name=label.lower(), digits=digits)
+    digits = kind in ("MNIST", "QMNIST")  # the nearest known class: FashionMNIST, KMNIST, EMNIST are not digits
+    targets = np.asarray(obj.targets)
+    if kind == "QMNIST":   # rows of 8 fields (digit, NIST class, writer, ...): the digit, as compat returns
+        targets = targets[:, 0]
+    return ArraySource(obj.data, targets, classes=classes or None, name=label.lower(), digits=digits)
 
 
 def _refusal_hint(obj) -> str | None:

@@ -306,6 +306,8 @@ def check_labels(labels, what: str = "labels", num_classes: int | None = None) -
         num_classes: when given, labels must lie in ``[0, num_classes)``.
     """
     labels = np.asarray(labels)
+    if labels.ndim != 1:   # an error below would name labels[i], a row, and fail formatting it
+        raise ValueError(f"{what} must hold one integer per sample, got shape {labels.shape}")
     if labels.dtype == np.bool_ or not (np.issubdtype(labels.dtype, np.integer)
                                          or np.issubdtype(labels.dtype, np.floating)):
         raise TypeError(f"{what} must be integers >= 0, got dtype {labels.dtype}")

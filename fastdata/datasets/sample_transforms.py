@@ -231,13 +231,17 @@ def own_transforms(obj) -> list[str]:
 def readable_kind(obj) -> str | None:
     """The torchvision class by which ``as_source`` reads ``obj`` as files or arrays (so every backend
     reads it) once it carries no transform of its own, or None: ImageFolder/DatasetFolder with PIL's
-    loader, CIFAR and the MNIST family with ``data`` and ``targets`` (not QMNIST, whose targets are rows
-    of 8 fields, not class indices), none with a ``__getitem__`` of its own (only calling it gives what
-    the user means)."""
+    loader, CIFAR and the MNIST family with ``data`` and ``targets`` (QMNIST only with ``compat=True``:
+    its targets are rows of 8 fields, whose first is the digit its ``__getitem__`` then returns), none
+    with a ``__getitem__`` of its own (only calling it gives what the user means)."""
     names = torchvision_names(obj)
     kind = next((n for n in names if n in TV_FOLDERS + TV_CIFAR + TV_MNIST), None)
-    if kind is None or "QMNIST" in names or own_getitem(obj):
+    if kind is None or own_getitem(obj):
         return None
+    if "QMNIST" in names:   # with compat (its default) __getitem__'s label is the first field, the digit
+        kind = "QMNIST" if getattr(obj, "compat", False) else None
+        if kind is None:
+            return None
     if kind in TV_FOLDERS:
         loader = getattr(obj, "loader", None)
         pil = (getattr(loader, "__module__", "") == "torchvision.datasets.folder"

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..config import SourceKind
-from .base import IMAGENET_MEAN, IMAGENET_STD, Source, check_labels, count_classes, crc
+from .base import IMAGENET_MEAN, IMAGENET_STD, Source, check_labels, count_classes, crc, host_array
 from .sample_transforms import (
     EXPECTED_IMAGES,
     batch_backends_fix,
@@ -56,6 +56,17 @@ def _class_names(names) -> list | None:
         return None
     names = [n.item() if isinstance(n, np.generic) else n for n in names]
     return names or None
+
+
+def _label_column(targets, n: int) -> np.ndarray | None:
+    """A Dataset's ``targets`` as its labels, when it holds one per sample (a list, array or tensor of n
+    numbers); else None, and the labels are those ``__getitem__`` returns. Rows per sample (QMNIST's 8
+    fields, a multi-label matrix) are not class labels: read as such, QMNIST crashed on "can only convert
+    an array of size 1 to a Python scalar"."""
+    if targets is None or not hasattr(targets, "__len__") or len(targets) != n:
+        return None
+    column = host_array(targets)
+    return column if column.ndim == 1 else None
 
 
 def _what(value) -> str:
@@ -134,8 +145,8 @@ class DatasetSource(Source):
             num_classes = own
         num_classes = count_classes(names if num_classes is None else None, num_classes)
         self._classes_known = num_classes is not None  # as_label then checks labels against it
-        targets = getattr(dataset, "targets", None)
-        known = targets is not None and len(targets) == n
+        targets = _label_column(getattr(dataset, "targets", None), n)
+        known = targets is not None
         self.labels = check_labels(targets, f"{self.name}.targets", num_classes) if known \
             else np.full(n, -1, dtype=np.int64)  # unknown until loaded
         self.num_classes = num_classes or (int(self.labels.max()) + 1 if known else 0)
