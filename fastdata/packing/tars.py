@@ -44,7 +44,7 @@ from ..config import SourceKind
 from ..datasets.base import IMAGENET_MEAN, IMAGENET_STD, Source
 from ..datasets.folders import IMAGE_EXTENSIONS, ImageFolder
 from ..errors import DecodeError
-from ..shards.index import TAR_ENDINGS
+from ..shards.index import TAR_ENDINGS, tar_names
 
 #: The module that decompresses each compressed tar ending (the endings read: shards.index.TAR_ENDINGS).
 _COMPRESSED = {".tar.gz": "gzip", ".tgz": "gzip", ".tar.bz2": "bz2", ".tbz2": "bz2", ".tar.xz": "lzma",
@@ -69,10 +69,7 @@ def find_tars(location) -> list[str]:
     path = os.fspath(location)
     if os.path.isfile(path):
         return [path] if path.lower().endswith(TAR_ENDINGS) else []
-    if not os.path.isdir(path):
-        return []
-    return sorted(os.path.join(path, e.name) for e in os.scandir(path)
-                  if e.is_file() and e.name.lower().endswith(TAR_ENDINGS) and not e.name.startswith("."))
+    return [os.path.join(path, name) for name in tar_names(path)[0]]
 
 
 def _split(name: str, dot: str = "first") -> tuple[str, str]:

@@ -396,16 +396,23 @@ def _with_advice(error: StorageError, *, local: bool, folder: str | None = None)
 TAR_ENDINGS = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
 
-def foreign_tars(folder) -> list[str]:
-    """The names of the tar files (``TAR_ENDINGS``) that ``pack`` did not write in local ``folder``, sorted
-    (none if it cannot be listed; dot files aside). ``pack`` writes a record ``NAME.json`` beside each
-    of its tars: a folder of those is an interrupted pack, not another tool's tars."""
+def tar_names(folder) -> tuple[list[str], set[str]]:
+    """The names of the tar files (``TAR_ENDINGS``) directly in local ``folder``, sorted, and the names of
+    everything there (dot files aside in both; neither if the folder cannot be listed)."""
     try:
-        names = {e.name for e in os.scandir(folder) if not e.name.startswith(".")}
+        entries = [e for e in os.scandir(folder) if not e.name.startswith(".")]
     except OSError:
-        return []
-    return sorted(n for n in names if n.lower().endswith(TAR_ENDINGS)
-                  and f"{n.rpartition('.tar')[0]}.json" not in names)
+        return [], set()
+    tars = sorted(e.name for e in entries if e.name.lower().endswith(TAR_ENDINGS) and e.is_file())
+    return tars, {e.name for e in entries}
+
+
+def foreign_tars(folder) -> list[str]:
+    """The names of the tar files in local ``folder`` that ``pack`` did not write, sorted (``tar_names``).
+    ``pack`` writes a record ``NAME.json`` beside each of its tars: a folder of those is an interrupted
+    pack, not another tool's tars."""
+    tars, names = tar_names(folder)
+    return [n for n in tars if f"{n.rpartition('.tar')[0]}.json" not in names]
 
 
 def index_document(*, shards: list[dict], classes, samples: dict, key_width: int, fingerprint: str,
