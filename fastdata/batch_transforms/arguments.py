@@ -85,6 +85,33 @@ def with_stats(t, context: BatchContext):
 
 
 
+def nested(transforms):
+    """Every BatchTransform in ``transforms``, depth first, a OneOf's branches after the OneOf (plain
+    callables are not BatchTransforms and hold no class count or smoothing)."""
+    for t in transforms:
+        if isinstance(t, BatchTransform):
+            yield t
+            children = getattr(t, "transforms", None)   # a OneOf's branches
+            if isinstance(children, tuple):
+                yield from nested(children)
+
+
+def given_classes(transforms) -> int:
+    """The class count the transforms were given themselves (``MixUp(num_classes=N)``, also inside a
+    OneOf), for a source that does not know its own; 0 if none was. Counts that differ are refused:
+    soft labels have one width."""
+    found: dict[int, str] = {}
+    for t in nested(transforms):
+        n = getattr(t, "num_classes", None)
+        if isinstance(n, int) and n > 0:
+            found.setdefault(n, describe(t, 60))
+    if len(found) > 1:
+        raise ValueError(f"batch_transforms give different num_classes: "
+                         f"{'; '.join(f'{n} ({where})' for n, where in sorted(found.items()))}; soft labels "
+                         f"have one width, the source's class count: give them all the same num_classes")
+    return next(iter(found), 0)
+
+
 def agreed_smoothing(owner: str, transforms) -> float:
     """The ``label_smoothing`` that the soft-label transforms among ``transforms`` (a OneOf's branches
     included) share; 0.0 if there is none. Values that differ are a ValueError naming each.
@@ -94,18 +121,11 @@ def agreed_smoothing(owner: str, transforms) -> float:
     later transform's value would be ignored (the labels are soft already), so a different one is refused.
     """
     found: dict[float, str] = {}
-
-    def walk(ts):
-        for t in ts:
-            if not isinstance(t, BatchTransform):
-                continue
-            children = getattr(t, "transforms", None)   # a OneOf: its branches speak for it
-            if isinstance(children, tuple):
-                walk(children)
-            elif t.soft_labels and isinstance(getattr(t, "label_smoothing", None), float):
-                found.setdefault(t.label_smoothing, describe(t, 60))
-
-    walk(transforms)
+    for t in nested(transforms):
+        # a OneOf's own (a property) is its branches', which speak for it
+        if not isinstance(getattr(t, "transforms", None), tuple) and t.soft_labels \
+                and isinstance(getattr(t, "label_smoothing", None), float):
+            found.setdefault(t.label_smoothing, describe(t, 60))
     if len(found) > 1:
         raise ValueError(f"{owner}: its mixing transforms give different label_smoothing: "
                          f"{'; '.join(f'{v} ({where})' for v, where in sorted(found.items()))}. Every batch's "

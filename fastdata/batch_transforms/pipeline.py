@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_integer
-from .arguments import agreed_smoothing, mean_std
-from .base import BatchContext, BatchTransform, ImageCallable, as_transform, step_generator
+from .arguments import agreed_smoothing, given_classes, mean_std
+from .base import BatchContext, ImageCallable, as_transform, step_generator
 from .ops import soft_targets
 from .validation import PER_SAMPLE, check_batch_transforms, describe
 
@@ -30,7 +30,7 @@ class BatchPipeline:
 
     def __init__(self, transforms, *, num_classes: int, device, mean=None, std=None):
         self.transforms = check_batch_transforms(transforms)
-        num_classes = check_integer("num_classes", num_classes, minimum=0) or _given_classes(self.transforms)
+        num_classes = check_integer("num_classes", num_classes, minimum=0) or given_classes(self.transforms)
         mean, std = mean_std("BatchPipeline", mean, std)
         self.context = BatchContext(int(num_classes), torch.device(device), mean, std)
         self.steps = tuple(as_transform(t).bind(self.context) for t in self.transforms)
@@ -104,30 +104,6 @@ class BatchPipeline:
             raise ValueError(f"{where} returned labels {labels.dtype} of shape {tuple(labels.shape)}; expected "
                              f"int64 ({n},) or soft float ({n}, {self.context.num_classes})")
         return images, labels
-
-
-def _given_classes(transforms) -> int:
-    """The class count the transforms were given themselves (``MixUp(num_classes=N)``, also inside a
-    OneOf), for a source that does not know its own; 0 if none was. Counts that differ are refused:
-    soft labels have one width."""
-    found: dict[int, str] = {}
-
-    def walk(ts):
-        for t in ts:
-            if not isinstance(t, BatchTransform):
-                continue
-            n = getattr(t, "num_classes", None)
-            if isinstance(n, int) and n > 0:
-                found.setdefault(n, describe(t, 60))
-            children = getattr(t, "transforms", ())   # a OneOf's branches
-            walk(children if isinstance(children, tuple) else ())
-
-    walk(transforms)
-    if len(found) > 1:
-        raise ValueError(f"batch_transforms give different num_classes: "
-                         f"{'; '.join(f'{n} ({where})' for n, where in sorted(found.items()))}; soft labels "
-                         f"have one width, the source's class count: give them all the same num_classes")
-    return next(iter(found), 0)
 
 
 def _layout(images: torch.Tensor):
