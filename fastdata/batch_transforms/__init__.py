@@ -26,7 +26,10 @@ the host needs never come back from the GPU, so no transform here synchronizes t
 
 Images stay in their dtype (float32/bfloat16/float16) and memory format (contiguous or channels_last).
 MixUp and CutMix turn the labels into soft float32 targets (N, num_classes); once one transform in a
-pipeline does, every batch of that pipeline has soft labels, so the training loop sees one kind.
+pipeline does, every batch of that pipeline has soft labels, so the training loop sees one kind, with
+one label smoothing (the mixing transforms' shared ``label_smoothing``, also on a OneOf's unmixed
+batches). ``num_classes`` is the source's, or the one the mixing transforms were given where the source
+does not know its own.
 """
 from __future__ import annotations
 
