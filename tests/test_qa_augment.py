@@ -288,3 +288,9 @@ def test_this_rounds_paths_run_on_cuda_without_a_host_sync_and_as_on_the_cpu():
         torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(labels.cpu(), expected_labels, atol=1e-6, rtol=0)
         assert labels.shape == (32, K) and float(labels.min()) >= 0.1 / K - 1e-7
+
+
+def test_label_smoothings_equal_to_float32_rounding_agree():
+    # a value read from a config as float32 (np.float32(0.1) is 0.10000000149) is the same smoothing
+    p = pipe([OneOf([MixUp(label_smoothing=0.1), CutMix(label_smoothing=np.float32(0.1))])])
+    assert p.label_smoothing == pytest.approx(0.1)

@@ -125,7 +125,9 @@ def agreed_smoothing(owner: str, transforms) -> float:
         # a OneOf's own (a property) is its branches', which speak for it
         if not isinstance(getattr(t, "transforms", None), tuple) and t.soft_labels \
                 and isinstance(getattr(t, "label_smoothing", None), float):
-            found.setdefault(t.label_smoothing, describe(t, 60))
+            # equal to float32 rounding is the same value (a config read as float32)
+            same = next((v for v in found if math.isclose(v, t.label_smoothing, rel_tol=1e-6, abs_tol=1e-9)), None)
+            found.setdefault(t.label_smoothing if same is None else same, describe(t, 60))
     if len(found) > 1:
         raise ValueError(f"{owner}: its mixing transforms give different label_smoothing: "
                          f"{'; '.join(f'{v} ({where})' for v, where in sorted(found.items()))}. Every batch's "
