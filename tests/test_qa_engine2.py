@@ -1,9 +1,12 @@
 """Second QA pass of the bundled training engine as a user runs it (fastdata/engine/*, fastdata/runlog.py):
-a model the user compiled, a loss that goes NaN, the run log after a resume."""
+a model the user compiled, a loss that goes NaN."""
 
+import math
+
+import pytest
 import torch
 
-from engine_helpers import ListLoader, _batches, _params
+from engine_helpers import ListLoader, _batches, _params, _plain_net
 from fastdata import checkpoint as ckpt
 from fastdata.engine import fit
 from fastdata.models import SmallCNN
@@ -44,3 +47,81 @@ def test_a_model_the_user_compiled_checkpoints_plain_weights_and_resumes_both_wa
     history = fit(again, ListLoader(batches), epochs=2, checkpoint=tmp_path / "c.pt", resume=True, progress=False)
     assert len(history) == 2
     assert torch.equal(_params(again._orig_mod), _params(plain))
+
+
+class GoesNan:
+    """Cross-entropy, NaN from call ``at`` on (``once``: at that call alone), as a diverging run's loss."""
+
+    def __init__(self, at, once=False):
+        self.at, self.once, self.calls = at, once, 0
+
+    def __call__(self, logits, labels):
+        self.calls += 1
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        bad = self.calls == self.at if self.once else self.calls >= self.at
+        return loss * float("nan") if bad else loss
+
+
+def _diverging_run(path, loss_fn, **options):
+    torch.manual_seed(0)
+    model = _plain_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return model, fit(model, ListLoader(_batches(4, size=8)), epochs=3, optimizer=opt, loss_fn=loss_fn,
+                      checkpoint=path, checkpoint_every=2, progress=False, **options)
+
+
+@pytest.mark.parametrize("at, batch, saved", [(7, 3, {"epoch": 1, "batch": 2}), (5, 1, {"epoch": 1, "batch": 0})])
+def test_a_loss_that_goes_nan_stops_the_run_naming_the_batch_and_keeps_the_last_good_checkpoint(tmp_path, at,
+                                                                                                  batch, saved):
+    """A loss that went NaN said nothing but "loss nan" in the epoch's line; the run trained on, on NaN
+    weights, and its next save (at the epoch's end, or a checkpoint_every one) wrote them over the last
+    good checkpoint: the work before the divergence was lost. Now the first save after it raises
+    FloatingPointError naming the epoch and batch where the loss went non-finite, and writes nothing."""
+    path = tmp_path / "c.pt"
+    with pytest.raises(FloatingPointError, match=rf"the training loss went non-finite at epoch 2, batch {batch}/4.*"
+                                                 rf"weights are not finite .*0\.weight.*'{path}' keeps"):
+        _diverging_run(path, GoesNan(at))
+    state = ckpt.load(path)
+    assert state["loader"] == saved
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_a_loss_nan_for_one_batch_that_fp16_skipped_warns_naming_it_and_trains_on(tmp_path):
+    """Under fp16 the scaler skips the step of a NaN loss: the weights stay finite, so the run goes on,
+    and the epoch's NaN loss is explained by a warning naming its batch."""
+    with pytest.warns(RuntimeWarning, match=r"the training loss went non-finite at epoch 1, batch 2/4.*the "
+                                            r"weights are finite"):
+        model, history = _diverging_run(tmp_path / "c.pt", GoesNan(2, once=True), amp="fp16")
+    assert math.isnan(history[0]["train_loss"]) and math.isfinite(history[1]["train_loss"])
+    assert torch.isfinite(_params(model)).all()
+
+
+class PoisonAt(torch.optim.SGD):
+    """SGD whose step number ``at`` writes a NaN into the weights (an overflow in an update), the loss of
+    the batches before it finite."""
+
+    def __init__(self, params, at):
+        super().__init__(params, lr=0.01)
+        self.at, self.steps = at, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step(closure)
+        self.steps += 1
+        if self.steps == self.at:
+            self.param_groups[0]["params"][0].fill_(math.nan)
+
+
+def test_nan_weights_are_never_saved_over_the_last_checkpoint_even_with_a_finite_loss(tmp_path):
+    """The epoch's last step wrote a NaN into the weights: its loss was finite (computed before the step),
+    so nothing in the figures said so, and the end-of-epoch save replaced the last good checkpoint."""
+    torch.manual_seed(0)
+    model = _plain_net()
+    path = tmp_path / "c.pt"
+    with pytest.raises(FloatingPointError, match=rf"not saving '{path}': the model's weights are not finite "
+                                                 rf"\(0\.weight\); it keeps the last save before them"):
+        fit(model, ListLoader(_batches(2, size=8)), epochs=1, optimizer=PoisonAt(model.parameters(), at=2),
+            checkpoint=path, checkpoint_every=1, progress=False)
+    state = ckpt.load(path)
+    assert state["loader"] == {"epoch": 0, "batch": 1}
+    assert all(torch.isfinite(v).all() for v in state["model"].values())

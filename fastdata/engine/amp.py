@@ -36,7 +36,7 @@ def choose_amp(amp: str, device_type: str, bf16_supported: bool = False) -> str:
 _WARNED_FP16_ON_CPU = False
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, from the function calling this one, that names the first frame
     outside fastdata and torch (``torch.no_grad``'s decorator adds a frame of its own): the user's
     line, whichever of fit, evaluate or a direct call got there."""
@@ -51,7 +51,7 @@ def _user_stacklevel() -> int:
 
 def resolve_amp(amp: str, device: torch.device, *, warn: bool = True) -> str:
     """``choose_amp`` with this machine's capabilities filled in. ``warn``: say once per process that
-    fp16 on the CPU is slow, at the user's line (``_user_stacklevel``); ``report.run_result`` only records
+    fp16 on the CPU is slow, at the user's line (``user_stacklevel``); ``report.run_result`` only records
     the mode."""
     device = torch.device(device)
     bf16 = False
@@ -68,7 +68,7 @@ def resolve_amp(amp: str, device: torch.device, *, warn: bool = True) -> str:
         _WARNED_FP16_ON_CPU = True
         warnings.warn("amp='fp16' on the CPU: torch's CPU kernels have few fp16 paths, and a SmallCNN step "
                       "measured about 50x slower than fp32 here (bf16 2x slower); use amp='off' (or 'bf16' on "
-                      "a CPU with AMX)", RuntimeWarning, stacklevel=_user_stacklevel())
+                      "a CPU with AMX)", RuntimeWarning, stacklevel=user_stacklevel())
     return mode
 
 
@@ -99,7 +99,7 @@ def resolve_compile(compile, device) -> str | None:
         return None
     if compile == "reduce-overhead" and torch.device(device).type != "cuda":
         warnings.warn(f"compile='reduce-overhead' (CUDA graphs) needs a CUDA device; on {torch.device(device)} "
-                      f"fit compiles with compile=True instead", RuntimeWarning, stacklevel=_user_stacklevel())
+                      f"fit compiles with compile=True instead", RuntimeWarning, stacklevel=user_stacklevel())
         return "default"
     return "default" if compile is True else "reduce-overhead"
 

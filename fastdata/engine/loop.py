@@ -13,7 +13,7 @@ from .hooks import RunHooks
 from .meter import EpochMeter, Progress, format_record, warmup_steps
 from .options import FitConfig, check_loss
 from .schedule import check_schedule_length
-from .state import PeriodicSave, TrainingState
+from .state import PeriodicSave, TrainingState, check_diverged
 from .step import (
     TrainStep,
     batch_pair,
@@ -180,7 +180,7 @@ class _Run:
                            warmup_steps(self.timing_warmup, len(loader) - first, step.accumulate))
         self.timing_warmup = 0   # the process is warm: later epochs are measured whole
         step.last_step_lrs = None   # an epoch with no step (all of it resumed past) reports the rate now
-        saver = PeriodicSave(state, self.config.checkpoint, self.config.checkpoint_every, epoch, meter)
+        saver = PeriodicSave(state, self.config.checkpoint, self.config.checkpoint_every, epoch, meter, first)
         self.hooks.begin_epoch(epoch, len(loader), meter.wait)
         train_one_epoch(step, loader, meter, first_batch=first, after_batch=saver, progress=bar, hooks=self.hooks)
         # The position, taken before evaluation: eval_loader may be this very loader, and iterating
@@ -195,6 +195,8 @@ class _Run:
             print(format_record(record, self.config.epochs), flush=True)
         # With its eval figures, before the save: a crash in between re-runs the epoch, whose row RunLog replaces.
         self.hooks.epoch(record)
+        if record["images"] and not math.isfinite(record["train_loss"]):   # with its figures printed and logged
+            check_diverged(step, meter, epoch, first, len(loader), self.config.checkpoint)
         if self.config.checkpoint is not None and position is not None:   # position: taken when checkpointing
             state.save(self.config.checkpoint, position, every_rank=True)
 
@@ -284,6 +286,7 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
                     stepped = True
                 meter.timer.end()
             meter.images += n
+            meter.count_finite()
             if stepped:   # after the images: the warm-up's last step counts in the warm-up
                 meter.stepped()
             if hooks is not None:

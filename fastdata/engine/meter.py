@@ -102,6 +102,9 @@ class EpochMeter:
         self.trace: list | None = None
         self.timer = StepTimer(device)
         self.norms = torch.zeros(2, dtype=torch.float64, device=device)  # sum, count of finite grad norms
+        # Batches after which the loss sum was still finite: once a NaN or inf is in, it stays, so this is
+        # where the loss first went non-finite (``nonfinite_batch``), counted without a host read.
+        self.finite_batches = torch.zeros((), dtype=torch.int64, device=device)
         self.warmup_steps, self.steps = warmup_steps, 0
         self.steady: tuple | None = None   # (host time, images, wait, steps) when the warm-up ended
         if device.type == "cuda":
@@ -136,6 +139,18 @@ class EpochMeter:
         mark, images, wait = self.steady[:3] if self.steady is not None else (self.t0, 0, 0.0)
         elapsed = now - mark
         return ((self.images - images) / elapsed, (self.wait - wait) / elapsed) if elapsed > 0 else (0.0, 0.0)
+
+    def count_finite(self) -> None:
+        """A batch is done: count it while the loss sum is finite (on the device: no sync)."""
+        self.finite_batches += torch.isfinite(self.sums[0])
+
+    def nonfinite_batch(self) -> int | None:
+        """How many of this pass's batches came before the one whose loss first was NaN or inf (this
+        rank's), or None while its loss sum is finite. Reads the device: once, when the epoch's figures
+        already said the loss is not finite."""
+        if torch.isfinite(self.sums[0]).item():
+            return None
+        return int(self.finite_batches.item())
 
     def add_grad_norm(self, norm: torch.Tensor | None) -> None:
         """Add one optimizer step's gradient norm (None: not clipped) on the device. A step fp16's scaler

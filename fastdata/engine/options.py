@@ -88,6 +88,9 @@ class FitConfig:
             starts: not a folder, and its folder writable (created if missing). Numpy values in the
             optimizer's or scheduler's state are saved as Python numbers and tensors
             (``checkpoint.loadable``); a value no checkpoint can read back is refused, naming its key.
+            Weights that went NaN or inf are never saved: the run stops with a FloatingPointError naming
+            the epoch and batch where the loss first went non-finite (``state.check_diverged``; with
+            finite weights, as after fp16 skipped the step, a RuntimeWarning says so and training goes on).
         resume: continue from ``checkpoint`` when it exists (mid-epoch included: the remaining batches
             are exactly those an uninterrupted run sees); start fresh when it does not. Under torchrun
             rank 0 decides whether it exists and what it holds: a rank that cannot read the same file

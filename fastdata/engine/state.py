@@ -3,11 +3,15 @@
 and ``PeriodicSave`` saves every N batches on step boundaries."""
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING
 
+import torch
+
 from .. import checkpoint as ckpt
 from .. import distributed as fdist
+from .amp import user_stacklevel
 
 if TYPE_CHECKING:
     from .meter import EpochMeter
@@ -204,7 +208,14 @@ class TrainingState:
         """Save at ``position`` (rank 0 writes one file for the run). ``every_rank`` (what ``fit`` does):
         a collective under DDP, every rank calls it at the same batch and sends rank 0 its RNG states, so
         a resume gives each rank its own; without it only rank 0 needs to call it (a loop of your own
-        that saves ``if is_main()``), and the checkpoint holds rank 0's RNG states alone."""
+        that saves ``if is_main()``), and the checkpoint holds rank 0's RNG states alone.
+
+        Weights holding a NaN or an inf are refused (FloatingPointError), whatever the loss said: the
+        file keeps the last good save, which a resume can go on from; NaN weights can only train on NaN."""
+        bad = nonfinite_tensors(self.step.raw)
+        if bad:
+            raise FloatingPointError(f"not saving '{path}': the model's weights are not finite ({_some(bad)}); it "
+                                     f"keeps the last save before them")
         state = ckpt.rng_state()
         rng_ranks = fdist.gather_on_cpu(state) if every_rank else [state]
         if fdist.is_main():
@@ -257,10 +268,15 @@ class PeriodicSave:
 
     With ``accumulate`` > 1 a save falls only on an optimizer step's boundary (the first at or after
     each ``every`` batches): the gradients of a half-accumulated step live only in memory, and a
-    checkpoint without them would resume to other weights than the uninterrupted run's."""
+    checkpoint without them would resume to other weights than the uninterrupted run's.
 
-    def __init__(self, state: TrainingState, path, every: int | None, epoch: int, meter: EpochMeter):
+    A save after the loss went NaN or inf checks the weights first (``check_diverged``): non-finite ones
+    stop the run instead of replacing the last good checkpoint."""
+
+    def __init__(self, state: TrainingState, path, every: int | None, epoch: int, meter: EpochMeter,
+                 first_batch: int = 0):
         self.state, self.path, self.every, self.meter = state, path, every, meter
+        self.epoch, self.first_batch = epoch, first_batch   # where the meter's pass started
         self.length = len(state.loader)
         self.offset = epoch * self.length
         self.accumulate = state.step.accumulate
@@ -273,4 +289,48 @@ class PeriodicSave:
         if not self.due or batch % self.accumulate or batch >= self.length:
             return
         self.due = False
-        self.state.save(self.path, self.state.loader.state_dict(), self.meter.global_sums(), every_rank=True)
+        sums = self.meter.global_sums()
+        if not math.isfinite(sums[0]):   # before the save: NaN weights must not replace the last good ones
+            check_diverged(self.state.step, self.meter, self.epoch, self.first_batch, self.length, self.path,
+                           warn=False)
+        self.state.save(self.path, self.state.loader.state_dict(), sums, every_rank=True)
+
+
+def nonfinite_tensors(module) -> list[str]:
+    """The names of ``module``'s parameters and floating-point buffers holding a NaN or an inf."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    named = [(name, t) for name, t in named if t.is_floating_point()]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()   # one host read
+    return [name for (name, _), ok in zip(named, finite) if not ok]
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def check_diverged(step: TrainStep, meter: EpochMeter, epoch: int, first_batch: int, batches: int, path,
+                   *, warn: bool = True) -> None:
+    """The loss of ``epoch`` (0-based) went NaN or inf: where (``meter.nonfinite_batch``), and then
+    whether the weights did too. Non-finite weights raise FloatingPointError before anything saves
+    them, so ``path``, the checkpoint, keeps the last good weights; training on them would only spend
+    the rest of the run on NaN. Finite ones (fp16's scaler skipped the step; a loss that alone was NaN)
+    are a RuntimeWarning when ``warn``, and training goes on. Under DDP every rank decides alike: the
+    replicas' weights are equal."""
+    at = meter.nonfinite_batch()
+    where = (f"at epoch {epoch + 1}, batch {first_batch + at + 1}/{batches}" if at is not None
+             else f"in epoch {epoch + 1} (on another rank)")
+    bad = nonfinite_tensors(step.raw)
+    if not bad:
+        if warn:
+            warnings.warn(f"the training loss went non-finite {where}; the weights are finite (fp16's loss scaler "
+                          f"skipped that step, or the loss alone was NaN), so training goes on", RuntimeWarning,
+                          stacklevel=user_stacklevel())
+        return
+    kept = f"'{path}' keeps the last save before it" if path is not None else "no checkpoint was asked for"
+    raise FloatingPointError(f"the training loss went non-finite {where}, and the model's weights are not finite "
+                             f"({_some(bad)}): stopping before they are saved or trained on; "
+                             f"{kept}. Resume from there with a lower learning rate or clip_grad_norm, or look "
+                             f"for a bad batch at that point")
