@@ -23,8 +23,10 @@ unwritten step never waits for the GPU.
 
 Resume: opening an existing ``log_dir`` appends, never truncates. A resumed run that repeats an epoch or
 a step the log already holds (a crash after the log was written but before the checkpoint) replaces those
-rows: the first write after opening drops the rows at or past its epoch (or step). TensorBoard keeps what
-it was sent; a repeated point then shows twice there.
+rows: the first write after opening drops the rows at or past its epoch (or step). TensorBoard is told the
+same with ``purge_step`` (torch's ``SummaryWriter``: TensorBoard hides the points at or past it written
+before), which ``fit`` sets to the step it resumes from; a repeated epoch point (a crash after the epoch
+was logged, before its checkpoint) still shows twice there.
 
 Under DDP only rank 0 writes (``fastdata.distributed.is_main``); on other ranks every call is a no-op.
 
@@ -71,12 +73,16 @@ class RunLog:
         every_steps: ``step()`` writes a row when ``step % every_steps == 0`` (>= 1).
         tensorboard: write TensorBoard scalars: None (default) when the tensorboard package is installed,
             True to require it (ImportError with the install command otherwise), False for CSV only.
+        purge_step: the first step this run logs, when it resumes a run whose log is in ``log_dir``:
+            TensorBoard then hides the earlier run's points at or past it (on every tag, epoch tags too:
+            give a step past the epochs already logged), as the CSVs drop their repeated rows. None: none.
 
     Raises:
         ValueError: ``log_dir`` is a file, or ``every_steps`` is not a positive int.
     """
 
-    def __init__(self, log_dir, *, every_steps: int = 50, tensorboard: bool | None = None):
+    def __init__(self, log_dir, *, every_steps: int = 50, tensorboard: bool | None = None,
+                 purge_step: int | None = None):
         check_integer("RunLog: every_steps", every_steps, minimum=1)
         self.log_dir = Path(log_dir)
         if self.log_dir.exists() and not self.log_dir.is_dir():
@@ -91,7 +97,7 @@ class RunLog:
         self._writer = None
         if self.enabled:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = _summary_writer(self.log_dir, tensorboard)
+            self._writer = _summary_writer(self.log_dir, tensorboard, purge_step)
 
     @property
     def epochs_csv(self) -> Path:
@@ -179,7 +185,7 @@ class RunLog:
         self._headers[name] = header
 
 
-def _summary_writer(log_dir: Path, tensorboard: bool | None):
+def _summary_writer(log_dir: Path, tensorboard: bool | None, purge_step: int | None = None):
     if tensorboard is False:
         return None
     try:
@@ -190,7 +196,7 @@ def _summary_writer(log_dir: Path, tensorboard: bool | None):
             raise ImportError("RunLog(tensorboard=True) needs the tensorboard package: pip install tensorboard "
                               "(or pip install 'fastdata[integrations]')") from e
         return None
-    return SummaryWriter(log_dir=str(log_dir))
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
 def _number(value):

@@ -1,12 +1,12 @@
 """Second QA pass of the bundled training engine as a user runs it (fastdata/engine/*, fastdata/runlog.py):
-a model the user compiled, a loss that goes NaN."""
+a model the user compiled, a loss that goes NaN, the run log after a resume."""
 
 import math
 
 import pytest
 import torch
 
-from engine_helpers import ListLoader, _batches, _params, _plain_net
+from engine_helpers import Crash, ListLoader, Recording, _batches, _params, _plain_net
 from fastdata import checkpoint as ckpt
 from fastdata.engine import fit
 from fastdata.models import SmallCNN
@@ -94,6 +94,37 @@ def test_a_loss_nan_for_one_batch_that_fp16_skipped_warns_naming_it_and_trains_o
         model, history = _diverging_run(tmp_path / "c.pt", GoesNan(2, once=True), amp="fp16")
     assert math.isnan(history[0]["train_loss"]) and math.isfinite(history[1]["train_loss"])
     assert torch.isfinite(_params(model)).all()
+
+
+def _tensorboard_steps(log_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tmp_path):
+    """A crash two batches after the last checkpoint: the resumed run logs those batches again. steps.csv
+    replaced the repeated rows, but TensorBoard got them twice ([.., 6, 7, 6, 7, 8, ..]): the run's curve
+    doubled back on itself. fit now opens the writer with purge_step at the step it resumes from."""
+    pytest.importorskip("tensorboard")
+    log = tmp_path / "log"
+
+    def run(resume, crash=None):
+        loader = Recording(ListLoader(_batches(5, size=8)), crash)
+        return fit(_plain_net(), loader, epochs=3, checkpoint=tmp_path / "c.pt", checkpoint_every=3, resume=resume,
+                   log_dir=log, log_every=1, progress=False)
+
+    with pytest.raises(Crash):
+        run(False, crash=8)   # saved after batch 6; batches 6 and 7 were logged and are redone
+    run(True)
+    assert _tensorboard_steps(log, "step/loss") == list(range(15))
+    assert _tensorboard_steps(log, "train/loss") == [1, 2, 3]
+    # A fresh run into the same folder starts the curves over, as its CSVs do.
+    fit(_plain_net(), ListLoader(_batches(5, size=8)), epochs=1, log_dir=log, log_every=1, progress=False)
+    assert _tensorboard_steps(log, "step/loss") == list(range(5))
+    assert _tensorboard_steps(log, "train/loss") == [1]
 
 
 class PoisonAt(torch.optim.SGD):

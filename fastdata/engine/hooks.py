@@ -50,11 +50,17 @@ class RunHooks:
             when the run ends (rank 0); every rank writes its own trace.
         log_dir: folder for the run log, or None. Only rank 0 writes it (``RunLog`` decides).
         log_every: a step row every this many batches (the run's batch count, ``epoch * len + batch``).
+        start: ``(epoch, batch, batches)``: where the run starts (a resume's position) and ``len(loader)``.
+            TensorBoard hides the points an earlier run logged in ``log_dir`` at or past this run's first
+            step (``RunLog``'s ``purge_step``: all of them for a fresh run), as the CSVs drop those rows.
     """
 
-    def __init__(self, device, *, profile=None, log_dir=None, log_every: int = 50):
+    def __init__(self, device, *, profile=None, log_dir=None, log_every: int = 50, start=(0, 0, 1)):
         self.profiler = StepProfiler(profile, device=device, print_table=False) if profile is not None else None
-        self.log = RunLog(log_dir, every_steps=log_every) if log_dir is not None else None
+        epoch, batch, batches = start
+        # At least epoch + 1: the finished epochs' points (x = 1..epoch) stay when an epoch is one batch.
+        purge = max(epoch * batches + batch, epoch + 1) if epoch else batch
+        self.log = RunLog(log_dir, every_steps=log_every, purge_step=purge) if log_dir is not None else None
         self.region = self.profiler.region if self.profiler is not None else no_region
         self.offset = 0
         self.mark, self.wait = 0.0, 0.0

@@ -151,7 +151,8 @@ def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig
                           accumulate=config.accumulate)
     # After the restore: DDP broadcasts rank 0's (restored) weights.
     step.wrap(compile=config.compile, ddp=ddp, compiled=compiled)
-    with RunHooks(device, profile=config.profile, log_dir=config.log_dir, log_every=config.log_every) as hooks:
+    with RunHooks(device, profile=config.profile, log_dir=config.log_dir, log_every=config.log_every,
+                  start=(state.epoch, state.batch, len(train_loader))) as hooks:
         step.region = hooks.region
         run = _Run(step, state, hooks, config)
         for epoch in range(state.epoch, config.epochs):
