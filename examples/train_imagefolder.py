@@ -47,8 +47,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="loader workers (default: the usable cores)")
     p.add_argument("--seed", type=cli.seed, default=0, help="data order, augmentation and initial weights (default 0)")
     p.add_argument("--checkpoint", default=None, metavar="PATH", help="save here every epoch")
-    p.add_argument("--checkpoint-every", type=cli.positive_int, default=None, metavar="STEPS",
-                   help="also save every STEPS steps")
+    p.add_argument("--checkpoint-every", type=cli.positive_int, default=None, metavar="BATCHES",
+                   help="also save every BATCHES batches (under --accumulate, at the end of the optimizer step "
+                        "the save falls in)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     cli.add_step_args(p)   # --accumulate, --clip-grad-norm, --ema
     p.add_argument("--on-error", default="raise", choices=ON_ERROR,
