@@ -294,3 +294,13 @@ def test_label_smoothings_equal_to_float32_rounding_agree():
     # a value read from a config as float32 (np.float32(0.1) is 0.10000000149) is the same smoothing
     p = pipe([OneOf([MixUp(label_smoothing=0.1), CutMix(label_smoothing=np.float32(0.1))])])
     assert p.label_smoothing == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("make", [lambda: ColorJitter(0.4, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375)),
+                                  lambda: RandomGrayscale(mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375)),
+                                  lambda: pipe([ColorJitter(0.4)], mean=(123.675, 116.28, 103.53),
+                                               std=(58.395, 57.12, 57.375))])
+def test_statistics_in_0_255_units_are_refused_outside_a_loader_too(make):
+    # un-normalizing with them gives "pixels" in the hundreds, all clamped to 1: a white batch
+    with pytest.raises(ValueError, match=r"mean=\(123\.675.*above 1.*\[0, 1\] units"):
+        make()

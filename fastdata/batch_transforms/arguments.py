@@ -43,6 +43,10 @@ def mean_std(owner: str, mean, std) -> tuple:
     std = tuple(float(s) for s in (std if isinstance(std, (tuple, list)) else (std,)))
     if not all(math.isfinite(v) for v in mean + std) or any(s <= 0 for s in std):
         raise ValueError(f"{owner}: mean/std must be finite and std > 0, got mean={mean} std={std}")
+    if any(v > 1 for v in mean + std):
+        # un-normalizing with 0-255 statistics makes "pixels" in the hundreds, all clamped to 1
+        raise ValueError(f"{owner}: mean={mean} std={std} is above 1: mean/std are in [0, 1] units (pixel/255, "
+                         f"torchvision's convention, as the loader holds them); divide 0-255 statistics by 255")
     return mean, std
 
 
