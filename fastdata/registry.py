@@ -323,9 +323,9 @@ def _eval_recipe(train_loader, source, caller: dict):
     if getattr(source, "sample_transform", None) is not None:
         return None
     mine = source.default_augmentation(False)
-    if mine.crop is not Crop.CENTER or mine.size is None or mine.resize is None or mine.size == theirs.size:
+    if mine.crop is not Crop.CENTER or mine.resize is None or mine.crop_size == theirs.crop_size:
         return None
-    if theirs.crop is Crop.CENTER:
-        return Augmentation.imagenet_eval(size=theirs.size, resize=theirs.resize)
-    return Augmentation.imagenet_eval(size=theirs.size, resize=max(theirs.size, round(theirs.size * mine.resize
-                                                                                     / mine.size)))
+    size = theirs.crop_size
+    if theirs.crop is Crop.CENTER and theirs.resize is not None:
+        return Augmentation.imagenet_eval(size=size, resize=theirs.resize)
+    return Augmentation.imagenet_eval(size=size, resize=max(size, round(size * mine.resize / mine.crop_size)))

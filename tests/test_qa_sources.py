@@ -318,3 +318,64 @@ def test_qmnist_without_compat_stays_a_dataset_whose_row_labels_are_refused_by_n
 
     with pytest.raises(ValueError, match=r"rows must hold one integer per sample, got shape \(3, 2\)"):
         check_labels(np.zeros((3, 2), np.int64), "rows")
+
+
+# ---------------------------------------------------------------- a broken file inside a Dataset
+@pytest.fixture
+def folder_with_broken_files(tmp_path):
+    """Two classes of 2 PNGs, plus two files that are not images in class a (sorted after the good ones)."""
+    for c in ("a", "b"):
+        for i in range(2):
+            _photo(tmp_path / c / f"{i}.png", 40 * i + (0 if c == "a" else 100))
+    for i in range(2):
+        (tmp_path / "a" / f"bad{i}.png").write_bytes(b"not a png")
+    return tmp_path
+
+
+@pytest.mark.parametrize("backend", ["torch", "prefetch"])
+def test_on_error_skip_skips_a_broken_file_of_a_dataset_with_a_transform(folder_with_broken_files, backend):
+    """A torchvision ImageFolder with a transform stays a Dataset: its broken file raised Pillow's
+    UnidentifiedImageError from __getitem__, and on_error="skip" did not skip it (the same folder without
+    the transform skipped it). It is now the DecodeError naming the file, skipped and counted."""
+    ds = torchvision.datasets.ImageFolder(str(folder_with_broken_files), transform=v2.Compose([
+        v2.Resize((8, 8)), v2.PILToTensor()]))
+    kw = dict(batch_size=2, train=False, **CPU)
+    loader = make_loader(ds, backend, on_error="skip", **kw)
+    with pytest.warns(RuntimeWarning, match="skipped 2"):
+        got = list(loader)
+    assert [tuple(x.shape) for x, _ in got] == [(2, 3, 8, 8), (0, 3, 8, 8), (2, 3, 8, 8)] and loader.skipped == 2
+    assert [y.tolist() for _, y in got] == [[0, 0], [], [1, 1]]
+    from fastdata import DecodeError
+
+    with pytest.raises(DecodeError, match=r"bad0.png.*UnidentifiedImageError") as caught:
+        list(make_loader(ds, backend, **kw))
+    assert caught.value.path == str(folder_with_broken_files / "a" / "bad0.png")
+
+
+class _Unreadable(_Pairs):
+    """A user's Dataset reading files in a batch (``__getitems__``): sample 5's file is gone."""
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise FileNotFoundError(2, "No such file or directory", f"/data/{i}.png")
+        if i == 6:
+            raise KeyError("a bug of the user's, not a broken file")
+        return super().__getitem__(i)
+
+    def __getitems__(self, indices):
+        return [self[i] for i in indices]
+
+
+def test_a_batched_fetch_that_fails_on_one_file_skips_only_that_one_and_a_bug_still_raises():
+    loader = make_loader(torch.utils.data.Subset(_Unreadable(), [4, 5, 7]), "torch", batch_size=3, train=False,
+                         on_error="skip", mean=(0.0,) * 3, std=(1.0,) * 3, **CPU)
+    with pytest.warns(RuntimeWarning, match="skipped 1"):
+        (x, y), = list(loader)
+    assert (x[:, 0, 0, 0] * 255).round().tolist() == [4, 7] and y.tolist() == [0, 1]
+    from fastdata import DecodeError
+
+    with pytest.raises(DecodeError, match=r"'_Unreadable\[5\]': FileNotFoundError"):
+        list(make_loader(_Unreadable(), "torch", batch_size=8, train=False, **CPU))
+    with pytest.raises(KeyError, match="a bug of the user's"):      # not a file that cannot be read
+        list(make_loader(torch.utils.data.Subset(_Unreadable(), [6]), "torch", batch_size=1, train=False,
+                         on_error="skip", **CPU))

@@ -189,16 +189,19 @@ def _concat(obj) -> Source:
                           [f"part {i} ({p.name})" for i, p in enumerate(parts)])
     name = "+".join(p.name for p in parts)
     same_stats = all(p.mean == parts[0].mean and p.std == parts[0].std for p in parts)
-    if all(type(p) is ImageFolder and p.transform is None for p in parts) and same_stats:
-        roots = {os.fspath(p.root) for p in parts}
-        samples = [(path, int(label)) for p in parts for path, label in zip(p.paths, p.labels)]
+    # The exact classes (a subclass may read its files or arrays its own way) and no transform.
+    folders = [p for p in parts if isinstance(p, ImageFolder) and type(p) is ImageFolder and p.transform is None]
+    if len(folders) == len(parts) and same_stats:
+        roots = {os.fspath(p.root) for p in folders}
+        samples = [(path, int(label)) for p in folders for path, label in zip(p.paths, p.labels)]
         return ImageFolder.from_samples(samples, names or parts[0].classes, root=roots.pop() if len(roots) == 1
                                         else None, mean=parts[0].mean, std=parts[0].std, name=name)
-    if all(type(p) is ArraySource for p in parts) and len({(p.image_shape, p.digits) for p in parts}) == 1:
+    arrays = [p for p in parts if isinstance(p, ArraySource) and type(p) is ArraySource]
+    if len(arrays) == len(parts) and len({(p.image_shape, p.digits) for p in arrays}) == 1:
         stats = dict(mean=parts[0].mean, std=parts[0].std) if same_stats else {}
-        return ArraySource(np.concatenate([p.images for p in parts]), np.concatenate([p.labels for p in parts]),
-                           classes=names, num_classes=None if names else max(p.num_classes for p in parts),
-                           name=name, digits=parts[0].digits, **stats)
+        return ArraySource(np.concatenate([p.images for p in arrays]), np.concatenate([p.labels for p in arrays]),
+                           classes=names, num_classes=None if names else max(p.num_classes for p in arrays),
+                           name=name, digits=arrays[0].digits, **stats)
     src = DatasetSource(obj, num_classes=len(names) if names else None)
     if names:
         src.classes = names

@@ -1,7 +1,10 @@
 """DatasetSource: any map-style torch Dataset, read through its own __getitem__."""
 from __future__ import annotations
 
+import functools
+import os
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +19,9 @@ from .sample_transforms import (
     own_getitem,
     torchvision_names,
 )
+
+if TYPE_CHECKING:
+    from ..images.on_error import OnError
 
 
 @contextmanager
@@ -76,6 +82,14 @@ def _what(value) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {len(value)}-item {type(value).__name__}"
     return f"an object of type {type(value).__name__}"
+
+
+@functools.cache
+def _unreadable() -> tuple:
+    """The errors that say a Dataset's image could not be read (see ``DatasetSource.read_pair``)."""
+    from PIL import Image
+
+    return OSError, Image.DecompressionBombError
 
 
 class DatasetSource(Source):
@@ -191,24 +205,81 @@ class DatasetSource(Source):
     def fetch(self, ids) -> tuple[list, list[int]]:
         """(the dataset's samples for this source's ``ids``, their indices in ``dataset``), batched
         through ``__getitems__`` where the dataset offers it (one call, one lock, one seek pattern).
+        A sample that cannot be read is the ``DecodeError`` naming it (``read_pair``).
 
         Args:
             ids: indices of this source.
         """
-        ds_ids = [self.dataset_index(i) for i in ids]
+        pairs, kept = self.fetch_kept(ids)
+        return pairs, [self.dataset_index(i) for i in kept]
+
+    def fetch_kept(self, ids, on_error: "OnError | str" = "raise") -> tuple[list, list[int]]:
+        """(the (image, label) pairs of this source's ``ids`` that could be read, those ids): ``fetch``
+        with ``on_error``, which under "skip" leaves out a sample whose image cannot be read.
+
+        Args:
+            ids: indices of this source.
+            on_error: ``"raise"`` or ``"skip"`` (or its ``OnError``).
+        """
+        from ..images.on_error import OnError
+
+        on_error = OnError(on_error)
         ds = self.dataset
-        if not hasattr(ds, "__getitems__"):
-            return [self.pair(ds[i], i) for i in ds_ids], ds_ids
-        samples = ds.__getitems__(ds_ids)
-        # torch's contract for __getitems__: a list of the samples (its default collate takes them
-        # one by one). A batch collated already, a dict, or a short list was zipped with the ids: the
-        # first refused as "[i] returned a Tensor", the last silently dropped samples from the epoch.
+        if hasattr(ds, "__getitems__"):
+            ds_ids = [self.dataset_index(i) for i in ids]
+            try:
+                samples = ds.__getitems__(ds_ids)
+            except _unreadable():
+                samples = None   # one sample of the batch: read them one by one to tell which
+            if samples is not None:
+                return self._batched(samples, ds_ids), [int(i) for i in ids]
+        pairs, kept = [], []
+        for i in ids:
+            pair = on_error.attempt(self.read_pair, int(i))
+            if pair is not None:
+                pairs.append(pair)
+                kept.append(int(i))
+        return pairs, kept
+
+    def _batched(self, samples, ds_ids: list[int]) -> list:
+        """``__getitems__``'s result as pairs. torch's contract: a list of the samples (its default
+        collate takes them one by one). A batch collated already, a dict, or a short list was zipped
+        with the ids: the first refused as "[i] returned a Tensor", the last silently dropped samples."""
         call = f"{self.name}.__getitems__({len(ds_ids)} indices)"
         if not isinstance(samples, (list, tuple)) or len(samples) != len(ds_ids):
             raise TypeError(f"{call} returned {_what(samples)}; fastdata reads a list of {len(ds_ids)} (image, "
                             f"label) pairs from it, one per index, as torch's default collate does: return "
                             f"[self[i] for i in indices], or remove __getitems__")
-        return [self.pair(sample, i, f"{call}[{k}]") for k, (sample, i) in enumerate(zip(samples, ds_ids))], ds_ids
+        return [self.pair(sample, i, f"{call}[{k}]") for k, (sample, i) in enumerate(zip(samples, ds_ids))]
+
+    def read_pair(self, i: int) -> tuple | list:
+        """This source's sample ``i`` as an (image, label) pair, read through the dataset's
+        ``__getitem__``. An image that cannot be read there (Pillow cannot identify or finish the file,
+        the file is gone: an ``OSError``, or a decompression bomb) is the ``DecodeError`` naming the
+        sample (``sample_name``), as a broken file is on every backend, so ``on_error="skip"`` skips it
+        (a torchvision ImageFolder with a transform stays a Dataset, and its broken file ended the run).
+
+        Args:
+            i: an index of this source.
+        """
+        from ..errors import DecodeError
+
+        index = self.dataset_index(i)
+        try:
+            sample = self.dataset[index]
+        except _unreadable() as e:
+            raise DecodeError(self.sample_name(i), f"{type(e).__name__}: {e}") from e
+        return self.pair(sample, index)
+
+    def sample_name(self, i: int) -> str:
+        """What errors call sample ``i``: its file where the dataset lists files (a torchvision
+        DatasetFolder's ``samples``), else ``Name[index in the dataset]``."""
+        index = self.dataset_index(i)
+        files = getattr(self.dataset, "samples", None)
+        if isinstance(files, list) and len(files) == len(self.dataset) and isinstance(files[index], tuple) \
+                and isinstance(files[index][0], (str, os.PathLike)):
+            return os.fspath(files[index][0])
+        return f"{self.name}[{index}]"
 
     def pair(self, sample, index: int, where: str | None = None) -> tuple | list:
         """``sample`` as the (image, label) pair every fastdata source yields; anything else (a dict, as

@@ -77,7 +77,7 @@ def decode(source, ids: np.ndarray, aug, rng: np.random.Generator, on_error: str
         require_fixed_size(source, aug)   # photos of mixed sizes only stack after a size-fixing crop
         return _files(source, ids, aug, rng, on_error, _checked(source) if checked is None else checked)
     if source.kind is SourceKind.DATASET:
-        return _dataset(source, ids, aug, rng)
+        return _dataset(source, ids, aug, rng, on_error)
     raise TypeError(f"cannot decode a {type(source).__name__} (kind {source.kind!r}); sources are of kind "
                     f"{[k.value for k in SourceKind if k is not SourceKind.ABSTRACT]}")
 
@@ -177,18 +177,23 @@ def _files_transformed(source, ids, rng, on_error: OnError) -> Decoded:
     return Decoded(batch, source.labels[kept], kept)
 
 
-def _dataset(source, ids, aug, rng) -> Decoded:
+def _dataset(source, ids, aug, rng, on_error: OnError) -> Decoded:
+    # A sample whose image the dataset cannot read is a DecodeError naming it (read_pair): skipped
+    # under on_error="skip", as a broken file is (drawing nothing, so the others keep their draws).
     if source.sample_transform is not None:
         # The dataset's own transform runs inside its __getitem__: one seeded call per sample.
         seeds = rng.integers(0, 2 ** 63, size=len(ids))
-        ds_ids = [source.dataset_index(i) for i in ids]
-        samples = []
+        samples, kept = [], []
         with seeded_globals() as seed:
-            for s, i in zip(seeds, ds_ids):
+            for s, i in zip(seeds, ids):
                 seed(int(s))
-                samples.append(source.pair(source.dataset[i], i))
+                pair = on_error.attempt(source.read_pair, int(i))
+                if pair is not None:
+                    samples.append(pair)
+                    kept.append(int(i))
     else:
-        samples, ds_ids = source.fetch(ids)
+        samples, kept = source.fetch_kept(ids, on_error)
+    ds_ids = [source.dataset_index(i) for i in kept]
     images, labels = [], []
     for k, (image, label) in enumerate(samples):
         arr = source.as_array(image)  # every sample converted to source.channels the same way
@@ -206,7 +211,7 @@ def _dataset(source, ids, aug, rng) -> Decoded:
     batch = np.stack(images) if images else np.empty((0, 0, 0, source.channels), np.uint8)
     if aug.crop is Crop.TRANSLATE:
         batch = augment_batch(batch, aug, rng, owned=True)   # np.stack made it
-    return Decoded(np.ascontiguousarray(batch), np.asarray(labels, dtype=np.int64), ids)
+    return Decoded(np.ascontiguousarray(batch), np.asarray(labels, dtype=np.int64), np.asarray(kept, dtype=np.int64))
 
 
 class BatchDecoder(Dataset):
