@@ -379,3 +379,41 @@ def test_a_batched_fetch_that_fails_on_one_file_skips_only_that_one_and_a_bug_st
     with pytest.raises(KeyError, match="a bug of the user's"):      # not a file that cannot be read
         list(make_loader(torch.utils.data.Subset(_Unreadable(), [6]), "torch", batch_size=1, train=False,
                          on_error="skip", **CPU))
+
+
+def test_a_broken_first_file_does_not_refuse_a_dataset_that_skip_reads(folder_with_broken_files):
+    """The first sample is read to learn the channels: a broken first photo raised Pillow's error when
+    the loader was made, so on_error="skip" never got to skip it."""
+    (folder_with_broken_files / "a" / "0.png").write_bytes(b"broken first")
+    ds = torchvision.datasets.ImageFolder(str(folder_with_broken_files), transform=v2.Compose([
+        v2.Resize((8, 8)), v2.PILToTensor()]))
+    loader = make_loader(ds, "torch", batch_size=6, train=False, on_error="skip", **CPU)
+    with pytest.warns(RuntimeWarning, match="skipped 3"):
+        (x, y), = list(loader)
+    assert x.shape == (3, 3, 8, 8) and y.tolist() == [0, 1, 1]
+    from fastdata import DecodeError
+
+    class Gone(_Pairs):   # no sample can be read: the error is the first one's, naming it
+        def __getitem__(self, i):
+            raise FileNotFoundError(2, "No such file or directory", f"/data/{i}.png")
+
+    with pytest.raises(DecodeError, match=r"'Gone\[0\]': FileNotFoundError.*/data/0.png"):
+        make_loader(Gone(), "torch", batch_size=2, train=False, on_error="skip", **CPU)
+
+
+class _NamedTargets(_Pairs):
+    """targets hold class names; __getitem__ turns them into indices."""
+
+    classes = ["cat", "dog"]
+    targets = ["cat", "dog", "dog", "cat", "cat", "dog", "cat", "dog"]
+
+    def __getitem__(self, i):
+        return super().__getitem__(i)[0], self.classes.index(self.targets[i])
+
+
+def test_targets_that_are_names_are_left_to_getitem_not_refused():
+    """A Dataset keeping class names in .targets was refused ("targets must be integers") for an
+    attribute fastdata only peeks at; its labels are those __getitem__ returns."""
+    loader = make_loader(_NamedTargets(), "torch", batch_size=8, train=False, **CPU)
+    assert loader.classes == ["cat", "dog"]
+    assert next(iter(loader))[1].tolist() == [0, 1, 1, 0, 0, 1, 0, 1]

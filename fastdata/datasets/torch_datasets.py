@@ -66,13 +66,15 @@ def _class_names(names) -> list | None:
 
 def _label_column(targets, n: int) -> np.ndarray | None:
     """A Dataset's ``targets`` as its labels, when it holds one per sample (a list, array or tensor of n
-    numbers); else None, and the labels are those ``__getitem__`` returns. Rows per sample (QMNIST's 8
-    fields, a multi-label matrix) are not class labels: read as such, QMNIST crashed on "can only convert
-    an array of size 1 to a Python scalar"."""
+    numbers); else None, and the labels are those ``__getitem__`` returns (checked batch by batch). Rows
+    per sample (QMNIST's 8 fields, a multi-label matrix) are not class labels: read as such, QMNIST
+    crashed on "can only convert an array of size 1 to a Python scalar"."""
     if targets is None or not hasattr(targets, "__len__") or len(targets) != n:
         return None
     column = host_array(targets)
-    return column if column.ndim == 1 else None
+    # Names (strings) that __getitem__ turns into indices are not labels either: the dataset was refused
+    # for an attribute fastdata only peeks at ("targets must be integers"), whatever __getitem__ returned.
+    return column if column.ndim == 1 and column.dtype.kind in "iuf" else None
 
 
 def _what(value) -> str:
@@ -144,8 +146,8 @@ class DatasetSource(Source):
             check_sample_transform(self.sample_transform, self.name, batch_route(dataset))
         if channels is None:
             with _global_rngs_kept():   # building a loader must not move the caller's RNG (dropout, init)
-                first = self.pair(dataset[0], 0)[0]
-            self._refuse_float(first, 0)
+                first, at = self._first_image()
+            self._refuse_float(first, at)
             channels = self._default_channels(first)
         elif isinstance(channels, bool) or channels not in (1, 3):
             raise ValueError(f"channels must be 1, 3 or None (from the samples' kind), got {channels!r}")
@@ -171,6 +173,22 @@ class DatasetSource(Source):
         self.refusal_hint = ("memory and dali read arrays or files, not a Dataset's __getitem__: pass "
                              "ArraySource(images, labels) or an image folder (ImageFolder(root), or "
                              "ImageFolder.from_samples), or use the torch backend")
+
+    def _first_image(self, tries: int = 16) -> tuple:
+        """(the image of the first sample that can be read, its index): what decides the channels.
+        One broken file at the start (a torchvision folder's first photo) must not refuse a dataset
+        that ``on_error="skip"`` reads; when none of the first ``tries`` can be read, the first one's
+        ``DecodeError``."""
+        from ..errors import DecodeError
+
+        failed = None
+        for i in range(min(tries, len(self.dataset))):
+            try:
+                return self.read_pair(i)[0], i
+            except DecodeError as e:
+                failed = failed or e
+        assert failed is not None
+        raise failed
 
     @property
     def sample_transform(self):
