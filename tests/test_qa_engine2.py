@@ -156,3 +156,32 @@ def test_nan_weights_are_never_saved_over_the_last_checkpoint_even_with_a_finite
     state = ckpt.load(path)
     assert state["loader"] == {"epoch": 0, "batch": 1}
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def _sgd_run(path, *, scheduler: bool, epochs: int, resume=False):
+    torch.manual_seed(0)
+    model = _plain_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, epochs=3, steps_per_epoch=4) if scheduler else None
+    fit(model, ListLoader(_batches(4, size=8)), epochs=epochs, optimizer=opt, scheduler=sched, checkpoint=path,
+        resume=resume, progress=False)
+    return model
+
+
+def test_a_scheduler_on_one_side_of_a_resume_only_is_refused_naming_it(tmp_path):
+    """Resumed without the checkpoint's OneCycleLR, the run went on at the rate the schedule had reached
+    (0.0933, to the end) without a word; resumed with a scheduler the checkpoint lacks, it warned that "the
+    steps per epoch changed" and died at its first step with KeyError: 'initial_lr', after the model had
+    been overwritten. Both are now a ResumeError naming the scheduler, before anything is restored."""
+    with_it, without = tmp_path / "with.pt", tmp_path / "without.pt"
+    _sgd_run(with_it, scheduler=True, epochs=1)
+    _sgd_run(without, scheduler=False, epochs=1)
+    with pytest.raises(ckpt.ResumeError, match=rf"'{with_it}' was trained with a OneCycleLR scheduler and this "
+                                               rf"run has none"):
+        _sgd_run(with_it, scheduler=False, epochs=3, resume=True)
+    with pytest.raises(ckpt.ResumeError, match=rf"'{without}' was trained without a scheduler and this run has a "
+                                               rf"OneCycleLR"):
+        _sgd_run(without, scheduler=True, epochs=3, resume=True)
+    # Each resumes as it was saved.
+    _sgd_run(with_it, scheduler=True, epochs=2, resume=True)
+    _sgd_run(without, scheduler=False, epochs=2, resume=True)

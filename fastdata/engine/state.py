@@ -138,6 +138,7 @@ class TrainingState:
         if problems:
             raise ckpt.ResumeError(f"'{path}' holds the weights of another model than "
                                    f"{type(step.raw).__name__}: {problems}")
+        _check_same_schedule(state, step.scheduler, path)
         for part, now in (("optimizer", step.optimizer), ("scheduler", step.scheduler)):
             saved = state.get(f"{part}_class")
             if saved is not None and now is not None and saved != type(now).__name__:
@@ -237,6 +238,24 @@ class TrainingState:
     def carried(self, epoch: int) -> list[float] | None:
         """The sums ``epoch`` starts from: a resumed half-done epoch's, else None (zeros)."""
         return self.partial if self.mid_epoch(epoch) else None
+
+
+def _check_same_schedule(state: dict, scheduler, path) -> None:
+    """A scheduler on one side only is another run. A run resumed without the checkpoint's scheduler went on
+    at the rate its schedule had reached, without a word; one resumed with a scheduler the checkpoint lacks
+    restored the optimizer over the scheduler's ``initial_lr`` and failed at its first step with
+    ``KeyError: 'initial_lr'``, the model already overwritten."""
+    saved = state.get("scheduler") is not None
+    if saved == (scheduler is not None):
+        return
+    if saved:
+        name = state.get("scheduler_class") or "learning-rate"
+        raise ckpt.ResumeError(f"'{path}' was trained with a {name} scheduler and this run has none, so its "
+                               f"schedule would stop where it was: pass that scheduler (built as for the "
+                               f"saved run) with its optimizer, or start a new run (resume=False)")
+    raise ckpt.ResumeError(f"'{path}' was trained without a scheduler and this run has a "
+                           f"{type(scheduler).__name__}, which cannot start mid-run: resume without "
+                           f"scheduler=, or start a new run (resume=False) with it")
 
 
 def resumed_batch(position: dict, batches: int) -> int:
