@@ -304,3 +304,15 @@ def test_statistics_in_0_255_units_are_refused_outside_a_loader_too(make):
     # un-normalizing with them gives "pixels" in the hundreds, all clamped to 1: a white batch
     with pytest.raises(ValueError, match=r"mean=\(123\.675.*above 1.*\[0, 1\] units"):
         make()
+
+
+# ----------------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("t", [RandomGrayscale(1.0), ColorJitter(0.4, 0.4, 0.4), MixUp(), RandomHorizontalFlip()])
+@pytest.mark.parametrize("shape", [(0, 3, 7, 5), (4, 3, 1, 1)])
+def test_an_empty_or_one_pixel_channels_last_batch_keeps_its_strides(t, shape):
+    """The pipeline promises the memory format back. An empty (or 1x1) tensor counts as contiguous in
+    either format, so a channels_last one came back with NCHW strides from a transform that made a
+    new tensor (a rank's empty share of a last step, in a channels_last run)."""
+    z = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+    out, _ = pipe([t])(z, torch.arange(shape[0]) % K, 0)
+    assert out.stride() == z.stride()

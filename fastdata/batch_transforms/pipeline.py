@@ -107,9 +107,14 @@ class BatchPipeline:
 
 
 def _layout(images: torch.Tensor):
-    """The memory format to hand back: contiguous NCHW, channels_last, or None (neither: left alone)."""
+    """The memory format to hand back: contiguous NCHW, channels_last, or None (neither: left alone).
+
+    An empty tensor is contiguous in every format, so its strides decide: channels_last ones have the
+    channel stride 1 (a channels_last run's empty batch, a rank's share of a short last step, stays one).
+    """
+    if images.is_contiguous(memory_format=torch.channels_last) and (
+            not images.is_contiguous() or (images.numel() == 0 and images.stride(1) == 1 < images.shape[1])):
+        return torch.channels_last
     if images.is_contiguous():
         return torch.contiguous_format
-    if images.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
     return None
