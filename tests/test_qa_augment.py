@@ -316,3 +316,21 @@ def test_an_empty_or_one_pixel_channels_last_batch_keeps_its_strides(t, shape):
     z = torch.randn(shape).contiguous(memory_format=torch.channels_last)
     out, _ = pipe([t])(z, torch.arange(shape[0]) % K, 0)
     assert out.stride() == z.stride()
+
+
+# ----------------------------------------------------------------------------------- the recipe
+def test_a_resized_box_equals_torchvisions_resized_crop_inside_and_differs_only_at_its_edge():
+    """What docs/augmentation.md says of resizing crops against torchvision's (PIL bilinear)."""
+    from PIL import Image
+    from torchvision.transforms.v2 import functional as F
+
+    from fastdata import Augmentation
+    from fastdata.augment import resize_box
+
+    image = np.random.default_rng(0).integers(0, 256, (200, 300, 3), dtype=np.uint8)
+    top, left, h, w = 37, 51, 120, 90
+    ours = resize_box(image, Augmentation(crop="random_resized", size=48), (top, left, h, w), False).astype(int)
+    theirs = np.asarray(F.resized_crop(Image.fromarray(image), top, left, h, w, [48, 48],
+                                       interpolation=F.InterpolationMode.BILINEAR)).astype(int)
+    assert np.array_equal(ours[1:-1, 1:-1], theirs[1:-1, 1:-1])
+    assert not np.array_equal(ours, theirs)
