@@ -334,3 +334,11 @@ def test_a_resized_box_equals_torchvisions_resized_crop_inside_and_differs_only_
                                        interpolation=F.InterpolationMode.BILINEAR)).astype(int)
     assert np.array_equal(ours[1:-1, 1:-1], theirs[1:-1, 1:-1])
     assert not np.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("cls", [MixUp, CutMix])
+def test_alpha_0_says_how_to_turn_mixing_off(cls):
+    # timm's Mixup(mixup_alpha=0) means "no MixUp"; torchvision's refuses it (Beta(0, 0) is no distribution)
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: alpha must be a number > 0.*to turn .* off, leave "
+                                         rf"{cls.__name__} out"):
+        cls(alpha=0)

@@ -19,6 +19,11 @@ class _Mixing(BatchTransform):
     soft_labels = True
 
     def _check(self, owner):
+        if self.alpha == 0 and not isinstance(self.alpha, bool):
+            # timm's Mixup reads alpha 0 as "this kind of mixing off"; Beta(0, 0) is no distribution
+            raise ValueError(f"{owner}: alpha must be a number > 0, got {float(self.alpha)!r} (timm's alpha=0 "
+                             f"means this mixing is off): to turn {owner} off, leave {owner} out of "
+                             f"batch_transforms (or out of the OneOf)")
         set_field(self, "alpha", positive(owner, "alpha", self.alpha))
         if isinstance(self.label_smoothing, bool) or not isinstance(self.label_smoothing, numbers.Real) \
                 or not 0 <= self.label_smoothing < 1:
