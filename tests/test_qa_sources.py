@@ -417,3 +417,67 @@ def test_targets_that_are_names_are_left_to_getitem_not_refused():
     loader = make_loader(_NamedTargets(), "torch", batch_size=8, train=False, **CPU)
     assert loader.classes == ["cat", "dog"]
     assert next(iter(loader))[1].tolist() == [0, 1, 1, 0, 0, 1, 0, 1]
+
+
+# ---------------------------------------------------------------- SVHN, STL10, USPS: arrays too
+def _stl10(root, monkeypatch, n: int = 6):
+    """STL10's binary files (images stored column by column, labels 1..10) under root/stl10_binary."""
+    folder = root / "stl10_binary"
+    folder.mkdir()
+    images = np.random.default_rng(1).integers(0, 256, (n, 3, 96, 96), dtype=np.uint8)
+    (folder / "train_X.bin").write_bytes(images.tobytes())
+    (folder / "train_y.bin").write_bytes((np.arange(n) % 10 + 1).astype(np.uint8).tobytes())
+    (folder / "unlabeled_X.bin").write_bytes(images.tobytes())
+    (folder / "class_names.txt").write_text("\n".join(f"class{i}" for i in range(10)))
+    monkeypatch.setattr(torchvision.datasets.STL10, "_check_integrity", lambda self: True)   # no md5 of real files
+
+
+def _svhn(n: int = 6):
+    """An SVHN as torchvision's constructor leaves it (data (N, 3, 32, 32), labels 0..9), made without
+    its .mat file (scipy reads those)."""
+    ds = torchvision.datasets.SVHN.__new__(torchvision.datasets.SVHN)
+    torch.utils.data.Dataset.__init__(ds)
+    ds.root, ds.split, ds.transform, ds.target_transform, ds.transforms = "svhn", "train", None, None, None
+    ds.data = np.random.default_rng(2).integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+    ds.labels = (np.arange(n) * 3) % 10
+    return ds
+
+
+def _usps(root, n: int = 6):
+    """USPS's bz2 libsvm file: a label 1..10, then 256 values in [-1, 1] per line."""
+    import bz2
+
+    values = np.random.default_rng(3).uniform(-1, 1, (n, 256))
+    lines = [f"{i % 10 + 1} " + " ".join(f"{j + 1}:{v:.4f}" for j, v in enumerate(row)) for i, row in enumerate(values)]
+    (root / "usps.bz2").write_bytes(bz2.compress("\n".join(lines).encode()))   # read without a checksum
+
+
+@pytest.mark.parametrize("kind", ["stl10", "svhn", "usps"])
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_svhn_stl10_and_usps_are_read_by_every_backend_as_their_arrays(tmp_path, monkeypatch, kind, backend):
+    """They were Datasets memory and dali refused ("pass ArraySource(images, labels)"), though their
+    pixels and labels are arrays like CIFAR's. Every backend now gives the pixels their __getitem__ gives."""
+    if kind == "stl10":
+        _stl10(tmp_path, monkeypatch)
+        ds = torchvision.datasets.STL10(str(tmp_path), split="train", download=False)
+    elif kind == "svhn":
+        ds = _svhn()
+    else:
+        _usps(tmp_path)
+        ds = torchvision.datasets.USPS(str(tmp_path), train=True, download=False)
+    channels = 1 if kind == "usps" else 3
+    loader = make_loader(ds, backend, batch_size=len(ds), train=False, mean=(0.0,) * channels,
+                         std=(1.0,) * channels, **CPU)
+    (x, y), = list(loader)
+    want = np.stack([np.asarray(ds[i][0]).reshape(*np.asarray(ds[i][0]).shape[:2], -1) for i in range(len(ds))])
+    assert torch.equal((x.permute(0, 2, 3, 1) * 255).round().byte(), torch.from_numpy(want))
+    assert y.tolist() == [ds[i][1] for i in range(len(ds))]
+    if kind == "stl10":
+        assert loader.classes == ds.classes
+
+
+def test_stl10s_unlabeled_split_stays_a_dataset_refused_by_name(tmp_path, monkeypatch):
+    _stl10(tmp_path, monkeypatch)
+    ds = torchvision.datasets.STL10(str(tmp_path), split="unlabeled", download=False)
+    with pytest.raises(ValueError, match=r"STL10\[0\] returned label -1; labels must be integers >= 0"):
+        next(iter(make_loader(ds, "torch", batch_size=2, train=False, **CPU)))

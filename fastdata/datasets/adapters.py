@@ -12,6 +12,7 @@ from .arrays import ArraySource
 from .base import Source, merge_classes
 from .folders import ImageFolder
 from .sample_transforms import (
+    TV_CHW,
     TV_FOLDERS,
     batch_route,
     describe,
@@ -34,7 +35,10 @@ def from_torchvision(obj) -> Source | None:
     - ``CIFAR10``/``CIFAR100`` → ``ArraySource`` over ``.data`` (N, 32, 32, 3) and ``.targets``.
     - ``MNIST``/``FashionMNIST``/``KMNIST``/``EMNIST`` → ``ArraySource`` over ``.data`` (N, 28, 28)
       and ``.targets`` (digit recipe for MNIST itself only: the others are not digits); ``QMNIST`` with
-      ``compat=True`` (its default) → the same, labelled by the first field of its targets, the digit.
+      ``compat=True`` (its default) → the same, labelled by the first field of its targets, the digit;
+      ``USPS`` (16 x 16 digits) → the same.
+    - ``SVHN``/``STL10`` → ``ArraySource`` over ``.data`` (N, 3, H, W) turned (N, H, W, 3) and ``.labels``
+      (an STL10 split with unlabeled samples, label -1, stays a Dataset).
 
     Class names are kept, statistics are measured (arrays) or ImageNet's (files). A dataset with its own
     ``transform``, ``target_transform`` or ``transforms`` is not converted: the transform would be
@@ -53,7 +57,11 @@ def from_torchvision(obj) -> Source | None:
         root = getattr(obj, "root", None)
         return ImageFolder.from_samples(obj.samples, classes, root=root,
                                         name=f"{label.lower()}:{Path(root).name if root else ''}")
-    digits = kind in ("MNIST", "QMNIST")  # the nearest known class: FashionMNIST, KMNIST, EMNIST are not digits
+    if kind in TV_CHW:   # their __getitem__ turns each (C, H, W) image into PIL's (H, W, C)
+        return ArraySource(np.asarray(obj.data).transpose(0, 2, 3, 1), np.asarray(obj.labels),
+                           classes=classes or None, name=label.lower())
+    # The nearest known class: FashionMNIST, KMNIST, EMNIST are not digits; USPS's are.
+    digits = kind in ("MNIST", "QMNIST", "USPS")
     targets = np.asarray(obj.targets)
     if kind == "QMNIST":   # rows of 8 fields (digit, NIST class, writer, ...): the digit, as compat returns
         targets = targets[:, 0]

@@ -209,7 +209,9 @@ def fastdata_samples(dataset) -> bool:
 
 TV_FOLDERS = ("ImageFolder", "DatasetFolder")
 TV_CIFAR = ("CIFAR10", "CIFAR100")
-TV_MNIST = ("MNIST", "FashionMNIST", "KMNIST", "EMNIST")
+TV_MNIST = ("MNIST", "FashionMNIST", "KMNIST", "EMNIST", "USPS")
+#: Colour arrays kept (N, C, H, W) with their labels in ``labels`` (not ``targets``).
+TV_CHW = ("SVHN", "STL10")
 TV_LOADERS = ("default_loader", "pil_loader", "accimage_loader")
 
 
@@ -231,11 +233,12 @@ def own_transforms(obj) -> list[str]:
 def readable_kind(obj) -> str | None:
     """The torchvision class by which ``as_source`` reads ``obj`` as files or arrays (so every backend
     reads it) once it carries no transform of its own, or None: ImageFolder/DatasetFolder with PIL's
-    loader, CIFAR and the MNIST family with ``data`` and ``targets`` (QMNIST only with ``compat=True``:
+    loader, CIFAR, the MNIST family and USPS with ``data`` and ``targets``, SVHN and STL10 with ``data``
+    and ``labels`` (STL10 without unlabeled samples) (QMNIST only with ``compat=True``:
     its targets are rows of 8 fields, whose first is the digit its ``__getitem__`` then returns), none
     with a ``__getitem__`` of its own (only calling it gives what the user means)."""
     names = torchvision_names(obj)
-    kind = next((n for n in names if n in TV_FOLDERS + TV_CIFAR + TV_MNIST), None)
+    kind = next((n for n in names if n in TV_FOLDERS + TV_CIFAR + TV_MNIST + TV_CHW), None)
     if kind is None or own_getitem(obj):
         return None
     if "QMNIST" in names:   # with compat (its default) __getitem__'s label is the first field, the digit
@@ -247,7 +250,10 @@ def readable_kind(obj) -> str | None:
         pil = (getattr(loader, "__module__", "") == "torchvision.datasets.folder"
                and getattr(loader, "__name__", "") in TV_LOADERS)
         return kind if pil else None  # a loader of its own (npy files, ...): only it knows the pixels
-    return kind if getattr(obj, "data", None) is not None and getattr(obj, "targets", None) is not None else None
+    labels = getattr(obj, "labels" if kind in TV_CHW else "targets", None)
+    if kind in TV_CHW and labels is not None and (np.asarray(labels) < 0).any():
+        return None   # STL10's unlabeled samples (-1): left to __getitem__, whose label -1 is refused by name
+    return kind if getattr(obj, "data", None) is not None and labels is not None else None
 
 
 def batch_route(obj) -> str:
