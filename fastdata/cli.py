@@ -389,7 +389,9 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
     - a ``--checkpoint`` that is not one, or one of another run (``CheckpointError``; under torchrun the
       other ranks get rank 0's verdict as a ``PreparationError``): ``error: --checkpoint: ...``;
     - Ctrl-C (``on_ctrl_c``): what the same command with ``--resume`` goes on from, where it was a
-      traceback through the loop, the step and autograd that said nothing about resuming.
+      traceback through the loop, the step and autograd that said nothing about resuming;
+    - a run whose weights went NaN or inf (fit's ``FloatingPointError``: where the loss went
+      non-finite, and that the checkpoint keeps the last good save): ``error: ...``.
 
     ``flags``: the script's flags for where it saves (a file, or a folder as accelerate's ``save_state``
     writes) and how many steps apart, when they are not ``--checkpoint`` and ``--checkpoint-every``."""
@@ -413,6 +415,8 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
             yield
     except (CheckpointError, distributed.PreparationError) as e:
         raise SystemExit(f"error: {flags[0]}: {e}") from None
+    except FloatingPointError as e:   # fit: the weights went NaN; its message says where and what was kept
+        raise SystemExit(f"error: {e}") from None
 
 
 def _saved_by_this_run(checkpoint, args: argparse.Namespace, started: float) -> bool:

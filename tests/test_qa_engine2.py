@@ -185,3 +185,20 @@ def test_a_scheduler_on_one_side_of_a_resume_only_is_refused_naming_it(tmp_path)
     # Each resumes as it was saved.
     _sgd_run(with_it, scheduler=True, epochs=2, resume=True)
     _sgd_run(without, scheduler=False, epochs=2, resume=True)
+
+
+def test_a_diverging_example_run_ends_in_one_line_naming_what_went_non_finite(tmp_path, capsys):
+    """train_mnist with a learning rate that blows the weights up: fit's FloatingPointError (no NaN saved
+    over the checkpoint) reached the shell as a traceback through the loop and the checkpoint code; the
+    examples end a checkpoint problem in one line, and now this one too."""
+    from conftest import load_example
+
+    module = load_example("train_mnist")
+    path = tmp_path / "c.pt"
+    argv = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "512", "--test-size", "64",
+            "--batch-size", "64", "--backend", "memory", "--device", "cpu", "--no-progress", "--epochs", "2",
+            "--lr", "1e5", "--checkpoint", str(path), "--checkpoint-every", "3"]
+    with pytest.raises(SystemExit) as info:
+        module.run(argv)
+    assert str(info.value.code).startswith(f"error: not saving '{path}': the model's weights are not finite (")
+    assert "Traceback" not in capsys.readouterr().err
