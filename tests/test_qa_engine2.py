@@ -144,18 +144,31 @@ class PoisonAt(torch.optim.SGD):
 
 
 def test_nan_weights_are_never_saved_over_the_last_checkpoint_even_with_a_finite_loss(tmp_path):
-    """The epoch's last step wrote a NaN into the weights: its loss was finite (computed before the step),
-    so nothing in the figures said so, and the end-of-epoch save replaced the last good checkpoint."""
+    """A step wrote a NaN into the weights right before a save: the loss so far was finite (computed before
+    the step), so nothing in the figures said so, and the save replaced the last good checkpoint. (At an
+    epoch's end the weights are checked anyway: see the next test.)"""
     torch.manual_seed(0)
     model = _plain_net()
     path = tmp_path / "c.pt"
     with pytest.raises(FloatingPointError, match=rf"not saving '{path}': the model's weights are not finite "
                                                  rf"\(0\.weight\); it keeps the last save before them"):
-        fit(model, ListLoader(_batches(2, size=8)), epochs=1, optimizer=PoisonAt(model.parameters(), at=2),
+        fit(model, ListLoader(_batches(3, size=8)), epochs=1, optimizer=PoisonAt(model.parameters(), at=2),
             checkpoint=path, checkpoint_every=1, progress=False)
     state = ckpt.load(path)
     assert state["loader"] == {"epoch": 0, "batch": 1}
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_weights_gone_non_finite_with_a_finite_loss_stop_the_run_at_the_epochs_end_without_a_checkpoint():
+    """BatchNorm's running variance overflowed (a huge learning rate) while the loss, computed on each
+    batch's own statistics, stayed finite: the run trained on, every evaluation on broken statistics; with
+    a checkpoint it stopped at the first save, without one never. The epoch's end now checks the weights."""
+    torch.manual_seed(0)
+    model = _plain_net()
+    with pytest.raises(FloatingPointError, match=r"in epoch 1 \(this rank's training loss stayed finite\), and the "
+                                                 r"model's weights are not finite \(0\.weight\).*no checkpoint"):
+        fit(model, ListLoader(_batches(2, size=8)), epochs=3, optimizer=PoisonAt(model.parameters(), at=2),
+            progress=False)
 
 
 def _sgd_run(path, *, scheduler: bool, epochs: int, resume=False):

@@ -196,8 +196,8 @@ class _Run:
             print(format_record(record, self.config.epochs), flush=True)
         # With its eval figures, before the save: a crash in between re-runs the epoch, whose row RunLog replaces.
         self.hooks.epoch(record)
-        if record["images"] and not math.isfinite(record["train_loss"]):   # with its figures printed and logged
-            check_diverged(step, meter, epoch, first, len(loader), self.config.checkpoint)
+        # With its figures printed and logged, before the save: NaN weights stop the run (check_diverged).
+        check_diverged(step, meter, epoch, first, len(loader), self.config.checkpoint)
         if self.config.checkpoint is not None and position is not None:   # position: taken when checkpointing
             state.save(self.config.checkpoint, position, every_rank=True)
 

@@ -332,24 +332,24 @@ def _some(names: list[str], shown: int = 3) -> str:
 
 def check_diverged(step: TrainStep, meter: EpochMeter, epoch: int, first_batch: int, batches: int, path,
                    *, warn: bool = True) -> None:
-    """The loss of ``epoch`` (0-based) went NaN or inf: where (``meter.nonfinite_batch``), and then
-    whether the weights did too. Non-finite weights raise FloatingPointError before anything saves
-    them, so ``path``, the checkpoint, keeps the last good weights; training on them would only spend
-    the rest of the run on NaN. Finite ones (fp16's scaler skipped the step; a loss that alone was NaN)
-    are a RuntimeWarning when ``warn``, and training goes on. Under DDP every rank decides alike: the
-    replicas' weights are equal."""
+    """Whether ``epoch`` (0-based) diverged: where its loss first went NaN or inf (``meter.nonfinite_batch``),
+    and whether the weights did (parameters and buffers: BatchNorm's running variance overflows while the
+    loss, computed on the batch's own statistics, stays finite). Non-finite weights raise
+    FloatingPointError before anything saves them, so ``path``, the checkpoint, keeps the last good
+    weights; training on them would only spend the rest of the run on NaN. Finite weights after a
+    non-finite loss (fp16's scaler skipped the step) are a RuntimeWarning when ``warn``, and training goes
+    on. Under DDP every rank raises alike: the replicas' weights are equal. Reads the device twice: ``fit``
+    calls it once an epoch and before a save after a non-finite loss."""
     at = meter.nonfinite_batch()
-    where = (f"at epoch {epoch + 1}, batch {first_batch + at + 1}/{batches}" if at is not None
-             else f"in epoch {epoch + 1} (on another rank)")
+    where = (f"the training loss went non-finite at epoch {epoch + 1}, batch {first_batch + at + 1}/{batches}"
+             if at is not None else f"in epoch {epoch + 1} (this rank's training loss stayed finite)")
     bad = nonfinite_tensors(step.raw)
     if not bad:
-        if warn:
-            warnings.warn(f"the training loss went non-finite {where}; the weights are finite (fp16's loss scaler "
-                          f"skipped that step, or the loss alone was NaN), so training goes on", RuntimeWarning,
-                          stacklevel=user_stacklevel())
+        if warn and at is not None:
+            warnings.warn(f"{where}; the weights are finite (fp16's loss scaler skipped that step, or the loss "
+                          f"alone was NaN), so training goes on", RuntimeWarning, stacklevel=user_stacklevel())
         return
     kept = f"'{path}' keeps the last save before it" if path is not None else "no checkpoint was asked for"
-    raise FloatingPointError(f"the training loss went non-finite {where}, and the model's weights are not finite "
-                             f"({_some(bad)}): stopping before they are saved or trained on; "
-                             f"{kept}. Resume from there with a lower learning rate or clip_grad_norm, or look "
-                             f"for a bad batch at that point")
+    raise FloatingPointError(f"{where}, and the model's weights are not finite ({_some(bad)}): stopping before "
+                             f"they are saved or trained on; {kept}. Resume from there with a lower learning "
+                             f"rate or clip_grad_norm, or look for a bad batch at that point")
