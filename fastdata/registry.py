@@ -265,7 +265,8 @@ def _like(train_loader, source, config, kwargs) -> tuple:
         raise TypeError(f"like= takes a fastdata loader (the training loader), got {type(train_loader).__name__}")
     theirs = list(getattr(train_loader, "classes", []) or [])
     mine = list(getattr(source, "classes", None) or [])
-    if theirs and mine and any(isinstance(c, str) for c in theirs + mine) and mine != theirs[:len(mine)]:
+    # Names: strings, or tuples of synonyms (torchvision's ImageNet); 0 .. n-1 name nothing to compare.
+    if theirs and mine and any(isinstance(c, (str, tuple)) for c in theirs + mine) and mine != theirs[:len(mine)]:
         first = next(i for i, (a, b) in enumerate(zip(mine, theirs + [None] * len(mine))) if a != b)
         raise ValueError(f"the classes of {source!r} differ from the training loader's: class {first} is "
                          f"{mine[first]!r} here and {theirs[first] if first < len(theirs) else None!r} there; "

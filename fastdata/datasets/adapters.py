@@ -192,8 +192,10 @@ def _concat(obj) -> Source:
     agree (label i is one class in every part; a part may lack the last classes): two folders whose
     class sub-folders differ are an error, as the DataLoader would have mixed their labels silently."""
     parts = [as_source(d) for d in obj.datasets]
-    # Names only: a part without them answers 0 .. num_classes-1, which names nothing to compare.
-    names = merge_classes([p.classes if any(isinstance(c, str) for c in p.classes) else None for p in parts],
+    # Names only (strings, or ImageNet's tuples of synonyms): a part without them answers 0 .. n-1,
+    # which names nothing to compare.
+    names = merge_classes([p.classes if any(isinstance(c, (str, tuple)) for c in p.classes) else None
+                           for p in parts],
                           [f"part {i} ({p.name})" for i, p in enumerate(parts)])
     name = "+".join(p.name for p in parts)
     same_stats = all(p.mean == parts[0].mean and p.std == parts[0].std for p in parts)

@@ -285,7 +285,8 @@ class ImageFolder(Source):
         if self._fingerprint is None:
             # os.fsencode, not str.encode: a name that is not UTF-8 (a Latin-1 name from an old camera or
             # archive) is a str with surrogates that encode() refuses; for any other name the same bytes.
-            crc = zlib.crc32(os.fsencode("\n".join(self.classes)))
+            # str(): torchvision's ImageNet names each class by a tuple of synonyms (a name is itself).
+            crc = zlib.crc32(os.fsencode("\n".join(map(str, self.classes))))
             sizes = _file_sizes(self.paths)
             prefix = os.path.join(os.fspath(self.root), "")
             for path, label, size in zip(self.paths, self.labels, sizes, strict=True):
