@@ -87,8 +87,6 @@ def with_stats(t, context: BatchContext):
     return dataclasses.replace(t, mean=tuple(context.mean), std=tuple(context.std))
 
 
-
-
 def nested(transforms):
     """Every BatchTransform in ``transforms``, depth first, a OneOf's branches after the OneOf (plain
     callables are not BatchTransforms and hold no class count or smoothing)."""
