@@ -215,3 +215,23 @@ def test_a_diverging_example_run_ends_in_one_line_naming_what_went_non_finite(tm
         module.run(argv)
     assert str(info.value.code).startswith(f"error: not saving '{path}': the model's weights are not finite (")
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_resuming_with_another_accumulate_names_it_among_the_causes_of_a_shorter_schedule(tmp_path):
+    """A run saved under accumulate=1 resumed with accumulate=2: half the steps per epoch, so the restored
+    one-cycle schedule stops mid-anneal. The warning said "another world size or batch size", neither of
+    which had changed; it now names accumulate too."""
+    path = tmp_path / "c.pt"
+
+    def run(epochs, accumulate, resume):
+        torch.manual_seed(0)
+        model = _plain_net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, epochs=2, steps_per_epoch=-(-4 // accumulate))
+        fit(model, ListLoader(_batches(4, size=8)), epochs=epochs, optimizer=opt, scheduler=sched,
+            accumulate=accumulate, checkpoint=path, resume=resume, progress=False)
+
+    run(1, 1, False)
+    with pytest.warns(RuntimeWarning, match=r"total_steps=8 but this run ends it at step 6 \(the steps per epoch "
+                                            r"changed: another world size, batch size or accumulate"):
+        run(2, 2, True)

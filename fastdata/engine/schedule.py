@@ -65,10 +65,11 @@ def check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int,
     needed = taken + left
     resumed = taken > 0 or start_epoch > 0 or start_batch > 0
     if resumed and needed < total and unit == "batch":
-        # Resumed with more samples a step (another world size or batch size): fewer steps are left than
+        # Resumed with more samples a step (another world size, batch size or accumulate): fewer steps are left than
         # the schedule has, and the run would stop mid-anneal at a high rate without a word.
         warnings.warn(f"resuming: the checkpoint's OneCycleLR has total_steps={total} but this run ends it at "
-                      f"step {needed} (the steps per epoch changed: another world size or batch size), so "
+                      f"step {needed} (the steps per epoch changed: another world size, batch size or "
+                      f"accumulate than the saved run's, or fewer epochs), so "
                       f"its learning rate stops before annealing to its end", RuntimeWarning, stacklevel=3)
     if needed <= total:
         return
