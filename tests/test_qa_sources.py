@@ -181,12 +181,20 @@ def test_a_tensor_dataset_of_uint8_images_is_read_by_every_backend_as_its_arrays
     assert torch.equal((x * 255).round().byte(), images) and torch.equal(y, labels)
 
 
-def test_a_tensor_dataset_that_is_not_uint8_images_stays_a_dataset_and_says_why():
+def test_a_tensor_dataset_of_float_images_is_refused_saying_how_to_hand_them_over():
+    """A TensorDataset of float images got the per-sample transform advice ("drop ToTensor from the
+    transform") and was told memory and dali cannot read a TensorDataset at all. The refusal now says
+    how to hand the pixels over as uint8, and that normalized ones would be normalized twice."""
     grey = torch.utils.data.TensorDataset(torch.zeros(4, 7, 7, dtype=torch.uint8), torch.tensor([0, 1, 2, 1]))
     assert next(iter(make_loader(grey, "memory", batch_size=4, train=False, **CPU)))[0].shape == (4, 1, 7, 7)
-    floats = torch.utils.data.TensorDataset(torch.rand(4, 3, 7, 7), torch.tensor([0, 1, 2, 1]))
-    with pytest.raises(TypeError, match=r"TensorDataset\[0\] returned a torch.float32 image.*mean=/std="):
-        make_loader(floats, "torch", **CPU)
+    labels = torch.tensor([0, 1, 2, 1])
+    unit = torch.linspace(0, 1, 4 * 3 * 7 * 7).reshape(4, 3, 7, 7)
+    with pytest.raises(TypeError, match=r"TensorDataset holds torch.float32 images \(values from 0 to 1\);"
+                                        r".*TensorDataset\(\(images \* 255\).round\(\).clamp\(0, 255\)"):
+        make_loader(torch.utils.data.TensorDataset(unit, labels), "memory", **CPU)
+    with pytest.raises(TypeError, match=r"normalized already, which the loader's normalization would repeat.*"
+                                        r"un-normalize them \(images \* std \+ mean\)"):
+        make_loader(torch.utils.data.TensorDataset((unit - 0.5) / 0.25, labels), "torch", **CPU)
 
 
 # ---------------------------------------------------------------- a Dataset of the user's own

@@ -166,14 +166,17 @@ def _tensor_arrays(obj) -> ArraySource | None:
     """A ``TensorDataset(images, labels)`` of uint8 images, (N, C, H, W) with C in 1, 3, 4 (alpha dropped)
     or (N, H, W), and integer labels (N,), as the ``ArraySource`` it is, so every backend reads it (as a
     Dataset, memory and dali refused it and its class count was unknown). Its samples are read as a
-    Dataset's tensors are, (C, H, W), into one (N, H, W, C) copy. None for anything else (float images,
-    more tensors): the ``DatasetSource`` then says what it expects."""
+    Dataset's tensors are, (C, H, W), into one (N, H, W, C) copy. Float images are refused, saying how
+    to hand them over (and whether they look normalized already); None for anything else (more
+    tensors, other shapes): the ``DatasetSource`` then says what it expects."""
     import torch
 
     tensors = obj.tensors
     if len(tensors) != 2:
         return None
     images, labels = tensors
+    if images.is_floating_point() and images.numel():
+        _refuse_float_tensors(images)
     if images.dtype != torch.uint8 or labels.dim() != 1 or labels.is_floating_point() or labels.dtype == torch.bool:
         return None
     if images.dim() == 4 and images.shape[1] in (1, 3, 4):
@@ -181,6 +184,24 @@ def _tensor_arrays(obj) -> ArraySource | None:
     elif images.dim() != 3:
         return None
     return ArraySource(images.contiguous(), labels, name="tensordataset")
+
+
+def _refuse_float_tensors(images) -> None:
+    """A TensorDataset of float images: the error saying how to hand them over as uint8, and whether they
+    look normalized already (negative values), which the loader's own normalization would repeat."""
+    few = images[:64].detach().float()
+    low, high = float(few.min()), float(few.max())
+    seen = f"values from {low:.3g} to {high:.3g}"
+    if low < 0:
+        seen += ": normalized already, which the loader's normalization would repeat"
+        first = "un-normalize them (images * std + mean), then "
+    else:
+        first = ""
+    scale = "" if low >= 0 and high > 1 else " * 255"
+    raise TypeError(f"TensorDataset holds {images.dtype} images ({seen}); fastdata reads uint8 pixels and "
+                    f"normalizes them on the device with mean=/std=: {first}pass TensorDataset((images{scale})"
+                    f".round().clamp(0, 255).to(torch.uint8), labels), or ArraySource(uint8 (N, H, W, C) images, "
+                    f"labels), with mean=/std= in [0, 1] units")
 
 
 def _concat(obj) -> Source:
