@@ -235,3 +235,36 @@ def test_resuming_with_another_accumulate_names_it_among_the_causes_of_a_shorter
     with pytest.warns(RuntimeWarning, match=r"total_steps=8 but this run ends it at step 6 \(the steps per epoch "
                                             r"changed: another world size, batch size or accumulate"):
         run(2, 2, True)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps the learning rate of every step it takes."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.rates = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.rates.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_step_log_gives_each_batch_the_rate_it_trained_at(tmp_path, accumulate):
+    """Under a per-step schedule steps.csv (and TensorBoard's step/lr) gave each row the rate the *next*
+    step would use (read after the scheduler stepped): the curve ran one step ahead, and its last point
+    was torch's extrapolation past OneCycleLR's end (0.028 where the schedule ends at 4e-07), a rate no
+    step used. The epoch record had been fixed for this; now every row has its own step's rate (a batch
+    inside an accumulation group: the rate its group's step uses)."""
+    import csv
+
+    torch.manual_seed(0)
+    model = _plain_net()
+    opt = RecordingSGD(model.parameters(), lr=0.1)
+    steps = -(-6 // accumulate)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, epochs=2, steps_per_epoch=steps)
+    fit(model, ListLoader(_batches(6, size=8)), epochs=2, optimizer=opt, scheduler=sched, accumulate=accumulate,
+        log_dir=tmp_path, log_every=1, progress=False)
+    logged = [float(r["lr"]) for r in csv.DictReader(open(tmp_path / "steps.csv"))]
+    assert logged == [opt.rates[b // accumulate] for b in range(12)]

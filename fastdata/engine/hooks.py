@@ -14,7 +14,6 @@ from pathlib import Path
 from .. import distributed as fdist
 from ..profiling import StepProfiler
 from ..runlog import RunLog
-from .schedule import current_lr
 
 
 def check_output_dir(name: str, value) -> None:
@@ -85,10 +84,11 @@ class RunHooks:
         self.offset = epoch * batches
         self.mark, self.wait = time.perf_counter(), wait
 
-    def batch_done(self, batch: int, *, loss, images: int, wait: float, optimizer) -> None:
+    def batch_done(self, batch: int, *, loss, images: int, wait: float, lr) -> None:
         """Batch number ``batch`` of the epoch is done: the profiler's step, and the log's step row when one
         is due. ``loss``: its device tensor (read on the host only for a written row), or None; ``wait``:
-        the meter's data wait so far. The lr is read only for a written row (a tensor lr is a sync)."""
+        the meter's data wait so far; ``lr``: a callable giving the rate the batch trained at
+        (``TrainStep.batch_lr``), called only for a written row (a tensor lr is a sync)."""
         if self.profiler is not None:
             self.profiler.step()
         if self.log is None:
@@ -98,7 +98,7 @@ class RunHooks:
         self.mark, self.wait = now, wait
         step = self.offset + batch
         due = step % self.log.every_steps == 0
-        self.log.step(step, loss=loss if due else None, lr=current_lr(optimizer) if due else None,
+        self.log.step(step, loss=loss if due else None, lr=lr() if due else None,
                       images_per_s=images / seconds if seconds > 0 else math.nan,
                       data_wait=min(1.0, waited / seconds) if seconds > 0 else math.nan,
                       gpu_idle=None)   # per step it would need a sync; the epoch record has gpu_idle_fraction

@@ -2,6 +2,7 @@
 ``evaluate``."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -292,7 +293,7 @@ def train_one_epoch(step: TrainStep, loader, meter: EpochMeter, *, first_batch: 
                 meter.stepped()
             if hooks is not None:
                 hooks.batch_done(batch, loss=loss if n else None, images=n, wait=meter.wait,
-                                 optimizer=step.optimizer)
+                                 lr=functools.partial(step.batch_lr, stepped))
             batch += 1
             if progress is not None:
                 progress.update(meter)

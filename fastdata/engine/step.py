@@ -175,6 +175,12 @@ class TrainStep:
             return one_or_each(self.last_step_lrs)
         return current_lr(self.optimizer)
 
+    def batch_lr(self, stepped: bool) -> float | list[float]:
+        """The rate the batch just done trained at (the run log's step rows): its step's, read before a
+        per-step scheduler moved it on, when it ended an optimizer step; else the rate its group's step
+        will use, the optimizer's now."""
+        return self.epoch_lr() if stepped else current_lr(self.optimizer)
+
     def end_epoch(self, record: dict) -> None:
         """Step an epoch-interval scheduler once, at the end of the epoch ``record`` describes.
 
