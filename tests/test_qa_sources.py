@@ -530,3 +530,18 @@ def test_imagenet_tuple_class_names_are_compared_by_like_and_concat(imagenet, tm
         make_loader(other, "torch", like=train)
     with pytest.raises(ValueError, match="label 0 would mean two classes"):
         make_loader(torch.utils.data.ConcatDataset([imagenet, other]), "torch", **CPU)
+
+
+def test_float_arrays_are_refused_saying_how_to_make_them_uint8():
+    """make_loader((x_train / 255., y_train)) said only "images must be uint8, got float64"."""
+    from fastdata.datasets import ArraySource
+
+    unit = np.linspace(0, 1, 4 * 8 * 8 * 3).reshape(4, 8, 8, 3)
+    with pytest.raises(TypeError, match=r"images must be uint8, got float64 \(values from 0 to 1\); .* pass "
+                                        r"\(images \* 255\).round\(\).clip\(0, 255\).astype\(np.uint8\)"):
+        make_loader((unit, np.arange(4)), "memory", **CPU)
+    with pytest.raises(TypeError, match=r"got float32 \(values from -2 to 2: normalized already.*un-normalize"):
+        ArraySource(((unit - 0.5) / 0.25).astype(np.float32), np.arange(4))
+    halves = torch.utils.data.TensorDataset(torch.ones(2, 3, 4, 4, dtype=torch.bfloat16) * 200, torch.arange(2))
+    with pytest.raises(TypeError, match=r"holds torch.bfloat16 images \(values from 200 to 200\).*\(images\)"):
+        make_loader(halves, "torch", **CPU)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..checks import check_integer, check_number
 from .arrays import ArraySource
-from .base import Source, merge_classes
+from .base import Source, float_pixels, merge_classes
 from .folders import ImageFolder
 from .sample_transforms import (
     TV_CHW,
@@ -187,21 +187,10 @@ def _tensor_arrays(obj) -> ArraySource | None:
 
 
 def _refuse_float_tensors(images) -> None:
-    """A TensorDataset of float images: the error saying how to hand them over as uint8, and whether they
-    look normalized already (negative values), which the loader's own normalization would repeat."""
-    few = images[:64].detach().float()
-    low, high = float(few.min()), float(few.max())
-    seen = f"values from {low:.3g} to {high:.3g}"
-    if low < 0:
-        seen += ": normalized already, which the loader's normalization would repeat"
-        first = "un-normalize them (images * std + mean), then "
-    else:
-        first = ""
-    scale = "" if low >= 0 and high > 1 else " * 255"
-    raise TypeError(f"TensorDataset holds {images.dtype} images ({seen}); fastdata reads uint8 pixels and "
-                    f"normalizes them on the device with mean=/std=: {first}pass TensorDataset((images{scale})"
-                    f".round().clamp(0, 255).to(torch.uint8), labels), or ArraySource(uint8 (N, H, W, C) images, "
-                    f"labels), with mean=/std= in [0, 1] units")
+    """A TensorDataset of float images: the error saying how to hand them over as uint8."""
+    raise TypeError(f"TensorDataset holds {images.dtype} images " + float_pixels(
+        images, "TensorDataset((images{scale}).round().clamp(0, 255).to(torch.uint8), labels), or "
+                "ArraySource(uint8 (N, H, W, C) images, labels)"))
 
 
 def _concat(obj) -> Source:

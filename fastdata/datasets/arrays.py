@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import Augmentation, SourceKind
-from .base import Source, channel_stats, check_labels, count_classes, crc, host_array
+from .base import Source, channel_stats, check_labels, count_classes, crc, float_pixels, host_array
 
 
 def array_augmentation(train: bool, digits: bool, image_shape: tuple[int, int, int]) -> Augmentation:
@@ -48,7 +48,9 @@ class ArraySource(Source):
                  classes=None, num_classes: int | None = None):
         images, labels = host_array(images), host_array(labels)
         if images.dtype != np.uint8:
-            raise TypeError(f"images must be uint8, got {images.dtype}")
+            fix = (" " + float_pixels(images, "(images{scale}).round().clip(0, 255).astype(np.uint8)")
+                   if np.issubdtype(images.dtype, np.floating) else "")
+            raise TypeError(f"images must be uint8, got {images.dtype}{fix}")
         if images.ndim == 3:
             images = images[..., None]
         if images.ndim != 4 or images.shape[-1] not in (1, 3):

@@ -259,6 +259,28 @@ def host_array(x) -> np.ndarray:
     return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
 
 
+def float_pixels(images, remedy: str) -> str:
+    """The advice for float images where uint8 pixels are read: what their values say (negative ones:
+    normalized already, which the loader's normalization would repeat), then ``remedy`` (a text with
+    ``{scale}``, filled with " * 255" for values in [0, 1] and "" for values in [0, 255]).
+
+    Args:
+        images: the float images (numpy array or tensor); the first 64 are looked at.
+        remedy: how to pass them as uint8.
+    """
+    few = images[:64]
+    few = host_array(few.detach().float() if hasattr(few, "detach") else few).astype(np.float64)   # bfloat16 too
+    low, high = (float(few.min()), float(few.max())) if few.size else (0.0, 0.0)
+    seen = f"values from {low:.3g} to {high:.3g}"
+    first = ""
+    if low < 0:
+        seen += ": normalized already, which the loader's normalization would repeat"
+        first = "un-normalize them (images * std + mean), then "
+    scale = "" if low >= 0 and high > 1 else " * 255"
+    return (f"({seen}); fastdata reads uint8 pixels and normalizes them on the device with mean=/std=: {first}"
+            f"pass {remedy.format(scale=scale)}, with mean=/std= in [0, 1] units")
+
+
 def count_classes(classes, num_classes) -> int | None:
     """``num_classes`` checked, or ``len(classes)``; the two must agree when both are given."""
     num_classes = check_integer("num_classes", num_classes, minimum=1, optional=True)
