@@ -92,6 +92,21 @@ def test_500s_are_retried_and_succeed(shard_dir):
         assert server.count("/a.tar") == 3
 
 
+def test_retries_leave_the_global_random_stream_alone(shard_dir):
+    """The retries' jitter comes from a generator of their own. Drawn from the global ``random`` (as it
+    was), a retry in a reading thread moved the user's stream, and with it the draws of a batch
+    transform seeded from it, whenever the network failed."""
+    import random
+
+    root, files = shard_dir
+    random.seed(7)
+    expected = random.getstate()
+    with http_server(root, Faults(fail_first=2)) as server:
+        assert Storage(server.url, **FAST).read_range("a.tar", 0, 100) == files["a.tar"][:100]
+        assert server.count("/a.tar") == 3
+    assert random.getstate() == expected
+
+
 def test_a_dropped_connection_is_retried_and_succeeds(shard_dir):
     root, files = shard_dir
     with http_server(root, Faults(drop_first=2)) as server:

@@ -35,6 +35,13 @@ from fastdata.checks import check_integer, check_number
 __all__ = ["Storage", "StorageError", "ShardNotFound", "ShardMismatch", "ShortRead", "redact", "check_name",
            "file_sha256"]
 
+#: The retries' jitter: a generator of their own. Drawn from the global ``random``, a retry in a reading
+#: thread would move the user's stream (and the draws of a batch transform seeded from it) by one
+#: draw whenever the network hiccupped. Reseeded in a forked child, as the global one is, so that
+#: workers retrying the same server do not wait in step.
+_JITTER = random.Random()
+os.register_at_fork(after_in_child=_JITTER.seed)
+
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
 # user:password@ right after a scheme's //, and every query value: what a URL carries as credentials.
 _USERINFO = re.compile(r"(//)[^/@\s'\"]+@")
@@ -335,7 +342,7 @@ class Storage:
                     code = errno.EACCES
                 raise cls(message, name, self.url(name), attempts, transient, code=code,
                           status=_status(error) or _status(error.__cause__)) from None
-            wait = min(_MAX_WAIT, self.backoff * 2 ** k) * (0.5 + random.random())
+            wait = min(_MAX_WAIT, self.backoff * 2 ** k) * (0.5 + _JITTER.random())
             time.sleep(wait)
 
     def _short(self, name: str, expected: int, got: int, what: str = "read") -> ShortRead:
