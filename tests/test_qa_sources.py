@@ -545,3 +545,13 @@ def test_float_arrays_are_refused_saying_how_to_make_them_uint8():
     halves = torch.utils.data.TensorDataset(torch.ones(2, 3, 4, 4, dtype=torch.bfloat16) * 200, torch.arange(2))
     with pytest.raises(TypeError, match=r"holds torch.bfloat16 images \(values from 200 to 200\).*\(images\)"):
         make_loader(halves, "torch", **CPU)
+
+
+def test_channels_first_or_rgba_arrays_are_refused_saying_what_to_pass():
+    from fastdata.datasets import ArraySource
+
+    with pytest.raises(ValueError, match=r"got \(4, 3, 8, 8\); this looks like \(N, C, H, W\).*"
+                                         r"transpose\(0, 2, 3, 1\)"):
+        ArraySource(np.zeros((4, 3, 8, 8), np.uint8), np.arange(4))
+    with pytest.raises(ValueError, match=r"got \(4, 8, 8, 4\); RGBA: drop the alpha channel \(images\[\.\.\., :3\]\)"):
+        make_loader((np.zeros((4, 8, 8, 4), np.uint8), np.arange(4)), "memory", **CPU)

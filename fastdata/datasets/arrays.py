@@ -54,7 +54,13 @@ class ArraySource(Source):
         if images.ndim == 3:
             images = images[..., None]
         if images.ndim != 4 or images.shape[-1] not in (1, 3):
-            raise ValueError(f"images must be (N, H, W) or (N, H, W, C) with C in (1, 3), got {images.shape}")
+            hint = ""
+            if images.ndim == 4 and images.shape[1] in (1, 3):   # torch's layout, as a TensorDataset holds it
+                hint = ("; this looks like (N, C, H, W), torch's layout: pass images.transpose(0, 2, 3, 1) "
+                        "(a tensor: images.permute(0, 2, 3, 1))")
+            elif images.ndim == 4 and images.shape[-1] == 4:
+                hint = "; RGBA: drop the alpha channel (images[..., :3])"
+            raise ValueError(f"images must be (N, H, W) or (N, H, W, C) with C in (1, 3), got {images.shape}{hint}")
         if labels.shape != (len(images),):
             raise ValueError(f"labels must have shape ({len(images)},), got {labels.shape}")
         if len(images) == 0:
