@@ -555,3 +555,34 @@ def test_channels_first_or_rgba_arrays_are_refused_saying_what_to_pass():
         ArraySource(np.zeros((4, 3, 8, 8), np.uint8), np.arange(4))
     with pytest.raises(ValueError, match=r"got \(4, 8, 8, 4\); RGBA: drop the alpha channel \(images\[\.\.\., :3\]\)"):
         make_loader((np.zeros((4, 8, 8, 4), np.uint8), np.arange(4)), "memory", **CPU)
+
+
+# ---------------------------------------------------------------- a Dataset that changes between epochs
+class _Curriculum(torch.utils.data.Dataset):
+    """A Dataset whose samples depend on state the training loop sets in the main process each epoch."""
+
+    stage = 0
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.full((1, 2, 2), self.stage, dtype=torch.uint8), 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "prefetch"])
+def test_workers_see_what_the_main_process_changed_in_a_dataset_between_epochs(backend):
+    """Persistent workers kept their fork's copy of the Dataset: with num_workers=2, every epoch read the
+    first epoch's stage (0, 0, 0), where a DataLoader (workers forked each epoch) reads 0, 10, 20."""
+    data = _Curriculum()
+    loader = make_loader(data, backend, batch_size=4, train=False, mean=(0.0,), std=(1.0,),
+                         **{**CPU, "num_workers": 2})
+    seen = []
+    for epoch in range(3):
+        data.stage = 10 * epoch
+        (x, _), = list(loader)
+        seen.append(int((x[0, 0, 0, 0] * 255).round()))
+    assert seen == [0, 10, 20]
+    assert not loader.opts["persistent_workers"]
+    kept = make_loader(data, backend, batch_size=4, train=False, persistent_workers=True, **{**CPU, "num_workers": 2})
+    assert kept.opts["persistent_workers"]             # asked for: the caller's choice stands

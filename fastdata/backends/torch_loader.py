@@ -153,7 +153,8 @@ class TorchLoader(Loader):
     Options:
         prefetch_factor: batches each worker prepares ahead (default 2).
         persistent_workers: keep workers alive between epochs (default True; forking them anew each
-            epoch costs seconds with large sources).
+            epoch costs seconds with large sources). False by default for a torch Dataset, as a
+            DataLoader's: workers forked each epoch see what the main process changed in it since.
         timeout: seconds to wait for a worker's batch before raising (default 0: no limit; a dead worker
             is detected regardless).
         multiprocessing_context: 'fork', 'spawn' or 'forkserver' (default: the platform's).
@@ -167,6 +168,12 @@ class TorchLoader(Loader):
 
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
+        if source.kind is SourceKind.DATASET and "persistent_workers" not in options:
+            # A user's Dataset may change between epochs in the main process (a curriculum's stage, a
+            # resampled file list): persistent workers keep their fork's copy, and every epoch after
+            # the first silently read the first one's data. A DataLoader re-forks its workers each
+            # epoch by default, and so does this backend for a Dataset unless told otherwise.
+            self.opts["persistent_workers"] = False
         self.fetcher = BatchDecoder(source, self.augment, config.on_error)
         self._sampler = JobSampler()
         workers = config.num_workers
