@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from fastdata.decode.dali_input import dali_bytes, dali_input, exif_segment, strict_orientation, with_orientation
@@ -170,9 +171,45 @@ def test_dalis_own_decoder_reads_a_gif_and_a_turned_tiff_as_the_torch_backend(tm
         loader.close()
 
 
-def torch_cat(loader):
-    import torch
+def test_a_shard_members_png_is_made_once_not_every_epoch(tmp_path, monkeypatch):
+    """A shard member in a format DALI reads otherwise (here a GIF and a TIFF) is given as a PNG of
+    Pillow's reading. It was encoded again every epoch (a PNG encode a sample, on a shard of WebP
+    photos); it is now written once beside plain files' copies and read back, the same bytes. (A
+    WebP here where Pillow reads them.)"""
+    pytest.importorskip("nvidia.dali.plugin.pytorch")
+    from PIL import features
 
+    import fastdata
+    import fastdata.decode.dali_files as dali_files
+    from fastdata import Augmentation, make_loader
+    from fastdata.datasets import ImageFolder, Shards
+
+    (tmp_path / "photos" / "a").mkdir(parents=True)
+    scene = _scene().resize((80, 48))
+    others = ["p.tif", "p.webp"] if features.check("webp") else ["p.tif", "q.tif"]
+    for name in [*others, "p.jpg"]:
+        scene.save(tmp_path / "photos" / "a" / name)
+    fastdata.pack(ImageFolder(tmp_path / "photos"), tmp_path / "packed", progress=False, workers=0)
+    made = []
+    original = dali_files.dali_input
+
+    def counted(path, *args):
+        out = original(path, *args)
+        made.extend([path] if out is not None else [])
+        return out
+
+    monkeypatch.setattr(dali_files, "dali_input", counted)
+    loader = make_loader(Shards(tmp_path / "packed"), "dali", decode="dali", batch_size=3, train=False,
+                         device="cpu", augment=Augmentation(crop="center", size=32, resize=32, hflip=0.0))
+    try:
+        epochs = [torch_cat(loader) for _ in range(3)]
+    finally:
+        loader.close()
+    assert len(made) == len(set(made)) == len(others), made   # each, once
+    assert all(torch.equal(e, epochs[0]) for e in epochs[1:])
+
+
+def torch_cat(loader):
     return torch.cat([x for x, _ in loader])
 
 

@@ -344,7 +344,9 @@ class DaliFiles:
         ``_dims``): ``raw``, or other bytes (``dali_input.dali_input``: a JPEG's malformed EXIF block
         rewritten, a PNG of a format DALI reads otherwise); the reason (str) when Pillow cannot decode
         it. A plain file's other bytes are written once, to a folder of the loader's own, and DALI is
-        given that copy's name (it reads files by name)."""
+        given that copy's name (it reads files by name). So is a shard member's PNG, which later epochs
+        read back (``_as_fed``): encoding it again every epoch cost a PNG encode a sample (a shard of
+        WebP photos, say), where a JPEG's rewritten EXIF block costs microseconds and is redone."""
         path = self.source.sample_name(i)
         try:
             fixed = dali_input(path, raw, int(self._dims[i, 2]), image_format)
@@ -353,7 +355,8 @@ class DaliFiles:
         if fixed is None:
             self._rewritten.pop(i, None)   # a replaced file may not need it any more
             return raw
-        self._rewritten[i] = self._write_copy(i, path, fixed) if self._paths is not None else None
+        copy = self._paths is not None or not is_jpeg(fixed)
+        self._rewritten[i] = self._write_copy(i, path, fixed) if copy else None
         return fixed
 
     def _write_copy(self, i: int, path: str, data: bytes) -> str:
@@ -363,8 +366,8 @@ class DaliFiles:
         with self._rewrite_lock:
             if self._rewrite_dir is None:
                 self._rewrite_dir = tempfile.mkdtemp(prefix="fastdata-dali-")
-        paths = cast(list, self._paths)
-        copy = os.path.join(self._rewrite_dir, f"{i}{os.path.splitext(paths[i])[1] if is_jpeg(data) else '.png'}")
+        ending = os.path.splitext(cast(list, self._paths)[i])[1] if is_jpeg(data) else ".png"
+        copy = os.path.join(self._rewrite_dir, f"{i}{ending}")
         try:
             with open(copy, "wb") as f:
                 f.write(data)
@@ -395,6 +398,13 @@ class DaliFiles:
         be made now."""
         if i not in self._rewritten:
             return raw
+        copy = self._rewritten[i]
+        if copy is not None:   # a shard member's PNG, written when it was learnt
+            try:
+                with open(copy, "rb") as f:
+                    return f.read()
+            except OSError:
+                pass   # removed under the loader (a TMPDIR cleaner): made again from the bytes
         try:
             return dali_input(self.source.sample_name(i), raw, int(self._dims[i, 2])) or raw
         except DecodeError as err:
