@@ -586,3 +586,44 @@ def test_workers_see_what_the_main_process_changed_in_a_dataset_between_epochs(b
     assert not loader.opts["persistent_workers"]
     kept = make_loader(data, backend, batch_size=4, train=False, persistent_workers=True, **{**CPU, "num_workers": 2})
     assert kept.opts["persistent_workers"]             # asked for: the caller's choice stands
+
+
+class _Jitter(torch.utils.data.Dataset):
+    """A Dataset that augments in its own __getitem__ (no attribute named transform), from every global
+    generator."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        import random
+
+        v = i * 10 + random.randrange(5) + int(np.random.randint(3)) + int(torch.randint(0, 2, ()))
+        return torch.full((1, 2, 2), v, dtype=torch.uint8), i % 2
+
+
+def _values(loader):
+    return [(x[:, 0, 0, 0] * 255).round().int().tolist() for x, _ in loader]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_drawing_in_its_own_getitem_repeats_by_seed_and_resumes_exactly(workers):
+    """Only a Dataset's `transform` was seeded: one drawing in __getitem__ itself read the caller's
+    generators (another run, another epoch), and a resumed run read other samples than the
+    uninterrupted one. Its draws now come from (seed, epoch, batch), as every recipe's."""
+    import random
+
+    kw = dict(batch_size=3, seed=5, mean=(0.0,), std=(1.0,), **{**CPU, "num_workers": workers})
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    first = _values(make_loader(_Jitter(), "torch", **kw))
+    torch.manual_seed(2), random.seed(2), np.random.seed(2)
+    state = torch.get_rng_state()
+    second = _values(make_loader(_Jitter(), "torch", **kw))
+    assert first == second and torch.equal(torch.get_rng_state(), state)   # the caller's generator untouched
+    loader = make_loader(_Jitter(), "torch", **kw)
+    it = iter(loader)
+    next(it), next(it)
+    resumed = make_loader(_Jitter(), "torch", **kw)
+    resumed.load_state_dict(loader.state_dict())
+    assert _values(resumed) == first[2:]
+    assert _values(make_loader(_Jitter(), "torch", **{**kw, "num_workers": 2 - workers})) == first

@@ -192,7 +192,13 @@ def _dataset(source, ids, aug, rng, on_error: OnError) -> Decoded:
                     samples.append(pair)
                     kept.append(int(i))
     else:
-        samples, kept = source.fetch_kept(ids, on_error)
+        # A Dataset may draw in its own __getitem__ (an augmentation not named transform, a random
+        # pick): seeded per batch, so a resumed run and a rerun read what the first run read, whatever
+        # the caller's generators hold (they are restored after). The seed is spawned, not drawn: the
+        # recipe's draws below stay those of the same batch of arrays.
+        with seeded_globals() as seed:
+            seed(int(np.random.default_rng(rng.bit_generator.seed_seq.spawn(1)[0]).integers(0, 2 ** 63)))
+            samples, kept = source.fetch_kept(ids, on_error)
     ds_ids = [source.dataset_index(i) for i in kept]
     images, labels = [], []
     for k, (image, label) in enumerate(samples):
