@@ -349,11 +349,12 @@ class LoaderConfig:
             evaluation (sequential order, keep the partial last batch, deterministic preprocessing).
         shuffle, drop_last: None → follow ``train``.
         seed: the order of epoch ``e`` and its random augmentation derive from ``(seed, e)`` alone.
-        device: None → CUDA when available, else CPU.
+        device: None → CUDA when available (under torchrun this rank's GPU, ``cuda:LOCAL_RANK``), else CPU.
         dtype: dtype of the normalized images: float32, bfloat16 or float16.
         channels_last: images in channels-last memory format.
         augment: the recipe; None → the source's default for ``train``.
-        num_workers: worker processes (threads for DALI); None → the usable cores.
+        num_workers: worker processes (threads for DALI); None → this process's share of the usable
+            cores (``default_workers``: the usable cores ÷ ``LOCAL_WORLD_SIZE``, at least 1).
         mean, std: per-channel normalization in [0, 1] units (``scale=255``: in 0-255 pixel units, FFCV's
             and DALI's convention); None → the source's statistics.
         scale: the units of ``mean``/``std``: 1 (fractions, torchvision's convention) or 255. A mean or

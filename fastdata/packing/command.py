@@ -20,7 +20,8 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
     p.add_argument("--max-side", type=cli.positive_int, default=None, metavar="N",
                    help="re-encode photos whose longer side exceeds N as JPEG (quality 90) with that longer side")
     p.add_argument("--workers", type=cli.nonnegative_int, default=None, metavar="N",
-                   help="processes writing shards (default: the usable cores)")
+                   help="processes writing shards (default: the usable cores, shared between the ranks of a node "
+                        "under torchrun)")
     p.add_argument("--timeout", type=cli.positive_float, default=None, metavar="SECONDS",
                    help="under torchrun: how long rank 0 waits for the other ranks' parts and they wait for "
                         "the index (default: as long as it takes)")

@@ -239,8 +239,8 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
             sizes: re-encoded samples (``max_side``, arrays as PNG) make smaller shards.
         max_side: re-encode photos whose longer side exceeds it as JPEG (quality 90) with that longer
             side, upright; None keeps every file's original bytes.
-        workers: processes writing shards (None: the usable cores, at most one per shard; 0 or 1:
-            this process).
+        workers: processes writing shards (None: this process's share of the usable cores, the usable
+            cores ÷ ``LOCAL_WORLD_SIZE`` under a launcher; at most one per shard; 0 or 1: this process).
         split: ``"train"`` or ``"test"``, for a path naming MNIST or ``digits`` (default train).
         rank, world_size: this process's share under a launcher (None: torch.distributed, else the
             launcher's variables, else a single process). Rank r packs shards r, r + world, ...;

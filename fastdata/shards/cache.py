@@ -122,10 +122,14 @@ class ShardCache:
         largest = sorted(sizes.values(), reverse=True)[:self.window]
         need = sum(largest)
         if not self.in_place and self.limit_bytes < need:
-            what = "the largest shard" if self.window == 1 else f"the {self.window} largest shards (window={window})"
-            raise ValueError(f"ShardCache: limit_bytes={self.limit_bytes} ({_human(self.limit_bytes)}) cannot "
-                             f"hold {what}: it needs at least {need} bytes ({_human(need)}) in "
-                             f"{self.cache_dir}; raise the limit or use smaller shards")
+            # Said in Shards' words (its one caller): the user gave cache_limit= and window=, and holds
+            # 2 x window shards at once; "limit_bytes" and this class's window would name neither.
+            what = "the largest shard" if self.window == 1 else f"the {self.window} largest shards"
+            raise ValueError(f"the shard cache's limit (Shards' cache_limit=) of {self.limit_bytes} bytes "
+                             f"({_human(self.limit_bytes)}) cannot hold {what}, the most read at once (Shards "
+                             f"holds 2 x window= shards: the window being read and the next, fetched ahead): "
+                             f"it needs at least {need} bytes ({_human(need)}) in {self.cache_dir}; raise "
+                             f"cache_limit, lower window, or pack smaller shards (pack --shard-size)")
         self._lock = threading.RLock()
         self._reset()
         # In a forked child, drop the inherited lock copies at once, not at its first use of the cache.
