@@ -18,9 +18,24 @@ from functools import lru_cache
 MIN_DRIVER = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
 
 
+#: The image libraries a Pillow wheel bundles and a source build (Pillow-SIMD's) links only where their
+#: headers were found; without one, Pillow cannot read its files. Feature name -> what is lost (the
+#: Debian/Ubuntu package that provides the headers).
+PIL_LIBRARIES = {"webp": "WebP (libwebp-dev)", "libtiff": "compressed TIFF (libtiff-dev)",
+                 "jpg_2000": "JPEG 2000 (libopenjp2-7-dev)", "littlecms2": "ICC profiles (liblcms2-dev)"}
+
+
+def pil_cannot_read() -> list[str]:
+    """What this Pillow cannot read (``PIL_LIBRARIES``' values for the libraries it was built without)."""
+    from PIL import features
+
+    return [lost for feature, lost in PIL_LIBRARIES.items() if not features.check(feature)]
+
+
 @lru_cache(maxsize=None)
 def pil_info() -> dict:
-    """{'version', 'simd', 'avx2'}: Pillow-SIMD versions end in '.postN'; AVX2 is read off the binary.
+    """{'version', 'simd', 'avx2', 'cannot_read'}: Pillow-SIMD versions end in '.postN'; AVX2 is read off
+    the binary; ``cannot_read``: ``pil_cannot_read()``.
 
     Pillow-SIMD exposes no flag for the instruction set it was built with, so the AVX2 check counts
     256-bit (ymm) instructions in ``PIL._imaging`` with objdump: an SSE4 build has none. None where
@@ -39,7 +54,7 @@ def pil_info() -> dict:
             avx2 = "%ymm" in out
         except (OSError, subprocess.SubprocessError):
             avx2 = None
-    return {"version": PIL.__version__, "simd": simd, "avx2": avx2}
+    return {"version": PIL.__version__, "simd": simd, "avx2": avx2, "cannot_read": pil_cannot_read()}
 
 
 def cpu_model() -> str:
@@ -216,6 +231,10 @@ def main(argv=None) -> int:
     pil = r["pil"]
     flavour = ("Pillow-SIMD" + (" (AVX2)" if pil["avx2"] else " (SSE4, no AVX2)" if pil["avx2"] is False else "")
                if pil["simd"] else "Pillow (not SIMD: run ./install.sh to swap in Pillow-SIMD)")
+    if pil.get("cannot_read"):
+        # A source build (install.sh's Pillow-SIMD) links only the libraries whose headers it found.
+        flavour += (f"; built without {', '.join(pil['cannot_read'])}: such files are refused by name "
+                    f"(install those packages, then run ./install.sh again)")
     rows = [
         ("python", r["python"]),
         ("torch", f"{r['torch']} (built for CUDA {r['torch_cuda']})" if r["torch_cuda"]

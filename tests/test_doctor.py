@@ -20,6 +20,26 @@ def test_pil_info_detects_the_installed_flavour():
     assert info["simd"] == (".post" in PIL.__version__)
 
 
+def test_a_pillow_built_without_an_image_library_is_named_with_its_package(monkeypatch, capsys):
+    """install.sh builds Pillow-SIMD from source, which links only the image libraries whose headers the
+    machine has (a Pillow wheel bundles them all): without libwebp's, no .webp file can be read. doctor
+    says which formats are lost and what to install."""
+    from PIL import features
+
+    from fastdata import doctor
+
+    monkeypatch.setattr(features, "check", lambda name: name not in ("webp", "libtiff"))
+    assert doctor.pil_cannot_read() == ["WebP (libwebp-dev)", "compressed TIFF (libtiff-dev)"]
+    monkeypatch.setattr(doctor, "pil_info", lambda: {"version": "9.5.0.post2", "simd": True, "avx2": True,
+                                                     "cannot_read": doctor.pil_cannot_read()})
+    doctor.main()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("PIL"))
+    assert "Pillow-SIMD (AVX2); built without WebP (libwebp-dev), compressed TIFF (libtiff-dev)" in line
+    assert "./install.sh again" in line
+    monkeypatch.setattr(features, "check", lambda name: True)
+    assert doctor.pil_cannot_read() == []
+
+
 # ------------------------------------------------------------------ the GPU verdict (issue 9.13)
 from fastdata import doctor
 from fastdata.doctor import gpu_verdict, parse_nvidia_smi
