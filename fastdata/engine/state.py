@@ -321,7 +321,8 @@ def nonfinite_tensors(module) -> list[str]:
     named = [(name, t) for name, t in named if t.is_floating_point()]
     if not named:
         return []
-    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()   # one host read
+    device = named[0][1].device   # fit keeps them on one; a tensor elsewhere costs its own copy
+    finite = torch.stack([torch.isfinite(t).all().to(device) for _, t in named]).tolist()   # one host read
     return [name for (name, _), ok in zip(named, finite) if not ok]
 
 
