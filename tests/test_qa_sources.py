@@ -98,7 +98,7 @@ def two_folders(tmp_path):
     return tmp_path / "main", tmp_path / "extra"
 
 
-@pytest.mark.parametrize("backend", backend_params(auto=True))
+@pytest.mark.parametrize("backend", backend_params(auto=True) + ["dali:decode=dali"])
 def test_a_concat_of_two_image_folders_is_read_by_every_backend_with_its_classes(two_folders, backend):
     """ConcatDataset([ImageFolder(a), ImageFolder(b)]) was a Dataset memory and dali refused, whose
     classes and class count were unknown (0). It is now one file list: every backend reads it, the
@@ -107,7 +107,9 @@ def test_a_concat_of_two_image_folders_is_read_by_every_backend_with_its_classes
 
     main, extra = (torchvision.datasets.ImageFolder(str(f)) for f in two_folders)
     both = torch.utils.data.ConcatDataset([main, extra])
-    kw = dict(batch_size=4, train=False, augment=Augmentation.imagenet_eval(size=8, resize=8), **CPU)
+    backend, _, decode = backend.partition(":decode=")   # dali with its own decoder too (on the CPU here)
+    opts = {"decode": decode} if decode else {}
+    kw = dict(batch_size=4, train=False, augment=Augmentation.imagenet_eval(size=8, resize=8), **CPU, **opts)
     loader = make_loader(both, backend, **kw)
     assert loader.classes == ["cat", "dog"] and loader.num_classes == 2 and len(loader.dataset) == 8
     same = make_loader(ImageFolder.from_samples(main.samples + extra.samples, ["cat", "dog"]), backend, **kw)
