@@ -12,6 +12,7 @@ import pytest
 
 import fastdata
 from fastdata import LoaderConfig
+from fastdata.backends.dali import DaliLoader  # the module imports DALI only to build a pipeline
 from fastdata.config import usable_cores
 from fastdata.datasets import Shards, make_image_folder
 
@@ -33,6 +34,7 @@ def test_the_worker_default_the_docstrings_state_is_the_share_torchrun_gives(mon
     assert LoaderConfig(device="cpu").num_workers == max(1, usable_cores() // 2)
     for obj, name in ((LoaderConfig, "num_workers"), (fastdata.pack, "workers")):
         assert "LOCAL_WORLD_SIZE" in _arg_doc(obj, name), (obj, _arg_doc(obj, name))
+    assert "share of the usable cores" in _arg_doc(DaliLoader, "num_threads"), _arg_doc(DaliLoader, "num_threads")
 
 
 def test_a_cache_limit_too_small_is_refused_in_the_words_shards_was_given(tmp_path):
@@ -81,3 +83,27 @@ def test_the_shard_figures_in_the_docs_are_those_of_the_results_file():
         section = results[results.index(f"## {backend}"):]
         row = next(r for r in section.splitlines() if r.startswith("| shards "))
         assert f"| {ratio}x (" in row, (backend, ratio, row)
+
+
+def test_the_options_table_names_each_backends_options_with_their_defaults():
+    # docs/backends.md lists every backend's own options with their defaults: a user reads the default
+    # there, not in the class. An option added, renamed or given another default must change the page.
+    import ast
+
+    from fastdata import registry
+
+    page = (ROOT / "docs/backends.md").read_text()
+    start = page.index("| backend | option and default |")
+    table = page[start:page.index("\n\n", start)]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (.*) \|$", table, re.M)}
+    assert {"torch", "prefetch", "memory", "dali"} <= set(rows), rows
+    for name, row in rows.items():
+        options = registry.spec(name).option_names()
+        if name == "prefetch":
+            row += " " + rows["torch"].replace("`", "")   # "torch's, and ..."
+        named = {w for w in re.findall(r"`?(\w+)(?:=|`)", row) if w in options}
+        assert named == set(options), (name, sorted(set(options) - named), sorted(named - set(options)))
+        defaults = registry.backend_class(name).options
+        for option, text in re.findall(r"`(\w+)=([^`]+)`", row):
+            assert option in defaults, (name, option)
+            assert ast.literal_eval(text) == defaults[option], (name, option, text, defaults[option])

@@ -154,7 +154,8 @@ class DaliLoader(DaliFiles, Loader):
     """NVIDIA DALI backend (CPU threads here, nvJPEG + CUDA kernels on a GPU).
 
     Options:
-        num_threads: DALI's CPU worker threads (default: ``config.num_workers``, the usable cores).
+        num_threads: DALI's CPU worker threads (default: ``config.num_workers``, this process's share of
+            the usable cores).
         prefetch_queue_depth: batches DALI prepares ahead of the consumer (default 4 on a GPU where
             their outputs fit in an eighth of the free memory, else 2).
         read_threads: threads that read files (and check each once) ahead of DALI (default:
