@@ -224,9 +224,9 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
             and resume then apply to the subset.
         like: a training loader this one evaluates against: its device, dtype, layout, batch size,
             seed and, above all, its normalization statistics (a test set must be normalized with
-            the training set's mean/std, not its own), with ``train=False``; over photos, the
-            evaluation crop at the training loader's crop size (``imagenet_eval(size=s, resize=s*256/224)``
-            after ``imagenet_train(size=s)``). Keyword arguments and ``config`` fields still override,
+            the training set's mean/std, not its own), with ``train=False``; after a training crop to
+            ``s`` (``imagenet_train(size=s)``), the evaluation crop at ``s`` too
+            (``imagenet_eval(size=s, resize=s*256/224)``). Keyword arguments and ``config`` fields still override,
             except a config's ``train`` (True by default, not by choice): only a ``train=True`` keyword
             makes it a training loader.
         quiet: do not report ``auto``'s choice.
@@ -309,13 +309,14 @@ def _like(train_loader, source, config, kwargs) -> tuple:
 
 
 def _eval_recipe(train_loader, source, caller: dict):
-    """The evaluation recipe of a ``like=`` loader over photos when the training loader crops to a size
-    of its own (``imagenet_train(size=128)``): the center crop at that size, the shorter side resized in
-    proportion (``size * 256 / 224``, the ratio of the default recipe, as torchvision's references and
-    timm's ``crop_pct`` keep it), or the training loader's own center crop. None: the source's default
-    stands (the caller gave ``augment``, the source has a per-sample transform or is not photos, or
-    the sizes already agree). Without it, a model trained at 128 was evaluated at 224: another
-    resolution than it learnt (a ViT's position embeddings refuse it)."""
+    """The evaluation recipe of a ``like=`` loader whose training loader crops to a size
+    (``imagenet_train(size=s)``) its source's own evaluation recipe would not give: the center crop at
+    ``s``, the shorter side resized in proportion (the source's evaluation ratio, else ``256 / 224``,
+    as torchvision's references and timm's ``crop_pct`` keep it), or the training loader's own center
+    crop. Photos evaluated at 224 after training at 32, and arrays (CIFAR trained upscaled to 64) at
+    their own 32: another resolution than the model learnt (a ViT's position embeddings refuse it).
+    None: the source's default stands (the caller gave ``augment``, the source has a per-sample
+    transform, the training loader keeps the size, or the sizes already agree)."""
     from .config import Augmentation, Crop
 
     theirs = getattr(train_loader, "augment", None)
@@ -324,9 +325,10 @@ def _eval_recipe(train_loader, source, caller: dict):
     if getattr(source, "sample_transform", None) is not None:
         return None
     mine = source.default_augmentation(False)
-    if mine.crop is not Crop.CENTER or mine.resize is None or mine.crop_size == theirs.crop_size:
-        return None
     size = theirs.crop_size
+    if mine.crop.fixes_size and mine.crop_size == size:
+        return None
     if theirs.crop is Crop.CENTER and theirs.resize is not None:
         return Augmentation.imagenet_eval(size=size, resize=theirs.resize)
-    return Augmentation.imagenet_eval(size=size, resize=max(size, round(size * mine.resize / mine.crop_size)))
+    ratio = mine.resize / mine.crop_size if mine.crop is Crop.CENTER and mine.resize is not None else 256 / 224
+    return Augmentation.imagenet_eval(size=size, resize=max(size, round(size * ratio)))

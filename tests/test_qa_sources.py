@@ -629,3 +629,37 @@ def test_a_dataset_drawing_in_its_own_getitem_repeats_by_seed_and_resumes_exactl
     resumed.load_state_dict(loader.state_dict())
     assert _values(resumed) == first[2:]
     assert _values(make_loader(_Jitter(), "torch", **{**kw, "num_workers": 2 - workers})) == first
+
+
+@pytest.mark.parametrize("backend", ["torch", "memory", "dali"])
+def test_arrays_trained_upscaled_are_evaluated_at_the_training_size(backend):
+    """CIFAR trained with imagenet_train(size=64) (upscaled, for a pretrained model) was evaluated by a
+    like= loader at its own 32 px."""
+    from fastdata.datasets import ArraySource
+
+    src = ArraySource(np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), dtype=np.uint8), np.arange(8) % 2)
+    train = make_loader(src, backend, batch_size=4, augment=Augmentation.imagenet_train(size=64), **CPU)
+    val = make_loader(src, backend, like=train)
+    assert val.augment == Augmentation.imagenet_eval(size=64, resize=73)
+    want = make_loader(src, backend, batch_size=4, train=False, mean=train.mean, std=train.std,
+                       augment=Augmentation.imagenet_eval(size=64, resize=73), **CPU)
+    got = _batches(val)
+    assert [tuple(x.shape) for x, _ in got] == [(4, 3, 64, 64)] * 2
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, _batches(want)))
+
+
+def test_a_datasets_photos_of_mixed_sizes_are_evaluated_at_the_training_size():
+    """A Dataset of photos of mixed sizes trained with imagenet_train(size=16): its like= loader had no
+    recipe and refused the batch ("images of different sizes")."""
+    from PIL import Image
+
+    class Photos(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return Image.new("RGB", (20 + 3 * i, 18), (40 * i, 0, 0)), i % 2
+
+    train = make_loader(Photos(), "torch", batch_size=2, augment=Augmentation.imagenet_train(size=16), **CPU)
+    val = make_loader(Photos(), "torch", like=train)
+    assert [tuple(x.shape) for x, _ in val] == [(2, 3, 16, 16)] * 2
