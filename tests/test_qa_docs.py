@@ -107,3 +107,15 @@ def test_the_options_table_names_each_backends_options_with_their_defaults():
         for option, text in re.findall(r"`(\w+)=([^`]+)`", row):
             assert option in defaults, (name, option)
             assert ast.literal_eval(text) == defaults[option], (name, option, text, defaults[option])
+
+
+def test_the_contract_lists_every_loader_config_field():
+    # docs/contract.md names LoaderConfig's fields, the options every backend shares: a field added
+    # without the page is an option users never hear of.
+    import dataclasses
+
+    page = " ".join((ROOT / "docs/contract.md").read_text().split())
+    listed = page[page.index("Options shared by all backends"):page.index("`mean`/`std` are in [0, 1] units")]
+    named = set(re.findall(r"`(\w+)`", listed))
+    fields = {f.name for f in dataclasses.fields(LoaderConfig)}
+    assert fields <= named, sorted(fields - named)
