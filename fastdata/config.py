@@ -128,6 +128,10 @@ def check_pixel_stats(name: str, values, where: str = "") -> None:
 def check_reals(name: str, value) -> tuple[float, ...]:
     """``value`` (one number or a sequence) as a non-empty tuple of finite floats; errors name ``name``
     and the index."""
+    if hasattr(value, "tolist") and hasattr(value, "ndim"):
+        # Statistics a user measured (x.mean(axis=(0, 1, 2)) / 255) come as a numpy array or a tensor:
+        # refused as "must be a number, got array([...])" where a list of the same numbers passed.
+        value = value.tolist()
     values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if not values:
         raise ValueError(f"{name} must hold one value per channel, got {value!r}")

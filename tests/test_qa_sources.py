@@ -663,3 +663,15 @@ def test_a_datasets_photos_of_mixed_sizes_are_evaluated_at_the_training_size():
     train = make_loader(Photos(), "torch", batch_size=2, augment=Augmentation.imagenet_train(size=16), **CPU)
     val = make_loader(Photos(), "torch", like=train)
     assert [tuple(x.shape) for x, _ in val] == [(2, 3, 16, 16)] * 2
+
+
+def test_statistics_measured_with_numpy_or_torch_are_taken():
+    """mean=x.mean(axis=(0, 1, 2)) / 255 (a numpy array) or a tensor was refused as "mean must be a
+    number, got array([...])", where the same numbers in a list passed."""
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 3, 4, 4, dtype=torch.uint8), torch.arange(8) % 2)
+    pixels = np.array([[0.25, 0.5, 0.75]])
+    for mean, std in [(pixels.mean(axis=0), np.full(3, 0.5, np.float32)),
+                      (torch.tensor([0.25, 0.5, 0.75]), torch.full((3,), 0.5))]:
+        loader = make_loader(data, "memory", batch_size=4, mean=mean, std=std, **CPU)
+        assert loader.config.mean == (0.25, 0.5, 0.75) and loader.config.std == (0.5,) * 3
+        assert torch.allclose(next(iter(loader))[0][0, :, 0, 0], torch.tensor([-0.5, -1.0, -1.5]))
