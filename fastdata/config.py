@@ -373,8 +373,9 @@ class LoaderConfig:
         even_batches: with ``drop_last=False`` under several ranks, pad the epoch's last step as
             DistributedSampler does (with samples from the epoch's start) so every rank's last batch has
             the same size: collectives that need equal shapes (``accelerator.gather_for_metrics``, an
-            all-gather of predictions) then work. ``loader.remainder`` says how many samples of the last
-            step are real (accelerate reads it and drops the padding from the gathered metric).
+            all-gather of predictions) then work. Where accelerate is imported, each pass sets
+            ``loader.remainder``, how many samples of the last step are real, which accelerate's
+            ``gather_for_metrics`` reads to drop the padding (without accelerate, nothing sets it).
         on_error: ``"raise"`` an error naming a file that cannot be decoded, or ``"skip"`` it (counted).
     """
 

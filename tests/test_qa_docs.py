@@ -119,3 +119,30 @@ def test_the_contract_lists_every_loader_config_field():
     named = set(re.findall(r"`(\w+)`", listed))
     fields = {f.name for f in dataclasses.fields(LoaderConfig)}
     assert fields <= named, sorted(fields - named)
+
+
+@pytest.mark.requires("accelerate")
+def test_loader_remainder_is_set_only_where_accelerate_is_imported_as_the_docstring_says():
+    # LoaderConfig's docstring promised ``loader.remainder`` to everyone; a pass sets it only for
+    # accelerate (backends/base.py), so a user reading it without accelerate got an AttributeError.
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from fastdata import make_loader
+from fastdata.datasets import SyntheticDigits
+if sys.argv[1] == "accelerate":
+    import accelerate  # noqa: F401
+loader = make_loader(SyntheticDigits(n=9), "torch", device="cpu", batch_size=4, train=False, rank=1, world_size=2,
+                     num_workers=0, even_batches=True)
+print([len(labels) for _, labels in loader], getattr(loader, "remainder", None))
+"""
+    runs = {}
+    for mode in ("plain", "accelerate"):
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs[mode] = out.stdout.split("\n")[-2]
+    assert runs == {"plain": "[4, 1] None", "accelerate": "[4, 1] 1"}, runs
+    doc = _arg_doc(LoaderConfig, "even_batches")
+    assert "Where accelerate is imported" in doc and "nothing sets it" in doc, doc
