@@ -167,6 +167,54 @@ def test_color_jitter_equals_torchvision_on_the_pixels(name, factor):
     torch.testing.assert_close(unnorm(out), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("shift", [0.1, -0.3, 0.5, -0.5])
+def test_color_jitter_hue_equals_torchvision_on_the_pixels(shift):
+    """ColorJitter(hue=): torchvision's adjust_hue (an HSV round trip), per sample; a grey batch is left
+    as it is, as torchvision leaves it."""
+    from torchvision.transforms.v2 import functional as F
+
+    x = pixels()
+    out, _ = pipe([ColorJitter(hue=(shift, shift))])(norm(x), labels_of(16), 9)
+    torch.testing.assert_close(unnorm(out), F.adjust_hue(x, shift), atol=1e-5, rtol=0)
+    grey = torch.rand(4, 1, 8, 8)
+    same, _ = pipe([ColorJitter(hue=0.5)], mean=(0.5,), std=(0.2,))(grey, labels_of(4), 1)
+    assert torch.equal(same, grey)
+
+
+@pytest.mark.parametrize("hue, match", [(0.6, r"hue must be in \[0, 0.5\]"), (-0.1, r"hue must be in \[0, 0.5\]"),
+                                        ((-0.6, 0.1), r"hue\[0\] must be a number in \[-0.5, 0.5\]"),
+                                        ((0.2, 0.1), "hue")])
+def test_color_jitter_refuses_a_hue_outside_torchvisions_bounds(hue, match):
+    with pytest.raises(ValueError, match=match):
+        ColorJitter(hue=hue)
+
+
+def test_color_jitter_with_hue_takes_a_random_order_of_four_per_sample():
+    """The four operations in each image's own order, each order one of torchvision's 24; turning the hue
+    on leaves the other three factors' draws as they were (the hue's draws come after)."""
+    import itertools
+
+    from torchvision.transforms.v2 import functional as F
+
+    x = pixels(128)
+    factors = {"brightness": 1.4, "contrast": 0.5, "saturation": 0.3, "hue": 0.2}
+    t = ColorJitter(**{k: (v, v) for k, v in factors.items()})
+    got = unnorm(pipe([t])(norm(x), labels_of(128), 4)[0])
+    orders = []
+    for order in itertools.permutations(factors):
+        y = x
+        for name in order:
+            y = getattr(F, f"adjust_{name}")(y, factors[name])
+        orders.append(y)
+    match = torch.tensor([[torch.allclose(got[i], o[i], atol=1e-4) for o in orders] for i in range(128)])
+    assert match.any(1).all()
+    # Some orders give the same pixels (brightness and saturation commute where nothing clamps): the
+    # images differ by which orders they match, and a fixed order would match one set for all.
+    assert len({tuple(row) for row in match.tolist()}) >= 6
+    without, with_hue = (pipe([ColorJitter(0.4, 0.4, 0.4, h)])(norm(x), labels_of(128), 4)[0] for h in (0, 0.1))
+    assert not torch.equal(without, with_hue)
+
+
 def test_color_jitter_random_order_per_sample():
     import itertools
 
@@ -306,7 +354,7 @@ def test_one_of_takes_plain_callables_too():
 # ----------------------------------------------------------------------------------- the pipeline
 ALL = [RandomHorizontalFlip(), RandomVerticalFlip(), Cutout(4, holes=2), RandomErasing(p=1.0),
        RandomErasing(p=1.0, value="random"), RandomErasing(p=1.0, value=(0.1, 0.2, 0.3)),
-       ColorJitter(0.4, 0.4, 0.4), RandomGrayscale(0.5), MixUp(0.2), CutMix(1.0),
+       ColorJitter(0.4, 0.4, 0.4), ColorJitter(0.4, 0.4, 0.4, 0.1), RandomGrayscale(0.5), MixUp(0.2), CutMix(1.0),
        OneOf([MixUp(0.8), CutMix(1.0)])]
 
 
@@ -503,7 +551,7 @@ class _Wrapper(torch.nn.Module):
      r"transforms\[1\] is torchvision's RandomInvert"),
     (lambda: [_tv()[1].TrivialAugmentWide()], TypeError, r"TrivialAugmentWide, which takes images in \[0, 1\]"),
     (lambda: [_tv()[1].GaussianNoise(sigma=0.01)], TypeError, r"GaussianNoise, which takes images in \[0, 1\]"),
-    (lambda: [_tv()[1].ColorJitter(hue=0.1)], TypeError, r"ColorJitter, which .*run it per sample on the source"),
+    (lambda: [_tv()[1].ColorJitter(hue=0.1)], TypeError, r"ColorJitter, which .*use fastdata.batch_transforms"),
     # inside compositions, at any depth: nn.Sequential (torchvision's scripted composition), a module's children
     (lambda: [torch.nn.Sequential(_tv()[1].RandomVerticalFlip(), _tv()[1].Normalize((0.5,), (0.2,)))], TypeError,
      r"batch_transforms\[0\] \(Sequential.*\)\[1\] is torchvision's Normalize: .*pass mean=/std="),
@@ -704,7 +752,8 @@ def test_example_trains_with_its_own_transform(backend, capsys):
 # ----------------------------------------------------------------------------------- CUDA
 # Transforms whose draws are forced, or drawn on the host: the same output on CPU and CUDA.
 FORCED = [RandomHorizontalFlip(p=1.0), RandomVerticalFlip(p=0.0), Cutout(4, p=0.0), RandomErasing(p=0.0),
-          ColorJitter(brightness=(1.3, 1.3)), ColorJitter(saturation=(0.4, 0.4)), RandomGrayscale(p=1.0),
+          ColorJitter(brightness=(1.3, 1.3)), ColorJitter(saturation=(0.4, 0.4)), ColorJitter(hue=(0.2, 0.2)),
+          RandomGrayscale(p=1.0),
           MixUp(0.4), CutMix(1.0), OneOf([MixUp(0.4), CutMix(1.0)])]
 
 

@@ -183,13 +183,12 @@ def test_mixing_transforms_that_disagree_on_label_smoothing_are_refused(make):
 
 
 # ----------------------------------------------------------------------------------- ColorJitter's arguments
-def test_color_jitter_written_as_torchvisions_with_a_hue_says_hue():
+def test_color_jitter_written_as_torchvisions_takes_the_hue_fourth():
     """torchvision's signature is ColorJitter(brightness, contrast, saturation, hue): ported as it is,
-    ColorJitter(0.4, 0.4, 0.4, 0.1) put the hue into mean= and failed with "give both mean and std"."""
-    with pytest.raises(ValueError, match=r"ColorJitter: hue.*not offered"):
-        ColorJitter(0.4, 0.4, 0.4, 0.1)
-    with pytest.raises(ValueError, match=r"ColorJitter: hue"):
-        ColorJitter(brightness=0.4, hue=(-0.1, 0.1))
+    ColorJitter(0.4, 0.4, 0.4, 0.1) put the hue into mean= and failed with "give both mean and std".
+    The fourth argument is the hue, as torchvision's."""
+    assert ColorJitter(0.4, 0.4, 0.4, 0.1).hue == (-0.1, 0.1)
+    assert ColorJitter(brightness=0.4, hue=(-0.1, 0.2)).hue == (-0.1, 0.2)
     z = norm(pixels())
     plain = pipe([ColorJitter(0.4, 0.4, 0.4)])(z, labels_of(16), 3)[0]
     for no_hue in (0, 0.0, None, (0, 0)):   # torchvision's identity hue is accepted, and changes nothing
@@ -221,8 +220,8 @@ def test_color_jitter_contrast_and_saturation_refuse_batches_neither_rgb_nor_gre
     # torchvision refuses them ("permitted channel values are 1 or 3"): a grey level of 4 channels
     # (RGBA, multispectral) is not defined; the channels' plain mean stood in for it silently
     z = torch.randn(4, 4, 8, 8)
-    for t in (ColorJitter(contrast=0.4), ColorJitter(saturation=0.4)):
-        with pytest.raises(ValueError, match=r"ColorJitter.*contrast and saturation.*4 channels"):
+    for t in (ColorJitter(contrast=0.4), ColorJitter(saturation=0.4), ColorJitter(hue=0.1)):
+        with pytest.raises(ValueError, match=r"ColorJitter.*contrast, saturation and hue.*4 channels"):
             pipe([t], mean=(0.5,) * 4, std=(0.25,) * 4)(z, labels_of(4), 0)
     out, _ = pipe([ColorJitter(brightness=(2.0, 2.0))], mean=(0.5,) * 4, std=(0.25,) * 4)(z, labels_of(4), 0)
     torch.testing.assert_close(unnorm(out, (0.5,) * 4, (0.25,) * 4),

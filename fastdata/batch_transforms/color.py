@@ -10,7 +10,7 @@ import torch
 
 from .arguments import mean_std, probability, set_field, value_range, with_stats
 from .base import BatchTransform
-from .ops import gray, rand, unnormalize
+from .ops import gray, rand, shift_hue, unnormalize
 
 
 def _jitter_range(name: str, value) -> tuple[float, float] | None:
@@ -28,21 +28,41 @@ def _jitter_range(name: str, value) -> tuple[float, float] | None:
     return None if lo == hi == 1.0 else (lo, hi)
 
 
+def _hue_range(value) -> tuple[float, float] | None:
+    """torchvision's hue argument: h in [0, 0.5] → (-h, h), or (min, max) inside [-0.5, 0.5]; the
+    identity (0, None, (0, 0)) → None (skipped, as torchvision does)."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        h = float(value)
+        if not (math.isfinite(h) and 0 <= h <= 0.5):
+            raise ValueError(f"ColorJitter: hue must be in [0, 0.5] or a (min, max) pair inside [-0.5, 0.5] "
+                             f"(a fraction of the hue circle, as torchvision's), got {value!r}")
+        lo, hi = -h, h
+    else:
+        lo, hi = value_range("ColorJitter", "hue", value, low=-0.5, high=0.5)
+    return None if lo == hi == 0.0 else (lo, hi)
+
+
 @dataclass(frozen=True)
 class ColorJitter(BatchTransform):
-    """torchvision's ColorJitter (brightness, contrast, saturation), per sample, on normalized batches.
+    """torchvision's ColorJitter (brightness, contrast, saturation, hue), per sample, on normalized batches.
 
     The images are un-normalized with the loader's mean/std to [0, 1] pixels, jittered exactly as
     torchvision's functional ops do (each clamps to [0, 1]), and normalized again, in float32. Each
-    image draws its own factors and its own order of the three operations (torchvision draws a random
-    order too). Hue is not offered (it needs an HSV round trip per pixel).
+    image draws its own factors and its own order of the operations (torchvision draws a random order
+    too). The arguments are torchvision's, in its order: ``ColorJitter(0.4, 0.4, 0.4, 0.1)`` ports as
+    it is.
 
     Args:
         brightness, contrast, saturation: v ≥ 0 draws the factor from [max(0, 1 - v), 1 + v]; a
             (min, max) pair gives the range; 0 or (1, 1) leaves the property alone.
-        hue: only torchvision's identity (0, None or (0, 0)): the argument is there so that
-            torchvision's ``ColorJitter(b, c, s, h)`` ported as it is gets an error about the hue, not
-            a hue read as ``mean``.
+        hue: h in [0, 0.5] draws the shift from [-h, h] (a fraction of the hue circle, torchvision's
+            ``adjust_hue``: an HSV round trip per pixel); a (min, max) pair inside [-0.5, 0.5] gives
+            the range; 0 or None leaves the hue alone. On a grey batch it does nothing, as
+            torchvision's. It costs most of the transform: every slot of the random order computes the
+            shifted batch (picking per image has no sync-free way to compute only the images it
+            concerns).
         mean, std: keyword-only; the batches' normalization; None (the default) takes the loader's.
             Give them only to use the transform outside a loader (in one, others than the loader's
             are refused: the batches are normalized with the loader's).
@@ -56,12 +76,7 @@ class ColorJitter(BatchTransform):
     std: tuple | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
-        if not (self.hue is None or self.hue == 0 or (isinstance(self.hue, (tuple, list)) and len(self.hue) == 2
-                                                       and self.hue[0] == self.hue[1] == 0)):
-            raise ValueError(f"ColorJitter: hue={self.hue!r} is not offered (a hue shift is an HSV round trip per "
-                             f"pixel): drop it (0 or None), or run torchvision's ColorJitter per sample on the "
-                             f"source (ImageFolder(root, transform=...) or a torch Dataset, torch/prefetch backends)")
-        set_field(self, "hue", None)
+        set_field(self, "hue", _hue_range(self.hue))
         for name in ("brightness", "contrast", "saturation"):
             set_field(self, name, _jitter_range(name, getattr(self, name)))
         mean, std = mean_std("ColorJitter", self.mean, self.std)
@@ -72,34 +87,43 @@ class ColorJitter(BatchTransform):
         return with_stats(self, context) if self._ops() else self
 
     def _ops(self):
-        return [(k, r) for k, r in enumerate((self.brightness, self.contrast, self.saturation)) if r is not None]
+        return [(k, r) for k, r in enumerate((self.brightness, self.contrast, self.saturation, self.hue))
+                if r is not None]
 
     def __call__(self, images, labels, generator):
         n, c = images.shape[:2]
         dev = images.device
-        # Saturation of a one-channel image is the image itself (torchvision returns it unchanged).
-        ops = [k for k, _ in self._ops() if not (k == 2 and c == 1)]
+        # Saturation and hue of a one-channel image are the image itself (torchvision returns it unchanged).
+        ops = [k for k, _ in self._ops() if not (k in (2, 3) and c == 1)]
         if not ops:
             return images, labels
-        if c not in (1, 3) and (1 in ops or 2 in ops):
+        if c not in (1, 3) and (1 in ops or 2 in ops or 3 in ops):
             # torchvision refuses them too: a grey level of RGBA or multispectral images is not defined
-            raise ValueError(f"ColorJitter: contrast and saturation take RGB (3-channel) or grey batches, got "
-                             f"{c} channels (brightness alone takes any)")
+            raise ValueError(f"ColorJitter: contrast, saturation and hue take RGB (3-channel) or grey batches, "
+                             f"got {c} channels (brightness alone takes any)")
         if self.mean is None:
             raise ValueError("ColorJitter needs the batches' mean/std: use it in a loader's batch_transforms, "
                              "a BatchPipeline(..., mean=, std=), or give ColorJitter(..., mean=, std=)")
         # The same draws whatever is enabled (an order key and a factor per operation), so turning one
-        # operation on does not change the others' factors.
+        # operation on does not change the others' factors. Hue's come after, only with a hue: the
+        # draws of a jitter without one are those of the releases that had no hue.
         keys, u = rand(n, generator, dev, 3), rand(n, generator, dev, 3)
-        ranges = (self.brightness, self.contrast, self.saturation)
+        if self.hue is not None:
+            keys, u = torch.cat([keys, rand(n, generator, dev, 1)], 1), torch.cat([u, rand(n, generator, dev, 1)], 1)
+        ranges = (self.brightness, self.contrast, self.saturation, self.hue)
         x, m, s = unnormalize(self, images)
         # Every operation is torchvision's blend, clamp(f * x + (1 - f) * target, 0, 1), with target 0
         # (brightness), the image's mean grey level (contrast) or its grey image (saturation). So each
         # of the k slots of the per-image random order is one pass over the batch with per-image
         # weights, whichever operation each image does there: no per-image loop, and no operation
         # computed for images that do not do it. (Columns are picked by basic indexing: a list index
-        # would upload the list to the device, a blocking copy.)
+        # would upload the list to the device, a blocking copy.) The hue shift is no blend: its images
+        # take weight 1 on themselves there, and the shifted batch in their slot.
         f = torch.stack([u[:, k] * (ranges[k][1] - ranges[k][0]) + ranges[k][0] for k in ops], 1)
+        hue = ops.index(3) if 3 in ops else None
+        if hue is not None:
+            shift = f[:, hue].clone()
+            f[:, hue] = 1.0
         zero = torch.zeros_like(f[:, 0])
         to_grey = torch.stack([1 - f[:, j] if k == 2 else zero for j, k in enumerate(ops)], 1)
         to_mean = torch.stack([1 - f[:, j] if k == 1 else zero for j, k in enumerate(ops)], 1)
@@ -113,6 +137,8 @@ class ColorJitter(BatchTransform):
                     out.add_(grey * to_grey.gather(1, pick).view(-1, 1, 1, 1))
                 if 1 in ops:
                     out.add_(grey.mean(dim=(1, 2, 3), keepdim=True) * to_mean.gather(1, pick).view(-1, 1, 1, 1))
+            if hue is not None:
+                out = torch.where((pick == hue).view(-1, 1, 1, 1), shift_hue(x, shift), out)
             x = out.clamp_(0, 1)
         return x.sub_(m).div_(s).to(images.dtype), labels
 

@@ -25,6 +25,53 @@ def gray(x: torch.Tensor) -> torch.Tensor:
     return r.mul(_LUMA[0]).add_(g, alpha=_LUMA[1]).add_(b, alpha=_LUMA[2]).unsqueeze(1)
 
 
+def shift_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """(N, 3, H, W) RGB in [0, 1], each image's hue turned by its ``shift`` (N,) (a fraction of the
+    circle): torchvision's ``adjust_hue`` (v2, tensors), with a shift per image."""
+    r, g, _ = x.unbind(1)
+    minc, maxc = torch.aminmax(x, dim=1)
+    # As torchvision: where max = min, S and H are erased (no division by zero, so no NaN).
+    eqc = maxc == minc
+    channels_range = maxc - minc
+    ones = torch.ones_like(maxc)
+    sat = channels_range / torch.where(eqc, ones, maxc)
+    divisor = torch.where(eqc, ones, channels_range).unsqueeze_(1)
+    rc, gc, bc = ((maxc.unsqueeze(1) - x) / divisor).unbind(1)
+    neq_r, eq_g = maxc != r, maxc == g
+    hg = rc.add(2.0).sub_(bc).mul_(eq_g & neq_r)
+    hr = bc.sub_(gc).mul_(~neq_r)
+    hb = gc.add_(4.0).sub_(rc).mul_(neq_r.logical_and_(eq_g.logical_not_()))
+    h = hr.add_(hg).add_(hb).mul_(1.0 / 6.0).add_(1.0).fmod_(1.0)
+    h = h.add_(shift.view(-1, 1, 1)).remainder_(1.0)
+    # HSV -> RGB, as torchvision's _hsv_to_rgb.
+    h6 = h.mul_(6)
+    i = torch.floor(h6)
+    frac = h6.sub_(i)
+    i = i.to(dtype=torch.int64).remainder_(6)
+    sxf = sat * frac
+    one_minus_s = 1.0 - sat
+    q = (1.0 - sxf).mul_(maxc).clamp_(0.0, 1.0)
+    t = sxf.add_(one_minus_s).mul_(maxc).clamp_(0.0, 1.0)
+    p = one_minus_s.mul_(maxc).clamp_(0.0, 1.0)
+    vpqt = torch.stack((maxc, p, q, t), dim=1)
+    return vpqt.gather(1, _hsv_select(x.device)[:, i].moveaxis(0, 1))
+
+
+_HSV_SELECT: dict = {}
+
+
+def _hsv_select(device) -> torch.Tensor:
+    """torchvision's table of which of (v, p, q, t) each RGB channel takes in each sixth of the hue
+    circle, on ``device``, made once per device by fill kernels (``torch.tensor(..., device="cuda")``
+    would be a blocking copy from the host)."""
+    table = _HSV_SELECT.get(device)
+    if table is None:
+        rows = ((0, 2, 1, 1, 3, 0), (3, 0, 0, 2, 1, 1), (1, 1, 3, 0, 0, 2))
+        table = torch.stack([torch.full((), v, dtype=torch.int64, device=device) for row in rows for v in row])
+        _HSV_SELECT[device] = table = table.view(3, 6)
+    return table
+
+
 def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
     """int64 (N,) → float32 (N, num_classes) targets, label-smoothed; soft labels pass through as float32.
 

@@ -50,8 +50,6 @@ def _check_torchvision(where: str, t) -> None:
                                                  and getattr(t, "clip", True)):
         fastdata_one = {"ColorJitter": "ColorJitter", "Grayscale": "RandomGrayscale(p=1.0)",
                         "RandomGrayscale": "RandomGrayscale"}.get(name)
-        if getattr(t, "hue", None) is not None:
-            fastdata_one = None   # fastdata's ColorJitter has no hue
         instead = (f"use fastdata.batch_transforms.{fastdata_one}, which un-normalizes with the loader's "
                    f"mean/std, applies torchvision's operation and normalizes again" if fastdata_one else
                    "run it per sample on the source (ImageFolder(root, transform=...) or a torch Dataset, "
