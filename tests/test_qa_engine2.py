@@ -268,3 +268,29 @@ def test_the_step_log_gives_each_batch_the_rate_it_trained_at(tmp_path, accumula
         log_dir=tmp_path, log_every=1, progress=False)
     logged = [float(r["lr"]) for r in csv.DictReader(open(tmp_path / "steps.csv"))]
     assert logged == [opt.rates[b // accumulate] for b in range(12)]
+
+
+@pytest.mark.parametrize("loss_fn, what", [
+    (torch.nn.CrossEntropyLoss(reduction="none"), r"a tensor of shape \(8,\)"),
+    (lambda logits, labels: (logits.sum(), 1), r"a tuple"),
+    (lambda logits, labels: torch.nn.functional.cross_entropy(logits, labels).item(), r"a float"),
+    (lambda logits, labels: torch.nn.functional.cross_entropy(logits, labels).detach(),
+     r"a tensor that does not require grad"),
+])
+def test_a_loss_fn_that_returns_no_scalar_loss_is_named(loss_fn, what):
+    """A per-sample loss (reduction='none'), a tuple, a float (.item()) or a detached tensor failed inside
+    autograd or the step ("grad can be implicitly created only for scalar outputs", "'tuple' object has
+    no attribute 'backward'"), naming neither the loss function nor the cure."""
+    with pytest.raises(TypeError, match=rf"loss_fn returned {what}.*: fit needs the batch's loss as one number"):
+        fit(_plain_net(), ListLoader(_batches(2, size=8)), epochs=1, loss_fn=loss_fn, progress=False)
+
+
+def test_evaluate_names_a_per_sample_loss_too():
+    from fastdata.engine import evaluate
+
+    with pytest.raises(TypeError, match=r"the evaluation loss \(evaluate's loss_fn, fit's eval_loss_fn\) returned "
+                                        r"a tensor of shape \(8,\)"):
+        evaluate(_plain_net(), ListLoader(_batches(2, size=8)), loss_fn=torch.nn.CrossEntropyLoss(reduction="none"))
+    one = evaluate(_plain_net(), ListLoader(_batches(2, size=8)),
+                   loss_fn=lambda logits, labels: torch.nn.functional.cross_entropy(logits, labels).reshape(1))
+    assert math.isfinite(one["loss"])   # a one-element tensor is a loss too

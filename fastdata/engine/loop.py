@@ -23,6 +23,7 @@ from .step import (
     check_labels,
     compiled_original,
     correct_count,
+    loss_value,
 )
 
 
@@ -63,7 +64,8 @@ def _evaluate(model, loader, device, amp, loss_fn) -> dict:
             with autocast(device, mode):
                 logits = model(images)
                 check_labels(logits, labels)
-                loss = loss_fn(logits, labels)
+                loss = loss_value(loss_fn(logits, labels), "the evaluation loss (evaluate's loss_fn, fit's "
+                                  "eval_loss_fn)", grad=False)
             sums[0] += loss.detach().double() * n
             sums[1] += correct_count(logits, labels)
             sums[2] += n

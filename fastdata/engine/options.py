@@ -106,7 +106,9 @@ class FitConfig:
         progress: a tqdm bar with live images/s and data-wait %, shown only when stderr is a terminal.
         loss_fn: the training loss, ``loss_fn(logits, labels)``; default ``nn.CrossEntropyLoss()``
             (class indices or class probabilities; under autocast it computes in float32 whatever the
-            logits' dtype). It is not used for evaluation: see ``eval_loss_fn``.
+            logits' dtype). It is not used for evaluation: see ``eval_loss_fn``. Both return the batch's
+            loss as one number (a scalar tensor, from the logits); a per-sample loss (``reduction='none'``),
+            a tuple or a float is a TypeError naming the loss (``step.loss_value``).
         eval_loss_fn: the loss ``evaluate`` reports as ``eval_loss``; default ``nn.CrossEntropyLoss()``
             on the evaluation labels, hard or soft. Separate from ``loss_fn`` because a training loss
             often does not take the evaluation labels: timm's recipe trains with

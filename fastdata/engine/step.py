@@ -29,6 +29,24 @@ def check_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
                          f"num_classes, {logits.shape[1]})")
 
 
+def loss_value(loss, name: str, *, grad: bool = True) -> torch.Tensor:
+    """``loss``, what a loss function returned, as the batch's loss: a tensor of one element (a (1,)
+    tensor reshaped to a scalar) that, when ``grad`` (training), carries a gradient. Anything else is a
+    TypeError naming ``name`` and what it returned; metadata only, no sync. Without this a per-sample
+    loss (``reduction='none'``) failed in autograd ("grad can be implicitly created only for scalar
+    outputs"), a tuple or a float (``.item()``) with "has no attribute 'backward'"."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1 and (loss.requires_grad or not grad):
+        return loss.reshape(())
+    if not isinstance(loss, torch.Tensor):
+        what = f"a {type(loss).__name__} ({loss!r:.60})"
+    elif loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)} (one loss per sample?)"
+    else:
+        what = "a tensor that does not require grad (detached, .item()'d or computed under no_grad)"
+    raise TypeError(f"{name} returned {what}: fit needs the batch's loss as one number, a tensor computed from "
+                    f"the logits: nn.CrossEntropyLoss() (reduction='mean'), or the .mean() of a per-sample loss")
+
+
 def correct_count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """How many predictions are right, as a device tensor: ``argmax(logits) == labels``, or for soft
     labels (the logits' shape: MixUp/CutMix targets) ``argmax(logits) == argmax(labels)``, ties going to
@@ -275,7 +293,7 @@ class TrainStep:
             # Soft labels (N, classes) need no cast: autocast runs cross-entropy in float32 on CPU and
             # CUDA, and outside it the product with log-probabilities promotes to the wider dtype.
             check_labels(logits, labels)
-            loss = self.loss_fn(logits, labels) if n else _zero_loss(logits, self.params)
+            loss = loss_value(self.loss_fn(logits, labels), "loss_fn") if n else _zero_loss(logits, self.params)
         return logits, loss
 
     def finish_group(self, planned: int, arrived: int) -> torch.Tensor | None:
