@@ -248,8 +248,12 @@ class Augmentation:
         return cls(crop=Crop.RANDOM_RESIZED, size=size, hflip=0.5)
 
     @classmethod
-    def imagenet_eval(cls, *, size: int = 224, resize: int = 256) -> "Augmentation":
-        """Evaluation recipe for photos: shorter side to ``resize``, center crop ``size``."""
+    def imagenet_eval(cls, *, size: int = 224, resize: int | None = None) -> "Augmentation":
+        """Evaluation recipe for photos: shorter side to ``resize``, center crop ``size``. ``resize``
+        defaults to ``size`` in the standard proportion, ``round(size * 256 / 224)`` (256 for 224, 73
+        for 64): a fixed 256 made ``size=64`` a small patch of the middle of each photo."""
+        if resize is None:
+            resize = max(size, round(size * 256 / 224)) if isinstance(size, int) else size
         return cls(crop=Crop.CENTER, size=size, resize=resize)
 
 

@@ -277,3 +277,14 @@ def test_padding_applies_to_translate_only_and_names_the_choices():
         Augmentation(crop="translate", pad=2, padding="mirror")
     with pytest.raises(ValueError, match="only applies to crop='translate'"):
         Augmentation(crop="center", size=8, padding="reflect")
+
+
+def test_imagenet_eval_resizes_in_proportion_to_its_crop():
+    """The evaluation recipe's shorter side is the crop's in the standard 256/224 proportion: with a fixed
+    256, imagenet_eval(size=64) evaluated a 64-pixel patch of the middle of each photo."""
+    from fastdata import Augmentation
+
+    assert Augmentation.imagenet_eval().resize == 256
+    assert Augmentation.imagenet_eval(size=64).resize == 73
+    assert Augmentation.imagenet_eval(size=32, resize=40).resize == 40
+    assert Augmentation.imagenet_eval(size=1).resize == 1
