@@ -257,6 +257,27 @@ class Augmentation:
         return cls(crop=Crop.CENTER, size=size, resize=resize)
 
 
+#: torch DataLoader keywords a user moving to make_loader passes out of habit, and where each job went.
+DATALOADER_KEYWORDS = {
+    "pin_memory": "drop it: on CUDA the batches are pinned (and normalized on the device) already",
+    "pin_memory_device": "drop it: the loader's device= decides where batches go",
+    "collate_fn": "batches are collated by the backend (uint8, normalized on the device): change a batch in "
+                  "batch_transforms=[...], a sample in the source's transform",
+    "sampler": "the order is the loader's (shuffle=, seed=, drop_last=; sharded by rank under torchrun and "
+               "resumable): for a subset pass torch.utils.data.Subset(dataset, ids) as the source",
+    "batch_sampler": "the batches are the loader's (batch_size=, shuffle=, seed=, drop_last=)",
+    "worker_init_fn": "the workers' random generators are seeded per batch from (seed, epoch, batch): give seed=",
+    "generator": "give seed=: the order and every draw follow from it",
+    "in_order": "batches always come in order (a resumed run gets the same ones)",
+}
+
+
+def unknown_options(owner: str, unknown: list, known: str) -> str:
+    """The refusal of options ``owner`` does not take, with where each torch DataLoader keyword's job went."""
+    hints = "".join(f"; {k}: {DATALOADER_KEYWORDS[k]}" for k in unknown if k in DATALOADER_KEYWORDS)
+    return f"{owner} got unknown option(s) {unknown}; {known} and the shared ones are LoaderConfig's fields{hints}"
+
+
 def resolve_dtype(dtype) -> torch.dtype:
     """A torch dtype or its name (float32/bfloat16/float16 and aliases) as the torch dtype; an unknown
     one is a ValueError listing the choices."""

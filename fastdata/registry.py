@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from .checks import check_choice
-from .config import LoaderConfig, check_pixel_stats, check_reals
+from .config import LoaderConfig, check_pixel_stats, check_reals, unknown_options
 from .datasets import as_source
 from .errors import MissingDependency
 from .sampling import distributed_info
@@ -245,8 +245,7 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
         known = all_options()
         unknown = sorted(set(options) - known)
         if unknown:
-            raise TypeError(f"backend 'auto' got unknown option(s) {unknown}; the backends' options are "
-                            f"{sorted(known)} and the shared ones are LoaderConfig's fields")
+            raise TypeError(unknown_options("backend 'auto'", unknown, f"the backends' options are {sorted(known)}"))
         backend, reason = choose(src, cfg, options)
         # WARNING, so it shows without any logging set up (Python's last-resort handler prints it):
         # which backend ran decides the speed, and an INFO line nobody saw explained nothing. One

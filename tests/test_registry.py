@@ -274,3 +274,16 @@ def test_auto_says_what_memory_allocates_for_an_array(caplog, monkeypatch):
     assert loader.ready is None and loader.footprint < 2000 * 28 * 28   # its labels only, no image copy
     assert "reads the source's array in RAM as it is (no copy to make)" in caplog.text
     assert "0.0 MiB" not in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_dataloader_keywords_say_where_their_job_went(backend):
+    """A user moving from DataLoader passes pin_memory=, sampler=, collate_fn= out of habit: the refusal
+    says, for each, what fastdata does instead (it listed the backend's options only)."""
+    with pytest.raises(TypeError) as e:
+        make_loader(SyntheticDigits(64), backend, batch_size=8, pin_memory=True, sampler=None, collate_fn=None)
+    said = str(e.value)
+    assert "unknown option(s) ['collate_fn', 'pin_memory', 'sampler']" in said
+    for hint in ("pin_memory: drop it", "sampler: the order is the loader's", "collate_fn: batches are collated",
+                 "batch_transforms=", "Subset(dataset, ids)"):
+        assert hint in said, said

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..augment import output_size, recipe, require_padding_fits
-from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats
+from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats, unknown_options
 from ..datasets import Source, SourceKind, check_transform_and_augment
 from ..datasets.sample_transforms import recipe_choices
 from ..decode import warn_skipped
@@ -281,8 +281,8 @@ class Loader:
     def __init__(self, source: Source, config: LoaderConfig, **options):
         unknown = sorted(set(options) - set(self.options))
         if unknown:
-            raise TypeError(f"backend {self.name!r} got unknown option(s) {unknown}; its options are "
-                            f"{sorted(self.options)} and the shared ones are LoaderConfig's fields")
+            raise TypeError(unknown_options(f"backend {self.name!r}", unknown, f"its options are "
+                                            f"{sorted(self.options)}"))
         fits_kind, why = type(self)._reads(source)
         if not fits_kind:
             raise TypeError(why)
