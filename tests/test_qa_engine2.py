@@ -294,3 +294,34 @@ def test_evaluate_names_a_per_sample_loss_too():
     one = evaluate(_plain_net(), ListLoader(_batches(2, size=8)),
                    loss_fn=lambda logits, labels: torch.nn.functional.cross_entropy(logits, labels).reshape(1))
     assert math.isfinite(one["loss"])   # a one-element tensor is a loss too
+
+
+class ReturnsTuple(torch.nn.Module):
+    """A model returning (logits, aux_logits), as torchvision's inception_v3 and googlenet do in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _plain_net()
+
+    def forward(self, x):
+        logits = self.net(x)
+        return logits, logits
+
+
+class ReturnsDict(ReturnsTuple):
+    """A model returning a dict (a Hugging Face model's output)."""
+
+    def forward(self, x):
+        return {"logits": self.net(x)}
+
+
+@pytest.mark.parametrize("model, what", [(ReturnsTuple, r"a tuple of 2 \(Tensor, Tensor\)"),
+                                         (ReturnsDict, r"a dict with keys \['logits'\]")])
+def test_a_model_that_returns_more_than_its_logits_is_named(model, what):
+    """fit and evaluate failed with "'tuple' object has no attribute 'ndim'" inside the label check."""
+    from fastdata.engine import evaluate
+
+    with pytest.raises(TypeError, match=rf"the model returned {what}: fit and evaluate need its logits"):
+        fit(model(), ListLoader(_batches(2, size=8)), epochs=1, progress=False)
+    with pytest.raises(TypeError, match=rf"the model returned {what}"):
+        evaluate(model(), ListLoader(_batches(2, size=8)))

@@ -19,10 +19,23 @@ from .schedule import current_lr, one_or_each, resolve_scheduler_interval
 
 
 def check_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
-    """Soft (N, classes) labels must have one column per model output. Metadata only: no sync.
+    """The model's output must be one tensor of logits, and soft (N, classes) labels must have one column
+    per model output. Metadata only: no sync.
 
-    Without this, torch reads a (N, 10) target against (N, 100) logits as class indices and says
-    "expected scalar type Long but found Float"."""
+    Without this, a model returning (logits, aux_logits) or a dict failed with "'tuple' object has no
+    attribute 'ndim'", and torch reads a (N, 10) target against (N, 100) logits as class indices and
+    says "expected scalar type Long but found Float"."""
+    if not isinstance(logits, torch.Tensor):
+        if isinstance(logits, dict):
+            what = f"a dict with keys {list(logits)}"
+        elif isinstance(logits, (tuple, list)):
+            what = f"a {type(logits).__name__} of {len(logits)} ({', '.join(type(t).__name__ for t in logits)})"
+        else:
+            what = f"a {type(logits).__name__}"
+        raise TypeError(f"the model returned {what}: fit and evaluate need its logits, one (N, classes) tensor. "
+                        f"torchvision's inception_v3 and googlenet return (logits, aux_logits) in training: build "
+                        f"them with aux_logits=False, or wrap the model so that forward returns the logits alone "
+                        f"(a Hugging Face model's output.logits)")
     if logits.ndim == 2 and labels.ndim == 2 and labels.shape != logits.shape:
         raise ValueError(f"soft labels of shape {tuple(labels.shape)} for logits of shape {tuple(logits.shape)}: "
                          f"soft targets need one column per model output (give MixUp/CutMix the model's "
