@@ -55,7 +55,8 @@ def loss_value(loss, name: str, *, grad: bool = True) -> torch.Tensor:
     elif loss.numel() != 1:
         what = f"a tensor of shape {tuple(loss.shape)} (one loss per sample?)"
     else:
-        what = "a tensor that does not require grad (detached, .item()'d or computed under no_grad)"
+        what = ("a tensor that does not require grad (detached, .item()'d or computed under no_grad, or no "
+                "parameter of the model requires grad)")
     raise TypeError(f"{name} returned {what}: fit needs the batch's loss as one number, a tensor computed from "
                     f"the logits: nn.CrossEntropyLoss() (reduction='mean'), or the .mean() of a per-sample loss")
 
