@@ -292,3 +292,26 @@ def test_a_webp_file_this_pillow_cannot_read_says_why(tmp_path):
         warnings.simplefilter("ignore", UserWarning)   # Pillow's own "WEBP support not installed"
         with pytest.raises(DecodeError, match=r"built without WEBP support \(PIL.features.check\('webp'\) is False\)"):
             open_image(path)
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_a_dark_16_bit_pgm_is_scaled_from_its_16_bits_not_read_as_8_bit(tmp_path, orientation):
+    """Pillow reads a PGM of maxval 1023 as a 32-bit image scaled to 0..65535. Its range was read off its
+    values: a dark one (nothing above 255 after the scaling) was taken for 8-bit and came out 257 times as
+    bright as the same picture with one bright pixel. Turned by EXIF (a copy without the format) too."""
+    from PIL import Image
+
+    from fastdata.images.photo import decode_upright
+
+    dark = (np.arange(32 * 32).reshape(32, 32) % 4).astype(">u2")     # 0..3 of 1023
+    bright = dark.copy()
+    bright[0, 0] = 1023
+    out = []
+    for k, data in enumerate((dark, bright)):
+        path = tmp_path / f"p{k}.pgm"
+        path.write_bytes(b"P5\n32 32\n1023\n" + data.tobytes())
+        img = Image.open(path)
+        assert img.mode == "I"
+        out.append(np.asarray(decode_upright(img, path, orientation)))
+    assert out[0].max() <= 1   # 3/1023 of white
+    np.testing.assert_array_equal(out[0][1:, 1:], out[1][1:, 1:])

@@ -148,14 +148,25 @@ def _size_or_none(path):
         return None
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Any mode → RGB: greyscale and CMYK converted, alpha dropped, 16-bit scaled (not clipped) to 8."""
+#: Formats whose 32-bit ("I") images Pillow makes from 16-bit data, spanning 0..65535 (a PGM of any maxval
+#: above 255 scaled to 65535, an older Pillow's 16-bit PNG).
+_SIXTEEN_BIT_AS_I = ("PNG", "PPM")
+
+
+def to_rgb(img: Image.Image, image_format: str | None = None) -> Image.Image:
+    """Any mode → RGB: greyscale and CMYK converted, alpha dropped, 16-bit scaled (not clipped) to 8.
+
+    ``image_format``: the file's format (``img.format``, which a turned copy no longer has). A 32-bit
+    image of a 16-bit format is scaled from 0..65535 whatever its values: read from its values, a dark
+    16-bit PGM (nothing above 255) was taken for 8-bit and came out up to 257 times as bright."""
     if img.mode == "RGB":
         return img
     if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
         arr = np.asarray(img)
-        # 16-bit data spans 0..65535; Pillow's own convert clips at 255, which whitens the image.
-        top = 65535 if img.mode.startswith("I;16") or arr.max() > 255 else 255
+        # 16-bit data spans 0..65535; Pillow's own convert clips at 255, which whitens the image. An
+        # "I" image of another format (a 32-bit TIFF) says nothing of its range but its values.
+        sixteen = img.mode.startswith("I;16") or (image_format or img.format) in _SIXTEEN_BIT_AS_I
+        top = 65535 if sixteen or arr.max() > 255 else 255
         img = Image.fromarray((arr.astype(np.float32) * (255.0 / top) + 0.5).clip(0, 255).astype(np.uint8))
     elif img.mode == "P":
         img = img.convert("RGBA")  # via RGBA: a palette with transparency converts without a warning
@@ -321,7 +332,7 @@ def decode_upright(img: Image.Image, path, orientation: int) -> Image.Image:
     load_pixels(img, path)
     try:
         turn = _TURN_OF_ORIENTATION.get(orientation)
-        return to_rgb(img if turn is None else img.transpose(turn))
+        return to_rgb(img if turn is None else img.transpose(turn), img.format)
     except MemoryError:   # the machine's condition, not the file's: never skipped as a broken file
         raise
     except Exception as e:
