@@ -20,34 +20,7 @@ from fastdata.batch_transforms import (
     RandomHorizontalFlip,
 )
 from fastdata.datasets import ArraySource
-
-MEAN, STD = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
-K = 10
-
-
-def pipe(transforms, *, num_classes=K, mean=MEAN, std=STD):
-    return BatchPipeline(transforms, num_classes=num_classes, device="cpu", mean=mean, std=std)
-
-
-def pixels(n=16, c=3, h=12, w=12, seed=0) -> torch.Tensor:
-    """Random pixels strictly inside (0, 1), so that no clamp touches them."""
-    return torch.rand((n, c, h, w), generator=torch.Generator().manual_seed(seed)) * 0.8 + 0.1
-
-
-def norm(x, mean=MEAN, std=STD):
-    c = x.shape[1]
-    m, s = torch.tensor(mean[:c]).view(1, -1, 1, 1), torch.tensor(std[:c]).view(1, -1, 1, 1)
-    return (x - m) / s
-
-
-def unnorm(z, mean=MEAN, std=STD):
-    c = z.shape[1]
-    m, s = torch.tensor(mean[:c]).view(1, -1, 1, 1), torch.tensor(std[:c]).view(1, -1, 1, 1)
-    return z.float() * s + m
-
-
-def labels_of(n):
-    return torch.arange(n) % K
+from test_batch_transforms import K, labels_of, norm, pipe, pixels, unnorm  # the transforms' own test helpers
 
 
 class _Unlabelled(torch.utils.data.Dataset):
