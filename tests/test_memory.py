@@ -247,10 +247,24 @@ def test_the_budget_refuses_one_byte_short(photo_folder, monkeypatch):
               augment=Augmentation.imagenet_train(size=32))
     need = 18 * 100 * 100 * 3
     monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: need - 1)
-    with pytest.raises(CacheDoesNotFit, match=f"needs {need} bytes"):
+    with pytest.raises(CacheDoesNotFit, match=f"needs {need} bytes.*or a smaller cache_size$"):
         make_loader(src, "memory", **kw)
     monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: need)
     assert make_loader(src, "memory", **kw).cache.untyped_storage().nbytes() == need
+
+
+def test_an_array_cache_that_does_not_fit_is_not_told_to_shrink_cache_size(monkeypatch):
+    """cache_size bounds photos cached whole; arrays are cached at their own size, so the refusal
+    suggested an option that changes nothing."""
+    from fastdata.backends import memory
+    from fastdata.datasets import ArraySource
+    from fastdata.errors import CacheDoesNotFit
+
+    images = np.zeros((64, 32, 32, 3), dtype=np.uint8)   # kept padded for the translations: a new cache
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda device: 10)
+    with pytest.raises(CacheDoesNotFit, match="or 'dali' backend$"):
+        make_loader(ArraySource(images, np.arange(64) % 10), "memory", batch_size=8, device="cpu", memory_reserve=0,
+                    augment=Augmentation(crop="translate", pad=4))
 
 
 @pytest.mark.parametrize("hflip", [0.0, 0.5])
@@ -897,6 +911,22 @@ def test_a_broken_file_is_named_or_skipped_once_by_every_build(tmp_path, build):
 def test_an_unknown_cache_build_names_the_choices(photo_folder):
     with pytest.raises(ValueError, match=r"unknown cache_build 'gpu'.*'threads', 'processes', 'nvimgcodec'"):
         _cache(ImageFolder(photo_folder), "gpu")
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"cache_build": "gpu"}, ValueError, r"memory backend: unknown cache_build 'gpu'; choose from \['auto'"),
+    ({"cache_workers": "x"}, TypeError, r"memory backend: cache_workers must be an integer"),
+    ({"cache_workers": True}, TypeError, r"memory backend: cache_workers must be an integer"),
+    ({"cache_workers": -1}, ValueError, r"memory backend: cache_workers must be .*>= 0"),
+])
+def test_cache_options_are_checked_for_every_source(options, error, match):
+    """An array source builds no photo cache, where cache_build was checked: "gpu" passed silently there,
+    and a bad cache_workers was never named (-1 failed inside the thread pool, "max_workers must be
+    greater than 0")."""
+    from conftest import indexed_source
+
+    with pytest.raises(error, match=match):
+        make_loader(indexed_source(64), "memory", batch_size=8, device="cpu", **options)
 
 
 def test_resize_whole_is_pils_bilinear():

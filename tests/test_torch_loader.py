@@ -319,3 +319,11 @@ def test_the_workers_start_with_quiet_worker():
     opts = {"prefetch_factor": 2, "persistent_workers": True, "timeout": 0, "multiprocessing_context": None}
     assert make_dataloader([], None, 2, False, opts).worker_init_fn is quiet_worker
     assert make_dataloader([], None, 0, False, opts).worker_init_fn is None
+
+
+def test_persistent_workers_must_be_a_flag():
+    """persistent_workers="yes" was taken as true; a typo'd value is named, as every other flag is."""
+    from conftest import indexed_source
+
+    with pytest.raises(TypeError, match=r"torch backend: persistent_workers must be True or False, got 'yes'"):
+        make_loader(indexed_source(64), "torch", batch_size=8, device="cpu", persistent_workers="yes")

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from ..augment import output_size, recipe
-from ..checks import check_integer
+from ..checks import check_flag, check_integer
 from ..datasets import SourceKind
 from ..decode import BatchDecoder, collect_before_fork
 from ..prefetch import PrefetchStage
@@ -174,6 +174,7 @@ class TorchLoader(Loader):
             # the first silently read the first one's data. A DataLoader re-forks its workers each
             # epoch by default, and so does this backend for a Dataset unless told otherwise.
             self.opts["persistent_workers"] = False
+        check_flag("torch backend: persistent_workers", self.opts["persistent_workers"])
         self.fetcher = BatchDecoder(source, self.augment, config.on_error)
         self._sampler = JobSampler()
         workers = config.num_workers

@@ -205,7 +205,10 @@ def check_fits(source, config, reserve=None, copies: int = 1, *, cache_size: int
             f"memory backend: caching {source!r} needs {need} bytes ({fmt_bytes(need)}){copies_text} but "
             f"{b.explain()}; "
             f"pass memory_reserve=<bytes or fraction of the device> to change the reserve, or use the "
-            f"'torch', 'prefetch' or 'dali' backend, or a smaller cache_size")
+            f"'torch', 'prefetch' or 'dali' backend"
+            # cache_size bounds the photos of a whole-photo cache only (arrays and the evaluation
+            # recipe's crops are cached at their own size): suggested only where it shrinks the cache.
+            f"{', or a smaller cache_size' if cache_bytes(source, config, 1) < one else ''}")
     return b
 
 

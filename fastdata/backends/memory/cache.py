@@ -9,7 +9,6 @@ made of besides decoding (``pad_images`` for translation, ``chunks`` for bounded
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import cast
 
@@ -21,7 +20,7 @@ from ...augment import (
     NUMPY_PAD_MODE,
 )
 from ...checks import check_integer
-from ...config import Augmentation, Padding
+from ...config import Augmentation, Padding, default_workers
 from ...decode import BatchDecoder, collect_before_fork
 from ...errors import CacheDoesNotFit
 from ...images.whole import NvWholeDecoder, WholePhotos, nvimgcodec
@@ -66,6 +65,13 @@ def _compact(out: torch.Tensor, ok: np.ndarray, sizes: np.ndarray, lo: int, *, a
 
 #: The ``cache_build`` choices (see MemoryLoader).
 CACHE_BUILDS = ("auto", "threads", "processes", "nvimgcodec")
+
+
+def check_cache_build(build):
+    """``build`` when it is one of ``CACHE_BUILDS``, else the ValueError naming the option and the choices."""
+    if not (isinstance(build, str) and build in CACHE_BUILDS):
+        raise ValueError(f"memory backend: unknown cache_build {build!r}; choose from {list(CACHE_BUILDS)}")
+    return build
 
 
 
@@ -132,9 +138,7 @@ class CacheBuild(LoaderFields):
 
     def _cache_build(self) -> str:
         """The ``cache_build`` option resolved: "threads", "processes" or "nvimgcodec"."""
-        build = self.opts["cache_build"]
-        if build not in CACHE_BUILDS:
-            raise ValueError(f"memory backend: unknown cache_build {build!r}; choose from {list(CACHE_BUILDS)}")
+        build = check_cache_build(self.opts["cache_build"])
         if self._applied and build in ("auto", "nvimgcodec"):
             return "threads"    # the evaluation recipe is the torch backend's decoding, exactly
         if build == "auto":
@@ -200,7 +204,7 @@ class CacheBuild(LoaderFields):
                 out[a:b].copy_(rows)
 
         workers = self.opts["cache_workers"]
-        workers = len(os.sched_getaffinity(0)) if workers is None else workers
+        workers = default_workers() if workers is None else workers   # this rank's share under torchrun
         chunk = self._THREAD_CHUNK
         if nv and out.is_cuda:
             # The GPU decodes a whole batch per call, on this thread; the next batch's files are read on

@@ -14,6 +14,7 @@ from ...augment import (
     draw_params,
     require_fixed_size,
 )
+from ...checks import check_integer
 from ...config import Crop
 from ...datasets import SourceKind
 from ...datasets.base import ArrayPixels
@@ -31,7 +32,7 @@ from .budgeting import (
     recipe,
     uses_ready,
 )
-from .cache import CacheBuild, chunks, pad_images
+from .cache import CacheBuild, check_cache_build, chunks, pad_images
 from .epochs import DrawAhead, Draws, Epoch, grid_lines, group_bounds, starts, window
 from .node import NodeCache
 
@@ -56,8 +57,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             "nvimgcodec" on a CUDA device where nvImageCodec is installed, else "threads". The
             evaluation recipe (cached through the torch backend's decoding) is built by "threads"
             under either.
-        cache_workers: threads (or processes) that decode photos into the cache (default: the usable
-            cores for threads, num_workers for processes; 0: the calling thread).
+        cache_workers: threads (or processes) that decode photos into the cache (default: this rank's
+            share of the usable cores for threads, as num_workers's default, num_workers for
+            processes; 0: the calling thread).
         memory_reserve: memory the cache must leave for the model, its activations and the batch being
             augmented: a fraction in [0, 1) (of a GPU's total memory; of the host's available RAM) or a
             number of bytes. Default: 0.25 on a GPU, 0.2 on the CPU. Other live memory caches of the
@@ -111,6 +113,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
         self.cache_size = check_cache_size(self.opts["cache_size"])   # before anything is decoded
+        # Checked here, for every source: an array source never builds a photo cache, where they were read.
+        check_cache_build(self.opts["cache_build"])
+        check_integer("memory backend: cache_workers", self.opts["cache_workers"], minimum=0, optional=True)
         self.footprint = 0          # bytes this loader holds on its device (for the shared budget)
         self.cache = self.ready = None
         # The cache (or the ready copy) viewed so that a batch is one gather of its samples' first
