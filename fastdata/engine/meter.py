@@ -102,9 +102,11 @@ class EpochMeter:
         self.trace: list | None = None
         self.timer = StepTimer(device)
         self.norms = torch.zeros(2, dtype=torch.float64, device=device)  # sum, count of finite grad norms
-        # Batches after which the loss sum was still finite: once a NaN or inf is in, it stays, so this is
-        # where the loss first went non-finite (``nonfinite_batch``), counted without a host read.
-        self.finite_batches = torch.zeros((), dtype=torch.int64, device=device)
+        # The loss sum after each batch of this pass, on the device: once a NaN or inf is in, it stays, so
+        # the first non-finite entry is where the loss first went non-finite (``nonfinite_batch``). One
+        # copy kernel a batch, no host read; grown by doubling.
+        self._trail: torch.Tensor | None = None
+        self._trailed = 0
         self.warmup_steps, self.steps = warmup_steps, 0
         self.steady: tuple | None = None   # (host time, images, wait, steps) when the warm-up ended
         if device.type == "cuda":
@@ -141,8 +143,17 @@ class EpochMeter:
         return ((self.images - images) / elapsed, (self.wait - wait) / elapsed) if elapsed > 0 else (0.0, 0.0)
 
     def count_finite(self) -> None:
-        """A batch is done: count it while the loss sum is finite (on the device: no sync)."""
-        self.finite_batches += torch.isfinite(self.sums[0])
+        """A batch is done: keep the loss sum it left (on the device: one copy, no sync). Not a count of
+        ``isfinite`` per batch: that is five kernel launches a step (isfinite is composite), and a
+        host-bound training step pays for each launch."""
+        k = self._trailed
+        if self._trail is None or k == len(self._trail):
+            grown = torch.empty(max(256, 2 * k), dtype=torch.float64, device=self.device)
+            if self._trail is not None:
+                grown[:k].copy_(self._trail)
+            self._trail = grown
+        self._trail[k].copy_(self.sums[0])
+        self._trailed = k + 1
 
     def nonfinite_batch(self) -> int | None:
         """How many of this pass's batches came before the one whose loss first was NaN or inf (this
@@ -150,7 +161,10 @@ class EpochMeter:
         already said the loss is not finite."""
         if torch.isfinite(self.sums[0]).item():
             return None
-        return int(self.finite_batches.item())
+        if self._trail is None:
+            return 0
+        bad = (~torch.isfinite(self._trail[:self._trailed])).nonzero()
+        return int(bad[0]) if len(bad) else self._trailed
 
     def add_grad_norm(self, norm: torch.Tensor | None) -> None:
         """Add one optimizer step's gradient norm (None: not clipped) on the device. A step fp16's scaler
