@@ -422,6 +422,14 @@ class DaliLoader(DaliFiles, Loader):
                 self._handle_decode_failure(e, fed, again=retried != pos)
                 retried = pos
                 self._restart(epoch, batches[pos:], start + pos)
+            except BaseException:
+                # KeyboardInterrupt (Ctrl-C while this thread waits for DALI, which runs the input
+                # callback here) or SystemExit, raised from inside the stream: a record may stand for a
+                # batch DALI never got, and _expect may still name this epoch, so the next pass would go
+                # on with this stream, its batches and labels out of step. Freed: the next iter() builds
+                # a fresh one.
+                self._release()
+                raise
 
     def _continues(self, epoch: int, batches: list, start: int) -> bool:
         """Whether the running stream's next batch is this pass's first: the pass is the epoch after a
