@@ -279,7 +279,7 @@ def run(argv=None) -> dict:
     """The command line: ``main`` on the parsed flags. Ctrl-C is one line saying what ``--resume`` goes on
     from (the last ``save_state`` in ``--ckpt-dir``) and exit status 130, not a traceback."""
     args = get_args_parser().parse_args(argv)
-    with cli.fit_errors(args, flags=("--ckpt-dir", "--ckpt-every")):
+    with cli.fit_errors(args, flags=("--ckpt-dir", "--ckpt-every"), unit="steps"):
         return main(args)
 
 

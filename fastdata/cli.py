@@ -383,7 +383,8 @@ def on_ctrl_c(say="interrupted"):
 
 
 @contextlib.contextmanager
-def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpoint", "--checkpoint-every")):
+def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpoint", "--checkpoint-every"),
+               unit: str = "batches"):
     """Around a training script's ``fit``, what ends it early as one line instead of a traceback:
 
     - a ``--checkpoint`` that is not one, or one of another run (``CheckpointError``; under torchrun the
@@ -394,7 +395,8 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
       non-finite, and that the checkpoint keeps the last good save): ``error: ...``.
 
     ``flags``: the script's flags for where it saves (a file, or a folder as accelerate's ``save_state``
-    writes) and how many steps apart, when they are not ``--checkpoint`` and ``--checkpoint-every``."""
+    writes) and how many ``unit`` apart, when they are not ``--checkpoint`` and ``--checkpoint-every``
+    (fit's ``checkpoint_every`` counts batches; a loop that saves every N optimizer steps says "steps")."""
     from . import distributed
     from .checkpoint import CheckpointError
 
@@ -407,7 +409,7 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
         # A URL is not looked up here: the next run's --resume finds out.
         if "://" not in str(saves) and not _saved_by_this_run(saves, args, started):
             return f"interrupted before the first save to '{saves}': nothing to resume from yet"
-        when = f"every epoch and every {every} steps" if every else "every epoch"
+        when = f"every epoch and every {every} {unit}" if every else "every epoch"
         return f"interrupted: the same command with --resume goes on from the last save in '{saves}' ({when})"
 
     try:

@@ -95,7 +95,7 @@ def test_ctrl_c_in_training_ends_in_one_line_saying_how_to_resume(monkeypatch, t
                         saves=ck) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == (f"interrupted: the same command with --resume goes on from the last "
-                                            f"save in '{ck}' (every epoch and every 5 steps)"), err
+                                            f"save in '{ck}' (every epoch and every 5 batches)"), err
     assert "Traceback" not in err
     assert _interrupted(module, monkeypatch, [*common, "--checkpoint", str(ck), "--resume"]) == 130
     assert "--resume goes on from the last save" in capsys.readouterr().err   # resumed from it: still good
@@ -385,7 +385,8 @@ def test_ctrl_c_names_a_save_state_folder_once_this_run_has_saved_into_it(tmp_pa
     args = argparse.Namespace(ckpt_dir=str(ck), ckpt_every=5, resume=False)
 
     def interrupted(save: bool) -> str:
-        with pytest.raises(SystemExit) as info, cli.fit_errors(args, flags=("--ckpt-dir", "--ckpt-every")):
+        saving = cli.fit_errors(args, flags=("--ckpt-dir", "--ckpt-every"), unit="steps")
+        with pytest.raises(SystemExit) as info, saving:
             if save:   # this run's save_state, in place
                 (ck / "model.safetensors").write_bytes(b"this run's save")
                 os.utime(ck, (earlier, earlier))
