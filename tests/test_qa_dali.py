@@ -68,3 +68,14 @@ def test_an_interrupt_while_waiting_for_dali_leaves_the_next_pass_exact(interrup
     for (ids, labels), (want, _) in zip(again, expected):
         np.testing.assert_array_equal(ids, want)
         np.testing.assert_array_equal(labels, label_of(ids))
+
+
+def test_a_pass_whose_loader_was_closed_says_so():
+    """``close()`` between two batches of a pass (a ``with`` block left, a teardown) frees the pipeline;
+    the pass's next batch was "TypeError: 'NoneType' object is not an iterator", naming nothing."""
+    _, dali = loaders()
+    batches = iter(dali)
+    next(batches)
+    dali.close()
+    with pytest.raises(RuntimeError, match=r"dali loader was closed while this pass ran"):
+        next(batches)

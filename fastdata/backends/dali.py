@@ -461,6 +461,9 @@ class DaliLoader(DaliFiles, Loader):
     def _fetch(self):
         """DALI's next output; None when its stream ended on a run of empty batches that the records
         hold (they are yielded without DALI). Ended with nothing left to yield: _StreamEnded."""
+        if self._iter is None:   # every pass builds its pipeline first: only close() took it away since
+            raise RuntimeError("the dali loader was closed while this pass ran (close() frees its pipeline "
+                               "and threads); a closed loader yields no more batches")
         try:
             return next(self._iter)[0]
         except StopIteration:
