@@ -189,39 +189,17 @@ def test_color_jitter_refuses_a_hue_outside_torchvisions_bounds(hue, match):
         ColorJitter(hue=hue)
 
 
-def test_color_jitter_with_hue_takes_a_random_order_of_four_per_sample():
-    """The four operations in each image's own order, each order one of torchvision's 24; turning the hue
-    on leaves the other three factors' draws as they were (the hue's draws come after)."""
-    import itertools
-
-    from torchvision.transforms.v2 import functional as F
-
-    x = pixels(128)
-    factors = {"brightness": 1.4, "contrast": 0.5, "saturation": 0.3, "hue": 0.2}
-    t = ColorJitter(**{k: (v, v) for k, v in factors.items()})
-    got = unnorm(pipe([t])(norm(x), labels_of(128), 4)[0])
-    orders = []
-    for order in itertools.permutations(factors):
-        y = x
-        for name in order:
-            y = getattr(F, f"adjust_{name}")(y, factors[name])
-        orders.append(y)
-    match = torch.tensor([[torch.allclose(got[i], o[i], atol=1e-4) for o in orders] for i in range(128)])
-    assert match.any(1).all()
-    # Some orders give the same pixels (brightness and saturation commute where nothing clamps): the
-    # images differ by which orders they match, and a fixed order would match one set for all.
-    assert len({tuple(row) for row in match.tolist()}) >= 6
-    without, with_hue = (pipe([ColorJitter(0.4, 0.4, 0.4, h)])(norm(x), labels_of(128), 4)[0] for h in (0, 0.1))
-    assert not torch.equal(without, with_hue)
-
-
-def test_color_jitter_random_order_per_sample():
+@pytest.mark.parametrize("factors", [{"brightness": 1.4, "contrast": 0.5, "saturation": 0.3},
+                                     {"brightness": 1.4, "contrast": 0.5, "saturation": 0.3, "hue": 0.2}],
+                         ids=["three", "with hue"])
+def test_color_jitter_random_order_per_sample(factors):
+    """Each image: torchvision's operations in an order of its own (the hue's draws come after the other
+    three's, so turning it on leaves their factors as they were)."""
     import itertools
 
     from torchvision.transforms.v2 import functional as F
 
     x = pixels(96)
-    factors = {"brightness": 1.4, "contrast": 0.5, "saturation": 0.3}
     t = ColorJitter(**{k: (v, v) for k, v in factors.items()})
     got = unnorm(pipe([t])(norm(x), labels_of(96), 4)[0])
     orders = []
@@ -230,7 +208,7 @@ def test_color_jitter_random_order_per_sample():
         for name in order:
             y = getattr(F, f"adjust_{name}")(y, factors[name])
         orders.append(y)
-    match = torch.tensor([[torch.allclose(got[i], o[i], atol=1e-5) for o in orders] for i in range(96)])
+    match = torch.tensor([[torch.allclose(got[i], o[i], atol=1e-4) for o in orders] for i in range(96)])
     assert bool(match.any(1).all())                    # each image: torchvision's ops in some order
     assert int(match.any(0).sum()) >= 5                # the order drawn per image
 

@@ -26,13 +26,8 @@ def check_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
     attribute 'ndim'", and torch reads a (N, 10) target against (N, 100) logits as class indices and
     says "expected scalar type Long but found Float"."""
     if not isinstance(logits, torch.Tensor):
-        if isinstance(logits, dict):
-            what = f"a dict with keys {list(logits)}"
-        elif isinstance(logits, (tuple, list)):
-            what = f"a {type(logits).__name__} of {len(logits)} ({', '.join(type(t).__name__ for t in logits)})"
-        else:
-            what = f"a {type(logits).__name__}"
-        raise TypeError(f"the model returned {what}: fit and evaluate need its logits, one (N, classes) tensor. "
+        raise TypeError(f"the model returned {_what(logits)}: fit and evaluate need its logits, one (N, classes) "
+                        f"tensor. "
                         f"torchvision's inception_v3 and googlenet return (logits, aux_logits) in training: build "
                         f"them with aux_logits=False, or wrap the model so that forward returns the logits alone "
                         f"(a Hugging Face model's output.logits)")
@@ -430,19 +425,22 @@ def _zero_loss(logits, params) -> torch.Tensor:
     return 0.0 * (logits.float().sum() + sum(p.sum() for p in params))
 
 
+def _what(value) -> str:
+    """What a model or loader gave instead of a tensor (pair), for an error: a dict's keys, a sequence's types."""
+    if isinstance(value, dict):
+        return f"a dict with keys {list(value)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(type(t).__name__ for t in value)})"
+    return f"a {type(value).__name__}"
+
+
 def batch_pair(batch, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch`` as ``(images, labels)``, or a TypeError naming ``name`` and what it yielded. Unpacking a
     dict gives its keys, and the error came later and named neither ("'str' object has no attribute
     'dtype'"). Type checks only: nothing is read from the device."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
         return batch[0], batch[1]
-    if isinstance(batch, dict):
-        what = f"a dict with keys {list(batch)}"
-    elif isinstance(batch, (tuple, list)):
-        what = f"a {type(batch).__name__} of {len(batch)} ({', '.join(type(t).__name__ for t in batch)})"
-    else:
-        what = f"a {type(batch).__name__}"
-    raise TypeError(f"{name} must yield (images, labels) pairs of tensors; it yielded {what}: wrap it so that "
+    raise TypeError(f"{name} must yield (images, labels) pairs of tensors; it yielded {_what(batch)}: wrap it so that "
                     f"each batch is (images, labels), e.g. (b['images'], b['labels']) for a loader of dicts")
 
 
