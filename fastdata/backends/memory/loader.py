@@ -190,8 +190,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         self.footprint = self._owned_bytes()
         if self.kept is not None and len(self.kept) != len(source):
             # on_error="skip" dropped files at cache time: the epoch covers the decodable ones.
+            # Every option of the plan kept (even_batches too): only the number of samples changes.
             self.plan = EpochPlan(len(self.kept), config.batch_size, config.shuffle, config.drop_last,
-                                  config.seed, self.plan.rank, self.plan.world_size)
+                                  config.seed, self.plan.rank, self.plan.world_size, even=self.plan.even)
             if len(self.plan) == 0:
                 raise ValueError(f"only {len(self.kept)} decodable files remain, fewer than one batch")
 
@@ -238,6 +239,11 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
 
     # ------------------------------------------------------------------ epochs
     def _epoch(self, epoch, batches, start):
+        if self.cache is None and self.ready is None:
+            # close() freed the cache (the base contract: unusable afterwards); say so rather than fail
+            # on a None deep in the gather.
+            raise RuntimeError(f"this memory loader was closed: its cache of {self.source!r} is freed; "
+                               f"make a new loader to read it again")
         ep = self.prepare_epoch(epoch, batches, start)
         # The next epoch's draws, on a thread while this one runs (see epochs.py). A set_epoch or a
         # resume in between makes them unused, not wrong (Draws.matches).

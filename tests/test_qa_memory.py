@@ -1,0 +1,56 @@
+"""QA pass over the memory backend as a user runs it: options kept when broken files are skipped, and a
+closed loader that says so."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ImageFolder
+from fastdata.datasets.folders import make_image_folder
+
+EVAL = Augmentation(crop="center", size=24, resize=28)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The same 11 small photos twice: once alone, once beside an undecodable file."""
+    clean = make_image_folder(tmp_path_factory.mktemp("clean"), classes=1, per_class=11, seed=4,
+                              size_range=((40, 60), (30, 50)))
+    broken = tmp_path_factory.mktemp("broken") / "photos"
+    shutil.copytree(clean, broken)
+    (broken / "class_000" / "img_00003b.jpg").write_bytes(b"not a jpeg")
+    return clean, broken
+
+
+def _rank_batches(root, rank, **kw):
+    loader = make_loader(ImageFolder(root), "memory", batch_size=2, train=False, device="cpu", augment=EVAL,
+                         rank=rank, world_size=2, drop_last=False, even_batches=True, **kw)
+    return len(loader), [(x, y) for x, y in loader]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_even_batches_hold_when_broken_files_are_skipped(folders):
+    """on_error='skip' re-planned the epoch for the decodable files without even_batches: 11 kept photos
+    over 2 ranks gave rank 0 a last batch of 2 and rank 1 one of 1 (the padding accelerate's gather
+    relies on was gone). Now each rank's batches are those of the same folder without the broken file."""
+    clean, broken = folders
+    for rank in (0, 1):
+        n_ref, ref = _rank_batches(clean, rank)
+        n_got, got = _rank_batches(broken, rank, on_error="skip")
+        assert n_got == n_ref == len(got)
+        assert [len(y) for _, y in got] == [len(y) for _, y in ref]
+        for (x, y), (rx, ry) in zip(got, ref, strict=True):
+            assert torch.equal(y, ry) and torch.equal(x, rx)
+
+
+def test_a_closed_loader_says_it_was_closed(folders):
+    """Iterating a closed loader failed deep in the gather ("'NoneType' object has no attribute
+    'shape'"); it now names what happened."""
+    loader = make_loader(ImageFolder(folders[0]), "memory", batch_size=4, train=False, device="cpu", augment=EVAL)
+    assert len(list(loader)) == 3
+    loader.close()
+    with pytest.raises(RuntimeError, match="memory loader was closed"):
+        next(iter(loader))
