@@ -54,3 +54,22 @@ def test_a_closed_loader_says_it_was_closed(folders):
     loader.close()
     with pytest.raises(RuntimeError, match="memory loader was closed"):
         next(iter(loader))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_loader_that_fails_half_built_frees_its_share_of_the_budget(folders, tmp_path):
+    """Too few decodable files fail after the cache is built. The half-built loader, still referenced by
+    the kept exception (as a notebook keeps the last traceback), counted against the budget of every
+    later loader and held its cache; the error named neither the source nor the counts."""
+    from fastdata.backends.memory import LIVE, live_cache_bytes
+
+    root = tmp_path / "mostly_broken"
+    (root / "a").mkdir(parents=True)
+    shutil.copy(next((folders[0] / "class_000").iterdir()), root / "a" / "ok.jpg")
+    for name in ("x.jpg", "y.jpg"):
+        (root / "a" / name).write_bytes(b"not a jpeg")
+    with pytest.raises(ValueError, match=r"only 1 of the 3 files of ImageFolder.*2 skipped.*batch of 2") as kept:
+        make_loader(ImageFolder(root), "memory", batch_size=2, train=True, device="cpu",
+                    augment=Augmentation(crop="random_resized", size=24), on_error="skip")
+    assert kept.value is not None
+    assert live_cache_bytes(torch.device("cpu")) == 0 and len(LIVE) == 0

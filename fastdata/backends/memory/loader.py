@@ -112,6 +112,16 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
 
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
+        try:
+            self._build(source, config)
+        except BaseException:
+            # A loader that failed half-built (too few decodable files, Ctrl-C in the build) is still
+            # referenced by the traceback (a notebook keeps the last one): it must neither hold its
+            # cache nor count against the budget of the loader the user builds next.
+            self.close()
+            raise
+
+    def _build(self, source, config):
         self.cache_size = check_cache_size(self.opts["cache_size"])   # before anything is decoded
         # Checked here, for every source: an array source never builds a photo cache, where they were read.
         check_cache_build(self.opts["cache_build"])
@@ -189,12 +199,19 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             self._strides = (s_n, s_row, s_col)
         self.footprint = self._owned_bytes()
         if self.kept is not None and len(self.kept) != len(source):
-            # on_error="skip" dropped files at cache time: the epoch covers the decodable ones.
-            # Every option of the plan kept (even_batches too): only the number of samples changes.
-            self.plan = EpochPlan(len(self.kept), config.batch_size, config.shuffle, config.drop_last,
-                                  config.seed, self.plan.rank, self.plan.world_size, even=self.plan.even)
-            if len(self.plan) == 0:
-                raise ValueError(f"only {len(self.kept)} decodable files remain, fewer than one batch")
+            self._plan_kept(source, config)
+
+    def _plan_kept(self, source, config):
+        """on_error="skip" dropped files at cache time: the epoch covers the decodable ones."""
+        # Every option of the plan kept (even_batches too): only the number of samples changes.
+        self.plan = EpochPlan(len(self.kept), config.batch_size, config.shuffle, config.drop_last,
+                              config.seed, self.plan.rank, self.plan.world_size, even=self.plan.even)
+        if len(self.plan) == 0:
+            skipped = len(source) - len(self.kept)
+            raise ValueError(
+                f"memory backend: only {len(self.kept)} of the {len(source)} files of {source!r} decode "
+                f"({skipped} skipped with on_error='skip'), fewer than one batch of {config.batch_size} "
+                f"with drop_last={config.drop_last}; lower batch_size, pass drop_last=False or fix the files")
 
     def _owned_bytes(self) -> int:
         """Bytes of the tensors this loader allocated (an array source shared on the CPU is not one)."""
@@ -422,6 +439,8 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
 
     def close(self):
         self.cache = self.ready = self._window = self._sizes = self._scratch = None
-        self._ahead.cancel()
+        ahead = getattr(self, "_ahead", None)   # absent when __init__ failed before making it
+        if ahead is not None:
+            ahead.cancel()
         self.footprint = 0
         LIVE.discard(self)
