@@ -73,3 +73,30 @@ def test_a_loader_that_fails_half_built_frees_its_share_of_the_budget(folders, t
                     augment=Augmentation(crop="random_resized", size=24), on_error="skip")
     assert kept.value is not None
     assert live_cache_bytes(torch.device("cpu")) == 0 and len(LIVE) == 0
+
+
+@pytest.mark.parametrize("kind", ["digits", "photos"])
+def test_close_ends_a_running_pass_and_frees_its_cache(folders, kind):
+    """close() with an iterator still alive (a peeked pass, a fetcher holding it) told the budget the
+    cache was freed while the pass's views kept it allocated (digits), or let the pass go on into a
+    freed cache, failing with "'NoneType' object is not subscriptable" (photos). The pass now ends."""
+    import gc
+    import weakref
+
+    from fastdata.backends.memory import live_cache_bytes
+    from fastdata.datasets import SyntheticDigits
+
+    if kind == "digits":
+        loader = make_loader(SyntheticDigits(n=128), "memory", batch_size=16, device="cpu",
+                             augment=Augmentation.digits_train())
+    else:
+        loader = make_loader(ImageFolder(folders[0]), "memory", batch_size=2, device="cpu",
+                             augment=Augmentation(crop="random_resized", size=24))
+    held = weakref.ref(loader.ready if loader.ready is not None else loader.cache)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    gc.collect()
+    assert held() is None and live_cache_bytes(torch.device("cpu")) == 0
+    with pytest.raises(StopIteration):
+        next(it)

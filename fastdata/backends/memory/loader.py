@@ -438,6 +438,12 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         return x.permute(0, 3, 1, 2)
 
     def close(self):
+        # End a pass still running first: its generator holds views of the cache (and the epoch's
+        # tensors), which would stay allocated after the budget had been told they were freed.
+        ref = getattr(self, "_current", None)
+        running = ref() if ref is not None else None
+        if running is not None:
+            running.close()
         self.cache = self.ready = self._window = self._sizes = self._scratch = None
         ahead = getattr(self, "_ahead", None)   # absent when __init__ failed before making it
         if ahead is not None:
