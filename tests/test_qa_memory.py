@@ -100,3 +100,20 @@ def test_close_ends_a_running_pass_and_frees_its_cache(folders, kind):
     assert held() is None and live_cache_bytes(torch.device("cpu")) == 0
     with pytest.raises(StopIteration):
         next(it)
+
+
+def test_a_cache_smaller_than_the_training_crop_is_named(folders):
+    """cache_size under the training crop's size (the default 256 under a 384 recipe) enlarged every
+    crop from the smaller copy without a word; it now warns, naming both and the way out. The
+    evaluation recipe is cached at its own size whatever cache_size is, so it says nothing."""
+    import warnings
+
+    src = ImageFolder(folders[0])
+    with pytest.warns(UserWarning, match=r"cache_size=24 is smaller than the crop size 32.*cache_size>=32"):
+        make_loader(src, "memory", batch_size=2, device="cpu", cache_size=24,
+                    augment=Augmentation(crop="random_resized", size=32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_loader(src, "memory", batch_size=2, device="cpu", cache_size=32,
+                    augment=Augmentation(crop="random_resized", size=32))
+        make_loader(src, "memory", batch_size=2, device="cpu", cache_size=8, train=False, augment=EVAL)

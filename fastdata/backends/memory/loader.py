@@ -139,6 +139,13 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         aug = self.augment
         if source.kind is SourceKind.FILES:
             require_fixed_size(source, aug)   # the torch backend's error, before any decoding
+            if aug.crop is not Crop.CENTER and self.cache_size < aug.crop_size:
+                # Every crop would be enlarged from a copy smaller than the output: silently blurrier
+                # than every other backend's (the default 256 under a 384 recipe, say).
+                warnings.warn(f"memory backend: cache_size={self.cache_size} is smaller than the crop size "
+                              f"{aug.crop_size}: every photo is cached at most {self.cache_size} px on its "
+                              f"longer side, so every crop is enlarged from it; pass cache_size>="
+                              f"{aug.crop_size} (the budget allowing)", UserWarning, stacklevel=4)
         # (group, local rank, ranks on this node) while the node builds one cache together, else None.
         self._node = self._node_ranks()
         reserve = self.opts["memory_reserve"]
