@@ -117,3 +117,22 @@ def test_a_cache_smaller_than_the_training_crop_is_named(folders):
         make_loader(src, "memory", batch_size=2, device="cpu", cache_size=32,
                     augment=Augmentation(crop="random_resized", size=32))
         make_loader(src, "memory", batch_size=2, device="cpu", cache_size=8, train=False, augment=EVAL)
+
+
+def test_budget_takes_a_device_as_make_loader_does(monkeypatch):
+    """budget("cpu") failed with "'str' object has no attribute 'type'", and budget(torch.device("cuda"))
+    left out the caches living on cuda:0 (a loader's device is always indexed)."""
+    from fastdata.backends import memory
+    from fastdata.datasets import SyntheticDigits
+
+    loader = make_loader(SyntheticDigits(n=64), "memory", batch_size=16, device="cpu",
+                         augment=Augmentation.digits_train())
+    assert memory.budget("cpu").live == memory.budget(torch.device("cpu")).live == loader.footprint > 0
+    # An unindexed CUDA device, on a stubbed GPU whose current device is 0, counts cuda:0's caches.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(memory.budgeting, "total_bytes", lambda d: 16 * 2**30)
+    monkeypatch.setattr(memory.budgeting, "free_bytes", lambda d: 15 * 2**30)
+    monkeypatch.setattr(loader, "device", torch.device("cuda", 0))
+    assert memory.budget(torch.device("cuda")).live == memory.budget("cuda").live == loader.footprint

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ...augment import recipe
-from ...config import Augmentation, Crop, check_integer
+from ...config import Augmentation, Crop, check_integer, resolve_device
 from ...datasets import SourceKind
 from ...errors import CacheDoesNotFit
 
@@ -140,7 +140,14 @@ class Budget(NamedTuple):
 
 
 def budget(device: torch.device, reserve=None, exclude=None) -> Budget:
-    """What a new cache may use on ``device`` (``exclude``: a loader whose own cache is not counted)."""
+    """What a new cache may use on ``device`` (``exclude``: a loader whose own cache is not counted).
+
+    ``device`` as ``make_loader`` takes it ("cpu", "cuda", None, a torch.device): a loader's device is
+    always indexed (cuda:0), so an unindexed "cuda" must be resolved the same way, or the caches living
+    there would not count (and a string had no ``.type``)."""
+    if not (isinstance(device, torch.device) and (device.type == "cpu" or device.index is not None
+                                                  or not torch.cuda.is_available())):
+        device = resolve_device(device)
     total, free = total_bytes(device), free_bytes(device)
     return Budget(device, total, reserve_bytes(reserve, device, total), live_cache_bytes(device, exclude), free)
 
