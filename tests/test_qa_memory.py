@@ -136,3 +136,47 @@ def test_budget_takes_a_device_as_make_loader_does(monkeypatch):
     monkeypatch.setattr(memory.budgeting, "free_bytes", lambda d: 15 * 2**30)
     monkeypatch.setattr(loader, "device", torch.device("cuda", 0))
     assert memory.budget(torch.device("cuda")).live == memory.budget("cuda").live == loader.footprint
+
+
+def _cgroup_tree(tmp_path, version: int, limits: dict[str, str], usage: int, inactive: int):
+    """A fake /sys/fs/cgroup and /proc/self/cgroup: the process in cgroup /job/step, ``limits`` per
+    directory ("" the mount, "job", "job/step")."""
+    root = tmp_path / "cgroup"
+    mount = root if version == 2 else root / "memory"
+    limit_f, usage_f, key = (("memory.max", "memory.current", "inactive_file") if version == 2 else
+                             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    for rel in ("", "job", "job/step"):
+        d = mount / rel
+        d.mkdir(parents=True, exist_ok=True)
+        (d / limit_f).write_text(limits.get(rel, "max" if version == 2 else str(2**63 - 4096)) + "\n")
+        (d / usage_f).write_text(f"{usage}\n")
+        (d / "memory.stat").write_text(f"anon 1\n{key} {inactive}\n")
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text("0::/job/step\n" if version == 2 else "5:cpu:/\n4:memory:/job/step\n")
+    return str(root), str(proc)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_memory_cgroup_limit_caps_the_host_budget(tmp_path, monkeypatch, version):
+    """/proc/meminfo shows the host's RAM: under a container's or a job's memory limit the budget let
+    through caches the kernel then killed the process for (SIGKILL while the cache was built, no
+    message). The room the cgroup leaves (limit - usage + inactive file pages, the tightest of the
+    cgroup and its parents) now caps the host budget."""
+    from fastdata.backends.memory import budgeting, check_fits
+    from fastdata.config import LoaderConfig
+    from fastdata.datasets import SyntheticDigits
+    from fastdata.errors import CacheDoesNotFit
+
+    mib = 2**20
+    root, proc = _cgroup_tree(tmp_path, version, {"job": str(1024 * mib), "job/step": str(4096 * mib)},
+                              usage=600 * mib, inactive=100 * mib)
+    assert budgeting.cgroup_room(root, proc) == 524 * mib           # the parent's 1 GiB is the tighter
+    unlimited = _cgroup_tree(tmp_path / "none", version, {}, usage=600 * mib, inactive=0)
+    assert budgeting.cgroup_room(*unlimited) is None
+    assert budgeting.cgroup_room(str(tmp_path / "no-cgroup-fs"), str(tmp_path / "no-proc")) is None
+
+    monkeypatch.setattr(budgeting, "cgroup_room", lambda: mib)
+    assert budgeting.available_ram() == mib
+    src = SyntheticDigits(n=2048)                                   # 2 MiB padded uint8 cache
+    with pytest.raises(CacheDoesNotFit, match="host RAM allows"):
+        check_fits(src, LoaderConfig(device="cpu", batch_size=64))
