@@ -2,6 +2,8 @@
 contract covers and tests/test_dali.py does not reach. CPU pipelines (DALI's device "cpu")."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -79,3 +81,61 @@ def test_a_pass_whose_loader_was_closed_says_so():
     dali.close()
     with pytest.raises(RuntimeError, match=r"dali loader was closed while this pass ran"):
         next(batches)
+
+
+def _pass_in_a_fork(loader) -> list | str:
+    """One pass of ``loader`` in a forked child: its (ids or labels) per batch, or why it failed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            writer.send([y.numpy() if x.shape[-1] != 8 else decode_ids(x) for x, y in loader])
+        except BaseException as e:   # the parent's assertion shows it
+            writer.send(f"{type(e).__name__}: {e}")
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    try:
+        if not reader.poll(120):
+            return "the child's pass hung"
+        return reader.recv()
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+
+
+@pytest.mark.parametrize("kind", ["arrays", "host", "dali"])
+def test_a_loader_used_in_a_forked_child_after_a_pass_in_the_parent(kind, tmp_path):
+    """A dali loader inherited by a forked child (multiprocessing's default start on Linux) after the
+    parent ran a pass: the child's pass hung forever, fed by a stream whose DALI and reading threads
+    live in the parent only. Now the child builds its own, reads the epoch the parent would read next,
+    and the parent's loader and folder of copies are left as they were."""
+    from fastdata.datasets import ImageFolder
+    from fastdata.datasets.folders import make_image_folder
+
+    if kind == "arrays":
+        _, loader = loaders()
+        pass_of(loader)
+    else:
+        from PIL import Image
+
+        make_image_folder(tmp_path, classes=2, per_class=4, seed=1)
+        # a TIFF: given to DALI's decoder as a PNG copy in the loader's folder (decode="dali")
+        pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(tmp_path / "class_000" / "scan.tif")
+        loader = opened(make_loader(ImageFolder(tmp_path), backend="dali", device="cpu", decode=kind, batch_size=3,
+                                    drop_last=False, seed=1, augment=Augmentation.imagenet_train(size=16)))
+        assert sum(len(y) for _, y in loader) == 9
+    copies = loader._rewrite_dir
+    assert (copies is not None) == (kind == "dali")
+    got = _pass_in_a_fork(loader)
+    assert not isinstance(got, str), got
+    expected = [decode_ids(x) if kind == "arrays" else y.numpy() for x, y in loader]   # the parent's next epoch
+    assert len(got) == len(expected) > 1
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+    assert loader._rewrite_dir == copies and (copies is None or len(os.listdir(copies)) == 1)

@@ -390,6 +390,8 @@ class DaliLoader(DaliFiles, Loader):
 
     # ------------------------------------------------------------------ one epoch
     def _epoch(self, epoch, batches, start):
+        if os.getpid() != self._owner_pid:
+            self._adopt_in_fork()
         total = len(batches)
         pos = 0  # batches handed out
         retried = -1   # the position last fed again after a failure no single file explains
@@ -592,6 +594,27 @@ class DaliLoader(DaliFiles, Loader):
                 f"decodes it as the other backends do")
 
     # ------------------------------------------------------------------ lifetime
+    def _adopt_in_fork(self) -> None:
+        """Make a loader inherited by a forked child (``multiprocessing``'s fork) the child's own. The
+        parent's DALI pipeline and reading threads do not exist here: its stream, fed by them, hung the
+        child's first pass forever, and its pools would queue reads no thread runs. Its pipeline objects
+        are kept, never destroyed (destroying one waits for the parent's threads, see ``_close``); the
+        child gets fresh pools, lock and stream. The folder of copies stays the parent's: the child
+        learns those files again into a folder of its own."""
+        _INHERITED.append((self._pipe, self._iter, self._probe_pipe))
+        self._probe_pipe = None
+        self._release()   # the references dropped here are kept in _INHERITED: nothing is destroyed
+        self._rngs = {}
+        self._rewrite_dir, self._rewrite_lock = None, threading.Lock()   # a parent thread may hold the old
+        for i in self._rewritten:
+            self._state[i] = UNSEEN
+        self._rewritten.clear()
+        if self.assembler is not None:
+            self.assembler = WorkerPool(1, "fastdata-dali-batch")
+            self._readers = WorkerPool(self.read_threads, "fastdata-dali-read")
+        self._owner_pid = os.getpid()
+        _LIVE.add(self)
+
     def close(self):
         """Free the pipelines and stop the reading threads (joined: none is left running)."""
         self._close(join_timeout=10.0)
