@@ -102,20 +102,30 @@ def test_close_ends_a_running_pass_and_frees_its_cache(folders, kind):
         next(it)
 
 
-def test_a_cache_smaller_than_the_training_crop_is_named(folders):
+def test_a_cache_size_that_does_not_suit_the_photos_is_named(folders):
     """cache_size under the training crop's size (the default 256 under a 384 recipe) enlarged every
-    crop from the smaller copy without a word; it now warns, naming both and the way out. The
-    evaluation recipe is cached at its own size whatever cache_size is, so it says nothing."""
+    shrunk photo's crops from the smaller copy without a word; at twice the largest photo or more
+    (32 px PNGs under the default 256) the cache took 4-64x the memory for the same pixels. Both now
+    warn, naming the way out; a cache_size that suits the photos, and the evaluation recipe (cached at
+    its own size whatever cache_size is), say nothing. The largest photo here is 59 px."""
     import warnings
 
     src = ImageFolder(folders[0])
-    with pytest.warns(UserWarning, match=r"cache_size=24 is smaller than the crop size 32.*cache_size>=32"):
-        make_loader(src, "memory", batch_size=2, device="cpu", cache_size=24,
-                    augment=Augmentation(crop="random_resized", size=32))
+
+    def build(cache_size, size=32, **kw):
+        return make_loader(src, "memory", batch_size=2, device="cpu", cache_size=cache_size,
+                           augment=Augmentation(crop="random_resized", size=size), **kw)
+
+    with pytest.warns(UserWarning, match=r"cache_size=24 is smaller than the crop size 32.*cache_size>=32") as w:
+        build(24)
+    assert w[0].filename == __file__                                 # the caller's line
+    with pytest.warns(UserWarning, match=r"largest photo .* is 59 px.*cache_size=256.*pass cache_size=59"):
+        build(256)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        make_loader(src, "memory", batch_size=2, device="cpu", cache_size=32,
-                    augment=Augmentation(crop="random_resized", size=32))
+        build(32)
+        build(59, size=64)            # under the crop, but no photo was shrunk: nothing to gain
+        build(117)                    # under twice the largest photo
         make_loader(src, "memory", batch_size=2, device="cpu", cache_size=8, train=False, augment=EVAL)
 
 

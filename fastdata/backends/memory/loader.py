@@ -139,13 +139,6 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         aug = self.augment
         if source.kind is SourceKind.FILES:
             require_fixed_size(source, aug)   # the torch backend's error, before any decoding
-            if aug.crop is not Crop.CENTER and self.cache_size < aug.crop_size:
-                # Every crop would be enlarged from a copy smaller than the output: silently blurrier
-                # than every other backend's (the default 256 under a 384 recipe, say).
-                warnings.warn(f"memory backend: cache_size={self.cache_size} is smaller than the crop size "
-                              f"{aug.crop_size}: every photo is cached at most {self.cache_size} px on its "
-                              f"longer side, so every crop is enlarged from it; pass cache_size>="
-                              f"{aug.crop_size} (the budget allowing)", UserWarning, stacklevel=4)
         # (group, local rank, ranks on this node) while the node builds one cache together, else None.
         self._node = self._node_ranks()
         reserve = self.opts["memory_reserve"]
@@ -172,6 +165,7 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             self.kept = None
         else:
             cache, labels = self._decode_files()             # already on the device
+            self._check_slots(cache)
         self.labels = labels.to(self.device)
         if aug.crop.resamples and not self._applied:
             # The output's pixel steps (see _resized_crops), made once: a batch then creates no tensor
@@ -207,6 +201,29 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         self.footprint = self._owned_bytes()
         if self.kept is not None and len(self.kept) != len(source):
             self._plan_kept(source, config)
+
+    def _check_slots(self, cache: torch.Tensor) -> None:
+        """Warn where cache_size does not suit the photos (training recipes, once they are decoded).
+
+        Under the crop's size while photos were shrunk to it (the default 256 under a 384 recipe):
+        their crops are enlarged from the smaller copy, blurrier than every other backend's. At least
+        twice the largest photo (32 px PNGs under the default 256): every slot is mostly zeros, 64x the
+        memory of cache_size=32, and each batch converts whole slots."""
+        if self._sizes is None or not len(self._sizes[1]):
+            return
+        shrunk, longest, crop = int(self._sizes[0].max()) > self.cache_size, int(self._sizes[1].max()), \
+            self.augment.crop_size
+        if shrunk and self.cache_size < crop:
+            warnings.warn(f"memory backend: cache_size={self.cache_size} is smaller than the crop size {crop}: "
+                          f"photos of {self.source!r} are cached at most {self.cache_size} px on their longer "
+                          f"side, so their crops are enlarged from that copy; pass cache_size>={crop} (the "
+                          f"budget allowing)", UserWarning, stacklevel=5)
+        elif 2 * longest <= self.cache_size:
+            warnings.warn(f"memory backend: the largest photo of {self.source!r} is {longest} px on its longer "
+                          f"side, but cache_size={self.cache_size} gives each photo a {self.cache_size}² slot: "
+                          f"the cache takes {fmt_bytes(cache.nbytes)} where cache_size={longest} would take "
+                          f"{fmt_bytes(len(cache) * longest * longest * 3)} (the same pixels); pass "
+                          f"cache_size={longest}", UserWarning, stacklevel=5)
 
     def _plan_kept(self, source, config):
         """on_error="skip" dropped files at cache time: the epoch covers the decodable ones."""
