@@ -108,26 +108,43 @@ def _pass_in_a_fork(loader) -> list | str:
             proc.kill()
 
 
+def _folder_with_a_tiff(root):
+    """A small photo folder with a TIFF: given to DALI's decoder as a PNG copy in the loader's folder of
+    copies (decode="dali")."""
+    from PIL import Image
+
+    from fastdata.datasets import ImageFolder
+    from fastdata.datasets.folders import make_image_folder
+
+    make_image_folder(root, classes=2, per_class=4, seed=1)
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(root / "class_000" / "scan.tif")
+    return ImageFolder(root)
+
+
+@pytest.fixture
+def temp_folder(tmp_path, monkeypatch):
+    """TMPDIR of this test alone (forked children inherit it): the folders of copies made there."""
+    import tempfile
+
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
 @pytest.mark.parametrize("kind", ["arrays", "host", "dali"])
-def test_a_loader_used_in_a_forked_child_after_a_pass_in_the_parent(kind, tmp_path):
+def test_a_loader_used_in_a_forked_child_after_a_pass_in_the_parent(kind, tmp_path, temp_folder):
     """A dali loader inherited by a forked child (multiprocessing's default start on Linux) after the
     parent ran a pass: the child's pass hung forever, fed by a stream whose DALI and reading threads
     live in the parent only. Now the child builds its own, reads the epoch the parent would read next,
     and the parent's loader and folder of copies are left as they were."""
-    from fastdata.datasets import ImageFolder
-    from fastdata.datasets.folders import make_image_folder
-
     if kind == "arrays":
         _, loader = loaders()
         pass_of(loader)
     else:
-        from PIL import Image
-
-        make_image_folder(tmp_path, classes=2, per_class=4, seed=1)
-        # a TIFF: given to DALI's decoder as a PNG copy in the loader's folder (decode="dali")
-        pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(tmp_path / "class_000" / "scan.tif")
-        loader = opened(make_loader(ImageFolder(tmp_path), backend="dali", device="cpu", decode=kind, batch_size=3,
+        loader = opened(make_loader(_folder_with_a_tiff(tmp_path / "photos"), backend="dali", device="cpu",
+                                    decode=kind, batch_size=3,
                                     drop_last=False, seed=1, augment=Augmentation.imagenet_train(size=16)))
         assert sum(len(y) for _, y in loader) == 9
     copies = loader._rewrite_dir
@@ -139,3 +156,16 @@ def test_a_loader_used_in_a_forked_child_after_a_pass_in_the_parent(kind, tmp_pa
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
     assert loader._rewrite_dir == copies and (copies is None or len(os.listdir(copies)) == 1)
+    assert len(os.listdir(temp_folder)) == (kind == "dali")   # the child made and left no folder
+
+
+def test_a_folder_of_copies_made_in_a_forked_child_is_removed_at_its_exit(tmp_path, temp_folder):
+    """A loader first iterated in a forked child makes its folder of copies there; multiprocessing ends
+    the child with os._exit, which skips the atexit that closes loaders, and the folder stayed in TMPDIR."""
+    loader = opened(make_loader(_folder_with_a_tiff(tmp_path / "photos"), backend="dali", device="cpu",
+                                decode="dali", batch_size=3, drop_last=False,
+                                augment=Augmentation.imagenet_eval(size=16)))
+    got = _pass_in_a_fork(loader)
+    assert not isinstance(got, str), got
+    assert sum(len(labels) for labels in got) == 9
+    assert os.listdir(temp_folder) == []

@@ -231,7 +231,7 @@ class DaliLoader(DaliFiles, Loader):
         self._why: dict[int, str] = {}
         self._rewritten: dict[int, str | None] = {}   # see DaliFiles._learn_input
         self._rngs: dict = {}   # (epoch, batch) -> its generator, seeded ahead (_seeded)
-        self._rewrite_dir, self._rewrite_lock = None, threading.Lock()
+        self._rewrite_dir, self._rewrite_lock, self._rewrite_owner = None, threading.Lock(), 0
         self._copied_bytes, self._copies_warned = 0, False
         # Reading: one assembler thread prepares whole batches in stream order (the augmentation draws
         # need each file's size); it spreads a batch's files over the reader threads. Threads, not
@@ -599,16 +599,13 @@ class DaliLoader(DaliFiles, Loader):
         parent's DALI pipeline and reading threads do not exist here: its stream, fed by them, hung the
         child's first pass forever, and its pools would queue reads no thread runs. Its pipeline objects
         are kept, never destroyed (destroying one waits for the parent's threads, see ``_close``); the
-        child gets fresh pools, lock and stream. The folder of copies stays the parent's: the child
-        learns those files again into a folder of its own."""
+        child gets fresh pools, lock and stream. The folder of copies is shared: the parent's copies stay
+        valid while it lives, and the parent, which made the folder, removes it (``_drop_rewritten``)."""
         _INHERITED.append((self._pipe, self._iter, self._probe_pipe))
         self._probe_pipe = None
         self._release()   # the references dropped here are kept in _INHERITED: nothing is destroyed
         self._rngs = {}
-        self._rewrite_dir, self._rewrite_lock = None, threading.Lock()   # a parent thread may hold the old
-        for i in self._rewritten:
-            self._state[i] = UNSEEN
-        self._rewritten.clear()
+        self._rewrite_lock = threading.Lock()   # a parent's thread may have held the old one at the fork
         if self.assembler is not None:
             self.assembler = WorkerPool(1, "fastdata-dali-batch")
             self._readers = WorkerPool(self.read_threads, "fastdata-dali-read")

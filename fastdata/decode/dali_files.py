@@ -104,6 +104,7 @@ class DaliFiles:
     #: ``_rewrite_dir``, removed by ``_drop_rewritten``), None for bytes fed.
     _rewritten: dict[int, str | None]
     _rewrite_dir: str | None
+    _rewrite_owner: int           # the process that made _rewrite_dir, the one that removes it
     _rewrite_lock: threading.Lock
     _copied_bytes: int            # bytes of the copies written (COPIES_WARN_BYTES)
     _copies_warned: bool
@@ -366,6 +367,14 @@ class DaliFiles:
         with self._rewrite_lock:
             if self._rewrite_dir is None:
                 self._rewrite_dir = tempfile.mkdtemp(prefix="fastdata-dali-")
+                self._rewrite_owner = os.getpid()
+                # Also removed at a forked child's exit (the loader adopted there, see DaliLoader):
+                # multiprocessing ends its children with os._exit, which skips atexit (and so
+                # close()), but runs this registry first; an entry runs only in the process that made it.
+                from multiprocessing.util import Finalize
+
+                Finalize(None, shutil.rmtree, args=(self._rewrite_dir,), kwargs={"ignore_errors": True},
+                         exitpriority=0)
         ending = os.path.splitext(cast(list, self._paths)[i])[1] if is_jpeg(data) else ".png"
         copy = os.path.join(self._rewrite_dir, f"{i}{ending}")
         try:
@@ -417,7 +426,7 @@ class DaliFiles:
         for i in list(self._rewritten):
             self._state[i] = UNSEEN
         self._rewritten.clear()
-        if folder is not None:
+        if folder is not None and self._rewrite_owner == os.getpid():   # not a forked child's parent's
             shutil.rmtree(folder, ignore_errors=True)
 
     def _path_stamp(self, i: int) -> int | str:
