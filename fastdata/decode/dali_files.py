@@ -27,6 +27,8 @@ from .dali_feed import batch_record
 from .dali_input import dali_input
 
 if TYPE_CHECKING:
+    from multiprocessing.util import Finalize
+
     from ..config import Augmentation
     from ..datasets import Source
     from ..images.on_error import OnError
@@ -105,6 +107,7 @@ class DaliFiles:
     _rewritten: dict[int, str | None]
     _rewrite_dir: str | None
     _rewrite_owner: int           # the process that made _rewrite_dir, the one that removes it
+    _rewrite_finalizer: Finalize  # removes _rewrite_dir at that process's exit (see _write_copy)
     _rewrite_lock: threading.Lock
     _copied_bytes: int            # bytes of the copies written (COPIES_WARN_BYTES)
     _copies_warned: bool
@@ -373,8 +376,8 @@ class DaliFiles:
                 # close()), but runs this registry first; an entry runs only in the process that made it.
                 from multiprocessing.util import Finalize
 
-                Finalize(None, shutil.rmtree, args=(self._rewrite_dir,), kwargs={"ignore_errors": True},
-                         exitpriority=0)
+                self._rewrite_finalizer = Finalize(None, shutil.rmtree, args=(self._rewrite_dir,),
+                                                   kwargs={"ignore_errors": True}, exitpriority=0)
         ending = os.path.splitext(cast(list, self._paths)[i])[1] if is_jpeg(data) else ".png"
         copy = os.path.join(self._rewrite_dir, f"{i}{ending}")
         try:
@@ -428,6 +431,7 @@ class DaliFiles:
         self._rewritten.clear()
         if folder is not None and self._rewrite_owner == os.getpid():   # not a forked child's parent's
             shutil.rmtree(folder, ignore_errors=True)
+            self._rewrite_finalizer.cancel()   # removed: the exit must not remove a later folder of that name
 
     def _path_stamp(self, i: int) -> int | str:
         """Plain file ``i``'s stamp from a stat of its path, or the reason (str) it cannot be stat'ed."""
