@@ -327,3 +327,21 @@ def test_persistent_workers_must_be_a_flag():
 
     with pytest.raises(TypeError, match=r"torch backend: persistent_workers must be True or False, got 'yes'"):
         make_loader(indexed_source(64), "torch", batch_size=8, device="cpu", persistent_workers="yes")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_pass_whose_loader_was_closed_says_so(workers):
+    """next() on a pass after close() raised "generator raised StopIteration" (the DataLoader's iterator
+    ended under it); it says the loader was closed, and a new pass reads the epoch again."""
+    from conftest import indexed_source
+
+    loader = make_loader(indexed_source(64), "torch", batch_size=8, num_workers=workers, device="cpu")
+    it = iter(loader)
+    next(it)
+    loader.close()
+    if workers:   # batches the workers had sent before close() may still come; then it says why it ends
+        with pytest.raises(RuntimeError, match="the loader was closed while this pass ran"):
+            for _ in it:
+                pass
+    assert sum(len(x) for x, _ in loader) == 64
+    loader.close()

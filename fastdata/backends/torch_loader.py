@@ -177,6 +177,7 @@ class TorchLoader(Loader):
         check_flag("torch backend: persistent_workers", self.opts["persistent_workers"])
         self.fetcher = BatchDecoder(source, self.augment, config.on_error)
         self._sampler = JobSampler()
+        self._pass_iterator = None   # the running pass's DataLoader iterator (see close)
         workers = config.num_workers
         if workers:   # the DataLoader reads prefetch_factor only with workers
             check_integer("prefetch_factor", self.opts["prefetch_factor"], minimum=1)
@@ -200,9 +201,16 @@ class TorchLoader(Loader):
         try:
             with device_scope(self.device, self.pin):
                 it = iter(self._loader)
+            # close() shuts this pass's workers down: a DataLoader keeps its iterator (_iterator) only
+            # with persistent workers, and a torch Dataset's are not (each epoch forks them anew).
+            self._pass_iterator = it
             for ids, _ in jobs:   # the DataLoader returns the jobs' batches in order
                 with device_scope(self.device, self.pin):
-                    images, labels, kept = next(it)
+                    batch = next(it, None)
+                if batch is None:   # close() shut the workers down under this pass (its iterator ends)
+                    raise RuntimeError("torch backend: the loader was closed while this pass ran; a new "
+                                       "iter(loader) starts a fresh pass")
+                images, labels, kept = batch
                 self.skipped += len(ids) - len(kept)
                 yield images, labels
             with device_scope(self.device, self.pin):
@@ -234,10 +242,10 @@ class TorchLoader(Loader):
             yield self.normalize(images), labels
 
     def close(self):
-        it = getattr(self._loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()  # persistent workers otherwise live until garbage collection
-        self._loader._iterator = None
+        for it in (getattr(self._loader, "_iterator", None), getattr(self, "_pass_iterator", None)):
+            if it is not None and hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()  # the workers otherwise live until garbage collection
+        self._loader._iterator = self._pass_iterator = None
 
     def __del__(self):
         try:
