@@ -16,14 +16,8 @@ except ImportError as e:
 from fastdata import make_loader  # noqa: E402
 from fastdata.config import Augmentation  # noqa: E402
 
-_OPENED: list = []
-
-
-@pytest.fixture(autouse=True)
-def _close_what_the_test_opened():
-    yield
-    while _OPENED:
-        _OPENED.pop().close()
+# test_dali's list of the loaders a test opened, and its autouse fixture that closes them at the test's end.
+from test_dali import _OPENED, _close_what_the_test_opened  # noqa: E402, F401
 
 
 def opened(loader):
