@@ -19,13 +19,16 @@ same bytes (its node has its own disk) gets them from rank 0.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import io
 import os
 import pickle
 import random
 import re
+import socket
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -114,23 +117,74 @@ def _atomic_write(path: Path, write) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"cannot save checkpoint '{path}': folder '{folder}' does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=folder)  # raises if not writable
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARK, dir=folder)
+    except OSError as e:
+        raise _save_failed(e, path) from e
+    # Locked while it is written: another run's clean_stale (the same path, started meanwhile) leaves
+    # a temporary in use alone; it removed it, and this save's os.replace failed naming a .tmp file.
+    _try_lock(fd)
+    f = os.fdopen(fd, "wb")
     try:
         # mkstemp makes the file 0600 and os.replace keeps that: give it the mode open() would, so a
         # team's shared run folder can read (and resume from) the checkpoint as from torch.save's.
         os.chmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-    except BaseException:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)  # with the lock still held: closing first opened a window for clean_stale
+    except BaseException as e:
+        f.close()
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        cause = _os_error(e)
+        if cause is not None:
+            raise _save_failed(cause, path) from e
         raise
+    f.close()
     _fsync_folder(folder)  # makes the rename itself durable
+
+
+def _save_failed(e: OSError, path: Path) -> OSError:
+    """An OSError of a save (a full disk, a folder made read-only, a quota) as one that names the
+    checkpoint and says what is kept: torch.save's own said "[Errno 28] No space left on device" and
+    nothing of which file, or that the previous checkpoint is intact. Same class and errno."""
+    what = {errno.ENOSPC: "Free space on that disk", errno.EDQUOT: "Free space within your quota",
+            errno.EACCES: "Make the folder writable", errno.EROFS: "Give a path on a writable file system"}
+    kept = (f"the previous checkpoint there is intact. {what.get(e.errno, 'Fix that')}, then resume from it"
+            if path.is_file() else f"nothing was written there. {what.get(e.errno, 'Fix that')} and run again")
+    text = f"cannot save checkpoint '{path}': {e.strerror or e}; {kept} (or give another checkpoint path)"
+    return type(e)(e.errno, text) if e.errno is not None else type(e)(text)
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: ``e`` itself, or the one torch's writer met while it wrote. On a
+    full disk torch.save raises "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos
+    704 vs 598", naming neither the file nor the disk; the file's own OSError is its ``__context__``."""
+    seen = 0
+    while e is not None and seen < 5:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _try_lock(fd: int, *, blocking: bool = False) -> bool | None:
+    """An exclusive flock on ``fd``: True when taken, False when another process holds it, None when
+    this system or file system has no locks (then nothing can be told apart, and nothing is refused)."""
+    try:
+        import fcntl
+    except ImportError:   # Windows
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError:   # ENOLCK, EOPNOTSUPP: a file system without flock
+        return None
+    return True
 
 
 def _umask() -> int:
@@ -300,11 +354,82 @@ def clean_stale(path) -> list[Path]:
         return removed
     for p in folder.glob(path.name + TMP_MARK + "*"):
         try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:   # gone meanwhile, or unreadable: not ours to judge
+            continue
+        try:
+            if _try_lock(fd) is False:   # a save in progress (another run of the same path) holds it
+                continue
             p.unlink()
             removed.append(p)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(fd)
     return removed
+
+
+# ------------------------------------------------------------------------------------ one run a path
+class CheckpointInUse(CheckpointError):
+    """Another live run saves to the same checkpoint path (``claim``)."""
+
+
+class Claim:
+    """A run's hold on a local checkpoint path: ``<name>.lock`` beside it, flocked until ``release``.
+    The kernel drops the flock when the process dies (killed, the node's job ended), so a crashed run
+    never blocks its own resume; the file left behind is taken over and removed by the next run."""
+
+    def __init__(self, lock: Path, fd: int):
+        self.lock, self.fd = lock, fd
+
+    def release(self) -> None:
+        """Give the path up (idempotent). The file is removed while still locked: a run that opened it
+        meanwhile finds, once it holds the lock, that the name no longer points at it, and starts over."""
+        if self.fd is None:
+            return
+        try:
+            self.lock.unlink()
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def claim(path, storage=None) -> Claim | None:
+    """Hold ``path`` for this run, or refuse when another live run holds it (``CheckpointInUse``, naming
+    its process and host). Two runs saving to one file each overwrite the other's saves, and a resume
+    continues whichever saved last (another model's is refused, the same model's taken silently). None
+    where nothing can be held: a URL or a storage object, a file system without locks, a lock file that
+    cannot be created. ``fit`` holds its checkpoint's path from its start to its end (rank 0)."""
+    if storage_for(path, storage) is not LOCAL:
+        return None
+    path = _local_path(path)
+    lock = path.with_name(path.name + ".lock")
+    for _ in range(8):   # each retry: the holder released (and removed) the file we opened
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            return None
+        held = _try_lock(fd)
+        if held is not True:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if held is False else ""
+            os.close(fd)
+            if held is None:
+                return None
+            raise CheckpointInUse(f"checkpoint '{path}' is in use by another run ({holder or 'unknown process'}), "
+                                  f"which saves there: two runs on one checkpoint overwrite each other's saves. "
+                                  f"Give this run its own checkpoint path, or stop the other run first (it "
+                                  f"holds '{lock}')")
+        try:
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
+            return Claim(lock, fd)
+        os.close(fd)
+    return None
 
 
 # ----------------------------------------------------------------------------------- the storage hook

@@ -146,7 +146,17 @@ def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig
         if loader is not None:
             step.check_dtype(_loader_dtype(loader), name)
     state = TrainingState(step, train_loader, storage=config.checkpoint_storage)
-    built_total = getattr(step.scheduler, "total_steps", None)  # before a checkpoint replaces it
+    try:
+        return _train_from(state, train_loader, config, built_total=getattr(step.scheduler, "total_steps", None),
+                           ddp=ddp, compiled=compiled)
+    finally:
+        state.release()   # the checkpoint path, held by start() for this run
+
+
+def _train_from(state: TrainingState, train_loader, config: FitConfig, *, built_total, ddp, compiled) -> list[dict]:
+    """Restore the checkpoint into ``state`` (``built_total``: the scheduler's length before a checkpoint
+    replaced it) and run the epochs."""
+    step = state.step
     if config.checkpoint is not None:
         state.start(config.checkpoint, config.resume, config.epochs)
     check_schedule_length(step.scheduler, step.interval, epochs=config.epochs, start_epoch=state.epoch,
@@ -154,7 +164,7 @@ def _train(raw: nn.Module, train_loader, device: torch.device, config: FitConfig
                           accumulate=config.accumulate)
     # After the restore: DDP broadcasts rank 0's (restored) weights.
     step.wrap(compile=config.compile, ddp=ddp, compiled=compiled)
-    with RunHooks(device, profile=config.profile, log_dir=config.log_dir, log_every=config.log_every,
+    with RunHooks(step.device, profile=config.profile, log_dir=config.log_dir, log_every=config.log_every,
                   start=(state.epoch, state.batch, len(train_loader))) as hooks:
         step.region = hooks.region
         run = _Run(step, state, hooks, config)

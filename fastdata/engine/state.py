@@ -62,6 +62,7 @@ class TrainingState:
         self.epoch, self.batch = 0, 0         # where training starts
         self.samples = 0                      # the global sample offset into the start epoch's order
         self.partial = [0.0, 0.0, 0.0]        # the sums the half-done start epoch carries
+        self.claim: ckpt.Claim | None = None   # rank 0's hold on the checkpoint path (start to release)
 
     def start(self, path, resume: bool, epochs: int | None = None) -> None:
         """Check ``path`` before any training, then restore from it when ``resume`` and it exists.
@@ -71,7 +72,8 @@ class TrainingState:
         rank 0's error), and a checkpoint only rank 0 can see (its own disk) resumes every rank."""
         # An unusable path fails now, not after an epoch of training; so does a state a checkpoint
         # could not hold (a scheduler keeping a Fraction): it would fail at the first save.
-        fdist.decide_on_main(ckpt.prepare, path, self.storage, what=f"checking checkpoint path '{path}'")
+        # Rank 0 also holds the path until release(): a second run started on it is refused now.
+        fdist.decide_on_main(self._prepare, path, what=f"checking checkpoint path '{path}'")
         ckpt.loadable(self.state_dict(self.loader.state_dict(), self.partial), f"checkpoint '{path}'")
         if not resume:
             return
@@ -94,6 +96,17 @@ class TrainingState:
             else:
                 print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}"
                       f"{resplit}", flush=True)
+
+    def _prepare(self, path) -> None:
+        ckpt.prepare(path, self.storage)
+        self.release()
+        self.claim = ckpt.claim(path, self.storage)
+
+    def release(self) -> None:
+        """Give up the checkpoint path ``start`` held (``fit`` calls it when the run ends, however it ends)."""
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
     def state_dict(self, position: dict, partial: list[float], rng_ranks: list[dict] | None = None) -> dict:
         """The checkpoint's contents at ``position`` (the loader's state_dict) with ``partial`` sums.
