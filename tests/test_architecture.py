@@ -183,8 +183,9 @@ def test_every_public_name_has_a_docstring():
 #: inside a folder (``test_a_folder_is_on_one_floor``). A new module must be placed here.
 FLOORS = [
     # Foundations: errors, seeds and order, the normalizer, the shard format and storage.
-    # ``checks``: the integer/range/choice checks every room shares.
-    ("checks", "errors", "sampling", "normalize", "prefetch", "models", "shards"),
+    # ``checks``: the integer/range/choice checks every room shares. ``host_memory``: the RAM a process
+    # may use (the memory backend's budget, dali's prefetch depth).
+    ("checks", "errors", "sampling", "normalize", "prefetch", "models", "shards", "host_memory"),
     # Tensor-only augmentation of device batches: needs only sampling's seed mixing. Below config because
     # LoaderConfig checks its batch_transforms when it is built (a real dependency, not an accident).
     ("batch_transforms",),

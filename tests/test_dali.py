@@ -1311,8 +1311,30 @@ def test_prefetch_depth_defaults_to_4_on_a_gpu_where_memory_allows():
     assert default_depth(gpu=True, batch_bytes=batch, free_bytes=2 << 30) == 2   # 4 batches > 1/8 of it
     resolved = DaliOptions().resolve(num_workers=3, gpu=True, batch_bytes=batch, free_bytes=70 << 30)
     assert (resolved.num_threads, resolved.read_threads, resolved.prefetch_queue_depth) == (3, 3, 4)
-    assert DaliOptions(prefetch_queue_depth=6).resolve(1, True, batch, 1).prefetch_queue_depth == 6
+    assert DaliOptions(prefetch_queue_depth=6).resolve(1, True, batch, 70 << 30).prefetch_queue_depth == 6
     assert dali(indexed_source(64), batch_size=32).prefetch_queue_depth == 2        # the CPU
+
+
+def test_a_prefetch_depth_whose_outputs_cannot_fit_is_refused(monkeypatch):
+    """DALI fills its whole queue before the first batch: a depth of 10**9 hung with no error (100,000
+    too, on 200 KB batches of digits). A depth whose output batches alone exceed the free memory is
+    refused, naming the numbers and the most that fits."""
+    import fastdata.backends.dali as dali_backend
+    from fastdata.decode.dali_options import DaliOptions
+
+    batch = 256 * 3 * 224 * 224 * 4                       # 154 MB of float32 outputs per batch
+    with pytest.raises(ValueError, match=r"prefetch_queue_depth=100 keeps 100 output batches of 147.0 MiB "
+                                         r"each \(14.36 GiB\) ahead, more than the 2.00 GiB free on the GPU: "
+                                         r"choose at most 13"):
+        DaliOptions(prefetch_queue_depth=100).resolve(1, True, batch, 2 << 30)
+    with pytest.raises(ValueError, match="make the batches smaller"):
+        DaliOptions(prefetch_queue_depth=1).resolve(1, True, batch, 1 << 20)
+    assert DaliOptions(prefetch_queue_depth=13).resolve(1, True, batch, 2 << 30).prefetch_queue_depth == 13
+    # Through make_loader on the CPU: the host's available RAM (cgroup-capped) is the bound.
+    monkeypatch.setattr(dali_backend, "available_ram", lambda: 64 << 10)
+    with pytest.raises(ValueError, match=r"prefetch_queue_depth=64 .* free on the host: choose at most 8,"):
+        dali(indexed_source(64), batch_size=32, prefetch_queue_depth=64)     # 32 x 1x8x8 float32: 8 KiB
+    assert dali(indexed_source(64), batch_size=32, prefetch_queue_depth=2).prefetch_queue_depth == 2
 
 
 def test_nvjpeg_hints_cover_the_largest_photo_known():

@@ -177,6 +177,7 @@ def test_a_memory_cgroup_limit_caps_the_host_budget(tmp_path, monkeypatch, versi
     through caches the kernel then killed the process for (SIGKILL while the cache was built, no
     message). The room the cgroup leaves (limit - usage + inactive file pages, the tightest of the
     cgroup and its parents) now caps the host budget."""
+    from fastdata import host_memory
     from fastdata.backends.memory import budgeting, check_fits
     from fastdata.config import LoaderConfig
     from fastdata.datasets import SyntheticDigits
@@ -190,7 +191,7 @@ def test_a_memory_cgroup_limit_caps_the_host_budget(tmp_path, monkeypatch, versi
     assert budgeting.cgroup_room(*unlimited) is None
     assert budgeting.cgroup_room(str(tmp_path / "no-cgroup-fs"), str(tmp_path / "no-proc")) is None
 
-    monkeypatch.setattr(budgeting, "cgroup_room", lambda: mib)
+    monkeypatch.setattr(host_memory, "cgroup_room", lambda: mib)
     assert budgeting.available_ram() == mib
     src = SyntheticDigits(n=2048)                                   # 2 MiB padded uint8 cache
     with pytest.raises(CacheDoesNotFit, match="host RAM allows"):

@@ -120,6 +120,7 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
     slice_has_policy,
 )
 from ..errors import DecodeError
+from ..host_memory import available_ram
 from ..images.on_error import OnError
 from ..images.photo import displayed_size, exif_orientation, open_image
 from .base import Loader, labels_on
@@ -200,9 +201,13 @@ class DaliLoader(DaliFiles, Loader):
             self.out_shape = (c,) + aug.output_size(h, w)
         opts = DaliOptions(**self.opts)
         batch_bytes = config.batch_size * int(np.prod(self.out_shape)) * config.dtype.itemsize
+        # The free memory the prefetched outputs go to: the default depth is chosen from it on a GPU, and a
+        # depth the user set is refused where its outputs cannot fit (dali_options.check_depth).
         free = None
-        if self.gpu and opts.prefetch_queue_depth is None:
+        if self.gpu:
             free = torch.cuda.mem_get_info(self.device)[0]
+        elif opts.prefetch_queue_depth is not None:
+            free = available_ram()
         #: The options with the derived values filled in (DaliOptions.resolve).
         self.dali_options = opts = opts.resolve(config.num_workers, self.gpu, batch_bytes, free)
         self.num_threads, self.prefetch_queue_depth = opts.num_threads, opts.prefetch_queue_depth

@@ -7,7 +7,6 @@ in its free memory. Refused before anything is allocated (``check_fits``), namin
 from __future__ import annotations
 
 import numbers
-import os
 import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -18,6 +17,7 @@ from ...augment import recipe
 from ...config import Augmentation, Crop, check_integer, resolve_device
 from ...datasets import SourceKind
 from ...errors import CacheDoesNotFit
+from ...host_memory import available_ram, cgroup_room, fmt_bytes  # noqa: F401 (cgroup_room: re-exported)
 
 if TYPE_CHECKING:
     from ...config import LoaderConfig
@@ -45,94 +45,6 @@ DEFAULT_RESERVE = {"cuda": 0.25, "cpu": 0.2}
 #: hold on the same device (a train and an eval cache must fit together); weak references, so a cache
 #: leaves the budget when its loader is closed or collected.
 LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes as messages show them: GiB from 1 GiB up, else MiB."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def available_ram() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else total; capped by
-    what this process's memory cgroup still allows (``cgroup_room``)."""
-    ram = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    ram = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if ram is None:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    room = cgroup_room()
-    return ram if room is None else min(ram, room)
-
-
-#: (limit file, usage file, the memory.stat key of reclaimable file pages) of cgroup v2, then v1.
-_CGROUP_FILES = (("memory.max", "memory.current", "inactive_file"),
-                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
-
-
-def cgroup_room(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
-    """Bytes this process's memory cgroup still allows (limit - usage + inactive file pages, the
-    smallest over the cgroup and its parents), or None where no limit is set.
-
-    Why: /proc/meminfo shows the host's memory, not a container's. Under Docker's ``--memory``, a
-    Kubernetes limit or a SLURM job's cgroup, a cache sized by MemAvailable alone passed the budget
-    and the kernel killed the process (SIGKILL, no message) while it was being built."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    paths = {}   # "v2" / "v1": the process's cgroup path in that hierarchy
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if controllers == "":
-            paths["v2"] = path
-        elif "memory" in controllers.split(","):
-            paths["v1"] = path
-    best = None
-    for (limit_f, usage_f, key), (version, mount) in zip(_CGROUP_FILES, (("v2", root), ("v1", f"{root}/memory")),
-                                                          strict=True):
-        for d in _cgroup_dirs(mount, paths.get(version, "/")):
-            room = _room_in(d, limit_f, usage_f, key)
-            if room is not None:
-                best = room if best is None else min(best, room)
-    return best
-
-
-def _cgroup_dirs(mount: str, path: str) -> list[str]:
-    """The cgroup's directory and its parents' under ``mount`` (inside a container's cgroup namespace the
-    path is "/" and the mount is the container's own cgroup)."""
-    parts = [p for p in path.split("/") if p]
-    return [os.path.join(mount, *parts[:k]) for k in range(len(parts), -1, -1)]
-
-
-def _room_in(d: str, limit_f: str, usage_f: str, key: str) -> int | None:
-    try:
-        with open(os.path.join(d, limit_f)) as f:
-            limit = f.read().strip()
-        with open(os.path.join(d, usage_f)) as f:
-            usage = int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-    # "max" (v2) or a page-rounded 2**63 (v1): no limit here.
-    if limit == "max" or not limit.isdigit() or int(limit) >= 2**62:
-        return None
-    inactive = 0
-    try:
-        with open(os.path.join(d, "memory.stat")) as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    inactive = int(value)
-                    break
-    except (OSError, ValueError):
-        pass
-    return max(0, int(limit) - usage + inactive)
 
 
 def free_bytes(device: torch.device) -> int:
