@@ -1325,14 +1325,14 @@ def test_a_prefetch_depth_whose_outputs_cannot_fit_is_refused(monkeypatch):
     batch = 256 * 3 * 224 * 224 * 4                       # 154 MB of float32 outputs per batch
     with pytest.raises(ValueError, match=r"prefetch_queue_depth=100 keeps 100 output batches of 147.0 MiB "
                                          r"each \(14.36 GiB\) ahead, more than the 2.00 GiB free on the GPU: "
-                                         r"choose at most 13"):
+                                         r"at most 13 fit\. DALI prepares every one before the first batch"):
         DaliOptions(prefetch_queue_depth=100).resolve(1, True, batch, 2 << 30)
-    with pytest.raises(ValueError, match="make the batches smaller"):
+    with pytest.raises(ValueError, match="not one fits: make the batches smaller"):
         DaliOptions(prefetch_queue_depth=1).resolve(1, True, batch, 1 << 20)
     assert DaliOptions(prefetch_queue_depth=13).resolve(1, True, batch, 2 << 30).prefetch_queue_depth == 13
     # Through make_loader on the CPU: the host's available RAM (cgroup-capped) is the bound.
     monkeypatch.setattr(dali_backend, "available_ram", lambda: 64 << 10)
-    with pytest.raises(ValueError, match=r"prefetch_queue_depth=64 .* free on the host: choose at most 8,"):
+    with pytest.raises(ValueError, match=r"prefetch_queue_depth=64 .* free on the host: at most 8 fit"):
         dali(indexed_source(64), batch_size=32, prefetch_queue_depth=64)     # 32 x 1x8x8 float32: 8 KiB
     assert dali(indexed_source(64), batch_size=32, prefetch_queue_depth=2).prefetch_queue_depth == 2
 

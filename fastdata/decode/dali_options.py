@@ -98,11 +98,11 @@ def check_depth(depth: int, batch_bytes: int, free_bytes: int | None, where: str
     if free_bytes is None or batch_bytes <= 0 or depth * batch_bytes <= free_bytes:
         return
     most = free_bytes // batch_bytes
-    fix = f"choose at most {most}" if most else "make the batches smaller"
+    fits = f"at most {most} fit" if most else "not one fits: make the batches smaller"
     raise ValueError(f"prefetch_queue_depth={depth} keeps {depth} output batches of {fmt_bytes(batch_bytes)} each "
                      f"({fmt_bytes(depth * batch_bytes)}) ahead, more than the {fmt_bytes(free_bytes)} free on "
-                     f"{where}: {fix}, or leave it unset (the default is {GPU_DEPTH} on a GPU, {CPU_DEPTH} on the "
-                     f"CPU)")
+                     f"{where}: {fits}. DALI prepares every one before the first batch; a few hide the step's "
+                     f"jitter (unset, the depth is {GPU_DEPTH} on a GPU, {CPU_DEPTH} on the CPU)")
 
 
 def files_decoder(gpu: bool) -> tuple[str, dict]:
