@@ -1,0 +1,101 @@
+"""QA pass on choosing a backend: ``auto`` (the choice, its reason, the options it passes on, ranks that
+must agree), the ``prefetch`` stage's hand-over, and the benchmarks users run to choose."""
+import logging
+import multiprocessing as mp
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import indexed_source
+from fastdata import Augmentation, make_loader, registry
+from fastdata.backends import auto
+
+
+def config(device, rank=None, world_size=None, batch_size=256):
+    return SimpleNamespace(device=torch.device(device), augment=Augmentation(crop="translate", pad=2),
+                           train=True, rank=rank, world_size=world_size, dtype=torch.float32,
+                           batch_size=batch_size)
+
+
+# ------------------------------------------------------------------------------ auto across ranks
+def _rank(rank, path, q):
+    import torch.distributed as dist
+
+    from fastdata import registry as r
+    from fastdata.backends import memory as m
+
+    if rank == 1:
+        m.budgeting.free_bytes = lambda device: 1000   # rank 1's memory is nearly full: no cache fits there
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    try:
+        src = indexed_source(1000)
+        name, why = r.choose(src, config("cpu"))
+        built = None
+        try:   # what the rank then builds: the choice must be one the rank can build
+            loader = r.backend_class(name)(src, r.LoaderConfig(
+                batch_size=50, device="cpu", num_workers=0, augment=Augmentation(crop="translate", pad=2)))
+            loader.close()
+            built = "ok"
+        except Exception as e:
+            built = f"{type(e).__name__}: {e}"
+        q.put((rank, name, why, built))
+    except Exception as e:
+        q.put((rank, None, f"{type(e).__name__}: {e}", None))
+    finally:
+        from fastdata import distributed as fdist
+
+        fdist.cleanup(barrier=False)
+
+
+def test_with_a_process_group_the_choice_is_the_first_row_that_fits_on_every_rank(tmp_path):
+    """Rank 0 deciding alone picked `memory` for a job whose rank 1 had no room for the cache: rank 1
+    then failed building it (CacheDoesNotFit) while rank 0 trained on."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, tmp_path / "pg", q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {r: (name, why, built) for r, name, why, built in (q.get(timeout=60) for _ in procs)}
+    for p in procs:
+        p.join(timeout=30)
+    assert results[0][0] == results[1][0] == "torch", results
+    for rank in (0, 1):
+        name, why, built = results[rank]
+        assert built == "ok", (rank, built)
+        assert "not memory on rank 1: the cache" in why and "does not fit" in why, why
+        assert "fits on all 2 ranks" in why, why
+
+
+def test_ranks_verdicts_combine_to_the_first_row_every_rank_can_use():
+    rows0 = [("memory", True, "fits here"), ("torch", True, "torch reads it")]
+    rows1 = [("memory", False, "the cache does not fit"), ("torch", True, "torch reads it")]
+    name, why = auto.combine([rows0, rows1], "cpu")
+    assert name == "torch" and why.startswith("torch reads it") and "not memory on rank 1: the cache" in why
+    with pytest.raises(ValueError, match=r"no backend fits on every rank.*not memory on rank 1.*"
+                                         r"not torch on rank 0: x"):
+        auto.combine([[("memory", True, ""), ("torch", False, "x")], [("memory", False, "y"), ("torch", True, "")]],
+                     "cpu")
+    # A rank whose fits() raised: every rank raises, naming it (no rank is left waiting in a collective).
+    with pytest.raises(RuntimeError, match="rank 1 could not decide: OSError: gone"):
+        auto.combine([rows0, "OSError: gone"], "cpu")
+
+
+# ------------------------------------------------------------------------------ auto and the options
+def test_an_option_the_picked_backend_does_not_take_is_named_in_the_reason(caplog):
+    """auto passes each backend only its own options: `depth=4` or `prefetch_factor=4` with `memory`
+    picked vanished without a word, and the user believed they were in effect."""
+    src = indexed_source(300)
+    with caplog.at_level(logging.WARNING, logger="fastdata"):
+        loader = make_loader(src, "auto", batch_size=50, device="cpu", num_workers=0, depth=4,
+                             prefetch_factor=4, cache_size=64)
+    try:
+        assert loader.name == "memory"
+    finally:
+        loader.close()
+    line = next(r.getMessage() for r in caplog.records if "picked" in r.getMessage())
+    assert "not passed to memory, which does not take them: depth=4 (prefetch's), " \
+           "prefetch_factor=4 (prefetch's, torch's)" in line, line
+    assert "cache_size" not in line.split("not passed")[1]
+    name, why = registry.choose(src, config("cpu"), {"cache_size": 64})
+    assert name == "memory" and "not passed" not in why
