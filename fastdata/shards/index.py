@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .storage import StorageError, redact
+from .storage import Storage, StorageError, redact
 
 FORMAT = "fastdata-shards"
 VERSION = 1
@@ -329,19 +329,11 @@ def _check_members(where, shards, shard, offset, size, max_member_bytes) -> None
 
 
 def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
-    """``parse_index`` of a local file: ``path`` is the ``index.json`` or the folder holding it."""
+    """``load_index`` of a local folder: ``path`` is the folder or the ``index.json`` in it. One path for
+    both, so a local index is read, refused and explained as ``Shards`` reads it."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, INDEX_NAME)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        cls = IndexNotFound if isinstance(e, FileNotFoundError) else StorageError
-        error = cls(f"cannot read the index at {path}: {type(e).__name__}: {e}", os.path.basename(path), path,
-                    code=e.errno)
-        raise _with_advice(error, local=True, folder=os.path.dirname(path)) from None
-    return parse_index(data, path, max_member_bytes=max_member_bytes)
+    folder = os.path.dirname(path) or "." if os.path.basename(path) == INDEX_NAME else path
+    return load_index(Storage(folder, retries=0), max_member_bytes=max_member_bytes)
 
 
 def load_index(storage, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
