@@ -75,7 +75,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                  help="seconds a timed pass lasts at least: a pass repeats whole epochs until then")
     p.add_preset("--jpeg-images", type=cli.positive_int, full=1500, quick=96, help="photos in the JPEG folder")
     p.add_preset("--jpeg-batch", type=cli.positive_int, full=64, quick=32)
-    p.add_argument("--data", default="./data", help="folder holding MNIST/raw (used when present)")
+    p.add_argument("--data", default=None, type=common.existing_folder,
+                   help="folder holding MNIST/raw (default: ./data when it holds MNIST, else synthetic digits; "
+                        "a folder given must hold it)")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEG folder is kept")
     p.add_preset("--budget", type=cli.positive_float, full=60.0, quick=8.0,
                  help="seconds of timed passes per contender before stopping early")
@@ -225,10 +227,13 @@ class DecodeLimit:
 
 
 # ------------------------------------------------------------------------------------ sources
-def digits_source(count: int, data: str):
-    """(source, description): the first ``count`` MNIST images under ``data``, else synthetic digits."""
+def digits_source(count: int, data: str | None):
+    """(source, description): the first ``count`` MNIST images under ``data``. ``data`` None: under
+    ./data, else synthetic digits (saying so); a folder given without MNIST ends the run naming it: a
+    report of synthetic digits taken for MNIST's would mislead."""
     from fastdata.datasets import MNIST, SyntheticDigits
 
+    given, data = data is not None, data if data is not None else "./data"
     try:
         src = MNIST(data, train=True, download=False)
         if count < len(src):  # --quick or --digits: a prefix of MNIST
@@ -237,7 +242,10 @@ def digits_source(count: int, data: str):
             src = ArraySource(src.images[:count], src.labels[:count], mean=src.mean, std=src.std,
                               name="mnist", digits=True)
         return src, f"MNIST from {data} ({len(src):,} x 28x28)"
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        if given:
+            raise SystemExit(f"--data {data}: no MNIST there ({e}); leave --data out to measure synthetic "
+                             f"digits") from None
         src = SyntheticDigits(count)
         return src, f"SyntheticDigits ({len(src):,} x 28x28; no MNIST under {data})"
 
@@ -389,6 +397,12 @@ def add_rows(rows, contenders: list[Contender]) -> None:
                                       "images_per_pass": items[0] if items else 0}))
 
 
+def check_data(args, workloads) -> None:
+    """Before any work: a ``--data`` folder given must hold MNIST when digits are measured."""
+    if args.data is not None and "digits" in workloads:
+        digits_source(1, args.data)
+
+
 def run_workload(workload, args, device, rows, sources):
     source, desc = (digits_source(args.digits, args.data) if workload == "digits"
                     else jpeg_source(args.jpeg_images, args.cache))
@@ -410,9 +424,9 @@ def run_workload(workload, args, device, rows, sources):
     available = set(fastdata.available_backends())
     for name in args.backends:
         if name not in available:
-            rows.append(common.Row(workload, name, "fastdata", status="skipped",
-                                   note="not available here (fastdata.available_backends())"))
-            print(f"  {name:<10} skipped: not in available_backends()", flush=True)
+            note = common.unavailable(name)
+            rows.append(common.Row(workload, name, "fastdata", status="skipped", note=note))
+            print(f"  {name:<10} skipped: {note}", flush=True)
             continue
 
         def make(name=name):
@@ -451,14 +465,17 @@ def run_workload(workload, args, device, rows, sources):
 
 
 class _Capture(logging.Handler):
-    """Collects the reason ``auto`` logs for its choice."""
+    """Collects the reason ``auto`` logs for its choice: the record's (backend, reason) arguments, not
+    the whole line, which repeats the pick and adds make_loader's hint about ``quiet``."""
 
     def __init__(self, out):
         super().__init__(logging.INFO)
         self.out = out
 
     def emit(self, record):
-        self.out.append(record.getMessage())
+        args = record.args if isinstance(record.args, tuple) else ()
+        if "picked" in str(record.msg) and len(args) == 2:
+            self.out.append(str(args[1]))
 
 
 # ------------------------------------------------------------------------------------ report
@@ -505,6 +522,7 @@ def results_markdown(rows, sources, targets, args, device) -> str:
 def main(args) -> dict:
     """Run the benchmark; returns the JSON payload (also written under ``args.out``)."""
     device = fastdata.config.resolve_device(args.device)
+    check_data(args, args.workloads)
     torch.manual_seed(0)
 
     machine = common.machine_info()

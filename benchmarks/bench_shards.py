@@ -220,7 +220,7 @@ def run_backend(backend, args, device, data, rows, sources, http_stats) -> None:
                         f"Shards(window={args.window})")
     if backend not in fastdata.available_backends():
         rows.extend(_skipped_rows(backend, args))
-        print(f"  {backend} skipped: not in available_backends()", flush=True)
+        print(f"  {backend} skipped: {common.unavailable(backend)}", flush=True)
         return
 
     def loader_of(source):
@@ -283,7 +283,7 @@ def run_backend(backend, args, device, data, rows, sources, http_stats) -> None:
 def _skipped_rows(backend, args) -> list:
     """A skipped Row for each contender of a backend this machine does not have."""
     return [common.Row(backend, name, "baseline" if name == "folder" else "fastdata", status="skipped",
-                       note="not available here (fastdata.available_backends())")
+                       note=common.unavailable(backend))
             for name in (*LOADER_CONTENDERS, small_name(args))]
 
 

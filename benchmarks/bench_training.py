@@ -70,7 +70,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_preset("--jpeg-batch", type=cli.positive_int, full=64, quick=16, help="batch size of the photos")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES,
                    help="the step's precision (default auto: bf16 or fp16 on CUDA, off on the CPU)")
-    p.add_argument("--data", default="./data", help="folder holding MNIST/raw (used when present; default ./data)")
+    p.add_argument("--data", default=None, type=common.existing_folder,
+                   help="folder holding MNIST/raw (default: ./data when it holds MNIST, else synthetic digits; "
+                        "a folder given must hold it)")
     p.add_argument("--cache", default=str(common.CACHE_DIR), help="where the generated JPEG folder is kept")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")
@@ -189,8 +191,7 @@ def run_workload(workload, args, device, rows, sources):
             workload, source, batch, args.workers, device), device)))
     for name in args.backends:
         if name not in available:
-            rows.append(common.Row(workload, name, "fastdata", status="skipped",
-                                   note="not available here (fastdata.available_backends())"))
+            rows.append(common.Row(workload, name, "fastdata", status="skipped", note=common.unavailable(name)))
             continue
         contenders.append((name, "fastdata", lambda name=name: fastdata.make_loader(
             source, name, batch_size=batch, device=device, num_workers=args.workers, train=True)))
@@ -244,10 +245,12 @@ def targets_for(device) -> list[common.Target]:
 
 def main(args) -> dict:
     device = fastdata.config.resolve_device(args.device)
+    workloads = args.workloads or default_workloads(device)
+    loaders.check_data(args, workloads)
     machine = common.machine_info()
     rows: list[common.Row] = []
     sources: dict[str, str] = {}
-    for workload in args.workloads or default_workloads(device):
+    for workload in workloads:
         run_workload(workload, args, device, rows, sources)
     common.add_ratios(rows)
     targets = [t.evaluate(rows) for t in targets_for(device) if t.workload in sources]

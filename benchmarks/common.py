@@ -95,6 +95,22 @@ def photo_folder(cache, count: int, *, workers: int | None = None) -> Path:
     return root
 
 
+def existing_folder(text: str) -> str:
+    """An argparse type: a folder that is there (``--data``: a mistyped one measured other data)."""
+    import argparse
+
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"'{text}' is not a folder")
+    return text
+
+
+def unavailable(name: str) -> str:
+    """Why backend ``name`` is skipped here: what does not import and how to install it."""
+    from fastdata import registry
+
+    return f"not available here: {registry.spec(name).unavailable_reason or 'not in available_backends()'}"
+
+
 # ------------------------------------------------------------------------------------------ timing
 def sync(device) -> None:
     """Wait for queued CUDA work on ``device`` (no-op on CPU), so a clock measures the work itself."""

@@ -99,3 +99,68 @@ def test_an_option_the_picked_backend_does_not_take_is_named_in_the_reason(caplo
     assert "cache_size" not in line.split("not passed")[1]
     name, why = registry.choose(src, config("cpu"), {"cache_size": 64})
     assert name == "memory" and "not passed" not in why
+
+
+# ------------------------------------------------------------------------------ the benchmark scripts
+def _script(name):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:   # the scripts live in benchmarks/, next to the package
+        sys.path.insert(0, root)
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+@pytest.mark.parametrize("script", ["bench_loaders", "bench_training"])
+def test_a_data_folder_given_must_hold_mnist_and_is_checked_before_any_work(script, tmp_path, monkeypatch, capsys):
+    """`--data /typo` measured synthetic digits and labelled the report so in a line few read: a user
+    quoting "MNIST" figures never measured them. The default (./data) still falls back."""
+    mod, loaders = _script(script), _script("bench_loaders")
+    with pytest.raises(SystemExit):
+        mod.get_args_parser().parse_args(["--data", str(tmp_path / "typo")])
+    assert f"'{tmp_path / 'typo'}' is not a folder" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = mod.get_args_parser().parse_args(["--quick", "--workloads", "digits", "--data", str(empty),
+                                             "--out", str(tmp_path / "out")])
+    monkeypatch.setattr(mod, "run_workload", lambda *a, **k: pytest.fail("measured before the data was checked"))
+    with pytest.raises(SystemExit, match=f"--data {empty}: no MNIST there.*MNIST files not found"):
+        mod.main(args)
+    assert not (tmp_path / "out").exists()
+    monkeypatch.chdir(tmp_path)           # no ./data here: the default falls back to synthetic digits
+    src, desc = loaders.digits_source(100, None)
+    assert len(src) == 100 and desc.startswith("SyntheticDigits") and "no MNIST under ./data" in desc
+
+
+def test_a_backend_not_installed_is_skipped_with_its_install_hint(monkeypatch):
+    loaders = _script("bench_loaders")
+    monkeypatch.setitem(registry.BACKENDS, "dali", registry.BackendSpec(
+        "dali", "x.y:Z", needs="no_dali_here", install="pip install nvidia-dali-cuda120", order=20,
+        devices=("cuda",)))
+    registry.clear_import_cache()
+    try:
+        rows = []
+        args = loaders.get_args_parser().parse_args(["--quick", "--workloads", "digits", "--backends", "dali",
+                                                     "--no-baseline", "--no-limit"])
+        loaders.run_workload("digits", args, torch.device("cpu"), rows, {})
+    finally:
+        registry.clear_import_cache()
+    (row,) = rows
+    assert row.status == "skipped" and "needs no_dali_here" in row.note and "pip install nvidia-dali" in row.note
+
+
+def test_the_auto_rows_note_names_the_pick_once():
+    """The note read "auto picked 'memory': fastdata: backend 'auto' picked 'memory': its cache ...
+    (make_loader(..., quiet=True) hides this)": the whole log line pasted after its own summary."""
+    loaders = _script("bench_loaders")
+    rows = []
+    args = loaders.get_args_parser().parse_args(["--quick", "--workloads", "digits", "--backends", "auto",
+                                                 "--no-baseline", "--no-limit", "--digits", "600",
+                                                 "--workers", "1"])
+    loaders.run_workload("digits", args, torch.device("cpu"), rows, {})
+    (row,) = rows
+    assert row.status == "ok", row.note
+    assert row.note.startswith("auto picked 'memory': its ") and row.note.count("picked") == 1, row.note
+    assert "quiet=True" not in row.note
