@@ -392,12 +392,15 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
 
 
 def _measured_backend(text: str) -> str:
-    """A backend ``--backends`` can measure: any but ``auto``, which is a choice among them."""
-    if text == "auto":
-        from .registry import BACKENDS
+    """A backend ``--backends`` can measure: any but ``auto``, which is a choice among them (so neither
+    error offers it as a choice)."""
+    from .registry import BACKENDS
 
+    if text == "auto":
         raise argparse.ArgumentTypeError(f"'auto' picks one of the others, it is not measured; choose from "
                                          f"{list(BACKENDS)}")
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose from {list(BACKENDS)}")
     return cli.backend(text)
 
 

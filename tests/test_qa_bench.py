@@ -164,3 +164,14 @@ def test_the_auto_rows_note_names_the_pick_once():
     assert row.status == "ok", row.note
     assert row.note.startswith("auto picked 'memory': its ") and row.note.count("picked") == 1, row.note
     assert "quiet=True" not in row.note
+
+
+def test_fastdata_bench_lists_only_the_backends_it_measures(capsys):
+    """`--backends dali_nope` answered "choose from ['auto', 'torch', ...]", and `--backends auto` is
+    refused: the list offered a choice the command does not take."""
+    from fastdata import bench
+
+    with pytest.raises(SystemExit):
+        bench.get_args_parser().parse_args(["digits", "--backends", "dali_nope"])
+    err = capsys.readouterr().err
+    assert "unknown backend 'dali_nope'; choose from ['torch', 'memory', 'prefetch', 'dali']" in err, err
