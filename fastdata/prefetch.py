@@ -72,6 +72,24 @@ def _close(host) -> None:
         close()
 
 
+def _take(q: queue.Queue, producer: threading.Thread):
+    """The next item of the producer's queue. A producer that ended without queueing the end of the
+    pass was stopped from outside (close(): its loader's source is being shut down); a plain get()
+    then waited forever, so the wait is in short slices that check the producer is still there.
+    (A timed lock wait still lets Ctrl-C through at once.)"""
+    while True:
+        try:
+            return q.get(timeout=0.1)
+        except queue.Empty:
+            if producer.is_alive():
+                continue
+        try:   # it may have queued its last item between the timeout and the check
+            return q.get_nowait()
+        except queue.Empty:
+            raise RuntimeError("prefetch: the loader was closed while this pass ran (its producer thread "
+                               "has stopped); a new iter(loader) starts a fresh pass") from None
+
+
 class Inline:
     """The CPU hand-over: the producer normalizes, the consumer takes the result as it is."""
 
@@ -206,7 +224,7 @@ class PrefetchStage:
         ended = False
         try:
             while True:
-                item = q.get()   # a plain lock wait: Ctrl-C interrupts it at once
+                item = _take(q, worker)
                 if item is _DONE:
                     ended = True
                     return

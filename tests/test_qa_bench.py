@@ -175,3 +175,58 @@ def test_fastdata_bench_lists_only_the_backends_it_measures(capsys):
         bench.get_args_parser().parse_args(["digits", "--backends", "dali_nope"])
     err = capsys.readouterr().err
     assert "unknown backend 'dali_nope'; choose from ['torch', 'memory', 'prefetch', 'dali']" in err, err
+
+
+# ------------------------------------------------------------------------------ prefetch
+def _drain_in_thread(it, seconds=15):
+    """(batches taken, the exception that ended it, or "hung") for the rest of ``it``."""
+    import threading
+
+    out = {"n": 0, "end": "hung"}
+
+    def drain():
+        try:
+            for _ in it:
+                out["n"] += 1
+            out["end"] = None
+        except Exception as e:
+            out["end"] = e
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    t.join(seconds)
+    return out["n"], out["end"]
+
+
+@pytest.mark.parametrize("device, workers", [("cpu", 0), ("cpu", 2), pytest.param("cuda", 2, marks=pytest.mark.cuda)])
+def test_a_prefetch_pass_after_close_says_so_instead_of_waiting_forever(device, workers):
+    """close() stops the producer thread; the pass's next() then waited on the empty queue forever (the
+    torch backend raises, saying the loader was closed)."""
+    import time
+
+    loader = make_loader(indexed_source(500), "prefetch", batch_size=50, device=device, num_workers=workers)
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    time.sleep(0.2)          # the producer fills its queue
+    loader.close()
+    taken, end = _drain_in_thread(it)
+    assert isinstance(end, RuntimeError) and "closed while this pass ran" in str(end), (taken, end)
+    assert taken <= 3        # at most what was queued before the close
+
+
+def test_the_stage_closed_mid_pass_ends_the_pass_with_an_error():
+    from fastdata.prefetch import PrefetchStage
+
+    def endless():
+        k = 0
+        while True:
+            yield torch.full((1, 2, 2, 1), k % 256, dtype=torch.uint8), torch.tensor([k])
+            k += 1
+
+    stage = PrefetchStage(torch.device("cpu"), depth=1)
+    it = stage(endless(), lambda x: x.float())
+    next(it)
+    stage.close()
+    taken, end = _drain_in_thread(it)
+    assert isinstance(end, RuntimeError) and "closed while this pass ran" in str(end), (taken, end)
