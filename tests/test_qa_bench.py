@@ -230,3 +230,80 @@ def test_the_stage_closed_mid_pass_ends_the_pass_with_an_error():
     stage.close()
     taken, end = _drain_in_thread(it)
     assert isinstance(end, RuntimeError) and "closed while this pass ran" in str(end), (taken, end)
+
+
+# ------------------------------------------------------------------------------ quoted figures
+def _results(name):
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / name).read_text())
+
+
+def _doc(name):
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / name).read_text()
+
+
+def _sig3(x):
+    """A ratio as the docs quote it: three significant digits (80.2, 6.30, 117), rounded from the
+    report's two decimals (66.649 is 66.65x there, quoted 66.7)."""
+    return f"{round(x, 2):#.3g}".rstrip(".")
+
+
+LABELS = {"baseline": "baseline (torchvision)", "torch": "`torch`", "memory": "`memory`", "prefetch": "`prefetch`",
+          "dali": "`dali` (CPU)", "auto": "`auto` (picked `memory`)", "limit": "limit"}
+
+
+def test_the_loader_figures_quoted_in_the_docs_are_the_results_files():
+    _script("common")   # puts the repository on the path
+    from benchmarks.common import fmt_num
+
+    run = _results("loaders-cpu-2c.json")
+    doc, readme = _doc("docs/benchmarks.md"), _doc("README.md")
+    assert f"full run of {run['machine']['date']} (`benchmarks/results/loaders-cpu-2c.md`)" in doc
+    assert f"run of {run['machine']['date']} (`benchmarks/results/loaders-cpu-2c.md`)" in readme
+    lines = {name: next(line for line in doc.splitlines() if line.startswith(f"| {label} |"))
+             for name, label in LABELS.items()}
+    for row in run["rows"]:
+        line = lines[row["name"]]
+        assert fmt_num(row["rate"]) in line, (row["workload"], row["name"], line)
+        if row["name"] != "limit":
+            lo, hi = min(row["passes"]), max(row["passes"])
+            assert f"{fmt_num(row['rate'])} ({fmt_num(lo)}–{fmt_num(hi)})" in line, (row["name"], line)
+        if row["name"] not in ("baseline", "limit"):
+            lo, hi = row["vs_baseline_range"]
+            quoted = f"{_sig3(row['vs_baseline'])} ({_sig3(lo)}–{_sig3(hi)})"
+            assert quoted in line, (row["workload"], row["name"], quoted, line)
+            readme_line = next(x for x in readme.splitlines() if x.startswith(f"| `{row['name']}` |"))
+            assert _sig3(row["vs_baseline"]) + "×" in readme_line, (row["name"], readme_line)
+
+
+def test_the_cpu_training_figures_quoted_in_the_docs_are_the_results_file():
+    run = _results("training-cpu-2c.json")
+    doc = _doc("docs/benchmarks.md")
+    start = doc.index("Training (`bench_training.py`")
+    paragraph = " ".join(doc[start:doc.index("\n\n", start)].split())
+    assert f"run {run['machine']['date']}:" in paragraph, paragraph[:80]
+    said = {"baseline": "baseline {}", "limit": "ready tensors) {}", "auto": "`auto` (`memory`) {}"}
+    for row in run["rows"]:
+        quoted = said.get(row["name"], f"`{row['name']}` {{}}").format(round(row["rate"]))
+        assert quoted in paragraph, (quoted, paragraph)
+
+
+def test_the_h200_training_figures_quoted_in_the_docs_are_the_results_file():
+    _script("common")
+    from benchmarks.common import fmt_num
+
+    run = _results("training-cuda-h200.json")
+    line = next(x for x in _doc("docs/benchmarks.md").splitlines() if x.startswith("| training a SmallCNN on digits"))
+    third = line.split(" | ")[-1]
+    readme = _doc("README.md")
+    for row in run["rows"]:
+        if row["workload"] != "digits" or row["name"] == "baseline":
+            continue
+        assert fmt_num(row["rate"]) in third, (row["name"], third)
+        if row["name"] in ("memory", "torch", "prefetch", "auto"):
+            readme_line = next(x for x in readme.splitlines() if x.startswith(f"| `{row['name']}` |"))
+            assert fmt_num(row["rate"]) in readme_line, (row["name"], readme_line)
