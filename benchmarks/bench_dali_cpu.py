@@ -70,7 +70,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--size", type=cli.positive_int, default=64, help="output side (default 64)")
     p.add_argument("--threads", type=cli.positive_int, default=None, help="DALI threads (default: the usable cores)")
     p.add_argument("--depth", type=cli.positive_int, default=2, help="prefetch_queue_depth of both (default 2)")
-    p.add_argument("--folder", default=None, help="an existing JPEG folder instead of generated ones")
+    p.add_argument("--folder", default=None, type=common.existing_folder,
+                   help="an existing JPEG folder instead of generated ones")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the .md/.json/.png reports")
     p.add_argument("--tag", default=None, help="file-name tag (default: cpu-<cores>c or cuda-<gpu>)")
     return p

@@ -307,3 +307,11 @@ def test_the_h200_training_figures_quoted_in_the_docs_are_the_results_file():
         if row["name"] in ("memory", "torch", "prefetch", "auto"):
             readme_line = next(x for x in readme.splitlines() if x.startswith(f"| `{row['name']}` |"))
             assert fmt_num(row["rate"]) in readme_line, (row["name"], readme_line)
+
+
+def test_bench_dali_cpus_folder_is_checked_by_the_parser(tmp_path, capsys):
+    """`--folder /typo` was a FileNotFoundError traceback from inside the run."""
+    mod = _script("bench_dali_cpu")
+    with pytest.raises(SystemExit):
+        mod.get_args_parser().parse_args(["--folder", str(tmp_path / "typo")])
+    assert f"argument --folder: '{tmp_path / 'typo'}' is not a folder" in capsys.readouterr().err
