@@ -97,11 +97,12 @@ def main(args) -> dict:
         with cli.input_errors("--val-root"):
             val_src = ImageFolder(args.val_root) if args.val_root else None
         if val_src is not None and val_src.classes != train_src.classes:
-            raise SystemExit(f"--val-root has classes {val_src.classes[:5]}... but --data-root has "
+            raise SystemExit(f"error: --val-root has classes {val_src.classes[:5]}... but --data-root has "
                              f"{train_src.classes[:5]}...: they must be the same folders")
         size = args.image_size
         common = dict(device=device, num_workers=args.workers, seed=args.seed, channels_last=args.channels_last)
-        with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}"):
+        with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}",
+                              skip_flag="--on-error skip"):
             train_loader = make_loader(train_src, args.backend, batch_size=args.batch_size, train=True,
                                        augment=Augmentation.imagenet_train(size=size), on_error=args.on_error,
                                        **common)

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 import time
 
@@ -296,18 +297,31 @@ def check_output(parser: argparse.ArgumentParser, flag: str, path, *, folder: bo
         parser.error(f"argument {flag}: {problem}")
 
 
+def decode_error_line(error: Exception, skip_flag: str | None = None) -> str:
+    """The one line a command ends with for a ``DecodeError``: the error's own last line (a DataLoader
+    worker's copy carries the worker's traceback above it), with its advice in the command's words where
+    it has an ``--on-error`` flag (``skip_flag``) instead of the ``on_error='skip'`` of the Python API."""
+    line = str(error).strip().splitlines()[-1]
+    # The worker's traceback ends in "fastdata.errors.DecodeError: <message>".
+    line = re.sub(r"^[\w.]*DecodeError: ", "", line)
+    if skip_flag:
+        line = line.replace("on_error='skip' skips", f"{skip_flag} skips")
+    return f"error: {line}"
+
+
 @contextlib.contextmanager
-def input_errors(what: str):
+def input_errors(what: str, *, skip_flag: str | None = None):
     """Around reading what the flags name (a data folder, a checkpoint) and building loaders from them:
     a bad input (a missing or empty folder, a batch larger than the data, a checkpoint that is not one,
     a backend that cannot take the source) ends the program with one line naming ``what``, not a
-    traceback. Only around construction: an error in the middle of training keeps its traceback."""
+    traceback. Only around construction: an error in the middle of training keeps its traceback, but
+    a broken image there (``fit_errors``) is one line too. ``skip_flag``: see ``decode_error_line``."""
     from .errors import CacheDoesNotFit, DecodeError, MissingDependency
 
     try:
         yield
     except DecodeError as e:   # a broken image (the memory backend decodes while it is built): the file's
-        raise SystemExit(f"error: {str(e).strip().splitlines()[-1]}") from None
+        raise SystemExit(decode_error_line(e, skip_flag)) from None
     # Not TypeError: with every flag checked by its type, one here is a bug, whose traceback matters.
     except (ValueError, OSError, CacheDoesNotFit, MissingDependency) as e:
         message = str(e).strip().splitlines()
@@ -392,13 +406,18 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
     - Ctrl-C (``on_ctrl_c``): what the same command with ``--resume`` goes on from, where it was a
       traceback through the loop, the step and autograd that said nothing about resuming;
     - a run whose weights went NaN or inf (fit's ``FloatingPointError``: where the loss went
-      non-finite, and that the checkpoint keeps the last good save): ``error: ...``.
+      non-finite, and that the checkpoint keeps the last good save): ``error: ...``;
+    - a broken image met in training (``DecodeError``; the torch and dali backends read a file first
+      when its batch is due): the file, why, and ``--on-error skip`` where the script has that flag.
+      The same file ended the memory backend's build with that one line; here it was a traceback
+      through the loop, the backend and a DataLoader worker.
 
     ``flags``: the script's flags for where it saves (a file, or a folder as accelerate's ``save_state``
     writes) and how many ``unit`` apart, when they are not ``--checkpoint`` and ``--checkpoint-every``
     (fit's ``checkpoint_every`` counts batches; a loop that saves every N optimizer steps says "steps")."""
     from . import distributed
     from .checkpoint import CheckpointError
+    from .errors import DecodeError
 
     saves, every = (getattr(args, flag[2:].replace("-", "_"), None) for flag in flags)
     started = time.time()
@@ -419,6 +438,8 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
         raise SystemExit(f"error: {flags[0]}: {e}") from None
     except FloatingPointError as e:   # fit: the weights went NaN; its message says where and what was kept
         raise SystemExit(f"error: {e}") from None
+    except DecodeError as e:
+        raise SystemExit(decode_error_line(e, "--on-error skip" if hasattr(args, "on_error") else None)) from None
 
 
 def _saved_by_this_run(checkpoint, args: argparse.Namespace, started: float) -> bool:

@@ -417,6 +417,24 @@ def test_resuming_a_run_with_more_epochs_than_its_schedule_is_one_line(mnist_exa
         mnist_example.main(args)
 
 
+@pytest.mark.parametrize("backend", [b for b in ("torch", "memory", "dali") if b in available_backends()])
+def test_imagefolder_example_ends_with_one_line_naming_a_broken_file(folder_example, tmp_path, backend):
+    """A truncated JPEG in the training folder: the memory backend (which decodes while it is built)
+    ended with one line naming the file; torch and dali, which read it when its batch is due, ended
+    with a traceback through the loop, the backend and a DataLoader worker, whose last line said
+    ``on_error='skip'``, the Python API's words. Each now ends with the file, why, and the flag."""
+    root = make_image_folder(tmp_path / "train", classes=2, per_class=8, seed=0)
+    good = Path(root) / "class_000" / sorted(os.listdir(Path(root) / "class_000"))[0]
+    broken = Path(root) / "class_001" / "truncated.jpg"
+    broken.write_bytes(good.read_bytes()[:400])
+    argv = ["--data-root", str(root), "--backend", backend, "--epochs", "1", "--batch-size", "4",
+            "--image-size", "32", "--workers", "1", "--device", "cpu", "--no-progress"]
+    with pytest.raises(SystemExit) as caught:
+        folder_example.run(argv)
+    assert str(caught.value.code) == (f"error: cannot decode image '{broken}': not a readable image (OSError: "
+                                      f"Truncated File Read); --on-error skip skips and counts such files")
+
+
 def test_imagefolder_example_skips_a_broken_file_with_on_error_and_trains_four_steps(folder_example, tmp_path):
     """ImageNet's training set holds a PNG named .JPEG: ``--on-error skip`` trains past it. 4 steps in all
     is the run OneCycleLR(pct_start=0.25) divided by zero on."""
