@@ -315,3 +315,24 @@ def test_bench_dali_cpus_folder_is_checked_by_the_parser(tmp_path, capsys):
     with pytest.raises(SystemExit):
         mod.get_args_parser().parse_args(["--folder", str(tmp_path / "typo")])
     assert f"argument --folder: '{tmp_path / 'typo'}' is not a folder" in capsys.readouterr().err
+
+
+def test_bench_accuracy_says_a_backend_is_not_installed_and_how_to_install_it(monkeypatch, capsys):
+    """`--backends dali` where DALI does not import answered "invalid choice: 'dali' (choose from
+    'torch', 'memory', 'prefetch')": as if there were no such backend."""
+    mod = _script("bench_accuracy")
+    monkeypatch.setitem(registry.BACKENDS, "dali", registry.BackendSpec(
+        "dali", "x.y:Z", needs="no_dali_here", install="pip install nvidia-dali-cuda120", order=20,
+        devices=("cuda",)))
+    registry.clear_import_cache()
+    try:
+        for bad, said in (("dali", "needs no_dali_here, which does not import here; install: pip install nvidia-dali"),
+                          ("auto", "'auto' trains with one of the others"),
+                          ("nope", "unknown backend 'nope'; choose from ['torch', 'memory', 'prefetch', 'dali']")):
+            with pytest.raises(SystemExit):
+                mod.get_args_parser().parse_args(["--backends", bad])
+            err = capsys.readouterr().err
+            assert said in err, (bad, err)
+        assert mod.get_args_parser().parse_args([]).backends == ["torch", "memory", "prefetch"]
+    finally:
+        registry.clear_import_cache()
