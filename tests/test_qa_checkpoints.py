@@ -90,3 +90,41 @@ def test_a_second_run_on_a_checkpoint_in_use_is_refused_naming_the_other(tmp_pat
     _fit(path, 2, resume=True)
     assert len(ckpt.load(path)["history"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+
+
+def test_a_restart_without_resume_over_a_checkpoint_says_its_first_save_replaces_it(tmp_path, recwarn):
+    """A job restarted without --resume trained from scratch and replaced days of training at its first
+    save without a word. It still starts afresh (as asked), saying so before it trains."""
+    path = tmp_path / "c.pt"
+    _fit(path, 1)
+    assert not [w for w in recwarn if "resume" in str(w.message)]   # nothing there yet: nothing to say
+    with pytest.warns(RuntimeWarning, match="resume=False: this run starts from scratch and its first save "
+                                            "replaces it") as warned:
+        _fit(path, 1)
+    assert str(path) in str(warned[0].message) and warned[0].filename == __file__
+
+
+def _clipped_run(path, crash_after=None, resume=False):
+    from engine_helpers import Recording
+
+    torch.manual_seed(0)
+    model = SmallCNN(width=4)
+    loader = Recording(_loader(256), crash_after)
+    history = fit(model, loader, epochs=2, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                  clip_grad_norm=1.0, checkpoint=path, checkpoint_every=3, resume=resume, progress=False,
+                  amp="off", timing_warmup=0)
+    return model, history
+
+
+def test_a_resumed_epochs_grad_norm_is_the_whole_epochs_as_its_loss_is(tmp_path):
+    """A mid-epoch resume carried the loss and accuracy sums of the batches before the crash, not the
+    gradient norms: the resumed epoch's grad_norm was the mean of the steps after the resume alone."""
+    from engine_helpers import Crash
+
+    _, reference = _clipped_run(tmp_path / "ref.pt")
+    with pytest.raises(Crash):
+        _clipped_run(tmp_path / "c.pt", crash_after=13)   # the save at batch 12 is mid-epoch 2
+    assert ckpt.load(tmp_path / "c.pt")["loader"]["batch"] == 4
+    model, history = _clipped_run(tmp_path / "c.pt", resume=True)
+    for key in ("train_loss", "grad_norm"):
+        assert [r[key] for r in history] == pytest.approx([r[key] for r in reference], rel=1e-9), key

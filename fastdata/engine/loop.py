@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import distributed as fdist
+from ..sampling import check_shard
 from .amp import autocast, cuda_switches, device_scope, resolve_amp
 from .hooks import RunHooks
 from .meter import EpochMeter, Progress, format_record, warmup_steps
@@ -40,6 +41,7 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
     """
     check_loss("loss_fn", loss_fn)
     _check_loader("loader", loader)   # before .device: a plain DataLoader was a bare AttributeError
+    check_shard(loader, "the evaluation loader")   # its sums are reduced over ranks
     device = _loader_device(loader)
     with device_scope(device):
         return _evaluate(model, loader, device, amp, loss_fn)
@@ -132,6 +134,9 @@ def fit(model: nn.Module, train_loader, *, config: FitConfig | None = None, **op
     if fdist.env_world_size() > 1 and not fdist.is_distributed():
         # Before the device scope below: init_distributed makes cuda:LOCAL_RANK current for good.
         fdist.init_distributed(device.type)
+    # Once the group exists: a loader built before it (torch.multiprocessing.spawn) is rank 0 of 1 everywhere.
+    for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
+        check_shard(loader, name)
     with device_scope(device), cuda_switches(device, cudnn_benchmark=config.cudnn_benchmark, tf32=config.tf32):
         return _train(raw, train_loader, device, config, ddp=model if raw is not model else None,
                       compiled=compiled)
@@ -193,6 +198,8 @@ class _Run:
         meter = EpochMeter(step.device, state.carried(epoch),
                            warmup_steps(self.timing_warmup, len(loader) - first, step.accumulate))
         self.timing_warmup = 0   # the process is warm: later epochs are measured whole
+        if state.carried_grad_norms(epoch):
+            meter.norms += torch.tensor(state.carried_grad_norms(epoch), dtype=meter.norms.dtype, device=step.device)
         step.last_step_lrs = None   # an epoch with no step (all of it resumed past) reports the rate now
         saver = PeriodicSave(state, self.config.checkpoint, self.config.checkpoint_every, epoch, meter, first)
         self.hooks.begin_epoch(epoch, len(loader), meter.wait)

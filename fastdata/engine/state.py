@@ -62,6 +62,7 @@ class TrainingState:
         self.epoch, self.batch = 0, 0         # where training starts
         self.samples = 0                      # the global sample offset into the start epoch's order
         self.partial = [0.0, 0.0, 0.0]        # the sums the half-done start epoch carries
+        self.grad_norms = [0.0, 0.0]          # and its clipped steps' norm sum and count (every rank's)
         self.claim: ckpt.Claim | None = None   # rank 0's hold on the checkpoint path (start to release)
 
     def start(self, path, resume: bool, epochs: int | None = None) -> None:
@@ -73,7 +74,7 @@ class TrainingState:
         # An unusable path fails now, not after an epoch of training; so does a state a checkpoint
         # could not hold (a scheduler keeping a Fraction): it would fail at the first save.
         # Rank 0 also holds the path until release(): a second run started on it is refused now.
-        fdist.decide_on_main(self._prepare, path, what=f"checking checkpoint path '{path}'")
+        fdist.decide_on_main(self._prepare, path, resume, what=f"checking checkpoint path '{path}'")
         ckpt.loadable(self.state_dict(self.loader.state_dict(), self.partial), f"checkpoint '{path}'")
         if not resume:
             return
@@ -97,10 +98,15 @@ class TrainingState:
                 print(f"resumed from '{path}': epoch {self.epoch + 1}, batch {self.batch}/{len(self.loader)}"
                       f"{resplit}", flush=True)
 
-    def _prepare(self, path) -> None:
+    def _prepare(self, path, resume: bool) -> None:
         ckpt.prepare(path, self.storage)
         self.release()
         self.claim = ckpt.claim(path, self.storage)
+        if not resume and ckpt.exists(path, self.storage):
+            # A restart without --resume replaced days of training at its first save, without a word.
+            warnings.warn(f"'{path}' holds a checkpoint and resume=False: this run starts from scratch and its "
+                          f"first save replaces it. resume=True (the examples' --resume) goes on from it; give "
+                          f"another checkpoint path to keep both", RuntimeWarning, stacklevel=user_stacklevel())
 
     def release(self) -> None:
         """Give up the checkpoint path ``start`` held (``fit`` calls it when the run ends, however it ends)."""
@@ -108,8 +114,10 @@ class TrainingState:
             self.claim.release()
             self.claim = None
 
-    def state_dict(self, position: dict, partial: list[float], rng_ranks: list[dict] | None = None) -> dict:
-        """The checkpoint's contents at ``position`` (the loader's state_dict) with ``partial`` sums.
+    def state_dict(self, position: dict, partial: list[float], rng_ranks: list[dict] | None = None,
+                   grad_norms: list[float] | None = None) -> dict:
+        """The checkpoint's contents at ``position`` (the loader's state_dict) with ``partial`` sums and
+        ``grad_norms`` (the half-done epoch's sum and count of gradient norms, ``EpochMeter.norms``).
         ``rng_ranks``: every rank's ``ckpt.rng_state()`` in rank order (default: this process's alone).
         ``"rng"`` is rank 0's (what a checkpoint before ``"rng_ranks"`` held, and what a resume on
         another world size restores on every rank)."""
@@ -120,6 +128,9 @@ class TrainingState:
             "scaler": step.scaler.state_dict(),
             "scheduler": step.scheduler.state_dict() if step.scheduler is not None else None,
             "loader": position, "rng": rng_ranks[0], "rng_ranks": rng_ranks, "partial": list(partial),
+            # Apart from "partial": every rank holds the same norms (see EpochMeter.grad_norm). Without them
+            # a resumed epoch's grad_norm was the mean of the steps after the resume alone.
+            "grad_norms": list(grad_norms or [0.0, 0.0]),
             "history": list(self.history), "amp": step.mode, "world_size": fdist.world_size(),
             # Class names, checked on resume: an optimizer's or scheduler's state loads into any other
             # class without complaint and fails (or silently misbehaves) later.
@@ -203,6 +214,7 @@ class TrainingState:
         # The figures of a half-done epoch are global sums, whatever the world size that summed them;
         # one rank carries them on.
         self.partial = list(state["partial"]) if fdist.is_main() else [0.0, 0.0, 0.0]
+        self.grad_norms = list(state.get("grad_norms") or [0.0, 0.0])   # not in checkpoints before it
 
     def _restore_ema(self, saved: dict | None, path) -> None:
         """The checkpoint's weight average, or, when it kept none (saved without ``ema``), a new one from
@@ -218,7 +230,8 @@ class TrainingState:
         if callable(getattr(ema, "set", None)):   # ModelEma and timm's ModelEmaV3 have it
             ema.set(self.step.raw)
 
-    def save(self, path, position: dict, partial: list[float] | None = None, *, every_rank: bool = False) -> None:
+    def save(self, path, position: dict, partial: list[float] | None = None, *, every_rank: bool = False,
+             grad_norms: list[float] | None = None) -> None:
         """Save at ``position`` (rank 0 writes one file for the run). ``every_rank`` (what ``fit`` does):
         a collective under DDP, every rank calls it at the same batch and sends rank 0 its RNG states, so
         a resume gives each rank its own; without it only rank 0 needs to call it (a loop of your own
@@ -233,7 +246,7 @@ class TrainingState:
         state = ckpt.rng_state()
         rng_ranks = fdist.gather_on_cpu(state) if every_rank else [state]
         if fdist.is_main():
-            ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0], rng_ranks), path,
+            ckpt.save(self.state_dict(position, partial or [0.0, 0.0, 0.0], rng_ranks, grad_norms), path,
                       storage=self.storage)
 
     def mid_epoch(self, epoch: int) -> bool:
@@ -251,6 +264,10 @@ class TrainingState:
     def carried(self, epoch: int) -> list[float] | None:
         """The sums ``epoch`` starts from: a resumed half-done epoch's, else None (zeros)."""
         return self.partial if self.mid_epoch(epoch) else None
+
+    def carried_grad_norms(self, epoch: int) -> list[float] | None:
+        """The gradient-norm sum and count ``epoch`` starts from: a resumed half-done epoch's, else None."""
+        return self.grad_norms if self.mid_epoch(epoch) else None
 
 
 def _check_same_schedule(state: dict, scheduler, path) -> None:
@@ -325,7 +342,8 @@ class PeriodicSave:
         if not math.isfinite(sums[0]):   # before the save: NaN weights must not replace the last good ones
             check_diverged(self.state.step, self.meter, self.epoch, self.first_batch, self.length, self.path,
                            warn=False)
-        self.state.save(self.path, self.state.loader.state_dict(), sums, every_rank=True)
+        self.state.save(self.path, self.state.loader.state_dict(), sums, every_rank=True,
+                        grad_norms=self.meter.norms.tolist())
 
 
 def nonfinite_tensors(module) -> list[str]:
