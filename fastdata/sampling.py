@@ -6,6 +6,7 @@ another rank, or a rerun computes the same permutation without any saved RNG sta
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,32 +32,53 @@ def distributed_info(rank: int | None = None, world_size: int | None = None) -> 
         r, w = dist.get_rank(), dist.get_world_size()
     else:
         w = env_integer("WORLD_SIZE", 1, minimum=1)
-        r = _env_rank(w if world_size is None else world_size) if rank is None else rank
+        r = _env_rank(w if world_size is None else world_size, world_size is not None) if rank is None else rank
     return (r if rank is None else rank), (w if world_size is None else world_size)
 
 
-def _env_rank(world: int) -> int:
-    """The global rank from the launcher's variables (see distributed_info)."""
+def _env_rank(world: int, given: bool = False) -> int:
+    """The global rank from the launcher's variables (see distributed_info), inside ``world`` ranks
+    (``given``: passed as make_loader's ``world_size=``, not read from ``WORLD_SIZE``).
+
+    A rank the variables give that is outside the world is an error naming both: ``RANK=1`` left in a
+    shell (or a launcher that exports ``RANK`` and not ``WORLD_SIZE``) read as rank 1 of 1 failed deep
+    inside the plan ("rank 1 is outside [0, world_size=1)"), naming no variable."""
+    rank, how, unset = _launcher_rank(world)
+    if rank < world:
+        return rank
+    if given or os.environ.get("WORLD_SIZE", "").strip():
+        size = f"world_size={world} was passed" if given else f"WORLD_SIZE={world}"
+        fix = "the launcher's variables disagree: correct them"
+    else:
+        size = "WORLD_SIZE is not set (one process)"
+        fix = f"launch with torchrun (it sets both), set WORLD_SIZE too, unset {unset} to run one process"
+    raise RuntimeError(f"{how} but {size}: rank {rank} is outside [0, {world}); {fix}, or pass rank= and "
+                       f"world_size= to make_loader")
+
+
+def _launcher_rank(world: int) -> tuple[int, str, str]:
+    """(rank, the variables it came from, which to unset for one process): see distributed_info."""
     rank = env_integer("RANK", None, minimum=0)
     if rank is not None:
-        return rank
+        return rank, f"RANK={rank}", "RANK"
     local, detail = env_integer("LOCAL_RANK", None, minimum=0), ""
     if local is None:
         missing = "RANK (or LOCAL_RANK with NODE_RANK)"
     else:
         node = env_integer("NODE_RANK", 0, minimum=0)
         if node == 0:
-            return local
+            return local, f"LOCAL_RANK={local}", "LOCAL_RANK"
         per_node = env_integer("LOCAL_WORLD_SIZE", None, minimum=1)
         if per_node is not None:
-            return node * per_node + local
+            return (node * per_node + local, f"NODE_RANK={node} x LOCAL_WORLD_SIZE={per_node} + LOCAL_RANK={local}",
+                    "NODE_RANK and LOCAL_RANK")
         missing, detail = "LOCAL_WORLD_SIZE", f" (NODE_RANK={node}, LOCAL_RANK={local})"
     if world > 1:
         raise RuntimeError(
             f"WORLD_SIZE={world} but this process's rank is unknown: {missing} is not set{detail}. Build "
             f"the loader after the process group exists (Lightning: in the DataModule's setup() or "
             f"*_dataloader(); accelerate: after Accelerator()), or pass rank= and world_size= to make_loader")
-    return 0
+    return 0, "", ""
 
 
 def seed_for(*parts: int) -> int:
@@ -301,3 +323,32 @@ class EpochPlan:
         """The generators of batches ``first .. first + count - 1``: ``default_rng(batch_seed(...))``
         each, the same streams, seeded at once (``generators_for``)."""
         return generators_for(self.batch_seeds(epoch, first, count))
+
+
+def check_shard(loader, name: str = "train_loader") -> None:
+    """Under a running process group, refuse a fastdata loader whose shard was planned for another rank
+    or world size than this process has in the group.
+
+    A loader takes its rank and world size when it is built. One built before ``init_process_group`` by
+    a script that starts the group itself (``torch.multiprocessing.spawn``: no launcher variables) is
+    rank 0 of 1 on every process: every rank reads the whole epoch in the same order, DDP averages N
+    copies of one gradient, and the run is a single process's at N times the cost, without a word. A
+    rank and world size passed to ``make_loader`` are the caller's choice and are not checked; a loader
+    that is not fastdata's (no ``plan``) is not either."""
+    import torch.distributed as dist
+
+    plan, config = getattr(loader, "plan", None), getattr(loader, "config", None)
+    if not isinstance(plan, EpochPlan) or not (dist.is_available() and dist.is_initialized()):
+        return
+    if getattr(config, "rank", None) is not None or getattr(config, "world_size", None) is not None:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if (plan.rank, plan.world_size) == (rank, world):
+        return
+    what = ("every rank would read every sample of each epoch, in the same order" if plan.world_size == 1
+            else "the ranks' shards would overlap and leave samples out")
+    raise RuntimeError(
+        f"{name} was built as rank {plan.rank} of {plan.world_size}, but this process is rank {rank} of "
+        f"{world} in the process group: {what}. Build the loaders after the process group exists "
+        f"(after init_process_group, or fastdata.distributed.init_distributed()), or pass rank= and "
+        f"world_size= to make_loader")
