@@ -86,7 +86,14 @@ class Normalizer:
             self.size = (images.shape[1], images.shape[2])
         else:
             images = self.empty_shape(images)
-        x = images.permute(0, 3, 1, 2)
+        if images.shape[3] == 1 and not self.channels_last:
+            # One channel: permute's strides (HW, 1, W, 1) are channels-last ones as well, and contiguous()
+            # keeps them (a size-1 dim's stride is free), so convolutions took the channels-last path and
+            # DDP warned on every rank that the gradients' strides differ from its buckets'. unsqueeze
+            # gives NCHW's own strides (HW, HW, W, 1).
+            x = images.squeeze(3).unsqueeze(1)
+        else:
+            x = images.permute(0, 3, 1, 2)
         if self.device.type == "cpu" and x.numel() > self.GRAIN:
             return self._chunked(x)
         if not self.channels_last:
