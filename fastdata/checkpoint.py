@@ -394,6 +394,13 @@ class Claim:
         os.close(self.fd)
         self.fd = None
 
+    def __del__(self):
+        # An object given up without release() (a RunLog left unclosed in a notebook) frees the path.
+        try:
+            self.release()
+        except Exception:
+            pass
+
 
 def claim(path, storage=None) -> Claim | None:
     """Hold ``path`` for this run, or refuse when another live run holds it (``CheckpointInUse``, naming
@@ -405,6 +412,16 @@ def claim(path, storage=None) -> Claim | None:
         return None
     path = _local_path(path)
     lock = path.with_name(path.name + ".lock")
+    return hold(lock, lambda holder: CheckpointInUse(
+        f"checkpoint '{path}' is in use by another run ({holder}), which saves there: two runs on one "
+        f"checkpoint overwrite each other's saves. Give this run its own checkpoint path, or stop the other "
+        f"run first (it holds '{lock}')"))
+
+
+def hold(lock: Path, refusal) -> Claim | None:
+    """Take the flock on the file ``lock`` (created if missing) for this process, or raise
+    ``refusal(holder)`` when another process holds it (``holder``: its pid, host and start, as it wrote
+    them). None where no lock can be taken (see ``claim``)."""
     for _ in range(8):   # each retry: the holder released (and removed) the file we opened
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
@@ -416,10 +433,7 @@ def claim(path, storage=None) -> Claim | None:
             os.close(fd)
             if held is None:
                 return None
-            raise CheckpointInUse(f"checkpoint '{path}' is in use by another run ({holder or 'unknown process'}), "
-                                  f"which saves there: two runs on one checkpoint overwrite each other's saves. "
-                                  f"Give this run its own checkpoint path, or stop the other run first (it "
-                                  f"holds '{lock}')")
+            raise refusal(holder or "a process that has not said which")
         try:
             current = os.stat(lock).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:

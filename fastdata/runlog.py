@@ -9,6 +9,9 @@ Files in ``log_dir``:
   later record with a new key rewrites the file with the new column added (older rows empty there), so the
   columns are always a superset, in first-seen order.
 - ``steps.csv``: ``step, loss, lr, images_per_s, data_wait, gpu_idle`` every ``every_steps`` steps.
+- ``runlog.lock``: held (flocked) while a run logs here, removed by ``close()``: a second run given the
+  same folder meanwhile is refused (``LogDirInUse``) instead of replacing the first run's rows. A run
+  that died leaves it unlocked; the next run takes it over.
 - ``events.out.tfevents.*``: TensorBoard scalars (``tensorboard --logdir log_dir``). Epoch tags, x = epoch:
   ``train/loss``, ``train/accuracy``, ``eval/loss``, ``eval/accuracy``, ``train/lr``,
   ``perf/images_per_second``, ``perf/peak_memory_mb``, ``perf/epoch_seconds``, ``data/wait_fraction``,
@@ -79,6 +82,7 @@ class RunLog:
 
     Raises:
         ValueError: ``log_dir`` is a file, or ``every_steps`` is not a positive int.
+        LogDirInUse: (a ValueError) another live run logs into ``log_dir``.
     """
 
     def __init__(self, log_dir, *, every_steps: int = 50, tensorboard: bool | None = None,
@@ -95,9 +99,15 @@ class RunLog:
         # write made a long run's writes cost more and more (20,000 step rows read every 50 steps).
         self._headers: dict[str, list[str]] = {}
         self._writer = None
+        self._claim = None
         if self.enabled:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = _summary_writer(self.log_dir, tensorboard, purge_step)
+            self._claim = _hold(self.log_dir)
+            try:
+                self._writer = _summary_writer(self.log_dir, tensorboard, purge_step)
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def epochs_csv(self) -> Path:
@@ -148,6 +158,9 @@ class RunLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
     def __enter__(self) -> RunLog:
         return self
@@ -183,6 +196,25 @@ class RunLog:
             writer.writerow(_cells(row))
         os.replace(tmp, path)                # a crash mid-rewrite leaves the old file, not half of one
         self._headers[name] = header
+
+
+class LogDirInUse(ValueError):
+    """Another live run logs into the same ``log_dir``."""
+
+
+LOCK_NAME = "runlog.lock"
+
+
+def _hold(log_dir: Path):
+    """This run's hold on ``log_dir`` (``log_dir/runlog.lock``, flocked until ``close``), or
+    ``LogDirInUse``. Two runs logging into one folder each dropped the other's rows (the first write of a
+    run replaces the rows at or past its step: all of an earlier run's) and then interleaved theirs, and
+    TensorBoard drew both runs' points as one curve."""
+    from fastdata.checkpoint import hold
+
+    return hold(log_dir / LOCK_NAME, lambda holder: LogDirInUse(
+        f"RunLog: log_dir {str(log_dir)!r} is in use by another run ({holder}): two runs logging into one "
+        f"folder replace each other's rows. Give this run its own log_dir, or stop the other run first"))
 
 
 def _summary_writer(log_dir: Path, tensorboard: bool | None, purge_step: int | None = None):

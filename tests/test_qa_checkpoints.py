@@ -87,6 +87,7 @@ def test_a_second_run_on_a_checkpoint_in_use_is_refused_naming_the_other(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]    # the run removed its lock at its end
     dead = ckpt.claim(path)
     os.close(dead.fd)                   # a run killed: its lock file stays, unlocked
+    dead.fd = None
     _fit(path, 2, resume=True)
     assert len(ckpt.load(path)["history"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
@@ -128,3 +129,27 @@ def test_a_resumed_epochs_grad_norm_is_the_whole_epochs_as_its_loss_is(tmp_path)
     model, history = _clipped_run(tmp_path / "c.pt", resume=True)
     for key in ("train_loss", "grad_norm"):
         assert [r[key] for r in history] == pytest.approx([r[key] for r in reference], rel=1e-9), key
+
+
+def test_a_second_run_logging_into_a_log_dir_in_use_is_refused_and_the_first_keeps_its_rows(tmp_path):
+    """Two runs given one log_dir: the second's first write replaced the rows at or past its step (all
+    of the first run's), then both appended, interleaved. The second is refused while the first logs."""
+    import csv
+
+    from fastdata.runlog import LogDirInUse, RunLog
+
+    with RunLog(tmp_path, every_steps=1, tensorboard=False) as first:
+        for step in range(1, 4):
+            first.step(step, loss=1.0, lr=0.1, images_per_s=1.0, data_wait=0.0)
+        with pytest.raises(LogDirInUse, match=f"in use by another run \\(pid {os.getpid()}"):
+            _fit(tmp_path / "c.pt", 1, log_dir=tmp_path, log_every=1)
+        first.step(4, loss=1.0, lr=0.1, images_per_s=1.0, data_wait=0.0)
+    with open(tmp_path / "steps.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "3", "4"]
+    RunLog(tmp_path, tensorboard=False)   # given up unclosed (a notebook's): the folder is free again
+    import gc
+
+    gc.collect()
+    with RunLog(tmp_path, tensorboard=False):
+        pass
+    assert not (tmp_path / "runlog.lock").exists()
