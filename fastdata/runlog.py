@@ -26,7 +26,8 @@ unwritten step never waits for the GPU.
 
 Resume: opening an existing ``log_dir`` appends, never truncates. A resumed run that repeats an epoch or
 a step the log already holds (a crash after the log was written but before the checkpoint) replaces those
-rows: the first write after opening drops the rows at or past its epoch (or step). TensorBoard is told the
+rows: the first write after opening drops the rows at or past its epoch (or step), and a last row cut off
+mid-write (the run killed in it, a full disk), which the next row would otherwise be glued onto. TensorBoard is told the
 same with ``purge_step`` (torch's ``SummaryWriter``: TensorBoard hides the points at or past it written
 before), which ``fit`` sets to the step it resumes from; a repeated epoch point (a crash after the epoch
 was logged, before its checkpoint) still shows twice there.
@@ -177,8 +178,13 @@ class RunLog:
         if first or header is None:   # the file as this run found it (a resume's rows)
             header, rows = _read(path) if path.exists() else (None, [])
         repeated = first and any(_at_or_past(r.get(key), row[key]) for r in rows or [])
+        # A row cut off mid-write (the run killed in it, the disk full): appending glued the next row onto
+        # it, one garbage row ("6,0.97,0.5,...") for two. It is dropped, as a repeated row is.
+        torn = first and bool(rows) and _torn(path)
+        if torn:
+            rows = rows[:-1]
         new = header is None or any(k not in header for k in row)
-        if header is not None and not repeated and not new:   # (not new: there is a header)
+        if header is not None and not repeated and not new and not torn:   # (not new: there is a header)
             with open(path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=header).writerow(_cells(row))
             self._headers[name] = header
@@ -263,6 +269,16 @@ def _at_or_past(cell, value) -> bool:
         return float(cell) >= float(value)
     except (TypeError, ValueError):
         return False
+
+
+def _torn(path: Path) -> bool:
+    """Whether the file's last row was cut off: it does not end with a line end."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) not in (b"\n", b"\r")
 
 
 def _read(path: Path) -> tuple[list[str] | None, list[dict]]:

@@ -153,3 +153,29 @@ def test_a_second_run_logging_into_a_log_dir_in_use_is_refused_and_the_first_kee
     with RunLog(tmp_path, tensorboard=False):
         pass
     assert not (tmp_path / "runlog.lock").exists()
+
+
+def test_a_row_cut_off_mid_write_is_dropped_not_glued_to_the_next_runs_first_row(tmp_path):
+    """A run killed while it appended a row (or a full disk) left "6,0.9" without its line end; the
+    resumed run's first row was appended onto it: one row "6,0.97,0.5,0.1,..." in place of step 7's."""
+    import csv
+
+    from fastdata.runlog import RunLog
+
+    with RunLog(tmp_path, every_steps=1, tensorboard=False) as log:
+        for step in range(1, 6):
+            log.step(step, loss=1.0, lr=0.1, images_per_s=1.0, data_wait=0.0)
+        log.epoch({"epoch": 1, "train_loss": 1.0})
+    with open(tmp_path / "steps.csv", "a") as f:
+        f.write("6,0.9")
+    with open(tmp_path / "epochs.csv", "a") as f:
+        f.write("2,0.")
+    with RunLog(tmp_path, every_steps=1, tensorboard=False) as log:   # resumed past step 6's checkpoint
+        log.step(7, loss=0.5, lr=0.1, images_per_s=1.0, data_wait=0.0)
+        log.epoch({"epoch": 3, "train_loss": 0.5})
+    with open(tmp_path / "steps.csv") as f:
+        steps = list(csv.DictReader(f))
+    assert [(r["step"], r["loss"]) for r in steps][-2:] == [("5", "1.0"), ("7", "0.5")]
+    assert all(None not in r and len(r) == 6 for r in steps)
+    with open(tmp_path / "epochs.csv") as f:
+        assert [r["epoch"] for r in csv.DictReader(f)] == ["1", "3"]
