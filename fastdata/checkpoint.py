@@ -113,7 +113,9 @@ def _loadable(v, name: str, keys: str):
 
 
 def _atomic_write(path: Path, write) -> None:
-    """``write(file)`` into a temporary beside ``path``, fsync it, then move it over ``path``."""
+    """``write(file)`` into a temporary beside ``path``, fsync it, then move it over ``path`` (over the
+    file a symbolic link at ``path`` points to: see ``_followed``)."""
+    path = _followed(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise FileNotFoundError(f"cannot save checkpoint '{path}': folder '{folder}' does not exist")
@@ -145,6 +147,14 @@ def _atomic_write(path: Path, write) -> None:
         raise
     f.close()
     _fsync_folder(folder)  # makes the rename itself durable
+
+
+def _followed(path: Path) -> Path:
+    """The file a symbolic link at ``path`` points to, else ``path``. A checkpoint linked to a scratch
+    disk (``run/c.pt -> /scratch/me/c.pt``, beside a home folder's small quota) was replaced by a regular
+    file in ``run/``: os.replace renames over the link, not its target, so every save after the first
+    went to the quota'd disk and the scratch copy stopped at the link's day."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def _save_failed(e: OSError, path: Path) -> OSError:
@@ -328,6 +338,7 @@ def prepare(path, storage=None):
     if path.is_dir():
         raise IsADirectoryError(f"checkpoint path '{path}' is a directory; give a file path such as "
                                 f"'{path / 'checkpoint.pt'}'")
+    path = _followed(path)   # the folder that saves write into
     folder = path.parent if str(path.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -347,7 +358,7 @@ def prepare(path, storage=None):
 
 def clean_stale(path) -> list[Path]:
     """Remove temporaries that a crashed ``save`` of ``path`` left behind; returns what was removed."""
-    path = _local_path(path)
+    path = _followed(_local_path(path))
     folder = path.parent if str(path.parent) else Path(".")
     removed: list[Path] = []
     if not folder.is_dir():

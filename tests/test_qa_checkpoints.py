@@ -179,3 +179,17 @@ def test_a_row_cut_off_mid_write_is_dropped_not_glued_to_the_next_runs_first_row
     assert all(None not in r and len(r) == 6 for r in steps)
     with open(tmp_path / "epochs.csv") as f:
         assert [r["epoch"] for r in csv.DictReader(f)] == ["1", "3"]
+
+
+def test_a_checkpoint_linked_to_another_disk_is_saved_there_and_stays_a_link(tmp_path):
+    """``run/c.pt -> scratch/c.pt`` (a home quota, a big scratch disk): os.replace renamed over the link,
+    so the first save replaced it with a file in run/ and the scratch copy stopped being written."""
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "run").mkdir()
+    target, link = tmp_path / "scratch" / "c.pt", tmp_path / "run" / "c.pt"
+    link.symlink_to(target)   # dangling until the first save
+    _fit(link, 1)
+    _fit(link, 2, resume=True)
+    assert link.is_symlink() and len(ckpt.load(target)["history"]) == 2
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["c.pt"]
+    assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["c.pt"]
