@@ -327,28 +327,45 @@ class EpochPlan:
 
 def check_shard(loader, name: str = "train_loader") -> None:
     """Under a running process group, refuse a fastdata loader whose shard was planned for another rank
-    or world size than this process has in the group.
+    or world size than its process has in the group, or whose epoch differs between ranks. A collective
+    when it checks (every rank calls it with its own loader); nothing without a group, and nothing for a
+    loader that is not fastdata's (no ``plan``).
 
     A loader takes its rank and world size when it is built. One built before ``init_process_group`` by
     a script that starts the group itself (``torch.multiprocessing.spawn``: no launcher variables) is
     rank 0 of 1 on every process: every rank reads the whole epoch in the same order, DDP averages N
     copies of one gradient, and the run is a single process's at N times the cost, without a word. A
-    rank and world size passed to ``make_loader`` are the caller's choice and are not checked; a loader
-    that is not fastdata's (no ``plan``) is not either."""
+    rank and world size passed to ``make_loader`` are the caller's choice and are not checked.
+
+    Ranks whose loaders count different batches (each node's own copy of the data, one of them stale;
+    another batch_size) fall out of step: the rank that ends its epoch first waits in a collective its
+    peers never join, until the process group's timeout (30 minutes), saying nothing."""
     import torch.distributed as dist
 
     plan, config = getattr(loader, "plan", None), getattr(loader, "config", None)
     if not isinstance(plan, EpochPlan) or not (dist.is_available() and dist.is_initialized()):
         return
-    if getattr(config, "rank", None) is not None or getattr(config, "world_size", None) is not None:
-        return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if (plan.rank, plan.world_size) == (rank, world):
-        return
-    what = ("every rank would read every sample of each epoch, in the same order" if plan.world_size == 1
-            else "the ranks' shards would overlap and leave samples out")
-    raise RuntimeError(
-        f"{name} was built as rank {plan.rank} of {plan.world_size}, but this process is rank {rank} of "
-        f"{world} in the process group: {what}. Build the loaders after the process group exists "
-        f"(after init_process_group, or fastdata.distributed.init_distributed()), or pass rank= and "
-        f"world_size= to make_loader")
+    chosen = getattr(config, "rank", None) is not None or getattr(config, "world_size", None) is not None
+    world = dist.get_world_size()
+    if chosen and plan.world_size != world:
+        return   # the caller shards over a group of its own
+    every: list = [None] * world   # filled by the collective: (rank, world, batches, samples, batch size)
+    dist.all_gather_object(every, (plan.rank, plan.world_size, len(loader), plan.num_samples, plan.batch_size))
+    stale = [r for r, (a, b, *_) in enumerate(every) if (a, b) != (r, world)]
+    if stale and not chosen:
+        r = stale[0]
+        a, b = every[r][:2]
+        what = ("every rank would read every sample of each epoch, in the same order" if b == 1
+                else "the ranks' shards would overlap and leave samples out")
+        raise RuntimeError(
+            f"{name} was built as rank {a} of {b}, but the process that holds it is rank {r} of {world} in "
+            f"the process group: {what}. Build the loaders after the process group exists (after "
+            f"init_process_group, or fastdata.distributed.init_distributed()), or pass rank= and world_size= "
+            f"to make_loader")
+    if len({e[2:] for e in every}) > 1:
+        ranks = "; ".join(f"rank {r}: {n} batches of {b} from {s} samples" for r, (_, _, n, s, b) in enumerate(every))
+        raise RuntimeError(
+            f"{name} differs between ranks ({ranks}): the rank that ended its epoch first would wait for the "
+            f"others in a collective they never join, until the process group's timeout. Every rank must read "
+            f"the same data with the same batch_size (a node with its own copy of the data: check that the "
+            f"copies are the same)")

@@ -5,6 +5,7 @@ batches have NCHW's strides (DDP warned about its gradient buckets on every rank
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -72,9 +73,9 @@ def test_fit_refuses_a_loader_sharded_for_another_world_than_its_process_group(n
     no_launcher_env.delenv("RANK")
     group_of_one()
     model = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(64, 10))
-    message = (r"train_loader was built as rank 1 of 2, but this process is rank 0 of 1 in the process group: "
-               r"the ranks' shards would overlap and leave samples out\. Build the loaders after the process "
-               r"group exists")
+    message = (r"train_loader was built as rank 1 of 2, but the process that holds it is rank 0 of 1 in the "
+               r"process group: the ranks' shards would overlap and leave samples out\. Build the loaders after "
+               r"the process group exists")
     with pytest.raises(RuntimeError, match=message):
         fit(model, stale, epochs=1, progress=False)
     with pytest.raises(RuntimeError, match=r"^eval_loader was built as rank 1 of 2"):
@@ -86,12 +87,19 @@ def test_fit_refuses_a_loader_sharded_for_another_world_than_its_process_group(n
     assert fit(model, chosen, epochs=1, progress=False)[0]["images"] == 32
 
 
-def _spawned(rank: int, store: str) -> None:
+def _spawned(rank: int, store: str, case: str) -> None:
+    """A process of torch.multiprocessing.spawn that trains one epoch in its own 2-rank gloo group."""
     os.environ["OMP_NUM_THREADS"] = "1"
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
         os.environ.pop(name, None)
-    loader = _digits_loader()   # before the group: rank 0 of 1 on both processes
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    if case == "before":
+        loader = _digits_loader()   # before the group: rank 0 of 1 on both processes
+    # A short timeout: a regression that lets the ranks fall out of step fails here instead of hanging.
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))
+    if case == "stale copy":
+        loader = make_loader(indexed_source(96 if rank == 0 else 128), "memory", batch_size=8, device="cpu",
+                             augment=Augmentation.none())
     try:
         model = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(64, 10))
         fit(model, loader, epochs=1, progress=False)
@@ -105,10 +113,22 @@ def test_a_loader_built_before_a_spawned_process_group_is_refused(tmp_path):
     epoch), DDP averaging two copies of one gradient, without a word. Now fit refuses it on each rank."""
     import torch.multiprocessing as mp
 
-    with pytest.raises(mp.ProcessRaisedException, match=r"train_loader was built as rank 0 of 1, but this "
-                                                        r"process is rank \d of 2 .* every rank would read "
-                                                        r"every sample of each epoch, in the same order"):
-        mp.spawn(_spawned, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+    with pytest.raises(mp.ProcessRaisedException, match=r"train_loader was built as rank 0 of 1, but the process "
+                                                        r"that holds it is rank 0 of 2 .* every rank would "
+                                                        r"read every sample of each epoch, in the same order"):
+        mp.spawn(_spawned, args=(str(tmp_path / "store"), "before"), nprocs=2, join=True)
+
+
+def test_ranks_whose_data_differ_are_refused_instead_of_hanging(tmp_path):
+    """Each node with its own copy of the data, one of them stale (96 samples on rank 0, 128 on rank 1):
+    rank 0 ended its epoch after 6 steps and waited for rank 1's 7th gradient all-reduce until gloo's
+    30-minute timeout, saying nothing. fit refuses it on every rank before the first batch."""
+    import torch.multiprocessing as mp
+
+    with pytest.raises(mp.ProcessRaisedException, match=r"train_loader differs between ranks \(rank 0: 6 batches "
+                                                        r"of 8 from 96 samples; rank 1: 8 batches of 8 from 128 "
+                                                        r"samples\): the rank that ended its epoch first would wait"):
+        mp.spawn(_spawned, args=(str(tmp_path / "store"), "stale copy"), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------ one-channel batches under DDP
