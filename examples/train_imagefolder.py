@@ -101,8 +101,7 @@ def main(args) -> dict:
                              f"{train_src.classes[:5]}...: they must be the same folders")
         size = args.image_size
         common = dict(device=device, num_workers=args.workers, seed=args.seed, channels_last=args.channels_last)
-        with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}",
-                              skip_flag="--on-error skip"):
+        with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}", skip_flag=cli.SKIP_FLAG):
             train_loader = make_loader(train_src, args.backend, batch_size=args.batch_size, train=True,
                                        augment=Augmentation.imagenet_train(size=size), on_error=args.on_error,
                                        **common)

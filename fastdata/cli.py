@@ -297,6 +297,10 @@ def check_output(parser: argparse.ArgumentParser, flag: str, path, *, folder: bo
         parser.error(f"argument {flag}: {problem}")
 
 
+#: The training scripts' flag for ``on_error="skip"`` (``--on-error``), as their error lines advise it.
+SKIP_FLAG = "--on-error skip"
+
+
 def decode_error_line(error: Exception, skip_flag: str | None = None) -> str:
     """The one line a command ends with for a ``DecodeError``: the error's own last line (a DataLoader
     worker's copy carries the worker's traceback above it), with its advice in the command's words where
@@ -439,7 +443,7 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
     except FloatingPointError as e:   # fit: the weights went NaN; its message says where and what was kept
         raise SystemExit(f"error: {e}") from None
     except DecodeError as e:
-        raise SystemExit(decode_error_line(e, "--on-error skip" if hasattr(args, "on_error") else None)) from None
+        raise SystemExit(decode_error_line(e, SKIP_FLAG if hasattr(args, "on_error") else None)) from None
 
 
 def _saved_by_this_run(checkpoint, args: argparse.Namespace, started: float) -> bool:
