@@ -1,6 +1,8 @@
 """Errors that name what went wrong: the file, the argument, the numbers."""
 import ast
+import os
 import re
+import sys
 
 # The message DecodeError writes, found again inside the text DataLoader re-raises from a worker.
 _HINT = "; on_error='skip' skips and counts such files"
@@ -52,3 +54,19 @@ class CacheDoesNotFit(MemoryError):
 
 class MissingDependency(ImportError):
     """A backend whose package is not installed; the message says how to install it."""
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from the function calling this one, that names the first frame
+    outside fastdata and torch (``torch.no_grad``'s decorator adds a frame of its own; a DataLoader's
+    iterator, several): the user's line, whichever of fit, evaluate, a loader's pass or a direct call
+    got there. A fixed stacklevel named a line inside fastdata (``self._end_pass(epoch, offset)``) or
+    the wrong caller, as the depth differs between the paths."""
+    inside = [os.path.dirname(os.path.abspath(__file__)) + os.sep]   # fastdata/
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        inside.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
+        frame, level = frame.f_back, level + 1
+    return level

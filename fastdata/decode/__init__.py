@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 from ..augment import augment_array, augment_batch, require_fixed_size
 from ..config import Augmentation, Crop
 from ..datasets import SourceKind, check_transform_and_augment, transform_output
+from ..errors import user_stacklevel
 from ..images.on_error import OnError
 from ..images.photo import load_photo
 
@@ -276,7 +277,7 @@ def warn_skipped(backend: str, count: int, epoch: int) -> None:
     """
     if count:
         warnings.warn(f"{backend}: skipped {count} undecodable sample(s) in epoch {epoch + 1} "
-                      f"(on_error='skip')", RuntimeWarning, stacklevel=3)
+                      f"(on_error='skip')", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def collect_before_fork() -> None:

@@ -4,13 +4,12 @@ only (``cuda_switches``), and the loader's GPU made current (``device_scope``)."
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import warnings
 
 import torch
 
 from ..checks import check_choice
+from ..errors import user_stacklevel  # noqa: F401 (re-exported: engine.state warns with it)
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "off")
 
@@ -34,19 +33,6 @@ def choose_amp(amp: str, device_type: str, bf16_supported: bool = False) -> str:
 
 
 _WARNED_FP16_ON_CPU = False
-
-
-def user_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel, from the function calling this one, that names the first frame
-    outside fastdata and torch (``torch.no_grad``'s decorator adds a frame of its own): the user's
-    line, whichever of fit, evaluate or a direct call got there."""
-    # fastdata's own folder (this file is fastdata/engine/amp.py): report.py's calls are inside too.
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    inside = (here, os.path.dirname(os.path.abspath(torch.__file__)))
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def resolve_amp(amp: str, device: torch.device, *, warn: bool = True) -> str:

@@ -18,6 +18,7 @@ from ...checks import check_integer
 from ...config import Crop
 from ...datasets import SourceKind
 from ...datasets.base import ArrayPixels
+from ...errors import user_stacklevel
 from ...sampling import EpochPlan
 from ..base import Loader, pinned
 from .budgeting import (
@@ -217,13 +218,13 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             warnings.warn(f"memory backend: cache_size={self.cache_size} is smaller than the crop size {crop}: "
                           f"photos of {self.source!r} are cached at most {self.cache_size} px on their longer "
                           f"side, so their crops are enlarged from that copy; pass cache_size>={crop} (the "
-                          f"budget allowing)", UserWarning, stacklevel=5)
+                          f"budget allowing)", UserWarning, stacklevel=user_stacklevel())
         elif 2 * longest <= self.cache_size:
             warnings.warn(f"memory backend: the largest photo of {self.source!r} is {longest} px on its longer "
                           f"side, but cache_size={self.cache_size} gives each photo a {self.cache_size}² slot: "
                           f"the cache takes {fmt_bytes(cache.nbytes)} where cache_size={longest} would take "
                           f"{fmt_bytes(len(cache) * longest * longest * 3)} (the same pixels); pass "
-                          f"cache_size={longest}", UserWarning, stacklevel=5)
+                          f"cache_size={longest}", UserWarning, stacklevel=user_stacklevel())
 
     def _plan_kept(self, source, config):
         """on_error="skip" dropped files at cache time: the epoch covers the decodable ones."""
