@@ -27,6 +27,7 @@ import pickle
 import random
 import re
 import socket
+import stat
 import tempfile
 import time
 import zipfile
@@ -251,7 +252,21 @@ def load(path, map_location="cpu", storage=None) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint '{path}' does not exist")
     size = path.stat().st_size
+    _check_readable(path)
     return _torch_load(path, path, size, map_location)
+
+
+def _check_readable(path: Path) -> None:
+    """Refuse, naming why, a checkpoint this user may not read (a teammate's under umask 077, root's after
+    a sudo run): torch.load's PermissionError was reported as "truncated or corrupt ... delete it"."""
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError as e:
+        st = path.stat()
+        raise CheckpointError(f"checkpoint '{path}' cannot be read by this user ({e.strerror}: owner uid "
+                              f"{st.st_uid}, mode {stat.filemode(st.st_mode)}); nothing says it is damaged. "
+                              f"Give read access (chmod a+r '{path}') or run as its owner") from e
 
 
 def read_bytes(path, storage=None) -> bytes:

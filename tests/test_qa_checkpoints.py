@@ -193,3 +193,25 @@ def test_a_checkpoint_linked_to_another_disk_is_saved_there_and_stays_a_link(tmp
     assert link.is_symlink() and len(ckpt.load(target)["history"]) == 2
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["c.pt"]
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["c.pt"]
+
+
+def test_a_checkpoint_this_user_may_not_read_is_named_so_not_called_corrupt():
+    """torch.load's PermissionError was reported as "truncated or corrupt ... delete it to start afresh":
+    advice to delete an intact checkpoint that was merely another user's. Run as uid nobody when root
+    (``run_as_nobody``), against a root-owned folder, as test_checkpoint's unwritable-folder test does."""
+    import shutil
+    import tempfile
+
+    from conftest import run_as_nobody
+
+    base = tempfile.mkdtemp(prefix="fastdata-unreadable-")   # under /tmp, traversable by others
+    try:
+        os.chmod(base, 0o755)
+        path = os.path.join(base, "c.pt")
+        ckpt.save({"w": torch.ones(2)}, path)
+        os.chmod(path, 0o000)
+        with pytest.raises(ckpt.CheckpointError, match="cannot be read by this user") as raised:
+            run_as_nobody(ckpt.load, path)
+        assert path in str(raised.value) and "corrupt" not in str(raised.value)
+    finally:
+        shutil.rmtree(base)
