@@ -155,3 +155,28 @@ def test_the_normalizer_keeps_nchw_strides_for_one_channel_and_channels_last_whe
     assert last.stride() == (30, 1, 6, 1)
     torch.testing.assert_close(plain, last)
     torch.testing.assert_close(plain[0, 0], (nhwc[0, ..., 0].float() / 255 - 0.5) / 0.25)
+
+
+# ------------------------------------------------------------------ a warning every rank would print
+@pytest.mark.parametrize("rank, warns", [("0", True), ("1", False)])
+def test_a_one_cycle_schedule_resumed_short_is_warned_about_by_rank_0_alone(no_launcher_env, rank, warns):  # noqa: F811
+    """Resumed on 3 ranks from a save of 2 (tried with train_mnist.py under torchrun): every rank printed
+    the same 'stops before annealing' warning; rank 0 alone says it now."""
+    import warnings
+
+    from fastdata.engine import check_schedule_length
+
+    no_launcher_env.setenv("WORLD_SIZE", "3")
+    no_launcher_env.setenv("RANK", rank)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=312)
+    for _ in range(60):
+        opt.step()
+        sched.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_schedule_length(sched, "step", epochs=2, start_epoch=0, start_batch=40, batches=104)
+    assert [str(w.message) for w in caught if "stops before annealing" in str(w.message)] == (
+        ["resuming: the checkpoint's OneCycleLR has total_steps=312 but this run ends it at step 228 (the steps per "
+         "epoch changed: another world size, batch size or accumulate than the saved run's, or fewer epochs), so "
+         "its learning rate stops before annealing to its end"] if warns else [])

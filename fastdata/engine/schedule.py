@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from .. import checkpoint as ckpt
+from .. import distributed as fdist
 
 # When fit steps a scheduler (see ``resolve_scheduler_interval``). None picks by the scheduler's class.
 SCHEDULER_INTERVALS = ("step", "epoch")
@@ -64,9 +65,10 @@ def check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int,
     left = (epochs - start_epoch) * batches - start_batch if unit == "batch" else epochs - start_epoch
     needed = taken + left
     resumed = taken > 0 or start_epoch > 0 or start_batch > 0
-    if resumed and needed < total and unit == "batch":
+    if resumed and needed < total and unit == "batch" and fdist.is_main():
         # Resumed with more samples a step (another world size, batch size or accumulate): fewer steps are left than
-        # the schedule has, and the run would stop mid-anneal at a high rate without a word.
+        # the schedule has, and the run would stop mid-anneal at a high rate without a word. Rank 0 says it
+        # (every rank computes the same numbers): 8 ranks printed it 8 times.
         warnings.warn(f"resuming: the checkpoint's OneCycleLR has total_steps={total} but this run ends it at "
                       f"step {needed} (the steps per epoch changed: another world size, batch size or "
                       f"accumulate than the saved run's, or fewer epochs), so "
