@@ -340,6 +340,14 @@ def gather_on_cpu(obj) -> list:
     return gather_objects(obj, group=_cpu_group(None)) if is_distributed() else [obj]
 
 
+def check_shard(loader, name: str = "train_loader") -> None:
+    """``sampling.check_shard`` (a loader sharded for another rank, ranks whose epochs differ), its
+    figures gathered over the host: under nccl, ``all_gather_object`` would use the current GPU."""
+    from .sampling import check_shard as check
+
+    check(loader, name, gather=gather_on_cpu)
+
+
 def _supports(group, device: torch.device) -> bool:
     """Whether ``group``'s backend runs collectives on tensors of ``device`` without staging."""
     backend = str(dist.get_backend(group)).lower()

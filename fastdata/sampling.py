@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -325,7 +326,7 @@ class EpochPlan:
         return generators_for(self.batch_seeds(epoch, first, count))
 
 
-def check_shard(loader, name: str = "train_loader") -> None:
+def check_shard(loader, name: str = "train_loader", gather: Callable[[Any], list] | None = None) -> None:
     """Under a running process group, refuse a fastdata loader whose shard was planned for another rank
     or world size than its process has in the group, or whose epoch differs between ranks. A collective
     when it checks (every rank calls it with its own loader); nothing without a group, and nothing for a
@@ -339,7 +340,10 @@ def check_shard(loader, name: str = "train_loader") -> None:
 
     Ranks whose loaders count different batches (each node's own copy of the data, one of them stale;
     another batch_size) fall out of step: the rank that ends its epoch first waits in a collective its
-    peers never join, until the process group's timeout (30 minutes), saying nothing."""
+    peers never join, until the process group's timeout (30 minutes), saying nothing.
+
+    ``gather(obj)``: every rank's ``obj`` in rank order (``fastdata.distributed.check_shard`` passes
+    its gloo path, so nothing goes through a GPU); default ``all_gather_object`` on the default group."""
     import torch.distributed as dist
 
     plan, config = getattr(loader, "plan", None), getattr(loader, "config", None)
@@ -349,8 +353,12 @@ def check_shard(loader, name: str = "train_loader") -> None:
     world = dist.get_world_size()
     if chosen and plan.world_size != world:
         return   # the caller shards over a group of its own
-    every: list = [None] * world   # filled by the collective: (rank, world, batches, samples, batch size)
-    dist.all_gather_object(every, (plan.rank, plan.world_size, len(loader), plan.num_samples, plan.batch_size))
+    mine = (plan.rank, plan.world_size, len(loader), plan.num_samples, plan.batch_size)
+    if gather is None:
+        every: list = [None] * world   # filled by the collective
+        dist.all_gather_object(every, mine)
+    else:
+        every = gather(mine)
     stale = [r for r, (a, b, *_) in enumerate(every) if (a, b) != (r, world)]
     if stale and not chosen:
         r = stale[0]
@@ -365,7 +373,7 @@ def check_shard(loader, name: str = "train_loader") -> None:
     if len({e[2:] for e in every}) > 1:
         ranks = "; ".join(f"rank {r}: {n} batches of {b} from {s} samples" for r, (_, _, n, s, b) in enumerate(every))
         raise RuntimeError(
-            f"{name} differs between ranks ({ranks}): the rank that ended its epoch first would wait for the "
-            f"others in a collective they never join, until the process group's timeout. Every rank must read "
-            f"the same data with the same batch_size (a node with its own copy of the data: check that the "
-            f"copies are the same)")
+            f"{name} differs between ranks ({ranks}): the ranks would fall out of step (in training, the rank "
+            f"that ended its epoch first would wait for the others in a collective they never join, until the "
+            f"process group's timeout). Every rank must read the same data with the same batch_size (a node "
+            f"with its own copy of the data: check that the copies are the same)")

@@ -87,6 +87,18 @@ def test_fit_refuses_a_loader_sharded_for_another_world_than_its_process_group(n
     assert fit(model, chosen, epochs=1, progress=False)[0]["images"] == 32
 
 
+def test_the_ranks_figures_travel_over_the_host(no_launcher_env, group_of_one, monkeypatch):  # noqa: F811
+    """Under nccl, all_gather_object goes through the current GPU, which is every rank's cuda:0 where
+    the caller never set it: fit's check gathers through fastdata's gloo path instead."""
+    gathered = []
+    real = fdist.gather_on_cpu
+    monkeypatch.setattr(fdist, "gather_on_cpu", lambda obj: gathered.append(obj) or real(obj))
+    group_of_one()
+    model = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(64, 10))
+    fit(model, _digits_loader(), epochs=1, progress=False)
+    assert gathered == [(0, 1, 8, 64, 8)]
+
+
 def _spawned(rank: int, store: str, case: str) -> None:
     """A process of torch.multiprocessing.spawn that trains one epoch in its own 2-rank gloo group."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -127,7 +139,7 @@ def test_ranks_whose_data_differ_are_refused_instead_of_hanging(tmp_path):
 
     with pytest.raises(mp.ProcessRaisedException, match=r"train_loader differs between ranks \(rank 0: 6 batches "
                                                         r"of 8 from 96 samples; rank 1: 8 batches of 8 from 128 "
-                                                        r"samples\): the rank that ended its epoch first would wait"):
+                                                        r"samples\): the ranks would fall out of step"):
         mp.spawn(_spawned, args=(str(tmp_path / "store"), "stale copy"), nprocs=2, join=True)
 
 

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from .. import distributed as fdist
-from ..sampling import check_shard
 from .amp import autocast, cuda_switches, device_scope, resolve_amp
 from .hooks import RunHooks
 from .meter import EpochMeter, Progress, format_record, warmup_steps
@@ -41,7 +40,7 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
     """
     check_loss("loss_fn", loss_fn)
     _check_loader("loader", loader)   # before .device: a plain DataLoader was a bare AttributeError
-    check_shard(loader, "the evaluation loader")   # its sums are reduced over ranks
+    fdist.check_shard(loader, "the evaluation loader")   # its sums are reduced over ranks
     device = _loader_device(loader)
     with device_scope(device):
         return _evaluate(model, loader, device, amp, loss_fn)
@@ -136,7 +135,7 @@ def fit(model: nn.Module, train_loader, *, config: FitConfig | None = None, **op
         fdist.init_distributed(device.type)
     # Once the group exists: a loader built before it (torch.multiprocessing.spawn) is rank 0 of 1 everywhere.
     for name, loader in (("train_loader", train_loader), ("eval_loader", eval_loader)):
-        check_shard(loader, name)
+        fdist.check_shard(loader, name)
     with device_scope(device), cuda_switches(device, cudnn_benchmark=config.cudnn_benchmark, tf32=config.tf32):
         return _train(raw, train_loader, device, config, ddp=model if raw is not model else None,
                       compiled=compiled)
