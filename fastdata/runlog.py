@@ -186,7 +186,10 @@ class RunLog:
         new = header is None or any(k not in header for k in row)
         if header is not None and not repeated and not new and not torn:   # (not new: there is a header)
             with open(path, "a", newline="") as f:
-                csv.DictWriter(f, fieldnames=header).writerow(_cells(row))
+                writer = csv.DictWriter(f, fieldnames=header)
+                if f.tell() == 0:   # deleted (or emptied) while the run went on: a file of rows without a header
+                    writer.writeheader()
+                writer.writerow(_cells(row))
             self._headers[name] = header
             return
         if rows is None:   # a new column: the file is rewritten whole

@@ -215,3 +215,24 @@ def test_a_checkpoint_this_user_may_not_read_is_named_so_not_called_corrupt():
         assert path in str(raised.value) and "corrupt" not in str(raised.value)
     finally:
         shutil.rmtree(base)
+
+
+def test_a_log_file_deleted_while_the_run_goes_on_comes_back_with_its_header(tmp_path):
+    """steps.csv or epochs.csv removed during a run (a clean-up, a user resetting the curves): the next
+    rows were appended to a new file without a header, which csv readers and plot_curves read as one."""
+    import csv
+
+    from fastdata.runlog import RunLog, plot_curves
+
+    with RunLog(tmp_path, every_steps=1, tensorboard=False) as log:
+        log.step(1, loss=1.0, lr=0.1, images_per_s=1.0, data_wait=0.0)
+        log.epoch({"epoch": 1, "train_loss": 1.0})
+        (tmp_path / "steps.csv").unlink()
+        (tmp_path / "epochs.csv").unlink()
+        log.step(2, loss=0.5, lr=0.1, images_per_s=1.0, data_wait=0.0)
+        log.epoch({"epoch": 2, "train_loss": 0.5})
+    with open(tmp_path / "steps.csv") as f:
+        assert [(r["step"], r["loss"]) for r in csv.DictReader(f)] == [("2", "0.5")]
+    with open(tmp_path / "epochs.csv") as f:
+        assert [(r["epoch"], r["train_loss"]) for r in csv.DictReader(f)] == [("2", "0.5")]
+    assert plot_curves(tmp_path, tmp_path / "curves.png")["loss"] == ["step loss", "train loss"]
