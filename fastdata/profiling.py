@@ -113,9 +113,12 @@ class StepProfiler:
         handler = tensorboard_trace_handler(str(self.out_dir), worker_name=worker)
 
         def on_trace_ready(prof):
-            before = set(self.out_dir.glob(f"{glob.escape(worker)}.*.pt.trace.json"))
+            pattern = f"{glob.escape(worker)}.*.pt.trace.json"
+            before, partial = set(self.out_dir.glob(pattern)), set(self.out_dir.glob(pattern + ".tmp"))
             handler(prof)
-            written = sorted(set(self.out_dir.glob(f"{glob.escape(worker)}.*.pt.trace.json")) - before)
+            written = sorted(set(self.out_dir.glob(pattern)) - before)
+            if not written:
+                self._unwritten(sorted(set(self.out_dir.glob(pattern + ".tmp")) - partial))
             self.trace_files += written
             self._report(written)
 
@@ -203,6 +206,21 @@ class StepProfiler:
             return   # the schedule is over (repeat=1): nothing left for torch's profiler to step
         self._prof.step()   # after the last active step this writes the trace and calls _report
         self._begin_step()
+
+    def _unwritten(self, partial: list[Path]) -> None:
+        """The trace was not written: kineto writes ``<trace>.tmp`` and renames it, and a failed write
+        (a full disk, a quota, a folder made read-only) only logs "Failed to write to log file!" from
+        C++, naming nothing, and leaves the cut-off ``.tmp``. Remove that and say so."""
+        for path in partial:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+        h2d = ": its h2d column needs the trace" if self.cuda else ""
+        warnings.warn(f"StepProfiler: the trace could not be written to {self.out_dir} (torch's profiler says only "
+                      f"'Failed to write to log file': a full disk, a quota, a folder made read-only?); "
+                      f"{len(partial)} cut-off file(s) removed. The table is fastdata's own timing{h2d}",
+                      RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ the table
     def _report(self, written: list[Path]) -> None:

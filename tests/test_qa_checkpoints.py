@@ -236,3 +236,29 @@ def test_a_log_file_deleted_while_the_run_goes_on_comes_back_with_its_header(tmp
     with open(tmp_path / "epochs.csv") as f:
         assert [(r["epoch"], r["train_loss"]) for r in csv.DictReader(f)] == [("2", "0.5")]
     assert plot_curves(tmp_path, tmp_path / "curves.png")["loss"] == ["step loss", "train loss"]
+
+
+def test_a_trace_the_disk_had_no_room_for_is_said_and_its_cut_off_file_removed(tmp_path, monkeypatch):
+    """On a full disk (a 64 KiB tmpfs) torch's profiler logged "Failed to write to log file!" from C++,
+    naming nothing, raised nothing, and left a cut-off ``<trace>.pt.trace.json.tmp``; the run's table
+    said nothing of a trace, and the user found none after the run. The export here does what kineto did
+    there: the temporary, cut off, and no trace."""
+    import warnings
+
+    from fastdata.profiling import StepProfiler
+
+    def export_that_runs_out_of_room(self, path, use_python_export=False):
+        with open(path + ".tmp", "wb") as f:
+            f.write(b'{"traceEvents": [' * 100)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export_that_runs_out_of_room)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with StepProfiler(tmp_path, wait=0, warmup=1, active=2, device="cpu", print_table=False) as prof:
+            for _ in range(4):
+                with prof.region("forward_backward"):
+                    torch.randn(64, 64) @ torch.randn(64, 64)
+                prof.step()
+    said = [str(w.message) for w in caught if "could not be written" in str(w.message)]
+    assert len(said) == 1 and str(tmp_path) in said[0], [str(w.message) for w in caught]
+    assert prof.trace_files == [] and len(prof.rows) == 2 and list(tmp_path.iterdir()) == []
