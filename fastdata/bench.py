@@ -44,6 +44,9 @@ class Measurement:
     status: str = "ok"              # "ok", or why it was not measured
     images_per_second: float | None = None
     spread: tuple[float, float] | None = None   # slowest and fastest stretch of the timed batches
+    # make_loader's seconds (workers, memory's cache build): paid once per run, outside the rate, so
+    # reported beside it; a cache built in minutes is not free because its epochs are fast.
+    setup_seconds: float | None = None
     overlap: str = "serial"
     predicted_wait: float | None = None
     predicted_images_per_second: float | None = None
@@ -322,7 +325,9 @@ def _measure_backend(source, name: str, loader_kw: dict, batches: int, warmup: i
 
     row, sample = Measurement(name), None
     try:
+        t0 = time.perf_counter()
         loader = make_loader(source, name, **loader_kw)
+        row.setup_seconds = time.perf_counter() - t0
         try:
             row.images_per_second, pieces = measure_loader_spread(loader, batches, warmup, progress)
             row.spread = (min(pieces), max(pieces)) if len(pieces) > 1 else None
@@ -348,16 +353,19 @@ def report_markdown(payload: dict) -> str:
         if r["status"] != "ok":
             # The table's cell: a '|' would end it, and the whole error is in the JSON and on screen.
             note = r["status"].replace("|", "/")
-            lines.append([r["backend"], "-", "-", "-", "-", note if len(note) <= 300 else note[:297] + "..."])
+            lines.append([r["backend"], "-", "-", "-", "-", "-", note if len(note) <= 300 else note[:297] + "..."])
             continue
         mark = " (recommended)" if r["backend"] == payload["recommended"] else ""
         spread = f" ({fmt_num(r['spread'][0])}–{fmt_num(r['spread'][1])})" if r.get("spread") else ""
+        setup = r.get("setup_seconds")
         lines.append([r["backend"] + mark, fmt_num(r["images_per_second"]) + spread, r["overlap"],
-                      fmt_pct(r["predicted_wait"]), fmt_num(r["predicted_images_per_second"]), ""])
+                      fmt_pct(r["predicted_wait"]), fmt_num(r["predicted_images_per_second"]),
+                      "-" if setup is None else f"{setup:.2f}", ""])
     table = markdown_table(["backend", "delivers images/s", "overlap", "predicted data wait",
-                            "predicted training images/s", "note"], lines)
+                            "predicted training images/s", "setup s", "note"], lines)
     return (f"Source {payload['source']}, batch {payload['batch_size']}, device `{payload['device']}`; "
-            f"delivery rates with the slowest–fastest fifth of the timed batches in brackets. "
+            f"delivery rates with the slowest–fastest fifth of the timed batches in brackets; setup s: "
+            f"seconds until the loader was built (workers, the memory backend's cache), once per run. "
             f"The model ({payload['model']}, amp {payload.get('amp', '-')}) trains at "
             f"{fmt_num(payload['model_images_per_second'])} images/s on ready tensors.\n\n{table}\n\n"
             f"Use `backend=\"{payload['recommended']}\"`.")

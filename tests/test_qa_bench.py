@@ -336,3 +336,28 @@ def test_bench_accuracy_says_a_backend_is_not_installed_and_how_to_install_it(mo
         assert mod.get_args_parser().parse_args([]).backends == ["torch", "memory", "prefetch"]
     finally:
         registry.clear_import_cache()
+
+
+def test_fastdata_bench_reports_each_backends_setup_apart(monkeypatch):
+    """The delivery rate starts after make_loader: memory's cache build (minutes on a large photo
+    folder) was in no figure, and its row read as if it cost nothing to start."""
+    from fastdata import bench
+    from fastdata.backends.memory import MemoryLoader
+
+    build = MemoryLoader._build
+
+    def slow_build(self, *a, **k):
+        import time
+
+        time.sleep(0.5)
+        return build(self, *a, **k)
+
+    monkeypatch.setattr(MemoryLoader, "_build", slow_build)
+    payload = bench.run(indexed_source(600), backends=["memory", "torch"], batches=3, warmup=1, progress=False,
+                        device="cpu", num_workers=0, batch_size=64)
+    rows = {r["backend"]: r for r in payload["rows"]}
+    assert rows["memory"]["setup_seconds"] >= 0.5 > rows["torch"]["setup_seconds"] >= 0
+    text = bench.report_markdown(payload)
+    assert "setup s" in text and "the loader was built" in text
+    line = next(x for x in text.splitlines() if x.startswith("| memory"))
+    assert f"{rows['memory']['setup_seconds']:.2f}" in line
