@@ -51,6 +51,7 @@ import json
 import math
 import numbers
 import os
+import warnings
 from pathlib import Path
 
 from fastdata import distributed as fdist
@@ -101,6 +102,7 @@ class RunLog:
         self._headers: dict[str, list[str]] = {}
         self._writer = None
         self._claim = None
+        self._warned: set[str] = set()   # what could not be written, said once
         if self.enabled:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._claim = _hold(self.log_dir)
@@ -130,10 +132,8 @@ class RunLog:
             return False
         row = {"step": int(step), "loss": _number(loss), "lr": _number(lr), "images_per_s": _number(images_per_s),
                "data_wait": _number(data_wait), "gpu_idle": _number(gpu_idle)}
-        self._write("steps.csv", row, key="step")
-        if self._writer is not None:
-            for name, tag in STEP_TAGS.items():
-                _scalar(self._writer, tag, row[name], row["step"])
+        self._csv("steps.csv", row, key="step")
+        self._tensorboard(lambda writer: [_scalar(writer, tag, row[name], step) for name, tag in STEP_TAGS.items()])
         return True
 
     def epoch(self, record: dict) -> None:
@@ -145,20 +145,20 @@ class RunLog:
                              f"dict fit builds (fastdata.engine.epoch_record)")
         row = {k: _number(v) for k, v in record.items()}
         row["last_step"] = self._last_step
-        self._write("epochs.csv", row, key="epoch")
-        if self._writer is not None:
-            epoch = int(record["epoch"])
+        self._csv("epochs.csv", row, key="epoch")
+
+        def scalars(writer):
             for key, value in row.items():
-                if key in ("epoch", "last_step"):
-                    continue
-                _scalar(self._writer, EPOCH_TAGS.get(key, f"epoch/{key}"), value, epoch)
-            self._writer.flush()   # an epoch is worth keeping if the run dies before close()
+                if key not in ("epoch", "last_step"):
+                    _scalar(writer, EPOCH_TAGS.get(key, f"epoch/{key}"), value, int(record["epoch"]))
+            writer.flush()   # an epoch is worth keeping if the run dies before close()
+
+        self._tensorboard(scalars)
 
     def close(self) -> None:
         """Flush and close TensorBoard's writer (the CSVs are written through on every row)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._tensorboard(lambda writer: writer.close())
+        self._writer = None
         if self._claim is not None:
             self._claim.release()
             self._claim = None
@@ -168,6 +168,38 @@ class RunLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # A log that cannot be written (a full disk, a quota) is said once and training goes on: the log is
+    # the run's account, not its result, and a run of days ended by a CSV row ("[Errno 28] No space left
+    # on device", naming no file) lost the hours since its last checkpoint. A checkpoint save that fails
+    # still stops the run (checkpoint.save), naming the file.
+    def _csv(self, name: str, row: dict, *, key: str) -> None:
+        try:
+            self._write(name, row, key=key)
+        except OSError as e:
+            self._resumed[name] = False   # the next write reads the file again: a row cut off here is dropped
+            self._cannot_write(str(self.log_dir / name), e)
+
+    def _tensorboard(self, write) -> None:
+        """``write(writer)``; TensorBoard's writer is given up at its first failure (its thread is broken)."""
+        if self._writer is None:
+            return
+        try:
+            write(self._writer)
+        except OSError as e:
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except Exception:
+                pass
+            self._cannot_write(f"TensorBoard's event file in {self.log_dir}", e)
+
+    def _cannot_write(self, what: str, e: OSError) -> None:
+        if what in self._warned:
+            return
+        self._warned.add(what)
+        warnings.warn(f"RunLog: cannot write {what} ({e.strerror or e}); training goes on, and what it would "
+                      f"have logged is lost until it can be written", RuntimeWarning, stacklevel=4)
 
     def _write(self, name: str, row: dict, *, key: str) -> None:
         path = self.log_dir / name
@@ -198,12 +230,16 @@ class RunLog:
             rows = [r for r in rows if not _at_or_past(r.get(key), row[key])]
         header = list(header or []) + [k for k in row if k not in (header or [])]
         tmp = path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=header)
-            writer.writeheader()
-            writer.writerows(rows)           # already cell text, as read
-            writer.writerow(_cells(row))
-        os.replace(tmp, path)                # a crash mid-rewrite leaves the old file, not half of one
+        try:
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=header)
+                writer.writeheader()
+                writer.writerows(rows)           # already cell text, as read
+                writer.writerow(_cells(row))
+            os.replace(tmp, path)                # a crash mid-rewrite leaves the old file, not half of one
+        except OSError:
+            tmp.unlink(missing_ok=True)          # a full disk: no half-written copy beside the old file
+            raise
         self._headers[name] = header
 
 

@@ -262,3 +262,46 @@ def test_a_trace_the_disk_had_no_room_for_is_said_and_its_cut_off_file_removed(t
     said = [str(w.message) for w in caught if "could not be written" in str(w.message)]
     assert len(said) == 1 and str(tmp_path) in said[0], [str(w.message) for w in caught]
     assert prof.trace_files == [] and len(prof.rows) == 2 and list(tmp_path.iterdir()) == []
+
+
+def test_a_run_log_the_disk_has_no_room_for_is_said_once_and_training_goes_on(tmp_path, monkeypatch):
+    """A full disk under log_dir (64 KiB tmpfs: step 230 of a RunLog) raised "[Errno 28] No space left on
+    device" out of fit, naming no file: a run of days ended by a CSV row, losing the hours since its last
+    checkpoint. The log says so once and training goes on; once there is room the rows continue."""
+    import builtins
+    import csv
+    import warnings
+
+    real_open, full = builtins.open, {"on": False}
+
+    def open_on_a_full_disk(file, mode="r", *args, **kwargs):
+        if full["on"] and ".csv" in str(file) and mode[0] in "aw":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_on_a_full_disk)
+    log_dir = tmp_path / "log"
+
+    from fastdata.engine import loop
+
+    real_batch_done = loop.RunHooks.batch_done
+
+    def batch_done(self, batch, **kw):   # the disk fills up after the second batch's row
+        real_batch_done(self, batch, **kw)
+        full["on"] = batch >= 1
+
+    monkeypatch.setattr(loop.RunHooks, "batch_done", batch_done)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = _fit(tmp_path / "c.pt", 1, log_dir=log_dir, log_every=1)
+    said = [str(w.message) for w in caught if "RunLog: cannot write" in str(w.message)]
+    assert len(history) == 1 and ckpt.load(tmp_path / "c.pt")["history"] == history   # trained and saved
+    assert len(said) == 2 and all("No space left" in m for m in said), said   # steps.csv, epochs.csv: once each
+    assert {p.name for p in log_dir.iterdir()} >= {"steps.csv"} and not list(log_dir.glob("*.tmp"))
+    full["on"] = False
+    from fastdata.runlog import RunLog
+
+    with RunLog(log_dir, every_steps=1, tensorboard=False) as log:   # room again: the rows continue
+        log.step(10, loss=1.0, lr=0.1, images_per_s=1.0, data_wait=0.0)
+    with real_open(log_dir / "steps.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "10"]
