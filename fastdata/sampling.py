@@ -298,6 +298,16 @@ class EpochPlan:
         accelerate calls the remainder: the gathered last step's first ``remainder`` are real)."""
         return 0 if self.drop_last else (self.num_samples - offset) % self.global_batch
 
+    def padding(self, offset: int = 0) -> int:
+        """Samples of padding at the end of this rank's last batch in a pass from ``offset``: with ``even``
+        the last step is split in equal parts and padded at its end, so the last ranks' parts end in
+        samples other ranks read; 0 without padding. A metric that sums over ranks leaves them out."""
+        rest = self.remainder(offset)
+        if not (self.even and self.world_size > 1 and rest):
+            return 0
+        part = -(-rest // self.world_size)
+        return part - min(part, max(0, rest - self.rank * part))
+
     def rank_samples(self) -> int:
         """Samples this rank reads in a whole epoch (padding included), as ``len(DistributedSampler)``."""
         full, rest = divmod(self.num_samples, self.global_batch)

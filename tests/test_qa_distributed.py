@@ -192,3 +192,22 @@ def test_a_one_cycle_schedule_resumed_short_is_warned_about_by_rank_0_alone(no_l
         ["resuming: the checkpoint's OneCycleLR has total_steps=312 but this run ends it at step 228 (the steps per "
          "epoch changed: another world size, batch size or accumulate than the saved run's, or fewer epochs), so "
          "its learning rate stops before annealing to its end"] if warns else [])
+
+
+# ------------------------------------------------------------------ evaluation with even_batches
+@pytest.mark.parametrize("n, world", [(97, 2), (101, 3), (96, 2)])
+def test_evaluate_counts_each_sample_once_with_even_batches(n, world):
+    """even_batches pads the last step with samples from the epoch's start (as DistributedSampler does, for
+    accelerate's gather): evaluate summed the padding too, so under DDP 97 samples were counted as 98,
+    and loss and accuracy were off. Each rank evaluated alone here (no group: its own sums); together
+    they must be the single process's figures."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(64, 10))
+    opts = dict(batch_size=8, device="cpu", train=False, augment=Augmentation.none())
+    whole = evaluate(model, make_loader(indexed_source(n), "memory", **opts))
+    parts = [evaluate(model, make_loader(indexed_source(n), "memory", rank=r, world_size=world, even_batches=True,
+                                         **opts)) for r in range(world)]
+    assert sum(p["samples"] for p in parts) == whole["samples"] == n
+    seen = [p for p in parts if p["samples"]]
+    assert sum(p["loss"] * p["samples"] for p in seen) / n == pytest.approx(whole["loss"], rel=1e-6)
+    assert sum(p["accuracy"] * p["samples"] for p in seen) / n == pytest.approx(whole["accuracy"], abs=1e-9)

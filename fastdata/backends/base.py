@@ -523,6 +523,11 @@ class Loader:
         """The epoch the next ``iter()`` starts (or the one in progress)."""
         return self._next[0]
 
+    def padding(self) -> int:
+        """Samples of padding at the end of this rank's last batch in the next pass (``even_batches``
+        repeats samples of the epoch's start there); 0 otherwise. ``evaluate`` leaves them out of its sums."""
+        return self.plan.padding(self._next[1])
+
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` reads epoch ``epoch`` from its start (resume, DDP); so does an iterator
         that has not handed out a batch yet, as a DataLoader's would."""

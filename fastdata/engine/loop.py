@@ -53,9 +53,14 @@ def _evaluate(model, loader, device, amp, loss_fn) -> dict:
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, samples
+    # even_batches pads the last step with samples other ranks read: counted once, by the rank that read them.
+    padding = loader.padding() if callable(getattr(loader, "padding", None)) else 0
+    last = len(loader) - 1 if padding else -1
     try:
         for k, pair in enumerate(loader):
             images, labels = batch_pair(pair, "the evaluation loader")
+            if k == last:
+                images, labels = images[:images.shape[0] - padding], labels[:labels.shape[0] - padding]
             check_input_dtype(images.dtype, model_dtype, mode, "the evaluation loader")
             if k == 0:
                 check_batch_device(images, labels, device, "the evaluation loader")
