@@ -271,10 +271,20 @@ DATALOADER_KEYWORDS = {
     "in_order": "batches always come in order (a resumed run gets the same ones)",
 }
 
+#: Keywords users reach for to set the image size, and where it is set (the training and evaluation
+#: recipes take it; ``like=`` carries it to an evaluation loader).
+_SIZE_HINT = ("the size is the augmentation recipe's: augment=Augmentation.imagenet_train(size=S) to train, "
+              "Augmentation.imagenet_eval(size=S) to evaluate (like=train_loader takes it from there)")
+
+#: Every refused keyword with a hint (``unknown_options``).
+OPTION_HINTS = {**DATALOADER_KEYWORDS, **dict.fromkeys(
+    ("size", "image_size", "img_size", "input_size", "crop_size", "resolution"), _SIZE_HINT)}
+
 
 def unknown_options(owner: str, unknown: list, known: str) -> str:
-    """The refusal of options ``owner`` does not take, with where each torch DataLoader keyword's job went."""
-    hints = "".join(f"; {k}: {DATALOADER_KEYWORDS[k]}" for k in unknown if k in DATALOADER_KEYWORDS)
+    """The refusal of options ``owner`` does not take, with where each torch DataLoader keyword's job went
+    (and where the image size is set, for the names users give it)."""
+    hints = "".join(f"; {k}: {OPTION_HINTS[k]}" for k in unknown if k in OPTION_HINTS)
     return f"{owner} got unknown option(s) {unknown}; {known} and the shared ones are LoaderConfig's fields{hints}"
 
 

@@ -287,3 +287,12 @@ def test_dataloader_keywords_say_where_their_job_went(backend):
     for hint in ("pin_memory: drop it", "sampler: the order is the loader's", "collate_fn: batches are collated",
                  "batch_transforms=", "Subset(dataset, ids)"):
         assert hint in said, said
+
+
+def test_an_image_size_keyword_says_where_the_size_is_set():
+    """make_loader(src, image_size=64): the refusal listed the backend's options, none of which is a size;
+    the size is the augmentation recipe's, and the refusal now says so."""
+    with pytest.raises(TypeError) as e:
+        make_loader(SyntheticDigits(64), "torch", batch_size=8, image_size=64)
+    assert "image_size: the size is the augmentation recipe's: augment=Augmentation.imagenet_train(size=S)" \
+        in str(e.value)
