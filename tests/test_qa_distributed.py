@@ -211,3 +211,17 @@ def test_evaluate_counts_each_sample_once_with_even_batches(n, world):
     seen = [p for p in parts if p["samples"]]
     assert sum(p["loss"] * p["samples"] for p in seen) / n == pytest.approx(whole["loss"], rel=1e-6)
     assert sum(p["accuracy"] * p["samples"] for p in seen) / n == pytest.approx(whole["accuracy"], abs=1e-9)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["torch", "memory"])
+def test_one_channel_batches_on_cuda_have_nchw_strides(backend):
+    """The Normalizer's one-channel path on the GPU (where cuDNN would pick channels-last kernels for
+    (HW, 1, W, 1) strides and DDP's buckets would not match the weight gradients)."""
+    options = {"num_workers": 0} if backend == "torch" else {}
+    with make_loader(SyntheticDigits(32, seed=1), backend, batch_size=8, device="cuda", **options) as loader:
+        images, _ = next(iter(loader))
+    assert images.is_cuda and images.stride() == (784, 784, 28, 1)
+    conv = torch.nn.Conv2d(1, 4, 3).cuda()
+    conv(images).sum().backward()
+    assert conv.weight.grad.stride() == conv.weight.stride()
