@@ -436,7 +436,7 @@ def claim(path, storage=None) -> Claim | None:
     cannot be created. ``fit`` holds its checkpoint's path from its start to its end (rank 0)."""
     if storage_for(path, storage) is not LOCAL:
         return None
-    path = _local_path(path)
+    path = _followed(_local_path(path))   # one lock for a file however it is reached (a link to it)
     lock = path.with_name(path.name + ".lock")
     return hold(lock, lambda holder: CheckpointInUse(
         f"checkpoint '{path}' is in use by another run ({holder}), which saves there: two runs on one "

@@ -193,6 +193,10 @@ def test_a_checkpoint_linked_to_another_disk_is_saved_there_and_stays_a_link(tmp
     assert link.is_symlink() and len(ckpt.load(target)["history"]) == 2
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["c.pt"]
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["c.pt"]
+    other = ckpt.claim(target)   # another run, given the file itself: the same file, so refused
+    with pytest.raises(ckpt.CheckpointInUse):
+        _fit(link, 3, resume=True)
+    other.release()
 
 
 def test_a_checkpoint_this_user_may_not_read_is_named_so_not_called_corrupt():
