@@ -315,3 +315,23 @@ def test_a_dark_16_bit_pgm_is_scaled_from_its_16_bits_not_read_as_8_bit(tmp_path
         out.append(np.asarray(decode_upright(img, path, orientation)))
     assert out[0].max() <= 1   # 3/1023 of white
     np.testing.assert_array_equal(out[0][1:, 1:], out[1][1:, 1:])
+
+
+def test_a_photo_over_the_pixel_limit_says_how_to_read_it(tmp_path, monkeypatch):
+    """Satellite tiles, slides and panoramas are over Pillow's decompression-bomb limit on purpose: the
+    refusal named the limit but not how to lift it. It now says: raise PIL.Image.MAX_IMAGE_PIXELS (or
+    set it to None); once raised, the photo is read."""
+    from PIL import Image
+
+    import fastdata.images.photo as P
+    from fastdata.errors import DecodeError
+
+    path = tmp_path / "wide.jpg"
+    path.write_bytes(_jpeg_bytes(size=(96, 64)))
+    for limit in (96 * 64 - 1, 96 * 64 // 3):   # Pillow warns (1x-2x its limit), and raises (over 2x)
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+        with pytest.raises(DecodeError, match=r"decompression-bomb.* photos this large are read once "
+                                              r"PIL\.Image\.MAX_IMAGE_PIXELS is raised above their pixels"):
+            P.open_image(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert P.open_image(path).size == (96, 64)

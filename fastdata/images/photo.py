@@ -34,6 +34,11 @@ _FEATURE_OF_FORMAT = {"WEBP": "webp"}
 _EXIF_ORIENTATION = 0x0112
 
 
+#: How a user with photos that large on purpose (satellite tiles, slides, panoramas) reads them.
+_RAISE_LIMIT = ("photos this large are read once PIL.Image.MAX_IMAGE_PIXELS is raised above their pixels (or "
+                "set to None), before the loader is made")
+
+
 def open_image(path, fp=None) -> Image.Image:
     """Open (header only) and check an image; any failure becomes a DecodeError naming the file.
 
@@ -47,7 +52,7 @@ def open_image(path, fp=None) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(path if fp is None else fp)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise DecodeError(path, f"decompression-bomb limit: {e}") from None
+        raise DecodeError(path, f"decompression-bomb limit: {e} {_RAISE_LIMIT}") from None
     except FileNotFoundError:
         raise DecodeError(path, "file not found") from None
     except Exception as e:  # UnidentifiedImageError, OSError, SyntaxError from broken headers
@@ -72,7 +77,7 @@ def open_image(path, fp=None) -> Image.Image:
     if limit and img.width * img.height > limit:
         img.close()
         raise DecodeError(path, f"{img.width}x{img.height} pixels exceeds the decompression-bomb limit "
-                                f"of {limit} pixels (PIL.Image.MAX_IMAGE_PIXELS)")
+                                f"of {limit} pixels; {_RAISE_LIMIT}")
     ext = _extension(path)
     expected = _FORMAT_OF_EXT.get(ext)
     if expected and img.format != expected and not (expected == "JPEG" and img.format in JPEG_FORMATS):
