@@ -406,7 +406,8 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
     """Around a training script's ``fit``, what ends it early as one line instead of a traceback:
 
     - a ``--checkpoint`` that is not one, or one of another run (``CheckpointError``; under torchrun the
-      other ranks get rank 0's verdict as a ``PreparationError``): ``error: --checkpoint: ...``;
+      other ranks get rank 0's verdict as a ``PreparationError``), or in use by another live run:
+      ``error: --checkpoint: ...``; a ``--log-dir`` another live run logs into: ``error: --log-dir: ...``;
     - Ctrl-C (``on_ctrl_c``): what the same command with ``--resume`` goes on from, where it was a
       traceback through the loop, the step and autograd that said nothing about resuming;
     - a run whose weights went NaN or inf (fit's ``FloatingPointError``: where the loss went
@@ -422,6 +423,7 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
     from . import distributed
     from .checkpoint import CheckpointError
     from .errors import DecodeError
+    from .runlog import LogDirInUse
 
     saves, every = (getattr(args, flag[2:].replace("-", "_"), None) for flag in flags)
     started = time.time()
@@ -440,6 +442,8 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
             yield
     except (CheckpointError, distributed.PreparationError) as e:
         raise SystemExit(f"error: {flags[0]}: {e}") from None
+    except LogDirInUse as e:   # another run logs into --log-dir: refused before any training
+        raise SystemExit(f"error: --log-dir: {e}") from None
     except FloatingPointError as e:   # fit: the weights went NaN; its message says where and what was kept
         raise SystemExit(f"error: {e}") from None
     except DecodeError as e:

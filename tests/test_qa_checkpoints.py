@@ -309,3 +309,23 @@ def test_a_run_log_the_disk_has_no_room_for_is_said_once_and_training_goes_on(tm
         log.step(10, loss=1.0, lr=0.1, images_per_s=1.0, data_wait=0.0)
     with real_open(log_dir / "steps.csv") as f:
         assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "10"]
+
+
+def test_a_training_script_given_a_checkpoint_or_log_dir_in_use_ends_in_one_line(tmp_path):
+    """The examples end a refused --checkpoint in one line (cli.fit_errors); another live run's
+    --checkpoint or --log-dir is refused the same way, naming the flag."""
+    import argparse
+
+    from fastdata import cli
+    from fastdata.runlog import RunLog
+
+    args = argparse.Namespace(checkpoint=str(tmp_path / "c.pt"), checkpoint_every=None, resume=False)
+    held = ckpt.claim(tmp_path / "c.pt")
+    with pytest.raises(SystemExit, match=r"^error: --checkpoint: checkpoint '.*c\.pt' is in use by another run"):
+        with cli.fit_errors(args):
+            _fit(tmp_path / "c.pt", 1)
+    held.release()
+    with RunLog(tmp_path / "log", tensorboard=False):
+        with pytest.raises(SystemExit, match=r"^error: --log-dir: RunLog: log_dir '.*log' is in use by another run"):
+            with cli.fit_errors(args):
+                _fit(tmp_path / "c.pt", 1, log_dir=tmp_path / "log")
