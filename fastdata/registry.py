@@ -225,7 +225,8 @@ def make_loader(source, backend: str = "auto", *, config: LoaderConfig | None = 
         like: a training loader this one evaluates against: its device, dtype, layout, batch size,
             seed and, above all, its normalization statistics (a test set must be normalized with
             the training set's mean/std, not its own), with ``train=False``; after a training crop to
-            ``s`` (``imagenet_train(size=s)``), the evaluation crop at ``s`` too
+            ``s`` (``imagenet_train(size=s)``, or a crop to ``s`` in the training source's torchvision
+            transform), the evaluation crop at ``s`` too
             (``imagenet_eval(size=s, resize=s*256/224)``). Keyword arguments and ``config`` fields still override,
             except a config's ``train`` (True by default, not by choice): only a ``train=True`` keyword
             makes it a training loader.
@@ -314,17 +315,29 @@ def _eval_recipe(train_loader, source, caller: dict):
     as torchvision's references and timm's ``crop_pct`` keep it), or the training loader's own center
     crop. Photos evaluated at 224 after training at 32, and arrays (CIFAR trained upscaled to 64) at
     their own 32: another resolution than the model learnt (a ViT's position embeddings refuse it).
+    The training size may also be set inside the training source's per-sample transform (a torchvision
+    ``Compose`` with ``RandomResizedCrop(96)``: ``output_size``).
     None: the source's default stands (the caller gave ``augment``, the source has a per-sample
     transform, the training loader keeps the size, or the sizes already agree)."""
     from .config import Augmentation, Crop
+    from .datasets.sample_transforms import output_size
 
     theirs = getattr(train_loader, "augment", None)
-    if caller.get("augment") is not None or not isinstance(theirs, Augmentation) or not theirs.crop.fixes_size:
+    if caller.get("augment") is not None or not isinstance(theirs, Augmentation):
         return None
     if getattr(source, "sample_transform", None) is not None:
         return None
+    if theirs.crop.fixes_size:
+        size = theirs.crop_size
+    else:
+        # The size set inside the training source's per-sample transform (RandomResizedCrop(96) in a
+        # torchvision Compose): evaluated at 224 otherwise, the model's 96 unknown to the recipe.
+        trained = getattr(getattr(train_loader, "source", None), "sample_transform", None)
+        at = output_size(trained) if trained is not None else None
+        if at is None or at[0] != at[1]:
+            return None
+        size, theirs = at[0], Augmentation.imagenet_train(size=at[0])
     mine = source.default_augmentation(False)
-    size = theirs.crop_size
     if mine.crop.fixes_size and mine.crop_size == size:
         return None
     if theirs.crop is Crop.CENTER and theirs.resize is not None:

@@ -78,6 +78,50 @@ def test_like_leaves_a_per_sample_transform_alone(small_photos):
     assert next(iter(val))[0].shape == (2, 3, 32, 32)
 
 
+@pytest.mark.parametrize("backend", ["torch", "memory", "dali"])
+def test_like_follows_a_size_set_in_the_training_sources_transform(small_photos, backend):
+    """Trained through a torchvision transform (RandomResizedCrop(48) in a Compose, the torch backend),
+    a like= evaluation loader of a plain folder evaluated at 224: the size lives in the transform, not
+    in the loader's recipe. It now evaluates at 48, the shorter side resized to round(48 * 256 / 224)."""
+    from fastdata.datasets import ImageFolder
+
+    train_ds = torchvision.datasets.ImageFolder(str(small_photos), transform=v2.Compose([
+        v2.RandomResizedCrop(48), v2.RandomHorizontalFlip(), v2.PILToTensor()]))
+    train = make_loader(train_ds, "torch", batch_size=2, **CPU)
+    val = make_loader(ImageFolder(small_photos), backend, like=train)
+    assert val.augment == Augmentation.imagenet_eval(size=48, resize=55)
+    assert next(iter(val))[0].shape == (2, 3, 48, 48)
+
+
+def test_output_size_reads_the_size_a_transform_ends_at():
+    from fastdata.datasets.sample_transforms import output_size
+
+    T = torchvision.transforms
+    assert output_size(T.Compose([T.RandomResizedCrop(96), T.RandomHorizontalFlip(), T.PILToTensor()])) == (96, 96)
+    assert output_size(T.Compose([T.Resize(256), T.CenterCrop(224)])) == (224, 224)
+    assert output_size(T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()])) == (32, 32)
+    assert output_size(v2.Compose([v2.Resize((64, 48))])) == (64, 48)
+    # The photos keep sizes of their own: a shorter side alone, a max_size alone, no resizing step.
+    assert output_size(T.Compose([T.Resize(256)])) is None
+    assert output_size(v2.Compose([v2.RandomResizedCrop(160), v2.Resize(None, max_size=200)])) is None
+    assert output_size(T.RandomHorizontalFlip()) is None
+    # A crop that runs only sometimes: the size is not fixed; one that runs always, under a jitter that may not.
+    assert output_size(T.RandomApply([T.CenterCrop(20)], p=0.5)) is None
+    assert output_size(T.Compose([T.CenterCrop(20), T.RandomApply([T.ColorJitter(0.1)], p=0.5)])) == (20, 20)
+
+
+@pytest.mark.requires("timm")
+def test_output_size_reads_timms_transforms():
+    """timm's training transform crops with its own class (RandomResizedCropAndInterpolation), known by
+    its name and its torchvision-like ``size``."""
+    from timm.data import create_transform
+
+    from fastdata.datasets.sample_transforms import output_size
+
+    assert output_size(create_transform(128, is_training=True)) == (128, 128)
+    assert output_size(create_transform(128)) == (128, 128)
+
+
 # ---------------------------------------------------------------- torch's ConcatDataset
 def _photo(path, value, size=(12, 10)):
     from PIL import Image

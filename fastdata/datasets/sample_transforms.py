@@ -87,6 +87,58 @@ def _outcomes(transform, before: frozenset) -> frozenset:
     return in_order(parts, before)
 
 
+def output_size(transform, size: tuple | None = None) -> tuple[int, int] | None:
+    """The (height, width) every image leaves ``transform`` at, where its steps fix it (a crop to a size,
+    a resize to a (height, width)), else None (a resize of the shorter side alone, or no such step: the
+    photos keep sizes of their own). ``size``: what comes in. Compositions are walked as ``_outcomes``
+    walks them; a step that runs only sometimes, or in a random order, counts where every outcome agrees.
+
+    Steps are known by their ``size`` and their class name (``...Crop...``, ``...Resize...``), not only
+    torchvision's own classes: timm's ``RandomResizedCropAndInterpolation`` and ``ResizeKeepRatio``
+    follow torchvision's fields. ``like=`` evaluates at this size (``registry._eval_recipe``)."""
+    from ..batch_transforms import composition_parts
+
+    parts = [child for _, child in composition_parts(transform)]
+    if not parts:
+        return _step_size(transform, size)
+    kind = type(transform).__name__ if type(transform).__module__.startswith("torchvision.") else None
+
+    def in_order(steps, at):
+        for step in steps:
+            at = output_size(step, at)
+        return at
+
+    if kind == "RandomApply":
+        ends = {size, in_order(parts, size)}
+    elif kind == "RandomChoice":
+        ends = {output_size(p, size) for p in parts}
+    elif kind == "RandomOrder":
+        ends = {in_order(parts, size), in_order(parts[::-1], size)}
+    else:
+        return in_order(parts, size)
+    return ends.pop() if len(ends) == 1 else None
+
+
+def _step_size(step, size):
+    """``output_size`` of one step that is not a composition."""
+    name, given = type(step).__name__, getattr(step, "size", None)
+    if given is None or not ("Crop" in name or "Resize" in name) or isinstance(given, bool):
+        # A resize to None (torchvision 2's max_size alone) leaves sizes of the photos' own.
+        return None if "Resize" in name and "Crop" not in name and hasattr(step, "size") else size
+    if isinstance(given, int):
+        given = [given]
+    try:
+        values = [int(v) for v in given]
+    except (TypeError, ValueError):
+        return None
+    if len(values) == 2:
+        return values[0], values[1]
+    if len(values) == 1:
+        # A crop to one number is square; a resize to one number sets the shorter side only.
+        return (values[0], values[0]) if "Crop" in name else None
+    return None
+
+
 def _makes_float(step) -> bool | None:
     """True: this torchvision step outputs floats; False: uint8; None: it keeps the dtype or is unknown."""
     if not type(step).__module__.startswith("torchvision."):
