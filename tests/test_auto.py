@@ -88,6 +88,8 @@ def test_on_cuda_the_tables_order_decides_when_the_cache_does_not_fit(gpu_16g, m
     name, why = registry.choose(src, config("cuda:0"))
     assert name == ("dali" if registry.spec("dali").available else "prefetch")
     assert "not memory: the cache" in why and "does not fit" in why
+    if name == "dali":   # why dali: what it does on the GPU, not only that it reads the source's kind
+        assert why.startswith("DALI crops and normalizes the batches on the GPU"), why   # an array source
     # Without DALI the next row, prefetch, is picked, and the reason says what DALI lacked.
     monkeypatch.setitem(registry.BACKENDS, "dali", registry.BackendSpec(
         "dali", "x.y:Z", needs="no_dali_here", install="pip install nvidia-dali-cuda120", order=20, devices=("cuda",)))
@@ -158,6 +160,8 @@ def test_on_a_real_gpu_the_cache_decides_between_memory_and_the_next_cuda_row():
     name, why = registry.choose(src, config(device), {"memory_reserve": whole})
     assert name == ("dali" if registry.spec("dali").available else "prefetch")
     assert "not memory: the cache" in why and "does not fit" in why
+    if name == "dali":   # why dali: what it does on the GPU, not only that it reads the source's kind
+        assert why.startswith("DALI crops and normalizes the batches on the GPU"), why   # an array source
 
 
 @pytest.mark.parametrize("crop", ["translate", "random_resized"])
@@ -184,3 +188,18 @@ def test_when_no_row_fits_the_error_names_each_reason(monkeypatch):
     with pytest.raises(ValueError, match=r"no backend fits .* not memory: the cache .* does not fit.*"
                                          r"backends allowed on cpu: \['memory'\]"):
         auto.choose_locally(indexed_source(1000), config("cpu"), None, specs)
+
+
+def test_dalis_reason_on_a_gpu_says_what_it_does_there(tmp_path):
+    """auto's line said "dali reads files sources" when it picked dali on a GPU: not why it was
+    preferred to the torch path. It now says what DALI does there."""
+    if not registry.spec("dali").available:
+        pytest.skip("DALI is not installed here")
+    from fastdata.datasets import ImageFolder, make_image_folder
+
+    folder = ImageFolder(make_image_folder(tmp_path, classes=2, per_class=1, size_range=((40, 50), (40, 50))))
+    dali = registry.backend_class("dali")
+    assert dali.fits(folder, config("cuda:0"))[1] == \
+        "nvJPEG decodes the photos and DALI crops and normalizes them on the GPU"
+    assert dali.fits(photo_sized(), config("cuda:0"))[1] == "DALI crops and normalizes the batches on the GPU"
+    assert dali.fits(folder, config("cpu")) == (True, "dali reads files sources")

@@ -256,6 +256,16 @@ class DaliLoader(DaliFiles, Loader):
         self._owner_pid = os.getpid()
         _LIVE.add(self)
 
+    @classmethod
+    def fits(cls, source, config, options=None, *, stable=False):
+        """The kinds it reads; on a GPU the reason says what it does there (``auto``'s line said only
+        "dali reads files sources", not why it was preferred to the torch path)."""
+        ok, why = super().fits(source, config, options, stable=stable)
+        if ok and config.device.type == "cuda":
+            why = ("nvJPEG decodes the photos and DALI crops and normalizes them on the GPU"
+                   if source.kind is SourceKind.FILES else "DALI crops and normalizes the batches on the GPU")
+        return ok, why
+
     # ------------------------------------------------------------------ the pipeline
     def _build(self):
         """A fresh pipeline and DALIGenericIterator; the feeder must hold its stream already.
