@@ -56,8 +56,14 @@ class Source:
     def read_stamped(self, i: int) -> tuple[bytes, int]:
         """(``read(i)``, a stamp that changes when the sample's bytes change): a backend that learns a
         sample's header once (its size, for the crop boxes) learns it again when the stamp moves. The
-        stamp is an int in ``[0, 2**63)`` (dali keeps them in an int64 array)."""
-        raise TypeError(f"{self!r} holds decoded pixels or samples, not encoded files: it has no bytes to read")
+        stamp is an int in ``[0, 2**63)`` (dali keeps them in an int64 array). A source that gives
+        ``read`` alone is stamped with its bytes' CRC-32 (a pass over bytes being decoded anyway)."""
+        if type(self).read is not Source.read:
+            data = self.read(i)
+            return data, zlib.crc32(data)
+        raise TypeError(f"{self!r} holds decoded pixels or samples, not encoded files: it has no bytes to read"
+                        + (" (a source of kind FILES implements read_stamped(i) -> (bytes, stamp), or read(i))"
+                           if self.kind is SourceKind.FILES else ""))
 
     def stamp(self, i: int) -> tuple[int, int] | None:
         """(``len(read(i))``, a stamp that changes when those bytes change) known without reading them
@@ -102,11 +108,15 @@ class Source:
         return None
 
     def default_augmentation(self, train: bool) -> Augmentation:
-        """The recipe a loader uses when ``LoaderConfig.augment`` is None.
+        """The recipe a loader uses when ``LoaderConfig.augment`` is None: for encoded photos (kind
+        FILES, no per-sample transform) an image folder's, ImageNet's crops, since photos of mixed
+        sizes need a crop that fixes the size; none otherwise.
 
         Args:
             train: the training recipe (else the evaluation one).
         """
+        if self.kind is SourceKind.FILES and self.sample_transform is None:
+            return Augmentation.imagenet_train() if train else Augmentation.imagenet_eval()
         return Augmentation.none()
 
     def fingerprint(self) -> str:
@@ -164,6 +174,51 @@ class Source:
 
     def __repr__(self):
         return f"{type(self).__name__}(n={len(self)}, classes={self.num_classes}, name={self.name!r})"
+
+
+#: What every source sets (in its ``__init__``), checked by ``check_source`` on a source of one's own.
+SOURCE_ATTRIBUTES = ("labels", "num_classes", "channels", "mean", "std")
+
+
+def check_source(source: Source) -> None:
+    """Refuse a source of one's own (a ``Source`` subclass written outside fastdata) that breaks what
+    every backend relies on, naming the problem and the fix, before any backend reads it: a missing
+    attribute, a ``len`` other than the labels' (an IndexError inside a batch, or samples never read),
+    labels that are names, fractions or past ``num_classes``, and photos (kind FILES, decoded to RGB)
+    said to have other than 3 channels. Integer labels of another dtype (a list, int32, whole floats)
+    are set back as the int64 array the contract hands out; backends index them as they are.
+
+    Args:
+        source: a Source (fastdata's own check themselves when made, and are left alone).
+    """
+    what = type(source).__name__
+    missing = [a for a in SOURCE_ATTRIBUTES if not hasattr(source, a)]
+    if missing:
+        raise TypeError(f"{what} has no {', '.join(missing)}: a Source sets labels (one class index per "
+                        f"sample), num_classes, channels, and mean and std (per channel, in [0, 1] units) in "
+                        f"its __init__ (docs/sources.md, 'Your own source')")
+    num_classes = check_integer(f"{what}.num_classes", source.num_classes, minimum=0)
+    if source.kind not in (SourceKind.FILES, SourceKind.ARRAY):
+        return
+    if source.kind is SourceKind.FILES and source.channels != 3:
+        raise ValueError(f"{what} has channels={source.channels!r}, but it is of kind FILES, whose photos every "
+                         f"backend decodes to RGB: set channels = 3 (and mean/std of 3 values, or 1)")
+    labels = source.labels
+    named = np.asarray(labels)
+    if named.dtype.kind in "USO" and named.size:
+        raise TypeError(f"{what}.labels holds names ({named.flat[0]!r}, ...), not class indices: set "
+                        f"classes = sorted(set(names)) and labels = [classes.index(n) for n in names]")
+    checked = check_labels(labels, f"{what}.labels", num_classes or None)
+    if len(source) != len(checked):
+        raise ValueError(f"len({what}) is {len(source)} but {what}.labels has {len(checked)}: one label per "
+                         f"sample, and len counts the samples (Source.__len__ is len(labels); an override "
+                         f"must agree)")
+    if not (isinstance(labels, np.ndarray) and labels.dtype == np.int64):
+        try:
+            source.labels = checked
+        except AttributeError:   # a read-only property: its owner converts
+            raise TypeError(f"{what}.labels is {type(labels).__name__} of {named.dtype}: the batches' labels are "
+                            f"int64; make it np.asarray(labels, dtype=np.int64)") from None
 
 
 class ArrayPixels(Protocol):
