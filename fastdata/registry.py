@@ -104,7 +104,24 @@ class BackendSpec:
         if not isinstance(self.target, str):
             return self.target
         module, cls = self.target.split(":")
-        return getattr(importlib.import_module(module), cls)
+        try:
+            found = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError) as e:   # a typo in the row, or its package's own import failing
+            detail = f"{type(e).__name__}: {e}" if isinstance(e, ImportError) else str(e)
+            raise ImportError(f"backend {self.name!r}: cannot import {self.target!r} ({detail}); fix the "
+                              f"target given to registry.register, or unregister({self.name!r})") from e
+        return _check_loader_class(self.name, found)
+
+
+def _check_loader_class(name: str, cls) -> type[Loader]:
+    """``cls``, if it is a backend class (a subclass of ``Loader``); TypeError naming the row otherwise."""
+    from .backends.base import Loader  # at the call: the table is read before any backend is imported
+
+    if not (isinstance(cls, type) and issubclass(cls, Loader)):
+        raise TypeError(f"backend {name!r}: target {getattr(cls, '__name__', cls)!s} is not a subclass of "
+                        f"fastdata.backends.base.Loader (which holds the contract; a backend implements its "
+                        f"_epoch, see examples/custom_backend.py)")
+    return cls
 
 
 _DALI_INSTALL = "pip install nvidia-dali-cuda120  (or: pip install 'fastdata[dali]')"
@@ -117,16 +134,40 @@ BACKENDS: dict[str, BackendSpec] = {}
 
 
 def register(name: str, target: str | type, *, needs: str | None = None, install: str | None = None,
-             order: int | None = None, devices: tuple[str, ...] = DEVICE_TYPES,
-             overlaps_on_cuda: bool = False) -> BackendSpec:
-    """Add (or replace) a backend row; returns it. ``order`` None puts the backend after every existing
-    one in ``auto``'s preference. See ``BackendSpec`` for the arguments."""
+             order: int | None = None, devices: str | tuple[str, ...] = DEVICE_TYPES,
+             overlaps_on_cuda: bool = False, replace: bool = False) -> BackendSpec:
+    """Add a backend row; returns it. ``order`` None puts the backend after every existing one in
+    ``auto``'s preference; ``devices`` may be one device type (``"cuda"``). See ``BackendSpec`` for the
+    other arguments.
+
+    A name already in the table is refused unless ``replace`` (a row of one's own called ``torch``
+    would silently stand in for the built-in for the whole process), except for the same target again
+    (a script's ``register()`` run twice); so is a name that differs from one only in case.
+    """
+    if isinstance(devices, str):
+        devices = (devices,)
+    if isinstance(target, type):
+        _check_loader_class(name, target)
+    same_case = [n for n in BACKENDS if n.lower() == str(name).lower() and n != name]
+    if same_case:
+        raise ValueError(f"backend {name!r} differs from {same_case[0]!r} only in case; choose a name that is "
+                         f"not one of {choices()} in other letters")
+    held = BACKENDS.get(name)
+    if held is not None and not replace and _target_name(held.target) != _target_name(target):
+        raise ValueError(f"backend {name!r} is registered already ({_target_name(held.target)}); register "
+                         f"{_target_name(target)} under another name, or pass replace=True to replace it")
     if order is None:
         order = max((s.order for s in BACKENDS.values() if s.name != name), default=0) + 10
     spec = BackendSpec(name, target, needs=needs, install=install, order=order, devices=tuple(devices),
                        overlaps_on_cuda=overlaps_on_cuda)
     BACKENDS[name] = spec
     return spec
+
+
+def _target_name(target: str | type) -> str:
+    """``package.module:Class`` for a row's target (a class re-imported by a second run of a script is
+    another object with the same name: the same backend)."""
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
 def unregister(name: str) -> None:

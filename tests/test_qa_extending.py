@@ -11,8 +11,10 @@ import torch
 from PIL import Image
 
 from conftest import BACKENDS as INSTALLED
-from fastdata import Augmentation, make_loader
-from fastdata.datasets import IMAGENET_MEAN, IMAGENET_STD, Source, SourceKind
+from fastdata import Augmentation, make_loader, registry
+from fastdata.backends.base import Loader
+from fastdata.datasets import IMAGENET_MEAN, IMAGENET_STD, Source, SourceKind, SyntheticDigits
+from fastdata.decode import decode
 
 CPU_BACKENDS = [b for b in INSTALLED if b != "prefetch"]   # prefetch is torch's on the CPU
 
@@ -132,3 +134,100 @@ def test_a_source_that_overrides_read_alone_is_read(blobs, backend):
 
     _, out = _batches(ReadOnly(blobs, np.arange(12) % 3), backend)
     assert len(out) == 3
+
+
+# ----------------------------------------------------------------------------------------- registry
+class Mine(Loader):
+    """A backend of one's own, as examples/custom_backend.py writes it."""
+
+    name = "mine"
+    reads = frozenset({SourceKind.ARRAY, SourceKind.FILES})
+
+    def _epoch(self, epoch, batches, start):
+        for k, ids in enumerate(batches):
+            d = decode(self.source, ids, self.augment, self.batch_rng(epoch, start + k), self.config.on_error)
+            self.skipped += len(ids) - len(d.kept)
+            yield self.normalize(torch.from_numpy(d.images)), torch.from_numpy(d.labels)
+
+
+@pytest.fixture
+def table():
+    """The registry as it was before the test, put back after it whatever happens (a built-in row
+    replaced by a failing test must not stay replaced for the tests after it)."""
+    saved = dict(registry.BACKENDS)
+    yield
+    registry.BACKENDS.clear()
+    registry.BACKENDS.update(saved)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("torch", r"backend 'torch' is registered already \(fastdata.backends.torch_loader:TorchLoader\).*"
+              r"another name.*replace=True"),
+    ("Torch", r"backend 'Torch' differs from 'torch' only in case"),
+    ("MEMORY", r"backend 'MEMORY' differs from 'memory' only in case"),
+])
+def test_a_name_that_clashes_with_a_backend_is_refused(name, message, table):
+    # registering "torch" silently replaced the built-in for the whole process (and unregister then
+    # removed it for good); "MEMORY" stood beside "memory".
+    with pytest.raises(ValueError, match=message):
+        registry.register(name, Mine)
+    assert registry.spec("torch").target == "fastdata.backends.torch_loader:TorchLoader"
+    assert name == "torch" or name not in registry.BACKENDS
+
+
+def test_a_backend_registered_again_or_replaced_on_purpose(table):
+    first = registry.register("mine", Mine)
+    again = registry.register("mine", Mine)          # a script's register() run twice: the same row
+    assert again == first and list(registry.BACKENDS).count("mine") == 1
+
+    class Other(Mine):
+        pass
+
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register("mine", Other)
+    assert registry.register("mine", Other, replace=True).target is Other
+
+
+def test_devices_given_as_one_string_is_that_device(table):
+    # devices="cuda" was read letter by letter: "unknown device type(s) ['a', 'c', 'd', 'u']".
+    assert registry.register("mine", Mine, devices="cuda").devices == ("cuda",)
+
+
+def test_a_target_that_is_no_backend_is_refused_naming_it(table):
+    with pytest.raises(TypeError, match=r"backend 'plain': target object is not a subclass of "
+                                        r"fastdata.backends.base.Loader"):
+        registry.register("plain", object)     # was "object() takes no arguments" from make_loader
+    registry.register("nomodule", "no_such_pkg.loader:Cls")
+    registry.register("noclass", "fastdata.registry:NoSuchLoader")
+    source = SyntheticDigits(32)
+    with pytest.raises(ImportError, match=r"backend 'nomodule': cannot import 'no_such_pkg.loader:Cls' "
+                                          r"\(ModuleNotFoundError: No module named 'no_such_pkg'\)"):
+        make_loader(source, "nomodule", batch_size=8, device="cpu")
+    with pytest.raises(ImportError, match=r"backend 'noclass': cannot import 'fastdata.registry:NoSuchLoader' "
+                                          r"\(module 'fastdata.registry' has no attribute 'NoSuchLoader'\)"):
+        make_loader(source, "noclass", batch_size=8, device="cpu")
+    # auto still picks among the others, the broken rows being after them
+    loader = make_loader(source, "auto", batch_size=8, device="cpu", quiet=True)
+    assert loader.name == "memory"
+
+
+def test_auto_with_a_preferred_backend_of_ones_own_holds_the_contract(table):
+    registry.register("mine", Mine, order=0)
+    assert "mine" in registry.available_backends()
+
+    def loader():
+        return make_loader(SyntheticDigits(40), "auto", batch_size=8, device="cpu", quiet=True, seed=3)
+
+    whole = loader()
+    assert isinstance(whole, Mine) and len(whole) == 5
+    uninterrupted = [(x, y) for x, y in whole]
+    assert all(x.dtype == torch.float32 and x.shape == (8, 1, 28, 28) and y.dtype == torch.int64
+               for x, y in uninterrupted)
+    cut = loader()
+    it = iter(cut)
+    head = [next(it) for _ in range(2)]
+    resumed = loader()
+    resumed.load_state_dict(cut.state_dict())
+    got = head + list(resumed)
+    assert all(torch.equal(a, b) and torch.equal(p, q) for (a, p), (b, q) in zip(got, uninterrupted))
+    assert len(got) == 5

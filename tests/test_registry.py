@@ -8,6 +8,7 @@ import torch
 
 from conftest import indexed_source
 from fastdata import MissingDependency, available_backends, make_loader, registry
+from fastdata.backends.base import Loader
 from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits
 
 
@@ -89,10 +90,9 @@ def test_auto_weighs_the_memory_reserve_the_user_passes(photo_folder, caplog):
     assert loader.name == "torch" and "does not fit" in caplog.text
 
 
-class _Mine:
-    """A stand-in backend class: the registry only stores and returns it."""
-
-    options: dict = {}
+class _Mine(Loader):
+    """A stand-in backend class: the registry only stores and returns it (a Loader subclass, which the
+    registry checks)."""
 
 
 def test_register_adds_a_backend_as_one_row_and_unregister_removes_it():
