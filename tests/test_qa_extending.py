@@ -4,6 +4,7 @@ refused when the loader (or the registry row) is made, naming the problem and th
 from __future__ import annotations
 
 import io
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from PIL import Image
 from conftest import BACKENDS as INSTALLED
 from fastdata import Augmentation, make_loader, registry
 from fastdata.backends.base import Loader
+from fastdata.batch_transforms import BatchTransform
 from fastdata.datasets import IMAGENET_MEAN, IMAGENET_STD, Source, SourceKind, SyntheticDigits
 from fastdata.decode import decode
 
@@ -231,3 +233,105 @@ def test_auto_with_a_preferred_backend_of_ones_own_holds_the_contract(table):
     got = head + list(resumed)
     assert all(torch.equal(a, b) and torch.equal(p, q) for (a, p), (b, q) in zip(got, uninterrupted))
     assert len(got) == 5
+
+
+# ------------------------------------------------------------------------------- batch transforms
+class NoGenerator(BatchTransform):
+    def __call__(self, images, labels):   # the generator forgotten
+        return images, labels
+
+
+class GlobalDraws(BatchTransform):
+    """Draws from the global generators, as a user's transform does before reading the docs' rule."""
+
+    def __call__(self, images, labels, generator):
+        return images + torch.rand(()) + float(np.random.rand()), labels
+
+
+class HoldsTensor(BatchTransform):
+    def __init__(self, device):
+        self.shift = torch.zeros(1, device=device)
+
+    def __call__(self, images, labels, generator):
+        return images + self.shift, labels
+
+
+class Raises(BatchTransform):
+    def __call__(self, images, labels, generator):
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+
+def _digits(**kwargs):
+    kwargs = {"batch_size": 8, "device": "cpu", "num_workers": 0, "seed": 5, **kwargs}
+    return make_loader(SyntheticDigits(32), "torch", **kwargs)
+
+
+def test_a_batch_transform_whose_call_cannot_take_the_generator_is_refused_when_the_loader_is_made():
+    with pytest.raises(TypeError, match=r"batch_transforms\[0\] \(<.*NoGenerator object.*\) cannot be called as "
+                                        r"__call__\(images, labels, generator\).*\(images, labels\)"):
+        _digits(batch_transforms=[NoGenerator()])
+
+
+@pytest.mark.parametrize("backend", ["torch", "memory"])
+def test_a_batch_transform_drawing_from_the_global_generators_repeats_and_resumes(backend):
+    def run(**kw):
+        return make_loader(SyntheticDigits(32), backend, batch_size=8, device="cpu", num_workers=0, seed=5,
+                           batch_transforms=[GlobalDraws()], **kw)
+
+    torch.manual_seed(0)
+    first = [x for x, _ in run()]
+    torch.manual_seed(1)
+    np.random.seed(1)
+    second = [x for x, _ in run()]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    cut = run()
+    it = iter(cut)
+    head = [next(it)[0] for _ in range(2)]
+    resumed = run()
+    resumed.load_state_dict(cut.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(head + [x for x, _ in resumed], first))
+    state = torch.random.get_rng_state()
+    next(iter(run()))
+    assert torch.equal(torch.random.get_rng_state(), state)   # the caller's generator is left alone
+
+
+def test_a_batch_transform_holding_a_tensor_on_another_device_is_refused_when_the_loader_is_made():
+    # a CUDA tensor in a transform of a CPU loader (meta stands in for the other device here)
+    with pytest.raises(ValueError, match=r"batch_transforms\[0\] \(<.*HoldsTensor object.*\) holds a tensor on meta "
+                                         r"\(its shift\) but the batches are on cpu.*bind"):
+        _digits(batch_transforms=[HoldsTensor("meta")])
+    assert len(list(_digits(batch_transforms=[HoldsTensor("cpu")]))) == 4
+
+
+def test_an_error_inside_a_batch_transform_names_it():
+    with pytest.raises(RuntimeError, match="same device") as info:
+        next(iter(_digits(batch_transforms=[Raises()])))
+    if sys.version_info >= (3, 11):   # exception notes exist from Python 3.11
+        assert any("batch_transforms[0] (<" in note and "Raises object" in note for note in info.value.__notes__)
+
+
+class GlobalCudaDraws(BatchTransform):
+    def __call__(self, images, labels, generator):
+        return images * torch.rand(images.shape[0], 1, 1, 1, device=images.device) + float(np.random.rand()), labels
+
+
+@pytest.mark.cuda
+def test_a_users_batch_transform_on_cuda_repeats_without_a_host_sync_and_a_cuda_tensor_is_refused_on_the_cpu():
+    """A user's transform drawing from the global CUDA generator runs under the seeded generators
+    without a host sync and repeats by seed, leaving the caller's CUDA generator where it was; one
+    holding a CUDA tensor is refused by a CPU loader's pipeline."""
+    from conftest import sync_debug_error
+    from fastdata.batch_transforms import BatchPipeline
+
+    pipeline = BatchPipeline([GlobalCudaDraws()], num_classes=10, device="cuda")
+    images, labels = torch.randn(8, 3, 16, 16, device="cuda"), torch.arange(8, device="cuda")
+    torch.cuda.synchronize()
+    state = torch.cuda.get_rng_state()
+    with sync_debug_error():
+        first, _ = pipeline(images, labels, 7)
+        again, _ = pipeline(images, labels, 7)
+        other, _ = pipeline(images, labels, 8)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    with pytest.raises(ValueError, match=r"holds a tensor on cuda:0 \(its shift\) but the batches are on cpu"):
+        BatchPipeline([HoldsTensor("cuda:0")], num_classes=10, device="cpu")

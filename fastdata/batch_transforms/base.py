@@ -133,24 +133,44 @@ def _host_rngs_seeded(seed: int):
         np.random.set_state(np_state)
 
 
+@contextlib.contextmanager
+def global_rngs_seeded(device: torch.device, seed: int):
+    """Every global generator a callable of another library (or a user's) may draw from, seeded from
+    ``seed`` inside and restored after: torch's CPU generator and ``device``'s under ``fork_rng``, Python's
+    ``random`` and numpy's (``_host_rngs_seeded``). Such a callable then repeats by the batch's seed and
+    resumes exactly, and the caller's own draws are left where they were.
+
+    Args:
+        device: the batch's device.
+        seed: the seed of the generator the transform was called with.
+    """
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    # Only this device's generator is forked and seeded: torch.manual_seed would also reseed every
+    # other GPU's, outside the fork.
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"), _host_rngs_seeded(seed):
+        torch.default_generator.manual_seed(seed)
+        for i in cuda:
+            torch.cuda.default_generators[i].manual_seed(seed)
+        yield
+
+
+def draws_globally(t) -> bool:
+    """Whether ``t`` runs under ``global_rngs_seeded``: a plain callable (``ImageCallable`` seeds for it)
+    or a BatchTransform written outside fastdata, which may draw from the global generators against
+    the docs' rule; fastdata's own draw from the generator they are given, and pay nothing."""
+    return not type(t).__module__.startswith("fastdata.")
+
+
 @dataclass(frozen=True)
 class ImageCallable(BatchTransform):
     """A callable that takes only the images (a torchvision v2 transform, timm's RandomErasing, a lambda),
-    run repeatably: under ``fork_rng`` with the global CPU generator and the device's seeded from the
-    batch's seed, and with Python's ``random`` and numpy's global RNG seeded from it and restored after."""
+    run repeatably: under ``global_rngs_seeded`` from the batch's seed."""
 
     fn: Callable
 
     def __call__(self, images, labels, generator):
-        dev = images.device
-        seed = generator.initial_seed()
-        cuda = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-        # Only this device's generator is forked and seeded: torch.manual_seed would also reseed every
-        # other GPU's, outside the fork.
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"), _host_rngs_seeded(seed):
-            torch.default_generator.manual_seed(seed)
-            for i in cuda:
-                torch.cuda.default_generators[i].manual_seed(seed)
+        with global_rngs_seeded(images.device, generator.initial_seed()):
             out = self.fn(images)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"returned {type(out).__name__}, not the images tensor; a transform that also "

@@ -6,7 +6,7 @@ import torch
 
 from ..checks import check_integer
 from .arguments import agreed_smoothing, given_classes, mean_std
-from .base import BatchContext, ImageCallable, as_transform, step_generator
+from .base import BatchContext, ImageCallable, as_transform, draws_globally, global_rngs_seeded, step_generator
 from .ops import soft_targets
 from .validation import PER_SAMPLE, check_batch_transforms, describe
 
@@ -34,6 +34,12 @@ class BatchPipeline:
         mean, std = mean_std("BatchPipeline", mean, std)
         self.context = BatchContext(int(num_classes), torch.device(device), mean, std)
         self.steps = tuple(as_transform(t).bind(self.context) for t in self.transforms)
+        for i, step in enumerate(self.steps):
+            self._check_devices(i, step)
+        # A user's BatchTransform is run under the seeded global generators too (what ImageCallable does
+        # for a plain callable): one drawing from torch.rand() without the generator repeated nothing
+        # by seed, and a resumed run drew other numbers than the uninterrupted one.
+        self._seeded = tuple(draws_globally(s) and not isinstance(s, ImageCallable) for s in self.steps)
         #: the smoothing every batch's soft targets get (the mixing transforms' shared label_smoothing).
         self.label_smoothing = agreed_smoothing("batch_transforms", self.steps)
         #: whether every batch's labels come out soft (float32 (N, num_classes)).
@@ -64,12 +70,19 @@ class BatchPipeline:
         for i, step in enumerate(self.steps):
             generator = step_generator(seed, i, device)
             try:
-                out = step(images, labels, generator)
+                if self._seeded[i]:
+                    with global_rngs_seeded(device, generator.initial_seed()):
+                        out = step(images, labels, generator)
+                else:
+                    out = step(images, labels, generator)
             except Exception as e:
                 if isinstance(step, ImageCallable):
                     raise RuntimeError(f"{self._where(i)} failed on a batch of {tuple(images.shape)} "
                                        f"{dtype} images on {device}: {type(e).__name__}: {e}. "
                                        f"{PER_SAMPLE[0].upper()}{PER_SAMPLE[1:]}") from e
+                if hasattr(e, "add_note"):   # Python 3.11+: the error stays the transform's own, and says where
+                    e.add_note(f"raised by {self._where(i)} on a batch of {tuple(images.shape)} {dtype} "
+                               f"images on {device}")
                 raise
             images, labels = self._check(i, out, n, c, dtype, device)
         if self.soft_labels and labels.ndim == 1:
@@ -77,6 +90,22 @@ class BatchPipeline:
         if layout is not None and not images.is_contiguous(memory_format=layout):
             images = images.contiguous(memory_format=layout)
         return images, labels
+
+    def _check_devices(self, i: int, step) -> None:
+        """Refuse a transform holding a tensor on an accelerator other than the batches' device (a CUDA
+        tensor in the transform of a CPU loader, or of another GPU's): it failed at the first batch with
+        torch's words, naming no transform. A CPU tensor is left alone: a transform may move it itself."""
+        held = dict(vars(step)) if hasattr(step, "__dict__") else {}
+        if isinstance(step, torch.nn.Module):
+            held.update(step.named_parameters())
+            held.update(step.named_buffers())
+        device = self.context.device
+        for name, value in held.items():
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu" and value.device != device and not (
+                    value.device.type == device.type and device.index is None):
+                raise ValueError(f"{self._where(i)} holds a tensor on {value.device} (its {name}) but the "
+                                 f"batches are on {device}: make it on the batches' device in "
+                                 f"bind(context) (context.device), or build the transform for that device")
 
     def _where(self, i: int) -> str:
         return f"batch_transforms[{i}] ({describe(self.transforms[i])})"

@@ -105,6 +105,7 @@ def check_one(where: str, t) -> None:
         raise TypeError(f"{where} is not callable: {describe(t)} ({type(t).__name__}); a batch transform is a "
                         f"fastdata.batch_transforms.BatchTransform or a callable taking the batch of images")
     if isinstance(t, BatchTransform):
+        _check_signature(where, t)
         return
     _check_composed(f"{where} ({describe(t)})", t, set())
     if type(t).__module__.startswith("torchvision"):
@@ -127,6 +128,22 @@ def check_one(where: str, t) -> None:
                         f"is {signature}. A plain callable gets only the images; a transform that takes the "
                         f"labels too subclasses fastdata.batch_transforms.BatchTransform and implements "
                         f"__call__(images, labels, generator)") from None
+
+
+def _check_signature(where: str, t: BatchTransform) -> None:
+    """Refuse a BatchTransform whose ``__call__`` cannot take (images, labels, generator): a subclass
+    that forgot the generator failed at the first batch, with Python's words about a missing argument."""
+    try:
+        signature = inspect.signature(t)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(object(), object(), object())
+    except TypeError:
+        raise TypeError(f"{where} ({describe(t)}) cannot be called as __call__(images, labels, generator): "
+                        f"its signature is {signature}. A BatchTransform gets the batch's generator too "
+                        f"(draw every random number from it); a callable of the images alone needs no "
+                        f"BatchTransform") from None
 
 
 def check_batch_transforms(value) -> tuple:
