@@ -81,6 +81,8 @@ def init_distributed(device=None) -> torch.device:
     if env_world_size() <= 1:
         return resolve_device(device)
     if want_cuda:
+        if not torch.cuda.is_available():   # rank_gpu would say "run at most 0 processes per node"
+            resolve_device(device)          # raises, naming CUDA's absence and device='cpu'
         index = rank_gpu(local_rank(), torch.cuda.device_count(), device if device is not None else "cuda")
         torch.cuda.set_device(index)
         dev = torch.device("cuda", index)

@@ -225,3 +225,16 @@ def test_one_channel_batches_on_cuda_have_nchw_strides(backend):
     conv = torch.nn.Conv2d(1, 4, 3).cuda()
     conv(images).sum().backward()
     assert conv.weight.grad.stride() == conv.weight.stride()
+
+
+def test_init_distributed_on_cuda_without_cuda_says_so(monkeypatch):
+    """torchrun on a machine without CUDA, a script asking for 'cuda': the error said 'this process
+    sees 0 CUDA device(s); run at most 0 processes per node'. It names CUDA's absence and device='cpu'."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("process group started"))
+    with pytest.raises(RuntimeError, match=r"^device 'cuda' was requested but CUDA is not available here .*; "
+                                           r"use device='cpu'$"):
+        fdist.init_distributed("cuda")
