@@ -26,6 +26,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import socket
 import stat
 import tempfile
@@ -369,6 +370,25 @@ def prepare(path, storage=None):
     os.unlink(tmp)
     clean_stale(path)
     return path
+
+
+def check_room(path, nbytes: int, storage=None) -> None:
+    """Refuse, before any training, a local checkpoint folder with less free space than ``nbytes`` (what
+    a checkpoint of the run holds at least: its weights): the first save would fail on the full disk
+    after an epoch of work. A save needs room for the new file beside the old one (it replaces it only
+    once written). URLs and storage objects are not checked."""
+    if storage_for(path, storage) is not LOCAL:
+        return
+    folder = _followed(_local_path(path)).parent
+    try:
+        free = shutil.disk_usage(folder if str(folder) else ".").free
+    except OSError:
+        return
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"cannot save checkpoint '{path}': its folder has {free / 2**20:,.1f} MiB free "
+                                    f"and a checkpoint of this run takes at least {nbytes / 2**20:,.1f} MiB (its "
+                                    f"weights; the optimizer's state comes on top). Free space there or give a "
+                                    f"checkpoint path on another disk")
 
 
 def clean_stale(path) -> list[Path]:

@@ -329,3 +329,23 @@ def test_a_training_script_given_a_checkpoint_or_log_dir_in_use_ends_in_one_line
         with pytest.raises(SystemExit, match=r"^error: --log-dir: RunLog: log_dir '.*log' is in use by another run"):
             with cli.fit_errors(args):
                 _fit(tmp_path / "c.pt", 1, log_dir=tmp_path / "log")
+
+
+def test_a_checkpoint_folder_without_room_for_the_weights_is_refused_before_any_training(tmp_path, monkeypatch):
+    """A folder on a nearly full disk: the run trained its first epoch (hours, on a long run), then its
+    first save failed. A folder with less room than the weights alone is refused before the first batch."""
+    import collections
+    import shutil
+
+    from engine_helpers import Recording
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(10**9, 10**9 - 4096, 4096))
+    loader = Recording(_loader())
+    with pytest.raises(OSError, match=r"has 0\.0 MiB free and a checkpoint of this run takes at least") as raised:
+        fit(SmallCNN(width=4), loader, epochs=1, checkpoint=tmp_path / "c.pt", progress=False)
+    assert raised.value.errno == errno.ENOSPC and str(tmp_path / "c.pt") in str(raised.value)
+    assert loader.seen == [] and not (tmp_path / "c.pt").exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(10**9, 0, 10**9))
+    fit(SmallCNN(width=4), loader, epochs=1, checkpoint=tmp_path / "c.pt", progress=False)   # room: it runs
+    assert len(loader.seen) == 4

@@ -102,6 +102,9 @@ class TrainingState:
         ckpt.prepare(path, self.storage)
         self.release()
         self.claim = ckpt.claim(path, self.storage)
+        ckpt.check_room(path, _tensor_bytes(self.step.raw.state_dict(),
+                                            self.step.ema.state_dict() if self.step.ema is not None else {}),
+                        self.storage)
         if not resume and ckpt.exists(path, self.storage):
             # A restart without --resume replaced days of training at its first save, without a word.
             warnings.warn(f"'{path}' holds a checkpoint and resume=False: this run starts from scratch and its "
@@ -268,6 +271,11 @@ class TrainingState:
     def carried_grad_norms(self, epoch: int) -> list[float] | None:
         """The gradient-norm sum and count ``epoch`` starts from: a resumed half-done epoch's, else None."""
         return self.grad_norms if self.mid_epoch(epoch) else None
+
+
+def _tensor_bytes(*states: dict) -> int:
+    """The bytes of the tensors in ``states`` (state_dicts): what a checkpoint of them holds at least."""
+    return sum(t.numel() * t.element_size() for state in states for t in state.values() if torch.is_tensor(t))
 
 
 def _check_same_schedule(state: dict, scheduler, path) -> None:
