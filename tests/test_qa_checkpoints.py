@@ -349,3 +349,20 @@ def test_a_checkpoint_folder_without_room_for_the_weights_is_refused_before_any_
     monkeypatch.setattr(shutil, "disk_usage", lambda folder: usage(10**9, 0, 10**9))
     fit(SmallCNN(width=4), loader, epochs=1, checkpoint=tmp_path / "c.pt", progress=False)   # room: it runs
     assert len(loader.seen) == 4
+
+
+def test_a_newer_fastdatas_checkpoint_or_a_models_own_weights_say_what_to_do(tmp_path):
+    """Both were "not a fastdata checkpoint this version reads (format None; reads [...])": a model's
+    torch.save(model.state_dict()) (the file most often given as --checkpoint) and a newer version's
+    checkpoint say what they are and the way on."""
+    weights = tmp_path / "weights.pt"
+    torch.save(SmallCNN(width=4).state_dict(), weights)
+    with pytest.raises(ckpt.CheckpointError, match=r"like a model's state_dict.*model\.load_state_dict"):
+        _fit(weights, 1, resume=True)
+    newer = tmp_path / "newer.pt"
+    _fit(newer, 1)
+    state = ckpt.load(newer)
+    state["format"] = "fastdata-checkpoint-10"
+    ckpt.save(state, newer)
+    with pytest.raises(ckpt.CheckpointError, match="written by a newer fastdata"):
+        _fit(newer, 2, resume=True)

@@ -155,7 +155,7 @@ class TrainingState:
         into SGD failed at its first step with KeyError: 'momentum')."""
         if state.get("format") not in self.READS:
             raise ckpt.CheckpointError(f"'{path}' is not a fastdata checkpoint this version reads (format "
-                                       f"{state.get('format')!r}; reads {list(self.READS)})")
+                                       f"{state.get('format')!r}; reads {list(self.READS)}){_format_hint(state)}")
         missing = [k for k in self.KEYS if k not in state]
         if missing:
             raise ckpt.CheckpointError(f"'{path}' is a {state['format']} checkpoint without {missing}: it was "
@@ -271,6 +271,19 @@ class TrainingState:
     def carried_grad_norms(self, epoch: int) -> list[float] | None:
         """The gradient-norm sum and count ``epoch`` starts from: a resumed half-done epoch's, else None."""
         return self.grad_norms if self.mid_epoch(epoch) else None
+
+
+def _format_hint(state: dict) -> str:
+    """What to do with a file of another format: a newer fastdata's checkpoint, or a model's own weights
+    (``torch.save(model.state_dict(), path)``, the file users most often pass as ``--checkpoint``)."""
+    number = str(state.get("format", "")).removeprefix("fastdata-checkpoint-")
+    if number.isdigit() and int(number) > int(CHECKPOINT_FORMAT.rsplit("-", 1)[1]):
+        return ": it was written by a newer fastdata; resume it with that version"
+    if state and "format" not in state and all(torch.is_tensor(v) for v in state.values()):
+        return (": it holds tensors alone, like a model's state_dict (torch.save(model.state_dict())). To start "
+                "from those weights, load them (model.load_state_dict(torch.load(path))) and give fit a new "
+                "checkpoint path without resume")
+    return ""
 
 
 def _tensor_bytes(*states: dict) -> int:
