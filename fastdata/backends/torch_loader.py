@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Sampler
 from ..augment import output_size, recipe
 from ..checks import check_flag, check_integer
 from ..datasets import SourceKind
+from ..datasets.base import check_picklable
 from ..decode import BatchDecoder, collect_before_fork
 from ..prefetch import PrefetchStage
 from ..sampling import seed_for
@@ -128,6 +129,15 @@ def quiet_worker(worker_id: int) -> None:
     sys.excepthook = hook
 
 
+def start_method(context) -> str:
+    """How the DataLoader's workers start: ``multiprocessing_context`` (a name or a context), else the
+    platform's default (the first of ``get_all_start_methods``; read without fixing it, which
+    ``get_start_method()`` would)."""
+    if context is None:
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return context if isinstance(context, str) else context.get_start_method()
+
+
 def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict, seed: int = 0) -> DataLoader:
     """The backend's DataLoader: one job per batch, no collate. No ``pin_memory_device`` (deprecated
     and ignored in torch 2.14): the pinning device comes from ``device_scope``. ``seed``: see
@@ -181,6 +191,9 @@ class TorchLoader(Loader):
         workers = config.num_workers
         if workers:   # the DataLoader reads prefetch_factor only with workers
             check_integer("prefetch_factor", self.opts["prefetch_factor"], minimum=1)
+            method = start_method(self.opts["multiprocessing_context"])
+            if method != "fork":   # spawned workers get the source pickled: what cannot be is named now
+                check_picklable(source, f"multiprocessing_context={method!r}")
         self.pin = self.device.type == "cuda"
         self._loader = make_dataloader(self.fetcher, self._sampler, workers, self.pin, self.opts,
                                        seed=seed_for(self.plan.seed, self.plan.rank, 0x5EED))

@@ -221,6 +221,38 @@ def check_source(source: Source) -> None:
                             f"int64; make it np.asarray(labels, dtype=np.int64)") from None
 
 
+def check_picklable(source: Source, why: str) -> None:
+    """Refuse ``source`` when it cannot be pickled, naming the attribute that cannot and the fix: DataLoader
+    workers started by ``spawn`` or ``forkserver`` receive the source pickled, and an open file, a lock or
+    a lambda in it failed at the first batch with pickle's words, naming no attribute. Arrays and tensors
+    are not pickled here (they always can be, and may be large).
+
+    Args:
+        source: the source the workers read.
+        why: what sends it (``"multiprocessing_context='spawn'"``), for the message.
+    """
+    import pickle
+
+    import torch
+
+    what = type(source).__name__
+    state = source.__getstate__() if hasattr(source, "__getstate__") else vars(source)
+    parts = list(state.items()) if isinstance(state, dict) else [("__getstate__()", state)]
+    for name, value in [("class", type(source)), *parts]:
+        if isinstance(value, (np.ndarray, torch.Tensor, str, bytes)):
+            continue
+        try:
+            pickle.dumps(value)
+        except Exception as e:
+            part = f"the class {what} itself" if name == "class" else f"its attribute {name!r} ({type(value).__name__})"
+            raise TypeError(
+                f"{what} cannot be sent to the DataLoader workers, which {why} starts by pickling it: {part} "
+                f"cannot be pickled ({type(e).__name__}: {e}). Give {what} a __getstate__ that leaves it out, "
+                f"to be opened or made again in the worker (examples/custom_source.py's ZipImages does so for "
+                f"its archive and lock); define classes and functions at a module's top level (not a lambda "
+                f"or a local one); or use multiprocessing_context='fork' or num_workers=0") from None
+
+
 class ArrayPixels(Protocol):
     """What a source of kind ``SourceKind.ARRAY`` (``ArraySource``, ``Shards`` packed from arrays) holds
     beyond ``Source``: every image in one uint8 (N, H, W, C) array, which backends read as it is (the
