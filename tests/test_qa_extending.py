@@ -385,3 +385,39 @@ def test_a_source_with_a_getstate_reads_in_spawned_workers_as_in_the_process(blo
         got = [(x, y) for x, y in spawned]
     expected = list(make_loader(source, "torch", batch_size=4, device="cpu", num_workers=0, augment=SMALL, seed=2))
     assert len(got) == 3 and all(torch.equal(a, b) and torch.equal(p, q) for (a, p), (b, q) in zip(got, expected))
+
+
+class Unreadable(Blobs):
+    """A source whose read fails on sample 5 as reads fail: an OSError (a file gone, a network error)."""
+
+    def read_stamped(self, i):
+        if i == 5:
+            open("/nonexistent/fastdata-qa/5.jpg", "rb")
+        return super().read_stamped(i)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_an_os_error_from_a_sources_read_is_a_decode_error_naming_the_sample_that_skip_skips(blobs, backend):
+    # It ended the epoch on every backend, on_error="skip" or not: only a DecodeError was skipped.
+    source = Unreadable(blobs, np.arange(12) % 3)
+    with pytest.warns(RuntimeWarning, match="skipped 1"):
+        _, out = _batches(source, backend, on_error="skip", drop_last=False)
+    assert sum(len(y) for _, y in out) == 11
+    from fastdata.errors import DecodeError
+
+    with pytest.raises(DecodeError, match=r"blobs:05.jpg.*FileNotFoundError"):
+        _batches(source, backend)
+
+
+def test_a_bug_in_a_sources_read_still_raises_with_skip(blobs):
+    class Buggy(Blobs):
+        def read_stamped(self, i):
+            return self.blobs[i]   # KeyError: a bug, not an unreadable sample
+
+    with pytest.raises(KeyError):
+        _batches(Buggy(blobs, np.arange(12) % 3), "torch", on_error="skip")
+
+
+def test_a_subset_of_a_source_without_take_says_what_to_implement(blobs):
+    with pytest.raises(NotImplementedError, match=r"Blobs does not implement subset\(\): give it _take\(idx\)"):
+        make_loader(Blobs(blobs, np.arange(12) % 3), "torch", indices=[1, 2, 3], batch_size=2, device="cpu")

@@ -41,6 +41,17 @@ class Source:
     #: read in its own order (shards: whole shards fetched a window at a time, see ``epoch_order``).
     random_access = True
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith("fastdata."):   # fastdata's own name their samples in their errors
+            return
+        # A source of one's own: an OSError from its read (a file gone, a network error) is the sample's
+        # DecodeError, which on_error="skip" skips, as an image folder's is; anything else is a bug and
+        # stays as it is.
+        for name in ("read", "read_stamped"):
+            if name in cls.__dict__:
+                setattr(cls, name, _naming_read_errors(cls.__dict__[name]))
+
     def __len__(self) -> int:
         return len(self.labels)
 
@@ -149,7 +160,9 @@ class Source:
 
     def _take(self, idx: np.ndarray) -> None:
         """Restrict this (copied) source to samples ``idx``; each kind keeps what its backends read."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement subset()")
+        raise NotImplementedError(f"{type(self).__name__} does not implement subset(): give it _take(idx), which "
+                                  f"restricts a copy of the source to samples idx (its labels and what its "
+                                  f"reads index), as examples/custom_source.py's ZipImages does")
 
     def __getitem__(self, i):
         """Sample ``i`` as ``(image, label)`` (each kind says what its image is). ``torch.utils.data.Subset``
@@ -174,6 +187,22 @@ class Source:
 
     def __repr__(self):
         return f"{type(self).__name__}(n={len(self)}, classes={self.num_classes}, name={self.name!r})"
+
+
+def _naming_read_errors(read):
+    """``read`` (a Source's ``read`` or ``read_stamped``) raising an OSError as the sample's DecodeError."""
+    import functools
+
+    from ..errors import DecodeError
+
+    @functools.wraps(read)
+    def reading(self, i, *args, **kwargs):
+        try:
+            return read(self, i, *args, **kwargs)
+        except OSError as e:
+            raise DecodeError(self.sample_name(i), f"cannot read it ({type(e).__name__}: {e})") from e
+
+    return reading
 
 
 #: What every source sets (in its ``__init__``), checked by ``check_source`` on a source of one's own.
