@@ -421,3 +421,40 @@ def test_a_bug_in_a_sources_read_still_raises_with_skip(blobs):
 def test_a_subset_of_a_source_without_take_says_what_to_implement(blobs):
     with pytest.raises(NotImplementedError, match=r"Blobs does not implement subset\(\): give it _take\(idx\)"):
         make_loader(Blobs(blobs, np.arange(12) % 3), "torch", indices=[1, 2, 3], batch_size=2, device="cpu")
+
+
+class Arrays(Source):
+    """A source of kind ARRAY of one's own: every image in one uint8 (N, H, W, C) array."""
+
+    kind = SourceKind.ARRAY
+
+    def __init__(self, images, labels, channels=3):
+        self.images, self.labels, self.num_classes, self.channels = images, labels, 3, channels
+        self.mean, self.std, self.name = (0.5,) * channels, (0.25,) * channels, "arrays"
+
+    @property
+    def image_shape(self):
+        return tuple(self.images.shape[1:])
+
+
+PIXELS = np.random.default_rng(0).integers(0, 255, (12, 8, 8, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("images, labels, channels, error, message", [
+    (PIXELS.astype(np.float32), np.arange(12) % 3, 3, TypeError,
+     r"Arrays.images is float32 of shape \(12, 8, 8, 3\): .*uint8 \(N, H, W, C\)"),   # was taken as pixels
+    (PIXELS[..., 0], np.arange(12) % 3, 1, TypeError, r"Arrays.images is uint8 of shape \(12, 8, 8\)"),
+    (PIXELS, np.arange(12) % 3, 1, ValueError, r"Arrays has channels=1 but its images have 3"),
+    (PIXELS, np.arange(13) % 3, 3, ValueError, r"Arrays.images holds 12 images but Arrays.labels has 13"),
+])
+def test_an_array_source_whose_images_break_the_kind_is_refused(images, labels, channels, error, message):
+    with pytest.raises(error, match=message):
+        make_loader(Arrays(images, labels, channels), "torch", batch_size=4, device="cpu", num_workers=0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_an_array_source_of_ones_own_holds_the_contract(backend):
+    loader, out = _batches(Arrays(PIXELS, np.arange(12) % 3), backend, augment=None, shuffle=False)
+    assert len(loader) == 3 and all(x.shape == (4, 3, 8, 8) and y.dtype == torch.int64 for x, y in out)
+    expected = (torch.from_numpy(PIXELS).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.25
+    torch.testing.assert_close(torch.cat([x for x, _ in out]), expected, atol=1e-5, rtol=0)

@@ -242,6 +242,8 @@ def check_source(source: Source) -> None:
         raise ValueError(f"len({what}) is {len(source)} but {what}.labels has {len(checked)}: one label per "
                          f"sample, and len counts the samples (Source.__len__ is len(labels); an override "
                          f"must agree)")
+    if source.kind is SourceKind.ARRAY and hasattr(source, "images") and hasattr(source, "image_shape"):
+        _check_array_images(source, what, len(checked))   # without them, the backend says what the kind needs
     if not (isinstance(labels, np.ndarray) and labels.dtype == np.int64):
         try:
             source.labels = checked
@@ -280,6 +282,27 @@ def check_picklable(source: Source, why: str) -> None:
                 f"to be opened or made again in the worker (examples/custom_source.py's ZipImages does so for "
                 f"its archive and lock); define classes and functions at a module's top level (not a lambda "
                 f"or a local one); or use multiprocessing_context='fork' or num_workers=0") from None
+
+
+def _check_array_images(source: Source, what: str, n: int) -> None:
+    """Refuse the ``images`` of an ARRAY source of one's own that backends would misread: not a uint8
+    (N, H, W, C) array (float pixels read as bytes, (N, H, W) failing inside a batch), an
+    ``image_shape`` or ``channels`` other than the array's, or another count than ``n`` labels."""
+    images = source.images
+    shape = tuple(getattr(images, "shape", ()))
+    dtype = str(getattr(images, "dtype", type(images).__name__)).replace("torch.", "")
+    if len(shape) != 4 or dtype != "uint8":
+        raise TypeError(f"{what}.images is {dtype} of shape {shape}: a source of kind ARRAY holds every image in "
+                        f"one uint8 (N, H, W, C) array (fastdata.datasets.ArraySource takes (N, H, W) arrays too, "
+                        f"and says how to make float ones uint8)")
+    if tuple(source.image_shape) != shape[1:]:
+        raise ValueError(f"{what}.image_shape is {tuple(source.image_shape)} but its images are {shape[1:]} "
+                         f"(H, W, C): image_shape is images.shape[1:]")
+    if shape[3] != source.channels:
+        raise ValueError(f"{what} has channels={source.channels!r} but its images have {shape[3]}: set "
+                         f"channels = images.shape[3] (and mean/std of as many values, or 1)")
+    if shape[0] != n:
+        raise ValueError(f"{what}.images holds {shape[0]} images but {what}.labels has {n}: one label per image")
 
 
 class ArrayPixels(Protocol):
