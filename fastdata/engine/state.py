@@ -47,10 +47,12 @@ class TrainingState:
     ignored); any other format is refused with the formats this version reads.
 
     A checkpoint also holds the model, optimizer, GradScaler and scheduler states, the RNG states,
-    the finished epochs' records (``history``), a half-done epoch's global sums (``partial``), the
-    precision, the world size and the weight average (``ema``, None without one). Rank 0 writes it
-    (atomically: ``checkpoint.save``). Under ``accumulate`` every save falls on an optimizer step's
-    boundary (``PeriodicSave``): no checkpoint holds half-accumulated gradients.
+    the finished epochs' records (``history``), a half-done epoch's global sums (``partial``) and gradient
+    norms (``grad_norms``), the precision, the world size and the weight average (``ema``, None without
+    one). Rank 0 writes it (atomically: ``checkpoint.save``) and holds its path from ``start`` to
+    ``release`` (``checkpoint.claim``: a second run on the same file is refused). Under ``accumulate``
+    every save falls on an optimizer step's boundary (``PeriodicSave``): no checkpoint holds
+    half-accumulated gradients.
     """
 
     FORMAT = CHECKPOINT_FORMAT
