@@ -458,3 +458,41 @@ def test_an_array_source_of_ones_own_holds_the_contract(backend):
     assert len(loader) == 3 and all(x.shape == (4, 3, 8, 8) and y.dtype == torch.int64 for x, y in out)
     expected = (torch.from_numpy(PIXELS).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.25
     torch.testing.assert_close(torch.cat([x for x, _ in out]), expected, atol=1e-5, rtol=0)
+
+
+class Breaks(Mine):
+    """A backend of one's own that breaks the contract in one way (``how``)."""
+
+    how = ""
+
+    def _epoch(self, epoch, batches, start):
+        last = None
+        for images, labels in super()._epoch(epoch, batches, start):
+            last = (images, labels)
+            if self.how == "uint8":
+                yield (images * 0).to(torch.uint8), labels
+            elif self.how == "int32":
+                yield images, labels.int()
+            elif self.how == "short":
+                yield images, labels[:-1]
+            else:
+                yield images, labels
+        if self.how == "extra":
+            yield last
+
+
+@pytest.mark.parametrize("how, message", [
+    ("uint8", r"images torch.uint8 of shape \(8, 1, 28, 28\) on cpu; the contract is normalized torch.float32 "
+              r"\(N, C, H, W\) on cpu.*self.normalize"),
+    ("int32", r"labels torch.int32 of shape \(8,\) on cpu; the contract is int64 \(8,\)"),
+    ("short", r"labels torch.int64 of shape \(7,\) on cpu; the contract is int64 \(8,\)"),
+    ("extra", r"more than len\(loader\) = 4 batches"),
+])
+def test_a_backend_of_ones_own_that_breaks_the_contract_is_named_at_the_batch(how, message, table):
+    # Each went through without a word: uint8 images, int32 labels, labels short of the images, a fifth
+    # batch in an epoch of len 4.
+    Breaks.name, Breaks.how = "breaks", how
+    registry.register("breaks", Breaks)
+    loader = make_loader(SyntheticDigits(32), "breaks", batch_size=8, device="cpu")
+    with pytest.raises(RuntimeError, match=r"backend 'breaks' \(Breaks._epoch\) yielded " + message):
+        list(loader)

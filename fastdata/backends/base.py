@@ -78,6 +78,34 @@ def _reading_call(source: Source, next_order):
     return source.reading
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and None in (t.device.index, device.index) or t.device == device
+
+
+def check_yielded(loader: "Loader", batch, done: int, planned: int) -> None:
+    """Hold a backend written outside fastdata to the contract at each batch it yields (fastdata's own
+    are held by tests/test_contract.py): (images, labels), images normalized float (N, C, H, W) of the
+    loader's dtype on its device, labels int64 (N,) there, and no more than ``len(loader)`` batches.
+    Metadata only: nothing is read from the device. Broken, each went on without a word."""
+    where = f"backend {loader.name!r} ({type(loader).__name__}._epoch)"
+    if done >= planned:
+        raise RuntimeError(f"{where} yielded more than len(loader) = {planned} batches in a pass; it yields one "
+                           f"batch per entry of the batches it is given")
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise RuntimeError(f"{where} yielded {type(batch).__name__}; the contract is a pair of tensors "
+                           f"(images, labels)")
+    images, labels = batch
+    dtype, device = loader.config.dtype, loader.device
+    if images.dtype != dtype or images.dim() != 4 or not _on(images, device):
+        raise RuntimeError(f"{where} yielded images {images.dtype} of shape {tuple(images.shape)} on {images.device}; "
+                           f"the contract is normalized {dtype} (N, C, H, W) on {device}: pass the uint8 "
+                           f"(N, H, W, C) batch through self.normalize on the device")
+    if labels.dtype != torch.int64 or tuple(labels.shape) != (images.shape[0],) or not _on(labels, device):
+        raise RuntimeError(f"{where} yielded labels {labels.dtype} of shape {tuple(labels.shape)} on {labels.device}; "
+                           f"the contract is int64 ({images.shape[0]},) on {device}, one per image")
+
+
 class EpochIterator:
     """What ``iter(loader)`` returns: the epoch's batches, until a newer ``iter()`` supersedes it."""
 
@@ -471,6 +499,7 @@ class Loader:
         done, ended = 0, False
         pipeline = self.batch_pipeline
         tracker = _AccelerateTracker(self, offset)
+        own = not type(self).__module__.startswith("fastdata.")   # a backend of one's own: check_yielded
         # A streaming source (shards) fetches ahead of where the pass is: told here, in this process.
         streaming = not self.source.random_access
         order = self.plan.order(epoch) if streaming else None
@@ -482,6 +511,8 @@ class Loader:
             told(order, self.plan.consumed(offset, 0))
         try:
             for batch in it:
+                if own:
+                    check_yielded(self, batch, done, len(batches))
                 if pipeline is not None:
                     # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do
                     # not depend on the backend, on workers, or on where a resumed run starts.
