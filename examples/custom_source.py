@@ -117,9 +117,9 @@ class ZipImages(Source):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    # The recipe (RandomResizedCrop for training, center crop for evaluation) and ``source[i]`` are an
-    # image folder's: they only need ``read`` and ``sample_name``.
-    default_augmentation = ImageFolder.default_augmentation
+    # ``source[i]`` is an image folder's: it only needs ``read`` and ``sample_name``. The recipe needs no
+    # line: a FILES source's default is an image folder's (RandomResizedCrop for training, center crop
+    # for evaluation), since photos of mixed sizes need a crop that fixes the size.
     __getitem__ = ImageFolder.__getitem__
 
 
