@@ -27,15 +27,15 @@ import pickle
 import random
 import re
 import shutil
-import socket
 import stat
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from .pathlock import Claim, hold, try_lock
 
 TMP_MARK = ".tmp."
 
@@ -127,7 +127,7 @@ def _atomic_write(path: Path, write) -> None:
         raise _save_failed(e, path) from e
     # Locked while it is written: another run's clean_stale (the same path, started meanwhile) leaves
     # a temporary in use alone; it removed it, and this save's os.replace failed naming a .tmp file.
-    _try_lock(fd)
+    try_lock(fd)
     f = os.fdopen(fd, "wb")
     try:
         # mkstemp makes the file 0600 and os.replace keeps that: give it the mode open() would, so a
@@ -165,8 +165,9 @@ def _save_failed(e: OSError, path: Path) -> OSError:
     nothing of which file, or that the previous checkpoint is intact. Same class and errno."""
     what = {errno.ENOSPC: "Free space on that disk", errno.EDQUOT: "Free space within your quota",
             errno.EACCES: "Make the folder writable", errno.EROFS: "Give a path on a writable file system"}
-    kept = (f"the previous checkpoint there is intact. {what.get(e.errno, 'Fix that')}, then resume from it"
-            if path.is_file() else f"nothing was written there. {what.get(e.errno, 'Fix that')} and run again")
+    todo = what.get(e.errno or 0, "Fix that")
+    kept = (f"the previous checkpoint there is intact. {todo}, then resume from it" if path.is_file()
+            else f"nothing was written there. {todo} and run again")
     text = f"cannot save checkpoint '{path}': {e.strerror or e}; {kept} (or give another checkpoint path)"
     return type(e)(e.errno, text) if e.errno is not None else type(e)(text)
 
@@ -175,28 +176,12 @@ def _os_error(e: BaseException) -> OSError | None:
     """The OSError behind a failed write: ``e`` itself, or the one torch's writer met while it wrote. On a
     full disk torch.save raises "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos
     704 vs 598", naming neither the file nor the disk; the file's own OSError is its ``__context__``."""
-    seen = 0
-    while e is not None and seen < 5:
-        if isinstance(e, OSError):
-            return e
-        e, seen = e.__cause__ or e.__context__, seen + 1
+    link: BaseException | None = e
+    for _ in range(5):
+        if link is None or isinstance(link, OSError):
+            return link
+        link = link.__cause__ or link.__context__
     return None
-
-
-def _try_lock(fd: int, *, blocking: bool = False) -> bool | None:
-    """An exclusive flock on ``fd``: True when taken, False when another process holds it, None when
-    this system or file system has no locks (then nothing can be told apart, and nothing is refused)."""
-    try:
-        import fcntl
-    except ImportError:   # Windows
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BlockingIOError:
-        return False
-    except OSError:   # ENOLCK, EOPNOTSUPP: a file system without flock
-        return None
-    return True
 
 
 def _umask() -> int:
@@ -404,7 +389,7 @@ def clean_stale(path) -> list[Path]:
         except OSError:   # gone meanwhile, or unreadable: not ours to judge
             continue
         try:
-            if _try_lock(fd) is False:   # a save in progress (another run of the same path) holds it
+            if try_lock(fd) is False:   # a save in progress (another run of the same path) holds it
                 continue
             p.unlink()
             removed.append(p)
@@ -418,34 +403,6 @@ def clean_stale(path) -> list[Path]:
 # ------------------------------------------------------------------------------------ one run a path
 class CheckpointInUse(CheckpointError):
     """Another live run saves to the same checkpoint path (``claim``)."""
-
-
-class Claim:
-    """A run's hold on a local checkpoint path: ``<name>.lock`` beside it, flocked until ``release``.
-    The kernel drops the flock when the process dies (killed, the node's job ended), so a crashed run
-    never blocks its own resume; the file left behind is taken over and removed by the next run."""
-
-    def __init__(self, lock: Path, fd: int):
-        self.lock, self.fd = lock, fd
-
-    def release(self) -> None:
-        """Give the path up (idempotent). The file is removed while still locked: a run that opened it
-        meanwhile finds, once it holds the lock, that the name no longer points at it, and starts over."""
-        if self.fd is None:
-            return
-        try:
-            self.lock.unlink()
-        except OSError:
-            pass
-        os.close(self.fd)
-        self.fd = None
-
-    def __del__(self):
-        # An object given up without release() (a RunLog left unclosed in a notebook) frees the path.
-        try:
-            self.release()
-        except Exception:
-            pass
 
 
 def claim(path, storage=None) -> Claim | None:
@@ -462,34 +419,6 @@ def claim(path, storage=None) -> Claim | None:
         f"checkpoint '{path}' is in use by another run ({holder}), which saves there: two runs on one "
         f"checkpoint overwrite each other's saves. Give this run its own checkpoint path, or stop the other "
         f"run first (it holds '{lock}')"))
-
-
-def hold(lock: Path, refusal) -> Claim | None:
-    """Take the flock on the file ``lock`` (created if missing) for this process, or raise
-    ``refusal(holder)`` when another process holds it (``holder``: its pid, host and start, as it wrote
-    them). None where no lock can be taken (see ``claim``)."""
-    for _ in range(8):   # each retry: the holder released (and removed) the file we opened
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError:
-            return None
-        held = _try_lock(fd)
-        if held is not True:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if held is False else ""
-            os.close(fd)
-            if held is None:
-                return None
-            raise refusal(holder or "a process that has not said which")
-        try:
-            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            current = False
-        if current:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
-            return Claim(lock, fd)
-        os.close(fd)
-    return None
 
 
 # ----------------------------------------------------------------------------------- the storage hook

@@ -133,7 +133,11 @@ class RunLog:
         row = {"step": int(step), "loss": _number(loss), "lr": _number(lr), "images_per_s": _number(images_per_s),
                "data_wait": _number(data_wait), "gpu_idle": _number(gpu_idle)}
         self._csv("steps.csv", row, key="step")
-        self._tensorboard(lambda writer: [_scalar(writer, tag, row[name], step) for name, tag in STEP_TAGS.items()])
+        def scalars(writer):
+            for name, tag in STEP_TAGS.items():
+                _scalar(writer, tag, row[name], row["step"])
+
+        self._tensorboard(scalars)
         return True
 
     def epoch(self, record: dict) -> None:
@@ -213,7 +217,7 @@ class RunLog:
         # A row cut off mid-write (the run killed in it, the disk full): appending glued the next row onto
         # it, one garbage row ("6,0.97,0.5,...") for two. It is dropped, as a repeated row is.
         torn = first and bool(rows) and _torn(path)
-        if torn:
+        if torn and rows:
             rows = rows[:-1]
         new = header is None or any(k not in header for k in row)
         if header is not None and not repeated and not new and not torn:   # (not new: there is a header)
@@ -255,7 +259,7 @@ def _hold(log_dir: Path):
     ``LogDirInUse``. Two runs logging into one folder each dropped the other's rows (the first write of a
     run replaces the rows at or past its step: all of an earlier run's) and then interleaved theirs, and
     TensorBoard drew both runs' points as one curve."""
-    from fastdata.checkpoint import hold
+    from fastdata.pathlock import hold
 
     return hold(log_dir / LOCK_NAME, lambda holder: LogDirInUse(
         f"RunLog: log_dir {str(log_dir)!r} is in use by another run ({holder}): two runs logging into one "

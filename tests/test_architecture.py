@@ -184,8 +184,9 @@ def test_every_public_name_has_a_docstring():
 FLOORS = [
     # Foundations: errors, seeds and order, the normalizer, the shard format and storage.
     # ``checks``: the integer/range/choice checks every room shares. ``host_memory``: the RAM a process
-    # may use (the memory backend's budget, dali's prefetch depth).
-    ("checks", "errors", "sampling", "normalize", "prefetch", "models", "shards", "host_memory"),
+    # may use (the memory backend's budget, dali's prefetch depth). ``pathlock``: one process at a time on
+    # a path (a run's checkpoint, its log folder).
+    ("checks", "errors", "sampling", "normalize", "prefetch", "models", "shards", "host_memory", "pathlock"),
     # Tensor-only augmentation of device batches: needs only sampling's seed mixing. Below config because
     # LoaderConfig checks its batch_transforms when it is built (a real dependency, not an accident).
     ("batch_transforms",),

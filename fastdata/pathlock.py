@@ -1,0 +1,86 @@
+"""One process at a time on a path: a flock on a lock file, taken without waiting, that names the
+process holding it. ``checkpoint.claim`` (a run's checkpoint file) and ``runlog.RunLog`` (its log
+folder) hold one for a run's length; ``checkpoint``'s save holds one on its temporary while writing it.
+
+Why flock: the kernel drops it when the process dies (killed, its job ended), so a crashed run never
+blocks its own resume, and on Linux NFS emulates it with byte-range locks across hosts. Where there are
+no locks (Windows, a file system without them) nothing is held and nothing is refused.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+
+def try_lock(fd: int, *, blocking: bool = False) -> bool | None:
+    """An exclusive flock on ``fd``: True when taken, False when another process holds it, None when
+    this system or file system has no locks (then nothing can be told apart, and nothing is refused)."""
+    try:
+        import fcntl
+    except ImportError:   # Windows
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        return False
+    except OSError:   # ENOLCK, EOPNOTSUPP: a file system without flock
+        return None
+    return True
+
+
+class Claim:
+    """A process's hold on a lock file, flocked until ``release``. The file a killed process leaves
+    behind is unlocked: the next ``hold`` takes it over (and removes it at its own release)."""
+
+    def __init__(self, lock: Path, fd: int):
+        self.lock = lock
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        """Give the path up (idempotent). The file is removed while still locked: a run that opened it
+        meanwhile finds, once it holds the lock, that the name no longer points at it, and starts over."""
+        if self.fd is None:
+            return
+        try:
+            self.lock.unlink()
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+    def __del__(self):
+        # An object given up without release() (a RunLog left unclosed in a notebook) frees the path.
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+def hold(lock: Path, refusal) -> Claim | None:
+    """Take the flock on the file ``lock`` (created if missing) for this process, or raise
+    ``refusal(holder)`` when another process holds it (``holder``: its pid, host and start, as it wrote
+    them). None where no lock can be taken: no locks here, or a lock file that cannot be created."""
+    for _ in range(8):   # each retry: the holder released (and removed) the file we opened
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            return None
+        held = try_lock(fd)
+        if held is not True:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if held is False else ""
+            os.close(fd)
+            if held is None:
+                return None
+            raise refusal(holder or "a process that has not said which")
+        try:
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
+            return Claim(lock, fd)
+        os.close(fd)
+    return None
