@@ -496,3 +496,15 @@ def test_a_backend_of_ones_own_that_breaks_the_contract_is_named_at_the_batch(ho
     loader = make_loader(SyntheticDigits(32), "breaks", batch_size=8, device="cpu")
     with pytest.raises(RuntimeError, match=r"backend 'breaks' \(Breaks._epoch\) yielded " + message):
         list(loader)
+
+
+def test_a_list_of_path_label_pairs_without_class_names_is_read(tmp_path):
+    # from_samples(pairs, None) was "'NoneType' object is not iterable"
+    from fastdata.datasets import ImageFolder, make_image_folder
+
+    root = make_image_folder(tmp_path / "p", classes=2, per_class=3)
+    paths = sorted(str(p) for p in root.rglob("*.jpg"))
+    source = ImageFolder.from_samples([(p, 2 * (i % 2)) for i, p in enumerate(paths)], None)
+    assert source.num_classes == 3 and source.classes == [0, 1, 2]
+    _, out = _batches(source, "torch", batch_size=3)
+    assert sorted(torch.cat([y for _, y in out]).tolist()) == [0, 0, 0, 2, 2, 2]

@@ -234,7 +234,8 @@ class ImageFolder(Source):
 
         Args:
             samples: ``(path, label)`` pairs; labels are integers in ``[0, len(classes))``.
-            classes: the class names, index = label (classes with no file are allowed).
+            classes: the class names, index = label (classes with no file are allowed); None: unnamed,
+                ``0 .. max(label)``.
             root: the folder paths are relative to in the fingerprint (a copy of the data elsewhere
                 still resumes); None → the paths' common folder.
             mean, std, transform: as for ``ImageFolder``.
@@ -246,6 +247,8 @@ class ImageFolder(Source):
         for i, s in enumerate(samples):
             if not isinstance(s, (tuple, list)) or len(s) != 2 or not isinstance(s[0], (str, os.PathLike)):
                 raise TypeError(f"samples[{i}] must be a (path, label) pair, got {s!r}")
+        if classes is None:   # a list of (path, label) with no names: the labels' classes, 0 .. max
+            classes = list(range(int(check_labels([lab for _, lab in samples], "samples' labels").max()) + 1))
         classes = list(classes)
         if not classes:
             raise ValueError("classes is empty: name at least one class")
