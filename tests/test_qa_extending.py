@@ -508,3 +508,12 @@ def test_a_list_of_path_label_pairs_without_class_names_is_read(tmp_path):
     assert source.num_classes == 3 and source.classes == [0, 1, 2]
     _, out = _batches(source, "torch", batch_size=3)
     assert sorted(torch.cat([y for _, y in out]).tolist()) == [0, 0, 0, 2, 2, 2]
+
+
+def test_a_source_that_sets_no_kind_is_told_which_to_set(blobs):
+    # It was each backend's "cannot read ... (kind 'abstract')", listing fastdata's sources.
+    class NoKind(Blobs):
+        kind = Source.kind
+
+    with pytest.raises(TypeError, match=r"NoKind sets no kind: .*kind = SourceKind.FILES.*kind = SourceKind.ARRAY"):
+        make_loader(NoKind(blobs, np.arange(12) % 3), "torch", batch_size=4, device="cpu", augment=SMALL)

@@ -226,6 +226,10 @@ def check_source(source: Source) -> None:
         raise TypeError(f"{what} has no {', '.join(missing)}: a Source sets labels (one class index per "
                         f"sample), num_classes, channels, and mean and std (per channel, in [0, 1] units) in "
                         f"its __init__ (docs/sources.md, 'Your own source')")
+    if source.kind is SourceKind.ABSTRACT:
+        raise TypeError(f"{what} sets no kind: a source of encoded photos sets kind = SourceKind.FILES (and "
+                        f"read_stamped(i) or read(i)), one holding every image in a uint8 (N, H, W, C) array "
+                        f"kind = SourceKind.ARRAY (and images, image_shape); docs/sources.md, 'Your own source'")
     num_classes = check_integer(f"{what}.num_classes", source.num_classes, minimum=0)
     if source.kind not in (SourceKind.FILES, SourceKind.ARRAY):
         return
