@@ -288,7 +288,7 @@ def check_picklable(source: Source, why: str) -> None:
                 f"or a local one); or use multiprocessing_context='fork' or num_workers=0") from None
 
 
-def _check_array_images(source: Source, what: str, n: int) -> None:
+def _check_array_images(source, what: str, n: int) -> None:   # an ArrayPixels Source
     """Refuse the ``images`` of an ARRAY source of one's own that backends would misread: not a uint8
     (N, H, W, C) array (float pixels read as bytes, (N, H, W) failing inside a batch), an
     ``image_shape`` or ``channels`` other than the array's, or another count than ``n`` labels."""
