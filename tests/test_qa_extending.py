@@ -517,3 +517,20 @@ def test_a_source_that_sets_no_kind_is_told_which_to_set(blobs):
 
     with pytest.raises(TypeError, match=r"NoKind sets no kind: .*kind = SourceKind.FILES.*kind = SourceKind.ARRAY"):
         make_loader(NoKind(blobs, np.arange(12) % 3), "torch", batch_size=4, device="cpu", augment=SMALL)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_photo_source_of_ones_own_resumes_exactly_with_its_default_recipe(blobs, backend):
+    def loader():
+        return make_loader(Blobs(blobs, np.arange(12) % 3), backend, batch_size=4, device="cpu", num_workers=0,
+                           quiet=True, seed=9, augment=Augmentation.imagenet_train(size=32))
+
+    whole = list(loader())
+    cut = loader()
+    it = iter(cut)
+    head = [next(it)]
+    resumed = loader()
+    resumed.load_state_dict(cut.state_dict())
+    got = head + list(resumed)
+    assert len(got) == len(whole) == 3
+    assert all(torch.equal(a, b) and torch.equal(p, q) for (a, p), (b, q) in zip(got, whole))
