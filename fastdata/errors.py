@@ -63,9 +63,9 @@ def user_stacklevel() -> int:
     got there. A fixed stacklevel named a line inside fastdata (``self._end_pass(epoch, offset)``) or
     the wrong caller, as the depth differs between the paths."""
     inside = [os.path.dirname(os.path.abspath(__file__)) + os.sep]   # fastdata/
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch, "__file__", None):
-        inside.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if torch_file:
+        inside.append(os.path.dirname(os.path.abspath(torch_file)) + os.sep)
     level, frame = 1, sys._getframe(1)
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(tuple(inside)):
         frame, level = frame.f_back, level + 1

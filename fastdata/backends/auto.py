@@ -73,7 +73,7 @@ def verdicts(source, config, options: dict | None, specs: Sequence, stable: bool
 def choose_locally(source, config, options: dict | None, specs: Sequence, stable: bool = False) -> tuple[str, str]:
     """The choice on this process alone. ``stable``: decide on quantities equal on every rank only (the
     memory backend budgets against total memory minus the reserve, leaving out the free memory)."""
-    passed_over = []
+    passed_over: list[str] = []
     for name, fits, why in verdicts(source, config, options, specs, stable=stable):
         if fits:
             tail = f" ({'; '.join(passed_over)})" if passed_over else ""
@@ -94,7 +94,7 @@ def combine(per_rank: list, device_type: str, source=None, device=None) -> tuple
     if any(n != names[0] for n in names):
         raise RuntimeError(f"backend='auto': the ranks' backend tables differ ({names}): install the same "
                            f"fastdata and backends on every node")
-    passed_over = []
+    passed_over: list[str] = []
     for i, name in enumerate(names[0]):
         refusals = [(r, rows[i][2]) for r, rows in enumerate(per_rank) if not rows[i][1]]
         if not refusals:
