@@ -53,6 +53,7 @@ import torch
 
 from fastdata import distributed as fdist
 from fastdata.checks import check_choice, check_integer
+from fastdata.errors import user_stacklevel
 
 REGIONS = ("data_wait", "h2d", "forward_backward", "optimizer")
 _PARTS = (*REGIONS, "other")
@@ -142,7 +143,7 @@ class StepProfiler:
         if warn and not self._reported and fdist.is_main():
             warnings.warn(f"StepProfiler: the run took {self._steps} step(s), fewer than wait + warmup + 1 = "
                           f"{self.wait + self.warmup + 1}: no trace was written to {self.out_dir}",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=user_stacklevel())
 
     def __enter__(self) -> StepProfiler:
         return self.start()
@@ -220,7 +221,7 @@ class StepProfiler:
         warnings.warn(f"StepProfiler: the trace could not be written to {self.out_dir} (torch's profiler says only "
                       f"'Failed to write to log file': a full disk, a quota, a folder made read-only?); "
                       f"{len(partial)} cut-off file(s) removed. The table is fastdata's own timing{h2d}",
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning, stacklevel=user_stacklevel())
 
     # ------------------------------------------------------------------ the table
     def _report(self, written: list[Path]) -> None:
@@ -252,7 +253,7 @@ class StepProfiler:
                 warnings.warn(f"StepProfiler: the run took {self._steps} step(s) and ended inside the first "
                               f"recorded one (wait + warmup + 1 = {self.wait + self.warmup + 1} are needed): no "
                               f"step was recorded; the trace in {self.out_dir} holds only that unfinished step",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=user_stacklevel())
             return
         if self.print_table and fdist.is_main():
             print(self.table(), flush=True)

@@ -56,6 +56,7 @@ from pathlib import Path
 
 from fastdata import distributed as fdist
 from fastdata.checks import check_integer
+from fastdata.errors import user_stacklevel
 
 STEP_COLUMNS = ("step", "loss", "lr", "images_per_s", "data_wait", "gpu_idle")
 
@@ -203,7 +204,7 @@ class RunLog:
             return
         self._warned.add(what)
         warnings.warn(f"RunLog: cannot write {what} ({e.strerror or e}); training goes on, and what it would "
-                      f"have logged is lost until it can be written", RuntimeWarning, stacklevel=4)
+                      f"have logged is lost until it can be written", RuntimeWarning, stacklevel=user_stacklevel())
 
     def _write(self, name: str, row: dict, *, key: str) -> None:
         path = self.log_dir / name

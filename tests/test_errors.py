@@ -56,3 +56,21 @@ def test_the_skipped_files_warning_names_the_users_line(tmp_path):
         found = _skip_warnings(backend, root)
         assert len(found) == 1, (backend, [str(w.message) for w in found])
         assert found[0].filename == __file__, (backend, found[0].filename, found[0].lineno)
+
+
+def test_fits_warnings_name_the_users_line(tmp_path):
+    """fit's warnings (a resume under another amp, the schedule, the profiler, the run log) named a line
+    inside fastdata's engine with a fixed stacklevel; they name the caller's fit(...) line now."""
+    import warnings
+
+    from fastdata import SmallCNN, fit, make_loader
+    from fastdata.datasets import SyntheticDigits
+
+    loader = make_loader(SyntheticDigits(64), "memory", batch_size=32, device="cpu", quiet=True)
+    path = tmp_path / "cnn.pt"
+    fit(SmallCNN(), loader, epochs=1, checkpoint=path, amp="off", progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(SmallCNN(), loader, epochs=1, checkpoint=path, resume=True, amp="bf16", progress=False)  # this line
+    found = [w for w in caught if "was trained with amp" in str(w.message)]
+    assert len(found) == 1 and found[0].filename == __file__, [(w.filename, w.lineno, str(w.message)) for w in caught]

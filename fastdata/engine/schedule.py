@@ -9,6 +9,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from .. import distributed as fdist
+from ..errors import user_stacklevel
 
 # When fit steps a scheduler (see ``resolve_scheduler_interval``). None picks by the scheduler's class.
 SCHEDULER_INTERVALS = ("step", "epoch")
@@ -72,7 +73,8 @@ def check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int,
         warnings.warn(f"resuming: the checkpoint's OneCycleLR has total_steps={total} but this run ends it at "
                       f"step {needed} (the steps per epoch changed: another world size, batch size or "
                       f"accumulate than the saved run's, or fewer epochs), so "
-                      f"its learning rate stops before annealing to its end", RuntimeWarning, stacklevel=3)
+                      f"its learning rate stops before annealing to its end", RuntimeWarning,
+                      stacklevel=user_stacklevel())
     if needed <= total:
         return
     per_epoch = batches if unit == "batch" else 1

@@ -198,7 +198,7 @@ class TrainingState:
         step.optimizer.load_state_dict(state["optimizer"])
         if state["amp"] != step.mode:
             warnings.warn(f"checkpoint was trained with amp={state['amp']!r}, resuming with {step.mode!r}",
-                          stacklevel=2)
+                          stacklevel=user_stacklevel())
         if state["scaler"]:
             step.scaler.load_state_dict(state["scaler"])
         if step.scheduler is not None and state["scheduler"] is not None:
@@ -231,7 +231,7 @@ class TrainingState:
             ema.load_state_dict(saved)
             return
         warnings.warn(f"'{path}' holds no weight average (saved without ema): the average starts again from "
-                      f"its weights", RuntimeWarning, stacklevel=3)
+                      f"its weights", RuntimeWarning, stacklevel=user_stacklevel())
         if callable(getattr(ema, "set", None)):   # ModelEma and timm's ModelEmaV3 have it
             ema.set(self.step.raw)
 

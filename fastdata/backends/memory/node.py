@@ -19,7 +19,7 @@ import torch
 
 from ...checks import check_flag
 from ...datasets import SourceKind
-from ...errors import CacheDoesNotFit, DecodeError
+from ...errors import CacheDoesNotFit, DecodeError, user_stacklevel
 from .budgeting import LoaderFields, check_fits, fmt_bytes
 
 
@@ -115,7 +115,7 @@ class NodeCache(LoaderFields):
                 warnings.warn(f"memory backend: no shared-memory cache for this node ({why}); every rank "
                               f"keeps its own copy of the cache (still decoded once per node). Give "
                               f"/dev/shm room for {fmt_bytes(n * slot)} (docker: --shm-size) to share one",
-                              RuntimeWarning, stacklevel=4)
+                              RuntimeWarning, stacklevel=user_stacklevel())
                 self._agree(lambda: check_fits(self.source, self.config, self.opts["memory_reserve"], copies=k,
                                                       cache_size=self.cache_size))
         shared = cache is not None
