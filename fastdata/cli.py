@@ -221,6 +221,11 @@ def plot_run_log(log_dir) -> str | None:
         print(f"--log-dir: no curves.png: matplotlib is not installed (pip install matplotlib); the CSVs are in "
               f"{log_dir}", flush=True)
         return None
+    except (OSError, ValueError) as e:
+        # The run has ended and its checkpoint and result are written: a full disk, or a CSV another
+        # process damaged, costs the picture only, not the exit status of a finished run.
+        print(f"--log-dir: no curves.png ({type(e).__name__}: {e}); the CSVs are in {log_dir}", flush=True)
+        return None
     print(f"curves: {out}", flush=True)
     return out
 

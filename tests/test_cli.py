@@ -106,6 +106,16 @@ def test_plot_run_log_draws_the_curves_or_says_in_one_line_that_matplotlib_is_mi
     assert capsys.readouterr().out.strip().splitlines() == [
         f"--log-dir: no curves.png: matplotlib is not installed (pip install matplotlib); the CSVs are in {tmp_path}"]
 
+    # A full disk at the very end: the run is done, and only the picture is lost (it was a traceback
+    # and exit status 1 after a finished run).
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runlog, "plot_curves", full)
+    assert cli.plot_run_log(str(tmp_path)) is None
+    assert capsys.readouterr().out.strip().splitlines() == [
+        f"--log-dir: no curves.png (OSError: [Errno 28] No space left on device); the CSVs are in {tmp_path}"]
+
 
 def test_every_command_takes_source_names_through_one_parser(tmp_path, monkeypatch):
     """Issue 32: bench and pack each parsed SOURCE (``bench.open_source``, ``pack._open_spec``); one
