@@ -361,7 +361,7 @@ def _eval_recipe(train_loader, source, caller: dict):
     None: the source's default stands (the caller gave ``augment``, the source has a per-sample
     transform, the training loader keeps the size, or the sizes already agree)."""
     from .config import Augmentation, Crop
-    from .datasets.sample_transforms import output_size
+    from .datasets.sample_transforms import output_size, rescales
 
     theirs = getattr(train_loader, "augment", None)
     if caller.get("augment") is not None or not isinstance(theirs, Augmentation):
@@ -375,7 +375,9 @@ def _eval_recipe(train_loader, source, caller: dict):
         # torchvision Compose): evaluated at 224 otherwise, the model's 96 unknown to the recipe.
         trained = getattr(getattr(train_loader, "source", None), "sample_transform", None)
         at = output_size(trained) if trained is not None else None
-        if at is None or at[0] != at[1]:
+        # A crop that rescales nothing (RandomCrop(32, padding=4) on CIFAR) trained at the images' own
+        # scale: an ImageNet-style resize and center crop would zoom the test images and cut their borders.
+        if at is None or at[0] != at[1] or not rescales(trained):
             return None
         size, theirs = at[0], Augmentation.imagenet_train(size=at[0])
     mine = source.default_augmentation(False)

@@ -119,6 +119,17 @@ def output_size(transform, size: tuple | None = None) -> tuple[int, int] | None:
     return ends.pop() if len(ends) == 1 else None
 
 
+def rescales(transform) -> bool:
+    """Whether a step of ``transform`` rescales the images (a ``...Resize...`` class: ``Resize``,
+    ``RandomResizedCrop``). A crop alone (CIFAR's ``RandomCrop(32, padding=4)``) keeps the images at
+    their own scale, and so does their evaluation: ``like=`` reads a training size from a transform
+    that rescales only."""
+    from ..batch_transforms import composition_parts
+
+    parts = [child for _, child in composition_parts(transform)]
+    return any(rescales(p) for p in parts) if parts else "Resize" in type(transform).__name__
+
+
 def _step_size(step, size):
     """``output_size`` of one step that is not a composition."""
     name, given = type(step).__name__, getattr(step, "size", None)

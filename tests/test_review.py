@@ -1,0 +1,58 @@
+"""Review of the day's fixes: behaviour that worked before them, or advice a user can act on."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.v2 as v2
+from PIL import Image
+
+from fastdata import make_loader
+from fastdata.config import Augmentation
+from fastdata.datasets import ArraySource
+
+CPU = {"device": "cpu", "num_workers": 0}
+
+
+class _Pictures(torch.utils.data.Dataset):
+    """A torchvision-style dataset of 32 px PIL images (CIFAR's shape), with an optional transform."""
+
+    def __init__(self, images, labels, transform=None):
+        self.images, self.targets, self.transform = images, list(labels), transform
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        image = Image.fromarray(self.images[i])
+        return (self.transform(image) if self.transform is not None else image), int(self.targets[i])
+
+
+def test_like_keeps_cifar_at_its_own_scale_after_a_padded_random_crop():
+    """CIFAR trained through torchvision's RandomCrop(32, padding=4): a crop at the images' own size,
+    nothing rescaled. like= read its 32 as an ImageNet-style training size and evaluated the 32 px test
+    set resized to 37 and center-cropped back to 32: zoomed, its borders cut, unlike what was trained."""
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8), np.arange(16) % 4
+    train = make_loader(_Pictures(images, labels, v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(),
+                                                              v2.PILToTensor()])), "torch", batch_size=4, **CPU)
+    for test in (ArraySource(images, labels), _Pictures(images, labels)):
+        val = make_loader(test, "torch", like=train)
+        assert val.augment == Augmentation.none(), type(test).__name__
+        assert next(iter(val))[0].shape == (4, 3, 32, 32)
+
+
+def test_a_path_held_by_this_very_process_says_so_and_how_to_free_it(tmp_path):
+    """A notebook re-running ``log = RunLog(d)`` (its loop raised before close()) makes the new RunLog
+    while the old one still holds the folder: refused with "stop the other run first", the other run
+    being the notebook itself. The refusal says it is this process, and how to let go."""
+    from fastdata.runlog import LogDirInUse, RunLog
+
+    first = RunLog(tmp_path, tensorboard=False)
+    with pytest.raises(LogDirInUse, match=f"pid {os.getpid()}.*this process itself") as refused:
+        RunLog(tmp_path, tensorboard=False)
+    assert "close()" in str(refused.value)
+    first.close()
+    RunLog(tmp_path, tensorboard=False).close()
