@@ -73,14 +73,30 @@ def hold(lock: Path, refusal) -> Claim | None:
             os.close(fd)
             if held is None:
                 return None
-            raise refusal(holder or "a process that has not said which")
+            raise refusal(_holder(holder))
         try:
             current = os.stat(lock).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             current = False
         if current:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}".encode(), 0)
+            os.pwrite(fd, f"{_me()}, since {time.ctime()}".encode(), 0)
             return Claim(lock, fd)
         os.close(fd)
     return None
+
+
+def _me() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def _holder(text: str) -> str:
+    """The holder as it wrote itself, and where that is this very process, how to let go: a notebook
+    cell run again (``log = RunLog(d)`` after its loop raised before ``close()``) makes the new object
+    while the old one still holds the path, and "stop the other run" named no run to stop."""
+    if not text:
+        return "a process that has not said which"
+    if text.startswith(_me() + ","):
+        return (f"{text}: this process itself, an object of an earlier run in it (a notebook cell run again) "
+                f"not closed: close() it (RunLog.close(), TrainingState.release()) or del it")
+    return text
