@@ -296,6 +296,20 @@ def test_a_batch_transform_drawing_from_the_global_generators_repeats_and_resume
     assert torch.equal(torch.random.get_rng_state(), state)   # the caller's generator is left alone
 
 
+def test_a_batch_transform_drawing_globally_inside_a_oneof_repeats():
+    """Seeded at the top level only, the same transform under OneOf drew other numbers each run."""
+    from fastdata.batch_transforms import OneOf
+
+    def run():
+        return [x for x, _ in _digits(batch_transforms=[OneOf([GlobalDraws(), GlobalDraws()])])]
+
+    torch.manual_seed(0)
+    first = run()
+    torch.manual_seed(1)
+    np.random.seed(1)
+    assert all(torch.equal(a, b) for a, b in zip(first, run()))
+
+
 def test_a_batch_transform_holding_a_tensor_on_another_device_is_refused_when_the_loader_is_made():
     # a CUDA tensor in a transform of a CPU loader (meta stands in for the other device here)
     with pytest.raises(ValueError, match=r"batch_transforms\[0\] \(<.*HoldsTensor object.*\) holds a tensor on meta "

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arguments import agreed_smoothing, check_class_count, set_field
-from .base import BatchTransform, as_transform, child_generator, host_rng
+from .base import (
+    BatchTransform,
+    ImageCallable,
+    as_transform,
+    child_generator,
+    draws_globally,
+    global_rngs_seeded,
+    host_rng,
+)
 from .ops import soft_targets
 from .validation import check_one
 
@@ -67,7 +75,14 @@ class OneOf(BatchTransform):
     def __call__(self, images, labels, generator):
         w = np.asarray(self.weights if self.weights is not None else [1.0] * len(self.transforms))
         k = int(host_rng(generator).choice(len(self.transforms), p=w / w.sum()))
-        images, labels = as_transform(self.transforms[k])(images, labels, child_generator(generator, k))
+        chosen, g = as_transform(self.transforms[k]), child_generator(generator, k)
+        if draws_globally(chosen) and not isinstance(chosen, ImageCallable):
+            # A BatchTransform of one's own, seeded as BatchPipeline seeds one at the top level: one
+            # drawing from torch.rand() under a OneOf repeated nothing by seed and resumed elsewhere.
+            with global_rngs_seeded(images.device, g.initial_seed()):
+                images, labels = chosen(images, labels, g)
+        else:
+            images, labels = chosen(images, labels, g)
         if self.soft_labels and labels.ndim == 1:
             if self.num_classes is None:
                 raise ValueError("OneOf needs num_classes to make soft labels: use it in a loader's "
