@@ -56,3 +56,33 @@ def test_a_path_held_by_this_very_process_says_so_and_how_to_free_it(tmp_path):
     assert "close()" in str(refused.value)
     first.close()
     RunLog(tmp_path, tensorboard=False).close()
+
+
+def test_auto_across_ranks_passes_over_a_later_row_that_fails_to_judge_as_one_rank_never_reached_it():
+    """Under a process group every row is judged (another rank may need a later one). A row after the
+    first that fits, whose package fails to import or whose fits() raises (a broken DALI install), failed
+    the whole job's choice ("rank 0 could not decide"); one process alone stops at the first that fits
+    and never reached it. It is now that row's refusal; a row before the first fit still raises."""
+    from conftest import indexed_source
+    from fastdata import registry
+    from fastdata.backends import auto
+    from fastdata.backends.base import Loader
+
+    class Broken(Loader):
+        @classmethod
+        def fits(cls, source, config, options=None, *, stable=False):
+            raise ImportError("libnvjpeg.so.12: cannot open shared object file")
+
+    config = type("C", (), {"device": torch.device("cpu"), "augment": Augmentation.none(), "train": True,
+                            "rank": None, "world_size": None, "dtype": torch.float32, "batch_size": 8})()
+    registry.register("review_broken", Broken, devices=("cpu",))
+    try:
+        rows = list(auto.verdicts(indexed_source(32), config, None, registry.by_preference()))
+        assert [r[:2] for r in rows if r[0] == "review_broken"] == [("review_broken", False)]
+        assert "libnvjpeg" in dict((n, w) for n, _, w in rows)["review_broken"]
+        assert auto.combine([rows, rows], "cpu")[0] == rows[0][0]
+        registry.register("review_broken", Broken, devices=("cpu",), order=0, replace=True)
+        with pytest.raises(ImportError, match="libnvjpeg"):
+            list(auto.verdicts(indexed_source(32), config, None, registry.by_preference()))
+    finally:
+        registry.unregister("review_broken")

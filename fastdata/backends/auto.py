@@ -57,7 +57,7 @@ def choose(source, config, options: dict | None, specs: Sequence) -> tuple[str, 
 def verdicts(source, config, options: dict | None, specs: Sequence, stable: bool = False):
     """``(name, fits, why)`` for each row allowed on the device, in preference order (a generator: a
     caller may stop at the first that fits)."""
-    device_type = config.device.type
+    device_type, found = config.device.type, False
     for spec in specs:
         if device_type not in spec.devices:
             continue  # e.g. prefetch and dali only pay off on CUDA; not worth a word in the reason
@@ -66,7 +66,15 @@ def verdicts(source, config, options: dict | None, specs: Sequence, stable: bool
             continue
         # fits() checks the kinds the backend reads (a torch Dataset's arbitrary __getitem__ only suits
         # the DataLoader-based backends) and any resource limit (the memory backend's cache budget).
-        fits, why = spec.load().fits(source, config, options or {}, stable=stable)
+        try:
+            fits, why = spec.load().fits(source, config, options or {}, stable=stable)
+        except Exception as e:
+            if not found:
+                raise
+            # A row after one that fits, which one process alone never reaches (a broken DALI install):
+            # its failure is its refusal, not the failure of a choice made across ranks.
+            fits, why = False, f"{type(e).__name__}: {e}"
+        found = found or fits
         yield spec.name, fits, why
 
 
