@@ -37,6 +37,7 @@ from ..datasets.sample_transforms import recipe_choices
 from ..decode import warn_skipped
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
+from .sample_ids import SampleIds
 
 if TYPE_CHECKING:
     from ..batch_transforms import BatchPipeline
@@ -235,7 +236,7 @@ class LoaderSampler:
 
     def __iter__(self) -> Iterator[int]:
         for ids in self._loader.plan.batches_from(*self._loader._next):
-            yield from ids.tolist()
+            yield from self._loader.source_ids(ids).tolist()
 
     def __repr__(self):
         return (f"LoaderSampler(epoch={self.epoch}, rank={self.rank}, num_replicas={self.num_replicas}, "
@@ -256,7 +257,8 @@ def sampler_of(loader: "Loader") -> LoaderSampler:
 
 
 class LoaderBatchSampler:
-    """``loader.batch_sampler``: the coming pass's batches of sample ids (``len`` = ``len(loader)``)."""
+    """``loader.batch_sampler``: the coming pass's batches of source sample ids (``len`` = ``len(loader)``)
+    as planned; ``loader.batch_ids`` says which of them each batch yielded holds."""
 
     def __init__(self, loader: "Loader"):
         self._loader = loader
@@ -281,10 +283,10 @@ class LoaderBatchSampler:
 
     def __iter__(self) -> Iterator[list]:
         for ids in self._loader.plan.batches_from(*self._loader._next):
-            yield ids.tolist()
+            yield self._loader.source_ids(ids).tolist()
 
 
-class Loader:
+class Loader(SampleIds):
     """Base class; see the module docstring for the contract.
 
     Args:
@@ -495,6 +497,7 @@ class Loader:
         # same layout gets exactly the uninterrupted run's numbers; a re-split one (elastic resume)
         # numbers its steps by where they start in the new layout.
         start = offset // self.plan.global_batch
+        self._start_ids()   # before the backend's first batch: it may record what it keeps (keep_ids)
         it = self._epoch(epoch, batches, start)
         done, ended = 0, False
         pipeline = self.batch_pipeline
@@ -519,6 +522,7 @@ class Loader:
                     images, labels = batch
                     batch = pipeline(images, labels, seed_for(self.plan.seed, epoch, start + done, self.plan.rank,
                                                               0xBA7C))
+                self._hand_out_ids(batches[done])
                 done += 1
                 self._position = (epoch, offset, done, len(batches))
                 if order is not None:   # streaming. After the last batch: all it reads (drop_last leaves

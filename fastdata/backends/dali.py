@@ -469,6 +469,7 @@ class DaliLoader(DaliFiles, Loader):
                 self._ready = self._fetch()
             records.popleft()
             self.skipped += rec["skipped"]
+            self.keep_ids(rec["ids"])   # the files this batch holds (loader.batch_ids)
             if not rec["n"]:
                 yield self._empty()
                 continue

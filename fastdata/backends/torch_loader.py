@@ -225,6 +225,7 @@ class TorchLoader(Loader):
                                        "iter(loader) starts a fresh pass")
                 images, labels, kept = batch
                 self.skipped += len(ids) - len(kept)
+                self.keep_ids(kept)   # before the batch is handed on: loader.batch_ids (prefetch runs ahead)
                 yield images, labels
             with device_scope(self.device, self.pin):
                 next(it, None)  # the end of the epoch, as a plain loop over the DataLoader reaches it

@@ -1,0 +1,84 @@
+"""Which samples a batch holds: ``loader.batch_ids`` and ``loader.skipped_ids``, for every backend.
+
+Why: a user writing predictions per file (evaluation, inference) maps each row of a batch to its
+sample. The planned ids (``loader.batch_sampler``) say that only while every sample of the batch is
+yielded: ``on_error="skip"`` drops an undecodable file from its batch (which comes out shorter), and the
+memory backend leaves such files out of its cache up front (its plan then counts positions among the
+files kept, ``kept``). So a backend that drops a file says what it kept, batch by batch in the order it
+yields them (``keep_ids``, from any thread: prefetch's producer runs ahead of the consumer), and the base
+loader hands the ids out with each batch. The contract's batches stay ``(images, labels)``.
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
+class _PassIds:
+    """One pass's ids: what the backend kept per batch (a FIFO, in yield order), the last batch's ids,
+    the ids it skipped so far."""
+
+    __slots__ = ("kept", "last", "skipped")
+
+    def __init__(self):
+        self.kept: collections.deque = collections.deque()   # append/popleft: safe across two threads
+        self.last, self.skipped = _NONE, []
+
+
+class SampleIds:
+    """The part of ``Loader`` that says which source samples each batch holds (see the module docstring)."""
+
+    #: The source ids the plan's positions stand for when a backend left samples out for good (memory's
+    #: cache under ``on_error="skip"``); None: position ``i`` is sample ``i``.
+    kept: np.ndarray | None = None
+    _pass_ids: _PassIds | None = None
+
+    @property
+    def batch_ids(self) -> np.ndarray:
+        """int64 source ids of the batch last handed out, one per row of its images, in order (for
+        ``source.sample_name(i)``, ``source.labels[i]``): a file skipped with ``on_error="skip"`` has no
+        row and no id. Under ``even_batches`` the last batch's padding rows (its last
+        ``loader.padding()``) repeat ids of the epoch's start. Empty before the first batch of a pass."""
+        return self._pass_ids.last if self._pass_ids is not None else _NONE
+
+    @property
+    def skipped_ids(self) -> np.ndarray:
+        """int64 source ids skipped with ``on_error="skip"`` in the current pass so far (after it ends:
+        in that pass), in the order met, the files a backend left out for good (memory's cache) first.
+        ``len(loader.skipped_ids) == loader.skipped``."""
+        ids = self._pass_ids.skipped if self._pass_ids is not None else []
+        return np.concatenate([self.dropped_ids(), *ids]).astype(np.int64)
+
+    def dropped_ids(self) -> np.ndarray:
+        """Source ids left out of every pass (memory's cache under ``on_error="skip"``), ascending."""
+        if self.kept is None:
+            return _NONE
+        return np.setdiff1d(np.arange(len(self.source)), self.kept).astype(np.int64)   # type: ignore[attr-defined]
+
+    def source_ids(self, positions) -> np.ndarray:
+        """The source's sample ids of the plan's ``positions`` (the ids ``batch_sampler`` gives)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        return positions if self.kept is None else self.kept[positions]
+
+    def keep_ids(self, ids) -> None:
+        """For backends that drop files from a batch: the source ids of the samples the next batch
+        yielded holds, in row order. Called once per batch, in yield order, for every batch of the
+        pass, or never (the planned ids are then the batch's)."""
+        if self._pass_ids is not None:
+            self._pass_ids.kept.append(np.asarray(ids, dtype=np.int64))
+
+    def _start_ids(self) -> None:
+        self._pass_ids = _PassIds()
+
+    def _hand_out_ids(self, planned: np.ndarray) -> None:
+        """The batch of ``planned`` positions is being handed out: its ids become ``batch_ids``."""
+        p = self._pass_ids
+        if p is None:
+            return
+        planned = self.source_ids(planned)
+        p.last = p.kept.popleft() if p.kept else planned
+        if len(p.last) < len(planned):
+            p.skipped.append(planned[~np.isin(planned, p.last)])

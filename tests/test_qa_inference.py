@@ -1,0 +1,116 @@
+"""QA pass over evaluation and inference as users run them: every sample once, in a stable order, each
+row of a batch mapped to its sample (``loader.batch_ids``) on every backend, with skipped files, two
+ranks with padding and a resumed pass; and ``evaluate``'s own checks."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from torch import nn
+
+from conftest import backend_params, decode_ids, indexed_source
+from fastdata import Augmentation, evaluate, make_loader
+from fastdata.datasets import ImageFolder
+from fastdata.datasets.folders import make_image_folder
+
+EVAL = Augmentation(crop="center", size=24, resize=28)
+
+
+def _loader(source, backend, **kw):
+    kw = {"batch_size": 16, "device": "cpu", "num_workers": 1, "train": False, **kw}
+    return make_loader(source, backend, **kw)
+
+
+def _pass(loader):
+    """[(decoded ids of the rows, loader.batch_ids)] of one pass."""
+    return [(decode_ids(x), loader.batch_ids.copy()) for x, _ in loader]
+
+
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_each_row_is_named_by_batch_ids_once_in_a_stable_order(backend):
+    """A user writing (file, prediction) rows had only the planned ids (batch_sampler) to go by; each
+    batch's rows now come with their samples' ids, and an evaluation pass reads every sample once, in
+    the same order each pass, whatever set_epoch says."""
+    loader = _loader(indexed_source(70), backend)
+    assert len(loader.batch_ids) == 0 and not loader.drop_last and len(loader) == 5
+    first = _pass(loader)
+    for rows, ids in first:
+        assert np.array_equal(rows, ids)
+    assert np.array_equal(np.concatenate([ids for _, ids in first]), np.arange(70))
+    assert [len(ids) for _, ids in first] == [16, 16, 16, 16, 6]
+    loader.set_epoch(3)
+    again = _pass(loader)
+    assert all(np.array_equal(a[1], b[1]) for a, b in zip(first, again, strict=True))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_two_ranks_with_padding_cover_every_sample_once(backend):
+    """Under even_batches the last batch's padding rows repeat the epoch's start: a loop of one's own drops
+    the last loader.padding() rows of the last batch (as evaluate does), and the ranks' ids then cover
+    every sample exactly once."""
+    seen = []
+    for rank in (0, 1):
+        loader = _loader(indexed_source(71), backend, batch_size=8, rank=rank, world_size=2, even_batches=True)
+        pad, last = loader.padding(), len(loader) - 1
+        assert (rank, pad) in ((0, 0), (1, 1))
+        for k, (x, _) in enumerate(loader):
+            ids = loader.batch_ids
+            assert np.array_equal(decode_ids(x), ids)
+            seen.append(ids[:len(ids) - pad] if k == last else ids)
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(71))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_resumed_pass_names_its_rows(backend):
+    source = indexed_source(70)
+    loader = _loader(source, backend)
+    it = iter(loader)
+    head = [loader.batch_ids.copy() for _ in zip(range(2), it)]
+    state = loader.state_dict()
+    resumed = _loader(source, backend)
+    resumed.load_state_dict(state)
+    rest = _pass(resumed)
+    assert all(np.array_equal(rows, ids) for rows, ids in rest)
+    assert np.array_equal(np.concatenate(head + [ids for _, ids in rest]), np.arange(70))
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    """12 photos of 12 classes (a label names its photo), and one undecodable file in class 4."""
+    root = make_image_folder(tmp_path_factory.mktemp("photos"), classes=12, per_class=1, seed=2,
+                             size_range=((40, 60), (30, 50)))
+    (root / "class_004" / "img_00000b.jpg").write_bytes(b"not a jpeg")
+    return root
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_skipped_files_are_named_and_the_rows_stay_mapped(backend, broken):
+    """on_error='skip' made a batch shorter than its planned ids (torch, prefetch, dali) or re-planned the
+    memory backend over the files it kept, whose batch_sampler then gave positions among them, not the
+    folder's ids: a CSV written from them put predictions against the wrong files. The warning counted
+    the skipped files without naming one."""
+    source = ImageFolder(broken)
+    bad = [i for i in range(len(source)) if source.sample_name(i).endswith("img_00000b.jpg")]
+    loader = _loader(source, backend, batch_size=4, augment=EVAL, on_error="skip")
+    planned = np.concatenate(list(loader.batch_sampler))
+    assert sorted(planned.tolist()) == [i for i in range(len(source)) if i not in bad or backend != "memory"]
+    ids = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _, labels in loader:
+            assert np.array_equal(labels.numpy(), source.labels[loader.batch_ids])
+            ids.append(loader.batch_ids)
+    assert sorted(np.concatenate(ids).tolist()) == [i for i in range(len(source)) if i not in bad]
+    assert loader.skipped_ids.tolist() == bad and loader.skipped == 1
+    assert source.sample_name(int(loader.skipped_ids[0])).endswith("class_004/img_00000b.jpg")
+
+
+def test_evaluate_names_both_devices_when_the_model_is_elsewhere():
+    """A model on another device than the loader failed inside its first layer with torch's "Tensor on
+    device meta is not on the expected device cpu!"; fit names both devices, and now evaluate too."""
+    loader = _loader(indexed_source(20), "torch", num_workers=0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).to("meta")
+    with pytest.raises(ValueError, match="model is on meta.*evaluation loader yields batches on cpu"):
+        evaluate(model, loader)
+
