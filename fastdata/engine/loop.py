@@ -42,8 +42,20 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
     _check_loader("loader", loader)   # before .device: a plain DataLoader was a bare AttributeError
     fdist.check_shard(loader, "the evaluation loader")   # its sums are reduced over ranks
     device = _loader_device(loader)
+    _check_eval_model_device(model, device)
     with device_scope(device):
         return _evaluate(model, loader, device, amp, loss_fn)
+
+
+def _check_eval_model_device(model: nn.Module, device: torch.device) -> None:
+    """A model on another device than the evaluation loader's batches, named with both (it failed inside
+    its first layer with torch's "Tensor on device ... is not on the expected device"). Unlike fit,
+    evaluate does not move the model: the caller's model stays where it was put."""
+    elsewhere = sorted({str(t.device) for t in (*model.parameters(), *model.buffers()) if t.device != device})
+    if elsewhere:
+        raise ValueError(f"the model is on {', '.join(elsewhere)} but the evaluation loader yields batches on "
+                         f"{device}: move the model with model.to('{device}'), or build the loader with "
+                         f"device='{elsewhere[0]}'")
 
 
 def _evaluate(model, loader, device, amp, loss_fn) -> dict:
