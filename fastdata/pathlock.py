@@ -70,6 +70,10 @@ def hold(lock: Path, refusal) -> Claim | None:
         held = try_lock(fd)
         if held is not True:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if held is False else ""
+            if held is None and os.fstat(fd).st_size == 0:
+                # Made by this open for nothing (Windows, a file system without flock): nothing will
+                # remove it, and a .lock beside every checkpoint and in every log folder stayed for good.
+                _remove(lock)
             os.close(fd)
             if held is None:
                 return None
@@ -84,6 +88,13 @@ def hold(lock: Path, refusal) -> Claim | None:
             return Claim(lock, fd)
         os.close(fd)
     return None
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def _me() -> str:

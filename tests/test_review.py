@@ -86,3 +86,16 @@ def test_auto_across_ranks_passes_over_a_later_row_that_fails_to_judge_as_one_ra
             list(auto.verdicts(indexed_source(32), config, None, registry.by_preference()))
     finally:
         registry.unregister("review_broken")
+
+
+def test_where_nothing_can_be_locked_no_lock_file_is_left_behind(tmp_path, monkeypatch):
+    """On Windows or a file system without flock nothing is held, but the lock file that hold() created
+    to try stayed: a c.pt.lock beside every checkpoint and a runlog.lock in every log folder, for good."""
+    from fastdata import checkpoint as ckpt
+    from fastdata import pathlock
+    from fastdata.runlog import RunLog
+
+    monkeypatch.setattr(pathlock, "try_lock", lambda fd, blocking=False: None)
+    assert ckpt.claim(tmp_path / "c.pt") is None
+    RunLog(tmp_path / "log", tensorboard=False).close()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["log"]
