@@ -99,3 +99,40 @@ def test_where_nothing_can_be_locked_no_lock_file_is_left_behind(tmp_path, monke
     assert ckpt.claim(tmp_path / "c.pt") is None
     RunLog(tmp_path / "log", tensorboard=False).close()
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["log"]
+
+
+class _Shared(ArraySource):
+    """An array source with a spawn context's Lock, as a source shared with its workers keeps one."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        import multiprocessing
+
+        self.lock = multiprocessing.get_context("spawn").Lock()
+
+
+class _Reduced(ArraySource):
+    """An array source holding an open file it leaves out by ``__reduce__`` (made again on arrival)."""
+
+    def __init__(self, images, labels, path):
+        super().__init__(images, labels)
+        self.args, self.log = (images, labels, path), open(path, "a")
+
+    def __reduce__(self):
+        return type(self), self.args
+
+
+@pytest.mark.parametrize("kind", ["lock", "reduce"])
+def test_a_source_that_spawned_workers_receive_is_not_refused_as_unpicklable(tmp_path, kind):
+    """check_picklable (workers started by spawn get the source pickled) pickled each attribute of the
+    default __getstate__ with plain pickle: a source that pickles itself by __reduce__, leaving its open
+    file out, and a spawn context's Lock (which plain pickle refuses and a spawning worker is sent) were
+    refused as "cannot be sent to the DataLoader workers"."""
+    import pickle
+
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (8, 8, 8, 3), dtype=np.uint8), np.arange(8) % 2
+    source = _Shared(images, labels) if kind == "lock" else _Reduced(images, labels, tmp_path / "log.txt")
+    if kind == "reduce":
+        assert isinstance(pickle.loads(pickle.dumps(source)), _Reduced)
+    make_loader(source, "torch", batch_size=4, device="cpu", num_workers=1, multiprocessing_context="spawn")

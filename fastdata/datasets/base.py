@@ -270,15 +270,22 @@ def check_picklable(source: Source, why: str) -> None:
 
     import torch
 
-    what = type(source).__name__
-    state = source.__getstate__() if hasattr(source, "__getstate__") else vars(source)
-    parts = list(state.items()) if isinstance(state, dict) else [("__getstate__()", state)]
-    for name, value in [("class", type(source)), *parts]:
+    what, cls = type(source).__name__, type(source)
+    if cls.__reduce_ex__ is not object.__reduce_ex__ or cls.__reduce__ is not object.__reduce__:
+        parts = [("__reduce__()", source)]   # pickled its own way: as a whole, as the workers get it
+    else:
+        state = source.__getstate__() if hasattr(source, "__getstate__") else vars(source)
+        parts = list(state.items()) if isinstance(state, dict) else [("__getstate__()", state)]
+    for name, value in [("class", cls), *parts]:
         if isinstance(value, (np.ndarray, torch.Tensor, str, bytes)):
             continue
         try:
             pickle.dumps(value)
         except Exception as e:
+            if "through inheritance" in str(e):
+                # multiprocessing's own Lock, Queue, Value (of the spawn context): plain pickling refuses
+                # them, the pickling that starts a worker sends them (multiprocessing.context.assert_spawning).
+                continue
             part = f"the class {what} itself" if name == "class" else f"its attribute {name!r} ({type(value).__name__})"
             raise TypeError(
                 f"{what} cannot be sent to the DataLoader workers, which {why} starts by pickling it: {part} "
