@@ -57,7 +57,8 @@ def test_two_ranks_with_padding_cover_every_sample_once(backend):
         for k, (x, _) in enumerate(loader):
             ids = loader.batch_ids
             assert np.array_equal(decode_ids(x), ids)
-            seen.append(ids[:len(ids) - pad] if k == last else ids)
+            assert loader.batch_padding == (pad if k == last else 0)
+            seen.append(ids[:len(ids) - loader.batch_padding])
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(71))
 
 
@@ -113,4 +114,32 @@ def test_evaluate_names_both_devices_when_the_model_is_elsewhere():
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).to("meta")
     with pytest.raises(ValueError, match="model is on meta.*evaluation loader yields batches on cpu"):
         evaluate(model, loader)
+
+
+
+@pytest.fixture(scope="module")
+def first_broken(tmp_path_factory):
+    """7 photos whose first (the sample even_batches repeats as padding) does not decode."""
+    root = make_image_folder(tmp_path_factory.mktemp("first"), classes=1, per_class=7, seed=3,
+                             size_range=((40, 60), (30, 50)))
+    (root / "class_000" / "img_00000.jpg").write_bytes(b"not a jpeg")
+    return root
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_skipped_padding_sample_does_not_cost_a_real_one(backend, first_broken):
+    """Rank 1's last batch was planned as [4, 5, 6] + padding [0]; 0 does not decode, so the batch came out
+    [4, 5, 6] and evaluate cut padding()'s one row off it: sample 6 was never counted (5 of the 6
+    decodable photos over the ranks, on torch, prefetch and dali). Rows that are padding are now those
+    the batch holds (batch_padding)."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 24 * 24, 2))
+    counted, named = 0, []
+    for rank in (0, 1):
+        loader = _loader(ImageFolder(first_broken), backend, batch_size=4, augment=EVAL, on_error="skip",
+                         rank=rank, world_size=2, even_batches=True)
+        counted += evaluate(model, loader)["samples"]
+        for _ in loader:
+            named.extend(loader.batch_ids[:len(loader.batch_ids) - loader.batch_padding].tolist())
+    assert counted == 6 and sorted(named) == [1, 2, 3, 4, 5, 6]
 

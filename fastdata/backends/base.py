@@ -503,6 +503,7 @@ class Loader(SampleIds):
         pipeline = self.batch_pipeline
         tracker = _AccelerateTracker(self, offset)
         own = not type(self).__module__.startswith("fastdata.")   # a backend of one's own: check_yielded
+        padding = self.plan.padding(offset)   # even_batches' samples at the end of the pass's last batch
         # A streaming source (shards) fetches ahead of where the pass is: told here, in this process.
         streaming = not self.source.random_access
         order = self.plan.order(epoch) if streaming else None
@@ -522,7 +523,7 @@ class Loader(SampleIds):
                     images, labels = batch
                     batch = pipeline(images, labels, seed_for(self.plan.seed, epoch, start + done, self.plan.rank,
                                                               0xBA7C))
-                self._hand_out_ids(batches[done])
+                self._hand_out_ids(batches[done], padding if done == len(batches) - 1 else 0)
                 done += 1
                 self._position = (epoch, offset, done, len(batches))
                 if order is not None:   # streaming. After the last batch: all it reads (drop_last leaves

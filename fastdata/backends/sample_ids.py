@@ -18,14 +18,14 @@ _NONE = np.empty(0, dtype=np.int64)
 
 
 class _PassIds:
-    """One pass's ids: what the backend kept per batch (a FIFO, in yield order), the last batch's ids,
-    the ids it skipped so far."""
+    """One pass's ids: what the backend kept per batch (a FIFO, in yield order), the last batch's ids and
+    padding rows, the ids it skipped so far."""
 
-    __slots__ = ("kept", "last", "skipped")
+    __slots__ = ("kept", "last", "padding", "skipped")
 
     def __init__(self):
         self.kept: collections.deque = collections.deque()   # append/popleft: safe across two threads
-        self.last, self.skipped = _NONE, []
+        self.last, self.padding, self.skipped = _NONE, 0, []
 
 
 class SampleIds:
@@ -41,8 +41,16 @@ class SampleIds:
         """int64 source ids of the batch last handed out, one per row of its images, in order (for
         ``source.sample_name(i)``, ``source.labels[i]``): a file skipped with ``on_error="skip"`` has no
         row and no id. Under ``even_batches`` the last batch's padding rows (its last
-        ``loader.padding()``) repeat ids of the epoch's start. Empty before the first batch of a pass."""
+        ``batch_padding``) repeat ids of the epoch's start. Empty before the first batch of a pass."""
         return self._pass_ids.last if self._pass_ids is not None else _NONE
+
+    @property
+    def batch_padding(self) -> int:
+        """Rows at the end of the batch last handed out that are ``even_batches`` padding (samples another
+        rank reads, repeated so every rank's last batch has one size): leave them out of a metric or a
+        file of predictions (``evaluate`` does). 0 but on a rank's last batch. It can be fewer than
+        ``padding()`` said before the pass: a padding sample skipped with ``on_error="skip"`` has no row."""
+        return self._pass_ids.padding if self._pass_ids is not None else 0
 
     @property
     def skipped_ids(self) -> np.ndarray:
@@ -73,12 +81,15 @@ class SampleIds:
     def _start_ids(self) -> None:
         self._pass_ids = _PassIds()
 
-    def _hand_out_ids(self, planned: np.ndarray) -> None:
-        """The batch of ``planned`` positions is being handed out: its ids become ``batch_ids``."""
+    def _hand_out_ids(self, planned: np.ndarray, padding: int) -> None:
+        """The batch of ``planned`` positions, its last ``padding`` of them even_batches' padding, is being
+        handed out: its ids become ``batch_ids``."""
         p = self._pass_ids
         if p is None:
             return
         planned = self.source_ids(planned)
-        p.last = p.kept.popleft() if p.kept else planned
+        p.last, p.padding = (p.kept.popleft() if p.kept else planned), padding
         if len(p.last) < len(planned):
             p.skipped.append(planned[~np.isin(planned, p.last)])
+            # A padding sample that was skipped has no row (a file fails wherever it is read).
+            p.padding = int(np.isin(planned[len(planned) - padding:], p.last).sum()) if padding else 0

@@ -66,13 +66,17 @@ def _evaluate(model, loader, device, amp, loss_fn) -> dict:
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, samples
     # even_batches pads the last step with samples other ranks read: counted once, by the rank that read them.
-    padding = loader.padding() if callable(getattr(loader, "padding", None)) else 0
+    # A fastdata loader says how many rows of each batch are padding (batch_padding: fewer than padding()
+    # when on_error="skip" dropped a padding sample, whose row is then missing, not a real sample's).
+    rows = isinstance(getattr(type(loader), "batch_padding", None), property)
+    padding = loader.padding() if not rows and callable(getattr(loader, "padding", None)) else 0
     last = len(loader) - 1 if padding else -1
     try:
         for k, pair in enumerate(loader):
             images, labels = batch_pair(pair, "the evaluation loader")
-            if k == last:
-                images, labels = images[:images.shape[0] - padding], labels[:labels.shape[0] - padding]
+            cut = loader.batch_padding if rows else padding if k == last else 0
+            if cut:
+                images, labels = images[:images.shape[0] - cut], labels[:labels.shape[0] - cut]
             check_input_dtype(images.dtype, model_dtype, mode, "the evaluation loader")
             if k == 0:
                 check_batch_device(images, labels, device, "the evaluation loader")
