@@ -77,7 +77,7 @@ def hold(lock: Path, refusal) -> Claim | None:
             os.close(fd)
             if held is None:
                 return None
-            raise refusal(_holder(holder))
+            raise refusal(_holder(holder, lock))
         try:
             current = os.stat(lock).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -101,13 +101,19 @@ def _me() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
-def _holder(text: str) -> str:
-    """The holder as it wrote itself, and where that is this very process, how to let go: a notebook
-    cell run again (``log = RunLog(d)`` after its loop raised before ``close()``) makes the new object
-    while the old one still holds the path, and "stop the other run" named no run to stop."""
+def _holder(text: str, lock: Path) -> str:
+    """The holder as it wrote itself, and how to let go where "stop the other run" names no run one
+    can stop: this very process (a notebook cell run again, ``log = RunLog(d)`` after its loop raised
+    before ``close()``, makes the new object while the old one still holds the path), or a process on
+    another host, whose lock a network file system can keep after that host went down (NFSv3's lock
+    manager until the host comes back: a job preempted with its node)."""
     if not text:
         return "a process that has not said which"
     if text.startswith(_me() + ","):
         return (f"{text}: this process itself, an object of an earlier run in it (a notebook cell run again) "
                 f"not closed: close() it (RunLog.close(), TrainingState.release()) or del it")
+    host = text.split(" on ", 1)[1].split(",", 1)[0] if text.startswith("pid ") and " on " in text else None
+    if host is not None and host != socket.gethostname():
+        return (f"{text}; if that run is gone (its host went down, and the network file system kept its "
+                f"lock), remove '{lock}'")
     return text

@@ -136,3 +136,23 @@ def test_a_source_that_spawned_workers_receive_is_not_refused_as_unpicklable(tmp
     if kind == "reduce":
         assert isinstance(pickle.loads(pickle.dumps(source)), _Reduced)
     make_loader(source, "torch", batch_size=4, device="cpu", num_workers=1, multiprocessing_context="spawn")
+
+
+def test_a_path_held_from_another_host_says_how_to_free_it_if_that_host_is_gone(tmp_path):
+    """On a shared file system the holder may be a run on a node that went down (a preempted job): its
+    lock can outlive it there, and "stop the other run first" named a run no one can stop. The refusal
+    says which file to remove if that run is gone."""
+    import fcntl
+
+    from fastdata import checkpoint as ckpt
+
+    lock = tmp_path / "c.pt.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)   # a flock is per open file: this one stands for the other host's
+        os.write(fd, b"pid 4242 on gpu-node-17, since Fri Nov 27 23:00:00 2026")
+        with pytest.raises(ckpt.CheckpointInUse, match="gpu-node-17") as refused:
+            ckpt.claim(tmp_path / "c.pt")
+        assert "if that run is gone" in str(refused.value) and f"remove '{lock}'" in str(refused.value)
+    finally:
+        os.close(fd)
