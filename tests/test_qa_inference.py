@@ -143,3 +143,13 @@ def test_a_skipped_padding_sample_does_not_cost_a_real_one(backend, first_broken
             named.extend(loader.batch_ids[:len(loader.batch_ids) - loader.batch_padding].tolist())
     assert counted == 6 and sorted(named) == [1, 2, 3, 4, 5, 6]
 
+
+
+def test_a_bf16_loader_on_the_cpu_tells_the_evaluate_caller_what_to_pass():
+    """evaluate(model, bf16 loader) with amp's default (off on the CPU) said "pass amp='bf16' to fit" to a
+    caller of evaluate; the hint now names both, and amp='bf16' evaluates the float32 model."""
+    loader = _loader(indexed_source(20), "torch", num_workers=0, dtype="bf16")
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    with pytest.raises(TypeError, match=r"pass amp='bf16' to fit or evaluate"):
+        evaluate(model, loader)
+    assert evaluate(model, loader, amp="bf16")["samples"] == 20

@@ -468,5 +468,5 @@ def check_input_dtype(dtype, model_dtype, mode: str, name: str) -> None:
         short, model_short = str(dtype).replace("torch.", ""), str(model_dtype).replace("torch.", "")
         amp = "bf16" if dtype == torch.bfloat16 else "fp16"
         raise TypeError(f"{name} yields {short} images but the model's parameters are {model_short} and "
-                        f"amp is off: pass amp='{amp}' to fit (autocast runs the model in {short}), or "
+                        f"amp is off: pass amp='{amp}' to fit or evaluate (autocast runs the model in {short}), or "
                         f"build the loader with dtype=torch.{model_short}")
