@@ -153,3 +153,32 @@ def test_a_bf16_loader_on_the_cpu_tells_the_evaluate_caller_what_to_pass():
     with pytest.raises(TypeError, match=r"pass amp='bf16' to fit or evaluate"):
         evaluate(model, loader)
     assert evaluate(model, loader, amp="bf16")["samples"] == 20
+
+
+def test_a_pass_left_during_a_slow_batch_does_not_shift_the_next_ones_ids(monkeypatch):
+    """prefetch's producer thread, still waiting for a slow batch when the consumer broke out of the pass,
+    recorded that batch's ids after the next pass had begun: every row of the next pass was then named
+    by the batch before it."""
+    import threading
+    import time
+
+    from fastdata.decode import BatchDecoder
+
+    slow = threading.Event()
+    original = BatchDecoder.__getitem__
+
+    def getitem(self, job):
+        if slow.is_set():
+            slow.clear()
+            time.sleep(1.0)   # longer than the consumer's 0.5 s wait for the producer on a break
+        return original(self, job)
+
+    monkeypatch.setattr(BatchDecoder, "__getitem__", getitem)
+    loader = _loader(indexed_source(64), "prefetch", num_workers=0, depth=1)
+    it = iter(loader)
+    next(it)
+    slow.set()
+    time.sleep(0.2)   # the producer is inside the slow batch
+    it.close()
+    rows = _pass(loader)
+    assert all(np.array_equal(decoded, ids) for decoded, ids in rows)

@@ -497,7 +497,7 @@ class Loader(SampleIds):
         # same layout gets exactly the uninterrupted run's numbers; a re-split one (elastic resume)
         # numbers its steps by where they start in the new layout.
         start = offset // self.plan.global_batch
-        self._start_ids()   # before the backend's first batch: it may record what it keeps (keep_ids)
+        self._start_ids()   # before the backend's first batch: it may record what it keeps (ids_keeper)
         it = self._epoch(epoch, batches, start)
         done, ended = 0, False
         pipeline = self.batch_pipeline

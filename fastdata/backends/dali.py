@@ -458,7 +458,7 @@ class DaliLoader(DaliFiles, Loader):
 
     def _outputs(self, remaining: int):
         """(images, labels) for the next ``remaining`` batches of the stream, empty ones included."""
-        records = self._feeder.records
+        records, keep_ids = self._feeder.records, self.ids_keeper()
         for _ in range(remaining):
             while not records and self._ready is None:  # nothing fed yet: ask DALI, which calls the feeder
                 self._ready = self._fetch()
@@ -469,7 +469,7 @@ class DaliLoader(DaliFiles, Loader):
                 self._ready = self._fetch()
             records.popleft()
             self.skipped += rec["skipped"]
-            self.keep_ids(rec["ids"])   # the files this batch holds (loader.batch_ids)
+            keep_ids(rec["ids"])   # the files this batch holds (loader.batch_ids)
             if not rec["n"]:
                 yield self._empty()
                 continue

@@ -5,7 +5,7 @@ sample. The planned ids (``loader.batch_sampler``) say that only while every sam
 yielded: ``on_error="skip"`` drops an undecodable file from its batch (which comes out shorter), and the
 memory backend leaves such files out of its cache up front (its plan then counts positions among the
 files kept, ``kept``). So a backend that drops a file says what it kept, batch by batch in the order it
-yields them (``keep_ids``, from any thread: prefetch's producer runs ahead of the consumer), and the base
+yields them (``ids_keeper``, from any thread: prefetch's producer runs ahead of the consumer), and the base
 loader hands the ids out with each batch. The contract's batches stay ``(images, labels)``.
 """
 from __future__ import annotations
@@ -71,12 +71,16 @@ class SampleIds:
         positions = np.asarray(positions, dtype=np.int64)
         return positions if self.kept is None else self.kept[positions]
 
-    def keep_ids(self, ids) -> None:
-        """For backends that drop files from a batch: the source ids of the samples the next batch
-        yielded holds, in row order. Called once per batch, in yield order, for every batch of the
-        pass, or never (the planned ids are then the batch's)."""
-        if self._pass_ids is not None:
-            self._pass_ids.kept.append(np.asarray(ids, dtype=np.int64))
+    def ids_keeper(self):
+        """For backends that drop files from a batch, called as the pass's batches start: a function
+        taking the source ids of the samples each batch yielded holds, in row order, to be called once
+        per batch, in yield order, for every batch of the pass (or never: the planned ids are then the
+        batch's). Bound to this pass: a producer thread of a pass left early that records its last batch
+        after the next pass began (prefetch) records into its own pass, not into the next one's."""
+        p = self._pass_ids
+        if p is None:
+            return lambda ids: None
+        return lambda ids: p.kept.append(np.asarray(ids, dtype=np.int64))
 
     def _start_ids(self) -> None:
         self._pass_ids = _PassIds()

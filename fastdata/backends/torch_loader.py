@@ -208,6 +208,7 @@ class TorchLoader(Loader):
         seeds = self.plan.batch_seeds(epoch, start, len(batches)).tolist()
         jobs = list(zip(batches, seeds, strict=True))
         self._sampler.jobs = jobs
+        keep_ids = self.ids_keeper()   # this pass's (loader.batch_ids): prefetch's producer may outlive it
         if self._loader.num_workers and getattr(self._loader, "_iterator", None) is None:
             collect_before_fork()
         it = None
@@ -225,7 +226,7 @@ class TorchLoader(Loader):
                                        "iter(loader) starts a fresh pass")
                 images, labels, kept = batch
                 self.skipped += len(ids) - len(kept)
-                self.keep_ids(kept)   # before the batch is handed on: loader.batch_ids (prefetch runs ahead)
+                keep_ids(kept)   # before the batch is handed on (prefetch's producer runs ahead)
                 yield images, labels
             with device_scope(self.device, self.pin):
                 next(it, None)  # the end of the epoch, as a plain loop over the DataLoader reaches it
