@@ -27,10 +27,12 @@ class SimpleLoader(Loader):
     reads = frozenset({SourceKind.ARRAY, SourceKind.FILES, SourceKind.DATASET})
 
     def _epoch(self, epoch, batches, start):
+        keep_ids = self.ids_keeper()   # which samples each batch holds (loader.batch_ids), this pass's
         for k, ids in enumerate(batches):
             rng = self.batch_rng(epoch, start + k)   # the batch's augmentation seed, from (seed, epoch)
             d = decode(self.source, ids, self.augment, rng, self.config.on_error)
             self.skipped += len(ids) - len(d.kept)   # the one counter; the base class warns
+            keep_ids(d.kept)   # on_error="skip" may have dropped some: the rows are these samples
             # uint8 until the device (a quarter of float's bytes), normalized there.
             images = torch.from_numpy(d.images).to(self.device)
             yield self.normalize(images), torch.from_numpy(d.labels).to(self.device)

@@ -182,3 +182,46 @@ def test_a_pass_left_during_a_slow_batch_does_not_shift_the_next_ones_ids(monkey
     it.close()
     rows = _pass(loader)
     assert all(np.array_equal(decoded, ids) for decoded, ids in rows)
+
+
+def _simple_backend():
+    from conftest import load_example
+
+    return load_example("custom_backend").SimpleLoader
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_the_example_backend_names_its_rows_with_skipped_files(broken):
+    """examples/custom_backend.py, the model of a backend of one's own, records the samples each batch
+    keeps, so its rows are named right when on_error='skip' drops a file."""
+    from fastdata.config import LoaderConfig
+
+    source = ImageFolder(broken)
+    loader = _simple_backend()(source, LoaderConfig(batch_size=4, device="cpu", train=False, augment=EVAL,
+                                                     on_error="skip"))
+    for _, labels in loader:
+        assert np.array_equal(labels.numpy(), source.labels[loader.batch_ids])
+    assert [source.sample_name(int(i)).split("/")[-1] for i in loader.skipped_ids] == ["img_00000b.jpg"]
+
+
+def test_a_backend_that_drops_samples_without_saying_which_is_named():
+    """A backend of one's own that yields fewer rows than the batch's ids and records nothing: batch_ids
+    would have named the rows by the planned ids, off by one from the dropped sample on. Reading them is
+    now an error naming the backend and what to call."""
+    from fastdata.config import LoaderConfig
+
+    class Dropping(_simple_backend()):
+        name = "dropping"
+
+        def _epoch(self, epoch, batches, start):
+            for images, labels in super()._epoch(epoch, batches, start):
+                yield images[1:], labels[1:]
+
+        def ids_keeper(self):
+            return lambda ids: None
+
+    loader = Dropping(indexed_source(20), LoaderConfig(batch_size=8, device="cpu", train=False))
+    next(iter(loader))
+    with pytest.raises(RuntimeError, match=r"backend 'dropping' yielded a batch of 7 rows for 8 sample ids.*"
+                                           r"self\.ids_keeper\(\)"):
+        _ = loader.batch_ids

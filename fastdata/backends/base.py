@@ -523,7 +523,7 @@ class Loader(SampleIds):
                     images, labels = batch
                     batch = pipeline(images, labels, seed_for(self.plan.seed, epoch, start + done, self.plan.rank,
                                                               0xBA7C))
-                self._hand_out_ids(batches[done], padding if done == len(batches) - 1 else 0)
+                self._hand_out_ids(batches[done], padding if done == len(batches) - 1 else 0, len(batch[1]))
                 done += 1
                 self._position = (epoch, offset, done, len(batches))
                 if order is not None:   # streaming. After the last batch: all it reads (drop_last leaves

@@ -21,11 +21,12 @@ class _PassIds:
     """One pass's ids: what the backend kept per batch (a FIFO, in yield order), the last batch's ids and
     padding rows, the ids it skipped so far."""
 
-    __slots__ = ("kept", "last", "padding", "skipped")
+    __slots__ = ("kept", "last", "padding", "skipped", "unknown")
 
     def __init__(self):
         self.kept: collections.deque = collections.deque()   # append/popleft: safe across two threads
         self.last, self.padding, self.skipped = _NONE, 0, []
+        self.unknown: str | None = None   # why the last batch's ids are not known (a backend that did not say)
 
 
 class SampleIds:
@@ -42,7 +43,10 @@ class SampleIds:
         ``source.sample_name(i)``, ``source.labels[i]``): a file skipped with ``on_error="skip"`` has no
         row and no id. Under ``even_batches`` the last batch's padding rows (its last
         ``batch_padding``) repeat ids of the epoch's start. Empty before the first batch of a pass."""
-        return self._pass_ids.last if self._pass_ids is not None else _NONE
+        p = self._pass_ids
+        if p is not None and p.unknown is not None:
+            raise RuntimeError(p.unknown)
+        return p.last if p is not None else _NONE
 
     @property
     def batch_padding(self) -> int:
@@ -85,14 +89,18 @@ class SampleIds:
     def _start_ids(self) -> None:
         self._pass_ids = _PassIds()
 
-    def _hand_out_ids(self, planned: np.ndarray, padding: int) -> None:
+    def _hand_out_ids(self, planned: np.ndarray, padding: int, rows: int) -> None:
         """The batch of ``planned`` positions, its last ``padding`` of them even_batches' padding, is being
-        handed out: its ids become ``batch_ids``."""
+        handed out with ``rows`` rows: its ids become ``batch_ids``."""
         p = self._pass_ids
         if p is None:
             return
         planned = self.source_ids(planned)
         p.last, p.padding = (p.kept.popleft() if p.kept else planned), padding
+        p.unknown = None if len(p.last) == rows else (
+            f"backend {self.name!r} yielded a batch of {rows} rows for {len(p.last)} sample ids without saying "  # type: ignore[attr-defined]
+            f"which samples it holds, so loader.batch_ids cannot name its rows: a backend that drops samples "
+            f"from a batch records the ids it kept with self.ids_keeper() (fastdata/backends/sample_ids.py)")
         if len(p.last) < len(planned):
             p.skipped.append(planned[~np.isin(planned, p.last)])
             # A padding sample that was skipped has no row (a file fails wherever it is read).
