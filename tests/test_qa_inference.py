@@ -225,3 +225,13 @@ def test_a_backend_that_drops_samples_without_saying_which_is_named():
     with pytest.raises(RuntimeError, match=r"backend 'dropping' yielded a batch of 7 rows for 8 sample ids.*"
                                            r"self\.ids_keeper\(\)"):
         _ = loader.batch_ids
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_batch_ids_index_the_subset_read(backend):
+    """With indices= the loader reads a subset (loader.dataset): its ids index that, as documented."""
+    indices = np.arange(40)[::-3]
+    loader = _loader(indexed_source(40), backend, batch_size=4, indices=indices)
+    rows = _pass(loader)
+    assert all(np.array_equal(decoded, indices[ids]) for decoded, ids in rows)
+    assert sorted(np.concatenate([ids for _, ids in rows]).tolist()) == list(range(len(indices)))
