@@ -235,3 +235,25 @@ def test_batch_ids_index_the_subset_read(backend):
     rows = _pass(loader)
     assert all(np.array_equal(decoded, indices[ids]) for decoded, ids in rows)
     assert sorted(np.concatenate([ids for _, ids in rows]).tolist()) == list(range(len(indices)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_on_the_gpu_rows_are_named_and_a_cpu_model_is_refused(backend, broken):
+    """On CUDA: batch_ids name the rows (prefetch's side stream, DALI's GPU pipeline, memory's device
+    cache), skipped files included; evaluate names both devices for a model left on the CPU."""
+    loader = _loader(indexed_source(70), backend, device="cuda")
+    rows = _pass(loader)
+    assert all(np.array_equal(decoded, ids) for decoded, ids in rows)
+    assert np.array_equal(np.concatenate([ids for _, ids in rows]), np.arange(70))
+    source = ImageFolder(broken)
+    skipping = _loader(source, backend, device="cuda", batch_size=4, augment=EVAL, on_error="skip")
+    for _, labels in skipping:
+        assert np.array_equal(labels.cpu().numpy(), source.labels[skipping.batch_ids])
+    assert skipping.skipped_ids.tolist() == [i for i in range(len(source))
+                                             if source.sample_name(i).endswith("img_00000b.jpg")]
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+    with pytest.raises(ValueError, match=r"model is on cpu but the evaluation loader yields batches on cuda:\d"):
+        evaluate(model, loader)
+    assert evaluate(model.to(loader.device), loader)["samples"] == 70
