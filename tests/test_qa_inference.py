@@ -42,6 +42,8 @@ def test_each_row_is_named_by_batch_ids_once_in_a_stable_order(backend):
     loader.set_epoch(3)
     again = _pass(loader)
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(first, again, strict=True))
+    with pytest.raises(ValueError, match="read-only"):
+        loader.batch_ids[0] = 5   # the loader's own record: a copy is the caller's
 
 
 @pytest.mark.parametrize("backend", backend_params())

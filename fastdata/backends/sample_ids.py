@@ -46,7 +46,9 @@ class SampleIds:
         p = self._pass_ids
         if p is not None and p.unknown is not None:
             raise RuntimeError(p.unknown)
-        return p.last if p is not None else _NONE
+        ids = (p.last if p is not None else _NONE).view()
+        ids.flags.writeable = False   # the loader's own record, shared with the backend: copy it to change it
+        return ids
 
     @property
     def batch_padding(self) -> int:
