@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 
 
@@ -37,6 +38,7 @@ class Claim:
     def __init__(self, lock: Path, fd: int):
         self.lock = lock
         self.fd: int | None = fd
+        _CLAIMS.add(self)
 
     def release(self) -> None:
         """Give the path up (idempotent). The file is removed while still locked: a run that opened it
@@ -70,6 +72,7 @@ def hold(lock: Path, refusal) -> Claim | None:
         held = try_lock(fd)
         if held is not True:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() if held is False else ""
+            here = held is False and _held_here(fd)
             if held is None and os.fstat(fd).st_size == 0:
                 # Made by this open for nothing (Windows, a file system without flock): nothing will
                 # remove it, and a .lock beside every checkpoint and in every log folder stayed for good.
@@ -77,7 +80,7 @@ def hold(lock: Path, refusal) -> Claim | None:
             os.close(fd)
             if held is None:
                 return None
-            raise refusal(_holder(holder, lock))
+            raise refusal(_holder(holder, lock, here))
         try:
             current = os.stat(lock).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -97,21 +100,39 @@ def _remove(path: Path) -> None:
         pass
 
 
+#: This process's live claims: whether a refused path is held by this very process is told by them,
+#: not by the pid and host a lock file names (containers on two nodes may share both).
+_CLAIMS: weakref.WeakSet[Claim] = weakref.WeakSet()
+
+
+def _held_here(fd: int) -> bool:
+    """Whether a live claim of this process holds the file open at ``fd``."""
+    st = os.fstat(fd)
+    for claim in list(_CLAIMS):
+        try:
+            other = os.fstat(claim.fd) if claim.fd is not None else None
+        except OSError:
+            continue
+        if other is not None and (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
 def _me() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
-def _holder(text: str, lock: Path) -> str:
+def _holder(text: str, lock: Path, here: bool = False) -> str:
     """The holder as it wrote itself, and how to let go where "stop the other run" names no run one
     can stop: this very process (a notebook cell run again, ``log = RunLog(d)`` after its loop raised
     before ``close()``, makes the new object while the old one still holds the path), or a process on
     another host, whose lock a network file system can keep after that host went down (NFSv3's lock
     manager until the host comes back: a job preempted with its node)."""
+    if here:
+        return (f"{text or _me()}: this process itself, an object of an earlier run in it (a notebook cell run again) "
+                f"not closed: close() it (RunLog.close(), TrainingState.release()) or del it")
     if not text:
         return "a process that has not said which"
-    if text.startswith(_me() + ","):
-        return (f"{text}: this process itself, an object of an earlier run in it (a notebook cell run again) "
-                f"not closed: close() it (RunLog.close(), TrainingState.release()) or del it")
     host = text.split(" on ", 1)[1].split(",", 1)[0] if text.startswith("pid ") and " on " in text else None
     if host is not None and host != socket.gethostname():
         return (f"{text}; if that run is gone (its host went down, and the network file system kept its "

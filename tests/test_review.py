@@ -156,3 +156,23 @@ def test_a_path_held_from_another_host_says_how_to_free_it_if_that_host_is_gone(
         assert "if that run is gone" in str(refused.value) and f"remove '{lock}'" in str(refused.value)
     finally:
         os.close(fd)
+
+
+def test_this_process_is_told_by_its_claims_not_by_the_pid_and_host_a_lock_file_names(tmp_path):
+    """Containers on two nodes may share a host name and a pid: a lock file naming them, held by no claim
+    of this process, is another run's, and gets no advice to close() an object of this one."""
+    import fcntl
+    import socket
+
+    from fastdata import checkpoint as ckpt
+
+    lock = tmp_path / "c.pt.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)   # another node's run with this pid and host name
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since Fri Nov 27 23:00:00 2026".encode())
+        with pytest.raises(ckpt.CheckpointInUse) as refused:
+            ckpt.claim(tmp_path / "c.pt")
+        assert "this process itself" not in str(refused.value)
+    finally:
+        os.close(fd)
