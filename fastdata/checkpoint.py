@@ -385,7 +385,7 @@ def clean_stale(path) -> list[Path]:
         return removed
     for p in folder.glob(path.name + TMP_MARK + "*"):
         try:
-            fd = os.open(p, os.O_RDONLY)
+            fd = _open_to_lock(p)
         except OSError:   # gone meanwhile, or unreadable: not ours to judge
             continue
         try:
@@ -398,6 +398,16 @@ def clean_stale(path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+def _open_to_lock(p: Path) -> int:
+    """``p`` opened for writing where this user may (else for reading): NFSv4 emulates flock with POSIX
+    locks, and an exclusive one on a read-only descriptor fails (EBADF), which read as "no locks here",
+    so another run's clean_stale removed a save in progress there after all."""
+    try:
+        return os.open(p, os.O_RDWR)
+    except PermissionError:
+        return os.open(p, os.O_RDONLY)
 
 
 # ------------------------------------------------------------------------------------ one run a path

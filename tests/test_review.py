@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,30 @@ def test_this_process_is_told_by_its_claims_not_by_the_pid_and_host_a_lock_file_
         assert "this process itself" not in str(refused.value)
     finally:
         os.close(fd)
+
+
+def test_clean_stale_leaves_a_save_in_progress_alone_where_flock_needs_a_writable_descriptor(tmp_path, monkeypatch):
+    """NFSv4 emulates flock with POSIX locks: an exclusive one on a descriptor opened read-only fails
+    (EBADF). clean_stale opened the temporaries read-only, took that for "no locks here", and removed the
+    temporary another run was writing: that run's save then failed naming a .tmp file."""
+    import errno
+    import fcntl
+    import tempfile
+
+    from fastdata import checkpoint as ckpt
+
+    real = fcntl.flock
+
+    def nfs_flock(fd, op):
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(fd, op)
+
+    fd, tmp = tempfile.mkstemp(prefix="c.pt" + ckpt.TMP_MARK, dir=tmp_path)   # another run, saving
+    try:
+        real(fd, fcntl.LOCK_EX)
+        monkeypatch.setattr(fcntl, "flock", nfs_flock)
+        assert ckpt.clean_stale(tmp_path / "c.pt") == [] and os.path.exists(tmp)
+    finally:
+        os.close(fd)
+    assert ckpt.clean_stale(tmp_path / "c.pt") == [Path(tmp)]   # once it is let go: a crashed save's, removed
