@@ -259,3 +259,26 @@ def test_on_the_gpu_rows_are_named_and_a_cpu_model_is_refused(backend, broken):
     with pytest.raises(ValueError, match=r"model is on cpu but the evaluation loader yields batches on cuda:\d"):
         evaluate(model, loader)
     assert evaluate(model.to(loader.device), loader)["samples"] == 70
+
+
+@pytest.mark.requires("lightning")
+def test_lightning_predict_steps_see_their_own_batch_ids(tmp_path):
+    """Lightning's predict loop does not fetch ahead of a loader with a len(), so loader.batch_ids read in
+    predict_step name that step's rows, as docs/contract.md says."""
+    from conftest import optional
+
+    L = optional("lightning")
+    loader = _loader(indexed_source(40), "prefetch", batch_size=8)
+
+    class Predictor(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(1, 1)
+
+        def predict_step(self, batch, batch_idx):
+            return decode_ids(batch[0]), loader.batch_ids.copy()
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    out = trainer.predict(Predictor(), dataloaders=loader)
+    assert len(out) == 5 and all(np.array_equal(rows, ids) for rows, ids in out)
