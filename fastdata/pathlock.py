@@ -105,6 +105,24 @@ def _remove(path: Path) -> None:
 _CLAIMS: weakref.WeakSet[Claim] = weakref.WeakSet()
 
 
+def _forget_in_child() -> None:
+    """In a forked child (a DataLoader worker): let go of the parent's claims without removing them.
+    A flock belongs to the open file, which a child's copy of the descriptor keeps: a run killed while
+    its workers lived on stayed "in use" until the last of them ended, and a child's release() would
+    remove the lock file the parent still holds."""
+    for claim in list(_CLAIMS):
+        fd, claim.fd = claim.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _held_here(fd: int) -> bool:
     """Whether a live claim of this process holds the file open at ``fd``."""
     st = os.fstat(fd)

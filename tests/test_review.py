@@ -204,3 +204,27 @@ def test_clean_stale_leaves_a_save_in_progress_alone_where_flock_needs_a_writabl
     finally:
         os.close(fd)
     assert ckpt.clean_stale(tmp_path / "c.pt") == [Path(tmp)]   # once it is let go: a crashed save's, removed
+
+
+def test_a_forked_child_does_not_keep_a_killed_runs_path_in_use(tmp_path):
+    """A flock belongs to the open file, and a forked child (a DataLoader worker) holds a copy of the
+    claim's descriptor: a run killed while its children lived on was refused on resume ("in use by
+    another run", naming the dead pid) until the last child ended."""
+    import time
+
+    from fastdata import checkpoint as ckpt
+
+    claim = ckpt.claim(tmp_path / "c.pt")
+    pid = os.fork()
+    if pid == 0:   # a worker that outlives its parent for a while
+        time.sleep(3)
+        os._exit(0)
+    try:
+        os.close(claim.fd)   # the run is killed: its own descriptor goes, its lock file stays
+        claim.fd = None
+        again = ckpt.claim(tmp_path / "c.pt")
+        assert again is not None
+        again.release()
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
