@@ -282,3 +282,23 @@ def test_lightning_predict_steps_see_their_own_batch_ids(tmp_path):
                         enable_model_summary=False, default_root_dir=tmp_path)
     out = trainer.predict(Predictor(), dataloaders=loader)
     assert len(out) == 5 and all(np.array_equal(rows, ids) for rows, ids in out)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_resumed_pass_with_skipped_files_names_its_rows(backend, broken):
+    """After load_state_dict the rest of the pass is named by the folder's ids, the memory backend's
+    positions among its kept files included."""
+    source = ImageFolder(broken)
+    loader = _loader(source, backend, batch_size=4, augment=EVAL, on_error="skip")
+    it = iter(loader)
+    next(it)
+    head = loader.batch_ids.copy()
+    resumed = _loader(source, backend, batch_size=4, augment=EVAL, on_error="skip")
+    resumed.load_state_dict(loader.state_dict())
+    rest = []
+    for _, labels in resumed:
+        assert np.array_equal(labels.numpy(), source.labels[resumed.batch_ids])
+        rest.append(resumed.batch_ids.copy())
+    bad = [i for i in range(len(source)) if source.sample_name(i).endswith("img_00000b.jpg")]
+    assert sorted(np.concatenate([head, *rest]).tolist()) == [i for i in range(len(source)) if i not in bad]
