@@ -116,6 +116,10 @@ def test_evaluate_names_both_devices_when_the_model_is_elsewhere():
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).to("meta")
     with pytest.raises(ValueError, match="model is on meta.*evaluation loader yields batches on cpu"):
         evaluate(model, loader)
+    # A model split over devices with a part on the loader's (model parallel) is the caller's design.
+    split = nn.Sequential(nn.Flatten(), nn.Linear(64, 10), nn.Linear(10, 10).to("meta"))
+    with pytest.raises(RuntimeError, match="meta"):   # meta cannot compute: what matters is no ValueError
+        evaluate(split, loader)
 
 
 

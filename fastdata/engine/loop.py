@@ -48,11 +48,13 @@ def evaluate(model: nn.Module, loader, *, amp: str = "auto", loss_fn=None) -> di
 
 
 def _check_eval_model_device(model: nn.Module, device: torch.device) -> None:
-    """A model on another device than the evaluation loader's batches, named with both (it failed inside
-    its first layer with torch's "Tensor on device ... is not on the expected device"). Unlike fit,
-    evaluate does not move the model: the caller's model stays where it was put."""
-    elsewhere = sorted({str(t.device) for t in (*model.parameters(), *model.buffers()) if t.device != device})
-    if elsewhere:
+    """A model wholly on another device than the evaluation loader's batches, named with both (it failed
+    inside its first layer with torch's "Tensor on device ... is not on the expected device"). Unlike
+    fit, evaluate does not move the model: the caller's model stays where it was put. A model split over
+    devices (model parallel, a part offloaded to the CPU) with a part on the loader's passes."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    elsewhere = sorted(str(d) for d in devices)
+    if devices and device not in devices:
         raise ValueError(f"the model is on {', '.join(elsewhere)} but the evaluation loader yields batches on "
                          f"{device}: move the model with model.to('{device}'), or build the loader with "
                          f"device='{elsewhere[0]}'")
