@@ -88,7 +88,7 @@ def test_under_ddp_files_the_memory_cache_left_out_are_reported_by_rank_0_alone(
 
 def test_one_warning_text():
     with pytest.warns(RuntimeWarning, match=r"^torch: skipped 2 undecodable sample\(s\) in epoch 4 "
-                                            r"\(on_error='skip'\)$"):
+                                            r"\(on_error='skip'; loader.skipped_ids names them\)$"):
         warn_skipped("torch", 2, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -110,7 +110,8 @@ def test_every_backend_counts_skips_in_loader_skipped_and_warns_once_per_epoch(b
             n = sum(len(y) for _, y in loader)
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert n == 6 and loader.skipped == 1, (backend, epoch, n, loader.skipped)
-        assert messages == [f"{backend}: skipped 1 undecodable sample(s) in epoch {epoch + 1} (on_error='skip')"]
+        assert messages == [f"{backend}: skipped 1 undecodable sample(s) in epoch {epoch + 1} (on_error='skip'; "
+                        f"loader.skipped_ids names them)"]
     loader.close()
 
 

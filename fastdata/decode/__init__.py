@@ -277,7 +277,7 @@ def warn_skipped(backend: str, count: int, epoch: int) -> None:
     """
     if count:
         warnings.warn(f"{backend}: skipped {count} undecodable sample(s) in epoch {epoch + 1} "
-                      f"(on_error='skip')", RuntimeWarning, stacklevel=user_stacklevel())
+                      f"(on_error='skip'; loader.skipped_ids names them)", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def collect_before_fork() -> None:
