@@ -42,25 +42,12 @@ def _example():
     return module
 
 
-def _backend(text: str) -> str:
-    """``--backends``: a backend of the table other than ``auto``, installed here (one that is not says
-    what does not import and how to install it, not only that it is no choice)."""
-    from fastdata.registry import BACKENDS
-
-    if text == "auto":
-        raise argparse.ArgumentTypeError(f"'auto' trains with one of the others: name that one; choose from "
-                                         f"{list(BACKENDS)}")
-    if text not in BACKENDS:
-        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose from {list(BACKENDS)}")
-    return cli.backend(text)
-
-
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = common.PresetParser(description="Seconds of training until the MNIST example reaches a test "
                             "accuracy, per backend.", add_help=add_help,
                             quick_help="1 epoch on 6,000/1,000 digits: checks that it runs, not how fast")
     backends = [b for b in available_backends() if b != "auto"]
-    p.add_argument("--backends", nargs="+", default=backends, type=_backend, metavar="BACKEND",
+    p.add_argument("--backends", nargs="+", default=backends, type=cli.named_backend, metavar="BACKEND",
                    help=f"default: every available backend ({', '.join(backends)})")
     p.add_argument("--target", type=cli.fraction, default=0.99,
                    help="test accuracy to reach, a fraction (default 0.99)")

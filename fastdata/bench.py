@@ -387,7 +387,7 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    help="timed batches per backend (default: 200; 30 with --quick)")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES,
                    help="the model step's precision (auto: bf16 or fp16 on CUDA, off on the CPU)")
-    p.add_argument("--backends", nargs="+", default=None, type=_measured_backend,
+    p.add_argument("--backends", nargs="+", default=None, type=cli.named_backend,
                    help="default: every available backend")
     p.add_argument("--on-error", default="raise", choices=ON_ERROR,
                    help="an undecodable file: stop naming it (raise), or skip it and count it (skip)")
@@ -397,19 +397,6 @@ def get_args_parser(parser: argparse.ArgumentParser | None = None) -> argparse.A
                    help="folder for bench-<tag>.{md,json,png} (default: fastdata-bench, in the current folder)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
-
-
-def _measured_backend(text: str) -> str:
-    """A backend ``--backends`` can measure: any but ``auto``, which is a choice among them (so neither
-    error offers it as a choice)."""
-    from .registry import BACKENDS
-
-    if text == "auto":
-        raise argparse.ArgumentTypeError(f"'auto' picks one of the others, it is not measured; choose from "
-                                         f"{list(BACKENDS)}")
-    if text not in BACKENDS:
-        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose from {list(BACKENDS)}")
-    return cli.backend(text)
 
 
 def main(args) -> dict:

@@ -261,6 +261,20 @@ def backend(text: str) -> str:
     return text
 
 
+def named_backend(text: str) -> str:
+    """``--backends`` of a command that runs each backend it is given (``fastdata bench``,
+    ``bench_accuracy``): a row of the table, not ``auto``, which picks one of them (it would be one of the
+    others again); neither error offers ``auto`` as a choice. Installed here, as ``backend`` checks."""
+    from .registry import BACKENDS
+
+    if text == "auto":
+        raise argparse.ArgumentTypeError(f"'auto' picks one of the others: name that one; choose from "
+                                         f"{list(BACKENDS)}")
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose from {list(BACKENDS)}")
+    return backend(text)
+
+
 def backend_metavar() -> str:
     """``{auto,torch,...}`` for the help text, as ``choices`` would show it."""
     from .registry import choices

@@ -327,7 +327,7 @@ def test_bench_accuracy_says_a_backend_is_not_installed_and_how_to_install_it(mo
     registry.clear_import_cache()
     try:
         for bad, said in (("dali", "needs no_dali_here, which does not import here; install: pip install nvidia-dali"),
-                          ("auto", "'auto' trains with one of the others"),
+                          ("auto", "'auto' picks one of the others: name that one"),
                           ("nope", "unknown backend 'nope'; choose from ['torch', 'memory', 'prefetch', 'dali']")):
             with pytest.raises(SystemExit):
                 mod.get_args_parser().parse_args(["--backends", bad])
