@@ -215,10 +215,17 @@ def test_a_forked_child_does_not_keep_a_killed_runs_path_in_use(tmp_path):
     from fastdata import checkpoint as ckpt
 
     claim = ckpt.claim(tmp_path / "c.pt")
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:   # a worker that outlives its parent for a while
+        os.write(ready_w, b"1")   # os.fork's after-in-child hooks have run by now
         time.sleep(3)
         os._exit(0)
+    # Waited for: the parent racing ahead of the child's start found its lock still shared (a full-suite
+    # run on 2 loaded cores); a killed run's workers have long started.
+    os.read(ready_r, 1)
+    os.close(ready_r)
+    os.close(ready_w)
     try:
         os.close(claim.fd)   # the run is killed: its own descriptor goes, its lock file stays
         claim.fd = None
