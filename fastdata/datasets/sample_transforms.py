@@ -58,65 +58,57 @@ _DTYPE_SETTERS = {"ToDtype", "ConvertImageDtype"}  # float or uint8 out, by thei
 _RANDOM_CONTAINERS = ("RandomApply", "RandomChoice", "RandomOrder")
 
 
-def _outcomes(transform, before: frozenset) -> frozenset:
-    """What ``transform`` may leave, from what may come in: a set of (floats, the step that made them)
-    pairs, (False, None) for uint8/PIL. Compositions are walked (``composition_parts``: Compose,
-    nn.Sequential, a module's children, in order); RandomApply may run or skip its steps, RandomChoice
-    runs one of them and RandomOrder runs them in any order, so each contributes every possible end."""
+def _walk(transform, before: frozenset, leaf) -> frozenset:
+    """Every state ``transform`` may leave, from the states that may come in (``before``); ``leaf(step,
+    states)`` gives a step's that is not a composition. Compositions are walked (``composition_parts``:
+    Compose, nn.Sequential, a module's children, in order); RandomApply may run or skip its steps,
+    RandomChoice runs one of them and RandomOrder runs them in any order, so each contributes every
+    possible end."""
     from itertools import islice, permutations
 
     from ..batch_transforms import composition_parts
 
     parts = [child for _, child in composition_parts(transform)]
     if not parts:
-        made = _makes_float(transform)
-        return before if made is None else frozenset({(made, type(transform).__name__)})
+        return leaf(transform, before)
     kind = type(transform).__name__ if type(transform).__module__.startswith("torchvision.") else None
 
     def in_order(steps, states):
         for step in steps:
-            states = _outcomes(step, states)
+            states = _walk(step, states, leaf)
         return states
 
     if kind == "RandomApply":
         return before | in_order(parts, before)
     if kind == "RandomChoice":
-        return frozenset().union(*(_outcomes(p, before) for p in parts))
+        return frozenset().union(*(_walk(p, before, leaf) for p in parts))
     if kind == "RandomOrder":   # every order (720 for 6 steps; more steps: the first 720 orders)
         return frozenset().union(*(in_order(order, before) for order in islice(permutations(parts), 720)))
     return in_order(parts, before)
+
+
+def _outcomes(transform, before: frozenset) -> frozenset:
+    """What ``transform`` may leave, from what may come in (``_walk``): a set of (floats, the step that
+    made them) pairs, (False, None) for uint8/PIL."""
+    def leaf(step, states):
+        made = _makes_float(step)
+        return states if made is None else frozenset({(made, type(step).__name__)})
+
+    return _walk(transform, before, leaf)
 
 
 def output_size(transform, size: tuple | None = None) -> tuple[int, int] | None:
     """The (height, width) every image leaves ``transform`` at, where its steps fix it (a crop to a size,
     a resize to a (height, width)), else None (a resize of the shorter side alone, or no such step: the
     photos keep sizes of their own). ``size``: what comes in. Compositions are walked as ``_outcomes``
-    walks them; a step that runs only sometimes, or in a random order, counts where every outcome agrees.
+    walks them (``_walk``); a step that runs only sometimes, or in a random order, counts where every
+    outcome agrees.
 
     Steps are known by their ``size`` and their class name (``...Crop...``, ``...Resize...``), not only
     torchvision's own classes: timm's ``RandomResizedCropAndInterpolation`` and ``ResizeKeepRatio``
     follow torchvision's fields. ``like=`` evaluates at this size (``registry._eval_recipe``)."""
-    from ..batch_transforms import composition_parts
-
-    parts = [child for _, child in composition_parts(transform)]
-    if not parts:
-        return _step_size(transform, size)
-    kind = type(transform).__name__ if type(transform).__module__.startswith("torchvision.") else None
-
-    def in_order(steps, at):
-        for step in steps:
-            at = output_size(step, at)
-        return at
-
-    if kind == "RandomApply":
-        ends = {size, in_order(parts, size)}
-    elif kind == "RandomChoice":
-        ends = {output_size(p, size) for p in parts}
-    elif kind == "RandomOrder":
-        ends = {in_order(parts, size), in_order(parts[::-1], size)}
-    else:
-        return in_order(parts, size)
-    return ends.pop() if len(ends) == 1 else None
+    ends = _walk(transform, frozenset({size}), lambda step, at: frozenset(_step_size(step, s) for s in at))
+    return next(iter(ends)) if len(ends) == 1 else None
 
 
 def rescales(transform) -> bool:
