@@ -460,7 +460,9 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
         with on_ctrl_c(say):
             yield
     except (CheckpointError, distributed.PreparationError) as e:
-        raise SystemExit(f"error: {flags[0]}: {e}") from None
+        # fit's refusals offer "a new run (resume=False)": the Python API's words for this command's.
+        new_run = f"(without --resume, or with another {flags[0]})"
+        raise SystemExit(f"error: {flags[0]}: {str(e).replace('(resume=False)', new_run)}") from None
     except LogDirInUse as e:   # another run logs into --log-dir: refused before any training
         raise SystemExit(f"error: --log-dir: {e}") from None
     except FloatingPointError as e:   # fit: the weights went NaN; its message says where and what was kept

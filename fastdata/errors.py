@@ -56,6 +56,20 @@ class MissingDependency(ImportError):
     """A backend whose package is not installed; the message says how to install it."""
 
 
+class PositionMismatch(ValueError):
+    """A saved position taken under another seed, dataset, shuffle or drop_last. ``detail`` names what
+    changed; the advice depends on who resumes (``fit`` says how to start a new run instead)."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"cannot resume this loader from the saved position: {detail}; the samples left in "
+                         f"the epoch would not be the interrupted run's (restart the epoch with set_epoch() "
+                         f"instead)")
+        self.detail = detail
+
+    def __reduce__(self):   # rebuilt from its detail, as raised (args holds the whole message)
+        return (PositionMismatch, (self.detail,))
+
+
 def user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, from the function calling this one, that names the first frame
     outside fastdata and torch (``torch.no_grad``'s decorator adds a frame of its own; a DataLoader's

@@ -417,6 +417,21 @@ def test_resuming_a_run_with_more_epochs_than_its_schedule_is_one_line(mnist_exa
         mnist_example.main(args)
 
 
+def test_resuming_under_another_seed_says_what_to_do_in_the_commands_words(mnist_example, tmp_path):
+    """The loader refuses a position taken under another --seed. The line said "restart the epoch with
+    set_epoch() instead", the Python API's words, which nobody at a command line can act on."""
+    common = ["--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256", "--test-size", "64",
+              "--backend", "memory", "--device", "cpu", "--workers", "0", "--no-progress", "--batch-size", "128",
+              "--checkpoint", str(tmp_path / "ck.pt"), "--epochs", "1"]
+    mnist_example.main(mnist_example.get_args_parser().parse_args(common))
+    args = mnist_example.get_args_parser().parse_args([*common, "--resume", "--seed", "5"])
+    with pytest.raises(SystemExit, match=r"^error: --checkpoint: '.*ck\.pt' cannot resume this run: seed was 0 "
+                                         r"and is now 5") as info:
+        mnist_example.main(args)
+    assert "set_epoch" not in str(info.value) and "resume=False" not in str(info.value)
+    assert str(info.value).endswith("start a new run (without --resume, or with another --checkpoint)")
+
+
 @pytest.mark.parametrize("backend", [b for b in ("torch", "memory", "dali") if b in available_backends()])
 def test_imagefolder_example_ends_with_one_line_naming_a_broken_file(folder_example, tmp_path, backend):
     """A truncated JPEG in the training folder: the memory backend (which decodes while it is built)

@@ -35,6 +35,7 @@ from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats,
 from ..datasets import Source, SourceKind, check_transform_and_augment
 from ..datasets.sample_transforms import recipe_choices
 from ..decode import warn_skipped
+from ..errors import PositionMismatch
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
 from .sample_ids import SampleIds
@@ -643,10 +644,7 @@ class Loader(SampleIds):
                 raise ValueError(f"loader state {key!r} is out of range: {state[key]}")
         diff = {k: (state[k], mine[k]) for k in self._SAME if state[k] != mine[k]}
         if diff:
-            detail = ", ".join(f"{k} was {a!r} and is now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"cannot resume this loader from the saved position: {detail}; the samples "
-                             f"left in the epoch would not be the interrupted run's (restart the epoch "
-                             f"with set_epoch() instead)")
+            raise PositionMismatch(", ".join(f"{k} was {a!r} and is now {b!r}" for k, (a, b) in diff.items()))
         saved_global = state["batch_size"] * state["world_size"]
         if optional:
             samples = state["samples"]

@@ -11,6 +11,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from .. import distributed as fdist
+from ..errors import PositionMismatch
 from .amp import user_stacklevel
 
 if TYPE_CHECKING:
@@ -191,6 +192,10 @@ class TrainingState:
         self.check_restorable(state, path)
         try:
             self.loader.load_state_dict(state["loader"])
+        except PositionMismatch as e:   # set_epoch(), the loader's own advice, is not fit's to take
+            raise ckpt.ResumeError(f"'{path}' cannot resume this run: {e.detail}; the samples left in its "
+                                   f"epoch would not be the interrupted run's. Resume with that run's seed, "
+                                   f"data and order, or start a new run (resume=False)") from e
         except (ValueError, TypeError) as e:   # another dataset, order or loader kind: not this run's
             raise ckpt.ResumeError(f"'{path}' cannot resume this run: {e}") from e
         step = self.step
