@@ -126,6 +126,13 @@ from ..images.photo import displayed_size, exif_orientation, open_image
 from .base import Loader, labels_on
 
 
+def output_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of the pipeline's output for loader dtype ``dtype``: float16 is made in DALI
+    (``crop_mirror_normalize``'s dtype), anything else leaves it as float32 (DALI has no bfloat16: see
+    ``_build`` and ``_convert``)."""
+    return 2 if dtype == torch.float16 else 4
+
+
 class _StreamEnded(Exception):
     """DALI's stream ended (the feeder gave up on a run of empty batches) where an output was needed."""
 
@@ -200,7 +207,9 @@ class DaliLoader(DaliFiles, Loader):
             h, w, c = cast(ArrayPixels, source).image_shape
             self.out_shape = (c,) + aug.output_size(h, w)
         opts = DaliOptions(**self.opts)
-        batch_bytes = config.batch_size * int(np.prod(self.out_shape)) * config.dtype.itemsize
+        # What one prefetched batch takes in DALI's queue: DALI's own output dtype (output_itemsize), not
+        # the loader's: bfloat16 batches are float32 there, converted by torch when handed out.
+        batch_bytes = config.batch_size * int(np.prod(self.out_shape)) * output_itemsize(config.dtype)
         # The free memory the prefetched outputs go to: the default depth is chosen from it on a GPU, and a
         # depth the user set is refused where its outputs cannot fit (dali_options.check_depth).
         free = None

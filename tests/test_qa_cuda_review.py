@@ -1,0 +1,182 @@
+"""A desk review of fastdata's CUDA paths against the installed torch and DALI (no GPU in these sessions).
+
+What a CPU can check is checked here: the dali backend's GPU graph as DALI itself validates it when the
+pipeline is defined (argument names, and that every named argument input is on the CPU, are checked at
+definition; only ``build()`` needs CUDA), and the bytes its prefetched outputs take. The ``cuda`` tests
+exercise on a GPU what only a GPU can settle: that a batch the consumer drops while its reads are still
+queued on the training stream is not overwritten under them (the classic zero-copy bug: DALI hands its
+own buffers to torch through DLPack, outside torch's caching allocator and its ``record_stream``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MEAN, STD, backend_params, indexed_source
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ImageFolder
+
+pytest.importorskip("nvidia.dali")
+
+
+# ------------------------------------------------------------------------- the bytes DALI prefetches
+def test_a_bfloat16_loaders_depth_is_checked_against_dalis_float32_outputs(monkeypatch):
+    """DALI has no bfloat16: a bf16 loader's pipeline outputs float32 (crop_mirror_normalize's dtype,
+    converted by torch when handed out), so each prefetched batch takes 4 bytes an element in DALI's
+    queue. The depth check counted the loader's 2 bytes: a depth whose outputs do not fit passed (and
+    the GPU's default depth of 4 was chosen for half the memory it takes)."""
+    import fastdata.backends.dali as dali_backend
+
+    src = indexed_source(64, size=8)             # batches of 16 x (1, 8, 8): 4,096 bytes as float32
+    monkeypatch.setattr(dali_backend, "available_ram", lambda: 30_000)
+    with pytest.raises(ValueError, match=r"prefetch_queue_depth=10 keeps 10 output batches .* at most 7 fit"):
+        make_loader(src, "dali", batch_size=16, device="cpu", dtype="bfloat16", prefetch_queue_depth=10)
+    # float16 is made in DALI: 2 bytes an element there, 20,480 bytes for 10 batches: it fits.
+    make_loader(src, "dali", batch_size=16, device="cpu", dtype="float16", prefetch_queue_depth=10).close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_itemsize_the_depth_counts_is_what_dali_outputs(dtype, monkeypatch):
+    """output_itemsize against the pipeline's real output, read where it is handed to torch."""
+    from fastdata.backends.dali import DaliLoader, output_itemsize
+
+    seen = []
+    real = DaliLoader._convert
+
+    def convert(self, out, labels):
+        seen.append(out["images"].dtype)
+        return real(self, out, labels)
+
+    monkeypatch.setattr(DaliLoader, "_convert", convert)
+    with make_loader(indexed_source(32), "dali", batch_size=16, device="cpu", dtype=dtype) as loader:
+        images = [x for x, _ in loader]
+    assert images[0].dtype == dtype and seen and {t.itemsize for t in seen} == {output_itemsize(dtype)}
+
+
+# ----------------------------------------------------------------- the GPU graph, defined on the CPU
+GPU_GRAPHS = {
+    "photos-random-resized": ("photos", Augmentation.imagenet_train(size=32), {}),
+    "photos-center-fp16-channels-last": ("photos", Augmentation.imagenet_eval(size=32, resize=40),
+                                         {"dtype": "float16", "channels_last": True}),
+    "arrays-translate-reflect": ("arrays", Augmentation(crop="translate", pad=2, padding="reflect", hflip=0.5), {}),
+    "arrays-random-resized": ("arrays", Augmentation(crop="random_resized", size=8, hflip=0.5), {}),
+    "arrays-none": ("arrays", Augmentation.none(), {}),
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_GRAPHS))
+def test_the_gpu_pipeline_graph_is_one_dali_accepts(case, photo_folder, monkeypatch):
+    """The dali backend's pipeline as it is built on a GPU (the ``mixed`` nvJPEG decoder with its tuning
+    arguments and preallocation hints, the arrays moved with ``.gpu()``, the crop boxes and flips as
+    named arguments), defined on this CPU machine: DALI checks each operator's argument names and that
+    every named argument input is a CPU node when the graph is defined; only ``build()`` needs CUDA, so
+    it is stubbed. A GPU run that failed on one of these would cost the whole call."""
+    import nvidia.dali.fn as fn
+    import nvidia.dali.pipeline as dali_pipeline
+    import nvidia.dali.plugin.pytorch as dali_torch
+
+    from fastdata.decode.dali_options import files_decoder
+
+    kind, aug, extra = GPU_GRAPHS[case]
+    src = ImageFolder(photo_folder) if kind == "photos" else indexed_source(64, size=8, channels=3)
+    options = {"decode": "dali"} if kind == "photos" else {}
+    loader = make_loader(src, "dali", batch_size=4, device="cpu", augment=aug, train=True, **extra, **options)
+    try:
+        next(iter(loader))    # learns the first batch's photo sizes: the preallocation hints
+        built, decoders = [], []
+        real = fn.decoders.image
+
+        def image(*args, **kwargs):
+            decoders.append(kwargs)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(fn.decoders, "image", image)
+        monkeypatch.setattr(dali_pipeline.Pipeline, "build", lambda self: built.append(self))
+        monkeypatch.setattr(dali_torch, "DALIGenericIterator", lambda pipe, *a, **k: ("iterator", pipe))
+        # What __init__ sets from the device: a GPU loader's flags, its decoder, its GPU index.
+        loader.gpu, loader._decoder, loader.device = True, files_decoder(True), torch.device("cuda", 0)
+        loader._build()
+        assert built == [loader._pipe] and loader._pipe.device_id == 0
+        if kind == "photos":
+            (kw,) = decoders
+            assert kw["device"] == "mixed" and kw["hw_decoder_load"] == 1.0 and kw["preallocate_width_hint"] > 0
+        else:
+            assert decoders == []
+    finally:
+        loader._iter = loader._pipe = None   # the stubs are no pipeline to free
+        loader.close()
+
+
+def test_the_pipelines_hand_their_outputs_over_without_a_copy():
+    """The module docstring's premise: DALI's default executor (exec_dynamic) keeps outputs valid as long
+    as torch holds them, and DALIGenericIterator then hands them over through DLPack without a copy
+    (nvidia/dali/plugin/pytorch/__init__.py: ``copy = not is_exec_dynamic``); under the old executor the
+    buffers are reused after release_outputs (TensorGPU.__dlpack__'s note). The option set the backend
+    passes must keep exec_dynamic on."""
+    with make_loader(indexed_source(32), "dali", batch_size=8, device="cpu") as loader:
+        it = iter(loader)
+        next(it)   # the pass still running: its pipeline is the loader's
+        assert loader._pipe.exec_dynamic is True
+        it.close()
+
+
+# ------------------------------------------------------------------------------ on a GPU
+def _device_ids(x: torch.Tensor) -> torch.Tensor:
+    """indexed_source's ids read back on the device (no host read): pixel (0, 0) + 256 x pixel (0, 1)."""
+    px = torch.round((x[:, 0, 0, :2].float() * STD[0] + MEAN[0]) * 255)
+    return px[:, 0] + 256 * px[:, 1]
+
+
+def _late_reads(loader, sleep_cycles: int):
+    """One pass whose every read of a batch is queued behind a long kernel on the training stream while
+    the batch itself is dropped at once: (checksums, ids) as device tensors, read after the pass."""
+    sums, ids = [], []
+    for x, _ in loader:
+        torch.cuda._sleep(sleep_cycles)      # the "step": the reads below run late on this stream
+        sums.append(x.double().sum())
+        ids.append(_device_ids(x))
+        del x                                # dropped while its reads are still queued
+    torch.cuda.synchronize()
+    return torch.stack(sums).cpu(), torch.cat(ids).cpu()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", backend_params())
+def test_cuda_a_batch_dropped_while_its_reads_are_queued_is_not_overwritten(backend):
+    """Every backend: the consumer drops each batch at once while its reads wait on the training stream
+    behind a 2 ms kernel; the host runs ahead, so the loader makes later batches meanwhile. A backend
+    whose batch memory goes back to a pool without waiting for the training stream (torch's allocator
+    without record_stream on a side stream's tensors, or DALI's own buffers, which torch's allocator
+    does not manage) lets a later batch overwrite it before the queued read: other ids and sums.
+    The reference is the same loader's pass with a synchronize after each batch."""
+    src = indexed_source(48 * 64, size=32, channels=3)
+    options = {"num_workers": 2} if backend in ("torch", "prefetch") else {}
+    with make_loader(src, backend, batch_size=64, device="cuda", train=False, **options) as loader:
+        ref = []
+        for x, _ in loader:
+            ref.append(x.double().sum().item())     # the synchronized pass: nothing is late
+        for _ in range(2):
+            sums, ids = _late_reads(loader, 4_000_000)
+            assert np.array_equal(ids.numpy().astype(np.int64), np.arange(len(src)))
+            torch.testing.assert_close(sums, torch.tensor(ref, dtype=torch.float64), rtol=1e-9, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_dali_photos_dropped_while_their_reads_are_queued_are_not_overwritten(photo_folder):
+    """The same on nvJPEG's path (photos decoded and resized into DALI's buffers), depth 2 so that
+    DALI's pool gets each freed buffer back soon."""
+    src = ImageFolder(photo_folder)
+    aug = Augmentation.imagenet_eval(size=64, resize=72)
+    with make_loader(src, "dali", batch_size=2, device="cuda", train=False, augment=aug,
+                     prefetch_queue_depth=2) as loader:
+        ref = [x.double().sum().item() for x, _ in loader]
+        for _ in range(3):
+            sums = []
+            for x, _ in loader:
+                torch.cuda._sleep(20_000_000)
+                sums.append(x.double().sum())
+                del x
+            torch.cuda.synchronize()
+            torch.testing.assert_close(torch.stack(sums).cpu(), torch.tensor(ref, dtype=torch.float64),
+                                       rtol=1e-9, atol=0)
