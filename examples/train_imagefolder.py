@@ -24,6 +24,9 @@ from fastdata.datasets import ImageFolder
 from fastdata.engine import AMP_CHOICES, fit, resolve_scheduler_interval
 from fastdata.report import report_run, run_result
 
+# What sets the peak rate, for the refusal of a resume under another (fit's PeakLrChanged).
+LR_FLAGS = "--lr (scaled by --batch-size x --accumulate x processes / 256)"
+
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The command line, as a parser other scripts and the tests reuse."""
@@ -116,12 +119,10 @@ def main(args) -> dict:
         lr = args.lr * args.batch_size * args.accumulate * fdist.world_size() / 256
         optimizer = make_optimizer(model, lr, device)
         scheduler = make_schedule(optimizer, lr, args.epochs, -(-len(train_loader) // args.accumulate))
-        cli.check_resumed_lr(args, model, optimizer,
-                             flags="--lr (scaled by --batch-size x --accumulate x processes / 256)")
         start = time.perf_counter()
         # A --checkpoint that is not one, or one of another run, and Ctrl-C (saying how to resume, exit
         # 130): one line, no traceback.
-        with cli.fit_errors(args):
+        with cli.fit_errors(args, lr_flags=LR_FLAGS):
             history = fit(model, train_loader, epochs=args.epochs, optimizer=optimizer, scheduler=scheduler,
                           eval_loader=val_loader, amp=args.amp, **cli.loop_kwargs(args),
                           channels_last=args.channels_last, checkpoint=args.checkpoint, resume=args.resume,
@@ -156,7 +157,7 @@ def run(argv=None) -> dict:
     """The command line: ``main`` on the parsed flags. Ctrl-C before training too (drawing the digits,
     building a loader's cache: the slow part of a first run) is one line, not a traceback."""
     args = get_args_parser().parse_args(argv)
-    with cli.fit_errors(args):
+    with cli.fit_errors(args, lr_flags=LR_FLAGS):
         return main(args)
 
 

@@ -170,7 +170,6 @@ def main(args) -> dict:
                                     weight_decay=5e-4, fused=True if device.type == "cuda" else None)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, epochs=max(args.epochs, 1),
                                                         steps_per_epoch=-(-len(train_loader) // args.accumulate))
-        cli.check_resumed_lr(args, model, optimizer)   # resuming restores the saved schedule: --lr must be its
         start = time.perf_counter()
         # A --checkpoint that is not one, or one of another run, and Ctrl-C (saying how to resume, exit
         # 130): one line, no traceback.

@@ -368,41 +368,6 @@ def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     return args
 
 
-def check_resumed_lr(args: argparse.Namespace, model, optimizer, *, flags: str = "--lr") -> None:
-    """Before ``fit(resume=True)``: refuse a peak learning rate other than the checkpoint's. Resuming
-    restores the optimizer and its one-cycle schedule, so a changed ``--lr`` was ignored without a word
-    (and the run's --json-out recorded the flag, not the rate it trained at). ``flags``: what set the
-    rate, for the message (train_imagefolder scales ``--lr`` by the batch size). A checkpoint that is not
-    there (yet), cannot be read, or is of another model or optimizer is left to ``fit``, whose own checks
-    name what is wrong (a rate would be the wrong thing to complain about)."""
-    if not (getattr(args, "resume", False) and getattr(args, "checkpoint", None)):
-        return
-    from . import checkpoint
-
-    try:
-        if not checkpoint.exists(args.checkpoint):
-            return
-        saved = checkpoint.load(args.checkpoint)
-    except (checkpoint.CheckpointError, OSError):
-        return
-
-    def peaks(groups) -> list:   # OneCycleLR keeps its peak in each group's max_lr
-        return [g.get("max_lr", g.get("initial_lr")) for g in groups]
-
-    if (not isinstance(saved.get("model"), dict) or set(saved["model"]) != set(model.state_dict())
-            or saved.get("optimizer_class", type(optimizer).__name__) != type(optimizer).__name__):
-        return
-    was = peaks((saved.get("optimizer") or {}).get("param_groups") or [])
-    now = peaks(optimizer.param_groups)
-    if not was or None in was or None in now or len(was) != len(now):
-        return
-    if all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(was, now)):
-        return
-    raise SystemExit(f"error: {flags}: '{args.checkpoint}' was saved by a run whose schedule peaks at lr {was[0]:g}, "
-                     f"and resuming restores it: this run's {now[0]:g} would be ignored. Resume with the saved "
-                     f"run's {flags}, or start a new run without --resume")
-
-
 @contextlib.contextmanager
 def on_ctrl_c(say="interrupted"):
     """Ctrl-C inside ends the program with one line on stderr, ``say`` (or what ``say()`` returns then:
@@ -421,7 +386,7 @@ def on_ctrl_c(say="interrupted"):
 
 @contextlib.contextmanager
 def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpoint", "--checkpoint-every"),
-               unit: str = "batches"):
+               unit: str = "batches", lr_flags: str = "--lr"):
     """Around a training script's ``fit``, what ends it early as one line instead of a traceback:
 
     - a ``--checkpoint`` that is not one, or one of another run (``CheckpointError``; under torchrun the
@@ -436,11 +401,16 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
       The same file ended the memory backend's build with that one line; here it was a traceback
       through the loop, the backend and a DataLoader worker.
 
+    - a resume under another peak learning rate than the checkpoint's (fit's ``PeakLrChanged``: resuming
+      restores the saved schedule, so the new rate was ignored without a word): ``error: --lr: ...``,
+      ``lr_flags`` naming what set the rate (train_imagefolder scales ``--lr`` by the batch size).
+
     ``flags``: the script's flags for where it saves (a file, or a folder as accelerate's ``save_state``
     writes) and how many ``unit`` apart, when they are not ``--checkpoint`` and ``--checkpoint-every``
     (fit's ``checkpoint_every`` counts batches; a loop that saves every N optimizer steps says "steps")."""
     from . import distributed
     from .checkpoint import CheckpointError
+    from .engine.schedule import PeakLrChanged
     from .errors import DecodeError
     from .runlog import LogDirInUse
 
@@ -459,6 +429,10 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
     try:
         with on_ctrl_c(say):
             yield
+    except PeakLrChanged as e:
+        raise SystemExit(f"error: {lr_flags}: '{e.path}' was saved by a run whose schedule peaks at lr {e.was:g}, "
+                         f"and resuming restores it: this run's {e.now:g} would be ignored. Resume with the saved "
+                         f"run's {lr_flags}, or start a new run without --resume") from None
     except (CheckpointError, distributed.PreparationError) as e:
         # fit's refusals offer "a new run (resume=False)": the Python API's words for this command's.
         new_run = f"(without --resume, or with another {flags[0]})"

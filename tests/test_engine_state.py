@@ -305,3 +305,37 @@ def test_a_refused_position_leaves_the_model_and_optimizer_as_they_were(tmp_path
         _resume(path, model, loader=OtherData(_batches(2)), optimizer=opt)
     assert torch.equal(_params(model), before)
     assert opt.param_groups[0]["lr"] == 0.5 and opt.state_dict()["state"] == {}
+
+
+def test_resuming_under_another_peak_lr_is_refused_before_anything_is_restored(tmp_path):
+    """Loading the optimizer restores each group's max_lr: a resumed run given OneCycleLR(max_lr=0.5)
+    trained on at the saved 0.1 without a word. Refused now, naming both rates, with the model as it was;
+    the same rate resumes."""
+    from fastdata.engine.schedule import PeakLrChanged
+
+    def run(max_lr, resume):
+        model = SmallCNN(width=4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=max_lr)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=4)
+        return model, lambda: fit(model, ListLoader(_batches(2)), epochs=2, optimizer=optimizer,
+                                  scheduler=scheduler, checkpoint=tmp_path / "c.pt", resume=resume, progress=False)
+
+    _, first = run(0.1, False)
+    first()
+    model, again = run(0.5, True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PeakLrChanged, match=r"schedule peaks at lr 0\.1, .* this run's 0\.5 would be ignored. "
+                                            r"Resume with max_lr=0\.1, or start a new run \(resume=False\)") as info:
+        again()
+    assert (info.value.was, info.value.now) == (0.1, 0.5) and isinstance(info.value, ckpt.ResumeError)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    run(0.1, True)[1]()   # the saved rate: resumes
+
+
+def test_a_changed_lr_without_a_scheduler_is_not_judged(tmp_path):
+    """Without a scheduler the groups hold no peak (max_lr/initial_lr), only the rate the saved run had
+    reached, which a decay of the user's own may have lowered: not a changed setting, so not refused."""
+    for lr, resume in ((0.1, False), (0.01, True)):
+        model = SmallCNN(width=4)
+        fit(model, ListLoader(_batches(2)), epochs=1 + resume, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+            checkpoint=tmp_path / "c.pt", resume=resume, progress=False)

@@ -1,8 +1,9 @@
 """Learning-rate schedules in ``fit``: when a scheduler is stepped (``resolve_scheduler_interval``), a
 OneCycleLR refused before training when the run would step past its end (``check_schedule_length``), and
-the rate an epoch reports (``current_lr``)."""
+the rate an epoch reports (``current_lr``), a resume under another peak rate refused (``check_same_peak_lr``)."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -94,6 +95,36 @@ def check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int,
         f"epochs={epochs} needs {left} more ({needed} in all, {shape}, stepped per {unit}): a one-cycle "
         f"schedule cannot be stretched once it has started. Resume with epochs <= {most}, or start a new run "
         f"(resume=False) from the checkpoint's weights with the scheduler built for the new epochs")
+
+
+class PeakLrChanged(ckpt.ResumeError):
+    """A resume under another peak learning rate than the checkpoint's schedule: ``was`` (saved) and
+    ``now`` (this run's), so that a training script can name its own flag (see ``cli.fit_errors``)."""
+
+    def __init__(self, path, was: float, now: float):
+        super().__init__(f"'{path}' was saved by a run whose schedule peaks at lr {was:g}, and resuming restores "
+                         f"it: this run's {now:g} would be ignored. Resume with max_lr={was:g}, or start a new "
+                         f"run (resume=False)")
+        self.path, self.was, self.now = path, was, now
+
+    def __reduce__(self):
+        return (PeakLrChanged, (self.path, self.was, self.now))
+
+
+def check_same_peak_lr(state: dict, optimizer, path) -> None:
+    """Refuse a resume whose scheduler peaks at another rate than the saved one's: loading the optimizer
+    restores each group's ``max_lr`` (OneCycleLR) or ``initial_lr`` (any other scheduler), so a changed
+    rate trained at the saved one without a word. Groups without either (no scheduler) are not judged."""
+    def peaks(groups) -> list:
+        return [g.get("max_lr", g.get("initial_lr")) for g in groups]
+
+    was = peaks((state.get("optimizer") or {}).get("param_groups") or [])
+    now = peaks(optimizer.param_groups)
+    if not was or None in was or None in now or len(was) != len(now):
+        return
+    for a, b in zip(was, now):
+        if not math.isclose(float(a), float(b), rel_tol=1e-6):
+            raise PeakLrChanged(path, float(a), float(b))
 
 
 def current_lr(optimizer) -> float | list[float]:

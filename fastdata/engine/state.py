@@ -13,6 +13,7 @@ from .. import checkpoint as ckpt
 from .. import distributed as fdist
 from ..errors import PositionMismatch
 from .amp import user_stacklevel
+from .schedule import check_same_peak_lr
 
 if TYPE_CHECKING:
     from .meter import EpochMeter
@@ -184,6 +185,7 @@ class TrainingState:
         if layout != here:
             raise ckpt.ResumeError(f"'{path}' has an optimizer of {len(layout)} parameter group(s) of "
                                    f"{layout} parameters; this run's has {len(here)} of {here}")
+        check_same_peak_lr(state, step.optimizer, path)
 
     def load_state_dict(self, state: dict, path="checkpoint") -> None:
         """Restore a checkpoint's contents, all or nothing: ``check_restorable`` first, then the loader
