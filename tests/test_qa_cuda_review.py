@@ -185,3 +185,25 @@ def test_cuda_dali_photos_dropped_while_their_reads_are_queued_are_not_overwritt
             torch.cuda.synchronize()
             torch.testing.assert_close(torch.stack(sums).cpu(), torch.tensor(ref, dtype=torch.float64),
                                        rtol=1e-5, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_a_dali_batch_outlives_the_pipeline_that_made_it():
+    """A break ends the pass and frees its pipeline (DaliLoader._release): the batch the consumer still
+    holds is DALI's memory, handed over through DLPack. It must stay valid while torch holds it (what
+    TensorGPU.__dlpack__'s note promises the default executor), also while a new pipeline allocates
+    and its read is queued behind a long kernel."""
+    with make_loader(indexed_source(256, size=32, channels=3), "dali", batch_size=64, device="cuda",
+                     train=False) as loader:
+        ref = [x.double().sum().item() for x, _ in loader]
+        for x, _ in loader:
+            break
+        assert loader._pipe is None                 # freed with the pass
+        torch.cuda._sleep(20_000_000)
+        held, ids = x.double().sum(), _device_ids(x)
+        del x
+        later = [y.double().sum() for y, _ in loader]   # a new pipeline, its buffers, while the read waits
+        torch.cuda.synchronize()
+        assert held.item() == pytest.approx(ref[0], rel=1e-6)
+        assert np.array_equal(ids.cpu().numpy().astype(np.int64), np.arange(64))
+        assert torch.stack(later).cpu().tolist() == pytest.approx(ref, rel=1e-6)
