@@ -298,6 +298,10 @@ def _check_schedule(args, checkpoint, trainer) -> None:
                       f"stretched once it has started: {advice}, or start a new run without --resume")
 
 
+_MODELCHECKPOINT_PRIVATE = ("_should_skip_saving_checkpoint", "_monitor_candidates", "_save_topk_checkpoint",
+                            "_save_last_checkpoint")
+
+
 def _checkpoints(L):
     """ModelCheckpoint that also saves on the batch where ``--max-steps`` stops the run.
 
@@ -309,7 +313,21 @@ def _checkpoints(L):
     checkpoint is a mid-epoch one that Lightning resumes where it stopped; the later hooks then see this
     step already saved and write nothing over it."""
 
-    class Checkpoints(L.pytorch.callbacks.ModelCheckpoint):
+    base = L.pytorch.callbacks.ModelCheckpoint
+    # Its own save path, private in Lightning (no public call saves "as at this step" and updates
+    # last_model_path and the step last saved, which keep its later hooks from saving over it). Were a
+    # Lightning release to rename one, the example still trains: the stop saves as Lightning does, and
+    # says what that means for --resume.
+    missing = [name for name in _MODELCHECKPOINT_PRIVATE if not callable(getattr(base, name, None))]
+    if missing:
+        import warnings
+
+        warnings.warn(f"this Lightning's ModelCheckpoint has no {', '.join(missing)}: a run that --max-steps "
+                      f"stops mid-epoch is saved as Lightning saves it, and its --resume starts the next epoch",
+                      RuntimeWarning, stacklevel=2)
+        return base
+
+    class Checkpoints(base):
         def on_train_batch_end(self, trainer, pl_module, *rest):
             super().on_train_batch_end(trainer, pl_module, *rest)
             if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
