@@ -207,3 +207,48 @@ def test_cuda_a_dali_batch_outlives_the_pipeline_that_made_it():
         assert held.item() == pytest.approx(ref[0], rel=1e-6)
         assert np.array_equal(ids.cpu().numpy().astype(np.int64), np.arange(64))
         assert torch.stack(later).cpu().tolist() == pytest.approx(ref, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------ nvJPEG's hints
+def test_the_hardware_decoders_hints_are_the_encoded_size_of_turned_photos():
+    """preallocate_{height,width}_hint size the hardware JPEG decoder's buffers (DALI's schema: "used to
+    preallocate memory for the HW JPEG decoder"), which decode the picture as encoded; DALI turns it by
+    its EXIF orientation afterwards. The loader's sizes are as shown (DaliFiles: displayed_size), so a
+    portrait phone photo (encoded 4000 wide, orientation 6) hinted 3000 x 4000 instead of 4000 wide:
+    every such photo outgrew the buffers."""
+    from fastdata.decode.dali_options import nvjpeg_hints
+
+    shown = np.array([[4000, 3000, 6], [2000, 2500, 1]])       # (height, width, orientation) as shown
+    hints = nvjpeg_hints(shown)
+    assert (hints["preallocate_height_hint"], hints["preallocate_width_hint"]) == (3000, 4000)
+    assert hints["device_memory_padding"] >= 3 * 4000 * 3000
+    assert nvjpeg_hints(shown[:, :2])["preallocate_height_hint"] == 4000   # no orientation: as given
+
+
+def test_the_pipeline_gets_the_turned_photos_encoded_size(tmp_path, monkeypatch):
+    """The same, end to end on the CPU graph: a folder of one photo encoded 60 wide x 40 high and shown
+    turned (orientation 6, 40 wide x 60 high) hints the decoder 40 x 60 (height x width)."""
+    pytest.importorskip("nvidia.dali")
+    import nvidia.dali.fn as fn
+    from PIL import Image
+
+    (tmp_path / "a").mkdir()
+    for k in range(2):
+        img = Image.new("RGB", (60, 40), (40 * k, 90, 160))
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        img.save(tmp_path / "a" / f"p{k}.jpg", exif=exif.tobytes(), quality=90)
+    hints = []
+    real = fn.decoders.image_slice
+
+    def image_slice(*args, **kwargs):
+        hints.append((kwargs.get("preallocate_height_hint"), kwargs.get("preallocate_width_hint")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fn.decoders, "image_slice", image_slice)
+    src = ImageFolder(tmp_path)
+    with make_loader(src, "dali", batch_size=2, device="cpu", decode="dali", train=False,
+                     augment=Augmentation(crop="center", size=32, resize=32, hflip=0.0)) as loader:
+        (x, _), = list(loader)
+        assert x.shape == (2, 3, 32, 32) and list(loader._dims[:, 2]) == [6, 6]
+    assert hints == [(40, 60)]

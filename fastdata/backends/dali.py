@@ -289,7 +289,7 @@ class DaliLoader(DaliFiles, Loader):
         files = self.source.kind is SourceKind.FILES
         half = self.config.dtype == torch.float16
         channels_last = self.config.channels_last
-        known = self._dims[self._state == OK, :2] if files else None
+        known = self._dims[self._state == OK] if files else None   # (height, width, EXIF orientation)
 
         @pipeline_def(batch_size=self.config.batch_size, num_threads=self.num_threads,
                       device_id=self.device.index if gpu else None, set_affinity=opts.affine,

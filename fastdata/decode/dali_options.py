@@ -130,8 +130,9 @@ def files_decoder(gpu: bool) -> tuple[str, dict]:
 
 def decoder_tuning(opts: DaliOptions, dims: np.ndarray | None) -> dict:
     """The decoder's tuning arguments from the options (DALI 2.4's ``fn.decoders.image`` schema; the
-    CPU decoder accepts and ignores the mixed-only ones). ``dims``: (height, width) of the photos known
-    when the pipeline is built, for ``preallocate``'s hints (none known: DALI's defaults)."""
+    CPU decoder accepts and ignores the mixed-only ones). ``dims``: (height, width[, EXIF orientation])
+    of the photos known when the pipeline is built, for ``preallocate``'s hints (none known: DALI's
+    defaults)."""
     kw = {"hw_decoder_load": opts.hw_decoder_load, "affine": opts.affine,
           "jpeg_fancy_upsampling": opts.fancy_upsampling}
     if opts.preallocate:
@@ -147,10 +148,21 @@ def nvjpeg_hints(dims: np.ndarray | None) -> dict:
     4:2:0 is 1.5 coefficients of 2 bytes a pixel, the same), rounded up to a MiB and capped at
     MAX_PADDING; ``preallocate_{height,width}_hint`` size the hardware decoder's buffers. Below DALI's
     defaults (16/8 MiB), the defaults are kept: they cost little and cover a photo read later.
+
+    ``dims`` are (height, width) as the photos are shown, with their EXIF orientation as a third column
+    where known (the loader's ``_dims``): the hardware decoder's buffers hold the picture as it is
+    encoded, before DALI turns it, so a photo turned by 90 degrees (orientations 5-8) counts with its
+    height and width swapped. Without that, a batch of portrait phone photos (encoded landscape, turned
+    by their EXIF block) hinted buffers too narrow for every one of them.
     """
     if dims is None or not len(dims):
         return {}
-    height, width = int(dims[:, 0].max()), int(dims[:, 1].max())
+    dims = np.asarray(dims)
+    height, width = dims[:, 0], dims[:, 1]
+    if dims.shape[1] > 2:
+        turned = dims[:, 2] >= 5
+        height, width = np.where(turned, width, height), np.where(turned, height, width)
+    height, width = int(height.max()), int(width.max())
     need = min(MAX_PADDING, math.ceil(3 * height * width / (1 << 20)) << 20)
     return {"preallocate_height_hint": height, "preallocate_width_hint": width,
             "device_memory_padding": max(16 << 20, need), "host_memory_padding": max(8 << 20, need)}
