@@ -158,11 +158,11 @@ def nvjpeg_hints(dims: np.ndarray | None) -> dict:
     if dims is None or not len(dims):
         return {}
     dims = np.asarray(dims)
-    height, width = dims[:, 0], dims[:, 1]
+    heights, widths = dims[:, 0], dims[:, 1]
     if dims.shape[1] > 2:
         turned = dims[:, 2] >= 5
-        height, width = np.where(turned, width, height), np.where(turned, height, width)
-    height, width = int(height.max()), int(width.max())
+        heights, widths = np.where(turned, widths, heights), np.where(turned, heights, widths)
+    height, width = int(heights.max()), int(widths.max())
     need = min(MAX_PADDING, math.ceil(3 * height * width / (1 << 20)) << 20)
     return {"preallocate_height_hint": height, "preallocate_width_hint": width,
             "device_memory_padding": max(16 << 20, need), "host_memory_padding": max(8 << 20, need)}
