@@ -40,7 +40,7 @@ import struct
 from PIL import ImageFile
 
 from ..images.photo import decode_upright, open_image
-from ..images.region import TIFF_UNIT, is_jpeg, jpeg_segments
+from ..images.region import TIFF_UNIT, ifd0_entries, is_jpeg, jpeg_segments, tiff_header
 
 #: Pillow's names of the formats DALI's decoder reads as Pillow does (see the module docstring).
 DALI_READS = frozenset({"JPEG", "MPO", "PNG", "BMP"})
@@ -109,25 +109,20 @@ def strict_orientation(data: bytes) -> int | None:
         return 1
     tiff = blocks[0]
     try:
-        end = {b"II": "<", b"MM": ">"}[bytes(tiff[:2])]
-        magic, ifd = struct.unpack_from(end + "HI", tiff, 2)
-        (count,) = struct.unpack_from(end + "H", tiff, ifd)
+        end, magic, ifd, count = tiff_header(tiff)
     except (KeyError, struct.error):
         return None
     if magic != 42 or ifd < 8 or ifd + 2 + 12 * count + 4 > len(tiff):
         return None
     orientation = 1
-    for k in range(count):
-        tag, kind, num, where = struct.unpack_from(end + "HHII", tiff, ifd + 2 + 12 * k)
+    for tag, kind, num, where, short in ifd0_entries(tiff, end, ifd, count):   # all inside: checked above
         unit = TIFF_UNIT.get(kind)
         if unit is None or (num * unit > 4 and where + num * unit > len(tiff)):
             return None
         if tag == 0x0112:
-            if kind != 3 or num != 1:
+            if kind != 3 or num != 1 or not 1 <= short <= 8:
                 return None
-            (orientation,) = struct.unpack_from(end + "H", tiff, ifd + 2 + 12 * k + 8)
-            if not 1 <= orientation <= 8:
-                return None
+            orientation = short
     return orientation
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import struct
 import threading
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -253,8 +254,6 @@ def jpeg_orientation(data: bytes) -> int | None:
     here, a fifteenth of a region decode; this walks the segment headers before the scan
     (``jpeg_segments``) and reads one TIFF tag.
     """
-    import struct
-
     if not is_jpeg(data):
         return None
     for marker, a, b in jpeg_segments(data):
@@ -263,16 +262,12 @@ def jpeg_orientation(data: bytes) -> int | None:
         if marker == 0xE1 and data[a:a + 6] == b"Exif\x00\x00":
             tiff = data[a + 6:b]
             try:
-                end = {b"II": "<", b"MM": ">"}[bytes(tiff[:2])]
-                (ifd,) = struct.unpack_from(end + "I", tiff, 4)
-                (count,) = struct.unpack_from(end + "H", tiff, ifd)
-                for k in range(count):
-                    tag, kind, num, where = struct.unpack_from(end + "HHII", tiff, ifd + 2 + 12 * k)
+                end, _, ifd, count = tiff_header(tiff)   # the magic is Pillow's to judge
+                for tag, kind, num, where, short in ifd0_entries(tiff, end, ifd, count):
                     if tag == 0x0112:
                         if kind != 3 or num != 1:     # not one SHORT: Pillow's reading decides
                             return None
-                        (value,) = struct.unpack_from(end + "H", tiff, ifd + 2 + 12 * k + 8)
-                        return value if 1 <= value <= 8 else None
+                        return short if 1 <= short <= 8 else None
                     size = num * TIFF_UNIT.get(kind, 0)
                     if size > 4 and where + size > len(tiff):
                         # Pillow stops reading the block at an entry whose values lie past its end, and
@@ -282,6 +277,28 @@ def jpeg_orientation(data: bytes) -> int | None:
                 return None
             return 1
     return None
+
+
+def tiff_header(tiff: bytes) -> tuple[str, int, int, int]:
+    """``(byte order, magic, IFD0 offset, IFD0 entry count)`` of an EXIF block (a TIFF header: "II" or
+    "MM", then 42 and IFD0's offset). ``KeyError`` for another byte order, ``struct.error`` for offsets
+    past the block's end. The one reading of it: Pillow-like (``jpeg_orientation``, lenient) and strict
+    (``decode.dali_input.strict_orientation``) readers differ only in what they accept."""
+    end = {b"II": "<", b"MM": ">"}[bytes(tiff[:2])]
+    magic, ifd = struct.unpack_from(end + "HI", tiff, 2)
+    (count,) = struct.unpack_from(end + "H", tiff, ifd)
+    return end, magic, ifd, count
+
+
+def ifd0_entries(tiff: bytes, end: str, ifd: int, count: int):
+    """IFD0's entries, one at a time: ``(tag, type, value count, value offset, the value field's first
+    SHORT)`` (the orientation is one SHORT, stored in the field). Lazy, so that a lenient reader stops
+    where Pillow would; ``struct.error`` at an entry past the block's end."""
+    for k in range(count):
+        at = ifd + 2 + 12 * k
+        tag, kind, num, where = struct.unpack_from(end + "HHII", tiff, at)
+        (short,) = struct.unpack_from(end + "H", tiff, at + 8)
+        yield tag, kind, num, where, short
 
 
 def jpeg_header(data: bytes):
