@@ -252,3 +252,74 @@ def test_the_pipeline_gets_the_turned_photos_encoded_size(tmp_path, monkeypatch)
         (x, _), = list(loader)
         assert x.shape == (2, 3, 32, 32) and list(loader._dims[:, 2]) == [6, 6]
     assert hints == [(40, 60)]
+
+
+# ------------------------------------------------------------------ uploads from pageable memory
+class _PageableUploads:
+    """The host-to-device copies of pageable (unpinned) host memory dispatched on this thread: torch's
+    sync debug mode does not see them when they are ``non_blocking`` (only ``memcpy_and_sync``, the
+    blocking copy, calls ``warn_or_error_on_sync``: torch/include/c10/cuda/CUDAFunctions.h:79-88), yet
+    CUDA stages pageable memory through its own buffer, so such a copy does not overlap as the code
+    means it to. A TorchDispatchMode sees every op of its thread (not a prefetch producer's)."""
+
+    def __init__(self, device_type: str = "cuda"):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found = self.found = []
+
+        def host(t) -> bool:
+            return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() > 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                name = func.overloadpacket.__name__
+                src = args[0] if name == "_to_copy" else args[1] if name == "copy_" and len(args) > 1 else None
+                dst = out if name == "_to_copy" else args[0] if name == "copy_" else None
+                if host(src) and isinstance(dst, torch.Tensor) and dst.device.type == device_type \
+                        and not src.is_pinned():
+                    found.append((name, tuple(src.shape), src.dtype))
+                return out
+
+        self.mode = Mode()
+
+
+def test_the_pageable_upload_spy_sees_to_and_copy_and_leaves_epochs_alone():
+    """The spy of the cuda test below, checked here with the meta device standing in for the GPU: it
+    flags ``.to()`` and ``copy_()`` of an unpinned host tensor, nothing else; an epoch runs under it."""
+    spy = _PageableUploads("meta")
+    with spy.mode:
+        torch.ones(3).to("meta")
+        torch.empty(2, 2, device="meta").copy_(torch.zeros(2, 2))
+        torch.ones(4).to(torch.float64)             # host to host
+        torch.empty(3, device="meta").double()      # on the device: not an upload
+    assert spy.found == [("_to_copy", (3,), torch.float32), ("copy_", (2, 2), torch.float32)]
+    quiet = _PageableUploads()
+    with make_loader(indexed_source(64), "memory", batch_size=16, device="cpu") as loader, quiet.mode:
+        assert sum(x.shape[0] for x, _ in loader) == 64
+    assert quiet.found == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["arrays", "photos"])
+@pytest.mark.parametrize("backend", backend_params())
+def test_cuda_an_epoch_uploads_no_pageable_host_memory(backend, kind, photo_folder):
+    """After a warm-up epoch (caches, pipelines, the first epoch's uploads), an epoch of each backend
+    copies nothing from pageable host memory to the GPU on the consumer's thread: every upload is from
+    pinned memory (DataLoader's pinning, ``base.pinned``), or made by DALI itself."""
+    if kind == "arrays":
+        src, aug, batch = indexed_source(512, size=16, channels=3), Augmentation(crop="translate", pad=2, hflip=0.5), 64
+    else:
+        src, aug, batch = ImageFolder(photo_folder), Augmentation.imagenet_train(size=32), 4
+    options = {"num_workers": 2} if backend in ("torch", "prefetch") else {}
+    if backend == "memory" and kind == "photos":
+        options["cache_size"] = 40
+    with make_loader(src, backend, batch_size=batch, device="cuda", augment=aug, **options) as loader:
+        for _ in loader:
+            pass
+        spy = _PageableUploads()
+        with spy.mode:
+            batches = sum(1 for x, _ in loader if x.shape[0])
+        torch.cuda.synchronize()
+        assert batches == len(loader) and spy.found == [], spy.found[:5]
