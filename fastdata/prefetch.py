@@ -161,7 +161,13 @@ class PrefetchStage:
 
     def __init__(self, device: torch.device, depth: int = 2):
         depth = check_integer("depth", depth, minimum=1)
-        self.device, self.depth = torch.device(device), depth
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            # "cuda" means the GPU current HERE: the producer thread's own current device is cuda:0, and
+            # torch.cuda.device("cuda") resolves the index in the thread that makes it (torch/cuda/
+            # __init__.py, device.__init__), so its pinning and launches went to cuda:0.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device, self.depth = device, depth
         #: How batches cross from the producer thread to the consumer (``Inline`` or ``SideStream``).
         self.handoff = SideStream(self.device) if self.device.type == "cuda" else Inline()
         # The latest producer thread and its stop flag (see _finish_producer).

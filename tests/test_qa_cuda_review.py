@@ -323,3 +323,44 @@ def test_cuda_an_epoch_uploads_no_pageable_host_memory(backend, kind, photo_fold
             batches = sum(1 for x, _ in loader if x.shape[0])
         torch.cuda.synchronize()
         assert batches == len(loader) and spy.found == [], spy.found[:5]
+
+
+# ------------------------------------------------------------------------------ prefetch's GPU
+def test_a_stage_on_cuda_without_an_index_serves_the_gpu_current_where_it_is_made(monkeypatch):
+    """PrefetchStage(torch.device("cuda")) made while cuda:1 is current: its producer thread must make
+    cuda:1 current too. torch.cuda.device resolves "cuda" to the current device of the thread that makes
+    it (torch/cuda/__init__.py: device.__init__ calls _get_device_index), and the producer's scope is
+    made on the producer thread, whose current device is cuda:0 (the current device is per thread): the
+    DataLoader's pinning and the launches outside the side stream went to cuda:0."""
+    import threading
+
+    from fastdata.prefetch import PrefetchStage
+
+    maker = threading.current_thread()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1 if threading.current_thread() is maker else 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: ("stream on", device))
+    stage = PrefetchStage(torch.device("cuda"), depth=1)
+    assert stage.device == torch.device("cuda", 1) and stage.stream == ("stream on", torch.device("cuda", 1))
+    scopes = []
+    producer = threading.Thread(target=lambda: scopes.append(stage.handoff.scope().idx))
+    producer.start()
+    producer.join()
+    assert scopes == [1]
+    assert PrefetchStage(torch.device("cuda", 0), depth=1).device == torch.device("cuda", 0)
+
+
+@pytest.mark.cuda
+def test_cuda_a_stage_on_plain_cuda_hands_its_batches_over_on_the_current_gpu():
+    """The stage of the test above on a real GPU: made with an unindexed "cuda", it serves the current
+    GPU, and its batches (pinned host uint8, normalized on the side stream) arrive whole."""
+    from fastdata.prefetch import PrefetchStage
+
+    host = [(torch.full((4, 8, 8, 3), k, dtype=torch.uint8).pin_memory(), torch.full((4,), k).pin_memory())
+            for k in range(6)]
+    stage = PrefetchStage(torch.device("cuda"), depth=2)
+    assert stage.device == torch.device("cuda", torch.cuda.current_device())
+    got = [(x.float().mean(), y) for x, y in stage(iter(host), lambda x: x.permute(0, 3, 1, 2).float())]
+    stage.close()
+    assert [float(m) for m, _ in got] == [float(k) for k in range(6)]
+    assert all(y.device == stage.device and int(y[0]) == k for k, (_, y) in enumerate(got))
