@@ -84,7 +84,8 @@ def _launcher_rank(world: int) -> tuple[int, str, str]:
 
 def seed_for(*parts: int) -> int:
     """A 63-bit seed mixed from integers (seed, epoch, batch, ...); stable across runs and platforms."""
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+    # int() before the shift: under numpy 1.x, np.uint64 >> (a Python int) promotes to float64 and raises.
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0]) >> 1
 
 
 # ------------------------------------------------------------------ many generators at once
