@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import decode_ids, indexed_source
+from conftest import backend_params, decode_ids, indexed_source
 from fastdata import Augmentation, make_loader
 from fastdata.datasets import (
     MNIST,
@@ -893,7 +893,7 @@ def named_recipes(message: str) -> list[str]:
     return presets
 
 
-@pytest.mark.parametrize("backend", ["memory", "dali", "auto"])
+@pytest.mark.parametrize("backend", [p for p in backend_params(auto=True) if p.values[0] in ("memory", "dali", "auto")])
 def test_a_float_transform_refusal_names_the_way_out_for_the_backend_asked(photo_folder, backend):
     """ImageFolder(transform=Compose([..., ToTensor(), Normalize()])) said only "drop ToTensor/Normalize, pass
     mean=/std=": for memory and dali, which run no per-sample transform, doing so met a second refusal. The
@@ -934,7 +934,7 @@ def test_the_backends_a_float_transform_refusal_names_are_the_registrys():
     assert set(PER_SAMPLE_BACKENDS) | set(BATCH_BACKENDS) == set(registry.BACKENDS)
 
 
-@pytest.mark.parametrize("backend", ["memory", "dali"])
+@pytest.mark.parametrize("backend", [p for p in backend_params() if p.values[0] in ("memory", "dali")])
 def test_a_datasets_float_sample_refusal_says_memory_and_dali_read_no_dataset(backend):
     """A Dataset of one's own returning float tensors: 'drop ToTensor, pass mean=/std=' alone left memory and
     dali refusing the Dataset itself. The first refusal names their way: the pixels as an ArraySource."""
