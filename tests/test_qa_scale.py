@@ -127,3 +127,28 @@ def test_image_folder_order_and_subset_unchanged(tmp_path):
     sub = src.subset([20, 3, 5])
     assert sub.paths == [expected[20], expected[3], expected[5]] and sub.labels.tolist() == [2, 0, 0]
     assert sub.sample_name(0) == expected[20]
+
+
+def test_tar_images_keep_no_python_object_per_member(tmp_path):
+    """``TarImages`` (WebDataset tars of another tool, read by ``make_loader`` and ``pack``) held its member
+    names as a list of str: the ImageFolder's fork copy (above), once per tar member."""
+    import io
+    import tarfile
+
+    from fastdata.packing import TarImages
+
+    jpeg = io.BytesIO()
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(jpeg, format="JPEG")
+    n = 2000
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        for i in range(n):
+            for ext, data in (("jpg", jpeg.getvalue()), ("cls", str(i % 3).encode())):
+                info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    src = TarImages(tmp_path / "a.tar")
+    assert len(src) == n and src.sample_name(5).endswith("a.tar:000005.jpg")
+    sub = src.subset([7, 2])
+    assert sub.sample_name(0).endswith(":000007.jpg") and sub.read(1) == jpeg.getvalue()
+    for source in (src, sub):
+        assert _reachable_objects(source, limit=n // 2) < 300, "a per-member Python object is back"

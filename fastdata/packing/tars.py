@@ -42,7 +42,7 @@ import numpy as np
 
 from ..config import SourceKind
 from ..datasets.base import IMAGENET_MEAN, IMAGENET_STD, Source
-from ..datasets.folders import IMAGE_EXTENSIONS, ImageFolder
+from ..datasets.folders import IMAGE_EXTENSIONS, ImageFolder, PathTable
 from ..errors import DecodeError
 from ..shards.index import TAR_ENDINGS, tar_names
 
@@ -238,7 +238,9 @@ class TarImages(Source):
         self.num_classes, self.channels = len(self.classes), 3
         self.tar_of = np.asarray(tar_of, dtype=np.int64)
         self.offsets, self.sizes = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
-        self.members = members
+        # Packed, not a list of str: a forked worker reading member i would copy its str's page
+        # (datasets.folders.PathTable).
+        self.members = PathTable(members)
         self.mean, self.std = tuple(mean), tuple(std)
         self.name = f"tars:{os.path.basename(os.path.normpath(self.location))}"
         # Per tar, its size and mtime: a sample's stamp changes when its tar is rewritten.
@@ -292,7 +294,7 @@ class TarImages(Source):
         return f"TarImages n={len(self)} classes={self.num_classes} members={crc:08x}{self._subset_tag()}"
 
     def _take(self, idx: np.ndarray) -> None:
-        self.members = [self.members[i] for i in idx]
+        self.members = self.members.take(idx)
         self.labels, self.tar_of = self.labels[idx], self.tar_of[idx]
         self.offsets, self.sizes = self.offsets[idx], self.sizes[idx]
         self._decompressors, self._lock = {}, threading.Lock()   # the copy reads on its own
