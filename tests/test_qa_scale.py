@@ -5,6 +5,7 @@ wall-clock assertions. The figures measured at full size are in the QA report, n
 from __future__ import annotations
 
 import gc
+import math
 import os
 import pickle
 import sys
@@ -152,3 +153,102 @@ def test_tar_images_keep_no_python_object_per_member(tmp_path):
     assert sub.sample_name(0).endswith(":000007.jpg") and sub.read(1) == jpeg.getvalue()
     for source in (src, sub):
         assert _reachable_objects(source, limit=n // 2) < 300, "a per-member Python object is back"
+
+
+# ----------------------------------------------------------------------------- the engine's per-step bookkeeping
+
+
+def _fake_events(monkeypatch, done=lambda t: True):
+    """torch.cuda.Event stand-ins on a fake GPU clock: steps of 10 ms, gaps that vary, a slow first step.
+    ``done(t)``: whether the GPU has reached time ``t`` (``query``)."""
+    import torch
+
+    clock = iter(float(t) for t in np.cumsum(np.tile([3.0, 10.0, 1.0, 10.0, 7.0, 10.0], 10_000)) + 3000.0)
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = next(clock)
+
+        def query(self):
+            return done(self.t)
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "training stream")
+
+
+@pytest.mark.parametrize("warmup", [0, 3, 1500])
+def test_step_timer_keeps_a_bounded_number_of_events(monkeypatch, warmup):
+    """StepTimer kept two CUDA events per step until the epoch's end (80,000 for a 40,000-step epoch) and
+    read them all there; it now folds the completed ones into sums as it goes, with the same figure, for
+    a steady state marked before or after the folding, and for the whole epoch (the meter's fallback)."""
+    import torch
+
+    from fastdata.engine import StepTimer, idle_fraction
+
+    _fake_events(monkeypatch)
+    timer = StepTimer(torch.device("cuda", 0))
+    starts, ends, most = [], [], 0
+    for step in range(5000):
+        if step == warmup and warmup:
+            timer.mark_steady()
+        timer.start()
+        starts.append(timer.starts[-1])
+        timer.end()
+        ends.append(timer.ends[-1])
+        most = max(most, len(timer.starts) + len(timer.ends))
+    assert most < 2500, f"{most} of 10,000 events held at once"
+    assert timer.idle_fraction() == pytest.approx(idle_fraction(starts[warmup:], ends[warmup:]))
+    timer.steady_from = 0   # EpochMeter.record's "measured whole"
+    assert timer.idle_fraction() == pytest.approx(idle_fraction(starts, ends))
+
+
+def test_step_timer_folds_only_what_the_gpu_completed(monkeypatch):
+    """An event is read only once ``query`` says the GPU reached it: a GPU far behind the host keeps its
+    events (nothing waits), and they fold once it catches up."""
+    import torch
+
+    from fastdata.engine import StepTimer
+
+    reached = [0.0]
+    _fake_events(monkeypatch, done=lambda t: t <= reached[0])
+    timer = StepTimer(torch.device("cuda", 0))
+    for _ in range(3 * StepTimer.FOLD):
+        timer.start()
+        timer.end()
+    assert timer.folded == 0 and len(timer.ends) == 3 * StepTimer.FOLD
+    reached[0] = math.inf
+    for _ in range(64):
+        timer.start()
+        timer.end()
+    assert timer.folded > 0
+
+
+@pytest.mark.cuda
+def test_step_timer_folds_real_cuda_events():
+    """The folding on a GPU: ``query`` and ``elapsed_time`` of real events give the figure of every event
+    kept (folding reads only events the GPU completed, so nothing here waits but the final sync)."""
+    import torch
+
+    from fastdata.engine import StepTimer, idle_fraction
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer = StepTimer(device)
+    x = torch.randn(256, 256, device=device)
+    starts, ends = [], []
+    for step in range(3 * StepTimer.FOLD):
+        if step == 5:
+            timer.mark_steady()
+        timer.start()
+        starts.append(timer.starts[-1])
+        x = torch.tanh(x @ x)
+        timer.end()
+        ends.append(timer.ends[-1])
+    torch.cuda.synchronize(device)
+    assert timer.folded > 0
+    assert timer.idle_fraction() == pytest.approx(idle_fraction(starts[5:], ends[5:]), rel=1e-4)
