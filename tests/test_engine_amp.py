@@ -134,11 +134,15 @@ def _read(owner, name):
         return "raises"
 
 
+# torch 2.9+: the fp32_precision strings beside the legacy booleans (the declared floor, 2.4, has none)
+HAS_FP32_PRECISION = hasattr(torch.backends.cudnn, "rnn") and hasattr(torch.backends.cudnn.rnn, "fp32_precision")
+
+
 def _tf32_state():
     """cudnn.benchmark, the legacy TF32 booleans and (torch 2.9+) the fp32_precision strings."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     strings = (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, matmul.fp32_precision) \
-        if hasattr(cudnn, "rnn") and hasattr(cudnn.rnn, "fp32_precision") else ()
+        if HAS_FP32_PRECISION else ()
     return (cudnn.benchmark, _read(cudnn, "allow_tf32"), _read(matmul, "allow_tf32"), *strings)
 
 
@@ -150,7 +154,8 @@ def switches_restored():
     """The process-wide switches as they were before the test, put back after it whatever happens."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     benchmark = cudnn.benchmark
-    strings = [(o, "fp32_precision", o.fp32_precision) for o in (cudnn.conv, cudnn.rnn, matmul, cudnn)]
+    strings = [(o, "fp32_precision", o.fp32_precision) for o in (cudnn.conv, cudnn.rnn, matmul, cudnn)] \
+        if HAS_FP32_PRECISION else []
     yield
     cudnn.benchmark = benchmark
     cudnn.allow_tf32, matmul.allow_tf32 = True, False     # torch's defaults, then the exact strings
@@ -169,7 +174,8 @@ def test_cuda_switches_are_on_for_the_block_only(switches_restored):
     assert _tf32_state() == before
 
 
-@pytest.mark.parametrize("callers_way", ["legacy", "new"])
+@pytest.mark.parametrize("callers_way", ["legacy", pytest.param("new", marks=pytest.mark.skipif(
+    not HAS_FP32_PRECISION, reason="torch < 2.9 has no fp32_precision API"))])
 def test_tf32_reads_back_through_both_apis_inside_and_the_callers_flags_return(switches_restored, callers_way):
     """torch raises on a legacy TF32 read when the legacy and fp32_precision settings disagree, and
     torch.compile reads both: inside the block both must read back, whichever API the caller used."""
