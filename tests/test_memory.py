@@ -931,8 +931,14 @@ def test_cache_options_are_checked_for_every_source(options, error, match):
 
 def test_resize_whole_is_pils_bilinear():
     """The GPU build's resize, checked on the CPU: torch's antialiased bilinear on uint8 gives PIL's
-    BILINEAR pixels exactly; through float (the CUDA path) within 1; whole_size is load_whole's size."""
+    BILINEAR pixels exactly with Pillow-SIMD (install.sh's), within 1 with plain Pillow (9.1 to 13, the
+    GPU machine's: it rounds differently on ~0.2% of pixels); through float (the CUDA path) within 1;
+    whole_size is load_whole's size."""
+    import PIL
+
     from fastdata.backends.memory import resize_whole, whole_size
+
+    simd = ".post" in PIL.__version__   # Pillow-SIMD's version marker
 
     rng = np.random.default_rng(5)
     for h, w in [(350, 450), (500, 333), (120, 100), (257, 256)]:
@@ -941,7 +947,10 @@ def test_resize_whole_is_pils_bilinear():
         assert max(sh, sw) == min(256, max(h, w)) and abs(sh / sw - h / w) < 0.01
         ref = np.asarray(Image.fromarray(arr).resize((sw, sh), Image.BILINEAR))
         exact = resize_whole(torch.from_numpy(arr), 256).numpy()
-        np.testing.assert_array_equal(exact, ref)
+        if simd:
+            np.testing.assert_array_equal(exact, ref)
+        else:
+            assert np.abs(exact.astype(int) - ref).max() <= 1
         via_float = resize_whole(torch.from_numpy(arr), 256, via_float=True).numpy()
         assert np.abs(via_float.astype(int) - ref).max() <= 1
 
