@@ -4,6 +4,7 @@ from __future__ import annotations
 import operator
 import os
 import stat
+import sys
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +65,10 @@ def _walk_images(folder, exts, visited: set, marked: set, real_root: str):
             yield folder_name, entry.name
 
 
+#: How ``os.fsdecode`` decodes a file name.
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+
+
 class PathTable(Sequence):
     """File paths as one ``bytes`` buffer and the end offset of each (int64): ``ImageFolder.paths``.
 
@@ -85,24 +90,22 @@ class PathTable(Sequence):
     def __len__(self) -> int:
         return len(self._ends)
 
-    def _span(self, i: int) -> tuple[int, int]:
-        return (int(self._ends[i - 1]) if i else 0), int(self._ends[i])
-
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        j = operator.index(i)
+        ends = self._ends
+        n, j = len(ends), operator.index(i)
         j = j + n if j < 0 else j
         if not 0 <= j < n:
             raise IndexError(f"path index {i} is out of range for {n} paths")
-        a, b = self._span(j)
-        return os.fsdecode(self._blob[a:b])
+        # bytes.decode, not os.fsdecode: the same decoding at half the cost, and a backend (DALI's
+        # reader of plain files) names every file of every batch through this.
+        return self._blob[ends[j - 1] if j else 0:ends[j]].decode(_FS_ENCODING, _FS_ERRORS)
 
     def __iter__(self):
         a, blob = 0, self._blob
         for b in self._ends.tolist():
-            yield os.fsdecode(blob[a:b])
+            yield blob[a:b].decode(_FS_ENCODING, _FS_ERRORS)
             a = b
 
     def __eq__(self, other):
