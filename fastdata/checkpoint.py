@@ -556,7 +556,8 @@ def storage_for(path, storage=None):
     except (ImportError, ValueError) as e:   # fsspec knows no such protocol, or its package is missing
         known = ", ".join(sorted(fsspec.available_protocols())[:12])
         raise ImportError(f"checkpoint '{path}': fsspec cannot open {scheme}:// URLs ({_first_line(e)}); "
-                          f"install the package that provides it (s3fs for s3://, gcsfs for gs://); fsspec "
+                          f"install the package that provides it (s3fs for s3://: pip install fastdata[shards]; "
+                          f"gcsfs for gs://); fsspec "
                           f"knows {known}, ...") from e
 
 

@@ -321,3 +321,27 @@ def test_seed_for_shifts_a_python_int_not_a_numpy_scalar(monkeypatch):
     monkeypatch.setattr(sampling.np.random, "SeedSequence", Sequence)
     got = sampling.seed_for(3, 7)
     assert type(got) is int and got == want and 0 <= got < 2 ** 63
+
+
+# ------------------------------------------------------------------ installed without extras
+# fsspec comes with torch, so without the shards extra the first import to fail is aiohttp's or s3fs's.
+
+def test_an_http_shard_location_without_aiohttp_names_the_extra(monkeypatch):
+    """Without the shards extra, Shards('https://...') ended in a bare "No module named 'aiohttp'"."""
+    from fastdata.shards.storage import Storage
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)   # import aiohttp raises ImportError
+    with pytest.raises(ImportError, match=r"https://example\.invalid/s/.*aiohttp is not installed: pip install "
+                                          r"fastdata\[shards\]"):
+        Storage("https://example.invalid/s/")
+
+
+def test_an_s3_checkpoint_without_s3fs_names_the_extra(monkeypatch):
+    from fastdata import checkpoint
+
+    def no_s3fs(protocol, **options):
+        raise ImportError("Install s3fs to access S3")   # fsspec's own words
+
+    monkeypatch.setattr(checkpoint, "FsspecStorage", no_s3fs)
+    with pytest.raises(ImportError, match=r"s3fs for s3://: pip install fastdata\[shards\]"):
+        checkpoint.storage_for("s3://bucket/run/last.pt")

@@ -274,8 +274,12 @@ class Storage:
         set none: aiohttp's defaults wait 5 minutes for a stalled read, botocore's a minute."""
         options = dict(self.storage_options)
         if scheme in ("http", "https"):
-            import aiohttp
-
+            try:
+                import aiohttp
+            except ImportError:   # fsspec itself comes with torch: this is the first import to fail
+                raise ImportError(f"shard location '{redact(self.location)}' is an {scheme}:// URL, which fsspec "
+                                  f"reads through aiohttp, and aiohttp is not installed: pip install "
+                                  f"fastdata[shards] (fsspec, aiohttp, s3fs)") from None
             client = dict(options.get("client_kwargs") or {})
             client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=self.timeout,
                                                                sock_read=self.timeout))
