@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -72,7 +73,39 @@ def _close(host) -> None:
         close()
 
 
-def _take(q: queue.Queue, producer: threading.Thread):
+class _Producer:
+    """A pass's producer thread, its ``stop`` flag, and ``left``: set by the thread as its last act,
+    once it is out of its source.
+
+    Why ``left`` and not ``Thread.join``/``is_alive``: on Python 3.11 a join that Ctrl-C interrupts
+    marks the thread stopped while it still runs (``threading._wait_for_tstate_lock``: on any exception
+    it releases the tstate lock when ``lock.locked()``, which the running thread itself holds), and
+    ``is_alive()`` is False from then on. A notebook interrupted while a pass waited for the previous
+    producer (stuck in a slow batch) then started the next pass beside it, in the same source.
+    Waiting on an Event cannot be corrupted that way."""
+
+    __slots__ = ("thread", "stop", "left")
+
+    def __init__(self, target, args):
+        self.stop, self.left = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=target, args=(*args, self.stop, self.left),
+                                       name="fastdata-prefetch", daemon=True)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (in short slices: Ctrl-C gets through) until the thread has left its source, at most
+        ``timeout`` seconds (None: as long as it takes); whether it has."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.left.wait(0.1):
+            if end is not None and time.monotonic() >= end:
+                return False
+        # Out of its source, the thread has only its exit left: joined, so that a pass that has ended
+        # leaves no thread behind in threading.enumerate(). Whatever a Ctrl-C here does to its state,
+        # nothing reads is_alive().
+        self.thread.join(timeout=1.0)
+        return True
+
+
+def _take(q: queue.Queue, producer: _Producer):
     """The next item of the producer's queue. A producer that ended without queueing the end of the
     pass was stopped from outside (close(): its loader's source is being shut down); a plain get()
     then waited forever, so the wait is in short slices that check the producer is still there.
@@ -81,7 +114,7 @@ def _take(q: queue.Queue, producer: threading.Thread):
         try:
             return q.get(timeout=0.1)
         except queue.Empty:
-            if producer.is_alive():
+            if not producer.left.is_set():
                 continue
         try:   # it may have queued its last item between the timeout and the check
             return q.get_nowait()
@@ -170,8 +203,8 @@ class PrefetchStage:
         self.device, self.depth = device, depth
         #: How batches cross from the producer thread to the consumer (``Inline`` or ``SideStream``).
         self.handoff = SideStream(self.device) if self.device.type == "cuda" else Inline()
-        # The latest producer thread and its stop flag (see _finish_producer).
-        self._producer: tuple[threading.Thread, threading.Event] | None = None
+        # The latest pass's producer (see _finish_producer).
+        self._producer: _Producer | None = None
 
     @property
     def stream(self) -> torch.cuda.Stream | None:
@@ -192,8 +225,9 @@ class PrefetchStage:
         return True, (f"a batch is {kib:,.0f} KiB of uint8: its copy and normalization run on a side stream "
                       f"while the step runs")
 
-    def _produce(self, host, normalize, q: queue.Queue, stop: threading.Event) -> None:
-        """The producer thread: pull, prepare, queue; an error is queued for the consumer to raise."""
+    def _produce(self, host, normalize, q: queue.Queue, stop: threading.Event, left: threading.Event) -> None:
+        """The producer thread: pull, prepare, queue; an error is queued for the consumer to raise.
+        ``left`` is set last, once the source is closed (see ``_Producer``)."""
         def put(item) -> bool:
             while not stop.is_set():
                 try:
@@ -215,17 +249,18 @@ class PrefetchStage:
         except BaseException as e:  # handed to the consumer, never swallowed
             put(e)
         finally:
-            _close(host)
+            try:
+                _close(host)
+            finally:
+                left.set()
 
     def __call__(self, host: Iterator, normalize: Normalize) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The consumer's side (a generator: the producer starts with the epoch's first ``next()``)."""
         self._finish_producer()
         q: queue.Queue = queue.Queue(maxsize=self.depth)
-        stop = threading.Event()
-        worker = threading.Thread(target=self._produce, args=(host, normalize, q, stop),
-                                  name="fastdata-prefetch", daemon=True)
-        self._producer = (worker, stop)
-        worker.start()
+        worker = _Producer(self._produce, (host, normalize, q))
+        self._producer = worker
+        worker.thread.start()
         hand_over = self.handoff.hand_over
         ended = False
         try:
@@ -243,14 +278,14 @@ class PrefetchStage:
             # short wait usually lets it end here. If it is waiting for a slow batch, it is not waited
             # for: it ends as soon as that batch returns (unused), and the next epoch (or close()) waits
             # for that (see _finish_producer).
-            stop.set()
-            worker.join(timeout=0.5)
+            worker.stop.set()
+            worker.wait(timeout=0.5)
             raise
         finally:
             # Ctrl-C or an error in the consumer: return at once; the daemon thread ends after its batch.
-            stop.set()
+            worker.stop.set()
             if ended:
-                worker.join()
+                worker.wait()
 
     def _finish_producer(self) -> None:
         """Wait until the previous epoch's producer thread has left the DataLoader iterator.
@@ -259,15 +294,17 @@ class PrefetchStage:
         inside the (shared, persistent-worker) DataLoader iterator waiting for a slow batch. A new epoch
         that reset that iterator under it would race it: lost batches, or the workers' shared memory
         torn down under a read (FileNotFoundError, EOFError). The stop flag is already set, so the
-        producer leaves after its current batch. The wait is in short joins, so Ctrl-C interrupts it.
+        producer leaves after its current batch. The wait is in short slices (``_Producer.wait``), so
+        Ctrl-C interrupts it; the producer is forgotten only once it has left: a wait interrupted (Ctrl-C
+        on a pass that hangs on a slow batch, in a notebook) left it running unrecorded, and the pass
+        started next did not wait for it, the race above.
         """
-        old, self._producer = self._producer, None
-        if old is None or old[0] is threading.current_thread():
+        old = self._producer
+        if old is None or old.thread is threading.current_thread():
             return
-        thread, stop = old
-        stop.set()
-        while thread.is_alive():
-            thread.join(timeout=0.1)
+        old.stop.set()
+        old.wait()
+        self._producer = None
 
     def close(self) -> None:
         """Wait for the producer to leave its source (the DataLoader iterator) before the source is

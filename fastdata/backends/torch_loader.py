@@ -110,13 +110,23 @@ _PEER_GONE = (ConnectionError, EOFError, multiprocessing.AuthenticationError)
 
 
 def quiet_worker(worker_id: int) -> None:
-    """The workers' ``worker_init_fn``: a batch's tensors reach the main process as file descriptors,
+    """The workers' ``worker_init_fn``.
+
+    Ctrl-C is the main process's alone: a worker ignores SIGINT. Jupyter's "interrupt kernel" sends it
+    to the kernel's whole process group (jupyter_client's provisioner: ``os.killpg``), as a terminal's
+    Ctrl-C does, and a worker that got it left its loop (torch's ``_worker_loop`` ends on
+    KeyboardInterrupt) and exited: the same loader's next pass in that kernel failed with "DataLoader
+    worker exited unexpectedly". The main process gets the KeyboardInterrupt and ends the pass; a
+    worker whose main process is gone ends by itself (torch's ``ManagerWatchdog``).
+
+    Also: a batch's tensors reach the main process as file descriptors,
     which each worker hands over from multiprocessing's resource-sharer thread
     (``multiprocessing/resource_sharer.py``, ``_serve``). On Ctrl-C the main process stops reading
     mid-transfer, and that thread prints the broken connection's traceback through ``sys.excepthook``
     unless the worker is already exiting: a race that put a BrokenPipe traceback under the one line an
     interrupted run prints (seen in CI with the Lightning example). Only that thread's peer-gone errors
     are silenced; anything else still reaches the previous hook."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     previous = sys.excepthook
 
     def hook(kind, value, tb):

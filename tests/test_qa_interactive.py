@@ -1,0 +1,135 @@
+"""QA of interactive use (a Jupyter notebook, an IPython session): one Python process kept for hours, cells
+run again, interrupted (Jupyter's "interrupt kernel") and run again, loaders dropped and rebuilt.
+
+Each test runs its scenario in a fresh Python process (``run_script``): signals, threads, child processes
+and the module-level state they touch are process-wide, and pytest's own process carries other tests'
+leftovers. Jupyter interrupts a kernel by sending SIGINT to its whole process group (jupyter_client's
+local provisioner, ``os.killpg``): the scenarios that need that run in a session of their own, so the
+signal reaches the script and its loader's workers and nothing else.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+#: Put at the top of every script: this folder on sys.path (conftest's data, procs), a loader's epoch
+#: read whole with the ids each batch holds checked against its pixels and labels.
+_PRELUDE = f"""
+import os, signal, sys, threading, time, gc
+sys.path.insert(0, {str(TESTS)!r})
+import numpy as np
+from conftest import indexed_source, decode_ids, label_of
+from procs import children, wait_until
+from fastdata import make_loader
+
+def epoch_ids(loader):
+    got = []
+    for x, y in loader:
+        ids = decode_ids(x)
+        assert (label_of(ids) == y.numpy()).all(), "labels out of step with their images"
+        assert (ids == loader.batch_ids).all(), (ids[:4], loader.batch_ids[:4])
+        got.append(ids)
+    return np.concatenate(got)
+
+def planned(loader, epoch):
+    return np.concatenate([loader.source_ids(b) for b in loader.plan.batches_from(epoch, 0)])
+"""
+
+
+def run_script(body: str, *, timeout: float = 120, session: bool = False) -> str:
+    """``body`` (after ``_PRELUDE``) in a fresh Python process; its stdout. ``session``: in a process
+    group of its own (a killpg there reaches the script and its children only). A failure shows stderr."""
+    code = _PRELUDE + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          cwd=TESTS.parent, start_new_session=session)
+    assert done.returncode == 0, f"the script failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+# ------------------------------------------------------------------ Ctrl-C in a notebook
+_GROUP_INTERRUPT = """
+backend = {backend!r}
+loader = make_loader(indexed_source(600, size=8), backend, batch_size=50, device="cpu", num_workers=2,
+                     seed=1, persistent_workers=True)
+epoch_ids(loader)                                  # a first epoch: the persistent workers are up
+workers = children()
+assert len(workers) == 2, workers
+try:
+    for i, _ in enumerate(loader):
+        if i == 2:
+            os.killpg(os.getpgid(0), signal.SIGINT)   # Jupyter's "interrupt kernel"
+            time.sleep(5)                               # the KeyboardInterrupt lands here
+    raise AssertionError("no KeyboardInterrupt")
+except KeyboardInterrupt:
+    pass
+# The cell run again: the same loader, the next full epoch, every sample once, in the plan's order.
+epoch = loader.epoch
+assert np.array_equal(epoch_ids(loader), planned(loader, epoch)), "the epoch after Ctrl-C read other samples"
+assert children() == workers, ("the workers were replaced", workers, children())
+loader.close()
+assert wait_until(lambda: not children(), 10), children()
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "prefetch"])
+def test_a_notebook_interrupt_leaves_the_persistent_workers_running(backend):
+    """Jupyter's interrupt is a SIGINT to the kernel's process group, workers included: they left their
+    loop on it (torch's worker loop ends on KeyboardInterrupt) and exited, and the same loader's next pass
+    failed with "DataLoader worker (pid(s) ...) exited unexpectedly" (or a FileNotFoundError from a
+    batch's shared memory). Workers ignore SIGINT now; the main process alone handles Ctrl-C."""
+    assert "OK" in run_script(_GROUP_INTERRUPT.format(backend=backend), session=True)
+
+
+_PREFETCH_INTERRUPTED_WAIT = """
+import _thread
+import torch
+from fastdata.prefetch import PrefetchStage
+
+inside, overlaps = [0], []
+
+def host(slow_at=None):
+    # One source for every pass, as the DataLoader iterator of persistent workers is: a pass's producer
+    # must be out of it before the next pass's producer comes in.
+    inside[0] += 1
+    if inside[0] > 1:
+        overlaps.append("a producer entered the source while an earlier one was still in it")
+    try:
+        for i in range(4):
+            if i == slow_at:
+                time.sleep(2.0)                      # a slow batch (a hung read, a huge photo)
+            yield torch.full((1, 2, 2, 1), i, dtype=torch.uint8), torch.tensor([i])
+    finally:
+        inside[0] -= 1
+
+stage = PrefetchStage("cpu", depth=1)
+norm = lambda x: x.float()
+first = stage(host(slow_at=1), norm)
+next(first)
+first.close()                         # a break: the producer is still inside the slow batch
+threading.Timer(0.3, _thread.interrupt_main).start()
+try:
+    next(stage(host(), norm))         # the next cell waits for that producer ... and is interrupted
+    raise AssertionError("no KeyboardInterrupt")
+except KeyboardInterrupt:
+    pass
+got = [int(y) for _, y in stage(host(), norm)]   # the cell run again
+assert got == [0, 1, 2, 3], got
+assert not overlaps, overlaps
+stage.close()
+print("OK")
+"""
+
+
+def test_ctrl_c_while_a_prefetch_pass_waits_for_the_last_producer_keeps_waiting_next_time():
+    """A new prefetch pass waits for the previous pass's producer to leave the shared source (a break
+    leaves it inside a slow batch). Ctrl-C during that wait, the natural reaction to a cell that hangs,
+    made the stage forget the producer, and the pass started next ran beside it in the same source: the
+    race the wait exists to prevent (lost batches, shared memory torn down under a read)."""
+    assert "OK" in run_script(_PREFETCH_INTERRUPTED_WAIT)
