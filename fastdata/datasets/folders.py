@@ -379,11 +379,19 @@ class ImageFolder(Source):
             crc = zlib.crc32(os.fsencode("\n".join(map(str, self.classes))))
             sizes = _file_sizes(self.paths)
             prefix = os.path.join(os.fspath(self.root), "")
-            for path, label, size in zip(self.paths, self.labels, sizes, strict=True):
+            rows = []
+            for path, label, size in zip(self.paths, self.labels.tolist(), sizes, strict=True):
                 rel = path[len(prefix):] if path.startswith(prefix) else ""
-                if not rel or rel.startswith("..") or os.path.normpath(rel) != rel:
-                    rel = os.path.relpath(path, self.root)   # what the slice equals for a normal path
-                crc = zlib.crc32(os.fsencode(f"{rel}\0{label}\0{size}\n"), crc)
+                # normpath only where it may change something ("//", a "." or ".." part, a final "/"):
+                # per file, it was a third of the time of this loop.
+                if not rel or rel.startswith(".") or rel.endswith("/") or "//" in rel or "/." in rel:
+                    if not rel or rel.startswith("..") or os.path.normpath(rel) != rel:
+                        rel = os.path.relpath(path, self.root)   # what the slice equals for a normal path
+                rows.append(f"{rel}\0{label}\0{size}\n")
+                if len(rows) == 4096:   # one encode and one crc32 per run of rows (CRC-32 chains: the
+                    crc = zlib.crc32(os.fsencode("".join(rows)), crc)   # same value as row by row)
+                    rows = []
+            crc = zlib.crc32(os.fsencode("".join(rows)), crc)
             self._fingerprint = (f"{type(self).__name__} n={len(self)} classes={self.num_classes} "
                                  f"files={crc:08x}{self._subset_tag()}")
         return self._fingerprint
