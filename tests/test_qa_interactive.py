@@ -9,6 +9,7 @@ signal reaches the script and its loader's workers and nothing else.
 """
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import textwrap
@@ -133,3 +134,36 @@ def test_ctrl_c_while_a_prefetch_pass_waits_for_the_last_producer_keeps_waiting_
     made the stage forget the producer, and the pass started next ran beside it in the same source: the
     race the wait exists to prevent (lost batches, shared memory torn down under a read)."""
     assert "OK" in run_script(_PREFETCH_INTERRUPTED_WAIT)
+
+
+# ------------------------------------------------------------------ fit's progress bar
+class _KernelStream(io.StringIO):
+    """What a Jupyter kernel makes ``sys.stderr``: ipykernel's OutStream, which is no terminal."""
+
+    def isatty(self):
+        return False
+
+
+_KernelStream.__module__ = "ipykernel.iostream"
+
+
+@pytest.mark.parametrize("stream", ["notebook", "pipe"])
+def test_fits_progress_bar_shows_in_a_notebook_and_not_in_a_pipe(stream, monkeypatch, capsys):
+    """``progress=True`` (fit's default) showed its bar on a terminal only, and a notebook's stderr is
+    no terminal (ipykernel's OutStream says isatty() False): nothing showed there, without a word. A
+    notebook renders the text bar's carriage returns as a terminal does; a pipe or a log file still gets
+    no bar (no stray output), only the epoch's line on stdout."""
+    from torch import nn
+
+    from engine_helpers import ListLoader, _batches
+    from fastdata import fit
+
+    err = _KernelStream() if stream == "notebook" else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    fit(nn.Sequential(nn.Flatten(), nn.Linear(256, 10)), ListLoader(_batches(3)), epochs=1, progress=True)
+    shown = err.getvalue()
+    if stream == "notebook":
+        assert "epoch 1/1" in shown and "/3 [" in shown, shown
+    else:
+        assert shown == "", shown
+    assert "epoch 1/1" in capsys.readouterr().out

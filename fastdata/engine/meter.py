@@ -386,6 +386,21 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def shows_live(stream) -> bool:
+    """Whether ``stream`` shows a line redrawn in place: a terminal, or a Jupyter kernel's output
+    stream (ipykernel's ``OutStream``), which says it is no terminal (``isatty()`` False) and which a
+    notebook renders carriage returns in, as a terminal does. Keyed to the terminal alone,
+    ``progress=True`` (fit's default) showed nothing in a notebook, without a word. tqdm's text bar,
+    not its widget (``tqdm.notebook`` needs ipywidgets, and warns without it)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        if callable(isatty) and isatty():
+            return True
+    except ValueError:   # a closed stream
+        return False
+    return type(stream).__module__.startswith("ipykernel.")
+
+
 class Progress:
     """A tqdm bar over an epoch's batches with live loss, images/s and data-wait % (the steady state's,
     as the epoch record will say them: ``EpochMeter.live``; "warm-up" while it lasts).
@@ -395,9 +410,9 @@ class Progress:
 
     @classmethod
     def open(cls, enabled: bool, total: int, initial: int, epoch: int, epochs: int) -> Progress | None:
-        """A bar, or None when not ``enabled`` or stderr is not a terminal (a bar redrawn into a log
-        file or a pipe is noise)."""
-        if not enabled or not sys.stderr.isatty():
+        """A bar, or None when not ``enabled`` or stderr shows no live line (``shows_live``: a bar
+        redrawn into a log file or a pipe is noise)."""
+        if not enabled or not shows_live(sys.stderr):
             return None
         from tqdm import tqdm
 

@@ -103,7 +103,8 @@ class FitConfig:
         checkpoint_storage: where ``checkpoint`` is read and written: any object with ``exists``,
             ``read_bytes`` and ``write_bytes`` (``fastdata.checkpoint.Storage``); None: the local file
             system for a path, fsspec for a URL.
-        progress: a tqdm bar with live images/s and data-wait %, shown only when stderr is a terminal.
+        progress: a tqdm bar with live images/s and data-wait %, shown only when stderr is a terminal
+            or a Jupyter notebook's output (never into a log file or a pipe).
         loss_fn: the training loss, ``loss_fn(logits, labels)``; default ``nn.CrossEntropyLoss()``
             (class indices or class probabilities; under autocast it computes in float32 whatever the
             logits' dtype). It is not used for evaluation: see ``eval_loss_fn``. Both return the batch's
