@@ -278,8 +278,10 @@ def test_translate_matches_torchvision_random_crop_with_padding_mode(padding):
             self.top, self.left = top, left
 
         def make_params(self, flat_inputs):
-            params = super().make_params(flat_inputs)
-            return {**params, "top": self.top, "left": self.left, "needs_crop": True}
+            base = getattr(super(), "make_params", None) or super()._get_params
+            return {**base(flat_inputs), "top": self.top, "left": self.left, "needs_crop": True}
+
+        _get_params = make_params   # torchvision 0.19's name for it (the floor; make_params is newer)
 
     chw = torch.from_numpy(image[0]).permute(2, 0, 1).contiguous()
     for dy in range(2 * pad + 1):

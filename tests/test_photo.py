@@ -142,11 +142,14 @@ def test_an_orientation_in_xmp_alone_is_ignored_on_every_path():
                                                        app=app), 1),
         ("EXIF's 3 and XMP's 6", _jpeg_bytes(exif=_exif_block(3), app=app), 3),
     ]:
-        assert Image.open(io.BytesIO(data)).getexif().get(0x0112) == (6 if want == 1 else want), name
+        # Pillow 9.1 (the floor) reads no XMP in getexif: there the XMP-only cases report nothing.
+        assert Image.open(io.BytesIO(data)).getexif().get(0x0112) in ((6, None) if want == 1 else (want,)), name
         assert jpeg_orientation(data) == _pillow_orientation(data) == want, name
         img = Image.open(io.BytesIO(data))
         exif_orientation(img, "<bytes>")
-        assert img.info.get("xmp"), "the XMP packet is left in place for the caller"
+        # as Pillow read it (Pillow 9.1 keeps no XMP in a JPEG's info: None both sides there)
+        assert img.info.get("xmp") == Image.open(io.BytesIO(data)).info.get("xmp"), \
+            "the XMP packet is left in place for the caller"
 
 
 def test_a_png_whose_pixels_fail_to_load_is_not_taken_for_a_bad_exif_block():
