@@ -136,6 +136,49 @@ def test_ctrl_c_while_a_prefetch_pass_waits_for_the_last_producer_keeps_waiting_
     assert "OK" in run_script(_PREFETCH_INTERRUPTED_WAIT)
 
 
+_PASS_WORKERS = """
+import torch
+
+class Digits(torch.utils.data.Dataset):   # a torch Dataset: its workers are forked per pass
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, i):
+        return torch.full((1, 8, 8), i % 256, dtype=torch.uint8), i % 10
+
+loader = make_loader(Digits(), {backend!r}, batch_size=20, device="cpu", num_workers=2, seed=1, quiet=True)
+assert loader.opts["persistent_workers"] is False
+for i, _ in enumerate(loader):            # a cell that looks at a few batches
+    if i == 2:
+        break
+assert wait_until(lambda: not children(), 10), ("after a break", children())
+
+def interrupt():
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGINT)
+
+threading.Thread(target=interrupt, daemon=True).start()
+try:
+    for _ in loader:
+        time.sleep(0.05)
+    raise AssertionError("no KeyboardInterrupt")
+except KeyboardInterrupt as e:
+    sys.last_traceback = e.__traceback__  # kept, as IPython keeps it, with the pass's frames
+assert wait_until(lambda: not children(), 10), ("after Ctrl-C", children())
+assert sum(len(y) for _, y in loader) == 400   # the next pass forks its own
+assert wait_until(lambda: not children(), 10), ("after a full pass", children())
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "prefetch"])
+def test_a_pass_that_owns_its_workers_ends_them_on_a_break_or_ctrl_c(backend):
+    """Workers that are not persistent (a torch Dataset's, by default) belong to one pass. A pass left
+    early (a break, Ctrl-C) kept them in the loader until its next pass or close(): two idle processes,
+    each with its copy of the dataset, for as long as the notebook lived."""
+    assert "OK" in run_script(_PASS_WORKERS.format(backend=backend))
+
+
 # ------------------------------------------------------------------ fit's progress bar
 class _KernelStream(io.StringIO):
     """What a Jupyter kernel makes ``sys.stderr``: ipykernel's OutStream, which is no terminal."""

@@ -257,6 +257,20 @@ class TorchLoader(Loader):
             # process"). The next iter() starts fresh workers.
             self.close()
             raise
+        finally:
+            if it is not None and it is not getattr(self._loader, "_iterator", None):
+                self._end_pass_workers(it)
+
+    def _end_pass_workers(self, it) -> None:
+        """Shut down the workers of a pass that owns them (not persistent: a torch Dataset's, or
+        ``persistent_workers=False``) when it ends, however it ends (a break, Ctrl-C), as a dropped
+        DataLoader iterator's are. Kept in ``_pass_iterator``, they idled until the next pass or close():
+        two processes, each with its copy of the dataset, after a notebook cell that looked at a few
+        batches."""
+        if self._pass_iterator is it:
+            self._pass_iterator = None
+        if hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
 
     def _epoch(self, epoch, batches, start):
         # non_blocking: from pinned memory the copy is asynchronous, so the host goes on to the next
