@@ -235,6 +235,14 @@ def test_floors_agree_with_the_tools_that_read_them():
     assert re.search(rf'^python_version\s*=\s*"{major}\.{minor}"', text, re.M), "mypy python_version"
 
 
+def test_the_install_page_states_the_floors_pyproject_has():
+    """docs/install.md's table of floors is what users read before pip tells them: it moves with pyproject."""
+    text = (ROOT / "docs" / "install.md").read_text()
+    table = text.split("## The versions fastdata supports", 1)[1].split("\n## ", 1)[0]
+    stated = {name.lower(): _version(v) for name, v in re.findall(r"^\| (\w+) \| ([\d.]+) \|", table, re.M)}
+    assert stated == _floors(), f"docs/install.md states {stated}, pyproject.toml has {_floors()}"
+
+
 def _installed(dist: str) -> tuple[int, ...] | None:
     if dist == "python":
         return sys.version_info[:3]
