@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import backend_params
+
 TESTS = Path(__file__).resolve().parent
 
 #: Put at the top of every script: this folder on sys.path (conftest's data, procs), a loader's epoch
@@ -51,6 +53,50 @@ def run_script(body: str, *, timeout: float = 120, session: bool = False) -> str
                           cwd=TESTS.parent, start_new_session=session)
     assert done.returncode == 0, f"the script failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done.stdout
+
+
+# ------------------------------------------------------------------ a cell run again and again
+_RERUN = """
+import test_reliability_endurance as endurance
+from procs import usage
+endurance.steady_allocator()        # RSS that follows what is alive (see there)
+backend = {backend!r}
+src = indexed_source(2000, size=28)
+
+def reading():
+    gc.collect()
+    u = usage([os.getpid()])
+    return dict(u, shm=len(os.listdir("/dev/shm")), workers=len(children()))
+
+readings = []
+for run in range(RUNS):
+    # The cell: a loader built, a few batches looked at, a break; the name rebound next run.
+    loader = make_loader(src, backend, batch_size=500, device="cpu", num_workers=2, seed=1, quiet=True,
+                         **({{"persistent_workers": True}} if backend in ("torch", "prefetch") else {{}}))
+    for i, (x, y) in enumerate(loader):
+        if i == 1:
+            break
+    del x, y
+    if run in (WARMUP - 1, RUNS - 1):
+        readings.append(reading())
+print("READINGS", readings)
+first, last = readings
+assert last["workers"] == first["workers"] <= 2, readings     # the current loader's own, no more
+for key in ("threads", "fds", "shm"):
+    assert last[key] <= first[key] + 1, (key, readings)
+batch = 500 * 28 * 28 * 4
+assert last["rss"] - first["rss"] < (RUNS - WARMUP) * batch / 2, ("rss", readings)
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", backend_params(auto=True))
+def test_a_cell_run_again_and_again_leaks_nothing(backend):
+    """A notebook cell that builds a loader, looks at a few batches and breaks, run again and again in
+    one process: after the first runs, no worker process, thread, descriptor or /dev/shm segment more per
+    run, and less than half a batch of memory a run (a batch kept per run grows by one)."""
+    script = "RUNS, WARMUP = 20, 5\n" + _RERUN.format(backend=backend)
+    assert "OK" in run_script(script, timeout=300)
 
 
 # ------------------------------------------------------------------ Ctrl-C in a notebook
