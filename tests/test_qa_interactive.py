@@ -225,6 +225,73 @@ def test_a_pass_that_owns_its_workers_ends_them_on_a_break_or_ctrl_c(backend):
     assert "OK" in run_script(_PASS_WORKERS.format(backend=backend))
 
 
+class _CtrlC:
+    """A loader's contract passed through, with Jupyter's Ctrl-C raised inside ``next()`` when batch
+    number ``at`` (counted over the run) is asked for; ``at=None``: never."""
+
+    def __init__(self, loader, at=None):
+        self.loader, self.device, self.at, self.asked = loader, loader.device, at, 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def set_epoch(self, epoch):
+        self.loader.set_epoch(epoch)
+
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state):
+        self.loader.load_state_dict(state)
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.asked += 1
+            if self.asked == self.at:
+                raise KeyboardInterrupt
+            yield batch
+
+
+def test_fit_interrupted_then_run_again_in_the_same_process(tmp_path, capsys):
+    """Ctrl-C inside fit (in the loader's next(), with workers running and a checkpoint and a run log
+    held), then the cell run again in the same process: the checkpoint path and the log folder are not
+    refused as held by another run, ``resume=True`` ends with exactly the uninterrupted run's weights
+    (the batches after the last save read again, none lost or repeated), and a fresh run may start over
+    the same paths."""
+    import torch
+    from torch import nn
+
+    from conftest import indexed_source
+    from fastdata import fit, make_loader
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+
+    loader = make_loader(indexed_source(240, size=8), "torch", batch_size=20, device="cpu", num_workers=2,
+                         seed=3, persistent_workers=True)
+    reference = model()
+    fit(reference, loader, epochs=2, progress=False)
+    ck, logs = tmp_path / "run.pt", tmp_path / "logs"
+    trained = model()
+    wrapped = _CtrlC(loader, at=17)     # the 5th batch of epoch 2: its last save was after batch 4
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        fit(trained, wrapped, epochs=2, checkpoint=ck, checkpoint_every=4, log_dir=logs, progress=False)
+    # Kept, as IPython keeps sys.last_traceback: the interrupted run's frames (its state, its run log)
+    # stay alive, so what they held must have been given up by fit itself, not by the garbage collector.
+    sys.last_traceback = interrupted.value.__traceback__
+    wrapped.at = None
+    history = fit(trained, wrapped, epochs=2, checkpoint=ck, resume=True, log_dir=logs, progress=False)
+    assert "resumed from" in capsys.readouterr().out
+    assert len(history) == 2
+    for name, value in reference.state_dict().items():
+        assert torch.equal(value, trained.state_dict()[name]), name
+    with pytest.warns(RuntimeWarning, match="holds a checkpoint and resume=False"):
+        fit(model(), wrapped, epochs=1, checkpoint=ck, log_dir=logs, progress=False)
+    del sys.last_traceback
+    loader.close()
+
+
 # ------------------------------------------------------------------ fit's progress bar
 class _KernelStream(io.StringIO):
     """What a Jupyter kernel makes ``sys.stderr``: ipykernel's OutStream, which is no terminal."""
