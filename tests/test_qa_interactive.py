@@ -346,6 +346,28 @@ def test_fit_interrupted_then_run_again_in_the_same_process(tmp_path, capsys):
     loader.close()
 
 
+# ------------------------------------------------------------------ closed, dropped, iterated twice
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_closed_loader_iterated_again_says_so_or_reads_whole(backend):
+    """A loader closed in one cell and iterated in a later one. dali rebuilt its pipeline for arrays
+    (photos met its stopped threads) outside the set of loaders closed before the interpreter exits; it
+    now says it was closed, as memory does. torch and prefetch start fresh workers (their own error paths
+    close() and go on) and read the epoch whole."""
+    from conftest import indexed_source
+    from fastdata import make_loader
+
+    loader = make_loader(indexed_source(120, size=8), backend, batch_size=20, device="cpu", num_workers=2,
+                         seed=1, quiet=True)
+    next(iter(loader))
+    loader.close()
+    if backend in ("dali", "memory"):
+        with pytest.raises(RuntimeError, match=rf"this {backend} loader was closed.*make a new loader"):
+            next(iter(loader))
+    else:
+        assert sum(len(y) for _, y in loader) == 120
+        loader.close()
+
+
 # ------------------------------------------------------------------ fit's progress bar
 class _KernelStream(io.StringIO):
     """What a Jupyter kernel makes ``sys.stderr``: ipykernel's OutStream, which is no terminal."""

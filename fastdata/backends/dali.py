@@ -263,6 +263,7 @@ class DaliLoader(DaliFiles, Loader):
         self._ready = None    # a DALI output fetched for a record not yet handed out
         self._expect = None   # the epoch the running stream goes on with, after a pass ran to its end
         self._owner_pid = os.getpid()
+        self._closed = False
         _LIVE.add(self)
 
     @classmethod
@@ -414,6 +415,11 @@ class DaliLoader(DaliFiles, Loader):
 
     # ------------------------------------------------------------------ one epoch
     def _epoch(self, epoch, batches, start):
+        if self._closed:
+            # A pass after close() built a pipeline again for arrays (files met the stopped reading
+            # threads), out of _LIVE: not freed before the interpreter's exit (see _close_live).
+            raise RuntimeError(f"this dali loader was closed: close() freed its pipeline and stopped its "
+                               f"threads; make a new loader to read {self.source!r} again")
         if os.getpid() != self._owner_pid:
             self._adopt_in_fork()
         total = len(batches)
@@ -649,6 +655,7 @@ class DaliLoader(DaliFiles, Loader):
             _INHERITED.append((self._pipe, self._iter, self._probe_pipe))
             return
         _LIVE.discard(self)
+        self._closed = True
         self._release()
         self._probe_pipe = None
         # Readers first: their queued reads are cancelled, so an assembler waiting on them ends at once.
