@@ -368,6 +368,42 @@ def test_a_closed_loader_iterated_again_says_so_or_reads_whole(backend):
         loader.close()
 
 
+@pytest.mark.parametrize("backend", backend_params())
+def test_two_loops_over_one_loader_and_a_dropped_loader(backend):
+    """A nested loop over the same loader by mistake, and a generator left suspended in a variable while
+    a new loop runs: the older pass raises a RuntimeError that says why, never a batch of the newer pass.
+    The loader dropped (``del``) while an iterator is suspended: the iterator reads its pass to the end."""
+    import gc
+
+    import numpy as np
+
+    from conftest import decode_ids, indexed_source
+    from fastdata import make_loader
+
+    def loader():
+        return make_loader(indexed_source(120, size=8), backend, batch_size=20, device="cpu", num_workers=2,
+                           seed=1, quiet=True)
+
+    a = loader()
+    with pytest.raises(RuntimeError, match="superseded by a newer iter"):
+        for _ in a:
+            for _ in a:
+                pass
+    kept = (ids for ids in (decode_ids(x) for x, _ in a))
+    next(kept)
+    assert np.array_equal(np.sort(np.concatenate([decode_ids(x) for x, _ in a])), np.arange(120))
+    with pytest.raises(RuntimeError, match="superseded by a newer iter"):
+        next(kept)
+    a.close()
+    b = loader()
+    it = iter(b)
+    first = decode_ids(next(it)[0])
+    del b
+    gc.collect()
+    rest = [decode_ids(x) for x, _ in it]
+    assert np.array_equal(np.sort(np.concatenate([first, *rest])), np.arange(120))
+
+
 # ------------------------------------------------------------------ fit's progress bar
 class _KernelStream(io.StringIO):
     """What a Jupyter kernel makes ``sys.stderr``: ipykernel's OutStream, which is no terminal."""
