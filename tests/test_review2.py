@@ -64,3 +64,32 @@ def test_take_keeps_order_and_handles_empty_and_repeated_indices(idx):
     got = folder.paths.take(np.asarray(idx, dtype=np.int64))
     assert got == [folder.paths[i] for i in idx] and type(got) is PathTable
     assert PathTable().take(np.asarray([], dtype=np.int64)) == []
+
+
+def test_a_peak_lr_refusal_names_the_argument_of_the_scheduler_in_use(tmp_path):
+    """fit refuses a resume under another rate for any scheduler (a group's ``initial_lr``), not only
+    OneCycleLR (``max_lr``); its advice said "Resume with max_lr=0.1" to a StepLR user, who has no
+    max_lr: the rate is the optimizer's lr. OneCycleLR's wording is unchanged (test_engine_state)."""
+    import pickle
+
+    import torch
+    from torch import nn
+
+    from engine_helpers import ListLoader
+    from fastdata.engine import fit
+    from fastdata.engine.schedule import PeakLrChanged
+
+    def run(lr, resume):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        batches = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(2)]
+        fit(model, ListLoader(batches), epochs=1 + resume, optimizer=optimizer,
+            scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1), checkpoint=tmp_path / "c.pt", resume=resume,
+            progress=False)
+
+    run(0.1, False)
+    with pytest.raises(PeakLrChanged, match=r"Resume with the optimizer's lr=0\.1, or start a new run") as info:
+        run(0.5, True)
+    assert "max_lr" not in str(info.value) and (info.value.was, info.value.now) == (0.1, 0.5)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)

@@ -101,14 +101,16 @@ class PeakLrChanged(ckpt.ResumeError):
     """A resume under another peak learning rate than the checkpoint's schedule: ``was`` (saved) and
     ``now`` (this run's), so that a training script can name its own flag (see ``cli.fit_errors``)."""
 
-    def __init__(self, path, was: float, now: float):
+    def __init__(self, path, was: float, now: float, arg: str = "max_lr"):
+        # ``arg``: what sets the rate. OneCycleLR's max_lr; any other scheduler starts from the
+        # optimizer's lr (its initial_lr), and a StepLR user told "max_lr" has no such argument.
         super().__init__(f"'{path}' was saved by a run whose schedule peaks at lr {was:g}, and resuming restores "
-                         f"it: this run's {now:g} would be ignored. Resume with max_lr={was:g}, or start a new "
+                         f"it: this run's {now:g} would be ignored. Resume with {arg}={was:g}, or start a new "
                          f"run (resume=False)")
-        self.path, self.was, self.now = path, was, now
+        self.path, self.was, self.now, self.arg = path, was, now, arg
 
     def __reduce__(self):
-        return (PeakLrChanged, (self.path, self.was, self.now))
+        return (PeakLrChanged, (self.path, self.was, self.now, self.arg))
 
 
 def check_same_peak_lr(state: dict, optimizer, path) -> None:
@@ -122,9 +124,9 @@ def check_same_peak_lr(state: dict, optimizer, path) -> None:
     now = peaks(optimizer.param_groups)
     if not was or None in was or None in now or len(was) != len(now):
         return
-    for a, b in zip(was, now):
+    for a, b, group in zip(was, now, optimizer.param_groups):
         if not math.isclose(float(a), float(b), rel_tol=1e-6):
-            raise PeakLrChanged(path, float(a), float(b))
+            raise PeakLrChanged(path, float(a), float(b), "max_lr" if "max_lr" in group else "the optimizer's lr")
 
 
 def current_lr(optimizer) -> float | list[float]:
