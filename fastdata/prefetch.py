@@ -259,8 +259,8 @@ class PrefetchStage:
         self._finish_producer()
         q: queue.Queue = queue.Queue(maxsize=self.depth)
         worker = _Producer(self._produce, (host, normalize, q))
-        self._producer = worker
         worker.thread.start()
+        self._producer = worker   # once started: a thread that never ran would never set `left`
         hand_over = self.handoff.hand_over
         ended = False
         try:
