@@ -114,15 +114,15 @@ def strict_orientation(data: bytes) -> int | None:
         return None
     if magic != 42 or ifd < 8 or ifd + 2 + 12 * count + 4 > len(tiff):
         return None
-    orientation = 1
+    orientation, seen = 1, False
     for tag, kind, num, where, short in ifd0_entries(tiff, end, ifd, count):   # all inside: checked above
         unit = TIFF_UNIT.get(kind)
         if unit is None or (num * unit > 4 and where + num * unit > len(tiff)):
             return None
-        if tag == 0x0112:
-            if kind != 3 or num != 1 or not 1 <= short <= 8:
+        if tag == 0x0112:   # a second one is doubt: Pillow keeps the last, a reader may keep the first
+            if kind != 3 or num != 1 or not 1 <= short <= 8 or seen:
                 return None
-            orientation = short
+            orientation, seen = short, True
     return orientation
 
 

@@ -262,12 +262,17 @@ def jpeg_orientation(data: bytes) -> int | None:
         if marker == 0xE1 and data[a:a + 6] == b"Exif\x00\x00":
             tiff = data[a + 6:b]
             try:
-                end, _, ifd, count = tiff_header(tiff)   # the magic is Pillow's to judge
+                end, magic, ifd, count = tiff_header(tiff)
+                if magic != 42:   # Pillow reads no EXIF from a block it finds no TIFF (magic 0), and a
+                    return None   # BigTIFF's (43) IFD differently: Pillow decides
+                found = None
                 for tag, kind, num, where, short in ifd0_entries(tiff, end, ifd, count):
                     if tag == 0x0112:
-                        if kind != 3 or num != 1:     # not one SHORT: Pillow's reading decides
+                        # not one SHORT, or a second orientation tag (Pillow keeps the last one read; the
+                        # first was returned here, a photo turned by one backend only): Pillow decides
+                        if kind != 3 or num != 1 or found is not None:
                             return None
-                        return short if 1 <= short <= 8 else None
+                        found = short
                     size = num * TIFF_UNIT.get(kind, 0)
                     if size > 4 and where + size > len(tiff):
                         # Pillow stops reading the block at an entry whose values lie past its end, and
@@ -275,7 +280,9 @@ def jpeg_orientation(data: bytes) -> int | None:
                         return None
             except (KeyError, struct.error):
                 return None
-            return 1
+            if found is None:
+                return 1
+            return found if 1 <= found <= 8 else None
     return None
 
 
