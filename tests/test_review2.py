@@ -175,3 +175,13 @@ def test_the_pillow_like_orientation_reader_agrees_with_pillow_on_crafted_blocks
                 if got != _pillow_orientation(data):
                     wrong.append((got, _pillow_orientation(data), struct.unpack_from(end + "H", tiff, 2)[0], entries))
     assert answered > 500 and not wrong, wrong[:5]
+
+
+def test_a_subset_of_a_folder_whose_paths_were_set_as_a_list():
+    """``paths`` is a public attribute that a subclass (or a user's filter) may set to a list, as it
+    always was: ``subset()`` then raised AttributeError ('list' object has no attribute 'take')."""
+    folder = _folder()
+    folder.paths = [p for p in folder.paths]   # e.g. a subclass's __init__ rewriting them
+    sub = folder.subset([3, 1])
+    assert list(sub.paths) == [folder.paths[3], folder.paths[1]] and list(sub.labels) == [1, 1]
+    assert sub.fingerprint() != folder.fingerprint()

@@ -442,7 +442,10 @@ class ImageFolder(Source):
         return str(self.paths[i])
 
     def _take(self, idx: np.ndarray) -> None:
-        self.paths = self.paths.take(idx)
+        # ``paths`` is public: a subclass or a user may have set a list (``self.paths = [...]``), as
+        # before it was a PathTable; packed here, as _init packs it.
+        paths = self.paths if isinstance(self.paths, PathTable) else PathTable(self.paths)
+        self.paths = paths.take(idx)
         self.labels = self.labels[idx]
         self._fingerprint = None
 

@@ -294,7 +294,9 @@ class TarImages(Source):
         return f"TarImages n={len(self)} classes={self.num_classes} members={crc:08x}{self._subset_tag()}"
 
     def _take(self, idx: np.ndarray) -> None:
-        self.members = self.members.take(idx)
+        # ``members`` is public: one set as a list (a subclass, a user's filter) is packed here
+        members = self.members if isinstance(self.members, PathTable) else PathTable(self.members)
+        self.members = members.take(idx)
         self.labels, self.tar_of = self.labels[idx], self.tar_of[idx]
         self.offsets, self.sizes = self.offsets[idx], self.sizes[idx]
         self._decompressors, self._lock = {}, threading.Lock()   # the copy reads on its own
