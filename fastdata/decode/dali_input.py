@@ -96,7 +96,7 @@ def strict_orientation(data: bytes) -> int | None:
     """The EXIF orientation of a JPEG whose EXIF is beyond doubt (1 without any), else None: exactly one
     APP1 "Exif" segment before the scan, a TIFF header ("II" or "MM", 42), IFD0 with its entries and
     the next-IFD pointer inside the block, every entry's values inside it, and the orientation (if
-    any) one SHORT in 1..8. Any reader, DALI's and Pillow's included, reads such a block the same way."""
+    any) one SHORT in 1..8, tagged once. Any reader, DALI's and Pillow's included, reads such a block the same way."""
     blocks, reached_scan = [], False
     for marker, a, b in jpeg_segments(data):
         if marker is None:
