@@ -185,3 +185,18 @@ def test_a_subset_of_a_folder_whose_paths_were_set_as_a_list():
     sub = folder.subset([3, 1])
     assert list(sub.paths) == [folder.paths[3], folder.paths[1]] and list(sub.labels) == [1, 1]
     assert sub.fingerprint() != folder.fingerprint()
+
+
+def test_seed_for_gives_the_seeds_it_gave_before_the_int_shift_change():
+    """seed_for now shifts a Python int (119128f: numpy 1.x raised on np.uint64 >> 1). Every sample
+    order, crop and flip of a run, and so every saved position, hangs on these values: pinned as the
+    code before that change computed them (numpy 2), over 1-, 2-, 3- and 4-part seeds, a part of
+    2^32 - 1 (two words) and ones past 32 bits (masked)."""
+    from fastdata.sampling import seed_for
+
+    cases = [(0,), (1, 2), (0x5EED, 3, 7), (2**32 - 1,), (2**32, 5), (-1, 2**40 + 5, 9), (123456789, 0, 0, 1)]
+    assert [seed_for(*c) for c in cases] == [
+        7896617691693857887, 7764949442709860949, 5264578896651208531, 1514021950461116164,
+        6102389744414414618, 5872084520211031512, 4623493629334922070]
+    assert all(type(seed_for(*c)) is int for c in cases)
+    assert seed_for(np.int64(1), np.uint32(2)) == seed_for(1, 2)
