@@ -351,6 +351,10 @@ def _shared_rank(rank, store, paths, queue):
     finally:
         from fastdata import distributed as fdist
 
+        # The answer leaves before the teardown: on torch 2.4 destroy_process_group can block, holding
+        # the GIL, once a peer has gone, and the queue's feeder thread would never send it.
+        queue.close()
+        queue.join_thread()
         fdist.cleanup(barrier=False)   # gloo's threads finish before exit
 
 
