@@ -200,3 +200,41 @@ def test_seed_for_gives_the_seeds_it_gave_before_the_int_shift_change():
         6102389744414414618, 5872084520211031512, 4623493629334922070]
     assert all(type(seed_for(*c)) is int for c in cases)
     assert seed_for(np.int64(1), np.uint32(2)) == seed_for(1, 2)
+
+
+def _odd_tree(base) -> str:
+    """A folder of odd names, fixed bytes (the sizes are in the fingerprint): nested, a linked folder
+    outside the root, a non-UTF-8 name, a hidden '..x.jpg', mixed-case and other endings."""
+    import os
+
+    base = os.fspath(base)
+    root = os.path.join(base, "root")
+    for rel, size in [("a/1.jpg", 11), ("a/sub/2.jpg", 22), ("a/..x.jpg", 33), ("b/3.JPG", 44), ("c/z.png", 55),
+                      ("c/deep/er/4.jpeg", 66), ("other/5.jpg", 77)]:
+        path = os.path.join(base, rel if rel.startswith("other") else os.path.join("root", rel))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(bytes(size))
+    with open(os.path.join(os.fsencode(root), b"a", b"caf\xe9.jpg"), "wb") as f:
+        f.write(bytes(88))
+    os.symlink(os.path.join("..", "..", "other"), os.path.join(root, "b", "link"))
+    return root
+
+
+def test_image_folder_fingerprints_are_the_ones_checkpoints_hold(tmp_path, monkeypatch):
+    """Checkpoints store ImageFolder's fingerprint and refuse a resume where it differs: the PathTable
+    walk (1ac2fed) and the fingerprint's speed-up (1881573) must give the values the code before them
+    gave. Pinned as that code computed them, for absolute, trailing-slash, relative and '..' roots, a
+    subset, and a file list with '//', '/./', '..' and a path outside the root."""
+    import os
+
+    root = _odd_tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for given in (root, root + "/", "root", "./root/", "root/../root"):
+        folder = ImageFolder(given)
+        assert folder.fingerprint() == "ImageFolder n=7 classes=3 files=67ddf5f0", given
+        assert folder.subset([5, 0, 2]).fingerprint() == "ImageFolder n=3 classes=3 files=850cef5f subset=09c73625"
+    odd = [root + "//a/1.jpg", root + "/./b/3.JPG", root + "/a/sub/../1.jpg", str(tmp_path / "other" / "5.jpg"),
+           root + "/c/deep/er/4.jpeg", os.fsdecode(os.path.join(os.fsencode(root), b"a", b"caf\xe9.jpg"))]
+    listed = ImageFolder.from_samples([(p, k % 3) for k, p in enumerate(odd)], ["a", "b", "c"], root=root)
+    assert listed.fingerprint() == "ImageFolder n=6 classes=3 files=f190191b"
