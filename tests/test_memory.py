@@ -1316,3 +1316,16 @@ def test_cache_size_is_a_memory_option_checked_and_named(bad, photo_folder):
         LoaderConfig(device="cpu", cache_size=256)
     picked = make_loader(src, "auto", cache_size=40, quiet=True, **kw)
     assert picked.name == "memory" and picked.cache.shape[1:3] == (40, 40)
+
+
+def test_a_pass_running_when_its_loader_is_closed_says_so():
+    """close() under a pass in progress ended it as if the epoch were over: the next next() raised
+    StopIteration, so a loop read a short epoch without a word. It now raises as torch's, prefetch's and
+    dali's passes do."""
+    loader = make_loader(SyntheticDigits(64), "memory", batch_size=16, device="cpu",
+                         augment=Augmentation.none())
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(RuntimeError, match=r"the memory loader was closed while this pass ran .* make a new loader"):
+        next(it)

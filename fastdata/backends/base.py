@@ -115,24 +115,26 @@ class EpochIterator:
 
     def __init__(self, batches):
         self._batches = batches
-        self._superseded = False
+        self._superseded: str | None = None   # why it ended under its consumer: what next() then raises
 
     def __iter__(self):
         return self
 
     def __next__(self):
         if self._superseded:
-            raise RuntimeError(_SUPERSEDED)
+            raise RuntimeError(self._superseded)
         return next(self._batches)
 
     def close(self) -> None:
         """End the epoch early and release what it holds (also happens when the iterator is dropped)."""
         self._batches.close()
 
-    def _supersede(self) -> None:
+    def _supersede(self, why: str = _SUPERSEDED) -> None:
+        """End the pass for ``why`` (a newer ``iter()``, or its loader closed): a later ``next()`` raises
+        it, where a pass that just stopped would read as an epoch that ended early."""
         if self._batches.gi_frame is None:  # finished or closed: it keeps ending, as iterators do
             return
-        self._superseded = True
+        self._superseded = why
         # close() runs the epoch's finally blocks now: workers, threads and pipelines are released
         # before the newer epoch starts using them.
         self._batches.close()
@@ -479,10 +481,16 @@ class Loader(SampleIds):
     def __len__(self) -> int:
         return len(self.plan)
 
+    def _end_running_pass(self, why: str = _SUPERSEDED) -> None:
+        """End the pass in progress, if any: its generator's finally blocks run now, and its next
+        ``next()`` raises ``why`` (a newer ``iter()``; a backend's ``close()``)."""
+        ref = getattr(self, "_current", None)   # absent when close() runs after a failed __init__
+        running = ref() if ref is not None else None
+        if running is not None:
+            running._supersede(why)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        previous = self._current() if self._current is not None else None
-        if previous is not None:
-            previous._supersede()
+        self._end_running_pass()
         epoch, offset = self._next
         # _next stays until the pass runs to its end (_count): a peek or a pass left early does not
         # move the run on.

@@ -465,10 +465,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
     def close(self):
         # End a pass still running first: its generator holds views of the cache (and the epoch's
         # tensors), which would stay allocated after the budget had been told they were freed.
-        ref = getattr(self, "_current", None)
-        running = ref() if ref is not None else None
-        if running is not None:
-            running.close()
+        # Its next() says so, as torch's, prefetch's and dali's passes do.
+        self._end_running_pass("the memory loader was closed while this pass ran (close() frees its cache); "
+                               "make a new loader to read it again")
         self.cache = self.ready = self._window = self._sizes = self._scratch = None
         ahead = getattr(self, "_ahead", None)   # absent when __init__ failed before making it
         if ahead is not None:
