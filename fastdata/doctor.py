@@ -136,7 +136,7 @@ def dali_info() -> dict:
         import nvidia.dali as dali
     except Exception as e:
         return {"version": None, "gpu": False, "note": f"not installed ({type(e).__name__}); "
-                                                         f"pip install nvidia-dali-cuda120"}
+                                                         f"pip install 'fastdata[dali]' (nvidia-dali-cuda120)"}
     import torch
 
     gpu = torch.cuda.is_available()
@@ -230,7 +230,9 @@ def main(argv=None) -> int:
     r = report()
     pil = r["pil"]
     flavour = ("Pillow-SIMD" + (" (AVX2)" if pil["avx2"] else " (SSE4, no AVX2)" if pil["avx2"] is False else "")
-               if pil["simd"] else "Pillow (not SIMD: run ./install.sh to swap in Pillow-SIMD)")
+               if pil["simd"] else "Pillow (not SIMD: ./install.sh swaps in Pillow-SIMD; installed with pip: "
+                                   "pip uninstall -y pillow && pip install --no-deps pillow-simd, with CC='cc -mavx2' "
+                                   "where the CPU has AVX2)")
     if pil.get("cannot_read"):
         # A source build (install.sh's Pillow-SIMD) links only the libraries whose headers it found.
         flavour += (f"; built without {', '.join(pil['cannot_read'])}: such files are refused by name "

@@ -40,6 +40,26 @@ def test_a_pillow_built_without_an_image_library_is_named_with_its_package(monke
     assert doctor.pil_cannot_read() == []
 
 
+def test_plain_pillow_and_missing_dali_hints_serve_a_pip_install_too(monkeypatch, capsys):
+    """Both hints named only what a clone has (./install.sh) or a bare wheel: someone who ran
+    ``pip install fastdata`` gets the pip commands (found by the dependency-matrix QA pass)."""
+    from fastdata import doctor
+
+    monkeypatch.setattr(doctor, "nvidia_smi", lambda: None)
+    monkeypatch.setattr(doctor, "pil_info", lambda: {"version": "11.3.0", "simd": False, "avx2": None})
+    monkeypatch.setattr(doctor, "dali_info", lambda: {"version": None, "gpu": False, "note": "-"})
+    doctor.main()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("PIL"))
+    assert "pip uninstall -y pillow && pip install --no-deps pillow-simd" in line and "./install.sh" in line
+    monkeypatch.undo()
+    import builtins
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(
+        ImportError("no DALI")) if name.startswith("nvidia.dali") else real(name, *a, **k))
+    assert "pip install 'fastdata[dali]'" in doctor.dali_info()["note"]
+
+
 # ------------------------------------------------------------------ the GPU verdict (issue 9.13)
 from fastdata import doctor
 from fastdata.doctor import gpu_verdict, parse_nvidia_smi
