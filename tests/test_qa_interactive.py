@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import backend_params
+from engine_helpers import Wrapper
 
 TESTS = Path(__file__).resolve().parent
 
@@ -281,24 +282,12 @@ def test_a_pass_that_owns_its_workers_ends_them_on_a_break_or_ctrl_c(backend):
     assert "OK" in run_script(_PASS_WORKERS.format(backend=backend))
 
 
-class _CtrlC:
+class _CtrlC(Wrapper):
     """A loader's contract passed through, with Jupyter's Ctrl-C raised inside ``next()`` when batch
     number ``at`` (counted over the run) is asked for; ``at=None``: never."""
 
     def __init__(self, loader, at=None):
         self.loader, self.device, self.at, self.asked = loader, loader.device, at, 0
-
-    def __len__(self):
-        return len(self.loader)
-
-    def set_epoch(self, epoch):
-        self.loader.set_epoch(epoch)
-
-    def state_dict(self):
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state):
-        self.loader.load_state_dict(state)
 
     def __iter__(self):
         for batch in self.loader:
