@@ -345,3 +345,31 @@ def test_a_pass_whose_loader_was_closed_says_so(workers):
                 pass
     assert sum(len(x) for x, _ in loader) == 64
     loader.close()
+
+
+def test_a_workers_ctrl_c_guard_is_not_inherited_by_programs_it_runs():
+    """quiet_worker keeps Ctrl-C from a DataLoader worker. With SIG_IGN, which survives exec, every
+    program a user's dataset started from a worker (a decoder, ffmpeg) was deaf to Ctrl-C too (found
+    by the review of the interactive QA pass); a do-nothing handler is reset in an exec'd child."""
+    import multiprocessing
+    import signal
+    import subprocess
+    import sys
+
+    from fastdata.backends.torch_loader import quiet_worker
+
+    ctx = multiprocessing.get_context("fork")
+    answers = ctx.Queue()
+
+    def worker():
+        quiet_worker(0)
+        probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+        answers.put((signal.getsignal(signal.SIGINT) is signal.SIG_DFL,
+                     subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()))
+
+    process = ctx.Process(target=worker)
+    process.start()
+    default_in_worker, ignored_in_program = answers.get(timeout=120)
+    process.join(timeout=60)
+    assert not default_in_worker             # the worker itself still keeps Ctrl-C off
+    assert ignored_in_program == "False"     # the program it ran has Python's own Ctrl-C handling

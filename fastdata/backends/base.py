@@ -667,7 +667,8 @@ class Loader(SampleIds):
         self._position = (state["epoch"], samples, 0, None)
 
     def close(self) -> None:
-        """Release workers, threads and caches. The loader is unusable afterwards."""
+        """Release workers, threads and caches. The loader is not to be iterated afterwards (dali and
+        memory refuse; torch and prefetch, which hold no cache, would start fresh workers)."""
 
     def __enter__(self):
         return self

@@ -109,6 +109,10 @@ def worker_seed_generator(seed: int) -> torch.Generator:
 _PEER_GONE = (ConnectionError, EOFError, multiprocessing.AuthenticationError)
 
 
+def _ignore_sigint(signum, frame) -> None:
+    """A worker's SIGINT handler (see ``quiet_worker``): the main process alone acts on Ctrl-C."""
+
+
 def quiet_worker(worker_id: int) -> None:
     """The workers' ``worker_init_fn``.
 
@@ -126,7 +130,10 @@ def quiet_worker(worker_id: int) -> None:
     unless the worker is already exiting: a race that put a BrokenPipe traceback under the one line an
     interrupted run prints (seen in CI with the Lightning example). Only that thread's peer-gone errors
     are silenced; anything else still reaches the previous hook."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A handler that does nothing, not SIG_IGN: an ignored signal stays ignored across exec, so every
+    # program a user's dataset starts from a worker (a decoder, ffmpeg) would be deaf to Ctrl-C too; a
+    # handler is reset to the default in an exec'd child.
+    signal.signal(signal.SIGINT, _ignore_sigint)
     previous = sys.excepthook
 
     def hook(kind, value, tb):

@@ -94,7 +94,8 @@ def check_schedule_length(scheduler, interval, *, epochs: int, start_epoch: int,
         f"resuming: the checkpoint's OneCycleLR has total_steps={total}{passed} and has taken {taken}; "
         f"epochs={epochs} needs {left} more ({needed} in all, {shape}, stepped per {unit}): a one-cycle "
         f"schedule cannot be stretched once it has started. Resume with epochs <= {most}, or start a new run "
-        f"(resume=False) from the checkpoint's weights with the scheduler built for the new epochs")
+        f"(resume=False) with the scheduler built for the new epochs (its model may start from the checkpoint's "
+        f"weights: fastdata.checkpoint.load(path)['model'])")
 
 
 class PeakLrChanged(ckpt.ResumeError):
