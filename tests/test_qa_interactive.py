@@ -26,6 +26,10 @@ TESTS = Path(__file__).resolve().parent
 #: read whole with the ids each batch holds checked against its pixels and labels.
 _PRELUDE = f"""
 import os, signal, sys, threading, time, gc
+# Ctrl-C raises KeyboardInterrupt, as in a Jupyter kernel, however pytest was started: a shell's
+# background job starts with SIGINT ignored, and Python keeps an ignored SIGINT ignored (a CI run
+# from nohup ... & failed every interrupt test with "no KeyboardInterrupt").
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {str(TESTS)!r})
 import numpy as np
 from conftest import indexed_source, decode_ids, label_of
@@ -85,8 +89,10 @@ print("READINGS", readings)
 # the previous run's loader still closing comes and goes (single readings differed by 2 descriptors).
 first, last = ({{key: min(r[key] for r in part) for key in part[0]}} for part in (readings[:3], readings[-3:]))
 assert last["workers"] == first["workers"] <= 2, readings     # the current loader's own, no more
-for key in ("threads", "fds", "shm"):
-    assert last[key] <= first[key] + 1, (key, readings)
+# A leak of one a run adds RUNS - WARMUP (15) by the end; the slack is for what comes and goes: the
+# descriptors read 14 or 16 in turn on a loaded CI machine, all three last readings on 16 once.
+for key, slack in (("threads", 1), ("fds", 4), ("shm", 1)):
+    assert last[key] <= first[key] + slack, (key, readings)
 batch = 500 * 28 * 28 * 4
 assert last["rss"] - first["rss"] < (RUNS - WARMUP) * batch / 2, ("rss", readings)
 print("OK")

@@ -84,7 +84,8 @@ def test_a_loader_that_fails_half_built_frees_its_share_of_the_budget(folders, t
 def test_close_ends_a_running_pass_and_frees_its_cache(folders, kind):
     """close() with an iterator still alive (a peeked pass, a fetcher holding it) told the budget the
     cache was freed while the pass's views kept it allocated (digits), or let the pass go on into a
-    freed cache, failing with "'NoneType' object is not subscriptable" (photos). The pass now ends."""
+    freed cache, failing with "'NoneType' object is not subscriptable" (photos). The pass now ends, and
+    its next next() says the loader was closed (it read as a short epoch, without a word)."""
     import gc
     import weakref
 
@@ -103,7 +104,7 @@ def test_close_ends_a_running_pass_and_frees_its_cache(folders, kind):
     loader.close()
     gc.collect()
     assert held() is None and live_cache_bytes(torch.device("cpu")) == 0
-    with pytest.raises(StopIteration):
+    with pytest.raises(RuntimeError, match="the memory loader was closed while this pass ran"):
         next(it)
 
 
