@@ -304,7 +304,7 @@ class StepTimer:
         if self.folded <= self.steady_from < self.folded + k:
             self._steady_first = self.starts[self.steady_from - self.folded]
         for j in range(k):
-            gap = max(0.0, self.ends[j].elapsed_time(self.starts[j + 1]))
+            gap = _gap(self.ends[j], self.starts[j + 1])
             self._gaps[0] += gap
             if self.folded + j < self.steady_from:
                 self._gaps[1] += gap
@@ -326,12 +326,9 @@ class StepTimer:
         if first >= 0:   # nothing of the steady state folded (or no step after the mark)
             return idle_fraction(self.starts[first:], self.ends[first:])
         # steady_from is 0 (the meter measures the epoch whole) or a step folded since it was marked.
-        start = self._first if self.steady_from == 0 else self._steady_first
-        folded = self._gaps[0] - (self._gaps[1] if self.steady_from else 0.0)
-        span = start.elapsed_time(self.ends[-1])
-        ends, starts = self.ends, self.starts
-        gaps = folded + sum(max(0.0, ends[i].elapsed_time(starts[i + 1])) for i in range(len(starts) - 1))
-        return gaps / span if span > 0 else 0.0
+        return idle_fraction(self.starts, self.ends,
+                             first=self._first if self.steady_from == 0 else self._steady_first,
+                             folded=self._gaps[0] - (self._gaps[1] if self.steady_from else 0.0))
 
 
 def gpu_starved(mark) -> bool:
@@ -362,8 +359,15 @@ def format_record(r: dict, epochs: int | None = None) -> str:
     return "  ".join(parts)
 
 
-def idle_fraction(starts, ends) -> float | None:
+def _gap(end, start) -> float:
+    """Milliseconds the GPU had nothing to run between a step's ``end`` event and the next ``start``."""
+    return max(0.0, end.elapsed_time(start))
+
+
+def idle_fraction(starts, ends, *, first=None, folded: float = 0.0) -> float | None:
     """Gaps between one step's end event and the next step's start event ÷ the first-to-last span.
+    ``first``, ``folded``: the span's start event and the gaps (ms) of steps before ``starts`` that
+    ``StepTimer`` folded away (None, 0: ``starts`` is the whole).
 
     A start event completes on the GPU as soon as the work queued before it is done; if the GPU was
     still busy with the previous step, the gap is zero, and any gap is time the GPU had nothing from the
@@ -372,8 +376,8 @@ def idle_fraction(starts, ends) -> float | None:
     """
     if not starts:
         return None
-    span = starts[0].elapsed_time(ends[-1])
-    gaps = sum(max(0.0, ends[i].elapsed_time(starts[i + 1])) for i in range(len(starts) - 1))
+    span = (starts[0] if first is None else first).elapsed_time(ends[-1])
+    gaps = folded + sum(_gap(ends[i], starts[i + 1]) for i in range(len(starts) - 1))
     return gaps / span if span > 0 else 0.0
 
 
