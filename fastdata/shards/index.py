@@ -329,11 +329,51 @@ def _check_members(where, shards, shard, offset, size, max_member_bytes) -> None
 
 
 def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
-    """``load_index`` of a local folder: ``path`` is the folder or the ``index.json`` in it. One path for
-    both, so a local index is read, refused and explained as ``Shards`` reads it."""
+    """``load_index`` of a local pack: ``path`` is the folder ``pack`` wrote, its ``index.json``, or an
+    index under another name (a copy). The other files of a pack (a shard's tar, its ``.idx``, its record
+    ``NAME.json``, a rank's part) are refused, naming the file and what to give instead. One path for
+    all, so a local index is read, refused and explained as ``Shards`` reads it."""
     path = os.fspath(path)
-    folder = os.path.dirname(path) or "." if os.path.basename(path) == INDEX_NAME else path
-    return load_index(Storage(folder, retries=0), max_member_bytes=max_member_bytes)
+    folder, name = os.path.split(path)
+    folder = folder or "."
+    if os.path.isdir(path) or (name == INDEX_NAME and os.path.isdir(folder)):
+        return load_index(Storage(path if os.path.isdir(path) else folder, retries=0),
+                          max_member_bytes=max_member_bytes)
+    if not os.path.lexists(path):
+        raise IndexNotFound(f"index '{path}' is missing: there is no such file or folder; give the folder that "
+                            f"`python -m fastdata pack` wrote (index.json beside its tars), or its index.json",
+                            name, path, code=errno.ENOENT)
+    if name.lower().endswith(TAR_ENDINGS + (".idx",)):   # a shard (maybe GBs): never read as JSON
+        raise BadIndex(f"index '{path}' is {_pack_file(folder, name)}")
+    try:
+        data = Storage(folder, retries=0).read(name, subject="the index")
+    except StorageError as e:
+        raise _with_advice(e, local=True) from None
+    try:
+        return parse_index(data, path, max_member_bytes=max_member_bytes)
+    except BadIndex as e:
+        what = _pack_file(folder, name)
+        raise (BadIndex(f"index '{path}' is {what}") if what else e) from None
+
+
+def _pack_file(folder: str, name: str) -> str:
+    """What file ``name`` of a pack's ``folder`` is, when it is not the index, and what to give instead
+    (empty if it is none of a pack's other files)."""
+    instead = (f"give the folder '{folder}' or its {INDEX_NAME}" if os.path.isfile(os.path.join(folder, INDEX_NAME))
+               else f"'{folder}' has no {INDEX_NAME}: give the folder `python -m fastdata pack` wrote")
+    stem = name.rpartition(".")[0]
+    if name.lower().endswith(TAR_ENDINGS):
+        if name in foreign_tars(folder):
+            instead += f" (tars of another tool are converted first: python -m fastdata pack '{folder}' OUT)"
+        return f"a tar file (a shard), not an index: {instead}"
+    if name.endswith(".idx"):
+        return f"a DALI index of one shard ('{stem}.tar'), not the pack's index: {instead}"
+    if re.fullmatch(r"index\.rank\d+\.json", name):
+        return (f"one rank's part of a pack, not its index: rank 0 merges the parts into {INDEX_NAME} once "
+                f"every rank is done (re-run pack if it was interrupted); {instead}")
+    if name.endswith(".json") and os.path.isfile(os.path.join(folder, f"{stem}.tar")):
+        return f"the record pack writes beside shard '{stem}.tar', not the pack's index: {instead}"
+    return ""
 
 
 def load_index(storage, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
