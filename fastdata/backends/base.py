@@ -33,6 +33,7 @@ import torch
 from ..augment import output_size, recipe, require_padding_fits
 from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats, unknown_options
 from ..datasets import Source, SourceKind, check_transform_and_augment
+from ..datasets.base import loader_classes
 from ..datasets.sample_transforms import recipe_choices
 from ..decode import warn_skipped
 from ..errors import PositionMismatch
@@ -148,8 +149,7 @@ class _AccelerateTracker:
     singleton, which accelerate's DataLoaderShard feeds (``begin``/``end`` in accelerate/data_loader.py)
     and a loader passed through ``prepare()`` unchanged never would. Only when the user's program has
     imported accelerate (no import here); a change of its private API leaves the loader working, the
-    metric then un-trimmed.
-    """
+    metric then un-trimmed."""
 
     __slots__ = ("state", "loader")
 
@@ -417,9 +417,9 @@ class Loader(SampleIds):
 
     @property
     def classes(self) -> list:
-        """The class names (an ImageFolder's folder names; ``0 .. num_classes-1`` for arrays)."""
-        classes = getattr(self.source, "classes", None)
-        return list(classes) if classes is not None else list(range(self.source.num_classes))
+        """The class names (folder names; ``0 .. num_classes-1`` for arrays): read-only, made once."""
+        names, self._classes_made = loader_classes(self.source, getattr(self, "_classes_made", None))
+        return names
 
     @property
     def num_classes(self) -> int:

@@ -1,0 +1,58 @@
+"""Defects earlier QA passes found in the loaders and sources and left unmended (carried over): the
+class names copied at every access, a path with a lone surrogate, a Ctrl-C inside the dali backend's
+close(), the memory backend's cache_size warning, ranks without a process group deciding on their own
+free RAM, check_picklable's copy of nested arrays."""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from conftest import indexed_source
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ArraySource, ImageFolder
+
+
+# ------------------------------------------------------------------ 1. class names, made once
+def test_loader_classes_is_one_read_only_list_made_once():
+    """``loader.classes`` (and ``source.classes``) built a new list at each access: a loop naming each
+    sample's class copied all 10,000 names per sample. Now the same read-only list every time, equal
+    to a list, and a caller cannot change the source's own names through it."""
+    names = [f"c{k}" for k in range(10_000)]
+    src = ArraySource(np.zeros((4, 8, 8, 3), np.uint8), [0, 1, 2, 3], classes=names)
+    loader = make_loader(src, "memory", batch_size=2, device="cpu", augment=Augmentation.none())
+    assert loader.classes is loader.classes and src.classes is src.classes
+    assert loader.classes == names and isinstance(loader.classes, list) and loader.classes[9_999] == "c9999"
+    for change in (lambda c: c.append("x"), lambda c: c.__setitem__(0, "x"), lambda c: c.sort(),
+                   lambda c: c.__iadd__(["x"]), lambda c: c.clear()):
+        with pytest.raises(TypeError, match="read-only.*list\\(classes\\)"):
+            change(loader.classes)
+    assert src.classes == names and len(loader.classes) == 10_000
+    names.append("later")   # the caller's own list, given to the source: not the source's names
+    assert len(src.classes) == 10_000
+    again = pickle.loads(pickle.dumps(loader.classes))
+    assert again == loader.classes and copy.deepcopy(src.classes) == names[:-1]
+    mine = list(loader.classes)
+    mine.append("x")   # the way to a list to change
+    assert len(loader.classes) == 10_000
+
+
+def test_loader_classes_of_a_source_without_names_and_of_a_plain_list():
+    """Unnamed classes are 0 .. num_classes-1, also made once; a source of one's own that keeps a plain
+    list is copied once, and again only when it holds another list."""
+    loader = make_loader(indexed_source(16), "memory", batch_size=4, device="cpu", augment=Augmentation.none())
+    assert loader.classes == list(range(loader.num_classes)) and loader.classes is loader.classes
+
+    class Plain:   # what loader_classes reads of a source: classes, or num_classes
+        num_classes = 2
+        classes = ["a", "b"]
+
+    from fastdata.datasets.base import loader_classes
+
+    first, made = loader_classes(Plain)
+    assert first == ["a", "b"] and loader_classes(Plain, made)[0] is first
+    Plain.classes = ["a", "c"]
+    assert loader_classes(Plain, made)[0] == ["a", "c"]
