@@ -1,0 +1,105 @@
+"""Upgrading fastdata mid-project: what an older release wrote, this version reads or refuses clearly.
+
+The fixtures under ``tests/data/upgrade/<revision>/`` were written by older revisions of this repository
+(``make_fixture.py`` there; its README says which and how): a checkpoint that ``fit`` saved mid-epoch
+before the run was killed, the weights the uninterrupted run ended on, every backend's loader
+``state_dict`` after two batches, a ``fastdata.pack`` folder and the run log of the killed run. This
+version must resume each exactly (same weights, learning rate, samples) or refuse it naming what changed:
+never a KeyError/TypeError, never a silent wrong resume.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import require
+from fastdata import make_loader
+from fastdata.datasets import Shards, SyntheticDigits
+
+DATA = Path(__file__).parent / "data" / "upgrade"
+sys.path.insert(0, str(DATA))
+from upgrade_run import BACKENDS, loader_args, run  # noqa: E402
+
+#: The revisions that wrote the fixtures, oldest first (README.md there).
+REVISIONS = ("effeab8", "b7af964", "0a8b2c5")
+
+
+def _expect(rev: str) -> dict:
+    return json.loads((DATA / rev / "expect.json").read_text())
+
+
+@pytest.mark.parametrize("rev", REVISIONS)
+def test_old_checkpoint_resumes_to_the_uninterrupted_runs_weights(rev, tmp_path, capsys):
+    shutil.copy(DATA / rev / "mid.pt", tmp_path / "mid.pt")
+    log_dir = None
+    if (DATA / rev / "runlog").is_dir():
+        log_dir = tmp_path / "runlog"
+        shutil.copytree(DATA / rev / "runlog", log_dir)
+    # Another global seed than the old run's: the checkpoint's RNG states (dropout) must win.
+    history, model = run(tmp_path / "mid.pt", resume=True, log_dir=log_dir, seed=123)
+    assert "epoch 1, batch 4/6" in capsys.readouterr().out   # resumed where it was saved, not from scratch
+    want = torch.load(DATA / rev / "full_weights.pt", weights_only=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, want[name]), f"{rev}: {name} differs from the uninterrupted old run's"
+    assert len(history) == 2 and history[-1]["lr"] == pytest.approx(4e-7)   # OneCycleLR's end, stepped 12 times
+    if log_dir is not None:
+        # The killed run logged steps 0-5, its checkpoint is at step 4: the resumed log holds each step once.
+        with open(log_dir / "steps.csv", newline="") as f:
+            steps = [int(row["step"]) for row in csv.DictReader(f)]
+        assert steps == list(range(12))
+        with open(log_dir / "epochs.csv", newline="") as f:
+            assert [row["epoch"] for row in csv.DictReader(f)] == ["1", "2"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rev", REVISIONS)
+def test_old_loader_state_resumes_the_same_samples(rev, backend):
+    if backend == "dali":
+        require("nvidia.dali")
+    states = torch.load(DATA / rev / "loader_states.pt", weights_only=True)
+    expect = _expect(rev)["loaders"][backend]
+    loader = make_loader(SyntheticDigits(48, seed=2), backend=backend, **loader_args(backend))
+    try:
+        loader.load_state_dict(states[backend])
+        assert [y.tolist() for _, y in loader] == expect["rest"]
+        assert [y.tolist() for _, y in loader] == expect["next_epoch"]
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("rev", [r for r in REVISIONS if (DATA / r / "packed").is_dir()])
+def test_old_pack_reads_the_same_samples(rev):
+    expect = _expect(rev)["loaders"]["shards"]
+    shards = Shards(DATA / rev / "packed")
+    assert [int(y) for y in shards.labels] == expect["labels"]
+    assert len(shards) == 12 and shards.num_classes == 10
+
+
+def test_old_pack_position_resumes():
+    """0a8b2c5's pack records the images' shape (an array pack): its position resumes exactly."""
+    rev = "0a8b2c5"
+    expect = _expect(rev)["loaders"]["shards"]
+    shards = Shards(DATA / rev / "packed")
+    assert shards.fingerprint() == expect["fingerprint"]
+    loader = make_loader(shards, backend="torch", batch_size=4, device="cpu", seed=1, num_workers=0)
+    loader.load_state_dict(torch.load(DATA / rev / "loader_states.pt", weights_only=True)["shards"])
+    assert [y.tolist() for _, y in loader] == expect["rest"]
+
+
+def test_pack_position_saved_before_the_window_was_recorded_is_refused_naming_it():
+    """b7af964's Shards fingerprint had no ``window=`` (added in b328565): its pack of digits (an index
+    without the image shape, read as photos) was ordered by a window the position does not say. Refused,
+    naming the window, rather than resumed under a window the old run may not have used."""
+    from fastdata.errors import PositionMismatch
+
+    rev = "b7af964"
+    shards = Shards(DATA / rev / "packed")
+    loader = make_loader(shards, backend="torch", batch_size=4, device="cpu", seed=1, num_workers=0)
+    with pytest.raises(PositionMismatch, match="window=4"):
+        loader.load_state_dict(torch.load(DATA / rev / "loader_states.pt", weights_only=True)["shards"])
