@@ -56,3 +56,57 @@ def test_loader_classes_of_a_source_without_names_and_of_a_plain_list():
     assert first == ["a", "b"] and loader_classes(Plain, made)[0] is first
     Plain.classes = ["a", "c"]
     assert loader_classes(Plain, made)[0] == ["a", "c"]
+
+
+# ------------------------------------------------------------------ 2. file names that are not UTF-8
+def _photo_bytes(value: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((20, 24, 3), value, np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def latin1_folder(tmp_path):
+    """A folder whose class folder and file names are Latin-1 bytes, not UTF-8 (an old camera's or
+    archive's), made through bytes paths as Linux holds them."""
+    root = os.fsencode(tmp_path / "photos")
+    for c in (b"cat", b"d\xfcsel"):
+        os.makedirs(os.path.join(root, c))
+        for k in range(3):
+            fd = os.open(os.path.join(root, c, b"f\xe9te%d.jpg" % k), os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, _photo_bytes(40 * k))
+            os.close(fd)
+    return os.fsdecode(root)
+
+
+@pytest.mark.parametrize("backend", ["torch", "memory", "dali"])
+def test_an_image_folder_of_names_that_are_not_utf8_is_read_by_every_backend(latin1_folder, backend):
+    """Linux file names are bytes; Python gives an undecodable one as a str with \\udc80-\\udcff
+    (surrogateescape), which PathTable keeps and gives back byte for byte."""
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    src = ImageFolder(latin1_folder)
+    assert src.classes == ["cat", "d\udcfcsel"] and os.fsencode(src.paths[5]).endswith(b"d\xfcsel/f\xe9te2.jpg")
+    extra = {"num_workers": 0} if backend == "torch" else {}
+    with make_loader(src, backend, batch_size=3, device="cpu", augment=Augmentation.imagenet_eval(size=16),
+                     **extra) as ld:
+        assert sorted(y for _, labels in ld for y in labels.tolist()) == [0, 0, 0, 1, 1, 1]
+
+
+def test_from_samples_takes_undecodable_and_bytes_paths_and_names_one_no_file_can_have(latin1_folder):
+    """from_samples over os.fsdecode's names, or the names as bytes, reads the files; a str whose lone
+    surrogate no bytes decode to ("\\ud800") failed with UnicodeEncodeError naming no path."""
+    walked = ImageFolder(latin1_folder)
+    as_str = ImageFolder.from_samples(list(zip(walked.paths, walked.labels.tolist())), walked.classes)
+    as_bytes = ImageFolder.from_samples([(os.fsencode(p), y) for p, y in zip(walked.paths, walked.labels.tolist())],
+                                        walked.classes)
+    assert as_str.paths == walked.paths and as_bytes.paths == walked.paths
+    assert as_bytes.read(5) == _photo_bytes(80)
+    bad = os.path.join(latin1_folder, "cat", "a\ud800.jpg")
+    with pytest.raises(ValueError, match=r"path '.*a\\ud800\.jpg' names no file: its character '\\ud800' \(at "
+                                         r"\d+\) is a lone surrogate.*utf-8.*surrogateescape.*as bytes"):
+        ImageFolder.from_samples([(walked.paths[0], 0), (bad, 1)], ["cat", "dog"])

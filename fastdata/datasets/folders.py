@@ -87,7 +87,10 @@ class PathTable(Sequence):
     _TAKE_RUN = 1 << 14
 
     def __init__(self, paths=()):
-        encoded = [os.fsencode(p) for p in paths]
+        try:
+            encoded = [os.fsencode(p) for p in paths]
+        except UnicodeEncodeError:
+            raise _unencodable(paths) from None
         self._blob = b"".join(encoded)
         self._ends = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
 
@@ -164,6 +167,21 @@ class PathTable(Sequence):
     def __repr__(self):
         first = f", first {self[0]!r}" if len(self) else ""
         return f"PathTable({len(self)} paths{first})"
+
+
+def _unencodable(paths) -> ValueError:
+    """The error for a path no file can have: a str whose surrogate no bytes decode to (only \\udc80-
+    \\udcff are os.fsdecode's stand-ins for undecodable bytes), named, with its character and place."""
+    for p in paths:
+        try:
+            os.fsencode(p)
+        except UnicodeEncodeError as e:
+            return ValueError(f"path {p!r} names no file: its character {e.object[e.start]!r} (at {e.start}) is a "
+                              f"lone surrogate, which the file-system encoding ({_FS_ENCODING}, errors="
+                              f"{_FS_ERRORS}) cannot turn into bytes; a name that is not {_FS_ENCODING} is read "
+                              f"as os.listdir and os.fsdecode give it (its bytes as \\udc80-\\udcff), or "
+                              f"given as bytes")
+    return ValueError("a path cannot be encoded to bytes")   # the paths changed under the call
 
 
 def _refuse_empty(empty: list[str], exts) -> None:
@@ -342,7 +360,8 @@ class ImageFolder(Source):
         any list of ``(path, class index)``. Read by every backend, as a walked folder is.
 
         Args:
-            samples: ``(path, label)`` pairs; labels are integers in ``[0, len(classes))``.
+            samples: ``(path, label)`` pairs; labels are integers in ``[0, len(classes))``; a path is a
+                str (a name that is not UTF-8 as ``os.fsdecode`` gives it), bytes or a ``PathLike``.
             classes: the class names, index = label (classes with no file are allowed); None: unnamed,
                 ``0 .. max(label)``.
             root: the folder paths are relative to in the fingerprint (a copy of the data elsewhere
@@ -354,14 +373,14 @@ class ImageFolder(Source):
         if not samples:
             raise ValueError("samples is empty: an image-folder source needs at least one (path, label)")
         for i, s in enumerate(samples):
-            if not isinstance(s, (tuple, list)) or len(s) != 2 or not isinstance(s[0], (str, os.PathLike)):
+            if not isinstance(s, (tuple, list)) or len(s) != 2 or not isinstance(s[0], (str, bytes, os.PathLike)):
                 raise TypeError(f"samples[{i}] must be a (path, label) pair, got {s!r}")
         if classes is None:   # a list of (path, label) with no names: the labels' classes, 0 .. max
             classes = list(range(int(check_labels([lab for _, lab in samples], "samples' labels").max()) + 1))
         classes = list(classes)
         if not classes:
             raise ValueError("classes is empty: name at least one class")
-        paths = [os.fspath(p) for p, _ in samples]
+        paths = [os.fsdecode(p) for p, _ in samples]   # bytes (a Linux name as it is) read as os.listdir's str
         labels = check_labels([lab for _, lab in samples], "samples' labels", num_classes=len(classes))
         root = Path(root) if root is not None else Path(os.path.commonpath([os.path.dirname(p) or "."
                                                                             for p in paths]))
