@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 import os
 import re
@@ -332,6 +333,65 @@ def decode_error_line(error: Exception, skip_flag: str | None = None) -> str:
     return f"error: {line}"
 
 
+#: How long a rank that ends with an ``error:`` line waits for the other ranks to report theirs before it
+#: decides alone whether to print it. Ranks that share a cause (a refused resume) fail within moments of
+#: each other; a rank that fails alone exits this much later (and at most as long again for the others
+#: to finish printing), so torchrun stops the rest after its line is out.
+EXIT_WAIT_S = 5.0
+_EXITS = itertools.count()   # one namespace in the store per error line a process ends with
+
+
+def exit_with(line: str, *, relay: bool = False) -> SystemExit:
+    """The ``SystemExit`` that ends a command with ``line`` (``error: ...``), said once per job: under a
+    process group every failing rank posts its line in the group's store, waits for the others' (at most
+    ``EXIT_WAIT_S``), and prints it only if no lower rank has the same one, so ranks that fail the same
+    way print it once and a rank whose error differs prints its own. ``relay``: this rank only waited for
+    another rank's failure (a ``PreparationError``): quiet when a rank that failed on its own said so.
+    Without a group, or when its store cannot be reached, every rank says its line as before."""
+    from . import distributed
+
+    if not distributed.is_distributed():
+        return SystemExit(line)
+    import torch.distributed as dist
+
+    try:
+        # The default group's store (torchrun's, or the one init_process_group made): keys, no collective,
+        # so a rank that fails alone never waits on peers that are busy training.
+        store = dist.distributed_c10d._get_default_store()
+        _say_once(store, f"fastdata/exit/{next(_EXITS)}", line, relay, dist.get_rank(), dist.get_world_size())
+    except Exception:   # no store (a private API moved, its host gone) before the decision: never lose the line
+        return SystemExit(line)
+    return SystemExit(1)   # said (or a lower rank says it); the exit status stays 1
+
+
+def _say_once(store, prefix: str, line: str, relay: bool, me: int, world: int) -> None:
+    """``exit_with``'s exchange: post this rank's line, read the others' and print this one unless a
+    lower rank has the same (a relay: unless a rank that failed on its own posted). Then post that this
+    rank is done and wait for the other failing ranks to be done too: torchrun stops every rank once one
+    exits, which would cut off a rank still printing a line of its own."""
+    store.set(f"{prefix}/line/{me}", ("relay " if relay else "error ") + line)
+    posted = _posted(store, f"{prefix}/line", range(world))
+    said = {r: v.decode().partition(" ") for r, v in posted.items()}
+    if relay:
+        quiet = any(kind == "error" for r, (kind, _, _) in said.items() if r != me)
+    else:
+        quiet = any(kind == "error" and text == line for r, (kind, _, text) in said.items() if r < me)
+    if not quiet:
+        print(line, file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):   # the line is out: a store gone now costs only the wait
+        store.set(f"{prefix}/done/{me}", "1")
+        _posted(store, f"{prefix}/done", posted)
+
+
+def _posted(store, prefix: str, ranks) -> dict:
+    """``{rank: value}`` of ``prefix/<rank>`` for each rank that posts it within ``EXIT_WAIT_S``."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    keys = {r: f"{prefix}/{r}" for r in ranks}
+    while not store.check(list(keys.values())) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return {r: store.get(k) for r, k in keys.items() if store.check([k])}
+
+
 @contextlib.contextmanager
 def input_errors(what: str, *, skip_flag: str | None = None):
     """Around reading what the flags name (a data folder, a checkpoint) and building loaders from them:
@@ -344,11 +404,11 @@ def input_errors(what: str, *, skip_flag: str | None = None):
     try:
         yield
     except DecodeError as e:   # a broken image (the memory backend decodes while it is built): the file's
-        raise SystemExit(decode_error_line(e, skip_flag)) from None
+        raise exit_with(decode_error_line(e, skip_flag)) from None
     # Not TypeError: with every flag checked by its type, one here is a bug, whose traceback matters.
     except (ValueError, OSError, CacheDoesNotFit, MissingDependency) as e:
         message = str(e).strip().splitlines()
-        raise SystemExit(f"error: {what}: {message[-1] if message else type(e).__name__}") from None
+        raise exit_with(f"error: {what}: {message[-1] if message else type(e).__name__}") from None
 
 
 def check_training_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -430,19 +490,20 @@ def fit_errors(args: argparse.Namespace, *, flags: tuple[str, str] = ("--checkpo
         with on_ctrl_c(say):
             yield
     except PeakLrChanged as e:
-        raise SystemExit(f"error: {lr_flags}: '{e.path}' was saved by a run whose schedule peaks at lr {e.was:g}, "
+        raise exit_with(f"error: {lr_flags}: '{e.path}' was saved by a run whose schedule peaks at lr {e.was:g}, "
                          f"and resuming restores it: this run's {e.now:g} would be ignored. Resume with the saved "
                          f"run's {lr_flags}, or start a new run without --resume") from None
     except (CheckpointError, distributed.PreparationError) as e:
         # fit's refusals offer "a new run (resume=False)": the Python API's words for this command's.
         new_run = f"(without --resume, or with another {flags[0]})"
-        raise SystemExit(f"error: {flags[0]}: {str(e).replace('(resume=False)', new_run)}") from None
+        raise exit_with(f"error: {flags[0]}: {str(e).replace('(resume=False)', new_run)}",
+                        relay=isinstance(e, distributed.PreparationError)) from None
     except LogDirInUse as e:   # another run logs into --log-dir: refused before any training
-        raise SystemExit(f"error: --log-dir: {e}") from None
+        raise exit_with(f"error: --log-dir: {e}") from None
     except FloatingPointError as e:   # fit: the weights went NaN; its message says where and what was kept
-        raise SystemExit(f"error: {e}") from None
+        raise exit_with(f"error: {e}") from None
     except DecodeError as e:
-        raise SystemExit(decode_error_line(e, SKIP_FLAG if hasattr(args, "on_error") else None)) from None
+        raise exit_with(decode_error_line(e, SKIP_FLAG if hasattr(args, "on_error") else None)) from None
 
 
 def _saved_by_this_run(checkpoint, args: argparse.Namespace, started: float) -> bool:
