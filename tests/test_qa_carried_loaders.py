@@ -110,3 +110,54 @@ def test_from_samples_takes_undecodable_and_bytes_paths_and_names_one_no_file_ca
     with pytest.raises(ValueError, match=r"path '.*a\\ud800\.jpg' names no file: its character '\\ud800' \(at "
                                          r"\d+\) is a lone surrogate.*utf-8.*surrogateescape.*as bytes"):
         ImageFolder.from_samples([(walked.paths[0], 0), (bad, 1)], ["cat", "dog"])
+
+
+# ------------------------------------------------------------------ 3. Ctrl-C inside the dali backend's close()
+def _dali_loader_with_copies(root):
+    """A dali loader (decode='dali', CPU) that has read a pass, and its folder of rewritten copies."""
+    pytest.importorskip("nvidia.dali")
+    from test_qa_dali import _folder_with_a_tiff
+
+    loader = make_loader(_folder_with_a_tiff(root), backend="dali", device="cpu", decode="dali", batch_size=3,
+                         drop_last=False, seed=1, augment=Augmentation.imagenet_train(size=16))
+    assert sum(len(y) for _, y in loader) == 9
+    assert loader._rewrite_dir is not None and os.listdir(loader._rewrite_dir)
+    return loader, loader._rewrite_dir
+
+
+def test_a_ctrl_c_while_dali_close_joins_its_threads_still_removes_the_copies(tmp_path):
+    """A KeyboardInterrupt inside close() (here: while it joins the reading threads) skipped removing
+    the folder of copies, which then stayed until the process's exit (a notebook kernel's life). Now
+    it is removed and the KeyboardInterrupt still reaches the caller."""
+    loader, copies = _dali_loader_with_copies(tmp_path / "photos")
+    real = loader._readers.shutdown
+
+    def interrupted(timeout=None):
+        real(timeout)
+        raise KeyboardInterrupt
+
+    loader._readers.shutdown = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        loader.close()
+    assert not os.path.exists(copies) and loader._rewrite_dir is None
+    loader.assembler.shutdown(1.0)   # what the interrupt kept close() from doing
+
+
+def test_a_ctrl_c_inside_removing_the_copies_leaves_them_for_the_next_close(tmp_path, monkeypatch):
+    """Interrupted inside the removal itself, the loader forgot the folder first: a second close()
+    could not remove it. Now it is forgotten once removed."""
+    import shutil
+
+    loader, copies = _dali_loader_with_copies(tmp_path / "photos")
+    real = shutil.rmtree
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(shutil, "rmtree", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        loader.close()
+    assert os.path.exists(copies) and loader._rewrite_dir == copies
+    loader.close()
+    assert not os.path.exists(copies) and loader._rewrite_dir is None

@@ -656,13 +656,18 @@ class DaliLoader(DaliFiles, Loader):
             return
         _LIVE.discard(self)
         self._closed = True
-        self._release()
-        self._probe_pipe = None
-        # Readers first: their queued reads are cancelled, so an assembler waiting on them ends at once.
-        for pool in (self._readers, self.assembler):
-            if pool is not None:
-                pool.shutdown(join_timeout)
-        self._drop_rewritten()   # after the readers, which write the copies
+        try:
+            self._release()
+            self._probe_pipe = None
+            # Readers first: their queued reads are cancelled, so an assembler waiting on them ends at once.
+            for pool in (self._readers, self.assembler):
+                if pool is not None:
+                    pool.shutdown(join_timeout)
+        finally:
+            # After the readers, which write the copies; and also when a Ctrl-C ends the waits above (a
+            # join, DALI freeing its pipeline): the folder stayed until the process's exit, a notebook
+            # kernel's whole life. The KeyboardInterrupt goes on after this.
+            self._drop_rewritten()
 
     def __del__(self):
         try:

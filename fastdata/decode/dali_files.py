@@ -425,13 +425,16 @@ class DaliFiles:
     def _drop_rewritten(self) -> None:
         """Remove the rewritten copies (the loader is closed). Their files are learnt again if the
         loader is iterated after all, which writes the copies again."""
-        folder, self._rewrite_dir = self._rewrite_dir, None
+        folder = self._rewrite_dir
         for i in list(self._rewritten):
             self._state[i] = UNSEEN
         self._rewritten.clear()
         if folder is not None and self._rewrite_owner == os.getpid():   # not a forked child's parent's
+            # The folder is forgotten only once removed: a Ctrl-C inside rmtree leaves it named, for the
+            # next close() (or __del__) to remove, and its finalizer for the process's exit.
             shutil.rmtree(folder, ignore_errors=True)
             self._rewrite_finalizer.cancel()   # removed: the exit must not remove a later folder of that name
+        self._rewrite_dir = None
 
     def _path_stamp(self, i: int) -> int | str:
         """Plain file ``i``'s stamp from a stat of its path, or the reason (str) it cannot be stat'ed."""
