@@ -1,12 +1,19 @@
 """Command line: ``python -m fastdata doctor``, ``python -m fastdata bench SOURCE`` and
 ``python -m fastdata pack SOURCE OUT``."""
 import argparse
+import os
 import sys
+
+
+def _prog() -> str:
+    """How the user started the command, for usage lines: ``fastdata`` (the console script pyproject.toml
+    installs; a pip user has no other) or ``python -m fastdata``. It said "python -m fastdata" to both."""
+    return "fastdata" if os.path.basename(sys.argv[0] if sys.argv else "") == "fastdata" else "python -m fastdata"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     # Not __doc__: its ``markup`` would show as it is in --help.
-    parser = argparse.ArgumentParser(prog="python -m fastdata", description="fastdata's commands: doctor, "
+    parser = argparse.ArgumentParser(prog=_prog(), description="fastdata's commands: doctor, "
                                      "bench SOURCE and pack SOURCE OUT; each takes --help")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="torch/CUDA, Pillow-SIMD, DALI, cores and the usable backends")

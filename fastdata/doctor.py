@@ -236,7 +236,8 @@ def main(argv=None) -> int:
     if pil.get("cannot_read"):
         # A source build (install.sh's Pillow-SIMD) links only the libraries whose headers it found.
         flavour += (f"; built without {', '.join(pil['cannot_read'])}: such files are refused by name "
-                    f"(install those packages, then run ./install.sh again)")
+                    "(install those packages, then run ./install.sh again in a fastdata checkout, or rebuild it: "
+                    "pip install --force-reinstall --no-deps --no-cache-dir pillow-simd)")
     rows = [
         ("python", r["python"]),
         ("torch", f"{r['torch']} (built for CUDA {r['torch_cuda']})" if r["torch_cuda"]
