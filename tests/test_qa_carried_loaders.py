@@ -161,3 +161,34 @@ def test_a_ctrl_c_inside_removing_the_copies_leaves_them_for_the_next_close(tmp_
     assert os.path.exists(copies) and loader._rewrite_dir == copies
     loader.close()
     assert not os.path.exists(copies) and loader._rewrite_dir is None
+
+
+# ------------------------------------------------------------------ 6. check_picklable's copy of nested arrays
+class _Held:
+    """A source's attributes as check_picklable reads them (vars())."""
+
+    def __init__(self, **attrs):
+        vars(self).update(attrs)
+
+
+def test_check_picklable_does_not_copy_arrays_nested_in_a_source():
+    """Under spawn/forkserver, check_picklable pickled every attribute but a top-level array: an array
+    in a dict (or an ImageFolder's PathTable, or a source pickled whole by its __reduce__) was copied
+    into pickle's output once, 64 MiB here, to be thrown away. Now its peak is a few KiB, and what it
+    is for still holds: an unpicklable object nested beside the arrays is named."""
+    import tracemalloc
+
+    from fastdata.datasets.base import check_picklable
+
+    big = np.ones(64 * 2**20, np.uint8)
+    held = _Held(features={"train": big, "names": ["a", "b"]}, table=(big[: 2**20].tobytes(), big))
+    tracemalloc.start()
+    try:
+        check_picklable(held, "multiprocessing_context='spawn'")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2**20, peak
+    for unpicklable in ({"train": big, "fn": lambda x: x}, np.array([lambda x: x, 1], dtype=object)):
+        with pytest.raises(TypeError, match=r"_Held cannot be sent.*its attribute 'features'"):
+            check_picklable(_Held(features=unpicklable), "multiprocessing_context='spawn'")

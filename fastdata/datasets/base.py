@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import zlib
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from ..checks import check_integer
 from ..config import Augmentation, SourceKind
@@ -303,17 +305,14 @@ def check_source(source: Source) -> None:
 def check_picklable(source: Source, why: str) -> None:
     """Refuse ``source`` when it cannot be pickled, naming the attribute that cannot and the fix: DataLoader
     workers started by ``spawn`` or ``forkserver`` receive the source pickled, and an open file, a lock or
-    a lambda in it failed at the first batch with pickle's words, naming no attribute. Arrays and tensors
-    are not pickled here (they always can be, and may be large).
+    a lambda in it failed at the first batch with pickle's words, naming no attribute. Arrays, tensors and
+    byte strings are not pickled here, at any depth (they always can be, and may be large); an array of
+    Python objects is.
 
     Args:
         source: the source the workers read.
         why: what sends it (``"multiprocessing_context='spawn'"``), for the message.
     """
-    import pickle
-
-    import torch
-
     what, cls = type(source).__name__, type(source)
     if cls.__reduce_ex__ is not object.__reduce_ex__ or cls.__reduce__ is not object.__reduce__:
         parts = [("__reduce__()", source)]   # pickled its own way: as a whole, as the workers get it
@@ -321,10 +320,8 @@ def check_picklable(source: Source, why: str) -> None:
         state = source.__getstate__() if hasattr(source, "__getstate__") else vars(source)
         parts = list(state.items()) if isinstance(state, dict) else [("__getstate__()", state)]
     for name, value in [("class", cls), *parts]:
-        if isinstance(value, (np.ndarray, torch.Tensor, str, bytes)):
-            continue
-        try:
-            pickle.dumps(value)
+        try:   # arrays, tensors and bytes are left out, at any depth (_BuffersLeftOut): never copied
+            _BuffersLeftOut(_Discard(), pickle.HIGHEST_PROTOCOL).dump(value)
         except Exception as e:
             if "through inheritance" in str(e):
                 # multiprocessing's own Lock, Queue, Value (of the spawn context): plain pickling refuses
@@ -337,6 +334,26 @@ def check_picklable(source: Source, why: str) -> None:
                 f"to be opened or made again in the worker (examples/custom_source.py's ZipImages does so for "
                 f"its archive and lock); define classes and functions at a module's top level (not a lambda "
                 f"or a local one); or use multiprocessing_context='fork' or num_workers=0") from None
+
+
+class _Discard:
+    """A file that keeps nothing: check_picklable needs pickling to succeed, not its bytes."""
+
+    def write(self, data) -> int:
+        return len(data)
+
+
+class _BuffersLeftOut(pickle.Pickler):
+    """A pickler that writes a stand-in for arrays, tensors and byte strings (they always pickle):
+    nested in a source (a dict of arrays, an ImageFolder's PathTable, a source pickled whole by its own
+    __reduce__) they were copied into pickle's output, gigabytes for a dataset held in memory, only to
+    be thrown away. An object array is pickled: its elements may be anything."""
+
+    def persistent_id(self, obj):
+        if isinstance(obj, (bytes, bytearray, memoryview, torch.Tensor)) or \
+                isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            return id(obj)
+        return None
 
 
 def _check_array_images(source, what: str, n: int) -> None:   # an ArrayPixels Source
