@@ -103,3 +103,41 @@ def test_pack_position_saved_before_the_window_was_recorded_is_refused_naming_it
     loader = make_loader(shards, backend="torch", batch_size=4, device="cpu", seed=1, num_workers=0)
     with pytest.raises(PositionMismatch, match="window=4"):
         loader.load_state_dict(torch.load(DATA / rev / "loader_states.pt", weights_only=True)["shards"])
+
+
+@pytest.mark.parametrize("rev", REVISIONS)
+def test_old_checkpoint_under_another_peak_rate_is_refused_naming_it(rev, tmp_path):
+    """PeakLrChanged came after these checkpoints; it reads their optimizer state as they wrote it."""
+    from upgrade_run import Tiny
+
+    from fastdata import fit
+    from fastdata.engine.schedule import PeakLrChanged
+
+    shutil.copy(DATA / rev / "mid.pt", tmp_path / "mid.pt")
+    model = Tiny()
+    train = make_loader(SyntheticDigits(96, seed=1), backend="memory", batch_size=16, device="cpu", seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=12)
+    with pytest.raises(PeakLrChanged, match="max_lr=0.1"):
+        fit(model, train, epochs=2, optimizer=opt, scheduler=sched, scheduler_interval="step",
+            checkpoint=tmp_path / "mid.pt", resume=True, progress=False)
+
+
+@pytest.mark.parametrize("rev", REVISIONS)
+def test_old_loader_state_resumes_under_another_batch_size(rev):
+    """Elastic resume of an old position: the samples left are re-split, each read once."""
+    state = torch.load(DATA / rev / "loader_states.pt", weights_only=True)["memory"]
+    left = sorted(y for batch in _expect(rev)["loaders"]["memory"]["rest"] for y in batch)
+    loader = make_loader(SyntheticDigits(48, seed=2), backend="memory", **{**loader_args("memory"), "batch_size": 4})
+    loader.load_state_dict(state)
+    assert sorted(y for _, labels in loader for y in labels.tolist()) == left
+
+
+@pytest.mark.parametrize("rev", [r for r in REVISIONS if (DATA / r / "runlog").is_dir()])
+def test_old_run_log_plots(rev, tmp_path):
+    require("matplotlib")
+    from fastdata.runlog import plot_curves
+
+    shutil.copytree(DATA / rev / "runlog", tmp_path / "log")
+    drawn = plot_curves(tmp_path / "log", tmp_path / "curves.png")
+    assert drawn["loss"] and (tmp_path / "curves.png").stat().st_size > 0
