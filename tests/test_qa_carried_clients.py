@@ -4,6 +4,7 @@ accelerate's ``remainder`` when a padding sample is skipped, the Lightning examp
 ModelCheckpoint's private methods, where bench's and pack's progress bars draw, and the index's memory."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -122,3 +123,56 @@ def test_the_mnist_script_refusing_a_resume_under_torchrun_says_it_once(tmp_path
                            "--workers", "0", "--backend", "memory", "--device", "cpu", "--no-progress",
                            "--checkpoint", str(tmp_path / "ck.pt"), "--resume", cwd=tmp_path)
     assert len(said) == 1 and said[0].startswith(f"error: --checkpoint: checkpoint '{tmp_path / 'ck.pt'}'"), said
+
+
+# ---------------------------------------------------------------- accelerate: remainder under on_error="skip"
+SKIP_GATHER_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from accelerate import Accelerator
+    from fastdata import Augmentation, make_loader
+    from fastdata import distributed as fdist
+    from fastdata.datasets import ImageFolder
+
+    accelerator = Accelerator(cpu=True)
+    # 37 photos, 2 ranks x batch 4: the last step holds 5 (32-36), split 3 + 3 with sample 0 as padding.
+    loader = make_loader(ImageFolder(sys.argv[1]), "torch", batch_size=4, train=False, even_batches=True,
+                         on_error="skip", num_workers=0, device="cpu", augment=Augmentation.imagenet_eval(size=16),
+                         quiet=True)
+    assert accelerator.prepare(loader) is loader
+    gathered = []
+    for images, labels in loader:
+        # Ids as objects: under skip the ranks' batches differ in length, which a tensor all-gather cannot take.
+        gathered += accelerator.gather_for_metrics(loader.batch_ids.tolist(), use_gather_object=True)
+    with open(os.path.join(sys.argv[2], f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump({"gathered": gathered, "remainder": loader.remainder, "skipped": loader.skipped_ids.tolist()}, f)
+    fdist.cleanup()
+    accelerator.end_training()
+""")
+
+
+@pytest.mark.requires("accelerate")
+@pytest.mark.parametrize("broken", [
+    0,    # the padding sample (and the epoch's first): skipped at both places
+    pytest.param(33, marks=pytest.mark.xfail(strict=True, reason=(
+        "a real sample of the padded last step skipped: rank 0's last batch is one row short, so the padding "
+        "lands inside accelerate's [:remainder]; the fix (ranks sum their real rows at the last batch, in "
+        "backends/base.py's _AccelerateTracker) is another helper's file: see the report of this round"))),
+], ids=["padding-skipped", "real-skipped"])
+def test_gather_for_metrics_counts_each_readable_sample_once_when_one_of_the_last_step_is_skipped(tmp_path, broken):
+    from fastdata.datasets import ImageFolder, make_image_folder
+
+    root = make_image_folder(tmp_path / "photos", classes=1, per_class=37, size_range=((20, 30), (20, 30)))
+    Path(ImageFolder(root).sample_name(broken)).write_bytes(b"not a photo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)
+    script = tmp_path / "gather.py"
+    script.write_text(SKIP_GATHER_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(root), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert broken in r0["skipped"] + r1["skipped"]
+    assert r0["gathered"] == r1["gathered"] and r0["remainder"] == r1["remainder"]
+    assert sorted(r0["gathered"]) == [i for i in range(37) if i != broken]   # each readable sample once
