@@ -30,6 +30,23 @@ def available_ram() -> int:
     return ram if room is None else min(ram, room)
 
 
+def total_ram() -> int:
+    """The host's RAM (MemTotal), capped by this process's memory cgroup limit (``cgroup_limit``):
+    unlike ``available_ram``, the same in every process of a node, and on every node of identical ones,
+    whatever each has allocated so far."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_limit()
+    return ram if limit is None else min(ram, limit)
+
+
+def cgroup_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """The smallest memory limit of this process's cgroup and its parents (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), or None where none is set."""
+    found = [room_and_limit[1] for d, files in _cgroup_dirs_of(root, proc_cgroup)
+             if (room_and_limit := _room_in(d, *files)) is not None]
+    return min(found) if found else None
+
+
 #: (limit file, usage file, the memory.stat key of reclaimable file pages) of cgroup v2, then v1.
 _CGROUP_FILES = (("memory.max", "memory.current", "inactive_file"),
                  ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
@@ -42,6 +59,14 @@ def cgroup_room(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgr
     Why: /proc/meminfo shows the host's memory, not a container's. Under Docker's ``--memory``, a
     Kubernetes limit or a SLURM job's cgroup, a cache sized by MemAvailable alone passed the budget
     and the kernel killed the process (SIGKILL, no message) while it was being built."""
+    found = [room_and_limit[0] for d, files in _cgroup_dirs_of(root, proc_cgroup)
+             if (room_and_limit := _room_in(d, *files)) is not None]
+    return min(found) if found else None
+
+
+def _cgroup_dirs_of(root: str, proc_cgroup: str) -> list[tuple[str, tuple[str, str, str]]]:
+    """(directory, its files in ``_CGROUP_FILES``) of this process's memory cgroup and its parents, v2
+    then v1."""
     try:
         with open(proc_cgroup) as f:
             lines = f.read().splitlines()
@@ -54,14 +79,9 @@ def cgroup_room(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgr
             paths["v2"] = path
         elif "memory" in controllers.split(","):
             paths["v1"] = path
-    best = None
-    for (limit_f, usage_f, key), (version, mount) in zip(_CGROUP_FILES, (("v2", root), ("v1", f"{root}/memory")),
-                                                          strict=True):
-        for d in _cgroup_dirs(mount, paths.get(version, "/")):
-            room = _room_in(d, limit_f, usage_f, key)
-            if room is not None:
-                best = room if best is None else min(best, room)
-    return best
+    return [(d, files) for files, (version, mount) in zip(_CGROUP_FILES, (("v2", root), ("v1", f"{root}/memory")),
+                                                          strict=True)
+            for d in _cgroup_dirs(mount, paths.get(version, "/"))]
 
 
 def _cgroup_dirs(mount: str, path: str) -> list[str]:
@@ -71,7 +91,8 @@ def _cgroup_dirs(mount: str, path: str) -> list[str]:
     return [os.path.join(mount, *parts[:k]) for k in range(len(parts), -1, -1)]
 
 
-def _room_in(d: str, limit_f: str, usage_f: str, key: str) -> int | None:
+def _room_in(d: str, limit_f: str, usage_f: str, key: str) -> tuple[int, int] | None:
+    """(room left, limit) in cgroup directory ``d``, None where it sets no limit."""
     try:
         with open(os.path.join(d, limit_f)) as f:
             limit = f.read().strip()
@@ -92,4 +113,4 @@ def _room_in(d: str, limit_f: str, usage_f: str, key: str) -> int | None:
                     break
     except (OSError, ValueError):
         pass
-    return max(0, int(limit) - usage + inactive)
+    return max(0, int(limit) - usage + inactive), int(limit)

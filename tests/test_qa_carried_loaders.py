@@ -192,3 +192,67 @@ def test_check_picklable_does_not_copy_arrays_nested_in_a_source():
     for unpicklable in ({"train": big, "fn": lambda x: x}, np.array([lambda x: x, 1], dtype=object)):
         with pytest.raises(TypeError, match=r"_Held cannot be sent.*its attribute 'features'"):
             check_picklable(_Held(features=unpicklable), "multiprocessing_context='spawn'")
+
+
+# ------------------------------------------------------------------ 5. ranks without a process group
+_CHOOSE = """
+import json, sys
+import fastdata.backends.memory.budgeting as budgeting
+from fastdata import Augmentation
+from fastdata.config import LoaderConfig
+from fastdata.datasets import ImageFolder
+from fastdata.registry import choose
+
+# This rank's node has this much RAM available (another job's usage on rank 1's): what the ranks differ in.
+budgeting.available_ram = lambda: int(sys.argv[2])
+config, _ = LoaderConfig.from_kwargs(None, dict(batch_size=2, device="cpu",
+                                                augment=Augmentation.imagenet_train(size=16)))
+print(json.dumps(choose(ImageFolder(sys.argv[1]), config, {})))
+"""
+
+
+def test_ranks_without_a_process_group_choose_the_same_backend_whatever_ram_each_has_free(tmp_path):
+    """backend='auto' under torchrun's variables, before init_process_group: each rank decided on its
+    own host's available RAM (MemAvailable), so a rank whose node had less free picked torch where the
+    others picked memory. Two real rank processes, one with 1 TiB available and one with 1 MiB: the
+    same backend now, decided on the host's total RAM split between the node's ranks."""
+    import json
+    import subprocess
+    import sys
+
+    from fastdata.datasets.folders import make_image_folder
+
+    make_image_folder(tmp_path / "photos", classes=2, per_class=4, seed=1)   # a 1.5 MiB cache at 256²
+    script = tmp_path / "choose.py"
+    script.write_text(_CHOOSE)
+    import fastdata
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "NODE_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(fastdata.__file__)),
+                                         env.get("PYTHONPATH", "")])   # the fastdata under test
+    ranks = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "photos"), str(free)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2"})
+             for r, free in enumerate((2**40, 2**20))]
+    outs = [p.communicate(timeout=300) for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), [err[-2000:] for _, err in outs]
+    (name0, why0), (name1, why1) = (json.loads(out) for out, _ in outs)
+    assert name0 == name1 == "memory", (why0, why1)
+    assert why0 == why1 and "the host's total RAM shared by LOCAL_WORLD_SIZE=2 ranks" in why0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_total_ram_ranks_decide_on_is_capped_by_the_memory_cgroups_limit(tmp_path, monkeypatch, version):
+    """The rank-independent pool is the host's RAM under the tightest cgroup limit (a container's, a
+    job's), not its usage: the same in every process of the job."""
+    from fastdata import host_memory
+    from test_qa_memory import _cgroup_tree
+
+    mib = 2**20
+    root, proc = _cgroup_tree(tmp_path, version, {"job": str(1024 * mib), "job/step": str(4096 * mib)},
+                              usage=600 * mib, inactive=100 * mib)
+    assert host_memory.cgroup_limit(root, proc) == 1024 * mib and host_memory.cgroup_room(root, proc) == 524 * mib
+    assert host_memory.cgroup_limit(*_cgroup_tree(tmp_path / "none", version, {}, usage=1, inactive=0)) is None
+    monkeypatch.setattr(host_memory, "cgroup_limit", lambda: 1024 * mib)
+    assert host_memory.total_ram() == 1024 * mib

@@ -16,9 +16,9 @@ each rank judges every row on its own (its own free memory), the verdicts are ga
 takes the first row that fits on all of them (``combine``): rank 0 deciding alone picked the memory
 backend for a job whose other GPU had no room for the cache, and that rank failed building it.
 Without one (ranks from ``RANK``/``WORLD_SIZE`` or explicit ``rank=``/``world_size=``), the decision uses
-only quantities equal on every rank (``stable=True``): for the memory backend the device's total memory,
-the reserve and this process's live caches, not the free memory, which differs with what each rank has
-allocated so far.
+only quantities equal on every rank (``stable=True``): for the memory backend a GPU's total memory or the
+host's total RAM split between the node's ranks, the reserve and this process's live caches, not the free
+memory, which differs with what each rank has allocated so far (``budgeting.stable_limit``).
 """
 from __future__ import annotations
 

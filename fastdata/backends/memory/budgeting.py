@@ -14,10 +14,11 @@ import numpy as np
 import torch
 
 from ...augment import recipe
+from ...checks import env_integer
 from ...config import Augmentation, Crop, check_integer, resolve_device
 from ...datasets import SourceKind
 from ...errors import CacheDoesNotFit
-from ...host_memory import available_ram, cgroup_room, fmt_bytes  # noqa: F401 (cgroup_room: re-exported)
+from ...host_memory import available_ram, cgroup_room, fmt_bytes, total_ram  # noqa: F401 (cgroup_room: re-exported)
 
 if TYPE_CHECKING:
     from ...config import LoaderConfig
@@ -133,6 +134,27 @@ def budget(device: torch.device, reserve=None, exclude=None) -> Budget:
         device = resolve_device(device)
     total, free = total_bytes(device), free_bytes(device)
     return Budget(device, total, reserve_bytes(reserve, device, total), live_cache_bytes(device, exclude), free)
+
+
+def stable_limit(device, reserve=None) -> tuple[int, str]:
+    """(what a cache may use, where the number comes from) from quantities equal on every rank of a job
+    on identical machines: ``backend='auto'`` without a process group decides on this, as there is no
+    way to compare the ranks' free memory, and a choice on each rank's own differed between ranks.
+
+    A GPU: its total memory minus the reserve and this process's live caches (``Budget.stable``). The
+    host: its total RAM (capped by the memory cgroup's limit) minus the reserve (of that total), split
+    between the node's ``LOCAL_WORLD_SIZE`` ranks (each caches its own copy without a process group),
+    minus this process's live caches: not the available RAM, which differs with what each rank (and
+    anything else on the node) has allocated so far. A rank whose available RAM then cannot hold the
+    cache fails building it (CacheDoesNotFit, naming its budget), as every backend's choice is the same."""
+    b = budget(device, reserve)
+    if b.device.type == "cuda":
+        return b.stable, "the GPU's total memory, less the memory_reserve and other caches"
+    ram, ranks = total_ram(), env_integer("LOCAL_WORLD_SIZE", 1, minimum=1)
+    share = (ram - reserve_bytes(reserve, b.device, ram)) // ranks
+    shared = f" shared by LOCAL_WORLD_SIZE={ranks} ranks" if ranks > 1 else ""
+    return max(0, share - b.live), (f"the host's total RAM{shared}, less the memory_reserve and other caches; "
+                                    f"not its available RAM, which differs between ranks")
 
 
 #: The ``cache_size`` option's default (see MemoryLoader): 192 KiB a photo.

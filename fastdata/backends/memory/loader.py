@@ -31,6 +31,7 @@ from .budgeting import (
     fmt_bytes,
     ready_bytes,
     recipe,
+    stable_limit,
     uses_ready,
 )
 from .cache import CacheBuild, check_cache_build, chunks, pad_images
@@ -82,34 +83,36 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         """Fits when the source's uint8 cache fits the budget (see the module docstring).
 
         The need is one cache: under a process group the ranks of a node share one host copy (see
-        ``node_cache``), and each GPU holds its own. ``stable``: budget against the device's total
-        memory minus the reserve and this process's live caches only — equal on every rank of a job
-        without a process group, where free memory (which differs with what each rank has allocated so
-        far) would let ranks pick different backends.
+        ``node_cache``), and each GPU holds its own. ``stable``: budget on quantities equal on every
+        rank of a job without a process group (``budgeting.stable_limit``: a GPU's total memory, the
+        host's total RAM), where free memory (which differs with what each rank has allocated so far)
+        let ranks pick different backends.
         """
         ok, why = super().fits(source, config, options, stable=stable)
         if not ok:
             return ok, why
         reserve = (options or {}).get("memory_reserve")
         size = check_cache_size((options or {}).get("cache_size", DEFAULT_CACHE_SIZE))
-        need, b = cache_bytes(source, config, size), budget(config.device, reserve)
-        limit = b.stable if stable else b.limit
+        need = cache_bytes(source, config, size)
         where = f"GPU {config.device}" if config.device.type == "cuda" else "RAM"
+        if stable:   # the same on every rank (no process group to compare free memory)
+            limit, how = stable_limit(config.device, reserve)
+            room, how = f"the {where} every rank may use", f"from {how}"
+        else:
+            limit, room, how = budget(config.device, reserve).limit, f"the free {where}", "after the memory_reserve " \
+                "and other caches"
         aug = recipe(source, config)
         if uses_ready(source, config, aug, limit):
             ready = ready_bytes(source, config, aug)
             dtype = str(config.dtype).replace("torch.", "")
             return True, (f"its cache, normalized ahead in {dtype} ({fmt_bytes(ready)}, a batch is one "
-                          f"gather), fits in half the free {where} ({fmt_bytes(limit // 2)} of "
-                          f"{fmt_bytes(limit)} after "
-                          f"the memory_reserve and other caches)")
+                          f"gather), fits in half {room} ({fmt_bytes(limit // 2)} of "
+                          f"{fmt_bytes(limit)} {how})")
         if need == 0:  # an array on the CPU, read where it is: nothing to allocate
             return True, f"it reads the source's array in {where} as it is (no copy to make)"
         if need <= limit:
-            return True, (f"its uint8 cache ({fmt_bytes(need)}) fits in the free {where} "
-                          f"({fmt_bytes(limit)} after the memory_reserve and other caches)")
-        return False, (f"the cache ({fmt_bytes(need)}) does not fit in the free {where} ({fmt_bytes(limit)} after "
-                       f"the memory_reserve and other caches)")
+            return True, f"its uint8 cache ({fmt_bytes(need)}) fits in {room} ({fmt_bytes(limit)} {how})"
+        return False, f"the cache ({fmt_bytes(need)}) does not fit in {room} ({fmt_bytes(limit)} {how})"
 
     def __init__(self, source, config, **options):
         super().__init__(source, config, **options)
