@@ -256,3 +256,23 @@ def test_the_total_ram_ranks_decide_on_is_capped_by_the_memory_cgroups_limit(tmp
     assert host_memory.cgroup_limit(*_cgroup_tree(tmp_path / "none", version, {}, usage=1, inactive=0)) is None
     monkeypatch.setattr(host_memory, "cgroup_limit", lambda: 1024 * mib)
     assert host_memory.total_ram() == 1024 * mib
+
+
+# ------------------------------------------------------------------ 4. the memory backend's cache_size warning
+def test_a_cache_size_under_the_crop_says_what_to_pass_what_it_costs_and_whether_it_fits(tmp_path):
+    """The slots are sized before decoding, from cache_size (256 by default: 192 KiB a photo), and the
+    warning for a crop larger than them said "pass cache_size>=384 (the budget allowing)": not how to
+    pass it, why it matters, nor whether that cache fits. Now it names all three."""
+    from fastdata.datasets.folders import make_image_folder
+
+    make_image_folder(tmp_path / "photos", classes=2, per_class=4, seed=1)
+    with pytest.warns(UserWarning, match=r"cache_size=24 is smaller than the crop size 32: .* blurrier than the "
+                                         r"torch and dali backends' crops of the full photo\. Pass cache_size>=32 "
+                                         r"\(make_loader\(source, 'memory', cache_size=32\); 'auto' passes it on\): "
+                                         r"the cache then takes [\d.]+ MiB, which the budget allows \("):
+        loader = make_loader(ImageFolder(tmp_path / "photos"), "memory", batch_size=2, device="cpu", cache_size=24,
+                             augment=Augmentation.imagenet_train(size=32))
+    assert "blurrier" in loader._small_slots_text(loader.cache, 32)
+    huge = loader._small_slots_text(loader.cache, 200_000)   # 8 photos at 200,000² would take 894 GiB
+    assert "the cache then takes" in huge and "more than the" in huge and "the budget allows: lower memory_reserve, " \
+        "or use the 'torch' or 'dali' backend, which crop from the full photo" in huge

@@ -50,7 +50,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             resolution for small boxes; 512 keeps ImageNet-sized photos whole. The evaluation recipe
             (``center``) is cached already applied, at ``size``², whatever ``cache_size``. A memory
             option, not a shared one: ``make_loader(src, "memory", cache_size=512)``, and ``auto``
-            passes it on when it picks memory.
+            passes it on when it picks memory. It stays 256 under a crop over 256 (a default following
+            the crop would change what fits, and so ``auto``'s pick, for recipes that work today): the
+            build then warns, naming the cache_size to pass and whether that cache fits.
         cache_build: how photos are decoded into the cache: "threads" (threads writing straight into
             the cache's rows; PIL's decode and resize release the GIL), "processes" (DataLoader worker
             processes sending chunks through shared memory: the build before issue 13), "nvimgcodec"
@@ -218,16 +220,27 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         shrunk, longest, crop = int(self._sizes[0].max()) > self.cache_size, int(self._sizes[1].max()), \
             self.augment.crop_size
         if shrunk and self.cache_size < crop:
-            warnings.warn(f"memory backend: cache_size={self.cache_size} is smaller than the crop size {crop}: "
-                          f"photos of {self.source!r} are cached at most {self.cache_size} px on their longer "
-                          f"side, so their crops are enlarged from that copy; pass cache_size>={crop} (the "
-                          f"budget allowing)", UserWarning, stacklevel=user_stacklevel())
+            warnings.warn(self._small_slots_text(cache, crop), UserWarning, stacklevel=user_stacklevel())
         elif 2 * longest <= self.cache_size:
             warnings.warn(f"memory backend: the largest photo of {self.source!r} is {longest} px on its longer "
                           f"side, but cache_size={self.cache_size} gives each photo a {self.cache_size}² slot: "
                           f"the cache takes {fmt_bytes(cache.nbytes)} where cache_size={longest} would take "
                           f"{fmt_bytes(len(cache) * longest * longest * 3)} (the same pixels); pass "
                           f"cache_size={longest}", UserWarning, stacklevel=user_stacklevel())
+
+    def _small_slots_text(self, cache: torch.Tensor, crop: int) -> str:
+        """The warning for a cache_size under the crop: what it costs the pixels, what to pass instead,
+        and whether that cache fits the budget here (this cache's bytes counted back in)."""
+        need = len(cache) * crop * crop * 3
+        room = budget(self.device, self.opts["memory_reserve"], self).limit + cache.nbytes
+        fits = (f"which the budget allows ({fmt_bytes(room)})" if need <= room else
+                f"more than the {fmt_bytes(room)} the budget allows: lower memory_reserve, or use the 'torch' or "
+                f"'dali' backend, which crop from the full photo")
+        return (f"memory backend: cache_size={self.cache_size} is smaller than the crop size {crop}: photos of "
+                f"{self.source!r} are cached at most {self.cache_size} px on their longer side, so a crop of a "
+                f"larger photo is enlarged from that copy, blurrier than the torch and dali backends' crops of "
+                f"the full photo. Pass cache_size>={crop} (make_loader(source, 'memory', cache_size={crop}); "
+                f"'auto' passes it on): the cache then takes {fmt_bytes(need)}, {fits}")
 
     def _plan_kept(self, source, config):
         """on_error="skip" dropped files at cache time: the epoch covers the decodable ones."""
