@@ -237,7 +237,8 @@ def main(argv=None) -> int:
         # A source build (install.sh's Pillow-SIMD) links only the libraries whose headers it found.
         flavour += (f"; built without {', '.join(pil['cannot_read'])}: such files are refused by name "
                     "(install those packages, then run ./install.sh again in a fastdata checkout, or rebuild it: "
-                    "pip install --force-reinstall --no-deps --no-cache-dir pillow-simd)")
+                    "pip install --force-reinstall --no-deps --no-cache-dir pillow-simd, with CC='cc -mavx2' where "
+                    "the CPU has AVX2)")
     rows = [
         ("python", r["python"]),
         ("torch", f"{r['torch']} (built for CUDA {r['torch_cuda']})" if r["torch_cuda"]

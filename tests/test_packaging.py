@@ -32,12 +32,15 @@ def _source_tree(tmp: Path) -> Path:
     return src
 
 
-def _build(kind: str, src: Path, out: Path) -> Path:
-    """``build_wheel`` or ``build_sdist`` of pyproject.toml's backend (setuptools), as pip calls it."""
+def _build(kind: str, src: Path, out: Path, log: list | None = None) -> Path:
+    """``build_wheel`` or ``build_sdist`` of pyproject.toml's backend (setuptools), as pip calls it;
+    what the build printed is appended to ``log``."""
     code = f"import sys; from setuptools import build_meta; print(build_meta.build_{kind}(sys.argv[1]))"
     run = subprocess.run([sys.executable, "-c", code, str(out)], cwd=src, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    if log is not None:
+        log.append(run.stdout + run.stderr)
     return out / run.stdout.strip().splitlines()[-1]
 
 
@@ -52,7 +55,30 @@ def built(tmp_path_factory):
     src = _source_tree(tmp)
     dist = tmp / "dist"
     dist.mkdir()
-    return {"tmp": tmp, "src": src, "wheel": _build("wheel", src, dist), "sdist": _build("sdist", src, dist)}
+    log: list[str] = []
+    return {"tmp": tmp, "src": src, "wheel": _build("wheel", src, dist, log), "sdist": _build("sdist", src, dist, log),
+            "log": "\n".join(log)}
+
+
+def test_the_build_uses_no_deprecated_configuration(built):
+    """pyproject.toml's ``license = { text = ... }`` table: setuptools warned that builds with it stop
+    being supported from 2027-02-18 (a user's ``pip install`` then fails)."""
+    assert "DeprecationWarning" not in built["log"], built["log"][:3000]
+
+
+def test_the_wheels_version_is_fastdata_version(built, tmp_path):
+    """One version: pyproject.toml said 0.1.0 beside ``fastdata.__version__``, two numbers to bump together
+    (a release bumping one shipped a wheel whose metadata and ``fastdata.__version__`` disagree)."""
+    import fastdata
+
+    assert built["wheel"].name.startswith(f"fastdata-{fastdata.__version__}-")
+    src = tmp_path / "src"
+    shutil.copytree(built["src"], src, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    init = src / "fastdata" / "__init__.py"
+    text = init.read_text()
+    assert f'__version__ = "{fastdata.__version__}"' in text
+    init.write_text(text.replace(f'__version__ = "{fastdata.__version__}"', '__version__ = "9.8.7"'))
+    assert _build("wheel", src, tmp_path).name.startswith("fastdata-9.8.7-")
 
 
 def test_the_wheel_holds_the_package_and_nothing_else(built):
@@ -133,4 +159,4 @@ def test_the_doctors_pillow_rebuild_hint_serves_a_pip_install(monkeypatch, capsy
                                                      "cannot_read": ["WebP (libwebp-dev)"]})
     doctor.main()
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("PIL"))
-    assert "pip install --force-reinstall --no-deps --no-cache-dir pillow-simd" in line
+    assert "pip install --force-reinstall --no-deps --no-cache-dir pillow-simd, with CC='cc -mavx2'" in line
