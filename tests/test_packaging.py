@@ -112,14 +112,21 @@ def test_the_sdist_builds_the_same_wheel(built, tmp_path):
 
 SMOKE = textwrap.dedent("""
     import os, sys
+    import numpy as np
+    from PIL import Image
     import fastdata
-    from fastdata import SmallCNN, fit, make_loader, pack
-    from fastdata.datasets import Shards, SyntheticDigits
+    from fastdata import SmallCNN, available_backends, fit, make_loader, pack
+    from fastdata.datasets import ImageFolder, Shards, SyntheticDigits
     assert fastdata.__file__.startswith(sys.argv[1]), fastdata.__file__   # the wheel's, not the checkout's
-    for backend in ("torch", "memory", "prefetch", "auto"):
-        loader = make_loader(SyntheticDigits(64), backend=backend, batch_size=16, device="cpu", quiet=True)
-        assert sum(len(y) for _, y in loader) == 64, backend
-        loader.close()
+    for i in range(16):
+        os.makedirs(f"photos/{i % 2}", exist_ok=True)
+        Image.fromarray(np.full((20, 24, 3), i * 9, np.uint8)).save(f"photos/{i % 2}/{i}.jpg")
+    for backend in available_backends():   # dali too where it is installed
+        for source in (SyntheticDigits(64), ImageFolder("photos")):
+            loader = make_loader(source, backend=backend, batch_size=8, device="cpu", quiet=True,
+                                 **({"cache_size": 24} if backend == "memory" else {}))
+            assert sum(len(y) for _, y in loader) == len(source), (backend, source)
+            loader.close()
     history = fit(SmallCNN(), make_loader(SyntheticDigits(64), backend="memory", batch_size=32, device="cpu"),
                   epochs=1, checkpoint="c.pt", log_dir="log", progress=False)
     assert len(history) == 1 and os.path.isfile("c.pt") and os.path.isfile("log/epochs.csv")
