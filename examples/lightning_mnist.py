@@ -298,8 +298,33 @@ def _check_schedule(args, checkpoint, trainer) -> None:
                       f"stretched once it has started: {advice}, or start a new run without --resume")
 
 
-_MODELCHECKPOINT_PRIVATE = ("_should_skip_saving_checkpoint", "_monitor_candidates", "_save_topk_checkpoint",
-                            "_save_last_checkpoint")
+#: ModelCheckpoint's private methods the --max-steps save calls, and the arguments it passes them.
+_MODELCHECKPOINT_PRIVATE = {"_should_skip_saving_checkpoint": ("trainer",), "_monitor_candidates": ("trainer",),
+                            "_save_topk_checkpoint": ("trainer", "candidates"),
+                            "_save_last_checkpoint": ("trainer", "candidates")}
+
+
+def _changed_private_methods(base) -> list[str]:
+    """What of ``_MODELCHECKPOINT_PRIVATE`` this Lightning's ``base`` lacks, or takes other arguments in
+    (the example's positional arguments do not bind to its signature), each said."""
+    import inspect
+
+    changed = []
+    for name, passed in _MODELCHECKPOINT_PRIVATE.items():
+        method = getattr(base, name, None)
+        if not callable(method):
+            changed.append(f"no {name}")
+            continue
+        try:
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):   # none to read (a C callable): what it takes is unknown
+            changed.append(f"a {name} whose arguments cannot be read")
+            continue
+        try:
+            signature.bind(None, *passed)   # self, then what the example passes
+        except TypeError:
+            changed.append(f"{name}({', '.join(signature.parameters)}), not {name}(self, {', '.join(passed)})")
+    return changed
 
 
 def _checkpoints(L):
@@ -316,13 +341,14 @@ def _checkpoints(L):
     base = L.pytorch.callbacks.ModelCheckpoint
     # Its own save path, private in Lightning (no public call saves "as at this step" and updates
     # last_model_path and the step last saved, which keep its later hooks from saving over it). Were a
-    # Lightning release to rename one, the example still trains: the stop saves as Lightning does, and
-    # says what that means for --resume.
-    missing = [name for name in _MODELCHECKPOINT_PRIVATE if not callable(getattr(base, name, None))]
-    if missing:
+    # Lightning release to rename one or change its arguments (a TypeError at the stop's batch, mid-
+    # training, otherwise), the example still trains: the stop saves as Lightning does, and says what
+    # that means for --resume.
+    changed = _changed_private_methods(base)
+    if changed:
         import warnings
 
-        warnings.warn(f"this Lightning's ModelCheckpoint has no {', '.join(missing)}: a run that --max-steps "
+        warnings.warn(f"this Lightning's ModelCheckpoint has {'; '.join(changed)}: a run that --max-steps "
                       f"stops mid-epoch is saved as Lightning saves it, and its --resume starts the next epoch",
                       RuntimeWarning, stacklevel=2)
         return base

@@ -176,3 +176,42 @@ def test_gather_for_metrics_counts_each_readable_sample_once_when_one_of_the_las
     assert broken in r0["skipped"] + r1["skipped"]
     assert r0["gathered"] == r1["gathered"] and r0["remainder"] == r1["remainder"]
     assert sorted(r0["gathered"]) == [i for i in range(37) if i != broken]   # each readable sample once
+
+
+# ---------------------------------------------------------------- the Lightning example's private-method guard
+@pytest.mark.requires("lightning")
+def test_the_lightning_example_falls_back_when_a_private_save_method_takes_other_arguments(monkeypatch, tmp_path):
+    """The --max-steps save calls ModelCheckpoint's private methods with the arguments of today's Lightning.
+    A release that kept a name but changed its arguments passed the name check, then failed with a
+    TypeError at the stop's batch, mid-training; it now warns and trains with Lightning's own saves."""
+    import functools
+    import inspect
+
+    import lightning as L
+
+    from conftest import load_example
+
+    example = load_example("lightning_mnist")
+    base = L.pytorch.callbacks.ModelCheckpoint
+    real = base._save_last_checkpoint
+
+    # Another release's method: a third argument it needs. Lightning's own hooks (that release's callers)
+    # still reach the real one; the signature is what the example reads.
+    @functools.wraps(real)
+    def changed(self, *args, **kwargs):
+        return real(self, *args[:2], **kwargs)
+
+    params = list(inspect.signature(real).parameters.values())
+    reason = inspect.Parameter("reason", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    changed.__signature__ = inspect.Signature([*params, reason])
+    monkeypatch.setattr(base, "_save_last_checkpoint", changed)
+    argv = ["--backend", "memory", "--data", "synthetic", "--data-root", str(tmp_path / "d"), "--train-size", "256",
+            "--test-size", "64", "--batch-size", "32", "--workers", "0", "--epochs", "1", "--no-progress",
+            "--ckpt-dir", str(tmp_path / "ck"), "--max-steps", "4"]
+    with pytest.warns(RuntimeWarning, match=r"ModelCheckpoint has _save_last_checkpoint\(self, trainer, "
+                                            r"monitor_candidates, reason\), not _save_last_checkpoint\(self, "
+                                            r"trainer, candidates\): a run that --max-steps stops mid-epoch"):
+        result = example.main(example.get_args_parser().parse_args(argv))
+    assert result["global_step"] == 4 and (tmp_path / "ck" / "last.ckpt").exists()
+    monkeypatch.undo()
+    assert example._changed_private_methods(base) == []   # today's Lightning: the example's calls bind
