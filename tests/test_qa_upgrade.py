@@ -27,7 +27,7 @@ sys.path.insert(0, str(DATA))
 from upgrade_run import BACKENDS, loader_args, run  # noqa: E402
 
 #: The revisions that wrote the fixtures, oldest first (README.md there).
-REVISIONS = ("effeab8", "b7af964", "0a8b2c5")
+REVISIONS = ("8b022e1", "effeab8", "b7af964", "0a8b2c5")
 
 
 def _expect(rev: str) -> dict:

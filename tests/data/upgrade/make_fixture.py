@@ -10,7 +10,6 @@ It uses only what every release since the first (effeab8) has: ``fit``'s keyword
 run are defined in ``upgrade_run.py`` beside this file, which the tests import too: the same run
 resumed by this version must end on the old release's weights.
 """
-import inspect
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from upgrade_run import BACKENDS, loader_args, run  # noqa: E402
+from upgrade_run import BACKENDS, _accepts, loader_args, run  # noqa: E402
 
 import fastdata  # noqa: E402
 from fastdata import make_loader  # noqa: E402
@@ -33,8 +32,7 @@ def main(out: str) -> None:
     rev = subprocess.run(["git", "-C", repo, "log", "-1", "--format=%h %cd", "--date=iso"],
                          capture_output=True, text=True, check=True).stdout.strip()
     meta = {"revision": rev, "fastdata": fastdata.__file__}
-    fields = getattr(getattr(fastdata, "FitConfig", None), "__dataclass_fields__", {})
-    logs = "log_dir" in fields or "log_dir" in inspect.signature(fastdata.fit).parameters
+    logs = _accepts(fastdata.fit, "log_dir")
     # The whole run (its last weights: what a resume must end on), then the same run crashed at its 6th
     # step: mid.pt is its save at step 4 (checkpoint_every=4), mid-epoch 1 of 2.
     _, model = run(f"{out}/full.pt", log_dir=None)

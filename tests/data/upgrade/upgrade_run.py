@@ -42,9 +42,21 @@ def run(path, *, crash_at=None, resume=False, log_dir=None, seed=0):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=2 * len(train))
     options = dict(epochs=2, optimizer=opt, scheduler=sched, scheduler_interval="step", checkpoint=path,
                    checkpoint_every=4, progress=False, resume=resume)
+    if not _accepts(fit, "scheduler_interval"):   # before it the scheduler was stepped per step, as here
+        del options["scheduler_interval"]
     if log_dir is not None:
         options.update(log_dir=log_dir, log_every=1)
     try:
         return fit(model, train, **options), model
     except KeyboardInterrupt:
         return None, model
+
+
+def _accepts(fit, name: str) -> bool:
+    """Whether this release's ``fit`` takes the keyword ``name`` (its own or ``FitConfig``'s)."""
+    import inspect
+
+    import fastdata
+
+    fields = getattr(getattr(fastdata, "FitConfig", None), "__dataclass_fields__", {})
+    return name in fields or name in inspect.signature(fit).parameters
