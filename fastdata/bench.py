@@ -34,6 +34,7 @@ from . import cli
 from .config import ON_ERROR
 from .datasets.spec import SOURCE_HELP, open_source
 from .engine.amp import AMP_CHOICES
+from .engine.meter import shows_live
 
 TIE = 0.05
 
@@ -149,7 +150,8 @@ def _image_shape(source) -> tuple[int, int, int]:
 
 
 def _bar(total: int, desc: str, enabled: bool):
-    if not enabled or not sys.stderr.isatty():
+    # Where fit's bar draws (``shows_live``: a terminal or a notebook, never a pipe or a log file).
+    if not enabled or not shows_live(sys.stderr):
         return None
     from tqdm import tqdm
 

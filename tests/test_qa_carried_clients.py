@@ -4,6 +4,7 @@ accelerate's ``remainder`` when a padding sample is skipped, the Lightning examp
 ModelCheckpoint's private methods, where bench's and pack's progress bars draw, and the index's memory."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -215,3 +216,45 @@ def test_the_lightning_example_falls_back_when_a_private_save_method_takes_other
     assert result["global_step"] == 4 and (tmp_path / "ck" / "last.ckpt").exists()
     monkeypatch.undo()
     assert example._changed_private_methods(base) == []   # today's Lightning: the example's calls bind
+
+
+# ---------------------------------------------------------------- where bench's and pack's bars draw
+class _KernelStream(io.StringIO):
+    """What a Jupyter kernel makes ``sys.stderr``: ipykernel's OutStream, which is no terminal."""
+
+    def isatty(self):
+        return False
+
+
+_KernelStream.__module__ = "ipykernel.iostream"
+
+
+@pytest.mark.parametrize("stream", ["notebook", "pipe"])
+def test_bench_and_pack_draw_their_bars_where_fits_bar_draws(stream, monkeypatch, tmp_path):
+    """bench drew on a terminal only (nothing in a notebook, whose stderr is no terminal) and pack
+    everywhere (its bar redrawn into a pipe or a log file). Both now ask ``engine.meter.shows_live``,
+    fit's own decision: a terminal or a notebook, never a pipe."""
+    from fastdata import make_loader
+    from fastdata.bench import measure_loader
+    from fastdata.engine import meter
+
+    err = _KernelStream() if stream == "notebook" else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert meter.shows_live(err) == (stream == "notebook")
+    rng = np.random.default_rng(1)
+    src = ArraySource(rng.integers(0, 256, (24, 8, 8, 3), dtype=np.uint8), np.arange(24) % 3)
+    loader = make_loader(src, "memory", batch_size=4, device="cpu", num_workers=0, quiet=True)
+    try:
+        measure_loader(loader, batches=4, warmup=1, progress=True)
+    finally:
+        loader.close()
+    bench_shown = err.getvalue()
+    err.seek(0)
+    err.truncate()
+    pack(src, tmp_path / "packed", shard_size="4KB", workers=0, progress=True)
+    pack_shown = err.getvalue()
+    if stream == "notebook":
+        assert "memory:" in bench_shown and "/5 [" in bench_shown, bench_shown
+        assert "pack packed" in pack_shown and "/24 [" in pack_shown, pack_shown
+    else:
+        assert bench_shown == pack_shown == "", (bench_shown, pack_shown)

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,8 +250,10 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
         timeout: seconds rank 0 waits for the other ranks' parts, and the other ranks for the index
             (None: as long as it takes); then a ``TimeoutError`` says which files are missing.
     """
-    from tqdm.auto import tqdm
+    # The text bar, as fit's: tqdm.auto's widget fails in a notebook without ipywidgets.
+    from tqdm import tqdm
 
+    from ..engine.meter import shows_live
     from ..sampling import distributed_info
 
     check_choice("split", split, (None, *SPLITS))
@@ -275,7 +278,9 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     drop_other_index(out, plan_digest)
     mine = plans[rank::world]
     records, todo = _finished_records(out, mine)
-    bar = tqdm(total=sum(p.stop - p.start for p in mine), unit="img", disable=not progress,
+    # Drawn where fit's bar draws (a terminal or a notebook), never into a pipe or a log file.
+    bar = tqdm(total=sum(p.stop - p.start for p in mine), unit="img",
+               disable=not (progress and shows_live(sys.stderr)),
                desc=f"pack {out.name}" + (f" rank {rank}/{world}" if world > 1 else ""))
     bar.update(sum(r["samples"] for r in records.values()))
     try:
