@@ -276,3 +276,47 @@ def test_a_cache_size_under_the_crop_says_what_to_pass_what_it_costs_and_whether
     huge = loader._small_slots_text(loader.cache, 200_000)   # 8 photos at 200,000² would take 894 GiB
     assert "the cache then takes" in huge and "more than the" in huge and "the budget allows: lower memory_reserve, " \
         "or use the 'torch' or 'dali' backend, which crop from the full photo" in huge
+
+
+# ------------------------------------------------------------------ 7. threads alive when workers fork
+_FORKS = """
+import os, sys, threading
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ImageFolder
+
+seen = []
+main = os.getpid()
+os.register_at_fork(before=lambda: os.getpid() == main and seen.append(
+    sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())))
+src, aug = ImageFolder(sys.argv[1]), Augmentation.imagenet_train(size=16)
+for _ in make_loader(src, "memory", batch_size=4, device="cpu", augment=aug, cache_size=64):
+    pass   # an evaluation or warm-up loader of another backend before the training one
+loader = make_loader(src, "torch", batch_size=4, device="cpu", num_workers=2, persistent_workers=False, augment=aug)
+for _ in range(2):
+    for _ in loader:
+        pass
+print(seen)
+"""
+
+
+def test_a_torch_loaders_workers_fork_with_no_thread_of_fastdatas_alive(tmp_path):
+    """Python 3.12 warns that forking a multi-threaded process may deadlock the child. It counts OS
+    threads (numpy's OpenBLAS pool is enough: docs/install.md), which fastdata cannot help; but no
+    thread of fastdata's own may be alive at a torch loader's fork: after another loader's pass (the
+    memory backend's draw-ahead thread), at each epoch's fork of fresh workers."""
+    import ast
+    import subprocess
+    import sys
+
+    import fastdata
+    from fastdata.datasets.folders import make_image_folder
+
+    make_image_folder(tmp_path / "photos", classes=2, per_class=4, seed=1)
+    script = tmp_path / "forks.py"
+    script.write_text(_FORKS)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(fastdata.__file__))}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "photos")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    forks = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert len(forks) == 4 and forks == [[]] * 4, forks   # 2 workers x 2 epochs, each fork with none alive
