@@ -23,7 +23,7 @@ def _source_tree(tmp: Path) -> Path:
     place leaves ``build/`` and ``*.egg-info`` behind."""
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
+    for name in ("pyproject.toml", "README.md", "MANIFEST.in", "LICENSE"):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, src / name)
     junk = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -89,6 +89,8 @@ def test_the_wheel_holds_the_package_and_nothing_else(built):
     assert package == _package_files(built["src"])      # every module, py.typed; no tests, benchmarks, caches
     assert "fastdata/py.typed" in package
     assert "fastdata = fastdata.__main__:main" in entry_points
+    # The license pyproject.toml declares travels with the package (setuptools >= 77 ships LICENSE*).
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
 
 def test_the_sdist_has_no_test_suite_that_cannot_run(built):
@@ -96,7 +98,7 @@ def test_the_sdist_has_no_test_suite_that_cannot_run(built):
     with tarfile.open(built["sdist"]) as sdist:
         names = [n.split("/", 1)[1] for n in sdist.getnames() if "/" in n]
     assert not [n for n in names if n.startswith("tests")]
-    assert {"pyproject.toml", "README.md", "fastdata/__init__.py", "fastdata/py.typed"} <= set(names)
+    assert {"pyproject.toml", "README.md", "LICENSE", "fastdata/__init__.py", "fastdata/py.typed"} <= set(names)
 
 
 def test_the_sdist_builds_the_same_wheel(built, tmp_path):
