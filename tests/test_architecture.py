@@ -268,6 +268,8 @@ THIRD_PARTY_PRIVATE = {
     "_parent": "fsspec: the parent folder of a path under the file system's own rules (protocols, buckets)",
     "_orig_mod": "torch.compile's OptimizedModule: the module it wraps, whose weights a checkpoint keeps "
                  "(torch has no public accessor for it)",
+    "_get_default_store": "torch.distributed: the default group's key-value store, where failing ranks leave "
+                          "their error lines without a collective (cli.exit_with); torch has no public accessor",
 }
 
 

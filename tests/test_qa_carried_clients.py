@@ -54,6 +54,20 @@ def test_read_index_refuses_a_packs_other_files_naming_the_file_and_what_to_give
     assert f"give the folder '{packed}' or its index.json" in str(e.value)
 
 
+def test_shards_given_another_file_of_a_pack_says_it_reads_the_folders_index_json(packed):
+    """Shards reads a pack's folder (its index.json); given a copy of an index under another name, it
+    said 'give the folder that holds it', whose index.json may be another index than the file given."""
+    from fastdata.datasets import Shards
+    from fastdata.shards.storage import ShardNotFound
+
+    shutil.copy(packed / "index.json", packed / "other.json")
+    with pytest.raises(ShardNotFound) as e:
+        Shards(packed / "other.json")
+    assert str(e.value) == (f"shard location '{packed / 'other.json'}' is a file, not a folder: a shard location "
+                            f"is the folder `python -m fastdata pack` wrote, whose index.json is read "
+                            f"('{packed}' has one)")
+
+
 def test_read_index_of_a_json_that_is_not_an_index_names_it_and_the_format(packed):
     (packed.parent / "notes.json").write_text('{"a": 1}')
     with pytest.raises(BadIndex, match=r"index '.*notes.json': format is None, expected 'fastdata-shards'"):

@@ -204,10 +204,17 @@ class Storage:
         self._fs = self._root = None
         self._pid = None
         if self.is_local and not os.path.isdir(self.location):
-            # A file there is most often the pack's index.json, given in place of its folder.
+            # A file there is most often the pack's index.json, given in place of its folder. Another file
+            # (a copy of an index, a shard) is not what that folder's index.json describes: say what is read.
             folder = os.path.dirname(self.location) or "."
-            what = (f"is a file, not a folder: give the folder that holds it: '{folder}'"
-                    if os.path.isfile(self.location) else "is not a folder")
+            if os.path.basename(self.location) == "index.json":
+                what = f"is a file, not a folder: give the folder that holds it: '{folder}'"
+            elif os.path.isfile(self.location):
+                what = ("is a file, not a folder: a shard location is the folder `python -m fastdata pack` wrote, "
+                        f"whose index.json is read ('{folder}' has " +
+                        ("one)" if os.path.isfile(os.path.join(folder, "index.json")) else "none)"))
+            else:
+                what = "is not a folder"
             raise ShardNotFound(f"shard location '{self.location}' {what}", url=self.location)
         if not self.is_local:
             self._filesystem()   # an unknown scheme or a missing package is said now, not at the first read
