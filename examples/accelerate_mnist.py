@@ -129,7 +129,7 @@ def _has_mnist(args) -> bool:
         return True
     except FileNotFoundError as e:
         if args.data == "mnist":
-            raise SystemExit(f"error: --data mnist: {e}") from None
+            raise cli.exit_with(f"error: --data mnist: {e}") from None   # said once for the ranks that lack it
         return False
 
 
@@ -179,26 +179,23 @@ def _check_schedule(accelerator, args, scheduler, steps_per_epoch: int) -> None:
     --epochs, so a larger --epochs was torch's "Tried to step N times" traceback when the old end came."""
     peak = scheduler.optimizer.param_groups[0].get("max_lr")   # load_state restored the saved run's
     if peak is not None and not math.isclose(peak, args.lr, rel_tol=1e-6):
-        if not accelerator.is_main_process:
-            raise SystemExit(1)
-        raise SystemExit(f"error: --lr {args.lr:g}: '{args.ckpt_dir}' was saved by a run whose schedule peaks at "
-                         f"lr {peak:g}, and resuming restores it: this run's rate would be ignored. Resume with "
-                         f"--lr {peak:g}, or start a new run without --resume")
+        raise cli.exit_with(f"error: --lr {args.lr:g}: '{args.ckpt_dir}' was saved by a run whose schedule peaks at "
+                            f"lr {peak:g}, and resuming restores it: this run's rate would be ignored. Resume with "
+                            f"--lr {peak:g}, or start a new run without --resume")
     total = scheduler.total_steps
     needed = args.epochs * steps_per_epoch
     if args.max_steps:
         needed = min(needed, args.max_steps)
     if needed <= total:
         return
-    if not accelerator.is_main_process:   # one line for the run, not one per rank
-        raise SystemExit(1)
     most = total // steps_per_epoch
     advice = (f"resume with --epochs {most} or fewer" if most else
               "resume with the saved run's --batch-size and --train-size")
-    raise SystemExit(f"error: --epochs {args.epochs}: '{args.ckpt_dir}' was saved by a run whose one-cycle "
-                     f"learning-rate schedule (restored with it) ends after {total} steps; at {steps_per_epoch} "
-                     f"steps an epoch this run would step it {needed} times, and a one-cycle schedule cannot be "
-                     f"stretched once it has started: {advice}, or start a new run without --resume")
+    # Every rank refuses it (the same restored schedule): one line for the run (cli.exit_with).
+    raise cli.exit_with(f"error: --epochs {args.epochs}: '{args.ckpt_dir}' was saved by a run whose one-cycle "
+                        f"learning-rate schedule (restored with it) ends after {total} steps; at {steps_per_epoch} "
+                        f"steps an epoch this run would step it {needed} times, and a one-cycle schedule cannot be "
+                        f"stretched once it has started: {advice}, or start a new run without --resume")
 
 
 def main(args) -> dict:

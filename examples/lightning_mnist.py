@@ -134,7 +134,7 @@ def _mnist_here(args) -> bool:
             MNIST(args.data_root, train=train, download=False)
     except FileNotFoundError as e:
         if args.data == "mnist":
-            raise SystemExit(f"error: --data mnist: {e}") from None
+            raise cli.exit_with(f"error: --data mnist: {e}") from None   # said once for the ranks that lack it
         return False
     return True
 
@@ -402,7 +402,7 @@ def main(args) -> dict:
         try:
             trainer.fit(model, data, ckpt_path=args.resume)
         except ResumeError as e:   # _check_schedule's refusal: one line, as train_mnist's
-            raise SystemExit(f"error: {e}") from None
+            raise cli.exit_with(f"error: {e}") from None   # every rank refuses it: said once
         except SystemExit as e:
             # Lightning's own end for Ctrl-C: "Detected KeyboardInterrupt", then exit status 1, saying
             # nothing of what resumes. Ours says it, with 130.

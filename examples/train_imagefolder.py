@@ -95,13 +95,13 @@ def main(args) -> dict:
         with cli.input_errors("--data-root"):
             train_src = ImageFolder(args.data_root)
         if train_src.num_classes < 2:
-            raise SystemExit(f"error: --data-root '{args.data_root}' has one class folder "
-                             f"({train_src.classes[0]!r}): a classifier needs at least 2")
+            raise cli.exit_with(f"error: --data-root '{args.data_root}' has one class folder "
+                                f"({train_src.classes[0]!r}): a classifier needs at least 2")
         with cli.input_errors("--val-root"):
             val_src = ImageFolder(args.val_root) if args.val_root else None
         if val_src is not None and val_src.classes != train_src.classes:
-            raise SystemExit(f"error: --val-root has classes {val_src.classes[:5]}... but --data-root has "
-                             f"{train_src.classes[:5]}...: they must be the same folders")
+            raise cli.exit_with(f"error: --val-root has classes {val_src.classes[:5]}... but --data-root has "
+                                f"{train_src.classes[:5]}...: they must be the same folders")
         size = args.image_size
         common = dict(device=device, num_workers=args.workers, seed=args.seed, channels_last=args.channels_last)
         with cli.input_errors(f"--backend {args.backend} with --batch-size {args.batch_size}", skip_flag=cli.SKIP_FLAG):

@@ -130,7 +130,8 @@ def load_digits(args, device) -> tuple[object, object, str]:
     try:
         have = fdist.prepare_per_node(prepare_digits, args, what=f"preparing the digits in '{args.data_root}'")
     except (FileNotFoundError, fdist.PreparationError) as e:   # --data mnist without MNIST on some node
-        raise SystemExit(f"error: --data mnist: {e}") from None
+        # A rank that only waited for another's failure (PreparationError) stays quiet when that one said it.
+        raise cli.exit_with(f"error: --data mnist: {e}", relay=isinstance(e, fdist.PreparationError)) from None
     lacking = fdist.all_sum(torch.tensor([float(have != "mnist")], device=device)).item()
     if have == "mnist" and not lacking:
         train = MNIST(args.data_root, train=True, download=False)
