@@ -169,10 +169,7 @@ SKIP_GATHER_SCRIPT = textwrap.dedent("""
 @pytest.mark.requires("accelerate")
 @pytest.mark.parametrize("broken", [
     0,    # the padding sample (and the epoch's first): skipped at both places
-    pytest.param(33, marks=pytest.mark.xfail(strict=True, reason=(
-        "a real sample of the padded last step skipped: rank 0's last batch is one row short, so the padding "
-        "lands inside accelerate's [:remainder]; the fix (ranks sum their real rows at the last batch, in "
-        "backends/base.py's _AccelerateTracker) is another helper's file: see the report of this round"))),
+    33,   # a real sample of the padded last step: its rank's last batch is one row short
 ], ids=["padding-skipped", "real-skipped"])
 def test_gather_for_metrics_counts_each_readable_sample_once_when_one_of_the_last_step_is_skipped(tmp_path, broken):
     from fastdata.datasets import ImageFolder, make_image_folder

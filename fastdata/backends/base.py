@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import weakref
 from typing import TYPE_CHECKING, ClassVar, Iterator, cast
 
@@ -39,6 +38,7 @@ from ..decode import warn_skipped
 from ..errors import PositionMismatch
 from ..normalize import Normalizer
 from ..sampling import EpochPlan, distributed_info, seed_for
+from .accelerate_state import AccelerateTracker
 from .sample_ids import SampleIds
 
 if TYPE_CHECKING:
@@ -139,46 +139,6 @@ class EpochIterator:
         # close() runs the epoch's finally blocks now: workers, threads and pipelines are released
         # before the newer epoch starts using them.
         self._batches.close()
-
-
-class _AccelerateTracker:
-    """Tells Hugging Face accelerate where a pass stands, as its own DataLoader wrappers do.
-
-    ``accelerator.gather_for_metrics`` drops the padding of an evenly split evaluation set on the last
-    batch, and ``accumulate()`` syncs gradients at the end of a loader: both read the GradientState
-    singleton, which accelerate's DataLoaderShard feeds (``begin``/``end`` in accelerate/data_loader.py)
-    and a loader passed through ``prepare()`` unchanged never would. Only when the user's program has
-    imported accelerate (no import here); a change of its private API leaves the loader working, the
-    metric then un-trimmed."""
-
-    __slots__ = ("state", "loader")
-
-    def __init__(self, loader: "Loader", offset: int):
-        self.state = self.loader = None
-        if "accelerate.state" not in sys.modules:
-            return
-        try:
-            state = sys.modules["accelerate.state"].GradientState()
-            loader.end_of_dataloader = False
-            # accelerate's meaning: how many samples of the last global step are real (0: no padding;
-            # -1: unknown, gather_for_metrics then returns everything gathered).
-            loader.remainder = loader.plan.remainder(offset)
-            state._add_dataloader(loader)
-        except Exception:  # pragma: no cover - another accelerate version's internals
-            return
-        self.state, self.loader = state, loader
-
-    def last_batch(self) -> None:
-        if self.loader is not None:
-            self.loader.end_of_dataloader = True
-
-    def close(self) -> None:
-        if self.state is not None:
-            try:
-                self.state._remove_dataloader(self.loader)
-            except Exception:  # pragma: no cover
-                pass
-            self.state = self.loader = None
 
 
 class LoaderSampler:
@@ -306,7 +266,7 @@ class Loader(SampleIds):
     #: whether the backend runs a source's per-sample callable (``ImageFolder(transform=...)``): only
     #: backends that decode each sample on the CPU with PIL can (torch, prefetch).
     runs_sample_transforms: ClassVar[bool] = False
-    # Set on the loader for accelerate while a pass runs (_AccelerateTracker), read by accelerate's
+    # Set on the loader for accelerate while a pass runs (AccelerateTracker), read by accelerate's
     # GradientState; declared, not defined: a loader outside accelerate has neither.
     end_of_dataloader: bool
     remainder: int
@@ -510,7 +470,7 @@ class Loader(SampleIds):
         it = self._epoch(epoch, batches, start)
         done, ended = 0, False
         pipeline = self.batch_pipeline
-        tracker = _AccelerateTracker(self, offset)
+        tracker = AccelerateTracker(self, offset)
         own = not type(self).__module__.startswith("fastdata.")   # a backend of one's own: check_yielded
         padding = self.plan.padding(offset)   # even_batches' samples at the end of the pass's last batch
         # A streaming source (shards) fetches ahead of where the pass is: told here, in this process.
@@ -544,7 +504,7 @@ class Loader(SampleIds):
                     # never ask, and would otherwise replay this epoch forever.
                     ended = True
                     self._end_pass(epoch, offset)
-                    tracker.last_batch()
+                    tracker.last_batch(len(batch[1]) - self.batch_padding, batch[1].device)
                 yield batch
         finally:
             tracker.close()
