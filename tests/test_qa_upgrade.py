@@ -92,16 +92,29 @@ def test_old_pack_position_resumes():
     assert [y.tolist() for _, y in loader] == expect["rest"]
 
 
-def test_pack_position_saved_before_the_window_was_recorded_is_refused_naming_it():
+def test_pack_position_saved_before_the_window_was_recorded_resumes_under_the_default_window():
     """b7af964's Shards fingerprint had no ``window=`` (added in b328565): its pack of digits (an index
-    without the image shape, read as photos) was ordered by a window the position does not say. Refused,
-    naming the window, rather than resumed under a window the old run may not have used."""
+    without the image shape, read as photos) is ordered by a window the position does not say. Under the
+    default window, the only one a run could have had without setting it, it resumes exactly, with a
+    warning saying what was assumed (it was refused, naming a window the user never set)."""
+    rev = "b7af964"
+    expect = _expect(rev)["loaders"]["shards"]
+    state = torch.load(DATA / rev / "loader_states.pt", weights_only=True)["shards"]
+    loader = make_loader(Shards(DATA / rev / "packed"), backend="torch", batch_size=4, device="cpu", seed=1,
+                         num_workers=0)
+    with pytest.warns(RuntimeWarning, match="older fastdata.*window=4"):
+        loader.load_state_dict(state)
+    assert [y.tolist() for _, y in loader] == expect["rest"]
+
+
+def test_pack_position_saved_before_the_window_was_recorded_is_refused_under_another_window():
+    """Under a window the user set, the old position's order is not known: refused, naming the window."""
     from fastdata.errors import PositionMismatch
 
     rev = "b7af964"
-    shards = Shards(DATA / rev / "packed")
-    loader = make_loader(shards, backend="torch", batch_size=4, device="cpu", seed=1, num_workers=0)
-    with pytest.raises(PositionMismatch, match="window=4"):
+    loader = make_loader(Shards(DATA / rev / "packed", window=2), backend="torch", batch_size=4, device="cpu",
+                         seed=1, num_workers=0)
+    with pytest.raises(PositionMismatch, match="window=2"):
         loader.load_state_dict(torch.load(DATA / rev / "loader_states.pt", weights_only=True)["shards"])
 
 

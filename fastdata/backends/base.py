@@ -610,6 +610,9 @@ class Loader(SampleIds):
         for key in ("epoch", "batch", *optional, "batch_size", "world_size"):
             if state[key] < (1 if key in ("batch_size", "world_size") else 0):
                 raise ValueError(f"loader state {key!r} is out of range: {state[key]}")
+        upgrade = getattr(self.source, "saved_fingerprint", None)   # Shards: a position of an older release
+        if upgrade is not None:
+            state = {**state, "source": upgrade(state["source"])}
         diff = {k: (state[k], mine[k]) for k in self._SAME if state[k] != mine[k]}
         if diff:
             raise PositionMismatch(", ".join(f"{k} was {a!r} and is now {b!r}" for k, (a, b) in diff.items()))

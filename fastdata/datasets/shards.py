@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,8 @@ if TYPE_CHECKING:   # the shards format is imported where it is used: importing 
     from ..shards.cache import ShardCache
 
 _TAR_HEADER = 512
+#: Shards' window when none is given, in every release (positions saved before it was recorded assume it).
+_DEFAULT_WINDOW = 4
 
 
 def _tar_name(header: bytes) -> str:
@@ -78,7 +81,7 @@ class Shards(Source):
     hwc_samples = True
     random_access = False
 
-    def __init__(self, location, *, cache_dir=None, cache_limit: int | None = None, window: int = 4,
+    def __init__(self, location, *, cache_dir=None, cache_limit: int | None = None, window: int = _DEFAULT_WINDOW,
                  storage_options: dict | None = None, retries: int = 5, timeout: float = 60.0,
                  mean=None, std=None, transform=None):
         from ..checks import check_integer
@@ -335,6 +338,19 @@ class Shards(Source):
         window = "" if self.images is not None else f" window={self.window}"
         return (f"Shards n={len(self)} classes={self.num_classes} index={self.index.fingerprint}"
                 f"{window}{self._subset_tag()}")
+
+    def saved_fingerprint(self, saved: str) -> str:
+        """The fingerprint a loader position saved over this pack is compared with: ``saved`` itself, but
+        for a position saved before fastdata recorded the window (2026-11-27), which is taken as the
+        default window's, with a warning, when this loader reads with that default."""
+        mine = self.fingerprint()
+        if " window=" in saved or self.window != _DEFAULT_WINDOW or self.images is not None \
+                or saved != mine.replace(f" window={self.window}", "", 1):
+            return saved
+        warnings.warn(f"this position over '{self.location}' was saved by an older fastdata, which did not "
+                      f"record the shards' window: it is taken as window={_DEFAULT_WINDOW}, the default then "
+                      f"and now (a run that set another window read another order)", RuntimeWarning, stacklevel=3)
+        return mine
 
     @property
     def sample_transform(self):
