@@ -284,7 +284,7 @@ def _torch_load(source, path, size: int, map_location) -> dict:
     except pickle.UnpicklingError as e:
         # weights_only refuses anything but tensors and plain types: not a file save() wrote.
         raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is not a fastdata checkpoint or is "
-                              f"corrupt: it does not load with weights_only=True ({_first_line(e)})") from e
+                              f"corrupt: it does not load with weights_only=True ({_refusal(e)})") from e
     except Exception as e:
         # torch raises RuntimeError ("failed finding central directory"), EOFError or OSError [Errno 22]
         # for a cut-off zip archive, and a few bytes that are no zip at all reach its legacy unpickler
@@ -315,6 +315,33 @@ def _check_crcs(source, path, size: int) -> None:
         raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is corrupt: its entry '{bad}' fails its "
                               f"CRC-32 check, so the file changed after it was written (a damaged disk or "
                               f"copy); delete it to start afresh or point to an intact copy")
+
+
+#: What torch's weights-only unpickler names when it refuses a pickled callable or class.
+_REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+?)(?: was not an allowed global| whose module (\S+) is blocked)")
+
+
+def _refusal(e: pickle.UnpicklingError) -> str:
+    """What ``weights_only`` refused, and what that means for a file from elsewhere. torch's own text
+    opens with a paragraph on re-running ``torch.load`` with ``weights_only=False``, the one thing not to
+    do with a checkpoint someone else made (a pickle runs the code it names), and that paragraph was
+    all the error showed: the refused name (``posix.system``: a file crafted to run a command on load)
+    was in a later line."""
+    found = _REFUSED_GLOBAL.search(str(e))
+    if found is None:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = next((line for line in lines if "error" in line.lower() and "Weights only" not in line),
+                      lines[-1] if lines else "no message")
+        return f"{detail}; the file was not unpickled any further, and no code in it ran"
+    name, blocked = found.group(1), found.group(2)
+    if blocked:
+        return (f"it calls {name}, from module {blocked}, which no checkpoint of weights needs: a file that "
+                f"names it was made to run that code when loaded (or is damaged). It did not run: delete the "
+                f"file, and never load it with weights_only=False")
+    return (f"it holds a pickled {name}, which loading would call or create with code the file names; it "
+            f"did not run. From someone else, such a file can be crafted to run any code: do not load it "
+            f"with weights_only=False. Your own checkpoint holding an object of your class loads once that "
+            f"class is allowed: torch.serialization.add_safe_globals([{name}])")
 
 
 def _first_line(e: BaseException) -> str:
