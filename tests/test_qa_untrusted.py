@@ -207,6 +207,56 @@ def test_a_multi_frame_tiff_costs_its_first_frame_only(tmp_path):
         assert sum(len(images) for images, _ in loader) == 7, backend
 
 
+def _jpeg_of_scans(extra: int, side: int = 64) -> bytes:
+    """A progressive JPEG of a flat picture with its smallest scan repeated ``extra`` more times: libjpeg
+    warns about the repeated refinement and decodes each one (a pass over every block), 30-odd bytes a
+    scan. At 8000² and 10 000 scans, 300 kB held a decoder for minutes; here small, to count, not to time."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 130, 140)).save(buffer, "JPEG", progressive=True)
+    data = buffer.getvalue()
+    starts = [i for i in range(len(data) - 1) if data[i:i + 2] == b"\xff\xda"]
+    scans = [data[a:b] for a, b in zip(starts, starts[1:] + [len(data) - 2])]
+    return data[:-2] + min(scans, key=len) * extra + b"\xff\xd9"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding(tmp_path, backend):
+    from fastdata.images import photo
+
+    many = _jpeg_of_scans(photo.MAX_JPEG_SCANS)
+    bad = _folder_with(tmp_path / "photos", "scans.jpg", many)
+    Image.open(io.BytesIO(many)).load()   # Pillow decodes it (no error), however long it takes
+    with pytest.raises(DecodeError, match=r"JPEG of \d+ scans, past the limit of 500") as info:
+        for _ in _loader(tmp_path / "photos", backend, "raise"):
+            pass
+    assert info.value.path == str(bad)
+    loader = _loader(tmp_path / "photos", backend, "skip")
+    assert sum(len(images) for images, _ in loader) == 6 and loader.skipped == 1
+    # A progressive photo's ten scans, and 500, are read.
+    bad.write_bytes(_jpeg_of_scans(photo.MAX_JPEG_SCANS - 20))
+    assert sum(len(images) for images, _ in _loader(tmp_path / "photos", backend, "raise")) == 7
+
+
+@pytest.mark.parametrize("region", ["1", "0"])
+def test_both_jpeg_header_paths_count_the_scans(monkeypatch, region):
+    """With region decoding the header is read without Pillow (``photo._jpeg_header``), and Pillow's
+    ``open_image`` is not reached: each path refuses the file itself."""
+    import numpy as np
+
+    from fastdata.images import photo
+
+    monkeypatch.setenv("FASTDATA_REGION_DECODE", region)
+    if region == "1" and not photo.region_decode_enabled():
+        pytest.skip("no region decoder (nvImageCodec) here")
+    aug = Augmentation.imagenet_train(size=16)
+    with pytest.raises(DecodeError, match="scans, past the limit") as info:
+        photo.load_photo(_jpeg_of_scans(photo.MAX_JPEG_SCANS + 1), "x/scans.jpg", aug, np.random.default_rng(0))
+    assert info.value.path == "x/scans.jpg"
+    monkeypatch.setattr(photo, "MAX_JPEG_SCANS", 10_000)   # raised on purpose: read
+    out = photo.load_photo(_jpeg_of_scans(600), "x/scans.jpg", aug, np.random.default_rng(0))
+    assert out.shape == (16, 16, 3)
+
+
 # ------------------------------------------------------------------------------------ image folders
 @pytest.mark.parametrize("kind", ["fifo", "device", "loop", "unreadable"])
 def test_a_special_file_named_like_a_photo_is_named_or_skipped_never_waited_on(tmp_path, kind):

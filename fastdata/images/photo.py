@@ -39,6 +39,27 @@ _RAISE_LIMIT = ("photos this large are read once PIL.Image.MAX_IMAGE_PIXELS is r
                 "set to None), before the loader is made")
 
 
+#: The most scans a JPEG may hold (``check_scans``). A progressive JPEG has about 10 (libjpeg's default
+#: script; optimizers such as mozjpeg's pick a few more). Each scan is a decoding pass over every block of
+#: the picture, and a scan of a flat picture takes some 30 bytes: a 300 kB file of 10 000 scans at 8000²
+#: kept a worker decoding for minutes, at any draft scale. libjpeg-turbo has this guard (djpeg -maxscans,
+#: TurboJPEG's scan limit); Pillow sets none. Read at each call: raise it before the loader is made.
+MAX_JPEG_SCANS = 500
+
+
+def check_scans(path, data: bytes) -> None:
+    """Refuse a JPEG of more than ``MAX_JPEG_SCANS`` scans, naming the file, before any is decoded.
+
+    Counts start-of-scan markers (FF DA): inside entropy-coded data a 0xFF byte is always followed by a
+    stuffed 00 or a restart marker, so only a scan header (or a byte pair in a metadata block: a few at
+    most, an EXIF thumbnail's scans) counts; one ``bytes.count``, microseconds a photo."""
+    scans = data.count(b"\xff\xda")
+    if scans > MAX_JPEG_SCANS:
+        raise DecodeError(str(path), f"a JPEG of {scans} scans, past the limit of {MAX_JPEG_SCANS} "
+                                     f"(fastdata.images.photo.MAX_JPEG_SCANS): each scan is a decoding pass over "
+                                     f"the whole picture, so it would take minutes to decode; a photo has about 10")
+
+
 def open_image(path, fp=None) -> Image.Image:
     """Open (header only) and check an image; any failure becomes a DecodeError naming the file.
 
@@ -84,6 +105,12 @@ def open_image(path, fp=None) -> Image.Image:
         fmt = img.format
         img.close()
         raise DecodeError(path, f"file holds {fmt} data but is named {ext} (expected {expected})")
+    if img.format in JPEG_FORMATS and isinstance(fp, io.BytesIO):
+        try:
+            check_scans(path, fp.getvalue())   # no copy: the BytesIO shares the bytes it was made from
+        except DecodeError:
+            img.close()
+            raise
     return img
 
 
@@ -316,6 +343,7 @@ def _jpeg_header(path, data: bytes):
     limit = Image.MAX_IMAGE_PIXELS
     if head is None or (limit and head[0] * head[1] > limit):
         return None
+    check_scans(path, data)   # the region decoder reads every scan too; Pillow's open_image is skipped here
     return head
 
 
