@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import re
+import secrets
 import warnings
 from dataclasses import dataclass, field
 
@@ -182,6 +183,9 @@ def parse_index(data, where: str, *, max_member_bytes: int = MAX_MEMBER_BYTES) -
 #: per-sample fields, which ``_load_json`` parses with numpy.
 _LONG_INT_ARRAY = re.compile(rb"\[[0-9,\x20\t\n\r-]{4096,}\]")
 _ARRAY_MARK = "\x00fastdata-array-"   # what such an array is replaced with before json.loads sees the rest
+# Every character but a digit as a space, a digit as "d": the entries' digits and digit runs, counted by
+# bytes.count at C speed (see _int64_text).
+_DIGITS = bytes(ord("d") if ord("0") <= c <= ord("9") else ord(" ") for c in range(256))
 _POWERS_OF_10 = 10 ** np.arange(19, dtype=np.int64)   # 1 ... 10**18: digits of n = how many are <= n
 _INT64 = np.iinfo(np.int64)
 
@@ -198,10 +202,13 @@ def _load_json(data):
         return json.loads(data)
     arrays: list[np.ndarray] = []
     parts, last = [], 0
+    # A mark of this parse only: an index's own string that spells a mark (the index is untrusted) must not
+    # be taken for one of its arrays.
+    array_mark = f"{_ARRAY_MARK}{secrets.token_hex(8)}-"
     for m in _LONG_INT_ARRAY.finditer(data):
         values = _int64_text(data[m.start() + 1: m.end() - 1])
         if values is not None:
-            parts += [data[last:m.start()], f'"\\u0000{_ARRAY_MARK[1:]}{len(arrays)}"'.encode()]
+            parts += [data[last:m.start()], f'"\\u0000{array_mark[1:]}{len(arrays)}"'.encode()]
             arrays.append(values)
             last = m.end()
     if not arrays:
@@ -211,12 +218,12 @@ def _load_json(data):
     except ValueError:   # a match inside a string broke it: the plain parse says what the text is
         return json.loads(data)
     samples = doc.get("samples") if isinstance(doc, dict) else None
-    marks = {k: v for k, v in samples.items() if isinstance(v, str) and v.startswith(_ARRAY_MARK)} \
+    marks = {k: v for k, v in samples.items() if isinstance(v, str) and v.startswith(array_mark)} \
         if isinstance(samples, dict) else {}
-    if sorted(marks.values()) != sorted(f"{_ARRAY_MARK}{i}" for i in range(len(arrays))):
+    if sorted(marks.values()) != sorted(f"{array_mark}{i}" for i in range(len(arrays))):
         return json.loads(data)
     for key, mark in marks.items():
-        samples[key] = arrays[int(mark[len(_ARRAY_MARK):])]
+        samples[key] = arrays[int(mark[len(array_mark):])]
     return doc
 
 
@@ -233,11 +240,15 @@ def _int64_text(text: bytes) -> np.ndarray | None:
             return None
     if len(values) != text.count(b",") + 1 or (values == _INT64.max).any() or (values == _INT64.min).any():
         return None
-    # A leading zero ("007"), which JSON forbids and numpy reads, is a digit more in the text than in the
-    # numbers written plainly: counted, not searched for (a regex over the text took as long as the parse).
-    digits = len(text) - sum(text.count(c) for c in (b",", b"-", b" ", b"\t", b"\n", b"\r"))
+    # An entry of whitespace only ("1, ,2"), which numpy reads as 0, has no digits: each entry must be one
+    # run of digits. A leading zero ("007"), which JSON forbids and numpy reads, is then a digit more in the
+    # text than in the numbers written plainly. Both counted, not searched for (a regex over the text took
+    # as long as the parse); the runs first, since an empty entry's missing digit hides a leading zero's.
+    shape = text.translate(_DIGITS)
+    if shape.count(b" d") + shape.startswith(b"d") != len(values):
+        return None
     plain = np.maximum(np.searchsorted(_POWERS_OF_10, np.abs(values), side="right"), 1).sum()
-    return values if digits == plain else None
+    return values if shape.count(b"d") == plain else None
 
 
 def _document(data, where: str) -> dict:

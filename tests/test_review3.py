@@ -1,0 +1,57 @@
+"""Review of the round's changes (5df94b3..a438d7f): each test failed on the code before its fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastdata.shards import index as shard_index
+from fastdata.shards.index import BadIndex
+
+
+# ---------------------------------------------------------------- the index's numpy fast path
+def _index_bytes(n: int) -> bytes:
+    from test_qa_carried_clients import _index_bytes as index_bytes  # an index as pack writes one
+
+    return index_bytes(n)
+
+
+def _same_as_plain_json(monkeypatch, data: bytes):
+    """parse_index's outcome on ``data`` with the fast path, and the one json.loads gives."""
+    def outcome():
+        try:
+            index = shard_index.parse_index(data, "index.json")
+        except BadIndex as e:
+            return "error", str(e)
+        return "ok", index.offset.tolist(), index.labels.tolist(), index.source
+
+    fast = outcome()
+    monkeypatch.setattr(shard_index, "_load_json", json.loads)
+    return fast, outcome()
+
+
+@pytest.mark.parametrize("entries", [b"01, ,7", b"01,7, ", b"0 ,01, 3"])
+def test_an_empty_entry_beside_a_leading_zero_is_refused_as_json_refuses_it(monkeypatch, entries):
+    """numpy reads an entry of whitespace only ("1, ,2") as 0, a digit fewer than 0 written plainly; a
+    leading zero elsewhere is a digit more: the digit count alone balanced, and the text was taken."""
+    doc = _index_bytes(3_000)
+    data = doc.replace(b'"label":[0,1,2,', b'"label":[' + entries + b",", 1)   # 3 entries for 3
+    assert data != doc
+    fast, plain = _same_as_plain_json(monkeypatch, data)
+    assert plain[0] == "error" and "is not JSON" in plain[1]
+    assert fast == plain
+
+
+def test_a_string_spelling_the_array_mark_is_not_taken_for_an_array(monkeypatch):
+    """An index whose samples.offset is a string that spells the mark the fast path puts in place of an
+    array (here of the array under source), is refused as json.loads's parse refuses it (offset is not a
+    list), not read with the other array as its offsets."""
+    doc = json.loads(_index_bytes(3_000))
+    doc["source"] = {"x": doc["samples"]["offset"]}
+    for number in range(6):   # the mark of the array under source: its place among the document's arrays
+        doc["samples"]["offset"] = f"\x00fastdata-array-{number}"
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        with monkeypatch.context() as patch:
+            fast, plain = _same_as_plain_json(patch, data)
+        assert plain[0] == "error" and "samples.offset must be a list" in plain[1]
+        assert fast == plain, number
