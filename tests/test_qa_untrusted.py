@@ -257,6 +257,21 @@ def test_both_jpeg_header_paths_count_the_scans(monkeypatch, region):
     assert out.shape == (16, 16, 3)
 
 
+def test_the_nvimagecodec_cache_build_counts_the_scans_too(tmp_path):
+    """``cache_build="nvimgcodec"`` decodes JPEGs without Pillow (``NvWholeDecoder``): it hands a file of
+    too many scans to ``load_whole``, which names it, instead of decoding every scan."""
+    from fastdata.images import photo
+    from fastdata.images.whole import nvimgcodec
+
+    if nvimgcodec() is None:
+        pytest.skip("nvImageCodec is not installed")
+    bad = _folder_with(tmp_path / "photos", "scans.jpg", _jpeg_of_scans(photo.MAX_JPEG_SCANS))
+    with pytest.raises(DecodeError, match="scans, past the limit") as info:
+        make_loader(ImageFolder(tmp_path / "photos"), "memory", batch_size=7, device="cpu", cache_size=64,
+                    cache_build="nvimgcodec", augment=Augmentation.imagenet_train(size=16))
+    assert info.value.path == str(bad)
+
+
 # ------------------------------------------------------------------------------------ image folders
 @pytest.mark.parametrize("kind", ["fifo", "device", "loop", "unreadable"])
 def test_a_special_file_named_like_a_photo_is_named_or_skipped_never_waited_on(tmp_path, kind):

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from ..errors import DecodeError
 from ..images.photo import (
     JPEG_FORMATS,
+    check_scans,
     decode_upright,
     exif_orientation,
     may_hold_jpeg,
@@ -285,6 +286,10 @@ class NvWholeDecoder:
         orientation = jpeg_orientation(data)
         if orientation is None:   # not a JPEG, or a block only Pillow can read as Pillow does
             return None
+        try:
+            check_scans(name, data)   # a decoding pass per scan, in nvImageCodec as in libjpeg
+        except DecodeError:
+            return None           # load_whole's open_image names it
         try:
             cs = self.nv.CodeStream(data)
             limit = Image.MAX_IMAGE_PIXELS
