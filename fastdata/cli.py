@@ -333,20 +333,20 @@ def decode_error_line(error: Exception, skip_flag: str | None = None) -> str:
     return f"error: {line}"
 
 
-#: How long a rank that ends with an ``error:`` line waits for the other ranks to report theirs before it
-#: decides alone whether to print it. Ranks that share a cause (a refused resume) fail within moments of
-#: each other; a rank that fails alone exits this much later (and at most as long again for the others
-#: to finish printing), so torchrun stops the rest after its line is out.
+#: How long a rank waits on the others' lines at its end: a relay (``PreparationError``) for the line of
+#: the rank that failed on its own, a rank whose line another rank prints for that rank to have printed
+#: it. A rank with a line of its own never waits before printing it: torchrun stops every rank as soon
+#: as one exits, and a line held back for a wait was lost with it.
 EXIT_WAIT_S = 5.0
 _EXITS = itertools.count()   # one namespace in the store per error line a process ends with
 
 
 def exit_with(line: str, *, relay: bool = False) -> SystemExit:
     """The ``SystemExit`` that ends a command with ``line`` (``error: ...``), said once per job: under a
-    process group every failing rank posts its line in the group's store, waits for the others' (at most
-    ``EXIT_WAIT_S``), and prints it only if no lower rank has the same one, so ranks that fail the same
-    way print it once and a rank whose error differs prints its own. ``relay``: this rank only waited for
-    another rank's failure (a ``PreparationError``): quiet when a rank that failed on its own said so.
+    process group every failing rank posts its line in the group's store, and the first rank to post a
+    line prints it at once, so ranks that fail the same way print it once and a rank whose error differs
+    prints its own. ``relay``: this rank only waited for another rank's failure (a ``PreparationError``):
+    quiet when a rank that failed on its own posts its line (within ``EXIT_WAIT_S``).
     Without a group, or when its store cannot be reached, every rank says its line as before."""
     from . import distributed
 
@@ -361,26 +361,29 @@ def exit_with(line: str, *, relay: bool = False) -> SystemExit:
         _say_once(store, f"fastdata/exit/{next(_EXITS)}", line, relay, dist.get_rank(), dist.get_world_size())
     except Exception:   # no store (a private API moved, its host gone) before the decision: never lose the line
         return SystemExit(line)
-    return SystemExit(1)   # said (or a lower rank says it); the exit status stays 1
+    return SystemExit(1)   # said (or another rank says it); the exit status stays 1
 
 
 def _say_once(store, prefix: str, line: str, relay: bool, me: int, world: int) -> None:
-    """``exit_with``'s exchange: post this rank's line, read the others' and print this one unless a
-    lower rank has the same (a relay: unless a rank that failed on its own posted). Then post that this
-    rank is done and wait for the other failing ranks to be done too: torchrun stops every rank once one
-    exits, which would cut off a rank still printing a line of its own."""
+    """``exit_with``'s exchange: post this rank's line; claim it (the store's atomic counter: the first
+    rank to claim a line prints it, before anything else); a rank whose line another claimed waits
+    (at most ``EXIT_WAIT_S``) for it to be printed, since torchrun stops the printer once this rank exits.
+    A relay first waits for every rank's line: quiet if a rank that failed on its own posted one."""
+    import hashlib
+
     store.set(f"{prefix}/line/{me}", ("relay " if relay else "error ") + line)
-    posted = _posted(store, f"{prefix}/line", range(world))
-    said = {r: v.decode().partition(" ") for r, v in posted.items()}
     if relay:
-        quiet = any(kind == "error" for r, (kind, _, _) in said.items() if r != me)
-    else:
-        quiet = any(kind == "error" and text == line for r, (kind, _, text) in said.items() if r < me)
-    if not quiet:
+        posted = _posted(store, f"{prefix}/line", range(world))
+        if any(v.startswith(b"error ") for r, v in posted.items() if r != me):
+            return
+    said = f"{prefix}/said/{hashlib.sha256(line.encode('utf-8', 'surrogatepass')).hexdigest()}"
+    if store.add(said, 1) == 1:
         print(line, file=sys.stderr, flush=True)
-    with contextlib.suppress(Exception):   # the line is out: a store gone now costs only the wait
-        store.set(f"{prefix}/done/{me}", "1")
-        _posted(store, f"{prefix}/done", posted)
+        with contextlib.suppress(Exception):   # the line is out: a store gone now costs the others a wait
+            store.set(f"{said}/printed", "1")
+        return
+    with contextlib.suppress(Exception):
+        _posted(store, said, ["printed"])
 
 
 def _posted(store, prefix: str, ranks) -> dict:

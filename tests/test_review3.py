@@ -55,3 +55,37 @@ def test_a_string_spelling_the_array_mark_is_not_taken_for_an_array(monkeypatch)
             fast, plain = _same_as_plain_json(patch, data)
         assert plain[0] == "error" and "samples.offset must be a list" in plain[1]
         assert fast == plain, number
+
+
+# ---------------------------------------------------------------- cli.exit_with under torchrun
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """This process as rank 1 of 2 whose group's store is an in-memory one (no peer ever posts)."""
+    import torch.distributed as dist
+
+    from fastdata import distributed
+
+    store = dist.HashStore()
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    return store
+
+
+def test_a_rank_stopped_by_torchrun_while_it_waits_has_said_its_own_line(two_ranks, monkeypatch, capsys):
+    """Rank 1 fails alone while rank 0 exits otherwise (a traceback): torchrun SIGTERMs rank 1 at once.
+    Rank 1 waited EXIT_WAIT_S for the others' lines before printing its own, so the stop cut it off and
+    the job's error was lost; before exit_with a rank printed its line at once. Its line is out before
+    any wait now."""
+    import time
+
+    from fastdata import cli
+
+    def stopped(seconds):   # torchrun's SIGTERM, as a handler that raises turns it
+        raise SystemExit(143)
+
+    monkeypatch.setattr(time, "sleep", stopped)
+    with pytest.raises(SystemExit):
+        raise cli.exit_with("error: --data-root: rank 1's folder is missing")
+    assert "error: --data-root: rank 1's folder is missing" in capsys.readouterr().err
