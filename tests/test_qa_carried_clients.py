@@ -86,7 +86,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 
     case = sys.argv[1]
     if case == "alone":
-        cli.EXIT_WAIT_S = 2.0   # rank 1 fails alone: it waits this long for the others
+        cli.EXIT_WAIT_S = 2.0   # rank 1 fails alone (it prints at once; only a relay would wait this long)
     fdist.init_distributed("cpu")
     rank = fdist.rank()
     args = argparse.Namespace(checkpoint=None, checkpoint_every=None, resume=True)
