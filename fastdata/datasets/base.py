@@ -344,13 +344,14 @@ class _Discard:
 
 
 class _BuffersLeftOut(pickle.Pickler):
-    """A pickler that writes a stand-in for arrays, tensors and byte strings (they always pickle):
+    """A pickler that writes a stand-in for arrays, tensors and byte strings (they always pickle; not a
+    memoryview, which never does):
     nested in a source (a dict of arrays, an ImageFolder's PathTable, a source pickled whole by its own
     __reduce__) they were copied into pickle's output, gigabytes for a dataset held in memory, only to
     be thrown away. An object array is pickled: its elements may be anything."""
 
     def persistent_id(self, obj):
-        if isinstance(obj, (bytes, bytearray, memoryview, torch.Tensor)) or \
+        if isinstance(obj, (bytes, bytearray, torch.Tensor)) or \
                 isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
             return id(obj)
         return None
