@@ -105,3 +105,25 @@ def test_check_picklable_still_refuses_a_memoryview(nest):
     source.header = nest(memoryview(b"a header"))
     with pytest.raises(TypeError, match="its attribute 'header' .*cannot pickle .*memoryview"):
         check_picklable(source, "multiprocessing_context='spawn'")
+
+
+# ---------------------------------------------------------------- ClassNames in checkpoints
+def test_class_names_in_a_checkpoint_are_written_and_read_back(tmp_path):
+    """loader.classes and source.classes were plain lists; as ClassNames, torch.load(weights_only=True)
+    (torch's default since 2.6) refused them, and fastdata.checkpoint.save refused to write them: a
+    checkpoint that kept the class names with the weights no longer saved or loaded."""
+    import io
+
+    import numpy as np
+    import torch
+
+    from fastdata import checkpoint
+    from fastdata.datasets import ArraySource
+
+    source = ArraySource(np.zeros((4, 8, 8, 3), np.uint8), np.arange(4) % 2, classes=["cat", "dog"])
+    checkpoint.save({"classes": source.classes}, tmp_path / "ck.pt")
+    assert checkpoint.load(tmp_path / "ck.pt")["classes"] == ["cat", "dog"]
+    buffer = io.BytesIO()
+    torch.save({"classes": source.classes}, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["classes"] == ["cat", "dog"]

@@ -220,6 +220,12 @@ class ClassNames(list):
         return self
 
 
+# torch.load(weights_only=True), torch's default since 2.6 and fastdata.checkpoint's, refuses a class it is
+# not told of: a checkpoint holding loader.classes (a plain list before ClassNames) would neither be written
+# by fastdata.checkpoint.save nor read back by torch.load. Rebuilding one from its names runs no other code.
+torch.serialization.add_safe_globals([ClassNames])
+
+
 def loader_classes(source, made=None) -> tuple[ClassNames, object]:
     """(``source``'s class names as ``ClassNames``, a key to pass back as ``made``): the one made for
     the previous call is returned again while the source holds the same names object at the same
