@@ -124,6 +124,33 @@ def test_a_checkpoint_claiming_a_huge_tensor_is_refused_without_allocating_it(tm
         ckpt.load(path)
 
 
+def test_a_checkpoint_whose_entry_inflates_past_the_file_is_refused_unread(tmp_path):
+    """A zip bomb: a deflated entry of 64 MiB of zeros in a 70 kB file. torch.load allocates an entry's
+    stated size before it checks it (2 MB took 2.5 GB and 13 s); it is refused from the zip directory."""
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save({"t": torch.zeros(4)}, buffer)
+    saved = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    path = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(path, "w") as w:
+        for info in saved.infolist():
+            if not info.filename.endswith("data/0"):
+                w.writestr(info, saved.read(info))
+                continue
+            entry = zipfile.ZipInfo(info.filename)
+            entry.compress_type = zipfile.ZIP_DEFLATED
+            with w.open(entry, "w") as f:
+                for _ in range(64):
+                    f.write(bytes(2**20))
+    assert path.stat().st_size < 2**20
+    with pytest.raises(ckpt.CheckpointError, match=r"bomb.pt' .*entry 'archive/data/0' says it expands to "
+                                                   r"67,108,864 bytes, more than the whole file"):
+        ckpt.load(path)
+    with pytest.raises(ckpt.CheckpointError, match="more than the whole file"):
+        ckpt.from_bytes(path.read_bytes(), path)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fastdatas_own_checkpoints_load_with_weights_only(tmp_path, backend):
     """The allowlist is torch's default one: every checkpoint fit writes (EMA, accumulation, each
