@@ -127,3 +127,21 @@ def test_class_names_in_a_checkpoint_are_written_and_read_back(tmp_path):
     torch.save({"classes": source.classes}, buffer)
     buffer.seek(0)
     assert torch.load(buffer, weights_only=True)["classes"] == ["cat", "dog"]
+
+
+# ---------------------------------------------------------------- read_index of a pack's other files
+def test_read_index_of_a_shards_dali_index_in_capitals_says_what_the_file_is(tmp_path):
+    """read_index refuses a '.IDX' without reading it (the suffix test ignores case), but the message
+    that says what the file is tested '.idx' case-sensitively: the error read "index '...IDX' is " and
+    stopped there."""
+    import numpy as np
+
+    from fastdata.datasets import ArraySource
+    from fastdata.packing import pack
+    from fastdata.shards import read_index
+
+    out = tmp_path / "packed"
+    pack(ArraySource(np.zeros((4, 8, 8, 3), np.uint8), np.arange(4) % 2), out, workers=0, progress=False)
+    (out / "SHARD.IDX").write_text("0 512 100\n")
+    with pytest.raises(BadIndex, match=r"SHARD.IDX' is a DALI index of one shard \('SHARD.tar'\), not the pack's"):
+        read_index(out / "SHARD.IDX")

@@ -445,7 +445,7 @@ def _pack_file(folder: str, name: str) -> str:
         if name in foreign_tars(folder):
             instead += f" (tars of another tool are converted first: python -m fastdata pack '{folder}' OUT)"
         return f"a tar file (a shard), not an index: {instead}"
-    if name.endswith(".idx"):
+    if name.lower().endswith(".idx"):   # as read_index tests it: a case it refuses is said here too
         return f"a DALI index of one shard ('{stem}.tar'), not the pack's index: {instead}"
     if re.fullmatch(r"index\.rank\d+\.json", name):
         return (f"one rank's part of a pack, not its index: rank 0 merges the parts into {INDEX_NAME} once "
