@@ -451,3 +451,23 @@ def test_pack_refuses_a_file_that_is_no_image_instead_of_copying_it(tmp_path):
         assert str(link) in str(e)
     packed = b"".join(p.read_bytes() for p in (tmp_path / "pack").glob("*.tar"))
     assert b"PRIVATE KEY" not in packed
+
+
+@pytest.mark.xfail(strict=True, raises=RecursionError,
+                   reason="open: fastdata/datasets/folders.py _walk_images recurses once per folder level, so a "
+                          "downloaded folder nested 1050 deep is a RecursionError naming nothing; walk with an "
+                          "explicit stack (or refuse past a depth, naming the folder)")
+def test_a_folder_nested_past_pythons_recursion_limit_is_listed(tmp_path):
+    root = tmp_path / "deep"
+    (root / "c").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(root / "c" / "top.jpg")
+    here = os.getcwd()
+    try:   # one level at a time: os.makedirs recurses too, and a long path passes PATH_MAX
+        os.chdir(root / "c")
+        for _ in range(1050):
+            os.mkdir("d")
+            os.chdir("d")
+        Image.new("RGB", (8, 8)).save("bottom.jpg")
+    finally:
+        os.chdir(here)
+    assert len(ImageFolder(root)) == 2
