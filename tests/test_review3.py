@@ -145,3 +145,27 @@ def test_read_index_of_a_shards_dali_index_in_capitals_says_what_the_file_is(tmp
     (out / "SHARD.IDX").write_text("0 512 100\n")
     with pytest.raises(BadIndex, match=r"SHARD.IDX' is a DALI index of one shard \('SHARD.tar'\), not the pack's"):
         read_index(out / "SHARD.IDX")
+
+
+# ---------------------------------------------------------------- Shards.saved_fingerprint
+def test_an_old_position_over_a_pack_whose_index_fingerprint_names_a_window_resumes_under_the_default(tmp_path):
+    """A pack made from another pack (``pack(Shards(...), OUT)``) records that Shards' fingerprint, with
+    its ' window=4', as its index's. A position saved over it before the window was recorded was still
+    refused under the default window: the upgrade looked for ' window=' anywhere in the saved text, and
+    removed the first one from this loader's (the index's, not the window's)."""
+    import json
+
+    from fastdata.datasets import ImageFolder, Shards
+    from fastdata.datasets.folders import make_image_folder
+    from fastdata.packing import pack
+
+    pack(ImageFolder(make_image_folder(tmp_path / "photos", classes=2, per_class=3, seed=1)), tmp_path / "packed",
+         workers=0, progress=False)
+    index = json.loads((tmp_path / "packed" / "index.json").read_text())
+    index["fingerprint"] = "Shards n=6 classes=2 index=ImageFolder(abc) window=4"   # as a repack writes it
+    (tmp_path / "packed" / "index.json").write_text(json.dumps(index))
+    source = Shards(tmp_path / "packed")
+    old = f"Shards n=6 classes=2 index={index['fingerprint']}"   # the fingerprint before b328565
+    with pytest.warns(RuntimeWarning, match="older fastdata"):
+        assert source.saved_fingerprint(old) == source.fingerprint()
+    assert Shards(tmp_path / "packed", window=2).saved_fingerprint(old) == old   # another window: refused
