@@ -169,3 +169,32 @@ def test_an_old_position_over_a_pack_whose_index_fingerprint_names_a_window_resu
     with pytest.warns(RuntimeWarning, match="older fastdata"):
         assert source.saved_fingerprint(old) == source.fingerprint()
     assert Shards(tmp_path / "packed", window=2).saved_fingerprint(old) == old   # another window: refused
+
+
+# ---------------------------------------------------------------- the memory backend's cache_size warning
+def test_the_small_slots_warning_counts_the_cache_back_into_a_gpus_free_memory_only(monkeypatch):
+    """On a GPU the budget is min(total - reserve - other caches, free). The cache just built has left the
+    free memory, not the first bound; the warning added its bytes to the minimum, so where the first bound
+    is the smaller one it said a cache_size=crop cache 'the budget allows' past the GPU's total."""
+    import types
+
+    import torch
+
+    from fastdata.backends.memory import loader as memory_loader
+    from fastdata.backends.memory.budgeting import Budget
+
+    gpu, gib = torch.device("cuda", 0), 2**30
+    # 80 GiB GPU, 8 GiB reserve: 72 GiB for caches; the 10 GiB cache built leaves 70 GiB free.
+    monkeypatch.setattr(memory_loader, "budget", lambda device, reserve=None, exclude=None:
+                        Budget(gpu, 80 * gib, 8 * gib, 0, 70 * gib))
+    fake = types.SimpleNamespace(device=gpu, opts={"memory_reserve": None}, cache_size=256, source="photos")
+
+    class Cache:   # len() = photos; nbytes: what the built cache holds
+        nbytes = 10 * gib
+
+        def __len__(self):
+            return 180_000
+
+    text = memory_loader.MemoryLoader._small_slots_text(fake, Cache(), 384)   # 180,000 x 384² x 3: 74 GiB
+    assert text.endswith("74.16 GiB, more than the 72.00 GiB the budget allows: lower memory_reserve, or use the "
+                         "'torch' or 'dali' backend, which crop from the full photo"), text

@@ -232,7 +232,10 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
         """The warning for a cache_size under the crop: what it costs the pixels, what to pass instead,
         and whether that cache fits the budget here (this cache's bytes counted back in)."""
         need = len(cache) * crop * crop * 3
-        room = budget(self.device, self.opts["memory_reserve"], self).limit + cache.nbytes
+        # The cache built has left the free memory (counted back), not a GPU's other bound, its total less
+        # the reserve and other caches (on the host both bounds are the free RAM).
+        b = budget(self.device, self.opts["memory_reserve"], self)
+        room = min(b.stable, b.free + cache.nbytes) if b.device.type == "cuda" else b.limit + cache.nbytes
         fits = (f"which the budget allows ({fmt_bytes(room)})" if need <= room else
                 f"more than the {fmt_bytes(room)} the budget allows: lower memory_reserve, or use the 'torch' or "
                 f"'dali' backend, which crop from the full photo")
