@@ -488,3 +488,38 @@ def _remove_deep(folder, depth: int) -> None:
             os.rmdir("d")
     finally:
         os.chdir(here)
+
+
+_HUGE_LABEL = """
+import io, resource, sys, tarfile
+from PIL import Image
+photo = io.BytesIO()
+Image.new("RGB", (8, 8)).save(photo, "JPEG")
+with tarfile.open(sys.argv[1] + "/s.tar", "w") as tar:
+    for name, data in (("a.jpg", photo.getvalue()), ("a.cls", b"0"), ("b.jpg", photo.getvalue()),
+                       ("b.cls", b"1000000000000")):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+from fastdata.packing.tars import TarImages
+resource.setrlimit(resource.RLIMIT_DATA, (2 * 2**30, 2 * 2**30))   # the bug's list of names stops here
+try:
+    TarImages(sys.argv[1])
+except ValueError as e:
+    print("refused:", e)
+except MemoryError:
+    print("MemoryError")
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="open: fastdata/packing/tars.py _classes makes str(k) for every k up to the "
+                                       "largest integer label, so a 13-byte label member '1000000000000' allocates "
+                                       "10**12 class names (out of memory); refuse an index past a bound (2**24) "
+                                       "naming the member, as parse_index refuses counts that cannot be")
+def test_a_tar_label_of_a_huge_class_index_is_refused_not_allocated(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _HUGE_LABEL, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.stdout.startswith("refused:") and "b.cls" in run.stdout, run.stdout + run.stderr[-2000:]
