@@ -198,3 +198,19 @@ def test_the_small_slots_warning_counts_the_cache_back_into_a_gpus_free_memory_o
     text = memory_loader.MemoryLoader._small_slots_text(fake, Cache(), 384)   # 180,000 x 384² x 3: 74 GiB
     assert text.endswith("74.16 GiB, more than the 72.00 GiB the budget allows: lower memory_reserve, or use the "
                          "'torch' or 'dali' backend, which crop from the full photo"), text
+
+
+def test_read_index_of_a_url_reads_it_as_before(tmp_path):
+    """read_index handed a URL (the folder or its index.json) to Storage, which reads it remotely; the
+    checks of local files that replaced that call found no such file and said the URL was missing."""
+    import numpy as np
+
+    from fastdata.datasets import ArraySource
+    from fastdata.packing import pack
+    from fastdata.shards import read_index
+    from shard_servers import http_server
+
+    pack(ArraySource(np.zeros((4, 8, 8, 3), np.uint8), np.arange(4) % 2), tmp_path / "packed", workers=0,
+         progress=False)
+    with http_server(tmp_path) as server:
+        assert len(read_index(f"{server.url}/packed")) == len(read_index(f"{server.url}/packed/index.json")) == 4

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .storage import Storage, StorageError, redact
+from .storage import Storage, StorageError, is_local, redact
 
 FORMAT = "fastdata-shards"
 VERSION = 1
@@ -411,8 +411,12 @@ def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
     """``load_index`` of a local pack: ``path`` is the folder ``pack`` wrote, its ``index.json``, or an
     index under another name (a copy). The other files of a pack (a shard's tar, its ``.idx``, its record
     ``NAME.json``, a rank's part) are refused, naming the file and what to give instead. One path for
-    all, so a local index is read, refused and explained as ``Shards`` reads it."""
+    all, so a local index is read, refused and explained as ``Shards`` reads it. A URL (the folder or its
+    ``index.json``) is read remotely, with no retries (``load_index`` of a ``Storage`` for those)."""
     path = os.fspath(path)
+    if not is_local(path):   # a URL: the folder's index.json, read remotely (read_index read URLs so before)
+        return load_index(Storage(os.path.dirname(path) if os.path.basename(path) == INDEX_NAME else path,
+                                  retries=0), max_member_bytes=max_member_bytes)
     folder, name = os.path.split(path)
     folder = folder or "."
     if os.path.isdir(path) or (name == INDEX_NAME and os.path.isdir(folder)):

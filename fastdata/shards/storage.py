@@ -47,6 +47,13 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
 _USERINFO = re.compile(r"(//)[^/@\s'\"]+@")
 _QUERY_VALUE = re.compile(r"([?&][^=&#\s'\"]+=)[^&#\s'\"]*")
 _MAX_WAIT = 30.0
+
+
+def is_local(location: str) -> bool:
+    """Whether ``location`` is a path on this machine, not a URL (``scheme://``) or an fsspec chain (``::``)."""
+    return "::" not in location and _SCHEME.match(location) is None
+
+
 # errno values that mean "the network or the remote side failed this time" (s3fs maps an S3
 # InternalError to EREMOTEIO and an unknown one to EIO).
 _TRANSIENT_ERRNO = {errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
@@ -200,7 +207,7 @@ class Storage:
         self.timeout = check_number("Storage: timeout (seconds)", timeout, above=0)
         self.location = os.fspath(location) if isinstance(location, os.PathLike) else str(location)
         self.storage_options = dict(storage_options or {})
-        self.is_local = "::" not in self.location and _SCHEME.match(self.location) is None
+        self.is_local = is_local(self.location)
         self._fs = self._root = None
         self._pid = None
         if self.is_local and not os.path.isdir(self.location):
