@@ -94,6 +94,23 @@ def test_a_pickled_class_of_ones_own_is_named_with_the_narrow_allowlist(tmp_path
     assert "do not load it with weights_only=False" in text
 
 
+@pytest.mark.parametrize("key, value", [("model", 5), ("optimizer", ["x"]), ("optimizer", {"state": {}}),
+                                        ("partial", None), ("partial", ["x"]), ("history", 5), ("rng_ranks", "x"),
+                                        ("rng_ranks", {"junk": 1}), ("grad_norms", 5), ("rng", "x"),
+                                        ("format", "fastdata-checkpoint-" + "9" * 5000)])
+def test_a_checkpoint_of_wrong_entry_types_is_refused_naming_the_entry(tmp_path, key, value):
+    """``weights_only`` loads any dict of plain types: a damaged or crafted checkpoint whose entries are
+    of other types than fit writes is a CheckpointError naming the file (and the entry), before anything
+    is restored. Was: "TypeError: 'int' object is not iterable", "AttributeError: 'list' object has no
+    attribute 'get'", KeyError: 0, or int()'s digit limit, naming nothing."""
+    path = tmp_path / "c.pt"
+    _run(path, resume=False)
+    torch.save({**ckpt.load(path), key: value}, path)
+    with pytest.raises(ckpt.CheckpointError, match="c.pt'") as info:
+        _run(path, resume=True)
+    assert key == "format" or f"'{key}'" in str(info.value)
+
+
 def _storage_claiming(numel: int, size: int) -> bytes:
     """A checkpoint whose one tensor's pickle claims ``numel`` storage elements and a ``size`` shape over
     a 16-byte record: numbers from the file, which must not become an allocation."""

@@ -164,6 +164,7 @@ class TrainingState:
         if missing:
             raise ckpt.CheckpointError(f"'{path}' is a {state['format']} checkpoint without {missing}: it was "
                                        f"not written whole by fit")
+        _check_entries(state, path)
         step = self.step
         problems = _state_dict_mismatch(state["model"], step.raw.state_dict())
         if problems:
@@ -282,11 +283,47 @@ class TrainingState:
         return self.grad_norms if self.mid_epoch(epoch) else None
 
 
+_NONE = type(None)
+#: The types of a checkpoint's entries, as ``TrainingState.state_dict`` writes them (a tuple: any of
+#: them), and of their items where a list holds more than numbers.
+_ENTRY_TYPES = {"model": dict, "optimizer": dict, "loader": dict, "rng": dict, "history": list, "partial": list,
+                "scaler": (dict, _NONE), "scheduler": (dict, _NONE), "ema": (dict, _NONE),
+                "rng_ranks": (list, _NONE), "grad_norms": (list, _NONE)}
+_ITEM_TYPES = {"history": dict, "rng_ranks": dict, "partial": (int, float), "grad_norms": (int, float)}
+
+
+def _check_entries(state: dict, path) -> None:
+    """Refuse a checkpoint whose entries are not of the types fit writes, naming the entry: a damaged or
+    crafted file (weights_only loads any dict of plain types) failed deep inside the restore with a bare
+    "TypeError: 'int' object is not iterable" or "AttributeError: 'list' object has no attribute 'get'",
+    naming neither the file nor the entry."""
+    def kind(types) -> str:
+        return " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+
+    for key, types in _ENTRY_TYPES.items():
+        if key not in state:   # grad_norms, rng_ranks, ema: not in older checkpoints
+            continue
+        value = state[key]
+        if not isinstance(value, types):
+            bad = f"'{key}' is a {type(value).__name__}, where fit writes a {kind(types)}"
+        elif key in _ITEM_TYPES and value is not None and not all(
+                isinstance(v, _ITEM_TYPES[key]) and not isinstance(v, bool) for v in value):
+            bad = f"'{key}' holds items that are not {kind(_ITEM_TYPES[key])}"
+        elif key == "optimizer" and not (isinstance(value.get("param_groups"), list) and all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) for g in value["param_groups"])):
+            bad = "'optimizer' has no list of param_groups, each with its list of params"
+        else:
+            continue
+        raise ckpt.CheckpointError(f"checkpoint '{path}' is damaged or was not written by fit: its entry {bad}; "
+                                   f"nothing was restored from it")
+
+
 def _format_hint(state: dict) -> str:
     """What to do with a file of another format: a newer fastdata's checkpoint, or a model's own weights
     (``torch.save(model.state_dict(), path)``, the file users most often pass as ``--checkpoint``)."""
     number = str(state.get("format", "")).removeprefix("fastdata-checkpoint-")
-    if number.isdigit() and int(number) > int(CHECKPOINT_FORMAT.rsplit("-", 1)[1]):
+    # A bounded count of digits: int() of a crafted 5000-digit format was a ValueError naming nothing.
+    if number.isdigit() and len(number) < 10 and int(number) > int(CHECKPOINT_FORMAT.rsplit("-", 1)[1]):
         return ": it was written by a newer fastdata; resume it with that version"
     if state and "format" not in state and all(torch.is_tensor(v) for v in state.values()):
         return (": it holds tensors alone, like a model's state_dict (torch.save(model.state_dict())). To start "
