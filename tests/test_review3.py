@@ -214,3 +214,11 @@ def test_read_index_of_a_url_reads_it_as_before(tmp_path):
          progress=False)
     with http_server(tmp_path) as server:
         assert len(read_index(f"{server.url}/packed")) == len(read_index(f"{server.url}/packed/index.json")) == 4
+
+
+def test_an_index_nested_too_deep_for_the_json_parser_is_a_bad_index():
+    """An index is untrusted input: arrays nested 100,000 deep raised json's RecursionError, naming
+    neither the index nor the problem."""
+    data = b'{"format": "fastdata-shards", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(BadIndex, match=r"index 'index.json' is not JSON \(it nests arrays or objects deeper than"):
+        shard_index.parse_index(data, "index.json")

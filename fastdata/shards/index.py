@@ -257,6 +257,9 @@ def _document(data, where: str) -> dict:
         doc = _load_json(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadIndex(_not_json(data, where, e)) from None
+    except RecursionError:   # json's parser recurses per level: "[[[[...": crafted, never written by pack
+        raise BadIndex(f"index '{where}' is not JSON (it nests arrays or objects deeper than Python's parser "
+                       f"goes); {_REPACK}") from None
     if not isinstance(doc, dict):
         _fail(where, f"must be a JSON object, got {_found(doc)}")
     if doc.get("format") != FORMAT:
