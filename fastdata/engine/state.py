@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -286,10 +286,13 @@ class TrainingState:
 _NONE = type(None)
 #: The types of a checkpoint's entries, as ``TrainingState.state_dict`` writes them (a tuple: any of
 #: them), and of their items where a list holds more than numbers.
-_ENTRY_TYPES = {"model": dict, "optimizer": dict, "loader": dict, "rng": dict, "history": list, "partial": list,
-                "scaler": (dict, _NONE), "scheduler": (dict, _NONE), "ema": (dict, _NONE),
-                "rng_ranks": (list, _NONE), "grad_norms": (list, _NONE)}
-_ITEM_TYPES = {"history": dict, "rng_ranks": dict, "partial": (int, float), "grad_norms": (int, float)}
+_Types = type | tuple[type, ...]
+_ENTRY_TYPES: dict[str, _Types] = {
+    "model": dict, "optimizer": dict, "loader": dict, "rng": dict, "history": list, "partial": list,
+    "scaler": (dict, _NONE), "scheduler": (dict, _NONE), "ema": (dict, _NONE), "rng_ranks": (list, _NONE),
+    "grad_norms": (list, _NONE)}
+_ITEM_TYPES: dict[str, _Types] = {"history": dict, "rng_ranks": dict, "partial": (int, float),
+                                  "grad_norms": (int, float)}
 
 
 def _check_entries(state: dict, path) -> None:
@@ -303,8 +306,8 @@ def _check_entries(state: dict, path) -> None:
     for key, types in _ENTRY_TYPES.items():
         if key not in state:   # grad_norms, rng_ranks, ema: not in older checkpoints
             continue
-        value = state[key]
-        if not isinstance(value, types):
+        value: Any = state[key]   # Any, not the object isinstance narrows a union of types to
+        if not isinstance(state[key], types):
             bad = f"'{key}' is a {type(value).__name__}, where fit writes a {kind(types)}"
         elif key in _ITEM_TYPES and value is not None and not all(
                 isinstance(v, _ITEM_TYPES[key]) and not isinstance(v, bool) for v in value):
