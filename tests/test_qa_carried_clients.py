@@ -191,6 +191,48 @@ def test_gather_for_metrics_counts_each_readable_sample_once_when_one_of_the_las
     assert sorted(r0["gathered"]) == [i for i in range(37) if i != broken]   # each readable sample once
 
 
+ONE_RANK_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import accelerate.state   # imported, as transformers imports it, but no Accelerator is made
+    import torch.distributed as dist
+    from fastdata import Augmentation, make_loader
+    from fastdata.datasets import ImageFolder
+
+    dist.init_process_group("gloo")
+    done = os.path.join(sys.argv[2], "done")
+    if dist.get_rank() == 0:   # rank 0 alone reads the evaluation set (a plain DDP program may)
+        loader = make_loader(ImageFolder(sys.argv[1]), "torch", batch_size=4, train=False, even_batches=True,
+                             on_error="skip", num_workers=0, device="cpu", augment=Augmentation.imagenet_eval(size=16),
+                             quiet=True)
+        rows = sum(len(labels) for _, labels in loader)
+        open(done, "w").write(str(rows))
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+""")
+
+
+@pytest.mark.requires("accelerate")
+def test_a_program_without_an_accelerator_reading_on_one_rank_does_not_wait_on_the_others(tmp_path):
+    """The ranks' sum of real rows at the last batch is for gather_for_metrics, which needs an Accelerator
+    on every rank: a program that only imported accelerate and reads a loader on rank 0 alone hung in it."""
+    from fastdata.datasets import ImageFolder, make_image_folder
+
+    root = make_image_folder(tmp_path / "photos", classes=1, per_class=37, size_range=((20, 30), (20, 30)))
+    Path(ImageFolder(root).sample_name(33)).write_bytes(b"not a photo")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)
+    script = tmp_path / "one_rank.py"
+    script.write_text(ONE_RANK_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(root), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "done").read_text() == "18"   # rank 0's half (19 planned, 1 skipped), padding included
+
+
 # ---------------------------------------------------------------- the Lightning example's private-method guard
 @pytest.mark.requires("lightning")
 def test_the_lightning_example_falls_back_when_a_private_save_method_takes_other_arguments(monkeypatch, tmp_path):

@@ -40,12 +40,15 @@ class AccelerateTracker:
         padding. Under ``on_error="skip"`` a rank's last batch can come out shorter than the plan said,
         so the ranks sum the real rows they hold (whether to is decided by the plan and config alone, the
         same on every rank, so every rank joins the sum on its last batch): otherwise a padding row lands
-        inside accelerate's ``[:remainder]`` and a sample is counted twice."""
+        inside accelerate's ``[:remainder]`` and a sample is counted twice. Only in a program that made an
+        Accelerator (``gather_for_metrics`` needs one; every rank makes it): a program that only imported
+        accelerate (transformers does) may iterate a loader on some ranks alone, and would hang here."""
         if self.loader is None:
             return
         plan, rest = self.loader.plan, self.loader.remainder
+        made = getattr(sys.modules.get("accelerate.state"), "is_initialized", lambda: False)
         if (rest > 0 and plan.even and plan.world_size > 1 and rest % plan.world_size
-                and self.loader.config.on_error == "skip"):
+                and self.loader.config.on_error == "skip" and made()):
             from .. import distributed
             self.loader.remainder = int(distributed.all_sum(torch.tensor([real_rows], device=device)).item())
         self.loader.end_of_dataloader = True
