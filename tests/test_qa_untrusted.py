@@ -429,9 +429,6 @@ def _index_doc(tmp_path) -> dict:
     return json.loads((tmp_path / "pack" / "index.json").read_text())
 
 
-@pytest.mark.xfail(strict=True, reason="open: fastdata/shards/index.py _check_members adds offset + size in int64, "
-                                       "which wraps for an offset near 2**63 and passes the end-of-shard check; "
-                                       "compare offset > shard_bytes - size instead")
 def test_an_index_offset_that_overflows_is_refused(tmp_path):
     from fastdata.shards.index import BadIndex, parse_index
 
@@ -441,15 +438,25 @@ def test_an_index_offset_that_overflows_is_refused(tmp_path):
         parse_index(json.dumps(doc).encode(), "remote/index.json")
 
 
-@pytest.mark.xfail(strict=True, reason="open: fastdata/shards/index.py _shards takes a shard size of any Python int, "
-                                       "and np.array(..., int64) then raises a bare OverflowError naming nothing; "
-                                       "refuse a size past 2**62 there with BadIndex naming shards[j].size")
 def test_an_index_shard_size_past_int64_is_a_bad_index(tmp_path):
     from fastdata.shards.index import BadIndex, parse_index
 
     doc = _index_doc(tmp_path)
     doc["shards"][0]["size"] = 10**30 // 512 * 512
     with pytest.raises(BadIndex, match=r"shards\[0\]\.size"):
+        parse_index(json.dumps(doc).encode(), "remote/index.json")
+
+
+@pytest.mark.parametrize("name", [".locks/shard-0.tar.lock", "sub/.hidden.tar", ".shard-0.tar"])
+def test_an_index_shard_name_with_a_hidden_component_is_refused(tmp_path, name):
+    """A remote index's shard name becomes a path in the shard cache, which keeps its lock files under
+    ``.locks/``: a shard named ``.locks/x.tar.lock`` would be written over one. ``pack`` writes none."""
+    from fastdata.shards.index import BadIndex, parse_index
+
+    doc = _index_doc(tmp_path)
+    assert not any(part.startswith(".") for s in doc["shards"] for part in s["name"].split("/"))
+    doc["shards"][0]["name"] = name
+    with pytest.raises(BadIndex, match=r"shards\[0\]\.name.*hidden"):
         parse_index(json.dumps(doc).encode(), "remote/index.json")
 
 

@@ -36,6 +36,8 @@ INDEX_NAME = "index.json"
 TAR_BLOCK = 512
 #: The largest image member an index may announce (a JPEG of 100 megapixels is about 30 MB).
 MAX_MEMBER_BYTES = 64 * 2**20
+#: The largest shard an index may announce: far past any tar, and sums of offsets stay inside int64.
+_MAX_SHARD_BYTES = 2**62
 
 _EXT = re.compile(r"[A-Za-z0-9]+\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
@@ -114,8 +116,9 @@ def _found(value) -> str:
 
 def check_shard_name(name, where: str, what: str = "shard name") -> str:
     """``name`` if it is a relative, "/"-separated path that stays inside the data folder; else an error
-    naming it: empty, absolute, with a drive or a backslash, a ``..`` or ``.`` or empty component,
-    or a control character (a file name from a remote index becomes a path in the local cache)."""
+    naming it: empty, absolute, with a drive or a backslash, a ``..`` or ``.`` or empty component, a
+    hidden component (``.locks/x``: the cache keeps its lock and temporary files under such names), or a
+    control character (a file name from a remote index becomes a path in the local cache)."""
     if not isinstance(name, str) or not name:
         _fail(where, f"{what} {name!r} is empty or not a string")
     if name.startswith("/") or "\\" in name or ":" in name or os.path.isabs(name):
@@ -123,6 +126,9 @@ def check_shard_name(name, where: str, what: str = "shard name") -> str:
                      f"shard names are relative paths with '/'")
     if any(part in ("", ".", "..") for part in name.split("/")):
         _fail(where, f"{what} {name!r} has an empty, '.' or '..' component: it would leave the data folder")
+    if any(part.startswith(".") for part in name.split("/")):
+        _fail(where, f"{what} {name!r} has a hidden component (starting with '.'): the shard cache keeps its "
+                     f"lock and temporary files under such names, and pack never writes one")
     if any(ord(c) < 32 or c == "\x7f" for c in name):
         _fail(where, f"{what} {name!r} has a control character")
     return name
@@ -330,6 +336,9 @@ def _shards(raw_shards, where: str, n: int) -> list[ShardInfo]:
             _fail(where, f"shards[{j}].name {name!r} appears twice")
         names.add(name)
         size = _int(s.get("size"), where, f"shards[{j}].size ({name})")
+        if size > _MAX_SHARD_BYTES:   # numpy's int64 would overflow on it, or offsets added to it
+            _fail(where, f"shards[{j}].size ({name}) is {size} bytes, past {_MAX_SHARD_BYTES} (2**62): no tar is "
+                         f"that large")
         if size % TAR_BLOCK:
             _fail(where, f"shards[{j}].size ({name}) is {size}, not a multiple of {TAR_BLOCK}: not a tar")
         samples = _int(s.get("samples"), where, f"shards[{j}].samples ({name})")
@@ -393,10 +402,13 @@ def _check_members(where, shards, shard, offset, size, max_member_bytes) -> None
         _sample_error(where, i, "samples.offset", f"offset {offset[i]} is not a tar data offset "
                                                   f"(a multiple of {TAR_BLOCK}, after a header)")
     shard_bytes = np.array([s.size for s in shards], dtype=np.int64)[shard]
-    if (offset + size > shard_bytes).any():
-        i = _first(offset + size > shard_bytes)
+    # Not offset + size > shard_bytes: that sum wraps in int64 for an offset near 2**63 (crafted) and
+    # passes. Sizes are in (0, max_member_bytes] and shard sizes in [0, 2**62] here, so this cannot wrap.
+    past = offset > shard_bytes - size
+    if past.any():
+        i = _first(past)
         _sample_error(where, i, "samples.offset/size",
-                      f"bytes [{offset[i]}, {offset[i] + size[i]}) run past the end of "
+                      f"bytes [{offset[i]}, {int(offset[i]) + int(size[i])}) run past the end of "
                       f"{shards[shard[i]].name} ({shard_bytes[i]} bytes)")
     # Within a shard, each member must end (padded) before the next one's header.
     by = np.lexsort((offset, shard))
