@@ -17,7 +17,10 @@ The rules, as WebDataset's and DALI's where they have one:
   samples); else an error naming the members.
 - Its label is the first of ``.cls``, ``.class``, ``.label``, ``.target``, ``.txt``, ``.json`` it has:
   an integer, or a class name (text; in JSON a number, a string, or an object's ``label``/``cls``/
-  ``class``/``target``). Integers are the classes ``0 .. max``; names are sorted into classes.
+  ``class``/``target``). Integers are the classes ``0 .. max``; names are sorted into classes. An
+  index past ``MAX_CLASS_INDEX`` (2**24 - 1) is refused: it would make that many class names.
+- An image member larger than ``max_member_bytes`` (``shards.index.MAX_MEMBER_BYTES``, what ``pack``
+  writes and shard readers accept) is refused when scanned: a tar's header claims any size.
 - Directories, symbolic links and macOS's ``._`` files are not members of a sample; a hard link reads
   its target's bytes. A sparse member (GNU tar ``--sparse``) is refused: its bytes are not in one piece.
 - Compressed tars (``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``) are read through their decompressor
@@ -44,7 +47,7 @@ from ..config import SourceKind
 from ..datasets.base import IMAGENET_MEAN, IMAGENET_STD, Source
 from ..datasets.folders import IMAGE_EXTENSIONS, ImageFolder, PathTable
 from ..errors import DecodeError
-from ..shards.index import TAR_ENDINGS, tar_names
+from ..shards.index import MAX_MEMBER_BYTES, TAR_ENDINGS, tar_names
 
 #: The module that decompresses each compressed tar ending (the endings read: shards.index.TAR_ENDINGS).
 _COMPRESSED = {".tar.gz": "gzip", ".tgz": "gzip", ".tar.bz2": "bz2", ".tbz2": "bz2", ".tar.xz": "lzma",
@@ -54,6 +57,9 @@ _IMAGES = {e[1:] for e in IMAGE_EXTENSIONS}
 _LABELS = ("cls", "class", "label", "target", "txt", "json")
 _JSON_KEYS = ("label", "cls", "class", "target")
 _LABEL_BYTES = 2**20
+#: The largest integer label (class index) taken: classes are ``0 .. max``, one name each, so a crafted
+#: label ``1000000000000`` would allocate 10**12 names. 16.7 million classes is far past any dataset's.
+MAX_CLASS_INDEX = 2**24 - 1
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,9 @@ def _kind(ext: str) -> str | None:
     return "image" if last in _IMAGES else "label" if last in _LABELS else None
 
 
-def _scan(tar_path: str) -> list[_Member]:
+def _scan(tar_path: str, max_member_bytes: int = MAX_MEMBER_BYTES) -> list[_Member]:
     """The tar's file members in order (hard links resolved to their target's bytes), checked to lie
-    inside the file."""
+    inside the file, image members no larger than ``max_member_bytes``."""
     members: dict[str, _Member] = {}
     last = None
     try:
@@ -99,16 +105,29 @@ def _scan(tar_path: str) -> list[_Member]:
                 if m.islnk():
                     target = members.get(m.linkname)
                     if target is not None:   # its data: the bytes of the member it links to
-                        members[m.name] = _Member(m.name, target.offset, target.size, target.data)
+                        members[m.name] = _checked(_Member(m.name, target.offset, target.size, target.data),
+                                                   tar_path, max_member_bytes)
                     continue
                 if m.isreg():   # directories, symbolic links, devices: no sample's bytes
-                    members[m.name] = _Member(m.name, m.offset_data, m.size, _label_bytes(tar, m, tar_path))
+                    members[m.name] = _checked(_Member(m.name, m.offset_data, m.size, _label_bytes(tar, m, tar_path)),
+                                               tar_path, max_member_bytes)
     except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
         # tarfile checks that each member's data is there before it reads the next header.
         where = f"it ends inside or after member '{last}'" if last else "at its first member"
         raise ValueError(f"tar '{tar_path}' is truncated or damaged: {where} ({type(e).__name__}: {e}); copy "
                          f"or create it again") from None
     return [m for m in members.values() if not m.name.rpartition("/")[2].startswith("._")]
+
+
+def _checked(member: _Member, tar_path: str, max_member_bytes: int) -> _Member:
+    """``member``, unless it is an image past the limit: a tar's header claims any size, and a 5 MB
+    ``.tar.gz`` of zeros holds a 1 GB member that each read of the sample would put in memory."""
+    if member.size > max_member_bytes and _kind(_split(member.name)[1]) == "image":
+        raise ValueError(f"tar '{tar_path}': image member '{member.name}' is {member.size:,} bytes, past the "
+                         f"image limit of {max_member_bytes:,} bytes (shards.index.MAX_MEMBER_BYTES, which "
+                         f"pack and shard readers keep to); re-encode the photo smaller, or read such tars "
+                         f"directly with TarImages(..., max_member_bytes=N)")
+    return member
 
 
 def _label_bytes(tar: tarfile.TarFile, m: tarfile.TarInfo, tar_path: str) -> bytes | None:
@@ -193,6 +212,9 @@ def _label(data: bytes, where: str):
             value = value[key]
     if isinstance(value, str) and value.lstrip("-").isdigit():
         value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_CLASS_INDEX:
+        raise ValueError(f"label member '{where}' holds class index {value}, past the largest taken "
+                         f"({MAX_CLASS_INDEX}, 2**24 - 1): classes are 0 .. the largest index, one name each")
     if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "" or \
             (isinstance(value, int) and value < 0) or (where.lower().endswith(".cls") and isinstance(value, str)):
         raise ValueError(f"label member '{where}' holds {text[:60]!r}: a label is a class index (an integer "
@@ -210,13 +232,15 @@ class TarImages(Source):
         location: a tar (``.tar``, ``.tar.gz``, ``.tgz``) or a local folder holding tars (not its
             sub-folders).
         mean, std: normalization statistics in [0, 1] units (ImageNet's by default).
+        max_member_bytes: the largest image member accepted (``shards.index.MAX_MEMBER_BYTES``, 64 MiB, by
+            default: what ``pack`` writes and shard readers accept); a larger one is an error naming it.
     """
 
     kind = SourceKind.FILES
     hwc_samples = True
     transform = None
 
-    def __init__(self, location, *, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    def __init__(self, location, *, mean=IMAGENET_MEAN, std=IMAGENET_STD, max_member_bytes: int = MAX_MEMBER_BYTES):
         self.location = os.fspath(location)
         self.tars = find_tars(self.location)
         if not self.tars:
@@ -224,7 +248,7 @@ class TarImages(Source):
                                     f"holding tars")
         tar_of, offsets, sizes, members, raw = [], [], [], [], []
         for t, tar in enumerate(self.tars):
-            for image, label in _samples(tar, _scan(tar)):
+            for image, label in _samples(tar, _scan(tar, max_member_bytes)):
                 tar_of.append(t)
                 offsets.append(image.offset)
                 sizes.append(image.size)
