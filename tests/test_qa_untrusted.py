@@ -497,10 +497,6 @@ def test_pack_refuses_a_file_that_is_no_image_instead_of_copying_it(tmp_path):
     assert b"PRIVATE KEY" not in packed
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError,
-                   reason="open: fastdata/datasets/folders.py _walk_images recurses once per folder level, so a "
-                          "downloaded folder nested 1050 deep is a RecursionError naming nothing; walk with an "
-                          "explicit stack (or refuse past a depth, naming the folder)")
 def test_a_folder_nested_past_pythons_recursion_limit_is_listed(tmp_path):
     root = tmp_path / "deep"
     (root / "c").mkdir(parents=True)
@@ -518,6 +514,62 @@ def test_a_folder_nested_past_pythons_recursion_limit_is_listed(tmp_path):
         assert len(ImageFolder(root)) == 2
     finally:
         _remove_deep(root / "c", 1050)
+
+
+def _recursive_walk(folder, exts, visited, marked, real_root):
+    """``folders._walk_images`` as it was written before its explicit stack (one call per level): the
+    reference its order must keep, since the order of the files decides every sample id."""
+    from fastdata.datasets.folders import _is_folder, _scandir
+
+    for entry in _scandir(folder):
+        if entry.name.startswith("."):
+            continue
+        if _is_folder(entry):
+            real = os.path.realpath(entry.path)
+            if real_root.startswith(real.rstrip(os.sep) + os.sep):
+                raise ValueError(f"loop through '{entry.path}'")
+            if real in visited or (real in marked and entry.is_symlink()):
+                continue
+            visited.add(real)
+            yield from _recursive_walk(entry.path, exts, visited, marked, real_root)
+        elif entry.name.lower().endswith(exts):
+            yield os.fspath(folder), entry.name
+
+
+def test_the_folder_walk_lists_files_in_the_order_of_the_recursive_walk(tmp_path, monkeypatch):
+    """Nested folders, links to folders (a folder linked twice, a link to another class, a link back to
+    the class folder, links into a sibling's sub-folder), odd names: the same (folder, file) pairs in
+    the same order as the recursive walk, and the same ImageFolder paths, labels and classes."""
+    from fastdata.datasets import folders
+
+    root = tmp_path / "root"
+    photo = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(photo, "PNG")
+    files = ["a/z.png", "a/b c/ü.png", "a/b c/d/e/f.PNG", "a/b-c/x.png", "a/b_c/.hidden.png", "a/ä/1.png",
+             "a/shared/s.png", "a/shared/deeper/t.png", "b/x.png", "b/sub dir/y.tif", "b/sub dir/n.txt",
+             "c/only.png", "a/\u3042/q.png", "a/Z/q.png", "a/z2/q.png", "a/b c.png"]
+    for name in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(photo.getvalue())
+    for link, target in (("a/again", "shared"), ("a/0first", "shared/deeper"), ("b/to_a", "../a"),
+                         ("b/to_shared", "../a/shared"), ("a/shared/back", ".."), ("c/self", "."),
+                         ("c/dangling.png", "nowhere.png"), ("c/into_b_sub", "../b/sub dir")):
+        os.symlink(target, root / link)
+    real_root = os.path.realpath(root)
+    classes = sorted(p.name for p in root.iterdir())
+    marked = {real_root} | {os.path.realpath(root / c) for c in classes}
+    listed = []
+    for cls in classes:
+        start = {os.path.realpath(root / cls)}
+        new = list(folders._walk_images(root / cls, (".png", ".tif"), set(start), marked, real_root))
+        assert new == list(_recursive_walk(root / cls, (".png", ".tif"), set(start), marked, real_root)), cls
+        listed += new
+    assert ("%s/b/sub dir" % root, "y.tif") in listed and len(listed) > len(files) - 3
+    source = ImageFolder(root)
+    monkeypatch.setattr(folders, "_walk_images", _recursive_walk)
+    before = ImageFolder(root)
+    assert list(source.paths) == list(before.paths) and source.classes == before.classes
+    assert source.labels.tolist() == before.labels.tolist()
 
 
 def _remove_deep(folder, depth: int) -> None:

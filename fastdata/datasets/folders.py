@@ -47,9 +47,19 @@ def _walk_images(folder, exts, visited: set, marked: set, real_root: str):
     ``marked`` folders (the root, a class folder) is skipped: it would loop, or relabel another class's
     photos. A real sub-folder is read even where a class folder links to it: it is this class's too.
     Yields ``(folder, name)`` pairs: the sort key of torchvision's order, without splitting each path
-    again (``os.path.dirname`` and ``basename`` per file cost as much as the rest of the listing)."""
-    folder_name = os.fspath(folder)
-    for entry in _scandir(folder):
+    again (``os.path.dirname`` and ``basename`` per file cost as much as the rest of the listing).
+
+    Depth first with an explicit stack of listings, not a call per level: a downloaded folder nested
+    deeper than Python's recursion limit (1,000) was a RecursionError naming nothing. The visiting
+    order is the recursive walk's exactly (a sub-folder is walked where its entry is met), so which
+    path of a folder linked twice is listed, and so every sample id, is unchanged."""
+    stack = [(os.fspath(folder), iter(_scandir(folder)))]
+    while stack:
+        folder_name, entries = stack[-1]
+        entry = next(entries, None)
+        if entry is None:
+            stack.pop()
+            continue
         if entry.name.startswith("."):
             continue
         if _is_folder(entry):
@@ -60,7 +70,7 @@ def _walk_images(folder, exts, visited: set, marked: set, real_root: str):
             if real in visited or (real in marked and entry.is_symlink()):
                 continue
             visited.add(real)
-            yield from _walk_images(entry.path, exts, visited, marked, real_root)
+            stack.append((entry.path, iter(_scandir(entry.path))))
         elif entry.name.lower().endswith(exts):
             yield folder_name, entry.name
 
