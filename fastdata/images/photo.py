@@ -13,6 +13,7 @@ import contextlib
 import io
 import math
 import os
+import re
 import warnings
 
 import numpy as np
@@ -46,14 +47,41 @@ _RAISE_LIMIT = ("photos this large are read once PIL.Image.MAX_IMAGE_PIXELS is r
 #: TurboJPEG's scan limit); Pillow sets none. Read at each call: raise it before the loader is made.
 MAX_JPEG_SCANS = 500
 
+#: A marker where a decoder looks for one: 0xFF and a code, but not a stuffed 00 or a restart marker
+#: (D0-D7: both live inside a scan's entropy-coded data), nor fill (FF), TEM (01) or SOI (D8), which have
+#: no length. Its literal first byte lets ``re`` find it with memchr: faster than ``bytes.count``.
+_MARKER = re.compile(rb"\xff[^\x00\x01\xd0-\xd8\xff]")
+#: Markers ``jpeg_scans`` walks before it gives up (a photo has some 50; a file of 4-byte empty segments,
+#: millions): past it, every FF DA pair in the file is counted, an upper bound of the scans.
+_MAX_MARKERS = 10_000
+
+
+def jpeg_scans(data: bytes) -> int:
+    """The scans a decoder reads in the JPEG ``data``: its markers walked as libjpeg reads them, from the
+    start to the end of the first picture (EOI), each segment skipped by its stated length, junk between
+    markers skipped to the next one. FF DA byte pairs in metadata (an ICC profile, an EXIF thumbnail's own
+    scans), in the MPO's other pictures or in data appended after the picture (a motion photo's video)
+    are no scans of the decode: counting every pair refused such photos."""
+    pos, scans, end = 2, 0, len(data)
+    for _ in range(_MAX_MARKERS):
+        found = _MARKER.search(data, pos)
+        if found is None or found.end() + 2 > end:
+            return scans
+        pos, code = found.end(), data[found.end() - 1]
+        if code == 0xD9:   # EOI: the decode ends here
+            return scans
+        length = int.from_bytes(data[pos:pos + 2], "big")
+        if length < 2:     # libjpeg: "bogus marker length", the decode stops here
+            return scans
+        scans += code == 0xDA
+        pos += length      # a scan's data follows its header: the next search skips it
+    return data.count(b"\xff\xda")
+
 
 def check_scans(path, data: bytes) -> None:
-    """Refuse a JPEG of more than ``MAX_JPEG_SCANS`` scans, naming the file, before any is decoded.
-
-    Counts start-of-scan markers (FF DA): inside entropy-coded data a 0xFF byte is always followed by a
-    stuffed 00 or a restart marker, so only a scan header (or a byte pair in a metadata block: a few at
-    most, an EXIF thumbnail's scans) counts; one ``bytes.count``, microseconds a photo."""
-    scans = data.count(b"\xff\xda")
+    """Refuse a JPEG of more than ``MAX_JPEG_SCANS`` scans (``jpeg_scans``), naming the file, before any
+    is decoded; some 30 µs for a 100 kB photo."""
+    scans = jpeg_scans(data)
     if scans > MAX_JPEG_SCANS:
         raise DecodeError(str(path), f"a JPEG of {scans} scans, past the limit of {MAX_JPEG_SCANS} "
                                      f"(fastdata.images.photo.MAX_JPEG_SCANS): each scan is a decoding pass over "

@@ -1,0 +1,143 @@
+"""Review of the untrusted-input guards (fastdata/images/photo.py's scan limit, fastdata/checkpoint.py's
+zip checks, fastdata/engine/state.py's entry checks): real files they must not refuse."""
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fastdata import Augmentation
+from fastdata.errors import DecodeError
+from fastdata.images import photo
+
+
+def _photo() -> Image.Image:
+    """A picture with detail (a random walk along each row): its scans hold real entropy-coded data."""
+    rng = np.random.default_rng(0)
+    rows = np.cumsum(rng.normal(0, 6, (96, 128, 3)), axis=1) + 128
+    return Image.fromarray(np.clip(rows, 0, 255).astype(np.uint8))
+
+
+def _jpeg(img: Image.Image | None = None, **options) -> bytes:
+    buffer = io.BytesIO()
+    (img or _photo()).save(buffer, "JPEG", quality=90, **options)
+    return buffer.getvalue()
+
+
+def _decodes_everywhere(data: bytes, name="x/photo.jpg") -> None:
+    """open_image and load_photo (region decoding on and off) take the file, as Pillow does."""
+    Image.open(io.BytesIO(data)).load()
+    photo.open_image(name, io.BytesIO(data)).close()
+    aug = Augmentation.imagenet_train(size=16)
+    assert photo.load_photo(data, name, aug, np.random.default_rng(0)).shape == (16, 16, 3)
+
+
+# --------------------------------------------------------------------------------- JPEG scan count
+def test_ff_da_bytes_in_an_icc_profile_are_no_scans(monkeypatch):
+    """An ICC profile is opaque binary (LUT profiles run to megabytes): byte pairs FF DA in it are no
+    start-of-scan markers, and a baseline photo carrying 600 of them decodes in one pass. A count of
+    every FF DA in the file refused it as 'a JPEG of 601 scans'."""
+    rng = np.random.default_rng(1)
+    profile = rng.integers(0, 256, 20_000, dtype=np.uint8).tobytes() + b"\xff\xda" * 600
+    data = _jpeg(icc_profile=profile)
+    assert data.count(b"\xff\xda") > photo.MAX_JPEG_SCANS
+    for region in ("0", "1"):
+        monkeypatch.setenv("FASTDATA_REGION_DECODE", region)
+        _decodes_everywhere(data)
+    assert photo.jpeg_scans(data) == 1
+
+
+def test_data_after_the_end_of_the_picture_is_no_scans():
+    """A motion photo (Google's, Samsung's) is a JPEG with a video appended after its end; every decoder
+    stops at the end-of-image marker. Compressed bytes hold an FF DA pair every 64 kB: 40 MB appended
+    counted 600-odd scans and refused the photo."""
+    rng = np.random.default_rng(2)
+    tail = rng.integers(0, 256, 600 * 65_536, dtype=np.uint8).tobytes()
+    data = _jpeg(progressive=True) + tail
+    assert data.count(b"\xff\xda") > photo.MAX_JPEG_SCANS
+    photo.check_scans("x/motion.jpg", data)
+    assert photo.jpeg_scans(data) == 10
+
+
+def test_an_mpo_counts_the_scans_of_the_picture_decoded(monkeypatch):
+    """A multi-picture file (MPO: a camera's stereo pair, a phone's photo with its depth or gain map) is
+    decoded as its first picture, so only that picture's scans are passes of the decode."""
+    img = _photo()
+    buffer = io.BytesIO()
+    img.save(buffer, "MPO", save_all=True, append_images=[img.rotate(90), img.rotate(180)], progressive=True)
+    data = buffer.getvalue()
+    monkeypatch.setattr(photo, "MAX_JPEG_SCANS", 12)   # raised or lowered at will: read at each call
+    photo.open_image("x/pair.jpg", io.BytesIO(data)).close()
+    assert data.count(b"\xff\xda") == 30 and photo.jpeg_scans(data) == 10
+
+
+@pytest.mark.parametrize("options", [{}, {"progressive": True}, {"progressive": True, "optimize": True},
+                                     {"optimize": True, "subsampling": 0}])
+def test_real_encodings_count_their_scans_exactly(options):
+    """Baseline: 1 scan; libjpeg's progressive script: 10, optimized or not; an EXIF block with a
+    progressive thumbnail of its own (10 scans more in its bytes) adds none."""
+    thumb = _jpeg(_photo().resize((32, 24)), progressive=True)
+    exif = Image.Exif()
+    exif[0x0112] = 1
+    app1 = exif.tobytes() + thumb   # the thumbnail's bytes inside the APP1 block, after the IFDs
+    data = _jpeg(exif=app1, **options)
+    assert data.count(b"\xff\xda") >= 11
+    assert photo.jpeg_scans(data) == (10 if options.get("progressive") else 1)
+    _decodes_everywhere(data)
+
+
+def test_restart_markers_and_fill_bytes_are_walked_over():
+    """Restart markers (FF D0-D7, one per interval of MCUs) sit inside a scan's data and fill bytes (FF)
+    may precede any marker: neither is a scan, and neither ends the walk early."""
+    plain = _jpeg(progressive=True)
+    at = plain.index(b"\xff\xda")
+    padded = plain[:at] + b"\xff" * 7 + plain[at:]
+    assert photo.jpeg_scans(padded) == 10
+    Image.open(io.BytesIO(padded)).load()
+    for progressive, scans in ((False, 1), (True, 10)):
+        buffer = io.BytesIO()   # a restart marker after every MCU (16x16 pixels): 47 of them a scan
+        _photo().save(buffer, "JPEG", restart_marker_blocks=1, progressive=progressive)
+        data = buffer.getvalue()
+        assert sum(data.count(bytes([0xFF, 0xD0 + i])) for i in range(8)) >= 47
+        assert photo.jpeg_scans(data) == scans
+        Image.open(io.BytesIO(data)).load()
+
+
+def _many_scans(extra: int) -> bytes:
+    """A progressive JPEG with its smallest scan repeated ``extra`` more times (each a full pass)."""
+    data = _jpeg(Image.new("RGB", (64, 64), (120, 130, 140)), progressive=True)
+    starts = [i for i in range(len(data) - 1) if data[i:i + 2] == b"\xff\xda"]
+    scans = [data[a:b] for a, b in zip(starts, starts[1:] + [len(data) - 2])]
+    return data[:-2] + min(scans, key=len) * extra + b"\xff\xd9"
+
+
+def test_scans_hidden_from_a_naive_walk_are_still_counted():
+    """The walk reads markers as libjpeg does: junk between markers is skipped to the next marker (libjpeg
+    warns and goes on), and an FF D9 inside a comment's bytes is no end of the picture. A walk that
+    stopped at either would let a file of thousands of scans through."""
+    many = _many_scans(600)
+    at = many.index(b"\xff\xda", many.index(b"\xff\xda") + 1)   # between the first two scans
+    comment = b"\xff\xfe\x00\x06\xff\xd9\xff\xd9"
+    for crafted in (many[:at] + comment + many[at:], many[:at] + b"junk\x00" + many[at:]):
+        assert photo.jpeg_scans(crafted) > photo.MAX_JPEG_SCANS
+        with pytest.raises(DecodeError, match="scans, past the limit"):
+            photo.check_scans("x/scans.jpg", crafted)
+
+
+def test_a_file_of_endless_markers_is_counted_in_bounded_steps(monkeypatch):
+    """Empty APP segments, four bytes each: a walk of one Python step per marker would spend seconds on a
+    10 MB file. Past a bound of markers no photo has, the count falls back to every FF DA pair (an upper
+    bound of the scans), so such a file is refused, not walked to its end."""
+    searches = []
+
+    class Counting:
+        def search(self, data, pos):
+            searches.append(pos)
+            return marker.search(data, pos)
+
+    marker = photo._MARKER
+    monkeypatch.setattr(photo, "_MARKER", Counting())
+    data = _jpeg()[:2] + b"\xff\xe0\x00\x02" * 2_500_000 + b"\xff\xda\x00\x02" * 501 + b"\xff\xd9"
+    with pytest.raises(DecodeError, match="JPEG of 501 scans"):
+        photo.check_scans("x/markers.jpg", data)
+    assert len(searches) == photo._MAX_MARKERS
