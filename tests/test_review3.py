@@ -130,11 +130,12 @@ def test_check_picklable_still_refuses_a_memoryview(nest):
         check_picklable(source, "multiprocessing_context='spawn'")
 
 
-# ---------------------------------------------------------------- ClassNames in checkpoints
+# ---------------------------------------------------------------- class names in checkpoints
 def test_class_names_in_a_checkpoint_are_written_and_read_back(tmp_path):
-    """loader.classes and source.classes were plain lists; as ClassNames, torch.load(weights_only=True)
-    (torch's default since 2.6) refused them, and fastdata.checkpoint.save refused to write them: a
-    checkpoint that kept the class names with the weights no longer saved or loaded."""
+    """loader.classes and source.classes are plain lists: as a read-only subclass (tried this session),
+    torch.load(weights_only=True) (torch's default since 2.6) refused them, and fastdata.checkpoint.save
+    refused to write them: a checkpoint that kept the class names with the weights no longer saved or
+    loaded."""
     import io
 
     import numpy as np

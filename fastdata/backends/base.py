@@ -377,7 +377,8 @@ class Loader(SampleIds):
 
     @property
     def classes(self) -> list:
-        """The class names (folder names; ``0 .. num_classes-1`` for arrays): read-only, made once."""
+        """The class names (folder names; ``0 .. num_classes-1`` for arrays): the source's list, the same
+        object at every access; ``list(loader.classes)`` for one to change."""
         names, self._classes_made = loader_classes(self.source, getattr(self, "_classes_made", None))
         return names
 

@@ -108,16 +108,18 @@ class Source:
     @property
     def classes(self) -> list:
         """Class names, index = label: folder names, a dataset's ``classes``, or ``0 .. num_classes-1``.
-        A read-only list (``ClassNames``), the same object at every access: a per-sample name lookup
-        copied 10,000 names each time; ``list(source.classes)`` for one to change."""
+        The source's own list, the same object at every access (a per-sample name lookup copied 10,000
+        names each time); ``list(source.classes)`` for one to change. A plain list, not a read-only
+        kind of one: it goes into checkpoints (``torch.load``'s weights_only), Lightning's hparams.yaml
+        and pickles read where fastdata is not installed."""
         if self._classes is None or self._classes_unnamed and len(self._classes) != self.num_classes:
-            self._classes, self._classes_unnamed = ClassNames(range(self.num_classes)), True
+            self._classes, self._classes_unnamed = list(range(self.num_classes)), True
         return self._classes
 
     @classes.setter
     def classes(self, value) -> None:
         """Set the class names (None: ``0 .. num_classes-1``)."""
-        self._classes, self._classes_unnamed = (None, False) if value is None else (ClassNames(value), False)
+        self._classes, self._classes_unnamed = (None, False) if value is None else (list(value), False)
 
     @property
     def sample_transform(self):
@@ -196,48 +198,19 @@ class Source:
         return f"{type(self).__name__}(n={len(self)}, classes={self.num_classes}, name={self.name!r})"
 
 
-class ClassNames(list):
-    """Class names as sources and loaders hand them out (``source.classes``, ``loader.classes``): a list
-    (``==`` a list, indexing, ``json.dump``) made once, that refuses to change. Why: both were a new
-    list at every access (a loop naming each sample's class copied every name per sample), and a
-    copy is what kept a caller's ``append`` from changing the source's own names; read-only keeps that."""
-
-    __slots__ = ()
-
-    def _refuse(self, *args, **kwargs):
-        raise TypeError("class names are read-only (the source's own): list(classes) makes a list to change")
-
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
-    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
-
-    def __reduce__(self):   # pickle's default for a list subclass refills it through extend()
-        return type(self), (list(self),)
-
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-# torch.load(weights_only=True), torch's default since 2.6 and fastdata.checkpoint's, refuses a class it is
-# not told of: a checkpoint holding loader.classes (a plain list before ClassNames) would neither be written
-# by fastdata.checkpoint.save nor read back by torch.load. Rebuilding one from its names runs no other code.
-torch.serialization.add_safe_globals([ClassNames])
-
-
-def loader_classes(source, made=None) -> tuple[ClassNames, object]:
-    """(``source``'s class names as ``ClassNames``, a key to pass back as ``made``): the one made for
-    the previous call is returned again while the source holds the same names object at the same
-    length, a copy (once) of a source's own plain list otherwise."""
+def loader_classes(source, made=None) -> tuple[list, object]:
+    """(``source``'s class names as a list, a key to pass back as ``made``): a source's own list as it
+    is (``Source.classes``: the same object at every access); for a source of one's own that gives a
+    tuple, a range or a new list at each access, the list made for the previous call while the source
+    gives the same names object at the same length, a copy (once) otherwise."""
     classes = getattr(source, "classes", None)
     if classes is None:
         classes = range(source.num_classes)
-    if isinstance(classes, ClassNames):
+    if type(classes) is list:
         return classes, None
     if made is not None and made[0] is classes and made[1] == len(classes):
         return made[2], made
-    names = ClassNames(classes)
+    names = list(classes)
     return names, (classes, len(classes), names)
 
 
