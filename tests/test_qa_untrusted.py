@@ -170,7 +170,7 @@ def test_a_checkpoint_whose_entry_inflates_past_the_file_is_refused_unread(tmp_p
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fastdatas_own_checkpoints_load_with_weights_only(tmp_path, backend):
-    """The allowlist is torch's default one and ``ClassNames``: every checkpoint fit writes (EMA,
+    """The allowlist is torch's default one: every checkpoint fit writes (EMA,
     accumulation, each backend's loader state) loads with ``weights_only=True`` and resumes, nothing
     else widened for it."""
     if backend == "prefetch":
@@ -179,11 +179,9 @@ def test_fastdatas_own_checkpoints_load_with_weights_only(tmp_path, backend):
     _run(path, resume=False, backend=backend, ema=0.99, accumulate=2)
     state = torch.load(path, weights_only=True)
     assert state["loader"]["epoch"] == 1 and state["ema"] is not None
-    from fastdata.datasets.base import ClassNames
-
-    # torch registers its own at import; fastdata one class, whose pickle only rebuilds a list of names.
-    widened = [g for g in torch.serialization.get_safe_globals() if g is not ClassNames
-               and str(getattr(g, "__module__", "")).startswith(("fastdata", "numpy", "collections", "dataclasses"))]
+    # torch registers its own at import; fastdata none.
+    widened = [g for g in torch.serialization.get_safe_globals()
+               if str(getattr(g, "__module__", "")).startswith(("fastdata", "numpy", "collections", "dataclasses"))]
     assert widened == []
     history = _run(path, resume=True, backend=backend, ema=0.99, accumulate=2)
     assert len(history) == 1
@@ -476,10 +474,6 @@ def test_an_index_shard_name_with_a_hidden_component_is_refused(tmp_path, name):
         parse_index(json.dumps(doc).encode(), "remote/index.json")
 
 
-@pytest.mark.xfail(strict=True, reason="open: fastdata/packing/reader.py copies a file's bytes into the shard without "
-                                       "opening it (unless max_side): a link in a downloaded folder to a private "
-                                       "file outside it (~/.ssh/id_rsa named x.jpg) is packed, ready to publish; "
-                                       "SampleReader must open each file's header (images.photo.open_image) first")
 def test_pack_refuses_a_file_that_is_no_image_instead_of_copying_it(tmp_path):
     import fastdata
 
@@ -489,12 +483,28 @@ def test_pack_refuses_a_file_that_is_no_image_instead_of_copying_it(tmp_path):
     link = _folder_with(root, "x.jpg", b"")
     link.unlink()
     link.symlink_to(secret)
-    try:
+    with pytest.raises(ValueError, match="not an image") as refused:
         fastdata.pack(ImageFolder(root), tmp_path / "pack", progress=False, workers=0)
-    except ValueError as e:
-        assert str(link) in str(e)
+    assert str(link) in str(refused.value)
     packed = b"".join(p.read_bytes() for p in (tmp_path / "pack").glob("*.tar"))
     assert b"PRIVATE KEY" not in packed
+
+
+@pytest.mark.parametrize("name, data", [("x.jpg", b"abc"), ("p.jpg", "png"), ("t.png", b"\x00" * 100)],
+                         ids=["three-bytes", "png-named-jpg", "zeros"])
+def test_pack_refuses_bytes_the_loaders_would_not_open_naming_the_file(tmp_path, name, data):
+    """Pack checks each file's header as the loaders' ``open_image`` does: a few bytes, a PNG named .jpg
+    (every loader refuses it by name), zeros; the refusal names the file, and no shard holds it."""
+    import fastdata
+
+    if data == "png":
+        png = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(png, "PNG")
+        data = png.getvalue()
+    bad = _folder_with(tmp_path / "src", name, data)
+    with pytest.raises(ValueError, match="not an image the loaders read") as refused:
+        fastdata.pack(ImageFolder(tmp_path / "src"), tmp_path / "pack", progress=False, workers=0)
+    assert str(bad) in str(refused.value)
 
 
 def test_a_folder_nested_past_pythons_recursion_limit_is_listed(tmp_path):
