@@ -625,3 +625,45 @@ def test_a_tar_label_of_a_huge_class_index_is_refused_not_allocated(tmp_path):
     run = subprocess.run([sys.executable, "-c", _HUGE_LABEL, str(tmp_path)], capture_output=True, text=True,
                          timeout=300)
     assert run.stdout.startswith("refused:") and "b.cls" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def _gzip_idx(path, shape, body_bytes: int) -> None:
+    """A gzipped IDX file whose header says ``shape`` and whose body inflates to ``body_bytes`` zeros
+    (written a megabyte at a time: a bomb of any size is a few kB per MB)."""
+    import gzip
+
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        f.write(struct.pack(">HBB", 0, 8, len(shape)) + struct.pack(">" + "I" * len(shape), *shape))
+        for start in range(0, body_bytes, 2**20):
+            f.write(bytes(min(2**20, body_bytes - start)))
+
+
+def test_a_gzipped_idx_file_that_inflates_past_its_header_is_refused_unread(tmp_path):
+    """A ``.gz`` IDX file of 12 announced bytes that inflates to 96 MB (a gzip bomb, ~100 kB on disk):
+    refused naming the file after one byte past the body, not read whole into memory."""
+    import tracemalloc
+
+    from fastdata.datasets.mnist import read_idx
+
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    _gzip_idx(path, (3, 2, 2), 96 * 2**20)
+    assert path.stat().st_size < 2**20
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=f"IDX file '{path}' does not match its header"):
+            read_idx(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, f"{peak:,} bytes held to refuse it"
+
+
+def test_a_gzipped_idx_header_claiming_more_than_gzip_can_hold_is_refused(tmp_path):
+    """A header saying 2**32-1 images of 2**16 x 2**16 in a gzip of a few bytes: no such body can be in
+    it, so it is refused before any read (a read of that size would allocate it up front)."""
+    from fastdata.datasets.mnist import read_idx
+
+    path = tmp_path / "x-idx3-ubyte.gz"
+    _gzip_idx(path, (2**32 - 1, 2**16, 2**16), 100)
+    with pytest.raises(ValueError, match=f"IDX file '{path}' .*more than a gzip file of"):
+        read_idx(path)

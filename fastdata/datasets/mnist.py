@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import gzip
 import math
+import os
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -16,41 +18,74 @@ MNIST_FILES = {
 }
 
 
+#: The most a gzip stream inflates: deflate's best ratio is about 1032:1 (a run of one byte).
+_GZIP_MAX_RATIO = 1032
+#: Read in pieces: memory follows the bytes that arrive, not a size a header claims.
+_CHUNK = 1 << 22
+
+
 def read_idx(path) -> np.ndarray:
-    """Read an IDX file (gzipped or not); a wrong magic number or a short body names the file.
+    """Read an IDX file (gzipped or not); a wrong magic number, a short body, or a body longer than its
+    header says names the file.
+
+    The header is read first, then at most one byte past the body it announces: a ``.gz`` that inflates
+    without end (a gzip bomb) is refused after that byte, never read whole into memory.
 
     Args:
         path: the file (``.gz``: gzipped).
     """
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
+    gzipped = path.suffix == ".gz"
     try:
-        with opener(path, "rb") as f:
-            data = f.read()
-    except (OSError, EOFError) as e:
+        with (gzip.open if gzipped else open)(path, "rb") as f:
+            shape, header = _idx_header(f, path)
+            expected = math.prod(shape)  # Python ints: sizes near 2**32 overflow np.prod's int64 silently
+            if gzipped and expected > _GZIP_MAX_RATIO * (size := os.path.getsize(path)) + 2**16:
+                raise ValueError(f"IDX file '{path}' does not match its header: header says {shape} = "
+                                 f"{expected} bytes, more than a gzip file of {size} bytes can inflate to "
+                                 f"(a wrong header or a damaged file)")
+            body = _read_at_most(f, expected + 1)
+    except (OSError, EOFError, zlib.error) as e:
         raise ValueError(f"cannot read IDX file '{path}': {e}") from None
-    if len(data) < 4:
-        raise ValueError(f"IDX file '{path}' is too short ({len(data)} bytes) to hold a header")
-    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
-    if zero != 0 or dtype_code != 0x08 or ndim not in (1, 3):
-        raise ValueError(f"IDX file '{path}' has a wrong magic number 0x{data[:4].hex()} "
-                         f"(expected 0x00000801 for labels or 0x00000803 for images)")
-    header = 4 + 4 * ndim
-    if len(data) < header:
-        raise ValueError(f"IDX file '{path}' is truncated inside its header")
-    shape = struct.unpack(">" + "I" * ndim, data[4:header])
-    expected = math.prod(shape)  # Python ints: sizes near 2**32 overflow np.prod's int64 silently
-    if len(data) - header < expected:
+    if len(body) < expected:
         raise ValueError(f"IDX file '{path}' is truncated: header says {shape} = {expected} bytes, "
-                         f"body has {len(data) - header}")
-    if len(data) - header > expected:
+                         f"body has {len(body)}")
+    if len(body) > expected:
+        has = f"more than {expected}" if gzipped else str(os.path.getsize(path) - header)
         raise ValueError(f"IDX file '{path}' does not match its header: header says {shape} = {expected} "
-                         f"bytes, body has {len(data) - header} (a wrong header or another file appended)")
+                         f"bytes, body has {has} (a wrong header or another file appended)")
     if shape[0] == 0:
         raise ValueError(f"IDX file '{path}' holds no items (header says {shape})")
-    if ndim == 3 and 0 in shape[1:]:
+    if len(shape) == 3 and 0 in shape[1:]:
         raise ValueError(f"IDX file '{path}' holds {shape[1]}x{shape[2]} images; they need at least one pixel")
-    return np.frombuffer(data, dtype=np.uint8, count=expected, offset=header).reshape(shape)
+    return np.frombuffer(body, dtype=np.uint8, count=expected).reshape(shape)
+
+
+def _idx_header(f, path: Path) -> tuple[tuple[int, ...], int]:
+    """(shape, header bytes) of the IDX file open as ``f``, checked; ``f`` is left at the body."""
+    magic = f.read(4)
+    if len(magic) < 4:
+        raise ValueError(f"IDX file '{path}' is too short ({len(magic)} bytes) to hold a header")
+    zero, dtype_code, ndim = struct.unpack(">HBB", magic)
+    if zero != 0 or dtype_code != 0x08 or ndim not in (1, 3):
+        raise ValueError(f"IDX file '{path}' has a wrong magic number 0x{magic.hex()} "
+                         f"(expected 0x00000801 for labels or 0x00000803 for images)")
+    dims = f.read(4 * ndim)
+    if len(dims) < 4 * ndim:
+        raise ValueError(f"IDX file '{path}' is truncated inside its header")
+    return struct.unpack(">" + "I" * ndim, dims), 4 + 4 * ndim
+
+
+def _read_at_most(f, limit: int) -> bytearray:
+    """Up to ``limit`` bytes of ``f``, read a piece at a time (a single ``read(limit)`` allocates
+    ``limit`` bytes up front, whatever the file holds)."""
+    body = bytearray()
+    while len(body) < limit:
+        piece = f.read(min(_CHUNK, limit - len(body)))
+        if not piece:
+            break
+        body += piece
+    return body
 
 
 def _find_idx(raw: Path, stem: str) -> Path | None:
