@@ -335,6 +335,17 @@ def _oversized(archive: zipfile.ZipFile, size: int) -> zipfile.ZipInfo | None:
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+?)(?: was not an allowed global| whose module (\S+) is blocked)")
 
 
+#: Modules whose functions run code, commands or imports (Python 2's names too: a pickle of protocol 2
+#: names subprocess "commands"). torch blocks os, posix, nt and sys alone; a pickled eval, exec,
+#: getattr, subprocess call or runpy._run_code is "not an allowed global", as a class of one's own is,
+#: and was answered with the advice to allow it (``add_safe_globals([eval])``).
+_CODE_MODULES = frozenset({"builtins", "__builtin__", "os", "posix", "nt", "sys", "subprocess", "commands",
+                           "popen2", "runpy", "importlib", "pkgutil", "code", "codeop", "pdb", "timeit",
+                           "pickle", "cPickle", "marshal", "shelve", "types", "ctypes", "cffi", "pty",
+                           "shutil", "socket", "webbrowser", "operator", "functools", "multiprocessing",
+                           "asyncio", "platform", "tempfile", "pathlib", "io", "urllib", "http", "ftplib"})
+
+
 def _refusal(e: pickle.UnpicklingError) -> str:
     """What ``weights_only`` refused, and what that means for a file from elsewhere. torch's own text
     opens with a paragraph on re-running ``torch.load`` with ``weights_only=False``, the one thing not to
@@ -348,10 +359,11 @@ def _refusal(e: pickle.UnpicklingError) -> str:
                       lines[-1] if lines else "no message")
         return f"{detail}; the file was not unpickled any further, and no code in it ran"
     name, blocked = found.group(1), found.group(2)
-    if blocked:
-        return (f"it calls {name}, from module {blocked}, which no checkpoint of weights needs: a file that "
-                f"names it was made to run that code when loaded (or is damaged). It did not run: delete the "
-                f"file, and never load it with weights_only=False")
+    module = blocked or (name.split(".")[0] if "." in name else "builtins")   # torch drops "builtins."
+    if blocked or module in _CODE_MODULES:
+        return (f"it calls {name}, from module {module}, which runs code and which no checkpoint of weights "
+                f"needs: a file that names it was made to run that code when loaded (or is damaged). It did "
+                f"not run: delete the file, and never load it with weights_only=False")
     return (f"it holds a pickled {name}, which loading would call or create with code the file names; it "
             f"did not run. From someone else, such a file can be crafted to run any code: do not load it "
             f"with weights_only=False. Your own checkpoint holding an object of your class loads once that "

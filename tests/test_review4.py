@@ -141,3 +141,52 @@ def test_a_file_of_endless_markers_is_counted_in_bounded_steps(monkeypatch):
     with pytest.raises(DecodeError, match="JPEG of 501 scans"):
         photo.check_scans("x/markers.jpg", data)
     assert len(searches) == photo._MAX_MARKERS
+
+
+# --------------------------------------------------------------------------------- checkpoints
+class _Calls:
+    """Pickles as a call of ``func(*args)``: what a checkpoint crafted to run code holds."""
+
+    def __init__(self, func, args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def _crafted(tmp_path, func, args):
+    import torch
+
+    path = tmp_path / "shared.pt"
+    torch.save({"format": "fastdata-checkpoint-2", "model": {}, "x": _Calls(func, args)}, path)
+    return path
+
+
+@pytest.mark.parametrize("func, args, named", [
+    (eval, ("print('ran')",), "eval"), (exec, ("print('ran')",), "exec"), (getattr, (1, "real"), "getattr"),
+    (__import__("subprocess").check_output, (["true"],), "check_output"),
+    (__import__("runpy")._run_code, ("print('ran')", {}), "runpy._run_code")])
+def test_a_checkpoint_calling_code_torch_does_not_block_is_never_advised_onto_the_allowlist(tmp_path, func,
+                                                                                             args, named):
+    """torch blocks the modules os, posix, nt and sys alone: a pickled eval, exec, getattr, subprocess call
+    or runpy._run_code is "not an allowed global", like a class of one's own. The error told the user to
+    allow it: "loads once that class is allowed: torch.serialization.add_safe_globals([eval])". Such a
+    name runs code: the file was made to run it, and no advice leads to loading it."""
+    from fastdata import checkpoint as ckpt
+
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.load(_crafted(tmp_path, func, args))
+    text = str(info.value)
+    assert named in text and "made to run" in text and "never load it with weights_only=False" in text
+    assert "add_safe_globals" not in text
+
+
+def test_a_tensors_only_file_is_pointed_to_a_weights_only_load():
+    """A model's own weights given as fit's checkpoint: the hint to load them names weights_only=True.
+    On torch 2.4 and 2.5 (pyproject allows them) a bare torch.load(path) unpickles with weights_only=False."""
+    import torch
+
+    from fastdata.engine.state import _format_hint
+
+    hint = _format_hint({"weight": torch.zeros(2)})
+    assert "torch.load(path, weights_only=True)" in hint and "torch.load(path))" not in hint
