@@ -330,8 +330,8 @@ def _format_hint(state: dict) -> str:
         return ": it was written by a newer fastdata; resume it with that version"
     if state and "format" not in state and all(torch.is_tensor(v) for v in state.values()):
         return (": it holds tensors alone, like a model's state_dict (torch.save(model.state_dict())). To start "
-                "from those weights, load them (model.load_state_dict(torch.load(path))) and give fit a new "
-                "checkpoint path without resume")
+                "from those weights, load them (model.load_state_dict(torch.load(path, weights_only=True))) "
+                "and give fit a new checkpoint path without resume")
     return ""
 
 
