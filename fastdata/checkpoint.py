@@ -313,22 +313,32 @@ def _check_crcs(source, path, size: int) -> None:
         if hasattr(source, "seek"):
             source.seek(0)
     if big is not None:
+        entries, total = big
+        what = (f"entry '{entries[0].filename}' says it expands to {total:,} bytes" if len(entries) == 1 else
+                f"{len(entries):,} entries say they expand to {total:,} bytes together")
         raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is not a checkpoint torch.save wrote: its "
-                              f"entry '{big.filename}' says it expands to {big.file_size:,} bytes, more than the "
-                              f"whole file (a zip bomb, or a damaged file). It was not read: delete it, or point "
-                              f"to an intact copy")
+                              f"{what}, more than the whole file (a zip bomb, or a damaged file). It was not "
+                              f"read: delete it, or point to an intact copy")
     if bad is not None:
         raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is corrupt: its entry '{bad}' fails its "
                               f"CRC-32 check, so the file changed after it was written (a damaged disk or "
                               f"copy); delete it to start afresh or point to an intact copy")
 
 
-def _oversized(archive: zipfile.ZipFile, size: int) -> zipfile.ZipInfo | None:
-    """The first entry that says it holds more bytes than the whole file, if any: torch.load allocates
-    each entry's stated size before it compares it with the tensor's, and a deflated entry of zeros
-    states a thousand times its own size, so a 2 MB checkpoint took 2.5 GB and 13 s to refuse (20 MB:
-    the machine's memory). torch.save stores entries uncompressed, so its own never state more."""
-    return next((entry for entry in archive.infolist() if entry.file_size > size), None)
+def _oversized(archive: zipfile.ZipFile, size: int) -> tuple[list[zipfile.ZipInfo], int] | None:
+    """The entry that says it holds more bytes than the whole file, or else all of them when together
+    they say so (with the bytes they state), if any: torch.load allocates each entry's stated size
+    before it compares it with the tensor's, and a deflated entry of zeros states a thousand times its
+    own size, so a 2 MB checkpoint took 2.5 GB and 13 s to refuse (20 MB: the machine's memory). A
+    thousand entries each under the file's size held as much. torch.save stores its entries
+    uncompressed, side by side: together they never state more than the file (zip64 sizes included:
+    ``zipfile`` reads them from the entry's extra field)."""
+    entries = archive.infolist()
+    big = next((entry for entry in entries if entry.file_size > size), None)
+    if big is not None:
+        return [big], big.file_size
+    total = sum(entry.file_size for entry in entries)
+    return (entries, total) if total > size else None
 
 
 #: What torch's weights-only unpickler names when it refuses a pickled callable or class.

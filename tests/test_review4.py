@@ -190,3 +190,59 @@ def test_a_tensors_only_file_is_pointed_to_a_weights_only_load():
 
     hint = _format_hint({"weight": torch.zeros(2)})
     assert "torch.load(path, weights_only=True)" in hint and "torch.load(path))" not in hint
+
+
+def test_many_deflated_entries_each_under_the_file_size_are_refused_together(tmp_path):
+    """A zip bomb spread over entries: 1000 tensors of 64 kB of zeros, each entry deflated to some 100
+    bytes, in a file of about 300 kB. No entry states more than the whole file, so the check of each one
+    let it through, and torch.load allocated and inflated every entry: 64 MB held from 300 kB (a
+    20 MB file: tens of GB). torch.save stores its entries, so together they never state more than
+    the file."""
+    import zipfile
+
+    import torch
+
+    from fastdata import checkpoint as ckpt
+
+    buffer = io.BytesIO()
+    torch.save({f"t{i}": torch.zeros(2**14) for i in range(1000)}, buffer)
+    saved = zipfile.ZipFile(io.BytesIO(buffer.getvalue()))
+    path = tmp_path / "spread.pt"
+    with zipfile.ZipFile(path, "w") as w:
+        for info in saved.infolist():
+            entry = zipfile.ZipInfo(info.filename)
+            entry.compress_type = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            w.writestr(entry, saved.read(info))
+    with zipfile.ZipFile(path) as archive:
+        stated = [info.file_size for info in archive.infolist()]
+    size = path.stat().st_size
+    assert max(stated) < size < sum(stated) // 100
+    with pytest.raises(ckpt.CheckpointError, match=r"spread.pt' .*1,00\d entries say they expand to [\d,]+ "
+                                                   r"bytes together, more than the whole file"):
+        ckpt.load(path)
+    with pytest.raises(ckpt.CheckpointError, match="more than the whole file"):
+        ckpt.from_bytes(path.read_bytes(), path)
+
+
+def test_zip64_sizes_are_compared_as_stated(tmp_path):
+    """A checkpoint past 4 GB states its entries' sizes in zip64 extra fields: an entry of 5 GiB in a
+    file of 6 GiB (sparse here) is no bomb, and the same directory in a file of a few hundred bytes is."""
+    import zipfile
+
+    from fastdata import checkpoint as ckpt
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as w:
+        w.writestr("archive/data/0", b"x" * 10)
+        w.filelist[0].file_size = w.filelist[0].compress_size = 5 * 2**30   # written as zip64 at close
+    raw = buffer.getvalue()
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+        assert archive.infolist()[0].file_size == 5 * 2**30
+        assert ckpt._oversized(archive, len(raw)) is not None
+    path = tmp_path / "large.zip"
+    with open(path, "wb") as f:   # zip readers find the directory from the end: a prefix is allowed
+        f.truncate(6 * 2**30)
+        f.seek(6 * 2**30)
+        f.write(raw)
+    with zipfile.ZipFile(path) as archive:
+        assert ckpt._oversized(archive, path.stat().st_size) is None
