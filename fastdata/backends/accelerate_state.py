@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..images.on_error import OnError
+
 
 class AccelerateTracker:
     """Tells Hugging Face accelerate where a pass stands, as its own DataLoader wrappers do.
@@ -48,7 +50,7 @@ class AccelerateTracker:
         plan, rest = self.loader.plan, self.loader.remainder
         made = getattr(sys.modules.get("accelerate.state"), "is_initialized", lambda: False)
         if (rest > 0 and plan.even and plan.world_size > 1 and rest % plan.world_size
-                and self.loader.config.on_error == "skip" and made()):
+                and OnError(self.loader.config.on_error).skips and made()):
             from .. import distributed
             self.loader.remainder = int(distributed.all_sum(torch.tensor([real_rows], device=device)).item())
         self.loader.end_of_dataloader = True
