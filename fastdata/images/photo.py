@@ -88,11 +88,12 @@ def check_scans(path, data: bytes) -> None:
                                      f"the whole picture, so it would take minutes to decode; a photo has about 10")
 
 
-def open_image(path, fp=None) -> Image.Image:
+def open_image(path, fp=None, *, scans_counted: bool = False) -> Image.Image:
     """Open (header only) and check an image; any failure becomes a DecodeError naming the file.
 
     ``fp``: the file's bytes already read (a file object), so a caller that needs them anyway (the
-    dali backend feeds them to DALI) reads the file once; ``path`` still names it in errors.
+    dali backend feeds them to DALI) reads the file once; ``path`` still names it in errors. A JPEG's
+    scans are counted (``check_scans``) in those bytes only; ``scans_counted``: the caller counted them.
     """
     path = str(path)
     try:
@@ -133,7 +134,7 @@ def open_image(path, fp=None) -> Image.Image:
         fmt = img.format
         img.close()
         raise DecodeError(path, f"file holds {fmt} data but is named {ext} (expected {expected})")
-    if img.format in JPEG_FORMATS and isinstance(fp, io.BytesIO):
+    if img.format in JPEG_FORMATS and isinstance(fp, io.BytesIO) and not scans_counted:
         try:
             check_scans(path, fp.getvalue())   # no copy: the BytesIO shares the bytes it was made from
         except DecodeError:
@@ -352,7 +353,7 @@ def load_photo(data: bytes, path, aug: Augmentation, rng: np.random.Generator, *
         height, width = displayed_size(*stored, orientation)
         box, flip = sample_box(aug, rng, height, width)
         return crop_photo(path, data, box, aug, orientation, (height, width), img=img, checked=checked,
-                          flip=flip)
+                          flip=flip, scans_counted=head is not None)
     finally:
         if img is not None:
             img.close()
@@ -413,7 +414,7 @@ def _not_convertible(img: Image.Image, e: Exception) -> str:
 
 
 def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims, *, img=None,
-               checked: bool = True, flip: bool = False) -> np.ndarray:
+               checked: bool = True, flip: bool = False, scans_counted: bool = False) -> np.ndarray:
     """The photo's ``box`` (top, left, h, w in displayed pixels; None: the whole photo) resized to
     ``aug.size``, uint8 (H, W, 3), mirrored when ``flip``. ``data``: the file's bytes; ``dims``: its
     displayed (height, width); ``img``: the header already opened from ``data`` (opened here when None).
@@ -433,7 +434,8 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
     pass). A region decode never reads the rows below its window, so damage there would go unseen and
     this backend would accept a file the others refuse; an unchecked file is checked first
     (``check_pixels``). Callers remember the files they decoded (``fastdata.decode`` does, per
-    process), so only a file's first decode pays for it.
+    process), so only a file's first decode pays for it. ``scans_counted``: the caller counted the
+    JPEG's scans in ``data`` (``load_photo`` does when it reads the header without Pillow).
     """
     import io
 
@@ -450,12 +452,12 @@ def crop_photo(path, data: bytes, box, aug: Augmentation, orientation: int, dims
             if got is not None:
                 if not checked:
                     if img is None:
-                        img = open_image(path, fp=io.BytesIO(data))
+                        img = open_image(path, fp=io.BytesIO(data), scans_counted=scans_counted)
                     check_pixels(img, path)
                 side = aug.crop_size
                 return mirrored(got.image.resize((side, side), Image.Resampling.BILINEAR, box=got.box), flip)
         if img is None:
-            img = open_image(path, fp=io.BytesIO(data))
+            img = open_image(path, fp=io.BytesIO(data), scans_counted=scans_counted)
         if box is not None and orientation == 1 and img.format in JPEG_FORMATS:
             top, left, bh, bw = box
             out = aug.size
