@@ -667,3 +667,92 @@ def test_a_gzipped_idx_header_claiming_more_than_gzip_can_hold_is_refused(tmp_pa
     _gzip_idx(path, (2**32 - 1, 2**16, 2**16), 100)
     with pytest.raises(ValueError, match=f"IDX file '{path}' .*more than a gzip file of"):
         read_idx(path)
+
+
+class _HostileHTTP:
+    """A server on 127.0.0.1 whose every GET answers ``body_bytes`` zeros: with ``mode='no-range'`` as a
+    200 whatever the Range asked (a server that ignores ranges, a shard of that size); with
+    ``mode='gzip'`` gzip-encoded (``Content-Encoding: gzip``, some kB on the wire), whatever was asked."""
+
+    def __init__(self, mode: str, body_bytes: int):
+        import gzip
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        wire = bytes(body_bytes) if mode == "no-range" else gzip.compress(bytes(body_bytes), 9)
+        self.requests: list = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(inner):
+                self.requests.append((inner.path, inner.headers.get("Range"), inner.headers.get("Accept-Encoding")))
+                inner.send_response(200)
+                inner.send_header("Content-Length", str(len(wire)))
+                if mode == "gzip":
+                    inner.send_header("Content-Encoding", "gzip")
+                inner.end_headers()
+                try:
+                    for k in range(0, len(wire), 2**20):
+                        inner.wfile.write(wire[k:k + 2**20])
+                except OSError:   # the client stopped reading: what it should do
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/pack"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _peak_while(fn):
+    """(what ``fn`` raised, the peak of Python memory traced meanwhile, every thread's)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(Exception) as raised:
+            fn()
+        return raised.value, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("mode", ["no-range", "gzip"])
+def test_a_remote_range_read_holds_no_more_than_the_range_from_a_hostile_server(mode):
+    """A server that answers a sample's 1 kB range with a 200 of a 64 MB shard, or with a gzip bomb:
+    the read is refused naming the shard, holding about the range (fsspec's _cat_file read the whole
+    reply, then the length was checked)."""
+    pytest.importorskip("aiohttp")
+    from fastdata.shards.storage import Storage, StorageError
+
+    server = _HostileHTTP(mode, 64 * 2**20)
+    try:
+        storage = Storage(server.url, retries=0)
+        error, peak = _peak_while(lambda: storage.read_ranges("shard-0.tar", [(512, 1536)]))
+    finally:
+        server.close()
+    assert isinstance(error, StorageError) and "shard-0.tar" in str(error), repr(error)
+    assert peak < 16 * 2**20, f"{peak:,} bytes held for a 1 kB range"
+    assert server.requests[0][1] == "bytes=512-1535" and server.requests[0][2] == "identity"
+
+
+def test_a_remote_index_sent_as_a_gzip_bomb_is_refused_unread():
+    """index.json answered gzip-encoded (a few kB inflating to 64 MB): asked unencoded, refused by name."""
+    pytest.importorskip("aiohttp")
+    from fastdata.shards.storage import Storage, StorageError
+
+    server = _HostileHTTP("gzip", 64 * 2**20)
+    try:
+        error, peak = _peak_while(lambda: Storage(server.url, retries=0).read("index.json", subject="the index"))
+    finally:
+        server.close()
+    assert isinstance(error, StorageError) and "the index" in str(error) and "gzip" in str(error), repr(error)
+    assert peak < 16 * 2**20, f"{peak:,} bytes held"

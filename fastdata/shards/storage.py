@@ -4,7 +4,9 @@
 index), ``read_range``/``read_ranges`` (byte ranges of a shard), ``size`` and ``fetch`` (a whole shard
 to a local file, published by ``os.replace`` only once its size is right). A local folder is read with
 plain ``os`` calls, so it works without fsspec; anything with a scheme (``http(s)://``, ``s3://``,
-``gs://``, ``file://``, chained ``simplecache::s3://...``) goes through ``fsspec.core.url_to_fs``.
+``gs://``, ``file://``, chained ``simplecache::s3://...``) goes through ``fsspec.core.url_to_fs``; plain
+``http(s)://`` reads stream each reply with a cap (``_http_get``: a hostile server cannot make a read hold
+more than it asked for), other file systems read through fsspec's ``cat_file``/``cat_ranges``.
 
 Faults. Only transient errors are retried: a 5xx (and 408/429), a dropped connection, a timeout, a
 read that returned fewer bytes than asked. Each retry waits ``backoff * 2**k`` seconds times a random
@@ -378,6 +380,12 @@ class Storage:
                 with open(self._path(name), "rb") as f:
                     return f.read()
             fs, path = self._remote(name)
+            if _plain_http(fs):
+                data = _http_read(fs, path, None)[0]
+                if len(data) > MAX_READ_BYTES:
+                    raise ValueError(f"the file is larger than {MAX_READ_BYTES:,} bytes "
+                                     f"(shards.storage.MAX_READ_BYTES), the most read whole")
+                return data
             return fs.cat_file(path)
         return self._retry("read", name, attempt, subject)
 
@@ -408,8 +416,11 @@ class Storage:
             else:
                 fs, path = self._remote(name)
                 starts, ends = [s for s, _ in wanted], [e for _, e in wanted]
-                kwargs = {"on_error": "raise"} if _takes(fs.cat_ranges, "on_error") else {}
-                out = fs.cat_ranges([path] * len(wanted), starts, ends, **kwargs)
+                if _plain_http(fs):   # streamed with a cap (_http_get): fsspec reads each reply whole
+                    out = _http_read(fs, path, wanted)
+                else:
+                    kwargs = {"on_error": "raise"} if _takes(fs.cat_ranges, "on_error") else {}
+                    out = fs.cat_ranges([path] * len(wanted), starts, ends, **kwargs)
             for (s, e), data in zip(wanted, out):
                 if isinstance(data, BaseException):   # a file system without on_error returns errors as values
                     raise data
@@ -469,6 +480,71 @@ class Storage:
             os.replace(tmp, dest)
             return dest
         return self._retry("download", name, attempt)
+
+
+#: The most ``read`` takes of one whole file over HTTP (the index: about 40 bytes a sample).
+MAX_READ_BYTES = 2**31
+#: Concurrent range requests of one ``read_ranges`` call over HTTP (fsspec's cat_ranges takes 128).
+_HTTP_BATCH = 64
+_HTTP_PIECE = 2**20
+
+
+def _plain_http(fs) -> bool:
+    """Whether ``fs`` is fsspec's aiohttp file system (not a cache chained in front of it)."""
+    module = sys.modules.get("fsspec.implementations.http")
+    return module is not None and type(fs) is getattr(module, "HTTPFileSystem", None)
+
+
+async def _http_get(fs, url: str, start: int | None, end: int, cap: int) -> bytes:
+    """Up to ``cap + 1`` bytes of ``url`` (of ``[start, end)`` when ``start`` is given), read a piece at
+    a time. fsspec's ``_cat_file`` reads the whole reply before anyone checks its length: a server that
+    ignores Range answers a sample's range with the whole shard, and a gzip ``Content-Encoding`` (which
+    aiohttp inflates) turns a few kB on the wire into any size. Here the bytes are asked unencoded and
+    taken as sent, an encoded reply or a 200 to a range not from 0 is refused, and the read stops one
+    byte past ``cap``, so the caller's length check says "more bytes than asked" with bounded memory."""
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Accept-Encoding"] = "identity"
+    if start is not None:
+        headers["Range"] = f"bytes={start}-{end - 1}"
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, auto_decompress=False, **kw) as r:
+        if r.status == 404:   # as fsspec's own reads say it: a missing file, not retried
+            raise FileNotFoundError(url)
+        r.raise_for_status()   # aiohttp's ClientResponseError carries the status is_transient reads
+        encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise ValueError(f"the server sent the bytes {encoding}-encoded though asked for them as they are "
+                             f"(Accept-Encoding: identity); serve the files without compression")
+        limit = cap + 1
+        if start is not None and r.status != 206:
+            if start:
+                raise ValueError(f"the server ignored the byte range asked (HTTP {r.status} instead of 206 Partial "
+                                 f"Content): it does not serve ranges; serve the files from one that does")
+            limit = cap   # the file from its first byte: the range asked is its beginning
+        out = bytearray()
+        while len(out) < limit:
+            piece = await r.content.read(min(_HTTP_PIECE, limit - len(out)))
+            if not piece:
+                break
+            out += piece
+    return bytes(out)
+
+
+def _http_read(fs, url: str, ranges: list[tuple[int, int]] | None) -> list[bytes]:
+    """``_http_get`` of the whole file (``ranges`` None, capped at ``MAX_READ_BYTES``) or of each range,
+    concurrently in batches, on fsspec's event loop."""
+    import asyncio
+
+    from fsspec.asyn import sync
+
+    if ranges is None:
+        return [sync(fs.loop, _http_get, fs, url, None, 0, MAX_READ_BYTES)]
+
+    async def batch(part):
+        return await asyncio.gather(*(_http_get(fs, url, s, e, e - s) for s, e in part))
+    return [data for k in range(0, len(ranges), _HTTP_BATCH)
+            for data in sync(fs.loop, batch, ranges[k:k + _HTTP_BATCH])]
 
 
 def file_sha256(path, fd: int | None = None) -> str:
