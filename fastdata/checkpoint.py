@@ -298,11 +298,8 @@ def _torch_load(source, path, size: int, map_location) -> dict:
 
 
 def _check_crcs(source, path, size: int) -> None:
-    """Refuse a checkpoint whose bytes changed after it was written (a flipped block on a disk or in a
-    copy). torch.save writes a zip archive with each entry's CRC-32, but torch.load does not check
-    them: a damaged tensor loads as wrong weights and training goes on from them. Checking reads the
-    file once more (about a second per GB). Not a zip archive, or a cut-off one: torch.load's own
-    errors say so below."""
+    """Refuse a zip bomb (``_oversized``) and a file changed after it was written (torch.load checks no
+    CRC-32: a damaged tensor loads as wrong weights). Reads the file once more (a second per GB)."""
     try:
         with zipfile.ZipFile(source) as archive:
             big = _oversized(archive, size)
@@ -313,55 +310,39 @@ def _check_crcs(source, path, size: int) -> None:
         if hasattr(source, "seek"):
             source.seek(0)
     if big is not None:
-        entries, total = big
-        what = (f"entry '{entries[0].filename}' says it expands to {total:,} bytes" if len(entries) == 1 else
-                f"{len(entries):,} entries say they expand to {total:,} bytes together")
         raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is not a checkpoint torch.save wrote: its "
-                              f"{what}, more than the whole file (a zip bomb, or a damaged file). It was not "
-                              f"read: delete it, or point to an intact copy")
+                              f"{big}, more than the whole file (a zip bomb, or a damaged file). It was not read: "
+                              f"delete it, or point to an intact copy")
     if bad is not None:
         raise CheckpointError(f"checkpoint '{path}' ({size:,} bytes) is corrupt: its entry '{bad}' fails its "
                               f"CRC-32 check, so the file changed after it was written (a damaged disk or "
                               f"copy); delete it to start afresh or point to an intact copy")
 
 
-def _oversized(archive: zipfile.ZipFile, size: int) -> tuple[list[zipfile.ZipInfo], int] | None:
-    """The entry that says it holds more bytes than the whole file, or else all of them when together
-    they say so (with the bytes they state), if any: torch.load allocates each entry's stated size
-    before it compares it with the tensor's, and a deflated entry of zeros states a thousand times its
-    own size, so a 2 MB checkpoint took 2.5 GB and 13 s to refuse (20 MB: the machine's memory). A
-    thousand entries each under the file's size held as much. torch.save stores its entries
-    uncompressed, side by side: together they never state more than the file (zip64 sizes included:
-    ``zipfile`` reads them from the entry's extra field)."""
+def _oversized(archive: zipfile.ZipFile, size: int) -> str | None:
+    """The entry, else all, stating more bytes than the file (said so): torch.load allocates each entry's
+    stated size (a deflated one of zeros states 1000x its own); torch.save stores them: never more."""
     entries = archive.infolist()
     big = next((entry for entry in entries if entry.file_size > size), None)
     if big is not None:
-        return [big], big.file_size
+        return f"entry '{big.filename}' says it expands to {big.file_size:,} bytes"
     total = sum(entry.file_size for entry in entries)
-    return (entries, total) if total > size else None
+    return f"{len(entries):,} entries say they expand to {total:,} bytes together" if total > size else None
 
 
 #: What torch's weights-only unpickler names when it refuses a pickled callable or class.
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+?)(?: was not an allowed global| whose module (\S+) is blocked)")
-
-
-#: Modules whose functions run code, commands or imports (Python 2's names too: a pickle of protocol 2
-#: names subprocess "commands"). torch blocks os, posix, nt and sys alone; a pickled eval, exec,
-#: getattr, subprocess call or runpy._run_code is "not an allowed global", as a class of one's own is,
-#: and was answered with the advice to allow it (``add_safe_globals([eval])``).
-_CODE_MODULES = frozenset({"builtins", "__builtin__", "os", "posix", "nt", "sys", "subprocess", "commands",
-                           "popen2", "runpy", "importlib", "pkgutil", "code", "codeop", "pdb", "timeit",
-                           "pickle", "cPickle", "marshal", "shelve", "types", "ctypes", "cffi", "pty",
-                           "shutil", "socket", "webbrowser", "operator", "functools", "multiprocessing",
-                           "asyncio", "platform", "tempfile", "pathlib", "io", "urllib", "http", "ftplib"})
+#: Modules of code, commands, imports (Python 2's too: protocol 2 names subprocess "commands"). torch blocks os,
+#: posix, nt, sys alone: eval was "not an allowed global", and the error advised add_safe_globals([eval]).
+_CODE_MODULES = frozenset({"builtins", "__builtin__", "os", "posix", "nt", "sys", "subprocess", "commands", "popen2",
+                           "runpy", "importlib", "pkgutil", "code", "codeop", "pdb", "timeit", "pickle", "marshal",
+                           "shelve", "types", "ctypes", "pty", "shutil", "socket", "webbrowser", "operator",
+                           "functools", "multiprocessing", "asyncio", "platform", "tempfile", "pathlib", "io"})
 
 
 def _refusal(e: pickle.UnpicklingError) -> str:
-    """What ``weights_only`` refused, and what that means for a file from elsewhere. torch's own text
-    opens with a paragraph on re-running ``torch.load`` with ``weights_only=False``, the one thing not to
-    do with a checkpoint someone else made (a pickle runs the code it names), and that paragraph was
-    all the error showed: the refused name (``posix.system``: a file crafted to run a command on load)
-    was in a later line."""
+    """What ``weights_only`` refused and what it means: torch's text opens with a paragraph on re-running
+    with ``weights_only=False`` (never for a file from elsewhere), and that was all the error showed."""
     found = _REFUSED_GLOBAL.search(str(e))
     if found is None:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
