@@ -35,9 +35,9 @@ def check_image(name: str, data: bytes) -> None:
 
     Why before copying: pack copies a file's bytes as they are, and a downloaded folder may hold a link
     named ``x.jpg`` to a private file outside it (``~/.ssh/id_rsa``): unchecked, it went into a shard
-    ready to be published. Header only, no decode: about 20 us a photo. Through a buffered reader, not
-    the ``BytesIO`` the loaders pass: given a ``BytesIO``, ``open_image`` also counts a JPEG's scans, a
-    pass over every byte (~0.6 ms a MB) that made pack half again as slow; that count guards decoding,
+    ready to be published. Header only, no decode. Through a buffered reader, not the ``BytesIO`` the
+    loaders pass: given a ``BytesIO``, ``open_image`` also counts a JPEG's scans, a walk over the whole
+    file that costs several times the header parse on a typical photo; that count guards decoding,
     which pack does not do, and every loader still refuses (or skips) such a photo by name."""
     from ..images.photo import open_image
 
