@@ -71,8 +71,8 @@ def jpeg_scans(data: bytes) -> int:
         if code == 0xD9:   # EOI: the decode ends here
             return scans
         length = int.from_bytes(data[pos:pos + 2], "big")
-        if length < 2:     # libjpeg: "bogus marker length", the decode stops here
-            return scans
+        if length < 2:     # libjpeg stops at a bogus length; a lenient decoder might not: count them all
+            break
         scans += code == 0xDA
         pos += length      # a scan's data follows its header: the next search skips it
     return data.count(b"\xff\xda")
