@@ -1,6 +1,7 @@
 """Review of the untrusted-input guards (fastdata/images/photo.py's scan limit, fastdata/checkpoint.py's
 zip checks, fastdata/engine/state.py's entry checks): real files they must not refuse."""
 import io
+import os
 
 import numpy as np
 import pytest
@@ -267,3 +268,33 @@ def test_a_photo_has_its_scans_counted_once_a_decode(monkeypatch, size, checked)
     for seed in range(10):
         photo.load_photo(data, "x/photo.jpg", aug, np.random.default_rng(seed), checked=checked)
     assert len(walks) == 10
+
+
+# ---------------------------------------------------------------- a file of a few bytes
+@pytest.mark.parametrize("backend", ["torch", "memory", "dali"])
+@pytest.mark.parametrize("data", [b"\xff\xd8\xff", b"BM", b"\x00"], ids=["jpeg-start", "bmp-start", "one-byte"])
+def test_a_file_of_a_few_bytes_is_a_decode_error_naming_it_and_skipped_under_skip(tmp_path, backend, data):
+    """A download cut off after 1-3 bytes: Pillow's BMP signature test reads 4 bytes and raised a bare
+    struct.error out of the reason-finding for an unidentified file, naming no file, and on_error='skip'
+    did not skip it (it is not a DecodeError)."""
+    import warnings
+
+    from conftest import require
+    from fastdata import Augmentation, make_loader
+    from fastdata.datasets import ImageFolder, make_image_folder
+    from fastdata.errors import DecodeError
+
+    if backend == "dali":
+        require("nvidia.dali")
+    root = make_image_folder(tmp_path / "p", classes=2, per_class=4, size_range=((20, 30), (20, 30)))
+    bad = ImageFolder(root).sample_name(1)
+    with open(bad, "wb") as f:
+        f.write(data)
+    kw = dict(batch_size=4, device="cpu", num_workers=0, train=False, drop_last=False,
+              augment=Augmentation.imagenet_eval(size=16))
+    with pytest.raises(DecodeError, match=os.path.basename(bad)):
+        list(make_loader(ImageFolder(root), backend, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loader = make_loader(ImageFolder(root), backend, on_error="skip", **kw)
+        assert sum(len(y) for _, y in loader) == 7

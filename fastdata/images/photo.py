@@ -164,8 +164,11 @@ def _unidentified(path: str, fp) -> str:
     Image.init()
     for fmt in Image.ID:
         factory, accept = Image.OPEN[fmt]
-        if accept is None or not accept(head):
-            continue
+        try:
+            if accept is None or not accept(head):
+                continue
+        except Exception:   # a signature test reading past a short file (BMP's on 3 bytes: struct.error),
+            continue        # which Image.open catches around it too
         try:
             with (open(path, "rb") if fp is None else contextlib.nullcontext(fp)) as stream, \
                     warnings.catch_warnings():
