@@ -229,6 +229,19 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(cuda_unavailable_reason(1) or "")
 
 
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height (a few bytes of data): a decompression bomb's header."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
+
+
 def pairs(a, b):
     """The batches of two loaders (or any two iterables), read whole, paired one to one: both must hold
     the same number, and at least one. A bare ``zip`` stops at the shorter, so a loader that yielded no

@@ -166,12 +166,9 @@ SKIP_GATHER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.requires("accelerate")
-@pytest.mark.parametrize("broken", [
-    0,    # the padding sample (and the epoch's first): skipped at both places
-    33,   # a real sample of the padded last step: its rank's last batch is one row short
-], ids=["padding-skipped", "real-skipped"])
-def test_gather_for_metrics_counts_each_readable_sample_once_when_one_of_the_last_step_is_skipped(tmp_path, broken):
+def _two_ranks_over_photos(tmp_path, broken: int, script_text: str) -> None:
+    """``script_text`` run by torchrun on 2 CPU ranks, given a folder of 37 photos whose ``broken``-th
+    is not a photo, and ``tmp_path`` for what it writes; it must exit 0."""
     from fastdata.datasets import ImageFolder, make_image_folder
 
     root = make_image_folder(tmp_path / "photos", classes=1, per_class=37, size_range=((20, 30), (20, 30)))
@@ -179,12 +176,21 @@ def test_gather_for_metrics_counts_each_readable_sample_once_when_one_of_the_las
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
         env.pop(name, None)
-    script = tmp_path / "gather.py"
-    script.write_text(SKIP_GATHER_SCRIPT)
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), str(root), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.requires("accelerate")
+@pytest.mark.parametrize("broken", [
+    0,    # the padding sample (and the epoch's first): skipped at both places
+    33,   # a real sample of the padded last step: its rank's last batch is one row short
+], ids=["padding-skipped", "real-skipped"])
+def test_gather_for_metrics_counts_each_readable_sample_once_when_one_of_the_last_step_is_skipped(tmp_path, broken):
+    _two_ranks_over_photos(tmp_path, broken, SKIP_GATHER_SCRIPT)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert broken in r0["skipped"] + r1["skipped"]
     assert r0["gathered"] == r1["gathered"] and r0["remainder"] == r1["remainder"]
@@ -217,19 +223,7 @@ ONE_RANK_SCRIPT = textwrap.dedent("""
 def test_a_program_without_an_accelerator_reading_on_one_rank_does_not_wait_on_the_others(tmp_path):
     """The ranks' sum of real rows at the last batch is for gather_for_metrics, which needs an Accelerator
     on every rank: a program that only imported accelerate and reads a loader on rank 0 alone hung in it."""
-    from fastdata.datasets import ImageFolder, make_image_folder
-
-    root = make_image_folder(tmp_path / "photos", classes=1, per_class=37, size_range=((20, 30), (20, 30)))
-    Path(ImageFolder(root).sample_name(33)).write_bytes(b"not a photo")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
-        env.pop(name, None)
-    script = tmp_path / "one_rank.py"
-    script.write_text(ONE_RANK_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(root), str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _two_ranks_over_photos(tmp_path, 33, ONE_RANK_SCRIPT)
     assert (tmp_path / "done").read_text() == "18"   # rank 0's half (19 planned, 1 skipped), padding included
 
 

@@ -14,12 +14,12 @@ import json
 import os
 import struct
 import tarfile
-import zlib
 
 import pytest
 import torch
 from PIL import Image
 
+from conftest import png_claiming
 from engine_helpers import BACKENDS
 from fastdata import Augmentation, DecodeError, fit, make_loader
 from fastdata import checkpoint as ckpt
@@ -188,15 +188,6 @@ def test_fastdatas_own_checkpoints_load_with_weights_only(tmp_path, backend):
 
 
 # ----------------------------------------------------------------------------------------- images
-def _png_claiming(width: int, height: int) -> bytes:
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + chunk(b"IEND", b""))
-
-
 def _jpeg_claiming(width: int, height: int) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (16, 16), "red").save(buffer, "JPEG")
@@ -221,8 +212,8 @@ def _loader(root, backend, on_error):
                        augment=Augmentation.imagenet_train(size=16), **kw)
 
 
-BOMBS = {"bomb.png": lambda: _png_claiming(100_000, 100_000), "bomb.jpg": lambda: _jpeg_claiming(60_000, 60_000),
-         "wide.png": lambda: _png_claiming(2**31 - 1, 1)}
+BOMBS = {"bomb.png": lambda: png_claiming(100_000, 100_000), "bomb.jpg": lambda: _jpeg_claiming(60_000, 60_000),
+         "wide.png": lambda: png_claiming(2**31 - 1, 1)}
 CPU_BACKENDS = [b for b in BACKENDS if b != "prefetch"]
 
 

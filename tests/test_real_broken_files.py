@@ -16,6 +16,7 @@ import torch
 from PIL import Image, ImageOps
 
 import fastdata
+from conftest import png_claiming
 from fastdata import Augmentation, DecodeError, make_loader
 from fastdata.datasets import ImageFolder, Shards
 from fastdata.datasets.folders import read_file
@@ -442,24 +443,12 @@ def test_pack_refuses_an_empty_or_unreadable_file_before_writing_anything(tmp_pa
             assert (len(images), skipped) == (3, 1)
 
 
-def _png_claiming(width: int, height: int) -> bytes:
-    """A PNG whose header claims width x height (a few bytes of data): a decompression bomb's header."""
-    import zlib
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + chunk(b"IEND", b""))
-
-
 @pytest.mark.parametrize("bad", ["bomb.png", "text.jpg"])
 def test_pack_with_max_side_names_a_file_it_cannot_re_encode(tmp_path, photo_folder, bad):
     root = tmp_path / "photos"
     (root / "a").mkdir(parents=True)
     (root / "a" / "g0.jpg").write_bytes((photo_folder / "a_good" / "g0.jpg").read_bytes())
-    (root / "a" / bad).write_bytes(_png_claiming(100_000, 100_000) if bad == "bomb.png" else b"not a photo\n")
+    (root / "a" / bad).write_bytes(png_claiming(100_000, 100_000) if bad == "bomb.png" else b"not a photo\n")
     # Was: Pillow's DecompressionBombError naming no file; Pillow's "<_io.BytesIO object at 0x7f...>".
     with pytest.raises(ValueError, match=f"cannot re-encode '{root / 'a' / bad}' for --max-side 16") as info:
         fastdata.pack(ImageFolder(root), tmp_path / "packed", max_side=16, progress=False, workers=0)
