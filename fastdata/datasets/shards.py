@@ -335,9 +335,13 @@ class Shards(Source):
         # another store or a local disk resumes. The window of a pack of photos too: it decides the
         # epoch's order, so a position saved under another window would read other samples than the
         # ones the run had left. (A pack of arrays is shuffled as an array source: no window.)
-        window = "" if self.images is not None else f" window={self.window}"
+        return self._fingerprint(window=self.images is None)
+
+    def _fingerprint(self, *, window: bool) -> str:
+        """The fingerprint, with the window or (as releases before 2026-11-27 built it) without."""
+        tag = f" window={self.window}" if window else ""
         return (f"Shards n={len(self)} classes={self.num_classes} index={self.index.fingerprint}"
-                f"{window}{self._subset_tag()}")
+                f"{tag}{self._subset_tag()}")
 
     def saved_fingerprint(self, saved: str) -> str:
         """The fingerprint a loader position saved over this pack is compared with: ``saved`` itself, but
@@ -345,8 +349,7 @@ class Shards(Source):
         default window's, with a warning, when this loader reads with that default."""
         # The older fingerprint built as it was (no window), not found by text: an index's own fingerprint
         # (a pack made from another pack) may hold a ' window=' of its own.
-        before = f"Shards n={len(self)} classes={self.num_classes} index={self.index.fingerprint}{self._subset_tag()}"
-        if self.window != _DEFAULT_WINDOW or self.images is not None or saved != before:
+        if self.window != _DEFAULT_WINDOW or self.images is not None or saved != self._fingerprint(window=False):
             return saved
         warnings.warn(f"this position over '{self.location}' was saved by an older fastdata, which did not "
                       f"record the shards' window: it is taken as window={_DEFAULT_WINDOW}, the default then "

@@ -143,9 +143,9 @@ def _int(value, where: str, what: str, low: int = 0) -> int:
 
 
 def _int_array(values, n: int, where: str, what: str) -> np.ndarray:
-    if isinstance(values, np.ndarray) and len(values) != n:   # parsed by _load_json: int64 already
-        _fail(where, f"{what} has {len(values)} entries but the index has {n} samples")
-    if isinstance(values, np.ndarray):
+    if isinstance(values, np.ndarray):   # parsed by _load_json: int64 already
+        if len(values) != n:
+            _fail(where, f"{what} has {len(values)} entries but the index has {n} samples")
         return values
     if not isinstance(values, list):
         _fail(where, f"{what} must be a list of {n} integers, got {type(values).__name__}")
