@@ -35,16 +35,15 @@ def check_image(name: str, data: bytes) -> None:
 
     Why before copying: pack copies a file's bytes as they are, and a downloaded folder may hold a link
     named ``x.jpg`` to a private file outside it (``~/.ssh/id_rsa``): unchecked, it went into a shard
-    ready to be published. Header only, no decode. Through a buffered reader, not the ``BytesIO`` the
-    loaders pass: given a ``BytesIO``, ``open_image`` also counts a JPEG's scans, a walk over the whole
-    file that costs several times the header parse on a typical photo; that count guards decoding,
-    which pack does not do, and every loader still refuses (or skips) such a photo by name."""
+    ready to be published. Header only, no decode, and no count of a JPEG's scans (``scans_counted``):
+    that walk over the whole file costs several times the header parse on a typical photo and guards
+    decoding, which pack does not do; every loader still refuses (or skips) such a photo by name."""
     from ..images.photo import open_image
 
     try:
         if not data:
             raise DecodeError(name, "empty file (0 bytes)")
-        open_image(name, io.BufferedReader(io.BytesIO(data))).close()
+        open_image(name, io.BytesIO(data), scans_counted=True).close()
     except Exception as e:   # DecodeError; any other failure on hostile bytes is a refusal too, named
         why = e.why if isinstance(e, DecodeError) else f"{type(e).__name__}: {e}"
         raise ValueError(f"pack: '{name}' is not an image the loaders read ({why}); pack copies only "
