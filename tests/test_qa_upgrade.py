@@ -46,7 +46,12 @@ def test_old_checkpoint_resumes_to_the_uninterrupted_runs_weights(rev, tmp_path,
     assert "epoch 1, batch 4/6" in capsys.readouterr().out   # resumed where it was saved, not from scratch
     want = torch.load(DATA / rev / "full_weights.pt", weights_only=True)
     for name, value in model.state_dict().items():
-        assert torch.equal(value, want[name]), f"{rev}: {name} differs from the uninterrupted old run's"
+        # Not bit for bit: the fixtures were written on another CPU, and torch's CPU kernels sum in another
+        # order under AVX-512 than under AVX2 (2e-8 apart on this model, measured). atol is 50x that, and
+        # still tight: a 1e-5 offset of one weight at the checkpoint comes through to the end unchanged.
+        torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{rev}: {name} differs from the uninterrupted old "
+                                                            f"run's: {m}")
     assert len(history) == 2 and history[-1]["lr"] == pytest.approx(4e-7)   # OneCycleLR's end, stepped 12 times
     if log_dir is not None:
         # The killed run logged steps 0-5, its checkpoint is at step 4: the resumed log holds each step once.
