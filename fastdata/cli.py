@@ -378,12 +378,21 @@ def _say_once(store, prefix: str, line: str, relay: bool, me: int, world: int) -
             return
     said = f"{prefix}/said/{hashlib.sha256(line.encode('utf-8', 'surrogatepass')).hexdigest()}"
     if store.add(said, 1) == 1:
-        print(line, file=sys.stderr, flush=True)
+        say_line(line)
         with contextlib.suppress(Exception):   # the line is out: a store gone now costs the others a wait
             store.set(f"{said}/printed", "1")
         return
     with contextlib.suppress(Exception):
         _posted(store, said, ["printed"])
+
+
+def say_line(line: str) -> None:
+    """``line`` and its newline on stderr in one write: ranks that print at the same moment into
+    torchrun's shared stderr then keep their lines whole. ``print`` writes the text and the newline
+    separately, and under ``PYTHONUNBUFFERED=1`` (common under torchrun and in containers) each is its
+    own system call, so two ranks' lines interleaved into one (``...rank 1error: ...rank 0``)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _posted(store, prefix: str, ranks) -> dict:
@@ -443,7 +452,7 @@ def on_ctrl_c(say="interrupted"):
         yield
     except KeyboardInterrupt:
         if distributed.is_main():
-            print(say() if callable(say) else say, file=sys.stderr, flush=True)
+            say_line(say() if callable(say) else say)
         raise SystemExit(130) from None
 
 

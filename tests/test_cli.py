@@ -134,3 +134,33 @@ def test_every_command_takes_source_names_through_one_parser(tmp_path, monkeypat
     with pytest.raises(ZeroDivisionError):
         writer.pack("digits", tmp_path / "out", split="test", progress=False)
     assert seen == [("digits", {"split": "test"})]
+
+
+class _Writes:
+    """A stderr that keeps each write call apart."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, text):
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("say", [
+    lambda: cli.say_line("error: the loss went nan on rank 1"),
+    # exit_with's exchange, through a real (in-process) c10d store: the line the first rank to claim it prints
+    lambda: cli._say_once(__import__("torch").distributed.HashStore(), "t", "error: the loss went nan on rank 1",
+                          False, 0, 1),
+])
+def test_an_error_line_is_one_write_so_ranks_printing_at_once_keep_their_lines_whole(monkeypatch, say):
+    """Under torchrun the ranks share one stderr; print() writes the text and its newline apart, each
+    a system call of its own under PYTHONUNBUFFERED=1, and two ranks failing at once printed
+    "error: ...rank 1error: ...rank 0" on one line."""
+    err = _Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    say()
+    assert err.calls == ["error: the loss went nan on rank 1\n"]
