@@ -122,6 +122,8 @@ def test_eviction_keeps_the_cache_under_its_limit_and_spares_shards_in_use(remot
         assert open(held, "rb").read() == files["s0.tar"]      # in use elsewhere: never evicted
         cache.release(name)
     other.release("s0.tar")
+    cache.get("sub/s4.tar")                       # used after s0's release: s0 is the least recently used
+    cache.release("sub/s4.tar")
     cache.get("s1.tar")                           # now s0 (least recently used, released) may go
     assert not os.path.exists(held)
     assert cached_bytes(tmp_path / "cache") <= limit
@@ -143,6 +145,26 @@ def test_least_recently_used_released_shards_go_first(remote, tmp_path):
     left = sorted(os.listdir(tmp_path / "cache"))
     assert left == [".locks", "s0.tar", "s2.tar", "s3.tar"]
     cache.close()
+
+
+def test_shards_used_a_moment_apart_are_evicted_in_the_order_they_were_used(remote, tmp_path):
+    """No sleep between the uses: the kernel's "now" (a bare os.utime) is one coarse tick, so a shard
+    used after another within the tick tied with it, and the tie went to the name: s0, used last here,
+    was evicted before s1 and s2 (a fetch-ahead evicted the shard the next pass was about to read)."""
+    root, files = remote
+    for attempt in range(20):
+        folder = tmp_path / f"cache{attempt}"
+        cache = ShardCache(Storage(f"file://{root}", **FAST), folder, limit_bytes=3 * SIZE,
+                           expected_sizes=sizes(files))
+        for name in ["s2.tar", "s1.tar", "s0.tar"]:   # fetched, then used in the reverse order of names
+            cache.get(name)
+            cache.release(name)
+        for name in ["s2.tar", "s1.tar", "s0.tar"]:
+            cache.get(name)
+            cache.release(name)
+        cache.get("s3.tar")
+        assert sorted(os.listdir(folder)) == [".locks", "s0.tar", "s1.tar", "s3.tar"], attempt
+        cache.close()
 
 
 def test_no_room_while_every_shard_is_in_use_is_an_error_that_says_so(remote, tmp_path):

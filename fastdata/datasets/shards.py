@@ -13,7 +13,7 @@ window are fetched ahead on a thread of the loader's process; readers in worker 
 published in the shared cache folder (or wait, on the shard's lock, for the download in progress).
 
 A shard is checked against the index when it is opened, not per sample: its size at every open, its
-sha256 once per version of a local file (``shards.cache.Verdicts``) and before a download is published
+sha256 once per version of a local file (``shards.verdicts.Verdicts``) and before a download is published
 (the cache keys shards by digest). A shard that is not what the index says is a ``DecodeError`` for its
 samples (``on_error="skip"``: skipped and counted), never another pack's labels on its pixels.
 
@@ -113,7 +113,7 @@ class Shards(Source):
         self._cache_dir, self._cache_limit = cache_dir, cache_limit
         self._verdicts = None
         if self.storage.is_local:
-            from ..shards.cache import Verdicts
+            from ..shards.verdicts import Verdicts
 
             self._verdicts = Verdicts(os.path.join(cache_dir, ".verified") if cache_dir is not None else
                                       os.path.join(tempfile.gettempdir(), "fastdata-shards", "verified"))
@@ -121,7 +121,7 @@ class Shards(Source):
             self._open_cache()   # the budget is checked now, not at the first read in a worker
         self._prefetcher: _Prefetcher | None = None
         self._stop_ahead: weakref.finalize | None = None   # stops the prefetcher if this is never closed
-        self._files = _OpenFiles(2 * self.window)
+        self._files = _OpenFiles(2 * self.window, self._cache is not None)
         self._pid = os.getpid()
         self.channels = 3
         self.images: np.ndarray | None = None
@@ -215,7 +215,8 @@ class Shards(Source):
         """The per-process, per-copy state, fresh: open shard files, the read-ahead thread and its stop.
         One place for the fields a copy (``__getstate__``, ``_take``) or a forked process (``_check_process``)
         must not share."""
-        return {"_files": _OpenFiles(2 * self.window), "_prefetcher": None, "_stop_ahead": None}
+        return {"_files": _OpenFiles(2 * self.window, self._cache is not None), "_prefetcher": None,
+                "_stop_ahead": None}
 
     def _check_process(self):
         if self._pid != os.getpid():   # forked: the parent's descriptors and thread are not ours
@@ -402,15 +403,20 @@ class _OpenFiles:
     bytes (the tar header check would then fail the sample); the dict alone, unlocked, also raced
     (KeyError, EBADF in the dali benchmark with a small cache)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, cached: bool = False):
         self.limit = max(1, int(limit))
+        # A cache's copies: the cache stamps each use in the file's mtime (its LRU order), so between two
+        # reads of one thread another thread's use changed the mtime, and reads by 8 threads failed as
+        # "changed at each of 3 reads" (2% of them). A copy is never rewritten in place (a new version is
+        # published under a new inode by os.replace): its identity is its size and inode.
+        self.cached = bool(cached)
         self._lock = threading.Lock()
         self._open: dict[str, list] = {}   # path -> [fd, readers, retired, (size, mtime_ns) at open]
 
     def __reduce__(self):
         # Descriptors and the lock are this process's: a copy (a spawn or forkserver DataLoader
         # worker, which pickles the source) starts with none open. A lock cannot be pickled at all.
-        return (_OpenFiles, (self.limit,))
+        return (_OpenFiles, (self.limit, self.cached))
 
     def pread(self, path: str, start: int, length: int, check=None) -> bytes:
         """``length`` bytes of ``path`` from ``start``; a read that fails (a cached shard replaced
@@ -426,7 +432,7 @@ class _OpenFiles:
             entry = self._take(path, check)
             try:
                 data = os.pread(entry[0], length, start)
-                if _version(os.fstat(entry[0])) == entry[3]:
+                if _version(os.fstat(entry[0]), self.cached) == entry[3]:
                     return data
                 if attempt == 2:
                     raise OSError(errno.EAGAIN, f"the file changed at each of {attempt + 1} reads: it is being "
@@ -452,7 +458,7 @@ class _OpenFiles:
         fd = os.open(path, os.O_RDONLY)
         try:
             # The version before the check: a file that changes while it is hashed is checked again.
-            version = _version(os.fstat(fd))
+            version = _version(os.fstat(fd), self.cached)
             if check is not None:
                 check(fd)
         except BaseException:
@@ -582,9 +588,10 @@ class _Prefetcher:
             self._thread.join(timeout=60)
 
 
-def _version(st: os.stat_result) -> tuple[int, int]:
-    """What tells one version of an open file from the next: its size and modification time."""
-    return st.st_size, st.st_mtime_ns
+def _version(st: os.stat_result, cached: bool = False) -> tuple[int, int]:
+    """What tells one version of an open file from the next: its size and modification time; for a
+    cache's copy (whose mtime records its last use), its size and inode."""
+    return (st.st_size, st.st_ino) if cached else (st.st_size, st.st_mtime_ns)
 
 
 def _image_shape(value) -> tuple[int, int, int] | None:
