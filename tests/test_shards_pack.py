@@ -2,6 +2,7 @@ import importlib
 import io
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -183,6 +184,44 @@ def test_an_error_mid_shard_leaves_no_complete_looking_shard_and_a_rerun_skips_f
     assert report.skipped == 5 and report.written == report.shards - 5
     assert all((out / name).stat().st_mtime_ns == t for name, t in mtimes.items())   # not rewritten
     assert len(read_index(out)) == report.samples
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_file_pack_refuses_is_named_in_one_run_and_the_other_shards_are_written(photos, tmp_path, workers):
+    """A folder with several files no loader reads took one run per file (pack stopped at the first):
+    now the shards without one are written, and one error names them all, listing them in OUT."""
+    from fastdata.datasets import ImageFolder
+
+    names = ImageFolder(photos).paths
+    bad = [names[1], names[2], names[7], names[10]]   # shards 1, 2, 7, 10 (one sample a shard)
+    for k, name in enumerate(bad):
+        Path(name).write_bytes(b"not a photo %d\n" % k if k else b"\x00")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as info:
+        pack(photos, out, shard_size="2KB", workers=workers, progress=False)
+    said = str(info.value)
+    assert "\n" not in said and said.startswith("pack: 4 files of the source cannot go into a shard, so 4 ")
+    assert all(f"'{name}' (not an image the loaders read" in said for name in bad[:3]) and "and 1 more" in said
+    listed = out / "pack-refused.txt"
+    assert f"all listed in '{listed}'" in said and f"the {len(names) - 4} other shard(s) are written" in said
+    assert [line.split("\t")[0] for line in listed.read_text().splitlines()] == bad
+    assert len(_tars(out)) == len(names) - 4 and not (out / "index.json").exists()
+    assert not list(out.glob("*.tmp-*"))
+    for name in bad:   # fixed in place: the re-run writes those shards and keeps the others
+        _jpeg(name, np.full((20, 20, 3), 7, np.uint8))
+    report = pack(photos, out, shard_size="2KB", workers=workers, progress=False)
+    assert (report.written, report.skipped) == (4, len(names) - 4)
+    assert len(read_index(out)) == len(names) and not listed.exists()
+
+
+def test_one_refused_file_keeps_its_own_sentence(photos, tmp_path):
+    from fastdata.datasets import ImageFolder
+
+    name = ImageFolder(photos).paths[3]
+    Path(name).write_bytes(b"GIF89a")
+    with pytest.raises(ValueError, match=f"^pack: '{re.escape(name)}' is not an image the loaders read .*"
+                                         f"then pack again; the 11 other shard\\(s\\) are written and kept$"):
+        pack(photos, tmp_path / "out", shard_size="2KB", workers=0, progress=False)
 
 
 def test_a_killed_pack_leaves_only_a_temporary_file_and_a_rerun_finishes(photos, tmp_path):

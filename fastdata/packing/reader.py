@@ -20,12 +20,25 @@ _EXT = re.compile(r"[a-z0-9]+\Z")
 _PLAN_RUN = 1024
 
 
+class RefusedFile(ValueError):
+    """A file of the source that ``pack`` will not copy into a shard: ``name`` (the source's name for it)
+    and ``why``, a short reason; the message is the whole sentence. Pack goes on with the other files
+    to name every such file in one run (``RefusedFiles``), where a folder with ten of them took ten."""
+
+    def __init__(self, message: str, name: str, why: str):
+        super().__init__(message)
+        self.name, self.why = name, why
+
+    def __reduce__(self):   # raised in pack's worker processes: rebuilt whole in the parent
+        return type(self), (str(self), self.name, self.why)
+
+
 def _image_ext(path: str) -> str:
     ext = os.path.splitext(path)[1][1:].lower()
     ext = {"jpeg": "jpg", "tif": "tiff"}.get(ext, ext)
     if not _EXT.match(ext):
-        raise ValueError(f"'{path}' has no image extension (letters and digits after its last dot): the tar "
-                         f"member's extension says what the image is")
+        raise RefusedFile(f"'{path}' has no image extension (letters and digits after its last dot): the tar "
+                          f"member's extension says what the image is", path, "no image extension")
     return ext
 
 
@@ -46,8 +59,9 @@ def check_image(name: str, data: bytes) -> None:
         open_image(name, io.BytesIO(data), scans_counted=True).close()
     except Exception as e:   # DecodeError; any other failure on hostile bytes is a refusal too, named
         why = e.why if isinstance(e, DecodeError) else f"{type(e).__name__}: {e}"
-        raise ValueError(f"pack: '{name}' is not an image the loaders read ({why}); pack copies only "
-                         f"images: remove the file or fix it, then pack again") from None
+        raise RefusedFile(f"pack: '{name}' is not an image the loaders read ({why}); pack copies only "
+                          f"images: remove the file or fix it, then pack again", name,
+                          f"not an image the loaders read: {why}") from None
 
 
 def _png(array: np.ndarray) -> bytes:
@@ -101,14 +115,16 @@ def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
             img.save(out, format="JPEG", quality=JPEG_QUALITY)
             return out.getvalue()
     except DecodeError as e:
-        raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: {e.why}") from None
+        why = e.why
     except UnidentifiedImageError:
         # Pillow's own text names its file object ("<_io.BytesIO object at 0x7f...>"), not the file.
-        raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: not an image format Pillow "
-                         f"recognizes (the file starts with {data[:16]!r})") from None
+        why = f"not an image format Pillow recognizes (the file starts with {data[:16]!r})"
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         # DecompressionBombError is no OSError: it left pack as Pillow's own error, naming no file.
-        raise ValueError(f"cannot re-encode {what} for --max-side {max_side}: {e}") from None
+        why = str(e)
+    name = what[1:-1] if len(what) > 1 and what[0] == what[-1] == "'" else what
+    raise RefusedFile(f"cannot re-encode {what} for --max-side {max_side}: {why}", name,
+                      f"cannot be re-encoded for --max-side {max_side}: {why}")
 
 
 #: Modes whose pixels are one grey value (the loaders' RGB of them has three equal channels).
@@ -245,8 +261,9 @@ class SampleReader:
                 data = self.source.read_stamped(i)[0]
             except DecodeError as e:
                 # As while planning: DecodeError's own hint (on_error='skip') is the loaders'; pack has none.
-                raise ValueError(f"pack: cannot read '{e.path}' ({e.why}); pack copies every file of the "
-                                 f"source: remove the file or fix it, then pack again") from None
+                raise RefusedFile(f"pack: cannot read '{e.path}' ({e.why}); pack copies every file of the "
+                                  f"source: remove the file or fix it, then pack again", name,
+                                  f"cannot be read: {e.why}") from None
             check_image(name, data)
             if self.max_side is not None:
                 small = shrink(data, self.max_side, f"'{name}'")

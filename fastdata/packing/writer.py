@@ -24,10 +24,39 @@ from ..datasets.spec import SPLITS
 from ..shards.index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 from ..shards.storage import file_sha256
 from .ranks import barrier, drop_other_index, has_group, merge_parts, wait_for_index
-from .reader import PACK_VERSION, SampleReader
+from .reader import PACK_VERSION, RefusedFile, SampleReader
 
 if TYPE_CHECKING:
     from ..datasets.base import Source
+
+#: Files named in full in a refusal's one-line message; all of them are in OUT's ``REFUSED_LIST``.
+_SHOWN = 3
+REFUSED_LIST = "pack-refused.txt"
+
+
+class RefusedFiles(ValueError):
+    """Files of the source that ``pack`` did not copy (``RefusedFile`` each, ``refused``), in ``shards``
+    shards that were therefore not written; the others were. Raised once the pack has gone through every
+    shard, so one run names every such file. The message is one line (the command prints it as it is)."""
+
+    def __init__(self, refused: list, shards: list, written: int = 0, listed: str | None = None):
+        self.refused, self.shards, self.written, self.listed = list(refused), list(shards), written, listed
+        super().__init__(self._message())
+
+    def __reduce__(self):   # a worker's shard refusal, rebuilt whole in the parent
+        return type(self), (self.refused, self.shards, self.written, self.listed)
+
+    def _message(self) -> str:
+        kept = f"; the {self.written} other shard(s) are written and kept" if self.written else ""
+        if len(self.refused) == 1:
+            return f"{self.refused[0]}{kept}"
+        shown = ", ".join(f"'{r.name}' ({r.why})" for r in self.refused[:_SHOWN])
+        more = f", and {len(self.refused) - _SHOWN} more" if len(self.refused) > _SHOWN else ""
+        where = f" (all listed in '{self.listed}')" if self.listed and more else ""
+        return (f"pack: {len(self.refused)} files of the source cannot go into a shard, so {len(self.shards)} "
+                f"shard(s) are not written: {shown}{more}{where}{kept}; pack copies only images it can read: "
+                f"remove or fix these files, then pack again")
+
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -137,6 +166,7 @@ def _write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int
     tmp = f"{final}.tmp-{os.getpid()}"
     offsets, sizes, exts, labels, dali = [], [], [], [], []
     shapes: set[tuple | None] = set()
+    refused: list[RefusedFile] = []
     try:
         with open(tmp, "wb") as f:
             hashed = _HashingFile(f)
@@ -144,12 +174,21 @@ def _write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int
             # (tarfile's stub asks for a readable, seekable file; writing a stream it only writes and tells.)
             with tarfile.open(fileobj=cast(IO[bytes], hashed), mode="w", format=tarfile.USTAR_FORMAT) as tar:
                 for i in range(plan.start, plan.stop):
-                    ext, data, label, shape = reader.read(i)
+                    try:
+                        ext, data, label, shape = reader.read(i)
+                        if len(data) > MAX_MEMBER_BYTES:   # read_index would refuse the whole index for it
+                            raise RefusedFile(
+                                f"pack: sample {i} ({reader.describe(i)}) is {len(data):,} bytes, past the image "
+                                f"limit of {MAX_MEMBER_BYTES:,} bytes that shard readers accept; re-encode "
+                                f"large photos with max_side (--max-side)", reader.describe(i)[1:-1],
+                                f"{len(data):,} bytes, past the limit of {MAX_MEMBER_BYTES:,}: use --max-side")
+                    except RefusedFile as e:
+                        refused.append(e)
+                    if refused:   # this shard will not be published: its other files are only checked
+                        if progress is not None:
+                            progress(1)
+                        continue
                     shapes.add(shape)
-                    if len(data) > MAX_MEMBER_BYTES:   # read_index would refuse the whole index for it
-                        raise ValueError(f"pack: sample {i} ({reader.describe(i)}) is {len(data):,} bytes, past the "
-                                         f"image limit of {MAX_MEMBER_BYTES:,} bytes that shard readers accept; "
-                                         f"re-encode large photos with max_side (--max-side)")
                     key = f"{i:0{key_width}d}"
                     members = sorted([(ext, data), ("cls", str(label).encode())])
                     entry = []
@@ -165,6 +204,8 @@ def _write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int
                     dali.append(entry)
                     if progress is not None:
                         progress(1)
+            if refused:
+                raise RefusedFiles(refused, [plan.name])
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -249,6 +290,11 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
         progress: show a progress bar.
         timeout: seconds rank 0 waits for the other ranks' parts, and the other ranks for the index
             (None: as long as it takes); then a ``TimeoutError`` says which files are missing.
+
+    Raises:
+        RefusedFiles (a ``ValueError``): files that cannot go into a shard (not an image the loaders
+            read, unreadable, too large). Raised after every other shard is written, naming them all
+            (and listing them in ``out/pack-refused.txt``): fix them and run again.
     """
     # The text bar, as fit's: tqdm.auto's widget fails in a notebook without ipywidgets.
     from tqdm import tqdm
@@ -283,10 +329,8 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
                disable=not (progress and shows_live(sys.stderr)),
                desc=f"pack {out.name}" + (f" rank {rank}/{world}" if world > 1 else ""))
     bar.update(sum(r["samples"] for r in records.values()))
-    try:
-        _write_shards(reader, todo, out, key_width, workers, records, bar.update)
-    finally:
-        bar.close()
+    listed = out / (REFUSED_LIST if world == 1 else f"pack-refused.rank{rank}.txt")
+    _write_all(reader, todo, out, key_width, workers, records, bar, listed)
 
     report = PackReport(out=out, index=None, shards=len(plans), written=len(todo),
                         skipped=len(mine) - len(todo), samples=n)
@@ -333,6 +377,32 @@ def _pack_source(source, split):
     from ..registry import as_source
 
     return as_source(source)
+
+
+def _write_all(reader: SampleReader, todo: list[ShardPlan], out: Path, key_width: int, workers: int | None,
+               records: dict, bar, listed: Path) -> None:
+    """``_write_shards`` with the progress ``bar``; refused files are listed in file ``listed`` (removed
+    when there are none, as an earlier run's list)."""
+    try:
+        _write_shards(reader, todo, out, key_width, workers, records, bar.update)
+    except RefusedFiles as e:
+        raise _refused(e, listed, written=len(records)) from None
+    finally:
+        bar.close()
+    listed.unlink(missing_ok=True)
+
+
+def _refused(e: RefusedFiles, listed: Path, written: int) -> RefusedFiles:
+    """``e`` with every refused file listed in file ``listed`` (name, tab, why; one per line): a
+    message shows a few, and a folder may hold thousands. Without the list (OUT cannot be written)
+    the message still names the first ones."""
+    try:
+        with open(listed, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.writelines(f"{r.name}\t{r.why}\n" for r in e.refused)
+        where = str(listed)
+    except OSError:
+        where = None
+    return RefusedFiles(e.refused, e.shards, written=written, listed=where)
 
 
 def _make_out(out: Path) -> Path:
@@ -418,28 +488,40 @@ def _finished_records(out: Path, mine: list[ShardPlan]) -> tuple[dict, list[Shar
 
 def _write_shards(reader: SampleReader, todo: list[ShardPlan], out: Path, key_width: int, workers: int | None,
                   records: dict, progress) -> None:
-    """Write the ``todo`` shards, here or on a process pool, adding each one's record to ``records``."""
+    """Write the ``todo`` shards, here or on a process pool, adding each one's record to ``records``. A
+    shard holding files pack refuses is not written, and the others still are: then ``RefusedFiles``
+    names every refused file of the pack. Any other error stops the pack at once."""
+    refused: list[tuple[int, RefusedFiles]] = []   # (shard, its refusal): named in the source's order
     # By default the ranks of one node share its cores rather than each starting a process per core.
     n_workers = min(len(todo), workers if workers is not None else default_workers())
     if n_workers <= 1:
         for plan in todo:
-            records[plan.index] = write_shard(reader, plan, str(out), key_width, progress)
-        return
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+            try:
+                records[plan.index] = write_shard(reader, plan, str(out), key_width, progress)
+            except RefusedFiles as e:
+                refused.append((plan.index, e))
+    else:
+        from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
-    pool = ProcessPoolExecutor(n_workers, initializer=_init_worker, initargs=(reader,))
-    try:
-        futures = {pool.submit(_write_in_worker, p, str(out), key_width): p for p in todo}
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for fut in done:
-                record = fut.result()   # a worker's error stops the pack, naming its sample
-                records[futures[fut].index] = record
-                progress(record["samples"])
-    finally:
-        # On an error, shards not started are dropped rather than written after it.
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool = ProcessPoolExecutor(n_workers, initializer=_init_worker, initargs=(reader,))
+        try:
+            futures = {pool.submit(_write_in_worker, p, str(out), key_width): p for p in todo}
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for fut in done:
+                    if isinstance(fut.exception(), RefusedFiles):
+                        refused.append((futures[fut].index, cast(RefusedFiles, fut.exception())))
+                        continue
+                    record = fut.result()   # any other error of a worker stops the pack, naming its sample
+                    records[futures[fut].index] = record
+                    progress(record["samples"])
+        finally:
+            # On an error, shards not started are dropped rather than written after it.
+            pool.shutdown(wait=True, cancel_futures=True)
+    if refused:
+        refused.sort(key=lambda r: r[0])
+        raise RefusedFiles([f for _, e in refused for f in e.refused], [n for _, e in refused for n in e.shards])
 
 
 @dataclass(frozen=True)
