@@ -35,7 +35,8 @@ Modules: ``reader`` (what is read from a source), ``writer`` (the plan, the tars
 (how the ranks of one pack share a folder), ``command`` (the command line), ``tars`` (WebDataset tars
 written by another tool, read as a source: ``pack`` converts them).
 """
+from .reader import RefusedFile
 from .tars import TarImages
-from .writer import PackReport, pack, parse_size
+from .writer import PackReport, RefusedFiles, pack, parse_size
 
-__all__ = ["PackReport", "TarImages", "pack", "parse_size"]
+__all__ = ["PackReport", "RefusedFile", "RefusedFiles", "TarImages", "pack", "parse_size"]
