@@ -510,6 +510,32 @@ def test_an_index_that_is_not_json_says_what_is_wrong_and_where(index_doc):
     assert "looks like HTML" in html and "check the URL" in html, html
 
 
+def test_a_large_file_given_as_the_index_is_not_read_whole(tmp_path, monkeypatch):
+    """A video or disk image given as the index (a wrong path) was read whole into memory, GBs, before
+    the JSON parser refused its first byte. Its start says it is no index; a file that starts as one is
+    read up to storage.MAX_READ_BYTES, not past."""
+    import tracemalloc
+
+    from fastdata.shards import storage
+
+    video = tmp_path / "clip.mp4"
+    with open(video, "wb") as f:
+        f.write(b"\x00\x00\x00\x18ftypmp42")
+        f.truncate(64 * 2**20)   # sparse: 64 MiB that cost no disk
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadIndex, match="clip.mp4' is not JSON"):
+            read_index(video)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
+    monkeypatch.setattr(storage, "MAX_READ_BYTES", 10_000)
+    (tmp_path / "big.json").write_bytes(b"{" + b" " * 20_000 + b"}")
+    with pytest.raises(storage.StorageError, match="larger than 10,000 bytes"):
+        read_index(tmp_path / "big.json")
+
+
 @pytest.mark.parametrize("edit, found", [
     (lambda d: d.update(classes="cat"), "classes must be a non-empty list of class names, got str 'cat'"),
     (lambda d: d.update(shards={}), "shards must be a list of shard records, got dict {}"),

@@ -443,15 +443,31 @@ def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
                             name, path, code=errno.ENOENT)
     if name.lower().endswith(TAR_ENDINGS + (".idx",)):   # a shard (maybe GBs): never read as JSON
         raise BadIndex(f"index '{path}' is {_pack_file(folder, name)}")
-    try:
-        data = Storage(folder, retries=0).read(name, subject="the index")
-    except StorageError as e:
-        raise _with_advice(e, local=True) from None
+    data = _head_unless_object(path)
+    if data is None:
+        try:
+            data = Storage(folder, retries=0).read(name, subject="the index")
+        except StorageError as e:
+            raise _with_advice(e, local=True) from None
     try:
         return parse_index(data, path, max_member_bytes=max_member_bytes)
     except BadIndex as e:
         what = _pack_file(folder, name)
         raise (BadIndex(f"index '{path}' is {what}") if what else e) from None
+
+
+def _head_unless_object(path: str, head: int = 4096) -> bytes | None:
+    """The first ``head`` bytes of a larger file that does not start as a JSON object (an index always
+    does), else None: enough for parse_index to say what the file is instead (a web page, a pickle,
+    another format), where reading it whole held a video or a disk image of GBs in memory first."""
+    try:
+        if os.path.getsize(path) <= head:
+            return None
+        with open(path, "rb") as f:
+            start = f.read(head)
+    except OSError:
+        return None   # read whole by Storage, whose error names the file
+    return None if start.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{") else start
 
 
 def _pack_file(folder: str, name: str) -> str:

@@ -378,7 +378,11 @@ class Storage:
         def attempt():
             if self.is_local:
                 with open(self._path(name), "rb") as f:
-                    return f.read()
+                    data = f.read(MAX_READ_BYTES + 1)   # at most that much held: not a whole disk image
+                if len(data) > MAX_READ_BYTES:
+                    raise ValueError(f"the file is larger than {MAX_READ_BYTES:,} bytes "
+                                     f"(shards.storage.MAX_READ_BYTES), the most read whole")
+                return data
             fs, path = self._remote(name)
             if _plain_http(fs):
                 data = _http_read(fs, path, None)[0]
@@ -482,7 +486,7 @@ class Storage:
         return self._retry("download", name, attempt)
 
 
-#: The most ``read`` takes of one whole file over HTTP (the index: about 40 bytes a sample).
+#: The most ``read`` takes of one whole file, local or over HTTP (the index: about 40 bytes a sample).
 MAX_READ_BYTES = 2**31
 #: Concurrent range requests of one ``read_ranges`` call over HTTP (fsspec's cat_ranges takes 128).
 _HTTP_BATCH = 64
