@@ -7,6 +7,7 @@ import errno
 import glob
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -50,7 +51,9 @@ class RefusedFiles(ValueError):
         kept = f"; the {self.written} other shard(s) are written and kept" if self.written else ""
         if len(self.refused) == 1:
             return f"{self.refused[0]}{kept}"
-        shown = ", ".join(f"'{r.name}' ({r.why})" for r in self.refused[:_SHOWN])
+        # Consecutive files refused for one reason (every sample of a damaged shard) share its words.
+        shown = ", ".join(", ".join(f"'{r.name}'" for r in run) + f" ({why})" for why, run in
+                          ((why, list(run)) for why, run in itertools.groupby(self.refused[:_SHOWN], lambda r: r.why)))
         more = f", and {len(self.refused) - _SHOWN} more" if len(self.refused) > _SHOWN else ""
         where = f" (all listed in '{self.listed}')" if self.listed and more else ""
         return (f"pack: {len(self.refused)} files of the source cannot go into a shard, so {len(self.shards)} "
