@@ -287,8 +287,11 @@ from fastdata.datasets import ImageFolder
 
 seen = []
 main = os.getpid()
+# Not multiprocessing's QueueFeederThread: torch's own, feeding the last epoch's worker queues, which its
+# DataLoader closes without joining; it may still be ending at the next epoch's fork (CI at 5082348).
 os.register_at_fork(before=lambda: os.getpid() == main and seen.append(
-    sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())))
+    sorted(t.name for t in threading.enumerate()
+           if t is not threading.main_thread() and t.name != "QueueFeederThread")))
 src, aug = ImageFolder(sys.argv[1]), Augmentation.imagenet_train(size=16)
 for _ in make_loader(src, "memory", batch_size=4, device="cpu", augment=aug, cache_size=64):
     pass   # an evaluation or warm-up loader of another backend before the training one
