@@ -31,7 +31,7 @@ import tempfile
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -276,7 +276,7 @@ class Shards(Source):
             # first, else an evicted shard's bytes stayed on the disk (deleted, still open) while the cache
             # counted them free, up to 2 x window shards per worker past cache_limit.
             if cache is not None:
-                cache.release(shard, last=lambda: self._files.forget(path))
+                cache.release(shard, last=_Forget(self._files, path))
         if len(raw) != size + _TAR_HEADER:
             raise DecodeError(self.sample_name(i), f"its shard ends {size + _TAR_HEADER - len(raw)} bytes before "
                                                    f"the member's end: a truncated shard")
@@ -502,6 +502,17 @@ class _OpenFiles:
             self._open.clear()
 
 
+class _Forget(NamedTuple):
+    """Closes ``files``' descriptor of ``path``: what a reader gives ``ShardCache.release`` as ``last``.
+    A tuple, so that the cache keeps one per reader and file however many samples release it."""
+
+    files: _OpenFiles
+    path: str
+
+    def __call__(self) -> None:
+        self.files.forget(self.path)
+
+
 class _Prefetcher:
     """Fetches the shards the pass reads next into the cache, a window ahead of the consumer.
 
@@ -521,6 +532,7 @@ class _Prefetcher:
         # (shard name, for the next epoch?): a shard this pass fetched early on and has since evicted
         # is fetched again when the next epoch starts with it.
         self._wanted: list[tuple[str, bool]] = []
+        self._window: set[str] = set()   # every shard the last want() asked for, fetched or not
         self._done: set[tuple[str, bool]] = set()
         self._order_key: tuple[int, int] | None = None
         self._sequence = np.zeros(0, dtype=np.int64)
@@ -533,9 +545,10 @@ class _Prefetcher:
 
     def want(self, order: np.ndarray, position: int, next_order=None) -> None:
         key = (id(order), len(order))
-        if key != self._order_key:   # a new pass: the shards in the order they are first read
+        new_pass = key != self._order_key
+        if new_pass:   # the shards in the order they are first read
             self._sequence, self._first = self._shard_sequence(order)
-            self._order_key, self._next, self._done = key, None, set()
+            self._order_key, self._next = key, None
         wanted = []
         if position < len(order):
             k = max(int(np.searchsorted(self._first, position, side="right")) - 1, 0)
@@ -550,8 +563,11 @@ class _Prefetcher:
             now = {name for name, _ in wanted}
             more = [(self.names[int(s)], True) for s in self._next[: self.ahead]]
             wanted += [w for w in more if w[0] not in now][: 1 + self.ahead - len(wanted)]
-        with self._cond:
+        with self._cond:   # the thread takes the pass's set with its shard, under this lock
+            if new_pass:
+                self._done = set()
             self._wanted = [n for n in wanted if n not in self._done]
+            self._window = {name for name, _ in wanted}
             self._cond.notify()
 
     def _shard_sequence(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -569,18 +585,28 @@ class _Prefetcher:
                 if self._stop:
                     return
                 name, upcoming = self._wanted.pop(0)
+                # The pass this shard was asked for: a new pass may start while it is fetched (set_epoch,
+                # load_state_dict, iter() mid-pass), and it has its own set, which this shard must not
+                # enter (a shard given up here would never be fetched ahead in the new pass).
+                done = self._done
             try:
-                self.cache.get(name, remember_failure=False)
-                self.cache.release(name)
+                # Given up once the pass has gone past it: waiting on another process (downloading it,
+                # or holding it shared), this thread downloaded it again after the readers had read it
+                # and it was evicted, evicting the shards they were about to read in its place. And at
+                # stop(): close() (or exit) waited up to a minute for another rank's download.
+                if self.cache.get(name, remember_failure=False,
+                                  wanted=lambda n=name: not self._stop and n in self._window) is not None:
+                    self.cache.release(name)
             except Exception as e:   # the reader's own get() retries and raises it, naming the shard
                 self.error = e
             # Tried once a pass, fetched or not: a shard that failed is not tried again at every batch,
             # which kept this thread on it instead of fetching the shards after it.
-            self._done.add((name, upcoming))
+            done.add((name, upcoming))
 
     def stop(self) -> None:
-        """End the thread: it finishes the shard it is fetching (bounded by the storage's timeout) and
-        returns. Not joined from the thread itself: a source collected there stops it from there."""
+        """End the thread: it finishes a download of its own in progress (bounded by the storage's timeout),
+        gives up a wait for another process's, and returns. Not joined from the thread itself: a source
+        collected there stops it from there."""
         with self._cond:
             self._stop = True
             self._cond.notify()

@@ -55,6 +55,10 @@ _LOCKS = ".locks"
 _POLL = 0.05
 
 
+class _Ready(Exception):
+    """A wait for a lock ended without it: what the waiter was waiting for came about meanwhile."""
+
+
 class CacheFull(OSError):
     """The cache cannot make room for a shard: its budget is held by shards in use, or its disk is full
     (or read-only)."""
@@ -167,7 +171,7 @@ class ShardCache:
         return dict(digests)
 
     def _reset(self):
-        self._held: dict[str, list] = {}          # name -> [lock fd (shared), count]
+        self._held: dict[str, list] = {}          # name -> [lock fd (shared), count, {release's last: None}]
         self._mismatched: dict[str, BaseException] = {}   # shards whose download is another shard
         self._failed: dict[str, tuple[BaseException, float]] = {}   # name -> (error, raised again until)
         self._pid = os.getpid()
@@ -195,7 +199,7 @@ class ShardCache:
             # too): kept open, they would hold the parent's shards locked after the parent released them,
             # and a DataLoader worker forked while the parent read a shard kept that shard unevictable for
             # the worker's whole life.
-            for fd, _ in self._held.values():
+            for fd, *_ in self._held.values():
                 try:
                     os.close(fd)
                 except OSError:
@@ -238,18 +242,21 @@ class ShardCache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
-    def _flock(self, fd: int, mode: int, deadline: float, what: str, progress=None) -> float:
+    def _flock(self, fd: int, mode: int, deadline: float, what: str, progress=None, ready=None) -> float:
         """flock(fd, mode), waiting at most until ``deadline``: polled, so a stuck peer is an error, not a
         hang; returns the deadline, moved by ``progress``: a value that changes while the holder gets on
         (a download's bytes so far), each change giving the wait another ``wait_timeout``. A big shard over
         a slow link takes as long as it takes while its bytes keep coming, for the process downloading it
-        (``timeout`` bounds each wait for bytes) and so for the ones waiting for it too."""
+        (``timeout`` bounds each wait for bytes) and so for the ones waiting for it too. ``ready``: the
+        wait ends without the lock (``_Ready`` raised) once it says True."""
         seen = progress() if progress is not None else None
         while True:
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
                 return deadline
             except BlockingIOError:
+                if ready is not None and ready():
+                    raise _Ready from None
                 now = time.monotonic()
                 if progress is not None and (moved := progress()) != seen:
                     seen, deadline = moved, max(deadline, now + self.wait_timeout)
@@ -271,10 +278,13 @@ class ShardCache:
 
     # -- public API ------------------------------------------------------------------------------
 
-    def get(self, name: str, *, remember_failure: bool = True) -> str:
+    def get(self, name: str, *, remember_failure: bool = True, wanted=None) -> str | None:
         """The local path of shard ``name``, downloaded if needed and held (not evicted) until ``release``.
         ``remember_failure=False`` (the read-ahead thread): a failed download is not kept for the readers,
-        who try once themselves."""
+        who try once themselves. ``wanted`` (the read-ahead thread): a callable asked while ``get`` waits
+        for another process and before it downloads; once it says False, ``get`` returns None, holding
+        nothing: the readers went past the shard while it waited, and a download now would only evict
+        the shards they read next."""
         self._check_process()
         self._known(name)
         if self.in_place:
@@ -291,7 +301,9 @@ class ShardCache:
         if failed is not None and time.monotonic() < failed[1]:
             raise failed[0].with_traceback(None)
         try:
-            fd = self._acquire(name)
+            fd = self._acquire(name, wanted)
+            if fd is None:
+                return None
         except ShardMismatch as e:
             with self._lock:
                 self._mismatched[name] = e
@@ -306,7 +318,7 @@ class ShardCache:
                 _unlock_close(fd)
                 self._held[name][1] += 1
             else:
-                self._held[name] = [fd, 1]
+                self._held[name] = [fd, 1, {}]
         return self.path(name)
 
     def release(self, name: str, *, last=None) -> None:
@@ -314,7 +326,9 @@ class ShardCache:
 
         ``last``: called when this process's last hold ends, before the file may be evicted: the reader
         closes its descriptors of the file there. An evicted file that is still open keeps its bytes on
-        the disk while the budget counts them as free."""
+        the disk while the budget counts them as free. Kept until then, whoever releases last: the
+        read-ahead thread (which gives none) or another reader may hold the shard after this one, and
+        the reader's descriptor stayed open once they released it. Equal callables are kept once."""
         self._check_process()
         self._known(name)
         if self.in_place:
@@ -324,15 +338,17 @@ class ShardCache:
             if entry is None:
                 raise ValueError(f"release({name!r}): this cache does not hold that shard (one release per get)")
             entry[1] -= 1
+            if last is not None:
+                entry[2][last] = None
             if entry[1] == 0:
                 try:
-                    if last is not None:
-                        last()
+                    for close in entry[2]:
+                        close()
                 finally:
                     self._drop(name)
 
     def _drop(self, name: str):
-        fd, _ = self._held.pop(name)
+        fd, *_ = self._held.pop(name)
         try:
             _touch(self.path(name))        # least recently used = released longest ago
         except FileNotFoundError:
@@ -355,25 +371,47 @@ class ShardCache:
 
     # -- acquiring, downloading, evicting --------------------------------------------------------
 
-    def _acquire(self, name: str) -> int:
-        """A lock descriptor holding ``name`` shared, with the file published under its final name."""
+    def _acquire(self, name: str, wanted=None) -> int | None:
+        """A lock descriptor holding ``name`` shared, with the file published under its final name; None
+        once ``wanted()`` says False before the shard is there."""
         deadline = time.monotonic() + self.wait_timeout
         fd = self._open_lock(self._files[name])
 
         def progress():   # another process's download of it: waited for while its bytes keep coming
             return self._downloaded(name)
 
+        def unwanted():
+            return wanted is not None and not wanted()
+
         try:
             while True:
-                deadline = self._flock(fd, fcntl.LOCK_SH, deadline, f"shard {name!r}'s lock", progress)
+                try:   # not waited for once unwanted: another process's download may take minutes
+                    deadline = self._flock(fd, fcntl.LOCK_SH, deadline, f"shard {name!r}'s lock", progress,
+                                           ready=unwanted)
+                except _Ready:
+                    _unlock_close(fd)
+                    return None
                 # Checked under the shared lock: from here on no one can evict it.
                 if self._good(name):
                     _touch(self.path(name))
                     return fd
                 fcntl.flock(fd, fcntl.LOCK_UN)
-                # Exclusive: we download it, or wait here while another process does.
-                deadline = self._flock(fd, fcntl.LOCK_EX, deadline, f"shard {name!r}'s lock", progress)
+                # Exclusive: we download it, or wait here while another process does, until it is
+                # published: its downloader then reads it holding it shared, and so may the other ranks
+                # and threads without a gap, for as long as they read it; waiting for exclusivity till
+                # then timed out, or downloaded the shard again once it was evicted.
+                try:
+                    deadline = self._flock(fd, fcntl.LOCK_EX, deadline, f"shard {name!r}'s lock", progress,
+                                           ready=lambda: self._good(name) or unwanted())
+                except _Ready:
+                    if unwanted():
+                        _unlock_close(fd)
+                        return None
+                    continue                         # published meanwhile: take it shared
                 if not self._good(name):
+                    if unwanted():
+                        _unlock_close(fd)
+                        return None
                     try:
                         os.unlink(self.path(name))   # wrong size: nobody holds it (we hold it exclusively)
                     except FileNotFoundError:
