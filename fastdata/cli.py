@@ -347,11 +347,11 @@ def exit_with(line: str, *, relay: bool = False) -> SystemExit:
     line prints it at once, so ranks that fail the same way print it once and a rank whose error differs
     prints its own. ``relay``: this rank only waited for another rank's failure (a ``PreparationError``):
     quiet when a rank that failed on its own posts its line (within ``EXIT_WAIT_S``).
-    Without a group, or when its store cannot be reached, every rank says its line as before."""
+    Without a group, or when its store cannot be reached, every rank says its line itself (``_exit_alone``)."""
     from . import distributed
 
     if not distributed.is_distributed():
-        return SystemExit(line)
+        return _exit_alone(line)
     import torch.distributed as dist
 
     try:
@@ -360,8 +360,26 @@ def exit_with(line: str, *, relay: bool = False) -> SystemExit:
         store = dist.distributed_c10d._get_default_store()
         _say_once(store, f"fastdata/exit/{next(_EXITS)}", line, relay, dist.get_rank(), dist.get_world_size())
     except Exception:   # no store (a private API moved, its host gone) before the decision: never lose the line
-        return SystemExit(line)
+        return _exit_alone(line)
     return SystemExit(1)   # said (or another rank says it); the exit status stays 1
+
+
+def _exit_alone(line: str) -> SystemExit:
+    """The ``SystemExit`` of a process that says ``line`` itself. Python prints a ``SystemExit(line)``
+    as two writes (the text, then the newline), so under a launcher without a group (``torchrun -m
+    fastdata pack`` starts none; a store out of reach) ranks failing at once ran their lines together as
+    ``say_line`` fixed for the group's path: there the line is said here, in one write, and the exit
+    status is 1. A single process keeps ``SystemExit(line)`` (its caller may catch it and read it)."""
+    from . import distributed
+
+    try:
+        ranks = distributed.world_size() if distributed.is_distributed() else distributed.env_world_size()
+    except Exception:   # a malformed WORLD_SIZE: never lose the line over it
+        ranks = 1
+    if ranks == 1:
+        return SystemExit(line)
+    say_line(line)
+    return SystemExit(1)
 
 
 def _say_once(store, prefix: str, line: str, relay: bool, me: int, world: int) -> None:

@@ -164,3 +164,19 @@ def test_an_error_line_is_one_write_so_ranks_printing_at_once_keep_their_lines_w
     monkeypatch.setattr(sys, "stderr", err)
     say()
     assert err.calls == ["error: the loss went nan on rank 1\n"]
+
+
+def test_a_rank_without_a_process_group_says_its_error_line_in_one_write(monkeypatch):
+    """``torchrun -m fastdata pack`` starts no process group: exit_with returned SystemExit(line), which
+    Python prints as two writes (the text, then the newline), and two ranks refusing their files at once
+    printed "error: ...rank 0's fileserror: ...rank 1's files" on one line. Said in one write, status 1;
+    a single process still gets its line in the SystemExit."""
+    err = _Writes()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    exit = cli.exit_with("error: fastdata pack: 3 files of rank 1")
+    assert err.calls == ["error: fastdata pack: 3 files of rank 1\n"] and exit.code == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert cli.exit_with("error: alone").code == "error: alone" and len(err.calls) == 1

@@ -143,17 +143,22 @@ def test_the_read_ahead_gives_up_a_shard_the_pass_went_past_while_it_waited_for_
     readers were about to read (with DataLoader workers ahead of the consumer, most of a pass's
     downloads were such repeats). Here the other process dies without publishing it: the pass is past
     that shard by then, so nobody downloads it."""
+    from procs import wait_until
+
     with http_server(pack_dir) as server:
         shards = Shards(server.url, window=1, cache_dir=tmp_path / "cache", cache_limit=2 * _largest(pack_dir))
         try:
             order = np.arange(len(shards))
-            second = _sequence(shards, order)[1]
+            second, fourth = _sequence(shards, order)[1], _sequence(shards, order)[3]
             lock = _lock_of(shards, second)
             fcntl.flock(lock, fcntl.LOCK_EX)          # the other process, downloading the second shard
             waiting = _hook_waits(shards, second)
             shards.reading(order, 0)                  # wants the first shard and the second
             assert waiting.wait(30)                   # the thread waits for the second one
-            shards.reading(order, _first(shards, order, _sequence(shards, order)[3]))   # two shards on
+            shards.reading(order, _first(shards, order, fourth))   # two shards on
+            # Given up while the lock is still held, not at close() (stop() gives up a wait too): the
+            # thread goes on to the shards the pass reads now.
+            assert wait_until(lambda: server.count(f"/{fourth}", "GET") > 0, 30)
             fcntl.flock(lock, fcntl.LOCK_UN)          # the other process died: nothing published
             os.close(lock)
         finally:

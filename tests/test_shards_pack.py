@@ -224,6 +224,36 @@ def test_one_refused_file_keeps_its_own_sentence(photos, tmp_path):
         pack(photos, tmp_path / "out", shard_size="2KB", workers=0, progress=False)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_refused_files_with_a_newline_or_a_tab_in_their_names_keep_the_message_and_the_list_one_line_each(
+        photos, tmp_path, workers):
+    """Linux names may hold any byte but '/': a newline in one refused name split the message, and the
+    command printed its last line only (starting inside that name: the count and the names before it
+    gone); in pack-refused.txt it split the file's line and a tab moved the name/reason split."""
+    from fastdata.packing import RefusedFiles
+
+    cat = os.fsencode(photos / "cat")
+    odd = [b"new\nline.jpg", b"tab\there.jpg", b"bad\xffbyte.jpg", b"zz.jpg"]
+    for name in odd:
+        with open(os.path.join(cat, name), "wb") as f:
+            f.write(b"not a photo")
+    out = tmp_path / "out"
+    with pytest.raises(RefusedFiles) as info:   # from the worker processes too (pickled)
+        pack(photos, out, shard_size="2KB", workers=workers, progress=False)
+    said = str(info.value)
+    assert "\n" not in said and "\t" not in said and said.startswith("pack: 4 files of the source cannot go ")
+    assert "new\\nline.jpg' (" not in said and "new\\nline.jpg', " in said and "tab\\there.jpg'" in said
+    assert sorted(os.fsencode(r.name) for r in info.value.refused) == sorted(os.path.join(cat, n) for n in odd)
+    lines = (out / "pack-refused.txt").read_bytes().splitlines()
+    assert len(lines) == len(odd) and all(line.count(b"\t") == 1 for line in lines)
+    assert sorted(line.split(b"\t")[0] for line in lines) == sorted(
+        os.path.join(cat, n).replace(b"\n", b"\\n").replace(b"\t", b"\\t") for n in odd)
+    done = subprocess.run([sys.executable, "-m", "fastdata", "pack", str(photos), str(tmp_path / "cli"),
+                           "--shard-size", "2KB", "--workers", "0", "--no-progress"], capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.endswith("then pack again\n"), done.stderr
+    assert done.stderr.count("\n") == 1 and ": pack: 4 files of the source cannot go " in done.stderr, done.stderr
+
+
 def test_a_killed_pack_leaves_only_a_temporary_file_and_a_rerun_finishes(photos, tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
@@ -534,6 +564,22 @@ def test_a_large_file_given_as_the_index_is_not_read_whole(tmp_path, monkeypatch
     (tmp_path / "big.json").write_bytes(b"{" + b" " * 20_000 + b"}")
     with pytest.raises(storage.StorageError, match="larger than 10,000 bytes"):
         read_index(tmp_path / "big.json")
+
+
+def test_a_large_json_file_given_as_the_index_is_read_whole_to_say_what_it_is(index_doc, tmp_path):
+    """Only a file that is no JSON is refused from its first 4 KB: a JSON array's head was called
+    "truncated: an interrupted copy or download" (a labels file given by a wrong path is "not an
+    object"), and an index saved as UTF-16 or UTF-32 (which json reads; no "{" byte first) failed so."""
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps([{"file": f"img{i}.jpg", "label": i % 10} for i in range(300)]))
+    with pytest.raises(BadIndex, match="labels.json': must be a JSON object, got list") as info:
+        read_index(labels)
+    assert "truncated" not in str(info.value)
+    text = json.dumps(index_doc, indent=40)
+    assert len(text) > 4096
+    for encoding in ("utf-16", "utf-16-be", "utf-32"):
+        (tmp_path / "out" / f"{encoding}.json").write_bytes(text.encode(encoding))
+        assert len(read_index(tmp_path / "out" / f"{encoding}.json")) == len(read_index(tmp_path / "out"))
 
 
 @pytest.mark.parametrize("edit, found", [

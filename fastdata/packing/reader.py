@@ -20,13 +20,26 @@ _EXT = re.compile(r"[a-z0-9]+\Z")
 _PLAN_RUN = 1024
 
 
+#: A control character (a newline, a tab, ...) as the escape that shows it: see ``one_line``.
+_ESCAPES = {**{c: f"\\x{c:02x}" for c in (*range(32), 127)}, ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"}
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\n``, ``\\t``, ``\\x1b``): a file name
+    may hold a newline or a tab (Linux allows any byte but ``/``), and the command prints the last line
+    of an error (one named file's newline cut the count and the other names off), ``pack-refused.txt``
+    has one ``name<TAB>why`` line per file."""
+    return text.translate(_ESCAPES)
+
+
 class RefusedFile(ValueError):
-    """A file of the source that ``pack`` will not copy into a shard: ``name`` (the source's name for it)
-    and ``why``, a short reason; the message is the whole sentence. Pack goes on with the other files
-    to name every such file in one run (``RefusedFiles``), where a folder with ten of them took ten."""
+    """A file of the source that ``pack`` will not copy into a shard: ``name`` (the source's name for it,
+    as it is) and ``why``, a short reason; the message is the whole sentence, on one line. Pack goes on
+    with the other files to name every such file in one run (``RefusedFiles``), where a folder with ten
+    of them took ten."""
 
     def __init__(self, message: str, name: str, why: str):
-        super().__init__(message)
+        super().__init__(one_line(message))
         self.name, self.why = name, why
 
     def __reduce__(self):   # raised in pack's worker processes: rebuilt whole in the parent

@@ -25,7 +25,7 @@ from ..datasets.spec import SPLITS
 from ..shards.index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 from ..shards.storage import file_sha256
 from .ranks import barrier, drop_other_index, has_group, merge_parts, wait_for_index
-from .reader import PACK_VERSION, RefusedFile, SampleReader
+from .reader import PACK_VERSION, RefusedFile, SampleReader, one_line
 
 if TYPE_CHECKING:
     from ..datasets.base import Source
@@ -52,7 +52,7 @@ class RefusedFiles(ValueError):
         if len(self.refused) == 1:
             return f"{self.refused[0]}{kept}"
         # Consecutive files refused for one reason (every sample of a damaged shard) share its words.
-        shown = ", ".join(", ".join(f"'{r.name}'" for r in run) + f" ({why})" for why, run in
+        shown = ", ".join(", ".join(f"'{one_line(r.name)}'" for r in run) + f" ({one_line(why)})" for why, run in
                           ((why, list(run)) for why, run in itertools.groupby(self.refused[:_SHOWN], lambda r: r.why)))
         more = f", and {len(self.refused) - _SHOWN} more" if len(self.refused) > _SHOWN else ""
         where = f" (all listed in '{self.listed}')" if self.listed and more else ""
@@ -396,12 +396,13 @@ def _write_all(reader: SampleReader, todo: list[ShardPlan], out: Path, key_width
 
 
 def _refused(e: RefusedFiles, listed: Path, written: int) -> RefusedFiles:
-    """``e`` with every refused file listed in file ``listed`` (name, tab, why; one per line): a
-    message shows a few, and a folder may hold thousands. Without the list (OUT cannot be written)
-    the message still names the first ones."""
+    """``e`` with every refused file listed in file ``listed`` (name, tab, why; one per line, a control
+    character of either as its escape: ``one_line``; a name's other bytes as they are): a message shows
+    a few, and a folder may hold thousands. Without the list (OUT cannot be written) the message still
+    names the first ones."""
     try:
         with open(listed, "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.writelines(f"{r.name}\t{r.why}\n" for r in e.refused)
+            f.writelines(f"{one_line(r.name)}\t{one_line(r.why)}\n" for r in e.refused)
         where = str(listed)
     except OSError:
         where = None

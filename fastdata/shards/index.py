@@ -443,7 +443,7 @@ def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
                             name, path, code=errno.ENOENT)
     if name.lower().endswith(TAR_ENDINGS + (".idx",)):   # a shard (maybe GBs): never read as JSON
         raise BadIndex(f"index '{path}' is {_pack_file(folder, name)}")
-    data = _head_unless_object(path)
+    data = _head_unless_json(path)
     if data is None:
         try:
             data = Storage(folder, retries=0).read(name, subject="the index")
@@ -456,10 +456,12 @@ def read_index(path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ShardIndex:
         raise (BadIndex(f"index '{path}' is {what}") if what else e) from None
 
 
-def _head_unless_object(path: str, head: int = 4096) -> bytes | None:
-    """The first ``head`` bytes of a larger file that does not start as a JSON object (an index always
-    does), else None: enough for parse_index to say what the file is instead (a web page, a pickle,
-    another format), where reading it whole held a video or a disk image of GBs in memory first."""
+def _head_unless_json(path: str, head: int = 4096) -> bytes | None:
+    """The first ``head`` bytes of a larger file that does not start as JSON text, else None: enough for
+    parse_index to say what the file is instead (a web page, a pickle, another format), where reading
+    it whole held a video or a disk image of GBs in memory first. JSON is read whole (up to
+    ``storage.MAX_READ_BYTES``): its head alone would be "truncated" (a JSON array given as the index is
+    "not an object"), and json reads UTF-16 and UTF-32 too, which start with no ``{`` byte."""
     try:
         if os.path.getsize(path) <= head:
             return None
@@ -467,7 +469,8 @@ def _head_unless_object(path: str, head: int = 4096) -> bytes | None:
             start = f.read(head)
     except OSError:
         return None   # read whole by Storage, whose error names the file
-    return None if start.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{") else start
+    text = start.decode(json.detect_encoding(start), errors="replace").lstrip("\ufeff \t\r\n")
+    return None if text[:1] in ("{", "[", '"') else start
 
 
 def _pack_file(folder: str, name: str) -> str:
