@@ -44,7 +44,10 @@ def main(argv=None) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt:
-        print(f"fastdata {args.command}: {ON_INTERRUPT[args.command]}", file=sys.stderr, flush=True)
+        from .cli import say_line
+
+        # One write: under torchrun every rank says it into one stderr, and print's two ran lines together.
+        say_line(f"fastdata {args.command}: {ON_INTERRUPT[args.command]}")
         return 130   # 128 + SIGINT, what a shell reports for Ctrl-C
 
 

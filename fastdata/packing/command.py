@@ -45,7 +45,7 @@ def main(args) -> PackReport:
             report = pack(args.source, args.out, shard_size=args.shard_size, max_side=args.max_side,
                           workers=args.workers, split=args.split, progress=args.progress, timeout=args.timeout)
         except OutputError as e:   # OUT's disk, not the source: named as OUT
-            raise SystemExit(f"error: fastdata pack: OUT '{args.out}': {e.strerror}") from None
+            raise cli.exit_with(f"error: fastdata pack: OUT '{args.out}': {e.strerror}") from None
     what = f"{report.samples} samples in {report.shards} shards ({report.written} written, {report.skipped} kept)"
     print(f"{what}: {report.index or report.out}", flush=True)
     return report
