@@ -501,6 +501,17 @@ class _OpenFiles:
                 self._retire(entry)
             self._open.clear()
 
+    def __del__(self):
+        # A Shards dropped without close() (make_loader(Shards(path), ...) in a sweep: the loader does not
+        # own its source, which may feed another loader) kept a descriptor per open shard for the life of
+        # the process, one more for each loader of a sweep. Nobody reads through a collected object, and
+        # a forked child that replaced it closes only its own copies.
+        for entry in getattr(self, "_open", {}).values():
+            try:
+                os.close(entry[0])
+            except OSError:
+                pass
+
 
 class _Forget(NamedTuple):
     """Closes ``files``' descriptor of ``path``: what a reader gives ``ShardCache.release`` as ``last``.
