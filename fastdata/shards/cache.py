@@ -45,7 +45,7 @@ import weakref
 from fastdata.checks import check_integer, check_number
 from fastdata.shards.storage import ShardMismatch, StorageError, check_name
 
-__all__ = ["ShardCache", "CacheFull"]
+__all__ = ["ShardCache", "CacheFull", "unlock_close"]
 
 _TMP = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-z]+$")
 # A cached shard's file name with its identity: STEM.<16 hex digits of its sha256>[.EXT].
@@ -158,7 +158,7 @@ class ShardCache:
                              f"locks (flock: {e.strerror or e}), which the processes sharing the cache need; "
                              f"give cache_dir= a folder on a local disk") from None
         finally:
-            _unlock_close(fd)
+            unlock_close(fd)
 
     @staticmethod
     def _check_digests(digests: dict, sizes: dict) -> dict:
@@ -315,7 +315,7 @@ class ShardCache:
             raise
         with self._lock:
             if name in self._held:         # another thread of this process got it meanwhile
-                _unlock_close(fd)
+                unlock_close(fd)
                 self._held[name][1] += 1
             else:
                 self._held[name] = [fd, 1, {}]
@@ -353,7 +353,7 @@ class ShardCache:
             _touch(self.path(name))        # least recently used = released longest ago
         except FileNotFoundError:
             pass
-        _unlock_close(fd)                  # evictable from now on
+        unlock_close(fd)                  # evictable from now on
 
     def close(self) -> None:
         """Release every shard this process still holds."""
@@ -385,12 +385,9 @@ class ShardCache:
 
         try:
             while True:
-                try:   # not waited for once unwanted: another process's download may take minutes
-                    deadline = self._flock(fd, fcntl.LOCK_SH, deadline, f"shard {name!r}'s lock", progress,
-                                           ready=unwanted)
-                except _Ready:
-                    _unlock_close(fd)
-                    return None
+                # Not waited for once unwanted: another process's download may take minutes.
+                deadline = self._flock(fd, fcntl.LOCK_SH, deadline, f"shard {name!r}'s lock", progress,
+                                       ready=unwanted)
                 # Checked under the shared lock: from here on no one can evict it.
                 if self._good(name):
                     _touch(self.path(name))
@@ -405,21 +402,22 @@ class ShardCache:
                                            ready=lambda: self._good(name) or unwanted())
                 except _Ready:
                     if unwanted():
-                        _unlock_close(fd)
-                        return None
+                        raise
                     continue                         # published meanwhile: take it shared
                 if not self._good(name):
                     if unwanted():
-                        _unlock_close(fd)
-                        return None
+                        raise _Ready
                     try:
                         os.unlink(self.path(name))   # wrong size: nobody holds it (we hold it exclusively)
                     except FileNotFoundError:
                         pass
                     self._download(name, deadline=deadline)
                 # Loop: take it shared and check again (flock's conversion is not atomic).
+        except _Ready:   # unwanted before the shard was there: nothing held
+            unlock_close(fd)
+            return None
         except BaseException:
-            _unlock_close(fd)
+            unlock_close(fd)
             raise
 
     def _download(self, name: str, *, deadline: float):
@@ -529,7 +527,7 @@ class ShardCache:
             _unlink(tmp)
             return True
         finally:
-            _unlock_close(fd)             # not a bare close: a process forked meanwhile keeps no lock
+            unlock_close(fd)             # not a bare close: a process forked meanwhile keeps no lock
 
     def _old_version(self, file: str) -> bool:
         """Whether ``file`` is another version (another digest) of one of the manifest's shards, or a
@@ -559,7 +557,7 @@ class ShardCache:
             except FileNotFoundError:
                 return 0
         finally:
-            _unlock_close(fd)
+            unlock_close(fd)
 
     def _make_room(self, size: int, *, exclude: str) -> bool:
         usage, published = self._scan()
@@ -580,7 +578,7 @@ class ShardCache:
                     break
                 evicted += bool(self._evict(file))
         finally:
-            _unlock_close(budget)
+            unlock_close(budget)
         return evicted
 
 
@@ -637,7 +635,7 @@ def _touch(path: str) -> None:
         os.utime(path)
 
 
-def _unlock_close(fd: int) -> None:
+def unlock_close(fd: int) -> None:
     """Unlock, then close. Closing alone is not enough: a process forked while ``fd`` was open (a
     DataLoader worker started while the prefetcher was downloading, or while a shard was being
     evicted) holds a copy of it, and a flock lives until the last copy closes. A shard downloaded

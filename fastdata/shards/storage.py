@@ -379,18 +379,15 @@ class Storage:
             if self.is_local:
                 with open(self._path(name), "rb") as f:
                     data = f.read(MAX_READ_BYTES + 1)   # at most that much held: not a whole disk image
-                if len(data) > MAX_READ_BYTES:
-                    raise ValueError(f"the file is larger than {MAX_READ_BYTES:,} bytes "
-                                     f"(shards.storage.MAX_READ_BYTES), the most read whole")
-                return data
-            fs, path = self._remote(name)
-            if _plain_http(fs):
+            else:
+                fs, path = self._remote(name)
+                if not _plain_http(fs):
+                    return fs.cat_file(path)
                 data = _http_read(fs, path, None)[0]
-                if len(data) > MAX_READ_BYTES:
-                    raise ValueError(f"the file is larger than {MAX_READ_BYTES:,} bytes "
-                                     f"(shards.storage.MAX_READ_BYTES), the most read whole")
-                return data
-            return fs.cat_file(path)
+            if len(data) > MAX_READ_BYTES:
+                raise ValueError(f"the file is larger than {MAX_READ_BYTES:,} bytes "
+                                 f"(shards.storage.MAX_READ_BYTES), the most read whole")
+            return data
         return self._retry("read", name, attempt, subject)
 
     def read_range(self, name: str, start: int, end: int) -> bytes:

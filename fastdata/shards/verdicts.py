@@ -8,6 +8,7 @@ import os
 import threading
 import uuid
 
+from fastdata.shards.cache import unlock_close
 from fastdata.shards.storage import ShardMismatch
 
 __all__ = ["Verdicts"]
@@ -98,7 +99,4 @@ class Verdicts:
                     os.unlink(tmp)
             return digest
         finally:
-            # Unlocked before closing: a process forked meanwhile holds a copy of the descriptor, and
-            # a flock lives until its last copy closes (shards.cache's _unlock_close says more).
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            os.close(lock)
+            unlock_close(lock)
