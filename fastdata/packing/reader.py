@@ -87,7 +87,7 @@ def _png(array: np.ndarray) -> bytes:
     return out.getvalue()
 
 
-def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
+def shrink(data: bytes, max_side: int, name: str) -> bytes | None:
     """``data`` re-encoded as a JPEG (quality 90) whose longer side is ``max_side``, upright (EXIF
     orientation applied: the copy carries no orientation tag), or None when its longer side is already
     at most ``max_side`` (the original is kept).
@@ -108,6 +108,7 @@ def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
     from ..errors import DecodeError
     from ..images.photo import JPEG_FORMATS, decode_upright, exif_orientation
 
+    what = f"'{name}'"   # how the errors name the file
     try:
         with Image.open(io.BytesIO(data)) as opened:
             img: Image.Image = opened   # replaced below by the turned, converted images
@@ -135,7 +136,6 @@ def shrink(data: bytes, max_side: int, what: str) -> bytes | None:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         # DecompressionBombError is no OSError: it left pack as Pillow's own error, naming no file.
         why = str(e)
-    name = what[1:-1] if len(what) > 1 and what[0] == what[-1] == "'" else what
     raise RefusedFile(f"cannot re-encode {what} for --max-side {max_side}: {why}", name,
                       f"cannot be re-encoded for --max-side {max_side}: {why}")
 
@@ -279,7 +279,7 @@ class SampleReader:
                                   f"cannot be read: {e.why}") from None
             check_image(name, data)
             if self.max_side is not None:
-                small = shrink(data, self.max_side, f"'{name}'")
+                small = shrink(data, self.max_side, name)
                 if small is not None:
                     return "jpg", small, label, None
             return _image_ext(name), data, label, None

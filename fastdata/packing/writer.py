@@ -183,7 +183,7 @@ def _write_shard(reader: SampleReader, plan: ShardPlan, out: str, key_width: int
                             raise RefusedFile(
                                 f"pack: sample {i} ({reader.describe(i)}) is {len(data):,} bytes, past the image "
                                 f"limit of {MAX_MEMBER_BYTES:,} bytes that shard readers accept; re-encode "
-                                f"large photos with max_side (--max-side)", reader.describe(i)[1:-1],
+                                f"large photos with max_side (--max-side)", reader.source.sample_name(i),
                                 f"{len(data):,} bytes, past the limit of {MAX_MEMBER_BYTES:,}: use --max-side")
                     except RefusedFile as e:
                         refused.append(e)
