@@ -10,8 +10,9 @@ On one JPEG folder (``common.photo_folder``: 1,500 ImageNet-sized photos, ~88 KB
   validation, the crop boxes).
 - ``dali``: fastdata's dali backend at the installed defaults, then one setting changed at a time:
   ``hw_decoder_load`` (the share of JPEGs sent to the GPU's hardware decoder), ``fancy_upsampling``,
-  ``preallocate``, ``prefetch_queue_depth``, the batch size, ``num_workers`` (DALI's threads) and
-  ``affine``. A row that sets only what the ``dali`` row ran with (an installed default, the first batch
+  ``preallocate``, ``prefetch_queue_depth``, the batch size, ``num_workers`` (DALI's threads), ``affine`` and
+  ``handover`` (each batch bound to the consumer's CUDA stream, or the host waiting for it as DALI's
+  own iterator does). A row that sets only what the ``dali`` row ran with (an installed default, the first batch
   size, ``--workers``), or a ceiling row at DALI's default 0.65, shows that reference row's figures
   instead of spending the call's time on them again. A
   setting the installed fastdata refuses (an unknown option) is listed as "not supported by this
@@ -29,8 +30,8 @@ workers read from /proc, exited ones from ``getrusage(RUSAGE_CHILDREN)``) over t
 Ratios between rows are not paired: their range is the one the two spreads allow.
 
 On a machine without a GPU (``--device cpu``, what ``--quick --device cpu`` checks in the tests) the
-GPU-only settings (``hw_decoder_load``, ``fancy_upsampling``, ``preallocate``) are listed as skipped, and the dali rows
-decode inside the pipeline (``decode="dali"``) as they do on a GPU.
+GPU-only settings (``hw_decoder_load``, ``fancy_upsampling``, ``preallocate``, ``handover``) are listed
+as skipped, and the dali rows decode inside the pipeline (``decode="dali"``) as they do on a GPU.
 
     python benchmarks/bench_dali_gpu.py                       # rows start within --budget (170 s): one call
     python benchmarks/bench_dali_gpu.py --quick --device cpu --out /tmp/bench   # does it run
@@ -62,7 +63,8 @@ from fastdata import cli
 from fastdata.config import usable_cores
 
 WORKLOAD = "jpeg"
-GPU_ONLY = ("hw_decoder_load", "fancy_upsampling", "preallocate")   # nvJPEG's settings: the CPU decoder has none
+# nvJPEG's settings (the CPU decoder has none) and the stream hand-over (no stream on the CPU)
+GPU_ONLY = ("hw_decoder_load", "fancy_upsampling", "preallocate", "handover")
 UNSUPPORTED = "not supported"
 DALI_HW_DEFAULT = 0.65   # fn.decoders.image's hw_decoder_load when none is given (DALI 2.4's documentation)
 
@@ -193,6 +195,8 @@ def settings(args) -> list[Setting]:
     """Every row, the references first (so a run cut short by its budget still has them)."""
     rows = [Setting("ceiling", "ceiling"), Setting("dali", "fastdata"), Setting("torch", "fastdata"),
             Setting("limit", "limit")]
+    # First of the settings: the one change since the last GPU run, measured even where --budget cuts.
+    rows += [Setting(f"dali handover={v}", "fastdata", "handover", v, {"handover": v}) for v in ("stream", "host")]
     rows += [Setting(f"dali hw_decoder_load={v:g}", "fastdata", "hw_decoder_load", v, {"hw_decoder_load": v})
              for v in args.hw_loads]
     rows += [Setting(f"ceiling hw_decoder_load={v:g}", "ceiling", "ceiling hw_decoder_load", v) for v in args.hw_loads]

@@ -697,17 +697,18 @@ def test_bench_dali_gpu_quick_on_the_cpu(tmp_path):
     assert same["ceiling hw_decoder_load=0.65"] == "ceiling" and same["ceiling hw_decoder_load=1"] is None
     assert same["dali hw_decoder_load=0.65"] == same["dali batch 64"] == same["dali num_workers=16"] == "dali"
     assert same["dali hw_decoder_load=1"] is same["dali batch 256"] is same["dali fancy_upsampling=False"] is None
+    assert bench.settings(bench_args)[4].name == "dali handover=stream"   # first of the settings: never cut
     for name in ("dali batch 4", "dali affine=False"):
         assert rows[name]["passes"] == rows["dali"]["passes"]
         assert rows[name]["note"].startswith("the defaults: the `dali` row's figures")
     assert rows["dali affine=True"]["passes"] != rows["dali"]["passes"]
     assert rows["dali num_workers=1"]["extra"]["num_workers"] == 1
     for name in ("dali hw_decoder_load=0", "ceiling hw_decoder_load=1", "dali fancy_upsampling=False",
-                 "dali preallocate=True"):
+                 "dali preallocate=True", "dali handover=host"):
         assert rows[name]["status"] == "skipped" and "GPU-only" in rows[name]["note"]
     choices = {c["factor"]: c for c in on_disk["choices"]}
     assert set(choices) == {"hw_decoder_load", "ceiling hw_decoder_load", "fancy_upsampling", "preallocate",
-                            "prefetch_queue_depth", "batch", "num_workers", "affine"}
+                            "prefetch_queue_depth", "batch", "num_workers", "affine", "handover"}
     best = max((rows["dali batch 4"], rows["dali batch 8"]), key=lambda r: r["rate"])
     assert choices["batch"]["best"] == best["extra"]["value"] and choices["hw_decoder_load"]["best"] is None
     assert "## Choosing the defaults" in md

@@ -737,7 +737,7 @@ def test_cuda_the_first_command_on_dali_waits_for_data_at_most_5_percent(monkeyp
     memory 3-7%), before one pipeline per loader. The bar: at most 5% from the second epoch (memory's
     is 1%). Whatever the result, it prints where the wait went per batch: the input callback that
     gathers a batch on the training thread (``Feeder.__call__``, inside DALI's iterator), the rest of
-    DALI's iterator (``_fetch`` less the callback: scheduling, the host wait for the outputs, DLPack)
+    DALI's outputs (``_fetch`` less the callback: scheduling, ``share_outputs``, DLPack)
     and the hand-over (``_convert``). DALI calls the callback from inside its iterator, so ``fetch``
     includes it."""
     import functools

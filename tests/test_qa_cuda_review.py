@@ -49,9 +49,9 @@ def test_the_itemsize_the_depth_counts_is_what_dali_outputs(dali, dtype, monkeyp
     seen = []
     real = DaliLoader._convert
 
-    def convert(self, out, labels):
-        seen.append(out["images"].dtype)
-        return real(self, out, labels)
+    def convert(self, images, labels):
+        seen.append(images.dtype)
+        return real(self, images, labels)
 
     monkeypatch.setattr(DaliLoader, "_convert", convert)
     with make_loader(indexed_source(32), "dali", batch_size=16, device="cpu", dtype=dtype) as loader:

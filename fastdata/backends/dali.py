@@ -81,12 +81,12 @@ closed generator), the next ``iter()`` builds a fresh pipeline and drops the bat
 reusing a broken one.
 
 Outputs: DALI 2.4's default executor (``exec_dynamic``) hands its buffers to torch through DLPack
-without a copy. They stay valid as long as torch holds them (DALI's ``TensorGPU.__dlpack__`` docs),
-and ``torch.from_dlpack`` passes torch's current stream. The hand-over itself is a host wait:
-``DALIGenericIterator`` calls ``Pipeline.share_outputs()`` with no stream, which DALI 2.4 documents as
-"the outputs are synchronized with the host" (``nvidia/dali/pipeline.py``). It waits for the batch
-being handed over only, which DALI's prefetch queue (``prefetch_queue_depth``) has usually finished by
-then, not for torch's work on the GPU.
+without a copy; they stay valid as long as torch holds them (DALI's ``TensorGPU.__dlpack__`` docs). The
+pipeline is driven by ``decode.dali_outputs.Outputs``, not ``DALIGenericIterator``: the iterator asks
+for each batch with no stream, which DALI documents as "the outputs are synchronized with the host", so
+the training thread waited for the GPU to finish every batch before it could queue the step using it.
+Each batch is bound to the consumer's current CUDA stream instead (``handover="stream"``): its work is
+ordered before the step's on that stream, and the host goes on at once.
 """
 from __future__ import annotations
 
@@ -119,6 +119,7 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
     files_decoder,
     slice_has_policy,
 )
+from ..decode.dali_outputs import Outputs
 from ..errors import DecodeError
 from ..host_memory import available_ram
 from ..images.on_error import OnError
@@ -189,6 +190,9 @@ class DaliLoader(DaliFiles, Loader):
             and the other backends; False: nvJPEG's own, tens of levels off along colour edges).
         affine: pin DALI's threads to cores (default False: several ranks or jobs on one host would
             pin theirs to the same cores).
+        handover: how a batch is handed to the consumer on a GPU: ``"stream"`` (default) binds it to
+            the consumer's current CUDA stream, no host wait; ``"host"`` waits on the host until DALI
+            finished it (what ``DALIGenericIterator`` does; kept to measure the difference).
     """
 
     name = "dali"
@@ -278,13 +282,12 @@ class DaliLoader(DaliFiles, Loader):
 
     # ------------------------------------------------------------------ the pipeline
     def _build(self):
-        """A fresh pipeline and DALIGenericIterator; the feeder must hold its stream already.
+        """A fresh pipeline and its outputs (decode.dali_outputs); the feeder must hold its stream already.
 
         Over 60 lines on purpose: the pipeline graph is one DALI function and reads top to bottom as
         the data flows (inputs, decode, crop, normalize); split, its branches would be harder to follow.
         """
         from nvidia.dali import fn, pipeline_def, types
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         aug, gpu, opts = self.augment, self.gpu, self.dali_options
         files = self.source.kind is SourceKind.FILES
@@ -345,12 +348,11 @@ class DaliLoader(DaliFiles, Loader):
 
         self._pipe = graph()
         self._pipe.build()
-        # size=-1: DALI's epoch would end only when the feeder raised StopIteration, which the endless
-        # stream never does; the passes are counted in _epoch. PARTIAL: a smaller last batch of a pass
-        # is returned as it is (never padded or filled from the next epoch).
-        self._iter = DALIGenericIterator(self._pipe, ["images"], size=-1, auto_reset=False,
-                                         last_batch_policy=LastBatchPolicy.PARTIAL,
-                                         prepare_first_batch=False)
+        # Driven through DALI's scheduling API (decode.dali_outputs): its epoch would end only when the
+        # feeder raised StopIteration, which the endless stream never does; the passes are counted in
+        # _epoch. A smaller last batch of a pass is returned as it is (never padded or filled from the
+        # next epoch).
+        self._iter = Outputs(self._pipe, self.device, opts.handover)
 
     def _restart(self, epoch: int, batches: list, start: int) -> None:
         """A fresh pipeline fed the stream from batch ``start`` of ``epoch`` (``batches`` on)."""
@@ -498,17 +500,16 @@ class DaliLoader(DaliFiles, Loader):
             raise RuntimeError("the dali loader was closed while this pass ran (close() frees its pipeline "
                                "and threads); a closed loader yields no more batches")
         try:
-            return next(self._iter)[0]
+            return next(self._iter)
         except StopIteration:
             if self._feeder.records:
                 return None
             raise _StreamEnded from None
 
-    def _convert(self, out, labels: np.ndarray):
+    def _convert(self, images: torch.Tensor, labels: np.ndarray):
         """The batch DALI made, and its labels from the record: labels never go through DALI (they are
         known here; as a pipeline input and output they cost an external_source feed, an output and a
         DLPack hand-over per batch for 64 integers)."""
-        images = out["images"]
         if self.config.channels_last:
             # NHWC memory viewed as NCHW is exactly the channels_last layout: no copy.
             images = images.permute(0, 3, 1, 2)

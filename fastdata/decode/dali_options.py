@@ -11,6 +11,7 @@ import numpy as np
 from ..checks import check_choice, check_flag, check_integer, check_number
 from ..config import Padding
 from ..host_memory import fmt_bytes
+from .dali_outputs import HANDOVER_CHOICES
 
 #: The ``decode`` option's values (see DaliLoader).
 DECODE_CHOICES = ("auto", "host", "dali")
@@ -52,6 +53,8 @@ class DaliOptions:
     preallocate: bool = True
     fancy_upsampling: bool = True
     affine: bool = False
+    # "stream": each batch is bound to the consumer's CUDA stream, no host wait (decode.dali_outputs).
+    handover: str = "stream"
 
     def __post_init__(self):
         for name in ("num_threads", "prefetch_queue_depth", "read_threads"):
@@ -59,6 +62,7 @@ class DaliOptions:
         for name in ("validate", "preallocate", "fancy_upsampling", "affine"):
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
         check_choice("decode", self.decode, DECODE_CHOICES)
+        check_choice("handover", self.handover, HANDOVER_CHOICES)
         # hw_decoder_load: the share of JPEG work nvJPEG's hardware decoder takes.
         object.__setattr__(self, "hw_decoder_load", check_number("hw_decoder_load", self.hw_decoder_load,
                                                                  minimum=0, maximum=1))

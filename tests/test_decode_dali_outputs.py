@@ -1,0 +1,132 @@
+"""decode.dali_outputs: the dali backend's pipelines driven through DALI's scheduling API, batches handed
+to torch without a host wait on a GPU. On the CPU: the driver's order (prefetch, one batch per next, the
+end of the input), the copy where DALI may reuse a buffer, and the option. On a GPU (``cuda``): batches
+bound to the consumer's stream, the same pixels as a host hand-over."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import skip_missing
+from fastdata.decode.dali_outputs import HANDOVER_CHOICES, Outputs, output_stream
+
+try:
+    import nvidia.dali  # noqa: F401
+except ImportError as e:
+    skip_missing(f"DALI's outputs need nvidia-dali-cuda120 ({e})", allow_module_level=True)
+
+
+def _counting_pipe(batches: int, *, exec_dynamic: bool = True, depth: int = 2, gpu: bool = False):
+    """A pipeline whose batch k is 4 images of value k (an endless source would never end: this one
+    raises StopIteration after ``batches``), and the list of batches its source was asked for."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    asked = []
+
+    def source():
+        k = len(asked)
+        if k >= batches:
+            raise StopIteration
+        asked.append(k)
+        return [np.full((2, 3, 1), k, np.uint8) for _ in range(4)]
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=0 if gpu else None, prefetch_queue_depth=depth,
+                  exec_dynamic=exec_dynamic)
+    def graph():
+        img = fn.external_source(source=source, batch=True, layout="HWC", dtype=types.UINT8)
+        return img.gpu() if gpu else img
+
+    pipe = graph()
+    pipe.build()
+    return pipe, asked
+
+
+def test_every_batch_in_order_then_the_end():
+    pipe, asked = _counting_pipe(5)
+    out = Outputs(pipe, torch.device("cpu"))
+    assert asked == []   # nothing runs before the first batch is asked for
+    got = [int(x[0, 0, 0, 0]) for x in out]
+    assert got == [0, 1, 2, 3, 4] and asked == [0, 1, 2, 3, 4]
+    with pytest.raises(StopIteration):   # drained: stays ended
+        next(out)
+
+
+def test_the_first_batch_fills_the_queue_and_each_next_asks_for_one_more():
+    pipe, asked = _counting_pipe(10, depth=3)
+    out = Outputs(pipe, torch.device("cpu"))
+    first = next(out)
+    assert first.shape == (4, 2, 3, 1) and first.dtype == torch.uint8
+    assert len(asked) == 3 + 1   # the queue's depth, then one more for the batch taken
+    next(out)
+    assert len(asked) == 5
+
+
+@pytest.mark.parametrize("exec_dynamic", [True, False])
+def test_a_batch_kept_by_the_consumer_is_not_overwritten_by_later_ones(exec_dynamic):
+    """Without ``exec_dynamic`` DALI reuses an output buffer once it is released: the batch is copied out
+    first. With it, the DLPack view keeps the buffer (DALI's reference counting)."""
+    pipe, _ = _counting_pipe(8, exec_dynamic=exec_dynamic)
+    kept = list(Outputs(pipe, torch.device("cpu")))
+    assert [int(x.float().mean()) for x in kept] == list(range(8))
+
+
+def test_no_stream_on_the_cpu_or_for_a_host_hand_over():
+    assert HANDOVER_CHOICES == ("stream", "host")
+    assert output_stream(torch.device("cpu"), "stream") is None
+    assert output_stream(torch.device("cuda", 0), "host") is None   # no CUDA call: works on any machine
+
+
+def test_handover_option_is_checked_and_names_its_choices():
+    import fastdata
+    from fastdata.datasets import SyntheticDigits
+
+    with pytest.raises(ValueError, match=r"handover.*'stream'.*'host'"):
+        fastdata.make_loader(SyntheticDigits(64), "dali", batch_size=16, handover="async")
+    loader = fastdata.make_loader(SyntheticDigits(64), "dali", batch_size=16, handover="host", train=False)
+    assert sum(len(y) for _, y in loader) == 64   # on the CPU both values read the same
+    loader.close()
+
+
+def _stream_handle(out) -> int | None:
+    """The CUDA stream DALI bound a shared output to (None: host order)."""
+    stream = out.stream
+    if stream is None:
+        return None
+    return int(getattr(stream, "handle", stream))
+
+
+@pytest.mark.cuda
+def test_gpu_batches_are_bound_to_the_consumers_stream_not_the_host():
+    """``share_outputs`` given the consumer's stream binds the batch to it (DALI orders its work before
+    the consumer's; no host wait), on a side stream as on torch's default stream (handle 0, a device
+    order in DALI: the legacy default stream)."""
+    device = torch.device("cuda", 0)
+    side = torch.cuda.Stream(device)
+    for consumer in (torch.cuda.default_stream(device), side):
+        pipe, _ = _counting_pipe(3, gpu=True)
+        pipe.schedule_run()
+        with torch.cuda.stream(consumer):
+            stream = output_stream(device, "stream")
+            assert stream.cuda_stream == consumer.cuda_stream
+            (out,) = pipe.share_outputs(cuda_stream=stream)
+            assert _stream_handle(out) == consumer.cuda_stream, repr(out.stream)
+        pipe.release_outputs()
+
+
+@pytest.mark.cuda
+def test_gpu_stream_hand_over_gives_the_host_hand_overs_batches_on_any_consumer_stream(photo_folder):
+    """The same pixels whether the host waits for each batch or the consumer's stream does, read on a
+    side stream (the work must be ordered on that stream, not the default one) with the host never
+    waiting in between."""
+    import fastdata
+    from fastdata.datasets import ImageFolder
+
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=4, train=True, seed=3, device="cuda")
+    host = [x for x, _ in fastdata.make_loader(src, "dali", handover="host", **kw)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got = [x.clone() for x, _ in fastdata.make_loader(src, "dali", handover="stream", **kw)]
+    side.synchronize()   # the one wait, at the end
+    assert len(got) == len(host) and all(torch.equal(a, b) for a, b in zip(got, host))
