@@ -115,7 +115,7 @@ KEYS = ["epoch", "batch", "seed", "batch_size", "world_size", "num_samples", "sh
 def test_a_state_without_a_key_is_refused_naming_it(key):
     loader = _loader("memory", num_workers=0)
     state = loader.state_dict()
-    assert set(state) == {*KEYS, "samples"}
+    assert set(state) == {*KEYS, "samples", "format"}
     del state[key]
     with pytest.raises(ValueError, match=f"no '{key}' key"):
         loader.load_state_dict(state)
@@ -141,7 +141,7 @@ def test_a_state_written_before_elastic_resume_still_resumes_at_its_batch():
     it = iter(a)
     want = [decode_ids(x) for x, _ in it]
     state = {**a.state_dict(), "epoch": 0, "batch": 4}
-    del state["samples"]  # the format of earlier versions
+    del state["samples"], state["format"]  # the format of earlier versions: neither key
     b = _loader("memory", num_workers=0, augment=NONE, seed=3)
     b.load_state_dict(state)
     assert b.state_dict()["samples"] == 4 * 20
@@ -149,6 +149,67 @@ def test_a_state_written_before_elastic_resume_still_resumes_at_its_batch():
     assert len(got) == len(want) - 4
     for g, w in zip(got, want[4:]):
         np.testing.assert_array_equal(g, w)
+
+
+def test_a_state_says_its_format_and_round_trips_it():
+    a = _loader("memory", num_workers=0)
+    state = a.state_dict()
+    assert state["format"] == type(a).STATE_FORMAT == 2
+    b = _loader("memory", num_workers=0)
+    b.load_state_dict(state)
+    assert b.state_dict() == state
+
+
+def test_a_state_without_a_format_is_read_as_the_version_before_the_key():
+    """States saved before the key existed (tests/test_qa_upgrade.py's fixtures too) resume as before."""
+    a = _loader("memory", num_workers=0, augment=NONE, seed=3)
+    it = iter(a)
+    want = [decode_ids(x) for x, _ in it]
+    state = {k: v for k, v in {**a.state_dict(), "epoch": 0, "batch": 3, "samples": 60}.items() if k != "format"}
+    b = _loader("memory", num_workers=0, augment=NONE, seed=3)
+    b.load_state_dict(state)
+    assert b.state_dict() == {**state, "format": 2}
+    got = [decode_ids(x) for x, _ in b]
+    assert len(got) == len(want) - 3 and all(np.array_equal(g, w) for g, w in zip(got, want[3:]))
+
+
+@pytest.mark.parametrize("saved", [3, 99, 10 ** 5000], ids=["3", "99", "5001-digits"])
+def test_a_state_of_a_newer_format_is_refused_naming_both_formats(saved):
+    """A newer fastdata's keys may mean another position: refused before any of them is read (a newer
+    format need not even hold today's keys), naming both formats and what to do."""
+    loader = _loader("memory", num_workers=0)
+    newer = {"format": saved, "epoch": 1, "position": 7}
+    shown = str(saved) if saved < 10 ** 18 else "bit number"
+    with pytest.raises(ValueError, match=rf"'format' is .*{shown}.*newer fastdata.*formats 1 to 2.*Upgrade fastdata"):
+        loader.load_state_dict(newer)
+    with pytest.raises(ValueError, match=rf"'format' is .*{shown}.*newer"):
+        loader.load_state_dict({**loader.state_dict(), "format": saved})
+    assert loader.state_dict()["epoch"] == 0  # nothing was applied
+
+
+@pytest.mark.parametrize("bad", ["2", 2.0, True, None, [2]])
+def test_a_format_that_is_not_an_int_is_refused_naming_the_key(bad):
+    loader = _loader("memory", num_workers=0)
+    with pytest.raises(TypeError, match="loader state 'format' must be int"):
+        loader.load_state_dict({**loader.state_dict(), "format": bad})
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_a_format_below_the_first_is_refused_naming_the_key(bad):
+    loader = _loader("memory", num_workers=0)
+    with pytest.raises(ValueError, match=f"'format' is out of range: {bad}"):
+        loader.load_state_dict({**loader.state_dict(), "format": bad})
+
+
+def test_a_state_of_this_format_without_samples_is_refused():
+    """Only a state without ``format`` (written before it) may lack ``samples``: one that says format 2
+    and has no ``samples`` was not written by state_dict(), and ``batch`` alone is not its position."""
+    loader = _loader("memory", num_workers=0)
+    state = loader.state_dict()
+    del state["samples"]
+    with pytest.raises(ValueError, match="no 'samples' key"):
+        loader.load_state_dict(state)
+    loader.load_state_dict({**state, "format": 1})   # format 1: batch alone, as before elastic resume
 
 
 def test_a_state_that_is_not_a_dict_is_refused():

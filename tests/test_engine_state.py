@@ -241,6 +241,29 @@ def test_resuming_on_another_dataset_is_a_resume_error_naming_the_checkpoint(tmp
     assert "set_epoch" not in str(info.value) and "start a new run (resume=False)" in str(info.value)
 
 
+def test_a_position_of_a_newer_loader_state_format_is_refused_before_anything_is_restored(tmp_path):
+    """The checkpoint's format is this version's, its loader position a newer fastdata's: refused as a
+    ResumeError naming both formats and the upgrade, before the model is touched."""
+    import numpy as np
+
+    def loader():
+        images = np.random.default_rng(0).integers(0, 256, (32, 8, 8), dtype=np.uint8)
+        return make_loader(ArraySource(images, np.arange(32) % 4), "memory", batch_size=8, device="cpu",
+                           augment=Augmentation.none())
+
+    path = tmp_path / "c.pt"
+    fit(nn.Sequential(nn.Flatten(1), nn.Linear(64, 4)), loader(), epochs=1, checkpoint=path, progress=False)
+    state = ckpt.load(path)
+    assert state["loader"]["format"] == 2   # saved in the checkpoint as the loader wrote it
+    ckpt.save({**state, "loader": {**state["loader"], "format": 3}}, path)
+    model = nn.Sequential(nn.Flatten(1), nn.Linear(64, 4))
+    before = _params(model).clone()
+    with pytest.raises(ckpt.ResumeError, match=r"c.pt' cannot resume this run: loader state 'format' is 3, "
+                                               r"written by a newer fastdata.*formats 1 to 2.*Upgrade fastdata"):
+        fit(model, loader(), epochs=2, checkpoint=path, resume=True, progress=False)
+    assert torch.equal(_params(model), before)
+
+
 def _saved_run(path, model=None, optimizer=None):
     model = model or SmallCNN(width=4)
     fit(model, ListLoader(_batches(2)), epochs=1, checkpoint=path, optimizer=optimizer, progress=False)

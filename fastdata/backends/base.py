@@ -562,6 +562,13 @@ class Loader(SampleIds):
     #: size and batch size may differ (elastic resume: the rest of the epoch is re-split).
     _SAME = ("seed", "num_samples", "shuffle", "drop_last", "source")
 
+    #: The format of the state ``state_dict()`` writes, saved in it as ``"format"``: 2, the global offset
+    #: ``samples`` beside ``batch`` (elastic resume); 1, ``batch`` alone. States written before the key
+    #: existed have none and are read as 2 or 1 by whether they hold ``samples``. A state whose keys mean
+    #: something else takes the next number, so that this version refuses it instead of resuming at
+    #: another position than the one saved.
+    STATE_FORMAT: ClassVar[int] = 2
+
     def _identity(self) -> dict:
         """What a saved position was taken under (``_SAME`` must match on load; the layout may not)."""
         p = self.plan
@@ -580,8 +587,26 @@ class Loader(SampleIds):
             epoch, samples = epoch + 1, 0
         else:
             samples = self.plan.consumed(offset, done)
-        return {"epoch": epoch, "batch": -(-samples // self.plan.global_batch), "samples": samples,
-                **self._identity()}
+        return {"format": self.STATE_FORMAT, "epoch": epoch, "batch": -(-samples // self.plan.global_batch),
+                "samples": samples, **self._identity()}
+
+    def _state_format(self, state: dict) -> int:
+        """The format ``state`` was written in (``STATE_FORMAT``): refused when it is not an int, or newer
+        than this version reads (a newer fastdata's keys may mean another position)."""
+        if "format" not in state:   # written before the key existed: format 1 had no "samples"
+            return 2 if "samples" in state else 1
+        saved = state["format"]
+        if not isinstance(saved, int) or isinstance(saved, bool):
+            raise TypeError(f"loader state 'format' must be int, got {saved!r:.40} ({type(saved).__name__})")
+        # Bounded: str() of a crafted 5000-digit int raises its own ValueError, naming nothing.
+        shown = saved if abs(saved) < 10 ** 18 else f"a {saved.bit_length()}-bit number"
+        if saved > self.STATE_FORMAT:
+            raise ValueError(f"loader state 'format' is {shown}, written by a newer fastdata: this one reads "
+                             f"loader state formats 1 to {self.STATE_FORMAT}. Upgrade fastdata to the version "
+                             f"that saved it to resume from it, or start without it")
+        if saved < 1:
+            raise ValueError(f"loader state 'format' is out of range: {shown} (formats 1 to {self.STATE_FORMAT})")
+        return saved
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state``'s position.
@@ -595,8 +620,10 @@ class Loader(SampleIds):
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be the dict that state_dict() returned, got {type(state).__name__}")
+        # First: a newer format's keys may be missing or mean another thing, and saying so is the answer.
+        required = ("samples",) if self._state_format(state) >= 2 else ()
         mine = self._identity()
-        missing = [k for k in ("epoch", "batch", *mine) if k not in state]
+        missing = [k for k in ("epoch", "batch", *required, *mine) if k not in state]
         if missing:
             raise ValueError(f"loader state has no {missing[0]!r} key (missing: {missing}); it was not "
                              f"written by state_dict() of this version, so the position cannot be trusted")
