@@ -808,6 +808,98 @@ def test_torchrun_pack_without_a_process_group_returns_on_every_rank_after_the_i
     assert not list(out.glob("index.rank*.json"))
 
 
+# Under torchrun each rank refuses the samples named in REFUSE (a comma list of sample indices) as a
+# file no loader reads; rank 0 reads slowly, so rank 1 meets its refusals first: torchrun used to stop
+# rank 0 there, and the run named rank 1's files only.
+TORCHRUN_REFUSING = textwrap.dedent("""
+    import os, sys, time
+    from fastdata.__main__ import main
+    from fastdata.packing import reader
+    photos, out = sys.argv[1], sys.argv[2]
+    refuse = {int(i) for i in os.environ.get("REFUSE", "").split(",") if i}
+    real = reader.SampleReader.read
+    def read(self, i):
+        if os.environ["RANK"] == "0":
+            time.sleep(0.3)
+        if i in refuse:
+            name = self.source.sample_name(i)
+            raise reader.RefusedFile(f"pack: '{name}' is refused by this test", name, "refused by this test")
+        return real(self, i)
+    reader.SampleReader.read = read
+    sys.exit(main(["pack", photos, out, "--shard-size", "2KB", "--workers", "0", "--no-progress", "--timeout", "120"]))
+""")
+
+
+def _torchrun(script, *args, **env_vars):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env_vars}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_torchrun_pack_names_every_ranks_refused_files_in_one_run_and_a_rerun_finishes(photos, tmp_path):
+    """One rank's refusal ended the torchrun job (torchrun stopped the other ranks where they were), so a
+    run named only the refused files of the ranks that finished first. Now every rank writes its shards,
+    rank 0 lists every rank's refused files in one pack-refused.txt and publishes no index, and every
+    rank ends with the same line; the next run, after the files are fixed, is not misled by that list
+    or rank 0's word of the failure (the same plan: only REFUSE changes)."""
+    from fastdata.datasets import ImageFolder
+
+    names = ImageFolder(photos).paths
+    script = tmp_path / "refusing.py"
+    script.write_text(TORCHRUN_REFUSING)
+    out = tmp_path / "out"
+    run = _torchrun(script, photos, out, REFUSE="1,2,7,10")   # shards 2, 10 are rank 0's; 1, 7 rank 1's
+    said = [line for line in run.stderr.splitlines() if line.startswith("error: fastdata pack")]
+    assert run.returncode != 0 and len(said) == 2 and said[0] == said[1], run.stdout[-3000:] + run.stderr[-3000:]
+    listed = out / "pack-refused.txt"
+    assert ": pack: 4 files of the source cannot go into a shard, so 4 shard(s) are not written: " in said[0]
+    assert all(f"'{names[i]}'" in said[0] for i in (1, 2, 7)) and ", and 1 more (all listed in " \
+        f"'{listed}'); the {len(names) - 4} other shard(s) are written and kept; " in said[0]
+    assert [line.split("\t") for line in listed.read_text().splitlines()] == \
+        [[names[i], "refused by this test"] for i in (1, 2, 7, 10)]
+    assert len(_tars(out)) == len(names) - 4 and not (out / "index.json").exists()
+    assert not list(out.glob("index.rank*.json")) and not list(out.glob("pack-refused.rank*"))
+    run = _torchrun(script, photos, out)   # fixed
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count(f"{len(names)} samples in {len(names)} shards (2 written, 4 kept)") == 2, run.stdout
+    assert len(read_index(out)) == len(names) and not listed.exists() and not (out / "pack-refused.json").exists()
+    assert not list(out.glob("index.rank*.json"))
+
+
+def test_under_a_process_group_every_rank_raises_every_ranks_refused_files(photos, tmp_path):
+    from fastdata.datasets import ImageFolder
+
+    names = ImageFolder(photos).paths
+    for i in (2, 3):   # one shard of each rank
+        Path(names[i]).write_bytes(b"not a photo")
+    out = tmp_path / "out"
+    code = textwrap.dedent(f"""
+        import json, sys
+        import torch.distributed as dist
+        from fastdata.packing import RefusedFiles, pack
+        rank = int(sys.argv[1])
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=rank, world_size=2)
+        try:
+            pack({str(photos)!r}, {str(out)!r}, shard_size="2KB", workers=0, progress=False, timeout=60)
+        except RefusedFiles as e:
+            print(json.dumps([str(e), [r.name for r in e.refused], e.shards]))
+        from fastdata import distributed as fdist
+        fdist.cleanup(barrier=False)   # gloo's threads finish before exit
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    said = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and said[0] == said[1]
+    message, refused, shards = said[0]
+    assert refused == [names[2], names[3]] and shards == ["shard-000002.tar", "shard-000003.tar"]
+    assert message.startswith("pack: 2 files of the source cannot go into a shard, so 2 shard(s) are not written")
+    assert [line.split("\t")[0] for line in (out / "pack-refused.txt").read_text().splitlines()] == refused
+    assert not (out / "index.json").exists() and not list(out.glob("index.rank*.json"))
+
+
 def test_a_repack_of_other_data_removes_the_old_index_before_any_shard_is_rewritten(photos, tmp_path, monkeypatch):
     out = tmp_path / "out"
     pack(photos, out, shard_size="4KB", workers=0, progress=False)

@@ -23,7 +23,10 @@ Parallelism: ``workers`` processes each write whole shards. Under torchrun (``WO
 ``torch.distributed`` barrier when a process group exists, else by waiting for the files), as LitData's
 writer does. Every rank returns only once that index exists: after a second barrier, or, without a
 process group (``torchrun -m fastdata pack`` starts none), by waiting for an ``index.json`` of this
-pack (its ``plan`` digest) that lists the rank's shards as it wrote them.
+pack (its ``plan`` digest) that lists the rank's shards as it wrote them. Files a rank refuses travel
+in its part: each rank writes all its other shards first, rank 0 lists every rank's refused files in
+one ``pack-refused.txt``, writes no index and says so in ``pack-refused.json`` (naming this run's
+parts, so that a re-run is not misled by it), and every rank raises the same ``RefusedFiles``.
 
 Why a room of its own, above the ``shards`` format: ``pack`` is a command that reads any source (the
 datasets), its arguments (the CLI's checks) and ``as_source`` (the registry), while ``Shards`` in the

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import tarfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, cast
@@ -24,7 +25,17 @@ from ..config import default_workers
 from ..datasets.spec import SPLITS
 from ..shards.index import INDEX_NAME, MAX_MEMBER_BYTES, TAR_BLOCK, index_document, write_dali_index, write_json_atomic
 from ..shards.storage import file_sha256
-from .ranks import barrier, drop_other_index, has_group, merge_parts, wait_for_index
+from .ranks import (
+    FAILED_NAME,
+    barrier,
+    drop_other_index,
+    has_group,
+    merge_parts,
+    part_path,
+    read_failure,
+    wait_for_index,
+    wait_until_every_rank_knows,
+)
 from .reader import PACK_VERSION, RefusedFile, SampleReader, one_line
 
 if TYPE_CHECKING:
@@ -297,7 +308,9 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     Raises:
         RefusedFiles (a ``ValueError``): files that cannot go into a shard (not an image the loaders
             read, unreadable, too large). Raised after every other shard is written, naming them all
-            (and listing them in ``out/pack-refused.txt``): fix them and run again.
+            (and listing them in ``out/pack-refused.txt``): fix them and run again. Under a launcher,
+            every rank first writes its own shards, then every rank raises the same error, naming the
+            refused files of all ranks (rank 0 lists them), and no ``index.json`` is written.
     """
     # The text bar, as fit's: tqdm.auto's widget fails in a notebook without ipywidgets.
     from tqdm import tqdm
@@ -332,35 +345,88 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
                disable=not (progress and shows_live(sys.stderr)),
                desc=f"pack {out.name}" + (f" rank {rank}/{world}" if world > 1 else ""))
     bar.update(sum(r["samples"] for r in records.values()))
-    listed = out / (REFUSED_LIST if world == 1 else f"pack-refused.rank{rank}.txt")
-    _write_all(reader, todo, out, key_width, workers, records, bar, listed)
+    refusals = _write_all(reader, todo, out, key_width, workers, records, bar)
 
     report = PackReport(out=out, index=None, shards=len(plans), written=len(todo),
                         skipped=len(mine) - len(todo), samples=n)
     written = _Written(source, plans, key_width, split, shard_size, max_side, plan_digest)
     if world == 1:
+        if refusals:
+            raise _refused(_joined(refusals), out / REFUSED_LIST, written=len(records))
+        for name in (REFUSED_LIST, FAILED_NAME):   # an earlier run's
+            (out / name).unlink(missing_ok=True)
         with _writing(f"the index '{out / INDEX_NAME}'", out):
             report.index = _write_index(out, written, records)
         return report
     config = {"pack_version": PACK_VERSION, "world_size": world, "num_samples": n, "key_width": key_width,
               "plan": plan_digest}
-    mine_records = [records[p.index] for p in mine]
-    with _writing(f"this rank's part '{out / f'index.rank{rank}.json'}'", out):
-        write_json_atomic(out / f"index.rank{rank}.json", {"config": config, "rank": rank, "records": mine_records})
+    mine_records = [records[p.index] for p in mine if p.index in records]   # a refused shard has none
+    report.index = _pack_ranks(out, rank, world, config, written, mine_records, refusals, timeout)
+    return report
+
+
+def _pack_ranks(out: Path, rank: int, world: int, config: dict, written: _Written, mine: list, refusals: list,
+                timeout: float | None) -> Path | None:
+    """The ranks' ending: each writes its part (the records ``mine`` of its shards, its ``refusals``),
+    rank 0 merges them into ``index.json`` (returned there), and every rank returns once that index
+    exists. When any rank refused files, rank 0 lists them all and writes no index, and every rank
+    raises the same ``RefusedFiles``: one run names the refused files of every rank."""
+    # New per run: rank 0's word of a failure names it, so an earlier run's word is never taken for this run's.
+    token = uuid.uuid4().hex
+    part = {"config": config, "rank": rank, "token": token, "records": mine,
+            "refused": [{"shard": i, "names": e.shards, "files": [[str(f), f.name, f.why] for f in e.refused]}
+                        for i, e in refusals]}
+    with _writing(f"this rank's part '{part_path(out, rank)}'", out):
+        write_json_atomic(part_path(out, rank), part)
     barrier()
+    index = failure = None
     if rank == 0:
-        records = merge_parts(out, world, config, timeout)
-        with _writing(f"the index '{out / INDEX_NAME}'", out):
-            report.index = _write_index(out, written, records)
-        for r in range(world):
-            (out / f"index.rank{r}.json").unlink(missing_ok=True)
+        records, refused, tokens = merge_parts(out, world, config, timeout)
+        for stale in out.glob("pack-refused.rank*.txt"):   # lists of an earlier fastdata: one per rank
+            stale.unlink(missing_ok=True)
+        if refused:
+            failure = _fail_ranks(out, written.plan, refused, tokens, len(records))
+        else:
+            with _writing(f"the index '{out / INDEX_NAME}'", out):
+                index = _write_index(out, written, records)
+            for name in (REFUSED_LIST, FAILED_NAME):   # an earlier run's
+                (out / name).unlink(missing_ok=True)
+        # A failure without a group: each rank removes its own part once it knows (rank 0 waits for that).
+        for r in [0] if failure is not None and not has_group() else range(world):
+            part_path(out, r).unlink(missing_ok=True)
     # Every rank returns once the index exists (a rank may read it next): with a process group the
     # barrier says so; without one (torchrun runs the command with no group), the other ranks wait
-    # for an index.json of this pack that describes their shards.
+    # for an index.json of this pack that describes their shards, or for rank 0's word of a failure.
     barrier()
-    if rank != 0 and not has_group():
-        wait_for_index(out, plan_digest, mine_records, rank, timeout)
-    return report
+    if rank != 0:
+        doc = read_failure(out, rank, token) if has_group() else \
+            wait_for_index(out, written.plan, mine, rank, token, timeout)
+        if doc is not None:
+            failure = _refusal_of(doc)
+            part_path(out, rank).unlink(missing_ok=True)   # this rank knows: rank 0 may end
+    if failure is not None:
+        if not has_group():
+            wait_until_every_rank_knows(out, world)
+        raise failure
+    return index
+
+
+def _fail_ranks(out: Path, plan: str, refused: list, tokens: list, written: int) -> RefusedFiles:
+    """Rank 0, when the parts hold refused files: list them all in ``REFUSED_LIST`` (in the source's
+    order), tell the other ranks in ``FAILED_NAME`` and return the error that every rank raises."""
+    refused = sorted(refused, key=lambda s: s["shard"])
+    files = [RefusedFile(*f) for s in refused for f in s["files"]]
+    e = _refused(RefusedFiles(files, [n for s in refused for n in s["names"]]), out / REFUSED_LIST, written)
+    doc = {"plan": plan, "tokens": tokens, "refused": [[str(f), f.name, f.why] for f in e.refused],
+           "shards": e.shards, "written": e.written, "listed": e.listed}
+    with _writing(f"'{out / FAILED_NAME}'", out):
+        write_json_atomic(out / FAILED_NAME, doc)
+    return _refusal_of(doc)
+
+
+def _refusal_of(doc: dict) -> RefusedFiles:
+    """The ``RefusedFiles`` of rank 0's ``FAILED_NAME`` document: the same on every rank."""
+    return RefusedFiles([RefusedFile(*f) for f in doc["refused"]], doc["shards"], doc["written"], doc["listed"])
 
 
 def _pack_source(source, split):
@@ -383,16 +449,17 @@ def _pack_source(source, split):
 
 
 def _write_all(reader: SampleReader, todo: list[ShardPlan], out: Path, key_width: int, workers: int | None,
-               records: dict, bar, listed: Path) -> None:
-    """``_write_shards`` with the progress ``bar``; refused files are listed in file ``listed`` (removed
-    when there are none, as an earlier run's list)."""
+               records: dict, bar) -> list[tuple[int, RefusedFiles]]:
+    """``_write_shards`` with the progress ``bar``; returns its refusals."""
     try:
-        _write_shards(reader, todo, out, key_width, workers, records, bar.update)
-    except RefusedFiles as e:
-        raise _refused(e, listed, written=len(records)) from None
+        return _write_shards(reader, todo, out, key_width, workers, records, bar.update)
     finally:
         bar.close()
-    listed.unlink(missing_ok=True)
+
+
+def _joined(refusals: list[tuple[int, RefusedFiles]]) -> RefusedFiles:
+    """One ``RefusedFiles`` of the shards' ``refusals``, in the source's order."""
+    return RefusedFiles([f for _, e in refusals for f in e.refused], [n for _, e in refusals for n in e.shards])
 
 
 def _refused(e: RefusedFiles, listed: Path, written: int) -> RefusedFiles:
@@ -491,10 +558,10 @@ def _finished_records(out: Path, mine: list[ShardPlan]) -> tuple[dict, list[Shar
 
 
 def _write_shards(reader: SampleReader, todo: list[ShardPlan], out: Path, key_width: int, workers: int | None,
-                  records: dict, progress) -> None:
+                  records: dict, progress) -> list[tuple[int, RefusedFiles]]:
     """Write the ``todo`` shards, here or on a process pool, adding each one's record to ``records``. A
-    shard holding files pack refuses is not written, and the others still are: then ``RefusedFiles``
-    names every refused file of the pack. Any other error stops the pack at once."""
+    shard holding files pack refuses is not written, and the others still are: returned are the refused
+    shards' (index, ``RefusedFiles``), in the source's order. Any other error stops the pack at once."""
     refused: list[tuple[int, RefusedFiles]] = []   # (shard, its refusal): named in the source's order
     # By default the ranks of one node share its cores rather than each starting a process per core.
     n_workers = min(len(todo), workers if workers is not None else default_workers())
@@ -523,9 +590,7 @@ def _write_shards(reader: SampleReader, todo: list[ShardPlan], out: Path, key_wi
         finally:
             # On an error, shards not started are dropped rather than written after it.
             pool.shutdown(wait=True, cancel_futures=True)
-    if refused:
-        refused.sort(key=lambda r: r[0])
-        raise RefusedFiles([f for _, e in refused for f in e.refused], [n for _, e in refused for n in e.shards])
+    return sorted(refused, key=lambda r: r[0])
 
 
 @dataclass(frozen=True)
