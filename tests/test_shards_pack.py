@@ -869,6 +869,52 @@ def test_torchrun_pack_names_every_ranks_refused_files_in_one_run_and_a_rerun_fi
     assert not list(out.glob("index.rank*.json"))
 
 
+# TORCHRUN_REFUSING, and: CRASH_RANK1 stops rank 1 right after it wrote its part (a Ctrl-C, a crash: the
+# part stays); LATE_RANK1 makes rank 1's first read wait that many seconds (it writes its part late).
+TORCHRUN_STOPPED = textwrap.dedent("""
+    import os, sys, time
+    from fastdata.__main__ import main
+    from fastdata.packing import reader, writer
+    photos, out = sys.argv[1], sys.argv[2]
+    refuse = {int(i) for i in os.environ.get("REFUSE", "").split(",") if i}
+    late = [float(os.environ.get("LATE_RANK1", "0"))] if os.environ["RANK"] == "1" else []
+    real = reader.SampleReader.read
+    def read(self, i):
+        if os.environ["RANK"] == "0":
+            time.sleep(0.3)
+        elif late:
+            time.sleep(late.pop())
+        if i in refuse:
+            name = self.source.sample_name(i)
+            raise reader.RefusedFile(f"pack: '{name}' is refused by this test", name, "refused by this test")
+        return real(self, i)
+    reader.SampleReader.read = read
+    if os.environ["RANK"] == "1" and os.environ.get("CRASH_RANK1"):
+        writer.barrier = lambda: os._exit(3)
+    sys.exit(main(["pack", photos, out, "--shard-size", "2KB", "--workers", "0", "--no-progress", "--timeout", "120"]))
+""")
+
+
+def test_torchrun_pack_after_a_stopped_run_does_not_merge_that_runs_part_and_its_refusals(photos, tmp_path):
+    """A run stopped after rank 1 wrote its part (refusing a file) left that part; the next run, the file
+    fixed, had rank 0 merge it as this run's when rank 1 was slower to write its own: the fixed file was
+    named again, no index was written, and rank 1 never learnt why (its part of this run was not the one
+    merged). Each rank now removes its own part of an earlier run as it starts."""
+    from fastdata.datasets import ImageFolder
+
+    names = ImageFolder(photos).paths
+    script = tmp_path / "stopped.py"
+    script.write_text(TORCHRUN_STOPPED)
+    out = tmp_path / "out"
+    run = _torchrun(script, photos, out, REFUSE="1", CRASH_RANK1="1")   # sample 1: rank 1's shard 1
+    assert run.returncode != 0 and (out / "index.rank1.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    assert "refused by this test" in (out / "index.rank1.json").read_text()
+    run = _torchrun(script, photos, out, LATE_RANK1="4")   # fixed; rank 1 writes its part last
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert len(read_index(out)) == len(names) and not (out / "pack-refused.json").exists()
+    assert not list(out.glob("index.rank*.json"))
+
+
 def test_under_a_process_group_every_rank_raises_every_ranks_refused_files(photos, tmp_path):
     from fastdata.datasets import ImageFolder
 

@@ -327,6 +327,10 @@ def pack(source, out, *, shard_size="256MB", max_side: int | None = None, worker
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside [0, world_size={world})")
     out = _make_out(Path(out))
+    if world > 1:
+        # First: this rank's part of an earlier run stopped after writing it (Ctrl-C, a crash) would be
+        # merged by rank 0 as this run's, refusals included, until this rank writes its own.
+        part_path(out, rank).unlink(missing_ok=True)
 
     reader = SampleReader(source, max_side)
     n = len(reader.labels)
