@@ -1,7 +1,7 @@
 """decode.dali_outputs: the dali backend's pipelines driven through DALI's scheduling API, batches handed
 to torch without a host wait on a GPU. On the CPU: the driver's order (prefetch, one batch per next, the
 end of the input), the copy where DALI may reuse a buffer, and the option. On a GPU (``cuda``): batches
-bound to the consumer's stream, the same pixels as a host hand-over."""
+read on the consumer's stream, a copying executor's batches, the same pixels as a host hand-over."""
 from __future__ import annotations
 
 import numpy as np
@@ -88,30 +88,30 @@ def test_handover_option_is_checked_and_names_its_choices():
     loader.close()
 
 
-def _stream_handle(out) -> int | None:
-    """The CUDA stream DALI bound a shared output to (None: host order)."""
-    stream = out.stream
-    if stream is None:
-        return None
-    return int(getattr(stream, "handle", stream))
+@pytest.mark.cuda
+def test_gpu_batches_are_read_on_the_consumers_stream_with_no_host_wait_between():
+    """``share_outputs`` given the consumer's stream makes that stream wait for DALI's iteration (DALI 2.4's
+    ``PopOutputs``: a ``cudaStreamWaitEvent``); the outputs keep DALI's own stream (``out.stream`` is not
+    the consumer's: ``set_output_order=false``), so what is checked is what the consumer reads: work
+    queued on its stream right after each hand-over, the host never waiting in between, sees DALI's
+    batch, on torch's default stream (handle 0: the pipeline device's legacy default stream) as on a
+    side stream."""
+    device = torch.device("cuda", 0)
+    for consumer in (torch.cuda.default_stream(device), torch.cuda.Stream(device)):
+        pipe, _ = _counting_pipe(4, gpu=True)
+        with torch.cuda.stream(consumer):
+            sums = [x.sum() for x in Outputs(pipe, device)]   # each queued on the consumer's stream
+        consumer.synchronize()
+        assert [int(s) for s in sums] == [24 * k for k in range(4)]   # 4 images of 2x3x1 of value k
 
 
 @pytest.mark.cuda
-def test_gpu_batches_are_bound_to_the_consumers_stream_not_the_host():
-    """``share_outputs`` given the consumer's stream binds the batch to it (DALI orders its work before
-    the consumer's; no host wait), on a side stream as on torch's default stream (handle 0, a device
-    order in DALI: the legacy default stream)."""
-    device = torch.device("cuda", 0)
-    side = torch.cuda.Stream(device)
-    for consumer in (torch.cuda.default_stream(device), side):
-        pipe, _ = _counting_pipe(3, gpu=True)
-        pipe.schedule_run()
-        with torch.cuda.stream(consumer):
-            stream = output_stream(device, "stream")
-            assert stream.cuda_stream == consumer.cuda_stream
-            (out,) = pipe.share_outputs(cuda_stream=stream)
-            assert _stream_handle(out) == consumer.cuda_stream, repr(out.stream)
-        pipe.release_outputs()
+def test_gpu_batches_of_an_executor_that_reuses_buffers_are_copied_and_handed_over_by_the_host():
+    """Without ``exec_dynamic`` DALI refuses a stream (``share_outputs``: "Asynchronous outputs require
+    ..."), and reuses a buffer once released: each batch is copied, the copy waited for, first."""
+    pipe, _ = _counting_pipe(8, exec_dynamic=False, gpu=True)
+    kept = list(Outputs(pipe, torch.device("cuda", 0), "stream"))
+    assert [int(x.float().mean()) for x in kept] == list(range(8))
 
 
 @pytest.mark.cuda

@@ -4,19 +4,24 @@
 Why not ``DALIGenericIterator``: it calls ``Pipeline.share_outputs()`` with no stream, which DALI 2.4
 documents as "the outputs are synchronized with the host" (``nvidia/dali/pipeline.py``): the training
 thread waits for the GPU to finish every batch before it may even queue the step that uses it. Given the
-consumer's stream instead, DALI's ``ShareOutputs`` sets the workspace's output order to that stream
-(``backend_impl.cc``: ``ws.set_output_order(cuda_stream)``) and returns once the iteration's host work is
-done: the GPU work is ordered before whatever the consumer queues next on that stream, with no host wait.
-A stream handle of 0 (torch's default stream) is a device order in DALI (``AccessOrder``: only the
-sentinels 4321, host, and -1, none, are not), i.e. the legacy default stream torch's default stream is.
-``torch.from_dlpack`` then passes the same current stream to ``TensorGPU.__dlpack__``, which inserts a
-wait only if the buffer's order is another stream.
+consumer's stream instead, DALI 2.4's ``Executor2::Impl::PopOutputs`` (behind ``ShareOutputs``) makes that
+stream wait for the iteration's event (``AccessOrder::wait(event)``: a ``cudaStreamWaitEvent``, where a host
+order is a ``cudaEventSynchronize``) and returns once the iteration's host work is done: the GPU work is
+ordered before whatever the consumer queues next on that stream, with no host wait. The outputs keep
+DALI's own stream (``Executor2::Outputs`` passes ``set_output_order=false``: ``out.stream`` is not the
+consumer's) and their ready event. A stream handle of 0 (torch's default stream) is a device order in
+DALI (``AccessOrder``: only the sentinels 4321, host, and -1, none, are not): the legacy default stream,
+of the pipeline's device (``PopOutputs`` runs under a ``DeviceGuard`` of it). ``torch.from_dlpack``
+then passes the same stream to ``TensorGPU.__dlpack__`` (1 for the legacy default stream, on the current
+device: ``to_torch`` makes it the batch's), which waits for the ready event on it once more: a
+``cudaStreamWaitEvent`` too, never a host wait.
 
 A buffer outlives ``release_outputs``: under DALI 2.4's default executor (``exec_dynamic``) outputs are
 reference counted and ``release_outputs`` does not invalidate them (its docstring), and the DLPack capsule
 holds a reference until torch frees the tensor. The pipelines here always run that executor; where one
-does not (``Pipeline.exec_dynamic`` false), the batch is copied out before its buffers are released,
-as DALI's own iterator does.
+does not (``Pipeline.exec_dynamic`` false), the batch is copied out, and on a GPU waited for, before its
+buffers are released, as DALI's own iterator does (``feed_ndarray``: a host-synchronous copy); such an
+executor takes no stream (``share_outputs`` refuses one), so its batches are handed over by the host.
 """
 from __future__ import annotations
 
@@ -57,7 +62,8 @@ class Outputs:
         if not self._started:
             self._started = True
             pipe.schedule_run()
-        stream = output_stream(self.device, self.handover)
+        # A stream only under exec_dynamic: DALI refuses one otherwise (to_torch's copy then waits).
+        stream = output_stream(self.device, self.handover) if pipe.exec_dynamic else None
         (out, *_rest) = pipe.share_outputs(cuda_stream=stream)   # StopIteration once drained
         images = to_torch(out.as_tensor(), self.device, copy=not pipe.exec_dynamic)
         pipe.release_outputs()
@@ -70,5 +76,11 @@ def to_torch(tensor, device: torch.device, copy: bool) -> torch.Tensor:
     DALI may reuse the buffer once released (``copy``: an executor other than ``exec_dynamic``)."""
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         view = torch.from_dlpack(tensor)   # passes torch's current stream to __dlpack__ (see module doc)
-        return view.clone() if copy else view
+        if not copy:
+            return view
+        copied = view.clone()
+        if device.type == "cuda":
+            # The buffer goes back to DALI right after: the copy must have run (DALI's iterator waits too).
+            torch.cuda.current_stream(device).synchronize()
+        return copied
 
