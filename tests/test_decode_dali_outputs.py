@@ -130,3 +130,22 @@ def test_gpu_stream_hand_over_gives_the_host_hand_overs_batches_on_any_consumer_
         got = [x.clone() for x, _ in fastdata.make_loader(src, "dali", handover="stream", **kw)]
     side.synchronize()   # the one wait, at the end
     assert len(got) == len(host) and all(torch.equal(a, b) for a, b in zip(got, host))
+
+
+@pytest.mark.cuda
+def test_gpu_a_batch_read_late_on_the_consumers_stream_is_still_that_batch():
+    """DALI returns a buffer torch dropped to its pool ordered on DALI's stream, where its next iteration
+    may reuse it while the consumer's stream, queued behind a slow step, has not read it yet. Each batch is
+    torch's copy, and DALI's buffer is kept until that copy ran: a consumer 50M cycles behind still reads
+    every batch's own values."""
+    device = torch.device("cuda", 0)
+    side = torch.cuda.Stream(device)
+    pipe, _ = _counting_pipe(16, gpu=True)
+    sums = []
+    with torch.cuda.stream(side):
+        for x in Outputs(pipe, device, dtype=torch.bfloat16):
+            assert x.dtype == torch.bfloat16 and x.device == device   # converted in the copy
+            torch.cuda._sleep(50_000_000)   # a slow step before the batch is read
+            sums.append(x.float().sum())
+    side.synchronize()
+    assert [int(s) for s in sums] == [24 * k for k in range(16)]

@@ -352,7 +352,7 @@ class DaliLoader(DaliFiles, Loader):
         # feeder raised StopIteration, which the endless stream never does; the passes are counted in
         # _epoch. A smaller last batch of a pass is returned as it is (never padded or filled from the
         # next epoch).
-        self._iter = Outputs(self._pipe, self.device, opts.handover)
+        self._iter = Outputs(self._pipe, self.device, opts.handover, self.config.dtype)
 
     def _restart(self, epoch: int, batches: list, start: int) -> None:
         """A fresh pipeline fed the stream from batch ``start`` of ``epoch`` (``batches`` on)."""
@@ -365,6 +365,8 @@ class DaliLoader(DaliFiles, Loader):
     def _release(self):
         self._feeder.cancel()
         self._feeder.records.clear()
+        if self._iter is not None and os.getpid() == self._owner_pid:   # a forked child has no CUDA
+            self._iter.close()   # copies still reading DALI's buffers finish before the pipeline goes
         self._iter = None
         self._pipe = None  # DALI frees its threads and buffers with the pipeline object
         self._ready = self._expect = None
@@ -513,7 +515,7 @@ class DaliLoader(DaliFiles, Loader):
         if self.config.channels_last:
             # NHWC memory viewed as NCHW is exactly the channels_last layout: no copy.
             images = images.permute(0, 3, 1, 2)
-        if self.config.dtype == torch.bfloat16:
+        if self.config.dtype == torch.bfloat16:   # on a GPU Outputs' copy made it bfloat16: returned as is
             images = images.to(torch.bfloat16, memory_format=torch.preserve_format)
         return images, labels_on(self.device, labels)
 
