@@ -147,6 +147,31 @@ def test_least_recently_used_released_shards_go_first(remote, tmp_path):
     cache.close()
 
 
+def test_a_retired_shard_goes_before_any_other_and_a_later_use_takes_that_back(remote, tmp_path):
+    """The read-ahead retires the shards a pass has finished: the next download evicts them first, not
+    the least recently used (a shard fetched ahead and not read yet was that, and was downloaded twice)."""
+    root, files = remote
+    with http_server(root) as server:
+        cache = ShardCache(Storage(server.url, **FAST), tmp_path / "cache", limit_bytes=3 * SIZE,
+                           expected_sizes=sizes(files))
+        for name in ["s0.tar", "s1.tar", "s2.tar"]:   # s0 fetched ahead long ago; s1, s2 read since
+            cache.get(name)
+            cache.release(name)
+        cache.retire("s2.tar")
+        cache.retire("s1.tar")                        # retired last: evicted after s2
+        cache.get("s3.tar")
+        assert sorted(os.listdir(tmp_path / "cache")) == [".locks", "s0.tar", "s1.tar", "s3.tar"]
+        cache.get("s1.tar")                           # used again: no longer retired
+        cache.release("s1.tar")
+        cache.get("sub/s4.tar")                       # s0 is now the least recently used
+        assert sorted(os.listdir(tmp_path / "cache")) == [".locks", "s1.tar", "s3.tar", "sub"]
+        cache.retire("s0.tar")                        # evicted already: nothing to do
+        cache.get("s0.tar")                           # downloaded again: counted, by name
+        assert [cache.downloads(n) for n in NAMES] == [2, 1, 1, 1, 1]
+        assert [server.count(n, "GET") for n in NAMES] == [2, 1, 1, 1, 1]
+        cache.close()
+
+
 def test_shards_used_a_moment_apart_are_evicted_in_the_order_they_were_used(remote, tmp_path):
     """No sleep between the uses: the kernel's "now" (a bare os.utime) is one coarse tick, so a shard
     used after another within the tick tied with it, and the tie went to the name: s0, used last here,
@@ -309,6 +334,46 @@ def test_the_readers_prefetcher_fetches_a_window_ahead_in_order_within_the_budge
     finally:
         shards.close()
     assert not prefetcher.is_alive()
+
+
+def test_the_prefetcher_counts_the_batches_in_flight_and_fetches_ahead_only_within_the_budget(tmp_path):
+    """Told that the readers run ``plan_in_flight`` samples ahead, the prefetcher fetches the shards they
+    may be reading, then ahead only as far as the cache holds them all (here one shard, not the window
+    of 2): further, it evicts a shard the readers have not finished. Where their shards alone are more
+    than the cache holds, it fetches nothing: the readers fetch what they read."""
+    from fastdata.datasets import ImageFolder, Shards, make_image_folder
+    from fastdata.packing import pack
+    from fastdata.shards.index import read_index
+
+    folder = make_image_folder(tmp_path / "photos", classes=2, per_class=8, size_range=((24, 32), (24, 32)))
+    out = tmp_path / "packed"
+    pack(ImageFolder(folder), out, shard_size=6000, workers=0, progress=False)   # a photo or two a shard
+    index = read_index(out)
+    largest = max(s.size for s in index.shards)
+    order = np.arange(len(index.shard))[::-1].copy()
+    first: dict[str, int] = {}   # each shard's first position in the order, in the order it is first read
+    for position, j in enumerate(index.shard[order].tolist()):
+        first.setdefault(index.shards[j].name, position)
+    names = list(first)
+    sizes_ = {s.name: s.size for s in index.shards}
+    for case, in_flight in (("fits", first[names[3]]), ("too many", None)):
+        cache_dir = tmp_path / f"cache-{case}"
+        shards = Shards(f"file://{out}", cache_dir=cache_dir, window=2, cache_limit=4 * largest)
+        if in_flight is None:   # the fewest first shards whose bytes are more than the cache holds
+            total, k = 0, 0
+            while total <= 4 * largest:
+                total, k = total + sizes_[names[k]], k + 1
+            in_flight = first[names[k]]
+        shards.plan_in_flight(in_flight, 1)            # samples 0 .. in_flight - 1: shards names[:k]
+        try:
+            shards.reading(order, 0)
+            ahead = shards._prefetcher
+            assert wait_until(lambda a=ahead: _idle(a._thread) and not a._wanted, timeout=30)
+            cached = sorted(p.name.split(".")[0] for p in cache_dir.glob("*.tar"))
+            want = names[:4] if case == "fits" else []
+            assert cached == sorted(n[:-4] for n in want), (case, cached, shards._prefetcher.error)
+        finally:
+            shards.close()
 
 
 class FullDisk(Storage):

@@ -8,8 +8,9 @@ member sits at an offset). A remote location is read through a bounded per-node 
 shards are not. The epoch's order (``epoch_order``) shuffles shards, then samples within a window of
 ``window`` shards, from ``(seed, epoch)`` alone: every rank reads the current window's shards, and the
 order does not depend on the world size, so elastic resume reads every sample once, as for folders.
-While a pass runs, the loader tells the source where it is (``reading``), and the shards of the next
-window are fetched ahead on a thread of the loader's process; readers in worker processes find them
+While a pass runs, the loader tells the source where it is (``reading``) and, once, how far its readers
+run ahead of that (``plan_in_flight``); the shards of the next window are fetched ahead of the readers
+on a thread of the loader's process (``shards.readahead``), and readers in worker processes find them
 published in the shared cache folder (or wait, on the shard's lock, for the download in progress).
 
 A shard is checked against the index when it is opened, not per sample: its size at every open, its
@@ -43,6 +44,7 @@ from .folders import ImageFolder, photo_augmentation
 
 if TYPE_CHECKING:   # the shards format is imported where it is used: importing fastdata loads none of it
     from ..shards.cache import ShardCache
+    from ..shards.readahead import ReadAhead
 
 _TAR_HEADER = 512
 #: Shards' window when none is given, in every release (positions saved before it was recorded assume it).
@@ -67,7 +69,8 @@ class Shards(Source):
             verdicts are kept in ``cache_dir/.verified`` (default: under the temporary directory).
         cache_limit: bytes of shards the cache may hold; default half the free space of ``cache_dir``'s
             disk. It must hold ``2 x window`` of the largest shards (the window being read and the
-            next, fetched ahead), which is checked here.
+            next, fetched ahead), which is checked here; and, for no shard to be downloaded twice in a
+            pass, the shards of the batches the loader's readers have in flight (``plan_in_flight``).
         window: shards whose samples are shuffled together; more windows mix better, more shards per
             window cost cache space.
         storage_options, retries, timeout: for the transport (``fastdata.shards.storage.Storage``):
@@ -119,7 +122,9 @@ class Shards(Source):
                                       os.path.join(tempfile.gettempdir(), "fastdata-shards", "verified"))
         else:
             self._open_cache()   # the budget is checked now, not at the first read in a worker
-        self._prefetcher: _Prefetcher | None = None
+        self._prefetcher: ReadAhead | None = None
+        # The samples past the position the loader tells that its readers may be reading (plan_in_flight).
+        self._in_flight = (0, 0)
         self._stop_ahead: weakref.finalize | None = None   # stops the prefetcher if this is never closed
         self._files = _OpenFiles(2 * self.window, self._cache is not None)
         self._pid = os.getpid()
@@ -323,12 +328,32 @@ class Shards(Source):
             return
         self._check_process()
         if self._prefetcher is None:
-            self._prefetcher = _Prefetcher(self)
+            from ..shards.readahead import ReadAhead
+
+            self._prefetcher = ReadAhead(self._cache, self.index, self._ids, self.window, self.location)
             # The thread holds the prefetcher, not this source: a source dropped without close() is
             # collected, and this stops its thread then (or at interpreter exit), instead of leaving it
             # waiting for work forever. The finalizer holds the prefetcher only, so it keeps nothing alive.
             self._stop_ahead = weakref.finalize(self, self._prefetcher.stop)
-        self._prefetcher.want(order, position, next_order)
+        self._prefetcher.want(order, position, next_order, self._in_flight)
+
+    def plan_in_flight(self, batches: int, batch_size: int, read: int = 0) -> None:
+        """The loader's readers may read up to ``batches`` batches of ``batch_size`` samples (the global
+        batch: positions in the epoch's order count every rank's samples) past the position it last told
+        ``reading``, the batch it is handing out included; the first ``read`` of them are read already
+        (decoded batches in a queue). A DataLoader's workers: ``num_workers x prefetch_factor + 1`` (it
+        sends out the next batch's indices as it hands one out, before the loader tells the source); a
+        loader without workers: 1; dali: ``2 x prefetch_queue_depth + 2``, ``read=prefetch_queue_depth``.
+        The read-ahead fetches the shards the readers may be reading, and ahead only as far as the cache
+        holds them all; it retires the shards they have finished, which are evicted first. Where those
+        shards alone are more than ``cache_limit`` holds and one is downloaded again, a ``RuntimeWarning``
+        says so once, with the bytes it takes. A local folder has no cache: nothing changes."""
+        from ..checks import check_integer
+
+        batches = check_integer("Shards.plan_in_flight: batches", batches, minimum=0)
+        batch_size = check_integer("Shards.plan_in_flight: batch_size", batch_size, minimum=1)
+        read = check_integer("Shards.plan_in_flight: read (batches)", read, minimum=0, maximum=max(batches - 1, 0))
+        self._in_flight = (read * batch_size, batches * batch_size)
 
     # ------------------------------------------------------------------ the rest of Source
     def fingerprint(self) -> str:
@@ -522,107 +547,6 @@ class _Forget(NamedTuple):
 
     def __call__(self) -> None:
         self.files.forget(self.path)
-
-
-class _Prefetcher:
-    """Fetches the shards the pass reads next into the cache, a window ahead of the consumer.
-
-    Each shard is taken and released at once (``get`` then ``release``): held by nobody, it stays in
-    the cache as the most recently used, and the readers (worker processes) take it when they get
-    there. Only the next ``window`` shards after the consumer's are fetched, so it never runs through
-    the cache's budget ahead of the readers and evicts what they have not read yet.
-    """
-
-    def __init__(self, source: Shards):
-        if source._cache is None:   # Shards builds one only for a remote (cached) location
-            raise ValueError(f"{source!r} reads its shards in place: there is nothing to fetch ahead")
-        self.cache: ShardCache = source._cache
-        self.index, self.ids, self.ahead = source.index, source._ids, source.window
-        self.names = [s.name for s in source.index.shards]
-        self._cond = threading.Condition()
-        # (shard name, for the next epoch?): a shard this pass fetched early on and has since evicted
-        # is fetched again when the next epoch starts with it.
-        self._wanted: list[tuple[str, bool]] = []
-        self._window: set[str] = set()   # every shard the last want() asked for, fetched or not
-        self._done: set[tuple[str, bool]] = set()
-        self._order_key: tuple[int, int] | None = None
-        self._sequence = np.zeros(0, dtype=np.int64)
-        self._first = np.zeros(0, dtype=np.int64)
-        self._next: np.ndarray | None = None   # the next epoch's shard sequence, once the pass nears its end
-        self._stop = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="fastdata-shards", daemon=True)
-        self._thread.start()
-
-    def want(self, order: np.ndarray, position: int, next_order=None) -> None:
-        key = (id(order), len(order))
-        new_pass = key != self._order_key
-        if new_pass:   # the shards in the order they are first read
-            self._sequence, self._first = self._shard_sequence(order)
-            self._order_key, self._next = key, None
-        wanted = []
-        if position < len(order):
-            k = max(int(np.searchsorted(self._first, position, side="right")) - 1, 0)
-            wanted = [(self.names[int(s)], False) for s in self._sequence[k: k + 1 + self.ahead]]
-        if len(wanted) < 1 + self.ahead and next_order is not None:
-            # The pass is in its last shards: the next epoch's first window is fetched while it ends. No
-            # more than that window: the cache holds 2 windows, and the one this pass ends on is its most
-            # recently used, so a longer look-ahead would evict the first shards it fetched.
-            if self._next is None:
-                upcoming = next_order()
-                self._next = self._shard_sequence(upcoming)[0] if upcoming is not None else np.zeros(0, np.int64)
-            now = {name for name, _ in wanted}
-            more = [(self.names[int(s)], True) for s in self._next[: self.ahead]]
-            wanted += [w for w in more if w[0] not in now][: 1 + self.ahead - len(wanted)]
-        with self._cond:   # the thread takes the pass's set with its shard, under this lock
-            if new_pass:
-                self._done = set()
-            self._wanted = [n for n in wanted if n not in self._done]
-            self._window = {name for name, _ in wanted}
-            self._cond.notify()
-
-    def _shard_sequence(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(shards in the order ``order`` first reads them, the position of each one's first sample)."""
-        shards = self.index.shard[self.ids[np.asarray(order, dtype=np.int64)]]
-        _, first = np.unique(shards, return_index=True)
-        keep = np.sort(first)
-        return shards[keep], keep
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stop and not self._wanted:
-                    self._cond.wait()
-                if self._stop:
-                    return
-                name, upcoming = self._wanted.pop(0)
-                # The pass this shard was asked for: a new pass may start while it is fetched (set_epoch,
-                # load_state_dict, iter() mid-pass), and it has its own set, which this shard must not
-                # enter (a shard given up here would never be fetched ahead in the new pass).
-                done = self._done
-            try:
-                # Given up once the pass has gone past it: waiting on another process (downloading it,
-                # or holding it shared), this thread downloaded it again after the readers had read it
-                # and it was evicted, evicting the shards they were about to read in its place. And at
-                # stop(): close() (or exit) waited up to a minute for another rank's download.
-                if self.cache.get(name, remember_failure=False,
-                                  wanted=lambda n=name: not self._stop and n in self._window) is not None:
-                    self.cache.release(name)
-            except Exception as e:   # the reader's own get() retries and raises it, naming the shard
-                self.error = e
-            # Tried once a pass, fetched or not: a shard that failed is not tried again at every batch,
-            # which kept this thread on it instead of fetching the shards after it.
-            done.add((name, upcoming))
-
-    def stop(self) -> None:
-        """End the thread: it finishes a download of its own in progress (bounded by the storage's timeout),
-        gives up a wait for another process's, and returns. Not joined from the thread itself: a source
-        collected there stops it from there."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
 
 
 def _version(st: os.stat_result, cached: bool = False) -> tuple[int, int]:

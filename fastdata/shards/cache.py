@@ -1,10 +1,11 @@
 """The per-node cache of whole shards: bounded, shared by the processes of one node, never half written.
 
 ``ShardCache(storage, cache_dir, limit_bytes=..., expected_sizes=...)``: ``get(name)`` returns a local
-path (downloading the shard if needed) and marks it in use until ``release(name)``; released shards
-are evicted least recently used first when a download needs room. Fetching ahead is the reader's job
-(``fastdata.datasets.Shards`` calls ``get`` then ``release`` on a thread, a window ahead): a shard
-fetched and released stays cached as the most recently used until its reader takes it. A local-folder
+path (downloading the shard if needed) and marks it in use until ``release(name)``; when a download
+needs room, shards the reader has retired (``retire``: finished for this pass) are evicted first, then
+the other released shards, least recently used first. Fetching ahead is the reader's job
+(``shards.readahead``: ``get`` then ``release`` on a thread, ahead of the readers): a shard fetched and
+released stays cached as the most recently used until its reader takes it. A local-folder
 ``Storage`` is read in place: nothing is copied and the budget is not used.
 
 Why file locks (``fcntl.flock``), one per shard under ``cache_dir/.locks/``: the ranks of a node are
@@ -31,6 +32,7 @@ Other files in ``cache_dir`` are left alone.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -45,7 +47,7 @@ import weakref
 from fastdata.checks import check_integer, check_number
 from fastdata.shards.storage import ShardMismatch, StorageError, check_name
 
-__all__ = ["ShardCache", "CacheFull", "unlock_close"]
+__all__ = ["ShardCache", "CacheFull", "unlock_close", "human_bytes"]
 
 _TMP = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-z]+$")
 # A cached shard's file name with its identity: STEM.<16 hex digits of its sha256>[.EXT].
@@ -53,6 +55,8 @@ _VERSIONED = re.compile(r"^(?P<stem>(?:.*/)?\.?[^/.]+)\.(?P<digest>[0-9a-f]{16})
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _LOCKS = ".locks"
 _POLL = 0.05
+_RETIRED_NS = 10 * 365 * 86400 * 10**9   # how far in the past ``retire`` stamps a finished shard
+_COUNTED = 2**40   # a lock file's mtime below this (18 minutes after 1970, in ns) is a download count
 
 
 class _Ready(Exception):
@@ -64,7 +68,8 @@ class CacheFull(OSError):
     (or read-only)."""
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes as people read them: ``"512 B"``, ``"1.5 MB"`` (powers of 1000, as disks are sold)."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -130,9 +135,9 @@ class ShardCache:
             # 2 x window shards at once; "limit_bytes" and this class's window would name neither.
             what = "the largest shard" if self.window == 1 else f"the {self.window} largest shards"
             raise ValueError(f"the shard cache's limit (Shards' cache_limit=) of {self.limit_bytes} bytes "
-                             f"({_human(self.limit_bytes)}) cannot hold {what}, the most read at once (Shards "
+                             f"({human_bytes(self.limit_bytes)}) cannot hold {what}, the most read at once (Shards "
                              f"holds 2 x window= shards: the window being read and the next, fetched ahead): "
-                             f"it needs at least {need} bytes ({_human(need)}) in {self.cache_dir}; raise "
+                             f"it needs at least {need} bytes ({human_bytes(need)}) in {self.cache_dir}; raise "
                              f"cache_limit, lower window, or pack smaller shards (pack --shard-size)")
         self._lock = threading.RLock()
         self._reset()
@@ -347,6 +352,30 @@ class ShardCache:
                 finally:
                     self._drop(name)
 
+    def downloads(self, name: str) -> int:
+        """How many times shard ``name`` was downloaded into this cache folder, by any process (counted in
+        its lock file: ``_count_download``): ``shards.readahead`` sees a shard evicted and fetched again."""
+        self._known(name)
+        try:
+            stamp = os.stat(os.path.join(self.cache_dir, _LOCKS, *self._files[name].split("/")) + ".lock").st_mtime_ns
+        except FileNotFoundError:   # never downloaded (or read in place)
+            return 0
+        return stamp if stamp < _COUNTED else 0
+
+    def retire(self, name: str) -> None:
+        """The pass is done with ``name``: any process's download evicts it before other released shards
+        (stamped far in the past; a later use stamps it again). By use alone, a shard fetched ahead and
+        not read yet went before a finished one read since, and was downloaded again in the same pass."""
+        self._check_process()
+        self._known(name)
+        if self.in_place:
+            return
+        if name in self._held:      # in use here: its release stamps it used now anyway
+            return
+        stamp = time.time_ns() - _RETIRED_NS
+        with contextlib.suppress(FileNotFoundError, PermissionError):   # evicted; another user's file
+            os.utime(self.path(name), ns=(stamp, stamp))
+
     def _drop(self, name: str):
         fd, *_ = self._held.pop(name)
         try:
@@ -411,7 +440,12 @@ class ShardCache:
                         os.unlink(self.path(name))   # wrong size: nobody holds it (we hold it exclusively)
                     except FileNotFoundError:
                         pass
-                    self._download(name, deadline=deadline)
+                    _count_download(fd)   # before it is published: a reader that sees it sees it counted
+                    try:
+                        self._download(name, deadline=deadline)
+                    except BaseException:
+                        _count_download(fd, -1)
+                        raise
                 # Loop: take it shared and check again (flock's conversion is not atomic).
         except _Ready:   # unwanted before the shard was there: nothing held
             unlock_close(fd)
@@ -443,8 +477,8 @@ class ShardCache:
                 if attempt == 1:
                     free = shutil.disk_usage(self.cache_dir).free
                     raise CacheFull(errno.ENOSPC, f"the disk holding the shard cache {self.cache_dir} is full: "
-                                    f"shard {name!r} needs {size} bytes ({_human(size)}), {free} bytes "
-                                    f"({_human(free)}) are free after evicting {freed_for_disk} released "
+                                    f"shard {name!r} needs {size} bytes ({human_bytes(size)}), {free} bytes "
+                                    f"({human_bytes(free)}) are free after evicting {freed_for_disk} released "
                                     f"shard(s); free space there, lower limit_bytes={self.limit_bytes} or give "
                                     f"another cache_dir") from None
             finally:
@@ -469,8 +503,8 @@ class ShardCache:
                 if time.monotonic() >= deadline:
                     usage, _ = self._scan()
                     raise CacheFull(errno.ENOSPC, f"shard cache {self.cache_dir} cannot make room for shard "
-                                    f"{name!r} ({_human(size)}): {_human(usage)} of limit_bytes="
-                                    f"{self.limit_bytes} ({_human(self.limit_bytes)}) are held by shards in "
+                                    f"{name!r} ({human_bytes(size)}): {human_bytes(usage)} of limit_bytes="
+                                    f"{self.limit_bytes} ({human_bytes(self.limit_bytes)}) are held by shards in "
                                     f"use for {self.wait_timeout:.0f} s; release shards after reading them, or "
                                     f"raise the limit to hold every shard read at once")
                 time.sleep(_POLL * 4)
@@ -619,6 +653,15 @@ def _detach_inherited(folder: str) -> None:
     finally:
         if null is not None:
             os.close(null)
+
+
+def _count_download(fd: int, step: int = 1) -> None:
+    """``step`` more downloads of the shard whose lock ``fd`` is held exclusively. The count is the lock
+    file's mtime in nanoseconds (a creation time reads as 0), not bytes: lock files stay empty."""
+    stamp = os.fstat(fd).st_mtime_ns
+    count = max((stamp if stamp < _COUNTED else 0) + step, 0)
+    with contextlib.suppress(PermissionError):   # another user's lock file: not counted
+        os.utime(fd, ns=(count, count))
 
 
 def _touch(path: str) -> None:

@@ -1,0 +1,145 @@
+"""Shards over HTTP with the smallest cache its window allows, read by loaders whose readers run ahead of
+the training step (``Shards.plan_in_flight``): no shard is downloaded twice in a pass, and a cache too
+small for what is in flight says so once. Downloads are counted by the test's HTTP server on 127.0.0.1."""
+from __future__ import annotations
+
+import collections
+import warnings
+
+import pytest
+
+from conftest import BACKENDS
+from fastdata import Augmentation, make_loader
+from fastdata.datasets import ImageFolder, Shards, make_image_folder
+from shard_servers import http_server
+
+pytestmark = pytest.mark.requires("fsspec", "aiohttp")
+
+NONE = Augmentation(crop="center", size=16)
+@pytest.fixture(scope="module")
+def small_shards(tmp_path_factory):
+    """120 small photos in 3 classes, packed about 7 to a shard (17 shards)."""
+    from fastdata.packing import pack
+
+    root = tmp_path_factory.mktemp("in_flight")
+    folder = make_image_folder(root / "photos", classes=3, per_class=40, seed=1, size_range=((40, 48), (32, 40)))
+    sizes = sorted(p.stat().st_size for p in folder.rglob("*.jpg"))
+    out = root / "packed"
+    pack(ImageFolder(folder), out, shard_size=10 * (sizes[len(sizes) // 2] + 1024), workers=0, progress=False)
+    return out
+
+
+def _passes(server, shards, loader, epochs: int) -> list[dict]:
+    """Per pass, the shards downloaded more than once for it: a download is for the pass that next reads
+    the shard, from where the training step is when it is made (batches of 1: a position). One made
+    after this pass's last read of the shard (the next epoch's first shards, fetched ahead while this
+    pass ends, or read by dali's stream) is the next pass's."""
+    import numpy as np
+
+    for_pass: list[collections.Counter] = [collections.Counter() for _ in range(epochs + 1)]
+    for epoch in range(epochs):
+        order = loader.plan.order(epoch)
+        last = {}   # shard name -> the position of its last sample in this pass
+        for position, j in enumerate(shards.index.shard[np.asarray(order)]):
+            last[shards.index.shards[int(j)].name] = position
+        marks, start = [], len(server.requests)
+        for _ in loader:
+            marks.append(len(server.requests))   # requests made before the training step had this batch
+        assert len(marks) == len(loader)
+        for r, (method, path, _) in enumerate(server.requests[start:], start):
+            name = path.rsplit("/", 1)[-1]
+            if method == "GET" and name in last:
+                position = int(np.searchsorted(marks, r, side="right"))   # batches handed out before it
+                for_pass[epoch if position <= last[name] else epoch + 1][name] += 1
+    return [{name: n for name, n in gets.items() if n > 1} for gets in for_pass[:epochs]]
+
+
+@pytest.mark.parametrize("backend", [b for b in ("torch", "dali") if b in BACKENDS])
+def test_no_shard_is_downloaded_twice_in_a_pass_at_the_smallest_cache(small_shards, tmp_path, backend):
+    """The backend tells the source its batches in flight (torch: 2 workers x prefetch_factor 2 + 1; dali
+    on the CPU: 2 x prefetch_queue_depth 2 + 2, 2 of them decoded already). window=2 and 2 windows of
+    cache: the readers are up to 6 samples past the training step, inside
+    the next window, and the read-ahead fetched the shards they had finished (downloaded again once
+    evicted) while the cache evicted, least recently used first, shards fetched ahead and not read yet
+    before the finished ones: torch downloaded 2-3 shards twice in 3 passes, dali 4-7."""
+    from fastdata.shards.index import read_index
+
+    largest = max(s.size for s in read_index(small_shards).shards)
+    with http_server(small_shards) as server, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shards = Shards(server.url, cache_dir=tmp_path / "cache", window=2, cache_limit=4 * largest)
+        with make_loader(shards, backend, batch_size=1, device="cpu", augment=NONE, num_workers=2,
+                         seed=5) as loader:
+            try:
+                twice = _passes(server, shards, loader, epochs=3)
+            finally:
+                shards.close()
+    said = [str(w.message) for w in caught if "downloaded again" in str(w.message)]
+    assert twice == [{}, {}, {}] and not said, (twice, said, server.requests)   # a cache that holds them says nothing
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="the torch backend is not available")
+def test_a_cache_too_small_for_the_batches_in_flight_says_so_once(small_shards, tmp_path):
+    """window=1 and 2 shards of cache, while two workers read 8-photo batches 5 ahead (about 6 shards):
+    shards come back evicted and are downloaded again. Said once, naming cache_limit and what it takes."""
+    from fastdata.shards.index import read_index
+
+    largest = max(s.size for s in read_index(small_shards).shards)
+    with http_server(small_shards) as server, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shards = Shards(server.url, cache_dir=tmp_path / "cache", window=1, cache_limit=2 * largest)
+        with make_loader(shards, "torch", batch_size=8, device="cpu", augment=NONE, num_workers=2,
+                         seed=5) as loader:
+            try:
+                twice = _passes(server, shards, loader, epochs=2)
+            finally:
+                shards.close()
+    said = [str(w.message) for w in caught if "downloaded again" in str(w.message)]
+    assert any(twice), "the cache held every shard in flight: nothing to say"
+    assert len(said) == 1, said
+    assert f"cache_limit={2 * largest}" in said[0] and "plan_in_flight" in said[0] and "at least" in said[0]
+
+
+def test_plan_in_flight_refuses_what_is_not_a_count(small_shards):
+    shards = Shards(small_shards)
+    with pytest.raises(ValueError, match="batches"):
+        shards.plan_in_flight(-1, 8)
+    with pytest.raises(ValueError, match="read"):
+        shards.plan_in_flight(2, 8, read=2)        # every batch in flight read already: none being read
+    shards.plan_in_flight(0, 8)                     # a loader that reads nothing ahead
+    shards.close()
+
+
+def test_a_pass_over_an_order_at_the_last_ones_address_is_a_new_pass(small_shards, tmp_path):
+    """Each pass's order is a new array of the same size, which the allocator often puts where the last
+    one was freed: told apart by id() alone, the next pass read as the last one going on, its shards
+    counted as fetched already (none fetched ahead) and its positions mapped through the old order.
+    Here the next epoch's order is written into the same array (the same object): told from the start
+    again, it is a new pass, and its first shards are fetched."""
+    import os
+    import sys
+
+    from fastdata.shards.index import read_index
+    from procs import wait_until
+
+    def idle(thread):
+        frame = sys._current_frames().get(thread.ident)
+        return frame is not None and frame.f_code.co_name == "wait" and frame.f_back.f_code.co_name == "_run"
+
+    shards = Shards(f"file://{small_shards}", cache_dir=tmp_path / "cache", window=1,
+                    cache_limit=10 * max(s.size for s in read_index(small_shards).shards))
+    try:
+        order = shards.epoch_order(3, 0).copy()
+        for position in range(0, len(order) + 1, 7):
+            shards.reading(order, min(position, len(order)))
+        order[:] = shards.epoch_order(3, 1)        # the next pass, in the same array
+        for f in (tmp_path / "cache").glob("*.tar"):
+            f.unlink()                              # nothing cached: what the next pass fetches shows
+        shards.reading(order, 0)
+        ahead = shards._prefetcher
+        assert wait_until(lambda: idle(ahead._thread) and not ahead._wanted, timeout=30)
+        first = shards.index.shards[int(shards.index.shard[order[0]])].name
+        assert os.path.exists(shards.cached_path(first)), (first, ahead.error)
+    finally:
+        shards.close()
+
