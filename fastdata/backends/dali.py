@@ -107,7 +107,7 @@ from ..augment import (
 )
 from ..config import Crop, Padding
 from ..datasets import SourceKind
-from ..datasets.base import ArrayPixels
+from ..datasets.base import ArrayPixels, tell_in_flight
 from ..decode.dali_errors import dali_reason, free_frames, is_dali_failure
 from ..decode.dali_feed import Feeder, WorkerPool, batch_record, stream
 from ..decode.dali_files import BROKEN, OK, UNSEEN, DaliFiles, plain_file_paths
@@ -263,6 +263,10 @@ class DaliLoader(DaliFiles, Loader):
             self.assembler = WorkerPool(1, "fastdata-dali-batch")
             self._readers = WorkerPool(opts.read_threads, "fastdata-dali-read")
         self._feeder = Feeder(self, ahead=opts.prefetch_queue_depth + 1, give_up=len(self.plan) + 1)
+        # The feeder assembles depth + 1 batches ahead of DALI's queue of depth decoded ones (read already)
+        # and one more is being handed over: a streaming source keeps the shards of 2 x depth + 2 batches.
+        depth = opts.prefetch_queue_depth
+        tell_in_flight(source, 2 * depth + 2, self.plan.global_batch, read=depth)
         self._probe_pipe = self._pipe = self._iter = None
         self._ready = None    # a DALI output fetched for a record not yet handed out
         self._expect = None   # the epoch the running stream goes on with, after a pass ran to its end

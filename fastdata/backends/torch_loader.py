@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Sampler
 from ..augment import output_size, recipe
 from ..checks import check_flag, check_integer
 from ..datasets import SourceKind
-from ..datasets.base import check_picklable
+from ..datasets.base import check_picklable, tell_in_flight
 from ..decode import BatchDecoder, collect_before_fork
 from ..prefetch import PrefetchStage
 from ..sampling import seed_for
@@ -214,6 +214,10 @@ class TorchLoader(Loader):
         self.pin = self.device.type == "cuda"
         self._loader = make_dataloader(self.fetcher, self._sampler, workers, self.pin, self.opts,
                                        seed=seed_for(self.plan.seed, self.plan.rank, 0x5EED))
+        # The DataLoader sends out prefetch_factor batches per worker, and the next batch's indices as it
+        # hands one out, before the loader tells the source where it is: a streaming source keeps their shards.
+        self._in_flight = workers * self.opts["prefetch_factor"] + 1 if workers else 1
+        tell_in_flight(source, self._in_flight, self.plan.global_batch)
 
     @property
     def pin_memory(self) -> bool:
@@ -334,6 +338,8 @@ class PrefetchLoader(TorchLoader):
         super().__init__(source, config, **options)
         self.stage = PrefetchStage(self.device, self.opts["depth"])
         self.depth = self.stage.depth
+        # The stage's queue of depth batches and the one its thread holds, past the DataLoader's own.
+        tell_in_flight(source, self._in_flight + self.depth + 1, self.plan.global_batch)
         if self.device.type == "cuda":
             helps, why = PrefetchStage.helps(batch_bytes(source, config))
             if not helps:

@@ -105,6 +105,12 @@ class Source:
         fetching its start while this pass ends; a source whose ``reading`` takes only ``order`` and
         ``position`` is called without it."""
 
+    def plan_in_flight(self, batches: int, batch_size: int, read: int = 0) -> None:
+        """How far the loader's readers run past the position it tells ``reading``: ``batches`` batches of
+        ``batch_size`` (global) samples, the first ``read`` of them read already. Called once by the
+        loader, in its own process (``tell_in_flight``); a streaming source (``Shards``) keeps their
+        shards cached."""
+
     @property
     def classes(self) -> list:
         """Class names, index = label: folder names, a dataset's ``classes``, or ``0 .. num_classes-1``.
@@ -228,6 +234,14 @@ def _naming_read_errors(read):
             raise DecodeError(self.sample_name(i), f"cannot read it ({type(e).__name__}: {e})") from e
 
     return reading
+
+
+def tell_in_flight(source, batches: int, batch_size: int, read: int = 0) -> None:
+    """``source.plan_in_flight(...)``, for a streaming source (without ``random_access``) that has it: a
+    source written before the method existed, or not derived from ``Source``, is left alone."""
+    tell = None if getattr(source, "random_access", True) else getattr(source, "plan_in_flight", None)
+    if tell is not None:
+        tell(batches, batch_size, read)
 
 
 #: What every source sets (in its ``__init__``), checked by ``check_source`` on a source of one's own.
