@@ -31,7 +31,7 @@ def small_shards(tmp_path_factory):
 
 def _passes(server, shards, loader, epochs: int) -> list[dict]:
     """Per pass, the shards downloaded more than once for it: a download is for the pass that next reads
-    the shard, from where the training step is when it is made (batches of 1: a position). One made
+    the shard, from where the training step is when it is made (the samples handed out). One made
     after this pass's last read of the shard (the next epoch's first shards, fetched ahead while this
     pass ends, or read by dali's stream) is the next pass's."""
     import numpy as np
@@ -49,7 +49,8 @@ def _passes(server, shards, loader, epochs: int) -> list[dict]:
         for r, (method, path, _) in enumerate(server.requests[start:], start):
             name = path.rsplit("/", 1)[-1]
             if method == "GET" and name in last:
-                position = int(np.searchsorted(marks, r, side="right"))   # batches handed out before it
+                # The samples handed out before it (batches of them: a position is a sample's)
+                position = int(np.searchsorted(marks, r, side="right")) * loader.plan.global_batch
                 for_pass[epoch if position <= last[name] else epoch + 1][name] += 1
     return [{name: n for name, n in gets.items() if n > 1} for gets in for_pass[:epochs]]
 

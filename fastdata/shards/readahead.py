@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -34,6 +35,8 @@ from fastdata.shards.cache import ShardCache, human_bytes
 __all__ = ["ReadAhead"]
 
 _NONE = np.zeros(0, dtype=np.int64)
+#: A cached shard stamped before this long ago was retired (``ShardCache.retire``: ten years back).
+_RETIRED_BEFORE_NS = 5 * 365 * 86400 * 10**9
 
 
 class ReadAhead:
@@ -73,6 +76,7 @@ class ReadAhead:
         self.warned = False   # said once that shards are downloaded twice in a pass
         self._need = 0        # the most bytes of shards the readers may read at once in this pass
         self._seen: dict[str, int] = {}   # the downloads of each shard the pass's readers need, at most
+        self._claimed: set[str] = set()   # the shards this pass has wanted (un-retired once each)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fastdata-shards", daemon=True)
         self._thread.start()
@@ -84,13 +88,16 @@ class ReadAhead:
         shards are fetched while this pass ends."""
         new_pass = order is not self._order or position < self._position   # a new pass, or one started again
         self._position = position
-        lo, hi = position + reach[0], position + max(reach[1], reach[0] + 1)
+        # The first ``reach[0]`` samples count as read (dali's decoded queue) once the pass runs, not as it
+        # starts: a fresh pipeline (the first pass, a resume, set_epoch, ranks starting together) has read
+        # nothing yet, and its first shards, cached already, were retired unread and evicted first.
+        lo, hi = position + (0 if new_pass else reach[0]), position + max(reach[1], reach[0] + 1)
         n = len(order)
         if new_pass:
             self._sequence, self._first, self._last = self._shard_sequence(order)
             self._retired = np.zeros(len(self._sequence), dtype=bool)
             self._order, self._next = order, None
-            self._need, self._seen = self._room_needed(n, reach), {}
+            self._need, self._seen, self._claimed = self._room_needed(n, reach), {}, set()
         started = int(np.searchsorted(self._first, min(hi, n)))   # first read before hi
         reading = [(self.names[int(s)], False) for s in self._sequence[:started][self._last[:started] >= lo]]
         ahead = [(self.names[int(s)], False) for s in self._sequence[started: started + self.ahead]]
@@ -100,6 +107,7 @@ class ReadAhead:
                                                         {name for name, _ in reading + ahead})
             reading, ahead = reading + more_reading, ahead + more_ahead
         wanted = self._within_budget(reading, ahead)
+        self._claim(reading + wanted)
         # Finished: read, as far as the loader knows (before reach[0]; handed out, for readers whose batches
         # may come back in any order). Retired, they make room before any shard fetched ahead, which,
         # fetched before their last read, was less recently used than they.
@@ -155,6 +163,23 @@ class ReadAhead:
             total += size[name]
             wanted.append((name, upcoming))
         return wanted
+
+    def _claim(self, wanted: list) -> None:
+        """Once a pass, each shard it wants: a copy an earlier pass retired (``ShardCache.retire`` stamps it
+        ten years back), cached still, is stamped used now. Else it went first at the next download,
+        before the shards no pass needs, and was downloaded again as this pass reached it."""
+        if self.cache.in_place:   # the storage's own files: never stamped
+            return
+        for name, _ in wanted:
+            if name in self._claimed:
+                continue
+            self._claimed.add(name)
+            path, now = self.cache.path(name), time.time_ns()
+            try:
+                if os.stat(path).st_mtime_ns < now - _RETIRED_BEFORE_NS:
+                    os.utime(path, ns=(now, now))
+            except OSError:   # not cached (or evicted meanwhile); another user's file: only an eviction hint
+                pass
 
     def _retire(self, started: int, finished: np.ndarray, keep: set) -> None:
         """Retire the ``finished`` ones of the pass's first ``started`` shards, once a pass, but for those

@@ -1,0 +1,101 @@
+"""The read-ahead (shards/readahead.py) retires what its readers have read, and nothing a pass still reads:
+retired, a shard is evicted before any other."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from procs import wait_until
+
+
+def _idle(ahead) -> bool:
+    frame = sys._current_frames().get(ahead._thread.ident)
+    return (frame is not None and frame.f_code.co_name == "wait" and frame.f_back.f_code.co_name == "_run"
+            and not ahead._wanted)
+
+
+def _packed(tmp_path):
+    from fastdata.datasets import ImageFolder, make_image_folder
+    from fastdata.packing import pack
+
+    folder = make_image_folder(tmp_path / "photos", classes=2, per_class=8, size_range=((24, 32), (24, 32)))
+    out = tmp_path / "packed"
+    pack(ImageFolder(folder), out, shard_size=6000, workers=0, progress=False)   # a photo or two a shard
+    return out
+
+
+def test_a_pass_that_starts_retires_no_shard_its_readers_have_not_read(tmp_path):
+    """dali tells read=prefetch_queue_depth: batches in DALI's queue are read already. Not when a pass
+    starts on a fresh pipeline (the first pass, a resume, set_epoch, ranks starting together): nothing
+    is read then. A shard of the first batches that is cached already (a warm cache_dir, another rank's
+    download) was retired at position 0, evicted first by the read-ahead's next download, and read
+    from the network again."""
+    from fastdata.datasets import Shards
+    from fastdata.shards.index import read_index
+
+    out = _packed(tmp_path)
+    index = read_index(out)
+    largest = max(s.size for s in index.shards)
+    order = np.arange(len(index.shard))
+    seq = list(dict.fromkeys(index.shards[int(j)].name for j in index.shard[order]))
+    first_pos = {}
+    for p, j in enumerate(index.shard[order].tolist()):
+        first_pos.setdefault(index.shards[j].name, p)
+    shards = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=1, cache_limit=3 * largest)
+    cache = shards._cache
+    try:
+        start = seq[0]
+        cache.get(start)          # cached before the pass starts: a warm cache_dir, another rank
+        cache.release(start)
+        read = first_pos[seq[1]]  # "read already": the first shard's samples, which nobody has read
+        shards.plan_in_flight(3, read, read=1)
+        shards.reading(order, 0)
+        assert wait_until(lambda: _idle(shards._prefetcher), timeout=30)
+        path = shards.cached_path(start)
+        assert os.path.exists(path), "the first shard, unread, was evicted by the read-ahead"
+        assert os.stat(path).st_mtime > time.time() - 86400, "the first shard, unread, was retired"
+        assert cache.downloads(start) == 1
+    finally:
+        shards.close()
+
+
+
+def test_a_shard_the_last_pass_retired_is_kept_for_the_pass_that_reads_it_next(tmp_path):
+    """A shard retired by the last pass stays stamped in the past. When the next pass reaches it while
+    it is still cached, the read-ahead's downloads of the shards before it evicted it first (before a
+    shard no pass needs), and it was downloaded again: at a cache_limit that holds every shard in
+    flight, dali warned "downloaded again within a pass" about 1 run in 4."""
+    from fastdata.datasets import Shards
+    from fastdata.shards.index import read_index
+
+    out = _packed(tmp_path)
+    index = read_index(out)
+    size = {s.name: s.size for s in index.shards}
+    order = np.arange(len(index.shard))
+    seq = list(dict.fromkeys(index.shards[int(j)].name for j in index.shard[order]))
+    first_pos = {}
+    for p, j in enumerate(index.shard[order].tolist()):
+        first_pos.setdefault(index.shards[j].name, p)
+    s0, s1, s2, unused = seq[0], seq[1], seq[2], seq[-1]
+    # Room for s1 (cached, retired by the last pass), an unused shard and s0 but one byte.
+    limit = size[s0] + size[s1] + size[unused] - 1
+    assert limit >= 2 * max(size.values())
+    shards = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=1, cache_limit=limit)
+    cache = shards._cache
+    try:
+        for name in (unused, s1):
+            cache.get(name)
+            cache.release(name)
+        cache.retire(s1)                          # the last pass finished it
+        shards.plan_in_flight(1, first_pos[s2])   # the readers read s0 and s1
+        shards.reading(order, 0)
+        assert wait_until(lambda: _idle(shards._prefetcher), timeout=30)
+        assert os.path.exists(shards.cached_path(s1)), "s1, which this pass reads now, was evicted"
+        assert not os.path.exists(shards.cached_path(unused))
+        assert cache.downloads(s1) == 1
+    finally:
+        shards.close()
+
