@@ -99,3 +99,69 @@ def test_a_shard_the_last_pass_retired_is_kept_for_the_pass_that_reads_it_next(t
     finally:
         shards.close()
 
+
+
+def _retired(shards, name) -> bool:
+    path = shards.cached_path(name)
+    return os.path.exists(path) and os.stat(path).st_mtime < time.time() - 86400
+
+
+def test_over_several_ranks_a_shard_is_retired_one_global_batch_later(tmp_path):
+    """A rank tells its position once it has handed out its share of a batch, while another rank's workers
+    may still read theirs: a shard whose last sample is in that batch was retired, evicted first, and read
+    from the network again by the rank still on it. Over several ranks it is retired a global batch
+    later; on one rank at once (at the smallest cache a later retirement evicts shards still to be read)."""
+    from fastdata.datasets import Shards
+    from fastdata.shards.index import read_index
+
+    out = _packed(tmp_path)
+    index = read_index(out)
+    order = np.arange(len(index.shard))
+    names = [index.shards[int(j)].name for j in index.shard[order]]
+    first = names[0]
+    last_of_first = max(p for p, n in enumerate(names) if n == first)
+    for ranks, retired in ((1, True), (2, False)):
+        shards = Shards(f"file://{out}", cache_dir=tmp_path / f"cache{ranks}", window=1,   # room: no eviction
+                        cache_limit=6 * max(s.size for s in index.shards))
+        try:
+            shards.plan_in_flight(1, 2, ranks=ranks)   # batches of 2 samples over every rank
+            shards.reading(order, 0)
+            assert wait_until(lambda s=shards: _idle(s._prefetcher), timeout=30)
+            shards.reading(order, last_of_first + 1)   # the batch holding the first shard's last sample told
+            assert wait_until(lambda s=shards: _idle(s._prefetcher), timeout=30)
+            assert _retired(shards, first) is retired, ranks
+            if not retired:
+                shards.reading(order, last_of_first + 3)   # one global batch later
+                assert wait_until(lambda s=shards: _retired(s, first), timeout=30)
+        finally:
+            shards.close()
+
+
+def test_a_shard_held_by_this_process_when_finished_is_retired_once_released(tmp_path):
+    """retire() leaves a shard this process holds (dali's reader threads, num_workers=0: its release
+    stamps it used): the read-ahead marked it retired anyway and never tried again that pass."""
+    from fastdata.datasets import Shards
+    from fastdata.shards.index import read_index
+
+    out = _packed(tmp_path)
+    index = read_index(out)
+    order = np.arange(len(index.shard))
+    names = [index.shards[int(j)].name for j in index.shard[order]]
+    first = names[0]
+    last_of_first = max(p for p, n in enumerate(names) if n == first)
+    shards = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=1,   # room: no eviction
+                    cache_limit=6 * max(s.size for s in index.shards))
+    cache = shards._cache
+    try:
+        shards.plan_in_flight(1, 1)
+        shards.reading(order, 0)
+        assert wait_until(lambda: _idle(shards._prefetcher), timeout=30)
+        cache.get(first)   # a reader of this process still on it
+        shards.reading(order, last_of_first + 1)
+        assert wait_until(lambda: _idle(shards._prefetcher), timeout=30)
+        assert not _retired(shards, first)
+        cache.release(first)
+        shards.reading(order, last_of_first + 2)
+        assert wait_until(lambda: _retired(shards, first), timeout=30), "never retired once released"
+    finally:
+        shards.close()

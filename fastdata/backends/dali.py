@@ -266,7 +266,7 @@ class DaliLoader(DaliFiles, Loader):
         # The feeder assembles depth + 1 batches ahead of DALI's queue of depth decoded ones (read already)
         # and one more is being handed over: a streaming source keeps the shards of 2 x depth + 2 batches.
         depth = opts.prefetch_queue_depth
-        tell_in_flight(source, 2 * depth + 2, self.plan.global_batch, read=depth)
+        tell_in_flight(source, self.plan, 2 * depth + 2, read=depth)
         self._probe_pipe = self._pipe = self._iter = None
         self._ready = None    # a DALI output fetched for a record not yet handed out
         self._expect = None   # the epoch the running stream goes on with, after a pass ran to its end

@@ -217,7 +217,7 @@ class TorchLoader(Loader):
         # The DataLoader sends out prefetch_factor batches per worker, and the next batch's indices as it
         # hands one out, before the loader tells the source where it is: a streaming source keeps their shards.
         self._in_flight = workers * self.opts["prefetch_factor"] + 1 if workers else 1
-        tell_in_flight(source, self._in_flight, self.plan.global_batch)
+        tell_in_flight(source, self.plan, self._in_flight)
 
     @property
     def pin_memory(self) -> bool:
@@ -339,7 +339,7 @@ class PrefetchLoader(TorchLoader):
         self.stage = PrefetchStage(self.device, self.opts["depth"])
         self.depth = self.stage.depth
         # The stage's queue of depth batches and the one its thread holds, past the DataLoader's own.
-        tell_in_flight(source, self._in_flight + self.depth + 1, self.plan.global_batch)
+        tell_in_flight(source, self.plan, self._in_flight + self.depth + 1)
         if self.device.type == "cuda":
             helps, why = PrefetchStage.helps(batch_bytes(source, config))
             if not helps:

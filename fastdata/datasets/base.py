@@ -105,11 +105,11 @@ class Source:
         fetching its start while this pass ends; a source whose ``reading`` takes only ``order`` and
         ``position`` is called without it."""
 
-    def plan_in_flight(self, batches: int, batch_size: int, read: int = 0) -> None:
+    def plan_in_flight(self, batches: int, batch_size: int, read: int = 0, ranks: int = 1) -> None:
         """How far the loader's readers run past the position it tells ``reading``: ``batches`` batches of
-        ``batch_size`` (global) samples, the first ``read`` of them read already. Called once by the
-        loader, in its own process (``tell_in_flight``); a streaming source (``Shards``) keeps their
-        shards cached."""
+        ``batch_size`` (global) samples, the first ``read`` of them read already, over ``ranks`` ranks.
+        Called once by the loader, in its own process (``tell_in_flight``); a streaming source
+        (``Shards``) keeps their shards cached."""
 
     @property
     def classes(self) -> list:
@@ -236,12 +236,13 @@ def _naming_read_errors(read):
     return reading
 
 
-def tell_in_flight(source, batches: int, batch_size: int, read: int = 0) -> None:
-    """``source.plan_in_flight(...)``, for a streaming source (without ``random_access``) that has it: a
-    source written before the method existed, or not derived from ``Source``, is left alone."""
+def tell_in_flight(source, plan, batches: int, read: int = 0) -> None:
+    """``source.plan_in_flight(batches, plan's global batch, read, plan's world size)``, for a streaming
+    source (without ``random_access``) that has it: a source written before the method existed, or not
+    derived from ``Source``, is left alone."""
     tell = None if getattr(source, "random_access", True) else getattr(source, "plan_in_flight", None)
     if tell is not None:
-        tell(batches, batch_size, read)
+        tell(batches, plan.global_batch, read, plan.world_size)
 
 
 #: What every source sets (in its ``__init__``), checked by ``check_source`` on a source of one's own.

@@ -125,6 +125,7 @@ class Shards(Source):
         self._prefetcher: ReadAhead | None = None
         # The samples past the position the loader tells that its readers may be reading (plan_in_flight).
         self._in_flight = (0, 0)
+        self._lag = 0   # over several ranks one global batch (plan_in_flight): others may read the batch told
         self._stop_ahead: weakref.finalize | None = None   # stops the prefetcher if this is never closed
         self._files = _OpenFiles(2 * self.window, self._cache is not None)
         self._pid = os.getpid()
@@ -335,9 +336,9 @@ class Shards(Source):
             # collected, and this stops its thread then (or at interpreter exit), instead of leaving it
             # waiting for work forever. The finalizer holds the prefetcher only, so it keeps nothing alive.
             self._stop_ahead = weakref.finalize(self, self._prefetcher.stop)
-        self._prefetcher.want(order, position, next_order, self._in_flight)
+        self._prefetcher.want(order, position, next_order, self._in_flight, self._lag)
 
-    def plan_in_flight(self, batches: int, batch_size: int, read: int = 0) -> None:
+    def plan_in_flight(self, batches: int, batch_size: int, read: int = 0, ranks: int = 1) -> None:
         """The loader's readers may read up to ``batches`` batches of ``batch_size`` samples (the global
         batch: positions in the epoch's order count every rank's samples) past the position it last told
         ``reading``, the batch it is handing out included; the first ``read`` of them are read already
@@ -347,13 +348,16 @@ class Shards(Source):
         The read-ahead fetches the shards the readers may be reading, and ahead only as far as the cache
         holds them all; it retires the shards they have finished, which are evicted first. Where those
         shards alone are more than ``cache_limit`` holds and one is downloaded again, a ``RuntimeWarning``
-        says so once, with the bytes it takes. A local folder has no cache: nothing changes."""
+        says so once, with the bytes it takes. A local folder has no cache: nothing changes. Over several
+        ``ranks``, a shard is retired one global batch later: a rank tells its position once it has handed
+        out its share of a batch, while another rank's readers may still read theirs."""
         from ..checks import check_integer
 
         batches = check_integer("Shards.plan_in_flight: batches", batches, minimum=0)
         batch_size = check_integer("Shards.plan_in_flight: batch_size", batch_size, minimum=1)
         read = check_integer("Shards.plan_in_flight: read (batches)", read, minimum=0, maximum=max(batches - 1, 0))
-        self._in_flight = (read * batch_size, batches * batch_size)
+        ranks = check_integer("Shards.plan_in_flight: ranks", ranks, minimum=1)
+        self._in_flight, self._lag = (read * batch_size, batches * batch_size), batch_size if ranks > 1 else 0
 
     # ------------------------------------------------------------------ the rest of Source
     def fingerprint(self) -> str:

@@ -362,19 +362,19 @@ class ShardCache:
             return 0
         return stamp if stamp < _COUNTED else 0
 
-    def retire(self, name: str) -> None:
+    def retire(self, name: str) -> bool:
         """The pass is done with ``name``: any process's download evicts it before other released shards
         (stamped far in the past; a later use stamps it again). By use alone, a shard fetched ahead and
-        not read yet went before a finished one read since, and was downloaded again in the same pass."""
+        not read yet went before a finished one read since, and was downloaded again in the same pass.
+        False where it was not stamped: in place, or held by this process (its release stamps it used)."""
         self._check_process()
         self._known(name)
-        if self.in_place:
-            return
-        if name in self._held:      # in use here: its release stamps it used now anyway
-            return
+        if self.in_place or name in self._held:
+            return False
         stamp = time.time_ns() - _RETIRED_NS
         with contextlib.suppress(FileNotFoundError, PermissionError):   # evicted; another user's file
             os.utime(self.path(name), ns=(stamp, stamp))
+        return True
 
     def _drop(self, name: str):
         fd, *_ = self._held.pop(name)

@@ -81,11 +81,15 @@ class ReadAhead:
         self._thread = threading.Thread(target=self._run, name="fastdata-shards", daemon=True)
         self._thread.start()
 
-    def want(self, order: np.ndarray, position: int, next_order=None, reach: tuple[int, int] = (0, 0)) -> None:
+    def want(self, order: np.ndarray, position: int, next_order=None, reach: tuple[int, int] = (0, 0),
+             lag: int = 0) -> None:
         """The pass reads ``order`` and has handed out ``position`` samples; its readers may be reading the
         samples from ``reach[0]`` to ``reach[1]`` past it (at least the next one; see
         ``Shards.plan_in_flight``). ``next_order``: a callable giving the next epoch's order, whose first
-        shards are fetched while this pass ends."""
+        shards are fetched while this pass ends. ``lag``: samples before the position that other ranks'
+        readers may still be reading (one global batch: a rank tells its position once it has handed out
+        its own share of a batch, when another rank's workers may still read theirs); shards are retired
+        only past it."""
         new_pass = order is not self._order or position < self._position   # a new pass, or one started again
         self._position = position
         # The first ``reach[0]`` samples count as read (dali's decoded queue) once the pass runs, not as it
@@ -111,7 +115,7 @@ class ReadAhead:
         # Finished: read, as far as the loader knows (before reach[0]; handed out, for readers whose batches
         # may come back in any order). Retired, they make room before any shard fetched ahead, which,
         # fetched before their last read, was less recently used than they.
-        self._retire(started, self._last[:started] < lo, {name for name, _ in wanted})
+        self._retire(started, self._last[:started] < lo - lag, {name for name, _ in wanted})
         with self._cond:   # the thread takes the pass's set with its shard, under this lock
             if new_pass:
                 self._done = set()
@@ -189,11 +193,11 @@ class ReadAhead:
             name = self.names[int(self._sequence[j])]
             if name in keep:
                 continue
-            self._retired[j] = True
             try:
-                self.cache.retire(name)
+                # Not stamped while this process holds it (its release stamps it used): tried again later.
+                self._retired[j] = self.cache.retire(name)
             except OSError:   # only an eviction hint: the cache works without it
-                pass
+                self._retired[j] = True
 
     def _room_needed(self, n: int, reach: tuple[int, int]) -> int:
         """The most bytes of shards the readers may be reading at once over this pass's order: shard j
