@@ -56,7 +56,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _LOCKS = ".locks"
 _POLL = 0.05
 _RETIRED_NS = 10 * 365 * 86400 * 10**9   # how far in the past ``retire`` stamps a finished shard
-_COUNTED = 2**40   # a lock file's mtime below this (18 minutes after 1970, in ns) is a download count
+_COUNTED, _COUNT_NS = 10**15, 2 * 10**9   # a lock mtime below 11 days after 1970: downloads x 2 s (FAT's tick)
 
 
 class _Ready(Exception):
@@ -360,7 +360,7 @@ class ShardCache:
             stamp = os.stat(os.path.join(self.cache_dir, _LOCKS, *self._files[name].split("/")) + ".lock").st_mtime_ns
         except FileNotFoundError:   # never downloaded (or read in place)
             return 0
-        return stamp if stamp < _COUNTED else 0
+        return stamp // _COUNT_NS if stamp < _COUNTED else 0
 
     def retire(self, name: str) -> bool:
         """The pass is done with ``name``: any process's download evicts it before other released shards
@@ -656,12 +656,12 @@ def _detach_inherited(folder: str) -> None:
 
 
 def _count_download(fd: int, step: int = 1) -> None:
-    """``step`` more downloads of the shard whose lock ``fd`` is held exclusively. The count is the lock
-    file's mtime in nanoseconds (a creation time reads as 0), not bytes: lock files stay empty."""
+    """``step`` more downloads of the shard whose lock ``fd`` is held exclusively: the lock file's mtime in
+    2 s units, kept by a file system of whole seconds (ext3) or 2 s (FAT) too; not bytes (files stay empty)."""
     stamp = os.fstat(fd).st_mtime_ns
-    count = max((stamp if stamp < _COUNTED else 0) + step, 0)
+    count = max((stamp // _COUNT_NS if stamp < _COUNTED else 0) + step, 0)
     with contextlib.suppress(PermissionError):   # another user's lock file: not counted
-        os.utime(fd, ns=(count, count))
+        os.utime(fd, ns=(count * _COUNT_NS, count * _COUNT_NS))
 
 
 def _touch(path: str) -> None:
