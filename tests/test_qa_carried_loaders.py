@@ -172,24 +172,31 @@ class _Held:
         vars(self).update(attrs)
 
 
+def _checked_peak(source) -> int:
+    """The peak of memory allocated while check_picklable checks ``source`` (bytes)."""
+    import tracemalloc
+
+    from fastdata.datasets.base import check_picklable
+
+    tracemalloc.start()
+    try:
+        check_picklable(source, "multiprocessing_context='spawn'")
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_check_picklable_does_not_copy_arrays_nested_in_a_source():
     """Under spawn/forkserver, check_picklable pickled every attribute but a top-level array: an array
     in a dict (or an ImageFolder's PathTable, or a source pickled whole by its __reduce__) was copied
     into pickle's output once, 64 MiB here, to be thrown away. Now its peak is a few KiB, and what it
     is for still holds: an unpicklable object nested beside the arrays is named."""
-    import tracemalloc
 
     from fastdata.datasets.base import check_picklable
 
     big = np.ones(64 * 2**20, np.uint8)
     held = _Held(features={"train": big, "names": ["a", "b"]}, table=(big[: 2**20].tobytes(), big))
-    tracemalloc.start()
-    try:
-        check_picklable(held, "multiprocessing_context='spawn'")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 * 2**20, peak
+    assert _checked_peak(held) < 2 * 2**20
     for unpicklable in ({"train": big, "fn": lambda x: x}, np.array([lambda x: x, 1], dtype=object)):
         with pytest.raises(TypeError, match=r"_Held cannot be sent.*its attribute 'features'"):
             check_picklable(_Held(features=unpicklable), "multiprocessing_context='spawn'")
@@ -199,19 +206,12 @@ def test_check_picklable_does_not_pickle_a_list_of_plain_values_element_by_eleme
     """A source holding ImageNet's 1.28M paths as a list: pickling it element by element (each string
     memoized) took 1.2 s at every loader made under spawn, and its memo as many entries. A list of plain
     values always pickles; one holding any other object (a str subclass, a lambda) is still checked."""
-    import tracemalloc
 
     from fastdata.datasets.base import check_picklable
 
     paths = [f"train/n{i % 1000:08d}/img_{i}.JPEG" for i in range(200_000)]
     held = _Held(paths=paths, labels=[i % 1000 for i in range(200_000)], pairs=(("a", 1), ("b", 2)))
-    tracemalloc.start()
-    try:
-        check_picklable(held, "multiprocessing_context='spawn'")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 * 2**20, peak
+    assert _checked_peak(held) < 2 * 2**20
 
     class Path(str):
         def __reduce__(self):

@@ -55,6 +55,25 @@ def _passes(server, shards, loader, epochs: int) -> list[dict]:
     return [{name: n for name, n in gets.items() if n > 1} for gets in for_pass[:epochs]]
 
 
+def _read(packed, tmp_path, backend: str, *, window: int, cache_shards: int, batch: int, epochs: int):
+    """``epochs`` passes of ``backend`` (2 workers) over ``packed`` served by HTTP, through a cache of
+    ``cache_shards`` of its largest shard: (``_passes``' shards downloaded twice, the "downloaded again"
+    warnings, the largest shard's size)."""
+    from fastdata.shards.index import read_index
+
+    largest = max(s.size for s in read_index(packed).shards)
+    with http_server(packed) as server, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shards = Shards(server.url, cache_dir=tmp_path / "cache", window=window, cache_limit=cache_shards * largest)
+        with make_loader(shards, backend, batch_size=batch, device="cpu", augment=NONE, num_workers=2,
+                         seed=5) as loader:
+            try:
+                twice = _passes(server, shards, loader, epochs=epochs)
+            finally:
+                shards.close()
+    return twice, [str(w.message) for w in caught if "downloaded again" in str(w.message)], largest
+
+
 @pytest.mark.parametrize("backend", [b for b in ("torch", "dali") if b in BACKENDS])
 def test_no_shard_is_downloaded_twice_in_a_pass_at_the_smallest_cache(small_shards, tmp_path, backend):
     """The backend tells the source its batches in flight (torch: 2 workers x prefetch_factor 2 + 1; dali
@@ -63,39 +82,15 @@ def test_no_shard_is_downloaded_twice_in_a_pass_at_the_smallest_cache(small_shar
     the next window, and the read-ahead fetched the shards they had finished (downloaded again once
     evicted) while the cache evicted, least recently used first, shards fetched ahead and not read yet
     before the finished ones: torch downloaded 2-3 shards twice in 3 passes, dali 4-7."""
-    from fastdata.shards.index import read_index
-
-    largest = max(s.size for s in read_index(small_shards).shards)
-    with http_server(small_shards) as server, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        shards = Shards(server.url, cache_dir=tmp_path / "cache", window=2, cache_limit=4 * largest)
-        with make_loader(shards, backend, batch_size=1, device="cpu", augment=NONE, num_workers=2,
-                         seed=5) as loader:
-            try:
-                twice = _passes(server, shards, loader, epochs=3)
-            finally:
-                shards.close()
-    said = [str(w.message) for w in caught if "downloaded again" in str(w.message)]
-    assert twice == [{}, {}, {}] and not said, (twice, said, server.requests)   # a cache that holds them says nothing
+    twice, said, _ = _read(small_shards, tmp_path, backend, window=2, cache_shards=4, batch=1, epochs=3)
+    assert twice == [{}, {}, {}] and not said, (twice, said)   # a cache that holds them says nothing
 
 
 @pytest.mark.skipif("torch" not in BACKENDS, reason="the torch backend is not available")
 def test_a_cache_too_small_for_the_batches_in_flight_says_so_once(small_shards, tmp_path):
     """window=1 and 2 shards of cache, while two workers read 8-photo batches 5 ahead (about 6 shards):
     shards come back evicted and are downloaded again. Said once, naming cache_limit and what it takes."""
-    from fastdata.shards.index import read_index
-
-    largest = max(s.size for s in read_index(small_shards).shards)
-    with http_server(small_shards) as server, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        shards = Shards(server.url, cache_dir=tmp_path / "cache", window=1, cache_limit=2 * largest)
-        with make_loader(shards, "torch", batch_size=8, device="cpu", augment=NONE, num_workers=2,
-                         seed=5) as loader:
-            try:
-                twice = _passes(server, shards, loader, epochs=2)
-            finally:
-                shards.close()
-    said = [str(w.message) for w in caught if "downloaded again" in str(w.message)]
+    twice, said, largest = _read(small_shards, tmp_path, "torch", window=1, cache_shards=2, batch=8, epochs=2)
     assert any(twice), "the cache held every shard in flight: nothing to say"
     assert len(said) == 1, said
     assert f"cache_limit={2 * largest}" in said[0] and "plan_in_flight" in said[0] and "at least" in said[0]

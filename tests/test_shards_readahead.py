@@ -106,20 +106,25 @@ def _retired(shards, name) -> bool:
     return os.path.exists(path) and os.stat(path).st_mtime < time.time() - 86400
 
 
-def test_over_several_ranks_a_shard_is_retired_one_global_batch_later(tmp_path):
-    """A rank tells its position once it has handed out its share of a batch, while another rank's workers
-    may still read theirs: a shard whose last sample is in that batch was retired, evicted first, and read
-    from the network again by the rank still on it. Over several ranks it is retired a global batch
-    later; on one rank at once (at the smallest cache a later retirement evicts shards still to be read)."""
-    from fastdata.datasets import Shards
+def _first_shard(tmp_path):
+    """A small pack, its index, the order 0..n-1, its first shard's name and the position of its last sample."""
     from fastdata.shards.index import read_index
 
     out = _packed(tmp_path)
     index = read_index(out)
     order = np.arange(len(index.shard))
     names = [index.shards[int(j)].name for j in index.shard[order]]
-    first = names[0]
-    last_of_first = max(p for p, n in enumerate(names) if n == first)
+    return out, index, order, names[0], max(p for p, n in enumerate(names) if n == names[0])
+
+
+def test_over_several_ranks_a_shard_is_retired_one_global_batch_later(tmp_path):
+    """A rank tells its position once it has handed out its share of a batch, while another rank's workers
+    may still read theirs: a shard whose last sample is in that batch was retired, evicted first, and read
+    from the network again by the rank still on it. Over several ranks it is retired a global batch
+    later; on one rank at once (at the smallest cache a later retirement evicts shards still to be read)."""
+    from fastdata.datasets import Shards
+
+    out, index, order, first, last_of_first = _first_shard(tmp_path)
     for ranks, retired in ((1, True), (2, False)):
         shards = Shards(f"file://{out}", cache_dir=tmp_path / f"cache{ranks}", window=1,   # room: no eviction
                         cache_limit=6 * max(s.size for s in index.shards))
@@ -141,14 +146,8 @@ def test_a_shard_held_by_this_process_when_finished_is_retired_once_released(tmp
     """retire() leaves a shard this process holds (dali's reader threads, num_workers=0: its release
     stamps it used): the read-ahead marked it retired anyway and never tried again that pass."""
     from fastdata.datasets import Shards
-    from fastdata.shards.index import read_index
 
-    out = _packed(tmp_path)
-    index = read_index(out)
-    order = np.arange(len(index.shard))
-    names = [index.shards[int(j)].name for j in index.shard[order]]
-    first = names[0]
-    last_of_first = max(p for p, n in enumerate(names) if n == first)
+    out, index, order, first, last_of_first = _first_shard(tmp_path)
     shards = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=1,   # room: no eviction
                     cache_limit=6 * max(s.size for s in index.shards))
     cache = shards._cache
