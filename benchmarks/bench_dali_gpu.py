@@ -11,7 +11,7 @@ On one JPEG folder (``common.photo_folder``: 1,500 ImageNet-sized photos, ~88 KB
 - ``dali``: fastdata's dali backend at the installed defaults, then one setting changed at a time:
   ``hw_decoder_load`` (the share of JPEGs sent to the GPU's hardware decoder), ``fancy_upsampling``,
   ``preallocate``, ``prefetch_queue_depth``, the batch size, ``num_workers`` (DALI's threads), ``affine`` and
-  ``handover`` (each batch bound to the consumer's CUDA stream, or the host waiting for it as DALI's
+  ``handover`` (the consumer's CUDA stream waiting for each batch, or the host waiting for it as DALI's
   own iterator does). A row that sets only what the ``dali`` row ran with (an installed default, the first batch
   size, ``--workers``), or a ceiling row at DALI's default 0.65, shows that reference row's figures
   instead of spending the call's time on them again. A

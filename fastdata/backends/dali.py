@@ -85,7 +85,7 @@ without a copy; they stay valid as long as torch holds them (DALI's ``TensorGPU.
 pipeline is driven by ``decode.dali_outputs.Outputs``, not ``DALIGenericIterator``: the iterator asks
 for each batch with no stream, which DALI documents as "the outputs are synchronized with the host", so
 the training thread waited for the GPU to finish every batch before it could queue the step using it.
-Each batch is bound to the consumer's current CUDA stream instead (``handover="stream"``): its work is
+The consumer's current CUDA stream waits for each batch instead (``handover="stream"``): its work is
 ordered before the step's on that stream, and the host goes on at once.
 """
 from __future__ import annotations
@@ -190,8 +190,8 @@ class DaliLoader(DaliFiles, Loader):
             and the other backends; False: nvJPEG's own, tens of levels off along colour edges).
         affine: pin DALI's threads to cores (default False: several ranks or jobs on one host would
             pin theirs to the same cores).
-        handover: how a batch is handed to the consumer on a GPU: ``"stream"`` (default) binds it to
-            the consumer's current CUDA stream, no host wait; ``"host"`` waits on the host until DALI
+        handover: how a batch is handed to the consumer on a GPU: ``"stream"`` (default) has
+            the consumer's current CUDA stream wait for it, not the host; ``"host"`` waits on the host until DALI
             finished it (what ``DALIGenericIterator`` does; kept to measure the difference).
     """
 

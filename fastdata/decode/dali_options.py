@@ -53,7 +53,7 @@ class DaliOptions:
     preallocate: bool = True
     fancy_upsampling: bool = True
     affine: bool = False
-    # "stream": each batch is bound to the consumer's CUDA stream, no host wait (decode.dali_outputs).
+    # "stream": the consumer's CUDA stream waits for each batch, the host does not (decode.dali_outputs).
     handover: str = "stream"
 
     def __post_init__(self):

@@ -32,13 +32,13 @@ import contextlib
 
 import torch
 
-#: ``handover`` values: "stream" binds each batch to the consumer's current CUDA stream (no host wait);
+#: ``handover`` values: "stream" has the consumer's current CUDA stream wait for each batch (no host wait);
 #: "host" waits on the host for each batch, as ``DALIGenericIterator`` does (kept for measurement).
 HANDOVER_CHOICES = ("stream", "host")
 
 
 def output_stream(device: torch.device, handover: str):
-    """The stream ``share_outputs`` binds a batch to: the consumer's current stream on ``device`` for
+    """The stream ``share_outputs`` makes wait for a batch: the consumer's current stream on ``device`` for
     ``"stream"`` on a GPU; None (DALI synchronizes the host) for ``"host"`` and on the CPU."""
     if device.type != "cuda" or handover == "host":
         return None
