@@ -55,7 +55,7 @@ _VERSIONED = re.compile(r"^(?P<stem>(?:.*/)?\.?[^/.]+)\.(?P<digest>[0-9a-f]{16})
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _LOCKS = ".locks"
 _POLL = 0.05
-_RETIRED_NS = 10 * 365 * 86400 * 10**9   # how far in the past ``retire`` stamps a finished shard
+RETIRED_NS = 10 * 365 * 86400 * 10**9   #: how far in the past ``retire`` stamps a finished shard
 _COUNTED, _COUNT_NS = 10**15, 2 * 10**9   # a lock mtime below 11 days after 1970: downloads x 2 s (FAT's tick)
 
 
@@ -371,7 +371,7 @@ class ShardCache:
         self._known(name)
         if self.in_place or name in self._held:
             return False
-        stamp = time.time_ns() - _RETIRED_NS
+        stamp = time.time_ns() - RETIRED_NS
         with contextlib.suppress(FileNotFoundError, PermissionError):   # evicted; another user's file
             os.utime(self.path(name), ns=(stamp, stamp))
         return True

@@ -30,13 +30,13 @@ import warnings
 
 import numpy as np
 
-from fastdata.shards.cache import ShardCache, human_bytes
+from fastdata.shards.cache import RETIRED_NS, ShardCache, human_bytes
 
 __all__ = ["ReadAhead"]
 
 _NONE = np.zeros(0, dtype=np.int64)
-#: A cached shard stamped before this long ago was retired (``ShardCache.retire``: ten years back).
-_RETIRED_BEFORE_NS = 5 * 365 * 86400 * 10**9
+#: A cached shard stamped before this long ago was retired (``ShardCache.retire`` stamps it RETIRED_NS back).
+_RETIRED_BEFORE_NS = RETIRED_NS // 2
 
 
 class ReadAhead:
@@ -170,7 +170,7 @@ class ReadAhead:
 
     def _claim(self, wanted: list) -> None:
         """Once a pass, each shard it wants: a copy an earlier pass retired (``ShardCache.retire`` stamps it
-        ten years back), cached still, is stamped used now. Else it went first at the next download,
+        ``RETIRED_NS`` back), cached still, is stamped used now. Else it went first at the next download,
         before the shards no pass needs, and was downloaded again as this pass reached it."""
         if self.cache.in_place:   # the storage's own files: never stamped
             return
