@@ -483,29 +483,34 @@ class Loader(SampleIds):
             # and given the next epoch's order, whose first shards it fetches while this pass ends.
             told = _reading_call(self.source, functools.partial(self.plan.order, epoch + 1))
             told(order, self.plan.consumed(offset, 0))
+        # Per batch on the training thread, so kept to what each batch needs (a GPU step of a small CNN
+        # is a few milliseconds: microseconds here are the data wait the engine reports): the count once,
+        # rows read from the shape (len() of a tensor goes through Python).
+        total = len(batches)
         try:
             for batch in it:
                 if own:
-                    check_yielded(self, batch, done, len(batches))
+                    check_yielded(self, batch, done, total)
                 if pipeline is not None:
                     # Seeded by (seed, epoch, batch, rank) like the recipe, so the transforms' draws do
                     # not depend on the backend, on workers, or on where a resumed run starts.
                     images, labels = batch
                     batch = pipeline(images, labels, seed_for(self.plan.seed, epoch, start + done, self.plan.rank,
                                                               0xBA7C))
-                self._hand_out_ids(batches[done], padding if done == len(batches) - 1 else 0, len(batch[1]))
+                rows = batch[1].shape[0]
+                self._hand_out_ids(batches[done], padding if done == total - 1 else 0, rows)
                 done += 1
-                self._position = (epoch, offset, done, len(batches))
+                self._position = (epoch, offset, done, total)
                 if order is not None:   # streaming. After the last batch: all it reads (drop_last leaves
                     # the rest unread)
-                    told(order, len(order) if done == len(batches) else self.plan.consumed(offset, done))
-                if done == len(batches):
+                    told(order, len(order) if done == total else self.plan.consumed(offset, done))
+                if done == total:
                     # The pass ends when its last batch is handed out, not when the consumer asks for one
                     # more: Lightning's fetcher, islice(loader, len(loader)) and zip(range(n), loader)
                     # never ask, and would otherwise replay this epoch forever.
                     ended = True
                     self._end_pass(epoch, offset)
-                    tracker.last_batch(len(batch[1]) - self.batch_padding, batch[1].device)
+                    tracker.last_batch(rows - self.batch_padding, batch[1].device)
                 yield batch
         finally:
             tracker.close()

@@ -97,7 +97,10 @@ class SampleIds:
         p = self._pass_ids
         if p is None:
             return
-        planned = self.source_ids(planned)
+        planned = planned if self.kept is None else self.kept[planned]   # source_ids, on the plan's int64 array
+        if not p.kept and len(planned) == rows:   # every row the planned sample's: the common case, per batch
+            p.last, p.padding, p.unknown = planned, padding, None
+            return
         p.last, p.padding = (p.kept.popleft() if p.kept else planned), padding
         p.unknown = None if len(p.last) == rows else (
             f"backend {self.name!r} yielded a batch of {rows} rows for {len(p.last)} sample ids without saying "  # type: ignore[attr-defined]
