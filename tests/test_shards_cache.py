@@ -443,6 +443,11 @@ def test_a_local_folder_is_read_in_place(remote, tmp_path):
     assert cache.get("s0.tar") == str(root / "s0.tar")
     cache.release("s0.tar")
     assert not (tmp_path / "cache").exists()
+    # The storage's own files are never stamped: not retired, not claimed back (one that looks retired).
+    stamp = 10**15
+    os.utime(root / "s1.tar", ns=(stamp, stamp))
+    assert not cache.retire("s0.tar") and not cache.claim("s1.tar") and cache.downloads("s0.tar") == 0
+    assert os.stat(root / "s1.tar").st_mtime_ns == stamp and os.stat(root / "s0.tar").st_mtime_ns > stamp
 
 
 def test_release_without_get_is_an_error(remote, tmp_path):

@@ -58,7 +58,7 @@ def _passes(server, shards, loader, epochs: int) -> list[dict]:
 def _read(packed, tmp_path, backend: str, *, window: int, cache_shards: int, batch: int, epochs: int):
     """``epochs`` passes of ``backend`` (2 workers) over ``packed`` served by HTTP, through a cache of
     ``cache_shards`` of its largest shard: (``_passes``' shards downloaded twice, the "downloaded again"
-    warnings, the largest shard's size)."""
+    warnings (``warnings.WarningMessage``), the largest shard's size)."""
     from fastdata.shards.index import read_index
 
     largest = max(s.size for s in read_index(packed).shards)
@@ -71,7 +71,7 @@ def _read(packed, tmp_path, backend: str, *, window: int, cache_shards: int, bat
                 twice = _passes(server, shards, loader, epochs=epochs)
             finally:
                 shards.close()
-    return twice, [str(w.message) for w in caught if "downloaded again" in str(w.message)], largest
+    return twice, [w for w in caught if "downloaded again" in str(w.message)], largest
 
 
 @pytest.mark.parametrize("backend", [b for b in ("torch", "dali") if b in BACKENDS])
@@ -90,10 +90,14 @@ def test_no_shard_is_downloaded_twice_in_a_pass_at_the_smallest_cache(small_shar
 def test_a_cache_too_small_for_the_batches_in_flight_says_so_once(small_shards, tmp_path):
     """window=1 and 2 shards of cache, while two workers read 8-photo batches 5 ahead (about 6 shards):
     shards come back evicted and are downloaded again. Said once, naming cache_limit and what it takes."""
-    twice, said, largest = _read(small_shards, tmp_path, "torch", window=1, cache_shards=2, batch=8, epochs=2)
+    twice, caught, largest = _read(small_shards, tmp_path, "torch", window=1, cache_shards=2, batch=8, epochs=2)
+    said = [str(w.message) for w in caught]
     assert any(twice), "the cache held every shard in flight: nothing to say"
     assert len(said) == 1, said
     assert f"cache_limit={2 * largest}" in said[0] and "plan_in_flight" in said[0] and "at least" in said[0]
+    # Where the user's loop is (here: _passes' loop over the loader), not a line inside fastdata (a
+    # fixed stacklevel named datasets/shards.py, Shards.reading's call of the read-ahead).
+    assert caught[0].filename == __file__, (caught[0].filename, caught[0].lineno)
 
 
 def test_plan_in_flight_refuses_what_is_not_a_count(small_shards):
@@ -104,6 +108,30 @@ def test_plan_in_flight_refuses_what_is_not_a_count(small_shards):
         shards.plan_in_flight(2, 8, read=2)        # every batch in flight read already: none being read
     shards.plan_in_flight(0, 8)                     # a loader that reads nothing ahead
     shards.close()
+
+
+class _Told(Shards):
+    """Shards that records what each loader tells its ``plan_in_flight``."""
+
+    def plan_in_flight(self, batches: int, batch_size: int, read: int = 0, ranks: int = 1) -> None:
+        self.told = [*getattr(self, "told", []), (batches, batch_size, read, ranks)]
+        super().plan_in_flight(batches, batch_size, read, ranks)
+
+
+@pytest.mark.parametrize("backend, options, batches", [
+    ("torch", {}, 2 * 3 + 1),                      # workers x prefetch_factor + the batch handed out
+    ("prefetch", {"depth": 4}, 2 * 3 + 1 + 4 + 1),  # and the stage's queue and the batch its thread holds
+])
+def test_a_loader_tells_the_source_its_batches_in_flight_once(small_shards, backend, options, batches):
+    """prefetch (torch's DataLoader plus a stage) told the span twice: torch's own, then its own, which
+    replaced it. Built on the CPU: the stage runs there without streams, and nothing is read here."""
+    shards = _Told(small_shards)
+    try:
+        with make_loader(shards, backend, batch_size=4, device="cpu", augment=NONE, num_workers=2,
+                         prefetch_factor=3, **options):
+            assert shards.told == [(batches, 4, 0, 1)]
+    finally:
+        shards.close()
 
 
 def test_a_pass_over_an_order_at_the_last_ones_address_is_a_new_pass(small_shards, tmp_path):

@@ -214,10 +214,16 @@ class TorchLoader(Loader):
         self.pin = self.device.type == "cuda"
         self._loader = make_dataloader(self.fetcher, self._sampler, workers, self.pin, self.opts,
                                        seed=seed_for(self.plan.seed, self.plan.rank, 0x5EED))
-        # The DataLoader sends out prefetch_factor batches per worker, and the next batch's indices as it
-        # hands one out, before the loader tells the source where it is: a streaming source keeps their shards.
-        self._in_flight = workers * self.opts["prefetch_factor"] + 1 if workers else 1
-        tell_in_flight(source, self.plan, self._in_flight)
+        # Told once, here, whatever the subclass: each call replaces the last, so a subclass that reads
+        # further ahead (prefetch's stage) says so in ``_reads_ahead`` rather than telling the source again.
+        tell_in_flight(source, self.plan, self._reads_ahead())
+
+    def _reads_ahead(self) -> int:
+        """Batches the readers may be reading past the position this loader tells the source, the batch
+        it is handing out included. The DataLoader sends out prefetch_factor batches per worker, and the
+        next batch's indices as it hands one out, before the loader tells the source where it is: a
+        streaming source keeps their shards. Without workers, the batch being read alone."""
+        return self.num_workers * self.opts["prefetch_factor"] + 1 if self.num_workers else 1
 
     @property
     def pin_memory(self) -> bool:
@@ -338,13 +344,17 @@ class PrefetchLoader(TorchLoader):
         super().__init__(source, config, **options)
         self.stage = PrefetchStage(self.device, self.opts["depth"])
         self.depth = self.stage.depth
-        # The stage's queue of depth batches and the one its thread holds, past the DataLoader's own.
-        tell_in_flight(source, self.plan, self._in_flight + self.depth + 1)
         if self.device.type == "cuda":
             helps, why = PrefetchStage.helps(batch_bytes(source, config))
             if not helps:
                 log.warning("fastdata: backend 'prefetch' cannot help here: %s; backend 'torch' does the same "
                             "work with one thread less", why)
+
+    def _reads_ahead(self) -> int:
+        """The DataLoader's batches in flight, then the stage's queue of ``depth`` batches and the one its
+        thread holds. Asked by TorchLoader's ``__init__``, before the stage is made: ``depth`` is read from
+        the options, checked as the stage checks it."""
+        return super()._reads_ahead() + check_integer("depth", self.opts["depth"], minimum=1) + 1
 
     def _epoch(self, epoch, batches, start):
         # The normalize is passed per epoch, not kept by the stage: a stage holding the loader's bound

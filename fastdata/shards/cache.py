@@ -3,7 +3,8 @@
 ``ShardCache(storage, cache_dir, limit_bytes=..., expected_sizes=...)``: ``get(name)`` returns a local
 path (downloading the shard if needed) and marks it in use until ``release(name)``; when a download
 needs room, shards the reader has retired (``retire``: finished for this pass) are evicted first, then
-the other released shards, least recently used first. Fetching ahead is the reader's job
+the other released shards, least recently used first (the file times that say so, and count each
+shard's downloads, are ``shards.stamps``'). Fetching ahead is the reader's job
 (``shards.readahead``: ``get`` then ``release`` on a thread, ahead of the readers): a shard fetched and
 released stays cached as the most recently used until its reader takes it. A local-folder
 ``Storage`` is read in place: nothing is copied and the budget is not used.
@@ -32,7 +33,6 @@ Other files in ``cache_dir`` are left alone.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import glob
@@ -45,6 +45,7 @@ import uuid
 import weakref
 
 from fastdata.checks import check_integer, check_number
+from fastdata.shards import stamps
 from fastdata.shards.storage import ShardMismatch, StorageError, check_name
 
 __all__ = ["ShardCache", "CacheFull", "unlock_close", "human_bytes"]
@@ -55,8 +56,6 @@ _VERSIONED = re.compile(r"^(?P<stem>(?:.*/)?\.?[^/.]+)\.(?P<digest>[0-9a-f]{16})
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 _LOCKS = ".locks"
 _POLL = 0.05
-RETIRED_NS = 10 * 365 * 86400 * 10**9   #: how far in the past ``retire`` stamps a finished shard
-_COUNTED, _COUNT_NS = 10**15, 2 * 10**9   # a lock mtime below 11 days after 1970: downloads x 2 s (FAT's tick)
 
 
 class _Ready(Exception):
@@ -241,9 +240,13 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
+    def _lock_path(self, file: str) -> str:
+        """The lock file of cached ``file`` (a shard's is ``self._files[name]``), under ``.locks/``."""
+        return os.path.join(self.cache_dir, _LOCKS, *file.split("/")) + ".lock"
+
     def _open_lock(self, file: str) -> int:
-        """The open lock file of cached ``file`` (a shard's is ``self._files[name]``), under ``.locks/``."""
-        path = os.path.join(self.cache_dir, _LOCKS, *file.split("/")) + ".lock"
+        """The open lock file of cached ``file`` (``_lock_path``)."""
+        path = self._lock_path(file)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
@@ -297,7 +300,7 @@ class ShardCache:
         with self._lock:
             if name in self._held:
                 self._held[name][1] += 1
-                _touch(self.path(name))
+                stamps.touch(self.path(name))
                 return self.path(name)
             mismatched = self._mismatched.get(name)
             failed = self._failed.get(name)
@@ -354,32 +357,32 @@ class ShardCache:
 
     def downloads(self, name: str) -> int:
         """How many times shard ``name`` was downloaded into this cache folder, by any process (counted in
-        its lock file: ``_count_download``): ``shards.readahead`` sees a shard evicted and fetched again."""
+        its lock file: ``shards.stamps``): ``shards.readahead`` sees a shard evicted and fetched again.
+        0 read in place."""
         self._known(name)
-        try:
-            stamp = os.stat(os.path.join(self.cache_dir, _LOCKS, *self._files[name].split("/")) + ".lock").st_mtime_ns
-        except FileNotFoundError:   # never downloaded (or read in place)
-            return 0
-        return stamp // _COUNT_NS if stamp < _COUNTED else 0
+        return stamps.downloads(self._lock_path(self._files[name]))
 
     def retire(self, name: str) -> bool:
         """The pass is done with ``name``: any process's download evicts it before other released shards
-        (stamped far in the past; a later use stamps it again). By use alone, a shard fetched ahead and
-        not read yet went before a finished one read since, and was downloaded again in the same pass.
-        False where it was not stamped: in place, or held by this process (its release stamps it used)."""
+        (``shards.stamps.retire``; a later use stamps it again). False where it was not stamped: in place,
+        or held by this process (its release stamps it used)."""
         self._check_process()
         self._known(name)
         if self.in_place or name in self._held:
             return False
-        stamp = time.time_ns() - RETIRED_NS
-        with contextlib.suppress(FileNotFoundError, PermissionError):   # evicted; another user's file
-            os.utime(self.path(name), ns=(stamp, stamp))
+        stamps.retire(self.path(name))
         return True
+
+    def claim(self, name: str) -> bool:
+        """A pass wants ``name``: a cached copy that an earlier pass retired is stamped used now
+        (``shards.stamps.claim``), so that it is not evicted first. Whether it was. Never in place: the
+        storage's own files are not stamped."""
+        return not self.in_place and stamps.claim(self.path(name))
 
     def _drop(self, name: str):
         fd, *_ = self._held.pop(name)
         try:
-            _touch(self.path(name))        # least recently used = released longest ago
+            stamps.touch(self.path(name))        # least recently used = released longest ago
         except FileNotFoundError:
             pass
         unlock_close(fd)                  # evictable from now on
@@ -419,7 +422,7 @@ class ShardCache:
                                        ready=unwanted)
                 # Checked under the shared lock: from here on no one can evict it.
                 if self._good(name):
-                    _touch(self.path(name))
+                    stamps.touch(self.path(name))
                     return fd
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 # Exclusive: we download it, or wait here while another process does, until it is
@@ -440,11 +443,11 @@ class ShardCache:
                         os.unlink(self.path(name))   # wrong size: nobody holds it (we hold it exclusively)
                     except FileNotFoundError:
                         pass
-                    _count_download(fd)   # before it is published: a reader that sees it sees it counted
+                    stamps.count_download(fd)   # before it is published: a reader that sees it sees it counted
                     try:
                         self._download(name, deadline=deadline)
                     except BaseException:
-                        _count_download(fd, -1)
+                        stamps.count_download(fd, -1)
                         raise
                 # Loop: take it shared and check again (flock's conversion is not atomic).
         except _Ready:   # unwanted before the shard was there: nothing held
@@ -653,29 +656,6 @@ def _detach_inherited(folder: str) -> None:
     finally:
         if null is not None:
             os.close(null)
-
-
-def _count_download(fd: int, step: int = 1) -> None:
-    """``step`` more downloads of the shard whose lock ``fd`` is held exclusively: the lock file's mtime in
-    2 s units, kept by a file system of whole seconds (ext3) or 2 s (FAT) too; not bytes (files stay empty)."""
-    stamp = os.fstat(fd).st_mtime_ns
-    count = max((stamp // _COUNT_NS if stamp < _COUNTED else 0) + step, 0)
-    with contextlib.suppress(PermissionError):   # another user's lock file: not counted
-        os.utime(fd, ns=(count * _COUNT_NS, count * _COUNT_NS))
-
-
-def _touch(path: str) -> None:
-    """Mark ``path`` used now, to the nanosecond of the clock: what eviction orders by. Not a bare
-    ``os.utime(path)``: the kernel stamps "now" from its coarse clock (one tick, 1-10 ms), so a shard
-    released by the reader and the next epoch's first shard fetched a moment later read as used at the
-    same instant, the tie went to the name, and a fetch-ahead could evict the shard the next pass was
-    about to read (it was downloaded twice). Setting a time needs the file's owner: in a cache dir
-    shared by several users, another user's shard is stamped the coarse way."""
-    now = time.time_ns()
-    try:
-        os.utime(path, ns=(now, now))
-    except PermissionError:
-        os.utime(path)
 
 
 def unlock_close(fd: int) -> None:

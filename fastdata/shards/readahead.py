@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import warnings
 
 import numpy as np
 
-from fastdata.shards.cache import RETIRED_NS, ShardCache, human_bytes
+from fastdata.errors import user_stacklevel
+from fastdata.shards.cache import ShardCache, human_bytes
 
 __all__ = ["ReadAhead"]
 
 _NONE = np.zeros(0, dtype=np.int64)
-#: A cached shard stamped before this long ago was retired (``ShardCache.retire`` stamps it RETIRED_NS back).
-_RETIRED_BEFORE_NS = RETIRED_NS // 2
 
 
 class ReadAhead:
@@ -169,21 +167,12 @@ class ReadAhead:
         return wanted
 
     def _claim(self, wanted: list) -> None:
-        """Once a pass, each shard it wants: a copy an earlier pass retired (``ShardCache.retire`` stamps it
-        ``RETIRED_NS`` back), cached still, is stamped used now. Else it went first at the next download,
-        before the shards no pass needs, and was downloaded again as this pass reached it."""
-        if self.cache.in_place:   # the storage's own files: never stamped
-            return
+        """Once a pass, each shard it wants is claimed (``ShardCache.claim``): a copy an earlier pass
+        retired, cached still, is stamped used now (``shards.stamps``)."""
         for name, _ in wanted:
-            if name in self._claimed:
-                continue
-            self._claimed.add(name)
-            path, now = self.cache.path(name), time.time_ns()
-            try:
-                if os.stat(path).st_mtime_ns < now - _RETIRED_BEFORE_NS:
-                    os.utime(path, ns=(now, now))
-            except OSError:   # not cached (or evicted meanwhile); another user's file: only an eviction hint
-                pass
+            if name not in self._claimed:
+                self._claimed.add(name)
+                self.cache.claim(name)
 
     def _retire(self, started: int, finished: np.ndarray, keep: set) -> None:
         """Retire the ``finished`` ones of the pass's first ``started`` shards, once a pass, but for those
@@ -246,7 +235,7 @@ class ReadAhead:
                      f"or other processes read other shards through the same cache_dir. Give cache_limit room "
                      f"for more shards ({limit + window} bytes, {human_bytes(limit + window)}, holds a window "
                      f"more)")
-        warnings.warn(said, RuntimeWarning, stacklevel=4)
+        warnings.warn(said, RuntimeWarning, stacklevel=user_stacklevel())
 
     def _run(self) -> None:
         while True:
