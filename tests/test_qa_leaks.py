@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import multiprocessing.util
 import os
 import tempfile
 import threading
@@ -58,6 +59,15 @@ def private_tmp(tmp_path, monkeypatch):
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    # multiprocessing's temporary folder (pymp-*) of THIS process, made before any loader if it is not
+    # yet: a worker process inherits its parent's and makes none of its own. Without it, each DataLoader
+    # worker made one when it first sent a batch (DupFd -> resource_sharer's listener socket), and a
+    # worker told to stop mid-epoch (a loader cut, then closed or dropped) exits without joining its
+    # queue's feeder thread (torch's worker loop: cancel_join_thread), which may be making that folder
+    # while the worker's exit finalizers run: its rmtree never runs, and the torch-2 cases failed 1-4
+    # times in 6 on that empty folder. This process's folder goes at its exit with all in it; whatever a
+    # loader leaves beside it in the temporary directory still counts.
+    multiprocessing.util.get_temp_dir()
     return tmp
 
 

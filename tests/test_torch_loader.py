@@ -373,3 +373,35 @@ def test_a_workers_ctrl_c_guard_is_not_inherited_by_programs_it_runs():
     process.join(timeout=60)
     assert not default_in_worker             # the worker itself still keeps Ctrl-C off
     assert ignored_in_program == "False"     # the program it ran has Python's own Ctrl-C handling
+
+
+def test_workers_share_this_processs_multiprocessing_folder(tmp_path):
+    """Each worker made a pymp-* folder of its own when it first sent a batch (a batch's memory goes as a
+    descriptor, through a listener socket in it), and a worker stopped mid-epoch could exit before its
+    clean-up removed it: an empty folder left in TMPDIR now and then. The loader makes this process's
+    first, which forked workers use: one folder while two workers run, none after the process ends."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json, os, sys
+from fastdata import make_loader
+from fastdata.datasets import SyntheticDigits
+loader = make_loader(SyntheticDigits(512, seed=0), "torch", batch_size=32, num_workers=2,
+                     multiprocessing_context="fork")
+it = iter(loader)
+for _ in range(4):
+    next(it)
+print(json.dumps(sorted(d for d in os.listdir(sys.argv[1]) if d.startswith("pymp-"))))
+loader.close()
+"""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, "-c", script, str(tmp)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TMPDIR": str(tmp)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    running = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(running) == 1, running          # the parent's, shared by both workers
+    assert not [d for d in os.listdir(tmp) if d.startswith("pymp-")]   # gone with the process

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.util
 import signal
 import sys
 import time
@@ -160,6 +161,14 @@ def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict, seed:
     and ignored in torch 2.14): the pinning device comes from ``device_scope``. ``seed``: see
     ``worker_seed_generator``."""
     pf = opts["prefetch_factor"]
+    if workers:
+        # This process's multiprocessing folder (pymp-*), made now if it is not yet: a forked worker uses
+        # its parent's instead of making its own when it first sends a batch (torch passes a batch's memory
+        # as a descriptor, through a listener socket in that folder). A worker told to stop mid-epoch does
+        # not join its queue's feeder thread, which may be making that folder while the worker's exit
+        # clean-up runs: the folder was left behind in TMPDIR, now and then, by loaders cut and closed.
+        # The parent's goes at its exit, with all in it.
+        multiprocessing.util.get_temp_dir()
     return DataLoader(
         fetcher, batch_size=None, sampler=sampler, num_workers=workers, pin_memory=pin,
         generator=worker_seed_generator(seed), worker_init_fn=quiet_worker if workers else None,
