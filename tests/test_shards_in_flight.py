@@ -167,3 +167,41 @@ def test_a_pass_over_an_order_at_the_last_ones_address_is_a_new_pass(small_shard
     finally:
         shards.close()
 
+
+
+@pytest.mark.skipif("torch" not in BACKENDS, reason="the torch backend is not available")
+def test_the_shards_of_even_batches_padding_are_kept_for_the_last_batch(small_shards, tmp_path):
+    """Two ranks of a node (one process here, each with its own source over one cache_dir), even_batches
+    and 119 samples: the last step (7 samples) is padded with the epoch's first sample, which rank 1's
+    last batch reads. The read-ahead retired that sample's shard once the pass was past it (evicted
+    first), and the last batch downloaded it again: twice in the pass. Kept now (not retired) in a cache
+    of 8 shards, room for the shards in flight (up to 3: 8 samples from the position, shards of about 7),
+    those another rank may still read (one global batch more, up to 2), window=2 ahead and the padding's
+    one, it is downloaded once. (The next epoch starts with other shards: none of its fetches count.)"""
+    import numpy as np
+
+    from fastdata.shards.index import read_index
+
+    largest = max(s.size for s in read_index(small_shards).shards)
+    with http_server(small_shards) as server:
+        sources = [Shards(server.url, cache_dir=tmp_path / "cache", window=2, cache_limit=8 * largest)
+                   for _ in range(2)]
+        ranks = [s.subset(range(119)) for s in sources]
+        loaders = [make_loader(r, "torch", batch_size=4, device="cpu", augment=NONE, num_workers=0, seed=5,
+                               drop_last=False, rank=rank, world_size=2, even_batches=True)
+                   for rank, r in enumerate(ranks)]
+        try:
+            plan = loaders[1].plan
+            assert plan.padding() == 1   # 119 = 14 steps of 8 + 7 real, split 4 + 4 with one padding sample
+            order = plan.order(0)
+            index = sources[0].index   # the subset's sample i is the source's sample i
+            padding = index.shards[int(index.shard[order[0]])].name
+            start = len(server.requests)
+            for _ in zip(*loaders):
+                pass
+            gets = [path for method, path, _ in server.requests[start:] if method == "GET"]
+            assert sum(path.endswith("/" + padding) for path in gets) == 1, (padding, gets)
+            assert len(np.unique([p.rsplit("/", 1)[-1] for p in gets])) >= 17   # every shard was read
+        finally:
+            for thing in loaders + ranks + sources:
+                thing.close()

@@ -164,3 +164,72 @@ def test_a_shard_held_by_this_process_when_finished_is_retired_once_released(tmp
         assert wait_until(lambda: _retired(shards, first), timeout=30), "never retired once released"
     finally:
         shards.close()
+
+
+def test_the_padding_shards_are_kept_and_fetched_again_for_the_last_step(tmp_path):
+    """even_batches pads the pass's last step with the epoch's first samples (``padding``): the first
+    shard is not retired when the pass is past it (it was: evicted first, downloaded again at the end),
+    and, evicted all the same (a small cache), is fetched again once the last step is in the readers'
+    reach. Where the cache cannot hold it with the shards being read, it is retired as before."""
+    from fastdata.datasets import Shards
+
+    out, index, order, first, last_of_first = _first_shard(tmp_path)
+    n, largest = len(order), max(s.size for s in index.shards)
+    names = [index.shards[int(j)].name for j in index.shard[order]]
+    assert last_of_first == 0 and len(set(names)) == n   # a photo a shard (all of one size)
+    # Two shards being read: with the first, three; a cache of two holds them only (and refuses less).
+    for shards_of_cache, kept in ((6, True), (2, False)):
+        shards = Shards(f"file://{out}", cache_dir=tmp_path / f"cache{shards_of_cache}", window=1,
+                        cache_limit=shards_of_cache * largest)
+        try:
+            shards.plan_in_flight(1, 2)
+            shards.reading(order, 0, padding=1)
+            assert wait_until(lambda s=shards: _idle(s._prefetcher), timeout=30)
+            shards.reading(order, 2, padding=1)   # past the first two shards: both finished
+            assert wait_until(lambda s=shards: _idle(s._prefetcher), timeout=30)
+            assert shards._prefetcher._retired[:2].tolist() == [not kept, True], shards_of_cache
+            if kept:
+                assert os.path.exists(shards.cached_path(first)) and not _retired(shards, first)
+        finally:
+            shards.close()
+    shards = Shards(f"file://{out}", cache_dir=tmp_path / "cache", window=1, cache_limit=6 * largest)
+    try:
+        shards.plan_in_flight(1, 2)
+        shards.reading(order, 0, padding=1)
+        assert wait_until(lambda: _idle(shards._prefetcher), timeout=30)
+        os.unlink(shards.cached_path(first))        # evicted meanwhile
+        shards.reading(order, n - 3, padding=1)      # the last step (positions n-1 and the padding) not yet
+        assert wait_until(lambda: _idle(shards._prefetcher), timeout=30)
+        assert not os.path.exists(shards.cached_path(first))
+        shards.reading(order, n - 1, padding=1)      # in reach: fetched again before the readers read it
+        assert wait_until(lambda: os.path.exists(shards.cached_path(first)), timeout=30)
+    finally:
+        shards.close()
+
+
+def test_a_source_is_told_the_padding_where_its_reading_takes_it():
+    """Over two ranks, even_batches and 7 samples a step of 8 leaves the last step short of one sample:
+    ``reading_call`` gives it as ``padding`` to a source whose ``reading`` takes it, and calls one
+    written before (``order, position[, next_order]``) as before."""
+    from fastdata.datasets.base import reading_call
+    from fastdata.sampling import EpochPlan
+
+    class Old:
+        def reading(self, order, position, next_order=None):
+            self.told = (position, next_order is not None)
+
+    class New:
+        def reading(self, order, position, next_order=None, padding=0):
+            self.told = (position, padding)
+
+    plan = EpochPlan(num_samples=23, batch_size=4, shuffle=False, drop_last=False, seed=0, rank=1,
+                     world_size=2, even=True)
+    old, new = Old(), New()
+    reading_call(old, plan, 0, 0)(plan.order(0), 8)
+    reading_call(new, plan, 0, 0)(plan.order(0), 8)
+    assert old.told == (8, True) and new.told == (8, 1)
+    reading_call(new, plan, 0, 16)(plan.order(0), 16)   # 7 left from a resume at 16: the same padding
+    assert new.told == (16, 1)
+    uneven = EpochPlan(num_samples=23, batch_size=4, shuffle=False, drop_last=False, seed=0, world_size=2)
+    reading_call(new, uneven, 0, 0)(uneven.order(0), 0)
+    assert new.told == (0, 0)

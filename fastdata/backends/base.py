@@ -21,7 +21,6 @@ A subclass implements ``_epoch(epoch, batches)`` → iterator of (images, labels
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 from typing import TYPE_CHECKING, ClassVar, Iterator, cast
@@ -32,7 +31,7 @@ import torch
 from ..augment import output_size, recipe, require_padding_fits
 from ..config import LoaderConfig, check_integer, check_reals, check_unit_stats, unknown_options
 from ..datasets import Source, SourceKind, check_transform_and_augment
-from ..datasets.base import loader_classes
+from ..datasets.base import loader_classes, reading_call
 from ..datasets.sample_transforms import recipe_choices
 from ..decode import warn_skipped
 from ..errors import PositionMismatch
@@ -67,18 +66,6 @@ def labels_on(device: torch.device, labels) -> torch.Tensor:
     the copy's event has completed (ATen/core/CachingHostAllocator.h)."""
     t = torch.as_tensor(np.asarray(labels, dtype=np.int64)).view(-1)
     return pinned(t, device).to(device, non_blocking=device.type == "cuda")
-
-
-def _reading_call(source: Source, next_order):
-    """``source.reading``, given the next epoch's order where it takes one (a stream written before
-    ``next_order`` existed takes ``order`` and ``position`` only)."""
-    try:
-        takes = "next_order" in inspect.signature(source.reading).parameters
-    except (TypeError, ValueError):
-        takes = False
-    if takes:
-        return lambda order, position: source.reading(order, position, next_order)
-    return source.reading
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
@@ -480,8 +467,9 @@ class Loader(SampleIds):
         if streaming:
             # Told before the first batch too, so the fetch-ahead starts with the pass (a worker forked
             # meanwhile keeps no shard locked: the shard cache unlocks before it closes a descriptor),
-            # and given the next epoch's order, whose first shards it fetches while this pass ends.
-            told = _reading_call(self.source, functools.partial(self.plan.order, epoch + 1))
+            # and given the next epoch's order, whose first shards it fetches while this pass ends, and
+            # the padding the last step reads again (even_batches), whose shards it keeps for it.
+            told = reading_call(self.source, self.plan, epoch, offset)
             told(order, self.plan.consumed(offset, 0))
         # Per batch on the training thread, so kept to what each batch needs (a GPU step of a small CNN
         # is a few milliseconds: microseconds here are the data wait the engine reports): the count once,

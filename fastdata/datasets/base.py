@@ -97,13 +97,14 @@ class Source:
         samples. It must not depend on the world size, so ranks split it and resume it elastically."""
         return None
 
-    def reading(self, order: np.ndarray, position: int, next_order=None) -> None:
+    def reading(self, order: np.ndarray, position: int, next_order=None, padding: int = 0) -> None:
         """The running pass reads ``order`` (the epoch's sample ids over every rank) and has handed out
         its first ``position``: a streaming source fetches ahead. Called by the loader in its own
         process, for sources without ``random_access``, when a pass starts and after each batch.
         ``next_order``: a callable that gives the next epoch's order (computed when called), for
-        fetching its start while this pass ends; a source whose ``reading`` takes only ``order`` and
-        ``position`` is called without it."""
+        fetching its start while this pass ends. ``padding``: samples the pass reads again after its
+        end, ``order[:padding]`` (even_batches' padding of the last step, over every rank). A source
+        whose ``reading`` takes neither is called without them (``reading_call``)."""
 
     def plan_in_flight(self, batches: int, batch_size: int, read: int = 0, ranks: int = 1) -> None:
         """How far the loader's readers run past the position it tells ``reading``: ``batches`` batches of
@@ -243,6 +244,27 @@ def tell_in_flight(source, plan, batches: int, read: int = 0) -> None:
     tell = None if getattr(source, "random_access", True) else getattr(source, "plan_in_flight", None)
     if tell is not None:
         tell(batches, plan.global_batch, read, plan.world_size)
+
+
+def reading_call(source, plan, epoch: int, offset: int):
+    """``source.reading`` for a pass of ``plan`` over ``epoch`` from ``offset``, as ``(order, position)``:
+    given the next epoch's order and the pass's padding where it takes them (a stream written before
+    either existed takes ``order`` and ``position`` only)."""
+    import functools
+    import inspect
+
+    try:
+        takes = set(inspect.signature(source.reading).parameters)
+    except (TypeError, ValueError):
+        takes = set()
+    given: dict = {}
+    if "next_order" in takes:
+        given["next_order"] = functools.partial(plan.order, epoch + 1)
+    rest = plan.remainder(offset)
+    if "padding" in takes and plan.even and plan.world_size > 1 and rest:
+        # The last step split in equal parts and filled up with the epoch's first samples (batches_from)
+        given["padding"] = -(-rest // plan.world_size) * plan.world_size - rest
+    return functools.partial(source.reading, **given) if given else source.reading
 
 
 #: What every source sets (in its ``__init__``), checked by ``check_source`` on a source of one's own.

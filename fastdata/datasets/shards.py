@@ -320,11 +320,13 @@ class Shards(Source):
             return subset_epoch_order(self.index.shard[self._ids], seed, epoch, window=self.window)
         return epoch_order(self.index.shard_sizes, seed, epoch, window=self.window, shuffle=True)
 
-    def reading(self, order: np.ndarray, position: int, next_order=None) -> None:
+    def reading(self, order: np.ndarray, position: int, next_order=None, padding: int = 0) -> None:
         """The pass reads ``order`` and has handed out its first ``position`` samples: fetch the next
         ``window`` shards ahead (remote locations only), in this process, on a thread. ``next_order``
         (a callable giving the next epoch's order): once this pass is in its last shards, the next
-        epoch's first ones are fetched too, so a pass does not start with every reader waiting."""
+        epoch's first ones are fetched too, so a pass does not start with every reader waiting.
+        ``padding``: the pass's last step reads ``order[:padding]`` again (even_batches): their shards
+        are kept cached (not retired) and fetched again before it if evicted meanwhile."""
         if self._cache is None:
             return
         self._check_process()
@@ -336,7 +338,7 @@ class Shards(Source):
             # collected, and this stops its thread then (or at interpreter exit), instead of leaving it
             # waiting for work forever. The finalizer holds the prefetcher only, so it keeps nothing alive.
             self._stop_ahead = weakref.finalize(self, self._prefetcher.stop)
-        self._prefetcher.want(order, position, next_order, self._in_flight, self._lag)
+        self._prefetcher.want(order, position, next_order, self._in_flight, self._lag, padding=padding)
 
     def plan_in_flight(self, batches: int, batch_size: int, read: int = 0, ranks: int = 1) -> None:
         """The loader's readers may read up to ``batches`` batches of ``batch_size`` samples (the global

@@ -14,7 +14,12 @@ read). Either way a shard was downloaded twice in one pass. So:
   the readers may be reading; the next ``window`` shards after them are fetched ahead, but only as far
   as the cache's budget holds them together with the readers' ones, never further;
 - a shard all of whose samples are handed out is retired (``ShardCache.retire``): the next download
-  evicts it before any other, whichever process downloads (a DataLoader worker knows no position).
+  evicts it before any other, whichever process downloads (a DataLoader worker knows no position);
+  but for the shards of even_batches' padding (``Shards.reading``'s ``padding``): the pass's last step
+  reads the epoch's first samples again, and, retired, their shards were downloaded again at the end
+  of every pass. They stay cached as released shards (least recently used first), and are fetched
+  again as the last step comes within the readers' reach if evicted meanwhile. Not counted in the
+  room the readers need (``_room_needed``): nobody reads them in between.
 
 Together: at any moment the shards the pass still needs and has touched fit in the budget, and room is
 made from finished shards, so no shard is downloaded twice in a pass, as long as the readers' shards
@@ -35,6 +40,9 @@ from fastdata.shards.cache import ShardCache, human_bytes
 __all__ = ["ReadAhead"]
 
 _NONE = np.zeros(0, dtype=np.int64)
+#: The tag of a padding shard in the read-ahead's list (besides this pass's False and the next epoch's
+#: True): fetched at the pass's start, it is tried once more for its last step.
+_PADDING = "padding"
 
 
 class ReadAhead:
@@ -58,9 +66,9 @@ class ReadAhead:
         self._cond = threading.Condition()
         # (shard name, for the next epoch?): a shard this pass fetched early on and has since evicted
         # is fetched again when the next epoch starts with it.
-        self._wanted: list[tuple[str, bool]] = []
+        self._wanted: list[tuple[str, bool | str]] = []   # or _PADDING: a padding shard for the last step
         self._window: set[str] = set()   # every shard the last want() asked for, fetched or not
-        self._done: set[tuple[str, bool]] = set()
+        self._done: set[tuple[str, bool | str]] = set()
         # The pass's order, held: compared by id() alone, a freed order's id was taken by the next
         # epoch's (same size, same address), which then read as the same pass. And where it is.
         self._order: np.ndarray | None = None
@@ -80,14 +88,15 @@ class ReadAhead:
         self._thread.start()
 
     def want(self, order: np.ndarray, position: int, next_order=None, reach: tuple[int, int] = (0, 0),
-             lag: int = 0) -> None:
+             lag: int = 0, padding: int = 0) -> None:
         """The pass reads ``order`` and has handed out ``position`` samples; its readers may be reading the
         samples from ``reach[0]`` to ``reach[1]`` past it (at least the next one; see
         ``Shards.plan_in_flight``). ``next_order``: a callable giving the next epoch's order, whose first
         shards are fetched while this pass ends. ``lag``: samples before the position that other ranks'
         readers may still be reading (one global batch: a rank tells its position once it has handed out
         its own share of a batch, when another rank's workers may still read theirs); shards are retired
-        only past it."""
+        only past it. ``padding``: the pass's last step reads ``order[:padding]`` again, as if at the
+        positions after the order's end (even_batches); their shards are never retired in the pass."""
         new_pass = order is not self._order or position < self._position   # a new pass, or one started again
         self._position = position
         # The first ``reach[0]`` samples count as read (dali's decoded queue) once the pass runs, not as it
@@ -104,16 +113,22 @@ class ReadAhead:
         reading = [(self.names[int(s)], False) for s in self._sequence[:started][self._last[:started] >= lo]]
         ahead = [(self.names[int(s)], False) for s in self._sequence[started: started + self.ahead]]
         self._watch([name for name, _ in reading], reach)
+        if padding:   # not watched: at a small cache they may be evicted while nobody reads them
+            reading, ahead = self._padding_shards(order, (lo - n, hi - n), min(padding, n), reading, ahead)
         if next_order is not None and (hi > n or len(ahead) < self.ahead):
             more_reading, more_ahead = self._next_start(next_order, (lo - n, hi - n), self.ahead - len(ahead),
                                                         {name for name, _ in reading + ahead})
             reading, ahead = reading + more_reading, ahead + more_ahead
-        wanted = self._within_budget(reading, ahead)
+        kept = int(np.searchsorted(self._first, min(padding, n)))   # the padding's shards: the pass's first
+        wanted, keep = self._within_budget(reading, ahead, self._kept_bytes(kept, {n for n, _ in reading + ahead}))
         self._claim(reading + wanted)
         # Finished: read, as far as the loader knows (before reach[0]; handed out, for readers whose batches
         # may come back in any order). Retired, they make room before any shard fetched ahead, which,
         # fetched before their last read, was less recently used than they.
-        self._retire(started, self._last[:started] < lo - lag, {name for name, _ in wanted})
+        finished = self._last[:started] < lo - lag
+        if keep:
+            finished[:kept] = False
+        self._retire(started, finished, {name for name, _ in wanted})
         with self._cond:   # the thread takes the pass's set with its shard, under this lock
             if new_pass:
                 self._done = set()
@@ -149,22 +164,54 @@ class ReadAhead:
                 ahead.append((self.names[int(s)], True))
         return reading, ahead
 
-    def _within_budget(self, reading: list, ahead: list) -> list:
-        """``reading``, then as much of ``ahead`` as the cache holds with them: a shard fetched past that
-        evicts one the readers have not finished. Nothing where ``reading`` alone is more than the cache
+    def _padding_shards(self, order: np.ndarray, reach: tuple[int, int], padding: int, reading: list,
+                        ahead: list) -> tuple[list, list]:
+        """``reading`` and ``ahead`` with the shards of the padding ``order[:padding]``, which the last step
+        reads as if at the positions after the order's end: those the readers may be reading (samples
+        ``reach[0]`` to ``reach[1]`` past the end), or all of them ahead once the pass is in its last
+        window of shards; none twice."""
+        have = {name for name, _ in reading + ahead}
+        if reach[1] > 0:
+            part, into = order[max(reach[0], 0):min(reach[1], padding)], reading
+        elif len(ahead) < self.ahead:
+            part, into = order[:padding], ahead
+        else:
+            return reading, ahead
+        shards = self.index.shard[self.ids[np.asarray(part, dtype=np.int64)]]
+        _, first = np.unique(shards, return_index=True)
+        more = [(self.names[int(shards[i])], _PADDING) for i in np.sort(first)
+                if self.names[int(shards[i])] not in have]
+        return (reading + more, ahead) if into is reading else (reading, ahead + more)
+
+    def _kept_bytes(self, kept: int, wanted: set) -> int:
+        """The bytes the padding's shards (the pass's first ``kept``) take in the cache, kept for the last
+        step: those cached, not retired, and not among the shards ``wanted`` now (counted there)."""
+        names = [self.names[int(s)] for j, s in enumerate(self._sequence[:kept]) if not self._retired[j]]
+        return sum(self.cache.expected_sizes[name] for name in names
+                   if name not in wanted and os.path.exists(self.cache.path(name)))
+
+    def _within_budget(self, reading: list, ahead: list, kept: int = 0) -> tuple[list, bool]:
+        """(``reading``, then as much of ``ahead`` as the cache holds with them: a shard fetched past that
+        evicts one the readers have not finished; whether the ``kept`` bytes of the padding's shards fit
+        with ``reading`` too, and are kept). Nothing where ``reading`` alone is more than the cache
         holds: the readers then fetch what they read, and any shard fetched
-        for them early evicted the one they were on (more downloads than none)."""
+        for them early evicted the one they were on (more downloads than none). The padding's shards,
+        more recently used than shards fetched ahead, would be evicted after them: they take the
+        window's room while they fit with ``reading``; where they do not, they are retired (evicted
+        first) and fetched again for the last step."""
         limit, size = self.cache.limit_bytes, self.cache.expected_sizes
         total = sum(size[name] for name, _ in reading)
         if total > limit:
-            return []
+            return [], False
+        keep = total + kept <= limit
+        total += kept if keep else 0
         wanted = list(reading)
         for name, upcoming in ahead:
             if total + size[name] > limit:
                 break
             total += size[name]
             wanted.append((name, upcoming))
-        return wanted
+        return wanted, keep
 
     def _claim(self, wanted: list) -> None:
         """Once a pass, each shard it wants is claimed (``ShardCache.claim``): a copy an earlier pass
