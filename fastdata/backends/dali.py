@@ -303,8 +303,11 @@ class DaliLoader(DaliFiles, Loader):
         # a reference to them until the iteration is done (its TensorList holds the buffer). Safe because
         # every batch's arrays are new: nothing writes into an array once fed. The copy ran on the training
         # thread, inside schedule_run: 420 -> 243 us a batch of 256 digits on this CPU (DALI's maintainers
-        # name the same cost, NVIDIA/DALI#2586).
-        feed = dict(source=self._feeder, batch=True, no_copy=True)
+        # name the same cost, NVIDIA/DALI#2586). Not for files on a GPU (not measured there yet): their
+        # bytes (or host-decoded crops, megabytes a batch) would reach the GPU from pageable memory instead
+        # of DALI's pinned buffers; arrays there are a small batch (digits, CIFAR) whose copy to the GPU
+        # runs in DALI's threads either way.
+        feed = dict(source=self._feeder, batch=True, no_copy=not (gpu and files))
 
         @pipeline_def(batch_size=self.config.batch_size, num_threads=self.num_threads,
                       device_id=self.device.index if gpu else None, set_affinity=opts.affine,

@@ -167,8 +167,10 @@ def make_dataloader(fetcher, sampler, workers: int, pin: bool, opts: dict, seed:
         # as a descriptor, through a listener socket in that folder). A worker told to stop mid-epoch does
         # not join its queue's feeder thread, which may be making that folder while the worker's exit
         # clean-up runs: the folder was left behind in TMPDIR, now and then, by loaders cut and closed.
-        # The parent's goes at its exit, with all in it.
-        multiprocessing.util.get_temp_dir()
+        # The parent's goes at its exit, with all in it. Where no temporary folder can be made, workers
+        # that need one fail as they did before; a loader whose workers never do still works.
+        with contextlib.suppress(OSError):
+            multiprocessing.util.get_temp_dir()
     return DataLoader(
         fetcher, batch_size=None, sampler=sampler, num_workers=workers, pin_memory=pin,
         generator=worker_seed_generator(seed), worker_init_fn=quiet_worker if workers else None,

@@ -338,7 +338,8 @@ class DaliFiles:
                 return None
         if self._paths is not None:   # learnt; from now on DALI reads it (the page cache has it now)
             return os.fsencode(self._dali_path(i))
-        # A read-only view of the bytes: external_source copies them into DALI's own buffer.
+        # A read-only view of the bytes, which never change: DALI holds the array until its iteration is
+        # done (no_copy, on the CPU) or copies it into its own buffer (files on a GPU).
         fed = fed if fed is not None else self._as_fed(i, raw)
         return fed if isinstance(fed, str) else np.frombuffer(fed, dtype=np.uint8)
 
