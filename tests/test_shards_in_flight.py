@@ -205,3 +205,38 @@ def test_the_shards_of_even_batches_padding_are_kept_for_the_last_batch(small_sh
         finally:
             for thing in loaders + ranks + sources:
                 thing.close()
+
+
+def test_two_ranks_at_the_smallest_cache_download_each_shard_once_in_a_pass(small_shards, tmp_path):
+    """Two ranks of a node sharing the smallest cache (2 x window shards), read side by side: a shard is
+    retired one global batch after a rank has read it (another rank may still read it), and until then
+    it counts among the shards being read when the read-ahead sizes its window. Without that, the
+    read-ahead fetched past it, the other rank's shard was evicted under it, and 9-11 of the 17 shards
+    were downloaded twice in the pass, with the warning. Only the next epoch's first shards, fetched
+    while this pass ends, may be downloaded again (for the next pass)."""
+    import numpy as np
+
+    from fastdata.shards.index import read_index
+
+    largest = max(s.size for s in read_index(small_shards).shards)
+    with http_server(small_shards) as server, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sources = [Shards(server.url, cache_dir=tmp_path / "cache", window=2, cache_limit=4 * largest)
+                   for _ in range(2)]
+        loaders = [make_loader(s, "torch", batch_size=4, device="cpu", augment=NONE, num_workers=0, seed=5,
+                               rank=rank, world_size=2) for rank, s in enumerate(sources)]
+        try:
+            start = len(server.requests)
+            for _ in zip(*loaders):
+                pass
+            gets = collections.Counter(p.rsplit("/", 1)[-1] for m, p, _ in server.requests[start:] if m == "GET")
+            index = sources[0].index
+            nxt = index.shard[loaders[0].plan.order(1)]
+            _, first = np.unique(nxt, return_index=True)
+            upcoming = {index.shards[int(nxt[i])].name for i in np.sort(first)[:4]}   # window x 2 ahead
+        finally:
+            for thing in loaders + sources:
+                thing.close()
+    assert len(gets) == 17, gets
+    assert {name for name, n in gets.items() if n > 1} <= upcoming, (gets, upcoming)
+    assert not [w for w in caught if "downloaded again" in str(w.message)]

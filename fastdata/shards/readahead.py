@@ -110,7 +110,10 @@ class ReadAhead:
             self._order, self._next = order, None
             self._need, self._seen, self._claimed = self._room_needed(n, reach), {}, set()
         started = int(np.searchsorted(self._first, min(hi, n)))   # first read before hi
-        reading = [(self.names[int(s)], False) for s in self._sequence[:started][self._last[:started] >= lo]]
+        # Being read: by this process's readers, or by another rank's, up to ``lag`` behind (not retired
+        # until past it). Counted in the window's room: the read-ahead fetched past another rank's shard,
+        # which was then evicted under it (two ranks at the smallest cache: 9-11 of 17 shards twice a pass).
+        reading = [(self.names[int(s)], False) for s in self._sequence[:started][self._last[:started] >= lo - lag]]
         ahead = [(self.names[int(s)], False) for s in self._sequence[started: started + self.ahead]]
         self._watch([name for name, _ in reading], reach)
         if padding:   # not watched: at a small cache they may be evicted while nobody reads them
