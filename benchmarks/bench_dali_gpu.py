@@ -12,7 +12,8 @@ On one JPEG folder (``common.photo_folder``: 1,500 ImageNet-sized photos, ~88 KB
   ``hw_decoder_load`` (the share of JPEGs sent to the GPU's hardware decoder), ``fancy_upsampling``,
   ``preallocate``, ``prefetch_queue_depth``, the batch size, ``num_workers`` (DALI's threads), ``affine`` and
   ``handover`` (the consumer's CUDA stream waiting for each batch, or the host waiting for it as DALI's
-  own iterator does). A row that sets only what the ``dali`` row ran with (an installed default, the first batch
+  own iterator does), ``driver`` (DALI's iteration in the consumer's ``next()`` or in a thread of its
+  own). A row that sets only what the ``dali`` row ran with (an installed default, the first batch
   size, ``--workers``), or a ceiling row at DALI's default 0.65, shows that reference row's figures
   instead of spending the call's time on them again. A
   setting the installed fastdata refuses (an unknown option) is listed as "not supported by this
@@ -197,6 +198,8 @@ def settings(args) -> list[Setting]:
             Setting("limit", "limit")]
     # First of the settings: the one change since the last GPU run, measured even where --budget cuts.
     rows += [Setting(f"dali handover={v}", "fastdata", "handover", v, {"handover": v}) for v in ("stream", "host")]
+    # DALI's iteration in the training thread or in a thread of its own (the first command's data wait).
+    rows += [Setting(f"dali driver={v}", "fastdata", "driver", v, {"driver": v}) for v in ("caller", "thread")]
     rows += [Setting(f"dali hw_decoder_load={v:g}", "fastdata", "hw_decoder_load", v, {"hw_decoder_load": v})
              for v in args.hw_loads]
     rows += [Setting(f"ceiling hw_decoder_load={v:g}", "ceiling", "ceiling hw_decoder_load", v) for v in args.hw_loads]

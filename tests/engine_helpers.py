@@ -207,16 +207,18 @@ def wait_diagnosis(meter, seconds: float, collections: list) -> str:
 
 
 def first_command_run(backend: str, epochs: int = 3, *, device: str = "cuda",
-                      samples: int = 60_000) -> tuple[list, str]:
+                      samples: int = 60_000, **options) -> tuple[list, str]:
     """``train_mnist.py``'s recipe (SmallCNN on 60,000 digits, batch 256, SGD fused with Nesterov
-    momentum, one cycle) on ``backend``, its waits traced: (fit's records, each epoch's
-    ``wait_diagnosis`` joined by lines). The CUDA data-wait tests of the memory and dali backends."""
+    momentum, one cycle) on ``backend`` (with the backend's ``options``), its waits traced: (fit's
+    records, each epoch's ``wait_diagnosis`` joined by lines). The CUDA data-wait tests of the memory
+    and dali backends."""
     from fastdata import make_loader
     from fastdata.datasets import SyntheticDigits
     from fastdata.engine import fit
     from fastdata.models import SmallCNN
 
-    loader = make_loader(SyntheticDigits(samples, seed=0), backend, batch_size=256, device=device, seed=0)
+    loader = make_loader(SyntheticDigits(samples, seed=0), backend, batch_size=256, device=device, seed=0,
+                         **options)
     model = SmallCNN(num_classes=10, in_channels=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4,
                                 fused=True)

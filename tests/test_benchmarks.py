@@ -739,7 +739,7 @@ def test_bench_dali_gpu_quick_on_the_cpu(tmp_path):
         assert rows[name]["status"] == "skipped" and "GPU-only" in rows[name]["note"]
     choices = {c["factor"]: c for c in on_disk["choices"]}
     assert set(choices) == {"hw_decoder_load", "ceiling hw_decoder_load", "fancy_upsampling", "preallocate",
-                            "prefetch_queue_depth", "batch", "num_workers", "affine", "handover"}
+                            "prefetch_queue_depth", "batch", "num_workers", "affine", "handover", "driver"}
     best = max((rows["dali batch 4"], rows["dali batch 8"]), key=lambda r: r["rate"])
     assert choices["batch"]["best"] == best["extra"]["value"] and choices["hw_decoder_load"]["best"] is None
     assert "## Choosing the defaults" in md

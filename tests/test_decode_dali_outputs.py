@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import skip_missing
-from fastdata.decode.dali_outputs import HANDOVER_CHOICES, Outputs, output_stream
+from fastdata.decode.dali_outputs import DRIVER_CHOICES, HANDOVER_CHOICES, DrivenOutputs, Outputs, output_stream
 
 try:
     import nvidia.dali  # noqa: F401
@@ -86,6 +86,133 @@ def test_handover_option_is_checked_and_names_its_choices():
     loader = fastdata.make_loader(SyntheticDigits(64), "dali", batch_size=16, handover="host", train=False)
     assert sum(len(y) for _, y in loader) == 64   # on the CPU both values read the same
     loader.close()
+
+
+def _driver_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "fastdata-dali-driver"]
+
+
+def test_a_driver_thread_hands_over_every_batch_in_order_then_the_end():
+    """driver="thread": DALI's iteration (the input callback among it) runs in a thread of its own, at most
+    ``ahead`` batches past the consumer; the consumer gets the same batches, then StopIteration, again at
+    every later next."""
+    import threading
+    import time
+
+    pipe, asked = _counting_pipe(6, depth=2)
+    out = DrivenOutputs(Outputs(pipe, torch.device("cpu")), ahead=1)
+    assert asked == [] and not _driver_threads()   # started by the first next
+    callers = set()
+    real = pipe.schedule_run
+
+    def schedule_run():
+        callers.add(threading.current_thread().name)
+        return real()
+
+    pipe.schedule_run = schedule_run
+    first = next(out)
+    time.sleep(0.2)   # the thread runs ahead: DALI's queue (2), the batch it holds, its queue of 1
+    assert int(first[0, 0, 0, 0]) == 0 and len(asked) <= 2 + 1 + 1 + 1
+    assert [int(x[0, 0, 0, 0]) for x in out] == [1, 2, 3, 4, 5]
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(out)
+    assert callers == {"fastdata-dali-driver"}   # never the consumer's thread
+    out.close()
+    assert not _driver_threads()
+
+
+def test_a_driver_threads_error_reaches_the_consumer_as_the_callers_does():
+    """An error inside DALI's iteration (here the input callback's, raised from ``schedule_run``) ends the
+    thread and is raised to the consumer after the same batches as with the caller driver; raised again
+    at every later next, never a hang."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    def source(info):
+        if info.iteration == 3:
+            raise ValueError("batch 3 cannot be made")
+        return [np.full((2, 2, 1), info.iteration, np.uint8) for _ in range(2)]
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None, prefetch_queue_depth=2)
+    def graph():
+        return fn.external_source(source=source, batch=True, batch_info=True, layout="HWC", dtype=types.UINT8)
+
+    got = {}
+    for driver in DRIVER_CHOICES:
+        pipe = graph()
+        pipe.build()
+        out = Outputs(pipe, torch.device("cpu"))
+        out = DrivenOutputs(out) if driver == "thread" else out
+        got[driver] = []
+        with pytest.raises(Exception, match="batch 3 cannot be made"):
+            for x in out:
+                got[driver].append(int(x[0, 0, 0, 0]))
+        if driver == "thread":
+            with pytest.raises(Exception, match="batch 3 cannot be made"):
+                next(out)
+        out.close()
+    assert got["thread"] == got["caller"] and got["caller"]
+    assert not _driver_threads()
+
+
+def test_closing_a_driver_thread_that_waits_for_room_stops_it():
+    """The consumer leaves a pass early: the thread, waiting to queue a batch, stops at close(), which
+    also closes the outputs; a driver never started closes at once."""
+    pipe, asked = _counting_pipe(50)
+    out = DrivenOutputs(Outputs(pipe, torch.device("cpu")), ahead=1)
+    next(out)
+    out.close()
+    assert not _driver_threads() and len(asked) < 50
+    DrivenOutputs(Outputs(_counting_pipe(3)[0], torch.device("cpu"))).close()
+
+
+@pytest.mark.parametrize("kind", ["arrays", "folder"])
+def test_the_dali_backend_with_a_driver_thread_gives_the_callers_batches(kind, photo_folder):
+    """Over two epochs, a pass left early and a set_epoch back: the same images and labels with
+    driver="thread" as with the default, and no driver thread left after close()."""
+    import itertools
+
+    import fastdata
+    from fastdata.datasets import ImageFolder, SyntheticDigits
+
+    src = SyntheticDigits(200, seed=2) if kind == "arrays" else ImageFolder(photo_folder)
+    runs = {}
+    for driver in DRIVER_CHOICES:
+        loader = fastdata.make_loader(src, "dali", batch_size=8, seed=4, driver=driver)
+        seen = [b for _ in range(2) for b in loader]
+        seen += list(itertools.islice(loader, 2))   # left early
+        loader.set_epoch(0)
+        seen += list(loader)
+        runs[driver] = [(x.clone(), y.clone()) for x, y in seen]
+        loader.close()
+    assert len(runs["thread"]) == len(runs["caller"])
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(runs["thread"], runs["caller"]))
+    assert not _driver_threads()
+    with pytest.raises(ValueError, match=r"driver.*'caller'.*'thread'"):
+        fastdata.make_loader(src, "dali", batch_size=8, driver="process")
+
+
+@pytest.mark.cuda
+def test_gpu_a_driver_thread_gives_the_callers_batches_read_late_on_the_consumers_stream(photo_folder):
+    """On a GPU the thread copies each batch on a side stream; the consumer's stream waits for it and the
+    batch is marked used there: read 50M cycles late on a consumer side stream, each batch is still the
+    caller driver's."""
+    import fastdata
+    from fastdata.datasets import ImageFolder
+
+    src = ImageFolder(photo_folder)
+    kw = dict(batch_size=4, train=True, seed=3, device="cuda")
+    want = [x.float().sum().item() for x, _ in fastdata.make_loader(src, "dali", **kw)]
+    side = torch.cuda.Stream()
+    sums = []
+    with torch.cuda.stream(side):
+        for x, _ in fastdata.make_loader(src, "dali", driver="thread", **kw):
+            torch.cuda._sleep(50_000_000)
+            sums.append(x.float().sum())
+    side.synchronize()
+    assert [s.item() for s in sums] == pytest.approx(want, rel=0, abs=0)
 
 
 @pytest.mark.cuda

@@ -119,7 +119,7 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
     files_decoder,
     slice_has_policy,
 )
-from ..decode.dali_outputs import Outputs
+from ..decode.dali_outputs import DRIVEN_AHEAD, DrivenOutputs, Outputs
 from ..errors import DecodeError
 from ..host_memory import available_ram
 from ..images.on_error import OnError
@@ -193,6 +193,9 @@ class DaliLoader(DaliFiles, Loader):
         handover: how a batch is handed to the consumer on a GPU: ``"stream"`` (default) has
             the consumer's current CUDA stream wait for it, not the host; ``"host"`` waits on the host until DALI
             finished it (what ``DALIGenericIterator`` does; kept to measure the difference).
+        driver: where DALI's iteration runs: ``"caller"`` (default) in the consumer's ``next()``;
+            ``"thread"`` in a thread of the loader's own, ``DRIVEN_AHEAD`` batches ahead, the consumer taking
+            ready batches (decode.dali_outputs.DrivenOutputs; to be measured on a GPU before a default).
     """
 
     name = "dali"
@@ -265,8 +268,10 @@ class DaliLoader(DaliFiles, Loader):
         self._feeder = Feeder(self, ahead=opts.prefetch_queue_depth + 1, give_up=len(self.plan) + 1)
         # The feeder assembles depth + 1 batches ahead of DALI's queue of depth decoded ones (read already)
         # and one more is being handed over: a streaming source keeps the shards of 2 x depth + 2 batches.
+        # A driver thread (driver="thread") holds DRIVEN_AHEAD decoded batches more.
         depth = opts.prefetch_queue_depth
-        tell_in_flight(source, self.plan, 2 * depth + 2, read=depth)
+        ahead = DRIVEN_AHEAD if opts.driver == "thread" else 0
+        tell_in_flight(source, self.plan, 2 * depth + 2 + ahead, read=depth + ahead)
         self._probe_pipe = self._pipe = self._iter = None
         self._ready = None    # a DALI output fetched for a record not yet handed out
         self._expect = None   # the epoch the running stream goes on with, after a pass ran to its end
@@ -366,6 +371,8 @@ class DaliLoader(DaliFiles, Loader):
         # _epoch. A smaller last batch of a pass is returned as it is (never padded or filled from the
         # next epoch).
         self._iter = Outputs(self._pipe, self.device, opts.handover, self.config.dtype)
+        if opts.driver == "thread":
+            self._iter = DrivenOutputs(self._iter, ahead=DRIVEN_AHEAD)
 
     def _restart(self, epoch: int, batches: list, start: int) -> None:
         """A fresh pipeline fed the stream from batch ``start`` of ``epoch`` (``batches`` on)."""
@@ -376,10 +383,11 @@ class DaliLoader(DaliFiles, Loader):
         self._build()
 
     def _release(self):
-        self._feeder.cancel()
-        self._feeder.records.clear()
+        # The outputs first: a driver thread (driver="thread") calls the feeder until it is stopped.
         if self._iter is not None and os.getpid() == self._owner_pid:   # a forked child has no CUDA
             self._iter.close()   # copies still reading DALI's buffers finish before the pipeline goes
+        self._feeder.cancel()
+        self._feeder.records.clear()
         self._iter = None
         self._pipe = None  # DALI frees its threads and buffers with the pipeline object
         self._ready = self._expect = None

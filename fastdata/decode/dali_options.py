@@ -11,7 +11,7 @@ import numpy as np
 from ..checks import check_choice, check_flag, check_integer, check_number
 from ..config import Padding
 from ..host_memory import fmt_bytes
-from .dali_outputs import HANDOVER_CHOICES
+from .dali_outputs import DRIVER_CHOICES, HANDOVER_CHOICES
 
 #: The ``decode`` option's values (see DaliLoader).
 DECODE_CHOICES = ("auto", "host", "dali")
@@ -55,6 +55,9 @@ class DaliOptions:
     affine: bool = False
     # "stream": the consumer's CUDA stream waits for each batch, the host does not (decode.dali_outputs).
     handover: str = "stream"
+    # "caller": DALI's iteration runs in the training thread's next(); "thread": in a thread of its own
+    # (decode.dali_outputs.DrivenOutputs). Not yet measured on a GPU: the caller stays the default.
+    driver: str = "caller"
 
     def __post_init__(self):
         for name in ("num_threads", "prefetch_queue_depth", "read_threads"):
@@ -63,6 +66,7 @@ class DaliOptions:
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
         check_choice("decode", self.decode, DECODE_CHOICES)
         check_choice("handover", self.handover, HANDOVER_CHOICES)
+        check_choice("driver", self.driver, DRIVER_CHOICES)
         # hw_decoder_load: the share of JPEG work nvJPEG's hardware decoder takes.
         object.__setattr__(self, "hw_decoder_load", check_number("hw_decoder_load", self.hw_decoder_load,
                                                                  minimum=0, maximum=1))

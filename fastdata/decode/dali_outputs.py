@@ -29,12 +29,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import queue
+import threading
+import time
 
 import torch
 
 #: ``handover`` values: "stream" has the consumer's current CUDA stream wait for each batch (no host wait);
 #: "host" waits on the host for each batch, as ``DALIGenericIterator`` does (kept for measurement).
 HANDOVER_CHOICES = ("stream", "host")
+#: ``driver`` values: "caller" runs DALI's iteration in the thread that asks for the batch (the training
+#: thread); "thread" runs it in a thread of its own, batches ahead (``DrivenOutputs``).
+DRIVER_CHOICES = ("caller", "thread")
+#: Decoded batches a driver thread keeps ready beyond DALI's own queue: enough to cover one slow
+#: iteration (a GIL wait) without holding much more memory.
+DRIVEN_AHEAD = 2
 
 
 def output_stream(device: torch.device, handover: str):
@@ -109,3 +118,107 @@ class Outputs:
         is dropped. Not in a forked child (no CUDA there): the caller keeps the object instead."""
         while self._lent:
             self._lent.popleft()[1].synchronize()
+
+
+class DrivenOutputs:
+    """``Outputs`` run by a thread of their own, up to ``ahead`` batches ahead of the consumer, who takes
+    ready batches from a queue (``driver="thread"``).
+
+    Why: DALI's iteration runs in whichever thread asks for the next batch: ``schedule_run`` calls the
+    input callback and feeds DALI, ``share_outputs`` hands back the oldest iteration. On an H200 the
+    first command's training thread spent 1.0 ms a batch there, of a 5 ms step (22.8% data wait). Here
+    this thread asks instead. ``share_outputs`` releases the GIL while it waits (a Python loop beside a
+    thread waiting there kept 0.61x its pace on 2 busy cores); the callback and DALI's Python wrapper
+    need it, as ``prefetch``'s producer does, which on that launch-bound step ran at 0.85x ``torch``:
+    whether this helps is for a GPU to measure (bench_dali_gpu's ``driver`` rows, the first-command
+    test), so it is not the default.
+
+    On a GPU the thread runs on a side stream of its own: DALI's event, the copy into torch's memory and
+    an event after it are ordered there; the consumer's current stream waits for that event when it
+    takes the batch (no host wait), and the batch is marked used on the consumer's stream
+    (``record_stream``), so the allocator does not hand its memory to a later copy on the side stream
+    before the step has read it. An error (StopIteration, DALI's, the callback's) ends the thread and is
+    raised to the consumer in its turn, after the batches before it; it is raised again at every later
+    ``next``. The pipeline is used by this thread alone until ``close`` has joined it."""
+
+    _END = object()
+
+    def __init__(self, outputs: Outputs, ahead: int = 2):
+        self.outputs, self.device = outputs, outputs.device
+        self._queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self._stop = threading.Event()
+        self._final: BaseException | None = None   # what ended the thread, raised again at each next
+        self._side = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        # Started at the first next(), as Outputs schedules its first iterations then.
+        self._thread = threading.Thread(target=self._drive, name="fastdata-dali-driver", daemon=True)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._final is not None:
+            raise self._final
+        if self._thread.ident is None:
+            self._thread.start()
+        item, done = self._queue.get()
+        if item is self._END:
+            self._final = StopIteration()
+            raise self._final
+        if isinstance(item, BaseException):
+            self._final = item
+            raise item
+        if done is not None:
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_event(done)
+            item.record_stream(consumer)
+        return item
+
+    def _drive(self) -> None:
+        side = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+        try:
+            with side:
+                while not self._stop.is_set():
+                    try:
+                        batch = next(self.outputs)
+                    except StopIteration:
+                        self._put((self._END, None))
+                        return
+                    done = None
+                    if self._side is not None:
+                        done = torch.cuda.Event()
+                        done.record(self._side)
+                    if not self._put((batch, done)):
+                        return
+        except BaseException as e:   # handed to the consumer, which raises it
+            self._put((e, None))
+
+    def _put(self, item) -> bool:
+        """Queue ``item`` unless ``close`` asked the thread to stop meanwhile (then False)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the thread (it ends the DALI call it is in first: a batch being read or decoded), drop the
+        batches it queued, and close the outputs: before the pipeline is dropped or its feeder cancelled.
+        A thread still in that call after ``timeout`` seconds (a read that hangs), or this very thread (a
+        loader whose last reference went inside the input callback), is left to end on its own: what it
+        uses, the pipeline among it, stays alive through its frames until it does."""
+        self._stop.set()
+        if self._thread is threading.current_thread():
+            return
+        deadline = time.monotonic() + timeout
+        if self._thread.ident is not None:
+            while self._thread.is_alive():
+                if time.monotonic() > deadline:
+                    return
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get(timeout=0.05)   # a put waiting for room returns at once
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        self.outputs.close()
