@@ -795,17 +795,18 @@ def test_cuda_the_first_command_on_dali_waits_for_data_at_most_5_percent(monkeyp
 
 
 @pytest.mark.cuda
-def test_cuda_the_first_command_on_dali_waits_no_longer_with_a_driver_thread():
+def test_cuda_the_first_command_on_dali_trains_alike_with_a_driver_thread():
     """driver="thread" runs DALI's iteration (1.0 ms a batch on the H200's training thread, 22.8% data
     wait with the default) in a thread of its own. Whether that helps a launch-bound step, where the
     thread competes for the GIL with the training thread (prefetch's producer: 0.85x torch there), is
-    what this measures, both drivers in one run: the thread driver must not wait longer (epochs 2-3);
-    printed either way, for choosing the default."""
+    what this prints, both drivers in one run, for choosing the default (bench_dali_gpu's driver rows
+    measure the rate). What it holds: both train the first command (over 90% of the digits right in
+    the third epoch; the batches themselves are compared by tests/test_decode_dali_outputs.py)."""
     runs = {driver: first_command_run("dali", driver=driver) for driver in ("caller", "thread")}
-    waits = {d: [r["data_wait_fraction"] for r in h] for d, (h, _) in runs.items()}
+    waits = {d: [round(r["data_wait_fraction"], 4) for r in h] for d, (h, _) in runs.items()}
     rates = {d: [round(r["images_per_second"]) for r in h] for d, (h, _) in runs.items()}
     print(f"data wait per epoch {waits}; images/s {rates}\n" + "\n".join(f"{d}: {g}" for d, (_, g) in runs.items()))
-    assert max(waits["thread"][1:]) <= max(waits["caller"][1:]), (waits, rates)
+    assert all(h[-1]["train_accuracy"] > 0.9 for h, _ in runs.values()), (waits, rates)
 
 
 @pytest.mark.cuda

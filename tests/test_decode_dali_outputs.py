@@ -168,6 +168,41 @@ def test_closing_a_driver_thread_that_waits_for_room_stops_it():
     DrivenOutputs(Outputs(_counting_pipe(3)[0], torch.device("cpu"))).close()
 
 
+def test_a_driver_threads_error_keeps_no_pipeline_alive_once_closed():
+    """The error the thread hands over is kept to raise again; its traceback holds the consumer's frame,
+    and that frame the outputs: a cycle that kept DALI's pipeline (threads, buffers) until the cyclic GC
+    ran. Closed and dropped, the pipeline goes at once; a next() after close() says so, never hangs."""
+    import gc
+    import weakref
+
+    from nvidia.dali import fn, pipeline_def, types
+
+    def source(info):
+        if info.iteration == 2:
+            raise OSError("a shard's read failed")
+        return [np.zeros((2, 2, 1), np.uint8) for _ in range(2)]
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None, prefetch_queue_depth=2)
+    def graph():
+        return fn.external_source(source=source, batch=True, batch_info=True, layout="HWC", dtype=types.UINT8)
+
+    pipe = graph()
+    pipe.build()
+    alive = weakref.ref(pipe)
+    out = DrivenOutputs(Outputs(pipe, torch.device("cpu")))
+    gc.disable()
+    try:
+        with pytest.raises(OSError, match="read failed"):
+            list(out)
+        out.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            next(out)
+        del out, pipe
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("kind", ["arrays", "folder"])
 def test_the_dali_backend_with_a_driver_thread_gives_the_callers_batches(kind, photo_folder):
     """Over two epochs, a pass left early and a set_epoch back: the same images and labels with

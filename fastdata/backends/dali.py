@@ -268,10 +268,11 @@ class DaliLoader(DaliFiles, Loader):
         self._feeder = Feeder(self, ahead=opts.prefetch_queue_depth + 1, give_up=len(self.plan) + 1)
         # The feeder assembles depth + 1 batches ahead of DALI's queue of depth decoded ones (read already)
         # and one more is being handed over: a streaming source keeps the shards of 2 x depth + 2 batches.
-        # A driver thread (driver="thread") holds DRIVEN_AHEAD decoded batches more.
+        # A driver thread (driver="thread") holds DRIVEN_AHEAD decoded batches more in its queue and one
+        # waiting for room; none of them surely read (a fast consumer leaves the queue empty).
         depth = opts.prefetch_queue_depth
-        ahead = DRIVEN_AHEAD if opts.driver == "thread" else 0
-        tell_in_flight(source, self.plan, 2 * depth + 2 + ahead, read=depth + ahead)
+        ahead = DRIVEN_AHEAD + 1 if opts.driver == "thread" else 0
+        tell_in_flight(source, self.plan, 2 * depth + 2 + ahead, read=depth)
         self._probe_pipe = self._pipe = self._iter = None
         self._ready = None    # a DALI output fetched for a record not yet handed out
         self._expect = None   # the epoch the running stream goes on with, after a pass ran to its end
@@ -304,14 +305,10 @@ class DaliLoader(DaliFiles, Loader):
         channels_last = self.config.channels_last
         known = self._dims[self._state == OK] if files else None   # (height, width, EXIF orientation)
 
-        # no_copy: DALI wraps the callback's arrays instead of copying them into its own buffers, and keeps
-        # a reference to them until the iteration is done (its TensorList holds the buffer). Safe because
-        # every batch's arrays are new: nothing writes into an array once fed. The copy ran on the training
-        # thread, inside schedule_run: 420 -> 243 us a batch of 256 digits on this CPU (DALI's maintainers
-        # name the same cost, NVIDIA/DALI#2586). Not for files on a GPU (not measured there yet): their
-        # bytes (or host-decoded crops, megabytes a batch) would reach the GPU from pageable memory instead
-        # of DALI's pinned buffers; arrays there are a small batch (digits, CIFAR) whose copy to the GPU
-        # runs in DALI's threads either way.
+        # no_copy: DALI holds the callback's arrays (all new each batch) until the iteration is done instead
+        # of copying them on the training thread in schedule_run (420 -> 243 us a batch of 256 digits here;
+        # NVIDIA/DALI#2586). Not for files on a GPU, not measured there: megabytes of bytes or crops would
+        # reach the GPU from pageable memory, not DALI's pinned buffers.
         feed = dict(source=self._feeder, batch=True, no_copy=not (gpu and files))
 
         @pipeline_def(batch_size=self.config.batch_size, num_threads=self.num_threads,
@@ -382,10 +379,12 @@ class DaliLoader(DaliFiles, Loader):
             self._feeder.prime()   # the first batch's sizes for nvJPEG's buffers (decoder_tuning)
         self._build()
 
-    def _release(self):
-        # The outputs first: a driver thread (driver="thread") calls the feeder until it is stopped.
+    def _release(self, timeout: float = 60.0):
+        # The outputs first: a driver thread (driver="thread") calls the feeder until it is stopped, within
+        # ``timeout`` seconds (a batch's read that hangs: close()'s join timeout, not a minute at exit).
         if self._iter is not None and os.getpid() == self._owner_pid:   # a forked child has no CUDA
-            self._iter.close()   # copies still reading DALI's buffers finish before the pipeline goes
+            # Copies still reading DALI's buffers finish before the pipeline goes.
+            self._iter.close(timeout)
         self._feeder.cancel()
         self._feeder.records.clear()
         self._iter = None
@@ -470,7 +469,8 @@ class DaliLoader(DaliFiles, Loader):
                 free_frames(e)
                 raise
             except Exception as e:
-                fed = [int(i) for rec in self._feeder.records for i in rec["ids"]]   # DALI's batches
+                # DALI's batches; a copy first: a driver thread (driver="thread") may still be appending
+                fed = [int(i) for rec in list(self._feeder.records) for i in rec["ids"]]
                 self._release()
                 if not is_dali_failure(e):
                     raise
@@ -681,7 +681,7 @@ class DaliLoader(DaliFiles, Loader):
         _LIVE.discard(self)
         self._closed = True
         try:
-            self._release()
+            self._release(join_timeout)
             self._probe_pipe = None
             # Readers first: their queued reads are cancelled, so an assembler waiting on them ends at once.
             for pool in (self._readers, self.assembler):

@@ -113,9 +113,10 @@ class Outputs:
             self._lent.popleft()
         return owned
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Wait for the copies still reading DALI's buffers and let the buffers go: before the pipeline
-        is dropped. Not in a forked child (no CUDA there): the caller keeps the object instead."""
+        is dropped. Not in a forked child (no CUDA there): the caller keeps the object instead.
+        ``timeout``: unused here (``DrivenOutputs.close`` bounds its thread's join with it)."""
         while self._lent:
             self._lent.popleft()[1].synchronize()
 
@@ -158,20 +159,30 @@ class DrivenOutputs:
     def __next__(self) -> torch.Tensor:
         if self._final is not None:
             raise self._final
+        if self._stop.is_set():
+            raise RuntimeError("these DALI outputs were closed: their thread is stopped")
         if self._thread.ident is None:
             self._thread.start()
-        item, done = self._queue.get()
-        if item is self._END:
-            self._final = StopIteration()
+        item, done = self._get()
+        if item is self._END or isinstance(item, BaseException):
+            # Kept to raise again; this frame drops it (its traceback holds the frame: a cycle that kept
+            # the pipeline until the cyclic GC), and close() drops the kept one.
+            self._final = item if isinstance(item, BaseException) else StopIteration()
+            item = None
             raise self._final
-        if isinstance(item, BaseException):
-            self._final = item
-            raise item
         if done is not None:
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(done)
             item.record_stream(consumer)
         return item
+
+    def _get(self):
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if self._stop.is_set():   # closed from another thread while this one waited
+                    raise RuntimeError("these DALI outputs were closed: their thread is stopped") from None
 
     def _drive(self) -> None:
         side = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
@@ -196,7 +207,9 @@ class DrivenOutputs:
         """Queue ``item`` unless ``close`` asked the thread to stop meanwhile (then False)."""
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=0.05)
+                # A second: close() makes room at once (it empties the queue), so this only bounds how
+                # often an idle thread wakes up (a validation pass, between epochs).
+                self._queue.put(item, timeout=1.0)
                 return True
             except queue.Full:
                 continue
@@ -221,4 +234,5 @@ class DrivenOutputs:
         with contextlib.suppress(queue.Empty):
             while True:
                 self._queue.get_nowait()
+        self._final = None
         self.outputs.close()
