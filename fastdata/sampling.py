@@ -303,11 +303,21 @@ class EpochPlan:
         """Samples of padding at the end of this rank's last batch in a pass from ``offset``: with ``even``
         the last step is split in equal parts and padded at its end, so the last ranks' parts end in
         samples other ranks read; 0 without padding. A metric that sums over ranks leaves them out."""
+        total = self.padded(offset)
+        if not total:
+            return 0
+        rest = self.remainder(offset)
+        part = (rest + total) // self.world_size
+        return part - min(part, max(0, rest - self.rank * part))
+
+    def padded(self, offset: int = 0) -> int:
+        """Samples of padding in the last step of a pass from ``offset``, over every rank: with ``even``
+        the step is filled up to equal parts with the epoch's first ``padded`` samples (``batches_from``),
+        which the pass so reads again at its end; 0 without padding."""
         rest = self.remainder(offset)
         if not (self.even and self.world_size > 1 and rest):
             return 0
-        part = -(-rest // self.world_size)
-        return part - min(part, max(0, rest - self.rank * part))
+        return -(-rest // self.world_size) * self.world_size - rest
 
     def rank_samples(self) -> int:
         """Samples this rank reads in a whole epoch (padding included), as ``len(DistributedSampler)``."""

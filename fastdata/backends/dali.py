@@ -369,7 +369,7 @@ class DaliLoader(DaliFiles, Loader):
         # next epoch).
         self._iter = Outputs(self._pipe, self.device, opts.handover, self.config.dtype)
         if opts.driver == "thread":
-            self._iter = DrivenOutputs(self._iter, ahead=DRIVEN_AHEAD)
+            self._iter = DrivenOutputs(self._iter)
 
     def _restart(self, epoch: int, batches: list, start: int) -> None:
         """A fresh pipeline fed the stream from batch ``start`` of ``epoch`` (``batches`` on)."""

@@ -97,7 +97,7 @@ class SampleIds:
         p = self._pass_ids
         if p is None:
             return
-        planned = planned if self.kept is None else self.kept[planned]   # source_ids, on the plan's int64 array
+        planned = self.source_ids(planned)
         if not p.kept and len(planned) == rows:   # every row the planned sample's: the common case, per batch
             p.last, p.padding, p.unknown = planned, padding, None
             return

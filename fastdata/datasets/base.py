@@ -260,10 +260,8 @@ def reading_call(source, plan, epoch: int, offset: int):
     given: dict = {}
     if "next_order" in takes:
         given["next_order"] = functools.partial(plan.order, epoch + 1)
-    rest = plan.remainder(offset)
-    if "padding" in takes and plan.even and plan.world_size > 1 and rest:
-        # The last step split in equal parts and filled up with the epoch's first samples (batches_from)
-        given["padding"] = -(-rest // plan.world_size) * plan.world_size - rest
+    if "padding" in takes and plan.padded(offset):
+        given["padding"] = plan.padded(offset)
     return functools.partial(source.reading, **given) if given else source.reading
 
 

@@ -143,8 +143,9 @@ class DrivenOutputs:
     ``next``. The pipeline is used by this thread alone until ``close`` has joined it."""
 
     _END = object()
+    _CLOSED = "these DALI outputs were closed: their thread is stopped"
 
-    def __init__(self, outputs: Outputs, ahead: int = 2):
+    def __init__(self, outputs: Outputs, ahead: int = DRIVEN_AHEAD):
         self.outputs, self.device = outputs, outputs.device
         self._queue: queue.Queue = queue.Queue(maxsize=ahead)
         self._stop = threading.Event()
@@ -160,7 +161,7 @@ class DrivenOutputs:
         if self._final is not None:
             raise self._final
         if self._stop.is_set():
-            raise RuntimeError("these DALI outputs were closed: their thread is stopped")
+            raise RuntimeError(self._CLOSED)
         if self._thread.ident is None:
             self._thread.start()
         item, done = self._get()
@@ -182,7 +183,7 @@ class DrivenOutputs:
                 return self._queue.get(timeout=1.0)
             except queue.Empty:
                 if self._stop.is_set():   # closed from another thread while this one waited
-                    raise RuntimeError("these DALI outputs were closed: their thread is stopped") from None
+                    raise RuntimeError(self._CLOSED) from None
 
     def _drive(self) -> None:
         side = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()

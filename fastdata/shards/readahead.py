@@ -180,10 +180,8 @@ class ReadAhead:
             part, into = order[:padding], ahead
         else:
             return reading, ahead
-        shards = self.index.shard[self.ids[np.asarray(part, dtype=np.int64)]]
-        _, first = np.unique(shards, return_index=True)
-        more = [(self.names[int(shards[i])], _PADDING) for i in np.sort(first)
-                if self.names[int(shards[i])] not in have]
+        more = [(self.names[int(s)], _PADDING) for s in self._shard_sequence(part)[0]
+                if self.names[int(s)] not in have]
         return (reading + more, ahead) if into is reading else (reading, ahead + more)
 
     def _kept_bytes(self, kept: int, wanted: set) -> int:
