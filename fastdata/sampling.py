@@ -224,11 +224,22 @@ class EpochPlan:
     #: The source's own shuffled order, ``(seed, epoch) -> ids`` or None (``Source.epoch_order``: shards
     #: are shuffled by windows of shards); None → a permutation of every sample.
     order_fn: Callable[[int, int], np.ndarray | None] | None = field(default=None, compare=False, repr=False)
+    #: ``batches_from``'s latest results, ``(epoch, offset) -> batches`` (read-only arrays). Why: a
+    #: loader computes the next epoch's batches ahead (memory's draws thread, dali's feeder) and the
+    #: next ``iter()`` asks for them again on the training thread, where a permutation of 60,000 ids
+    #: cost 1-1.6 ms of counted data wait each epoch (issue 30). Not pickled (see __getstate__).
+    _made: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         check_integer("num_samples", self.num_samples, minimum=0)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_made"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _made={})
 
     @property
     def global_batch(self) -> int:
@@ -277,6 +288,19 @@ class EpochPlan:
         """
         if not 0 <= offset <= self.num_samples:
             raise ValueError(f"sample offset {offset} is outside [0, {self.num_samples}]")
+        key = (epoch, offset)
+        made = self._made.get(key)   # a dict's get and set are atomic: the threads that ask share it
+        if made is not None:
+            return list(made)
+        out = self._split(epoch, offset)
+        for ids in out:   # shared by every caller from now on: a write raises instead of changing them
+            ids.flags.writeable = False
+        if len(self._made) >= 4:   # this epoch's and the next, under a resume or set_epoch a few more
+            self._made.clear()
+        self._made[key] = tuple(out)
+        return out
+
+    def _split(self, epoch: int, offset: int) -> list[np.ndarray]:
         rest = self.order(epoch)[offset:]
         gb = self.global_batch
         steps = len(rest) // gb if self.drop_last else -(-len(rest) // gb)

@@ -209,3 +209,31 @@ def test_batch_rngs_are_the_batch_rng_streams():
     seeds = np.array([0, 1, 2**32 - 2, 2**32 - 1, 2**32, 2**63 - 1], dtype=np.uint64)
     for g, s in zip(generators_for(seeds), seeds, strict=True):
         assert np.array_equal(g.random(5), np.random.default_rng(int(s)).random(5))
+
+
+@pytest.mark.parametrize("even", [False, True])
+def test_batches_from_hands_out_the_arrays_it_made_read_only(even):
+    """The next epoch's batches are made ahead by a loader's thread and asked for again by iter(): the
+    plan hands out the arrays it made (read-only: shared, a write raises instead of changing what every
+    caller reads), a few (epoch, offset) at a time; a pickled plan leaves them behind and makes the same."""
+    import pickle
+
+    plan = EpochPlan(103, 10, True, False, 7, rank=1, world_size=2, even=even)
+    first = plan.batches_from(3, 0)
+    again = plan.batches_from(3, 0)
+    assert again is not first and all(a is b for a, b in zip(first, again, strict=True))
+    assert not any(ids.flags.writeable for ids in first)
+    with pytest.raises(ValueError, match="read-only"):
+        first[0][0] = 1
+    resumed = plan.batches_from(3, 40)
+    assert not any(a is b for a in resumed for b in first)
+    for epoch in range(10):                      # bounded: older results are made again when asked for
+        plan.batches_from(epoch, 0)
+    assert len(plan._made) <= 4
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy == plan and copy._made == {}
+    for a, b in zip(copy.batches_from(3, 0), first, strict=True):
+        assert np.array_equal(a, b) and a.dtype == np.int64
+    fresh = EpochPlan(103, 10, True, False, 7, rank=1, world_size=2, even=even)
+    for a, b in zip(fresh._split(3, 40), resumed, strict=True):
+        assert np.array_equal(a, b)

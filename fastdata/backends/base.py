@@ -472,8 +472,9 @@ class Loader(SampleIds):
             told = reading_call(self.source, self.plan, epoch, offset)
             told(order, self.plan.consumed(offset, 0))
         # Per batch on the training thread, so kept to what each batch needs (a GPU step of a small CNN
-        # is a few milliseconds: microseconds here are the data wait the engine reports): the count once,
-        # rows read from the shape (len() of a tensor goes through Python).
+        # is a few milliseconds: microseconds here are the data wait the engine reports, and each call
+        # into torch or numpy costs several after a step has run through the caches): the count once,
+        # the rows counted against the batch's ids when batch_ids is read.
         total = len(batches)
         try:
             for batch in it:
@@ -485,8 +486,7 @@ class Loader(SampleIds):
                     images, labels = batch
                     batch = pipeline(images, labels, seed_for(self.plan.seed, epoch, start + done, self.plan.rank,
                                                               0xBA7C))
-                rows = batch[1].shape[0]
-                self._hand_out_ids(batches[done], padding if done == total - 1 else 0, rows)
+                self._hand_out_ids(batches[done], padding if done == total - 1 else 0, batch[1])
                 done += 1
                 self._position = (epoch, offset, done, total)
                 if order is not None:   # streaming. After the last batch: all it reads (drop_last leaves
@@ -498,7 +498,7 @@ class Loader(SampleIds):
                     # never ask, and would otherwise replay this epoch forever.
                     ended = True
                     self._end_pass(epoch, offset)
-                    tracker.last_batch(rows - self.batch_padding, batch[1].device)
+                    tracker.last_batch(batch[1].shape[0] - self.batch_padding, batch[1].device)
                 yield batch
         finally:
             tracker.close()

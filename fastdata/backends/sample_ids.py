@@ -21,12 +21,15 @@ class _PassIds:
     """One pass's ids: what the backend kept per batch (a FIFO, in yield order), the last batch's ids and
     padding rows, the ids it skipped so far."""
 
-    __slots__ = ("kept", "last", "padding", "skipped", "unknown")
+    __slots__ = ("kept", "last", "padding", "skipped", "unknown", "rows_of")
 
     def __init__(self):
         self.kept: collections.deque = collections.deque()   # append/popleft: safe across two threads
         self.last, self.padding, self.skipped = _NONE, 0, []
         self.unknown: str | None = None   # why the last batch's ids are not known (a backend that did not say)
+        #: The last batch's labels when its rows are yet to be counted against ``last`` (the common
+        #: case counts them when ``batch_ids`` is read, not per batch: see ``SampleIds._hand_out_ids``).
+        self.rows_of = None
 
 
 class SampleIds:
@@ -44,6 +47,8 @@ class SampleIds:
         row and no id. Under ``even_batches`` the last batch's padding rows (its last
         ``batch_padding``) repeat ids of the epoch's start. Empty before the first batch of a pass."""
         p = self._pass_ids
+        if p is not None and p.rows_of is not None:
+            p.unknown, p.rows_of = self._unknown(p.last, p.rows_of.shape[0]), None
         if p is not None and p.unknown is not None:
             raise RuntimeError(p.unknown)
         ids = (p.last if p is not None else _NONE).view()
@@ -91,21 +96,34 @@ class SampleIds:
     def _start_ids(self) -> None:
         self._pass_ids = _PassIds()
 
-    def _hand_out_ids(self, planned: np.ndarray, padding: int, rows: int) -> None:
+    def _unknown(self, ids: np.ndarray, rows: int) -> str | None:
+        """Why ``batch_ids`` cannot name a batch of ``rows`` rows said to hold ``ids`` (None: it can)."""
+        return None if len(ids) == rows else (
+            f"backend {self.name!r} yielded a batch of {rows} rows for {len(ids)} sample ids without saying "  # type: ignore[attr-defined]
+            f"which samples it holds, so loader.batch_ids cannot name its rows: a backend that drops samples "
+            f"from a batch records the ids it kept with self.ids_keeper() (fastdata/backends/sample_ids.py)")
+
+    def _hand_out_ids(self, planned: np.ndarray, padding: int, labels) -> None:
         """The batch of ``planned`` positions, its last ``padding`` of them even_batches' padding, is being
-        handed out with ``rows`` rows: its ids become ``batch_ids``."""
+        handed out with ``labels`` (a tensor, a row per image): its ids become ``batch_ids``."""
         p = self._pass_ids
         if p is None:
             return
+        if not p.kept and self.kept is None:
+            # Positions are the sample ids (the plan's int64 arrays) and no backend said otherwise: the
+            # common case, per batch on the training thread, so with no call into numpy or torch (cold
+            # after a training step, each costs microseconds). The rows are counted against the ids
+            # when batch_ids is read.
+            p.last, p.padding, p.unknown, p.rows_of = planned, padding, None, labels
+            return
+        rows = labels.shape[0]
         planned = self.source_ids(planned)
-        if not p.kept and len(planned) == rows:   # every row the planned sample's: the common case, per batch
+        p.rows_of = None
+        if not p.kept and len(planned) == rows:
             p.last, p.padding, p.unknown = planned, padding, None
             return
         p.last, p.padding = (p.kept.popleft() if p.kept else planned), padding
-        p.unknown = None if len(p.last) == rows else (
-            f"backend {self.name!r} yielded a batch of {rows} rows for {len(p.last)} sample ids without saying "  # type: ignore[attr-defined]
-            f"which samples it holds, so loader.batch_ids cannot name its rows: a backend that drops samples "
-            f"from a batch records the ids it kept with self.ids_keeper() (fastdata/backends/sample_ids.py)")
+        p.unknown = self._unknown(p.last, rows)
         if len(p.last) < len(planned):
             p.skipped.append(planned[~np.isin(planned, p.last)])
             # A padding sample that was skipped has no row (a file fails wherever it is read).

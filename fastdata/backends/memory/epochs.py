@@ -34,7 +34,11 @@ worst it takes that time from the training thread, as drawing in ``next()`` did.
 """
 from __future__ import annotations
 
+import operator
+import os
+import queue
 import threading
+import weakref
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -51,12 +55,17 @@ class Draws(NamedTuple):
     flip: torch.Tensor | None   # bool (samples,)
     lin: torch.Tensor | None    # float32 (samples, 6) resized crops: see MemoryLoader._sampling
     exact: list             # per batch: (top, left) when its crop is an exact slice, else None
+    batches: list           # the batches drawn for (the plan's read-only arrays)
 
     def matches(self, key: tuple, batches: list) -> bool:
         """Whether these draws are those of ``batches`` as epoch ``key`` reads them (a set_epoch or a
         resume in between changes which batches an epoch reads: then they are drawn again)."""
         if key != self.key or len(batches) != len(self.bounds):
             return False
+        # The same arrays (EpochPlan.batches_from hands out the ones it made, read-only): no need to
+        # compare them, on the training thread at the epoch's first batch.
+        if all(map(operator.is_, batches, self.batches)):
+            return True
         if any(len(b) != e - s for b, (s, e) in zip(batches, self.bounds, strict=True)):
             return False
         # One comparison of the whole order (a Python loop over the batches costs more than it).
@@ -154,43 +163,81 @@ def group_bounds(bounds: list, sample_bytes: int, device: torch.device, limit: i
 class DrawAhead:
     """One epoch's ``Draws`` made on a thread ahead of time, at most one at a time.
 
-    ``start(key, make)`` runs ``make()`` on a daemon thread unless draws for ``key`` are already made
-    or being made; ``take(key, batches)`` returns them when they are ``batches``' (waiting for the
-    thread if it is still drawing), else None: the caller draws in place. A failure on the thread is
-    not raised there: the caller draws again and meets it where it can be raised.
+    ``start(key, make)`` has ``make()`` run on the loader's draws thread unless draws for ``key`` are
+    already made or being made; ``take(key, batches)`` returns them when they are ``batches``' (waiting
+    for the thread if it is still drawing), else None: the caller draws in place. A failure on the
+    thread is not raised there: the caller draws again and meets it where it can be raised.
+
+    One thread for the loader's life, not one per epoch: starting a thread is 0.1-0.7 ms of the
+    training thread's time (the new thread must take the GIL before ``start`` returns), in the first
+    batch's counted wait every epoch. It holds no reference to the loader between jobs and ends when
+    ``close`` is called or the DrawAhead is collected. A forked child (whose copy has no thread) starts
+    its own.
     """
 
     def __init__(self):
         self._key = None
-        self._thread: threading.Thread | None = None
-        self._result: list = []
+        self._job: _DrawJob | None = None
+        self._jobs: queue.SimpleQueue | None = None   # the thread's, made by the first start()
+        self._pid = 0                                 # the process the thread runs in
 
     def start(self, key: tuple, make: Callable[[], Draws]) -> None:
-        """Run ``make()`` on a thread for ``key``, unless that is already made or being made."""
+        """Run ``make()`` on the thread for ``key``, unless that is already made or being made."""
         if self._key == key:
             return
         self.cancel()
-        result: list = []
-
-        def run():
-            try:
-                result.append(make())
-            except BaseException:   # noqa: BLE001 (drawn again, and raised, by the epoch that needs it)
-                pass
-
-        self._key, self._result = key, result
-        self._thread = threading.Thread(target=run, name="fastdata-memory-draws", daemon=True)
-        self._thread.start()
+        if self._jobs is None or self._pid != os.getpid():
+            jobs: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_draw, args=(jobs,), name="fastdata-memory-draws", daemon=True).start()
+            weakref.finalize(self, jobs.put, None)   # the thread ends with its DrawAhead (no loader ref)
+            self._jobs, self._pid = jobs, os.getpid()
+        self._key, self._job = key, _DrawJob(make)
+        self._jobs.put(self._job)
 
     def take(self, key: tuple, batches: list) -> Draws | None:
-        """The draws made for ``key`` if they are ``batches``' (after the thread ends), else None."""
-        if self._key != key or self._thread is None:   # a key is set together with its thread
+        """The draws made for ``key`` if they are ``batches``' (once the thread made them), else None."""
+        job = self._job
+        if self._key != key or job is None:   # a key is set together with its job
             return None
-        self._thread.join()
-        made = self._result[0] if self._result else None
-        self._key, self._thread, self._result = None, None, []
+        job.done.wait()
+        self._key, self._job = None, None
+        made = job.made
         return made if made is not None and made.matches(key, batches) else None
 
     def cancel(self) -> None:
-        """Forget the slot (its thread, if running, ends on its own: it only draws numbers)."""
-        self._key, self._thread, self._result = None, None, []
+        """Forget the slot; the thread skips its job if it has not begun it (it only draws numbers)."""
+        if self._job is not None:
+            self._job.make = None
+        self._key, self._job = None, None
+
+    def close(self) -> None:
+        """Cancel, and end the thread once it is done with what it runs."""
+        self.cancel()
+        if self._jobs is not None and self._pid == os.getpid():
+            self._jobs.put(None)
+        self._jobs = None
+
+
+class _DrawJob:
+    __slots__ = ("make", "made", "done")
+
+    def __init__(self, make: Callable[[], Draws]):
+        self.make: Callable[[], Draws] | None = make
+        self.made: Draws | None = None
+        self.done = threading.Event()
+
+
+def _draw(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        make, job.make = job.make, None   # the loader's draw_epoch: not kept past the job
+        try:
+            if make is not None:
+                job.made = make()
+        except BaseException:   # noqa: BLE001 (drawn again, and raised, by the epoch that needs it)
+            pass
+        finally:
+            job.done.set()
+            del job, make
