@@ -19,7 +19,7 @@ except ImportError as e:
     skip_missing(f"the dali backend needs nvidia-dali-cuda120 ({e})", allow_module_level=True)
 from fastdata import make_loader  # noqa: E402
 from fastdata.config import Augmentation  # noqa: E402
-from fastdata.datasets import ArraySource, ImageFolder  # noqa: E402
+from fastdata.datasets import ArraySource, ImageFolder, SyntheticDigits  # noqa: E402
 from fastdata.errors import DecodeError  # noqa: E402
 from fastdata.sampling import EpochPlan  # noqa: E402
 
@@ -1558,3 +1558,33 @@ def test_a_broken_file_is_raised_at_its_batch_after_every_batch_before_it(tmp_pa
         for _, y in loader:
             got.append(y)
     assert len(got) == index // 2 and index // 2 >= 3
+
+
+@pytest.mark.parametrize("recipe, inputs", [("translate", 2), ("center", 2), ("none", 2), ("photos", 3)])
+def test_a_batch_is_fed_to_dali_as_its_data_and_one_array_of_parameters(recipe, inputs, photo_folder, monkeypatch):
+    """Each input of a batch is a feed through DALI's Python (``Pipeline._feed_input``) inside
+    ``schedule_run``, on the training thread: ~90 us each behind a training step on this CPU. So the
+    images (or the files) go with every sample's parameters in one array, split in the graph (photos
+    on the CPU: the decode window in a second array, int32), not 4 to 6 inputs; the pixels stay the
+    torch backend's."""
+    from nvidia.dali.pipeline import Pipeline
+
+    fed: list = []
+    real = Pipeline._feed_input
+    monkeypatch.setattr(Pipeline, "_feed_input",
+                        lambda self, name, *a, **k: fed.append(name) or real(self, name, *a, **k))
+    if recipe == "photos":
+        src, kw = ImageFolder(photo_folder), dict(batch_size=3, train=True, decode="dali", validate=False)
+    else:
+        crop = {"translate": dict(crop="translate", pad=2), "center": dict(crop="center", size=20, resize=24),
+                "none": dict(crop="none")}[recipe]
+        src = SyntheticDigits(60, seed=1)
+        kw = dict(batch_size=20, augment=Augmentation(hflip=0.5, **crop))
+    loader = dali(src, seed=3, **kw)
+    got = [(x.clone(), y.clone()) for x, y in loader]
+    # DALI is fed ahead (its queue, and the next epoch's first batches): the inputs, each fed once a batch.
+    assert len(set(fed)) == inputs and len(fed) >= inputs * len(loader) and len(fed) % inputs == 0, fed
+    if recipe in ("translate", "none"):   # the torch backend's pixels (resizes differ by ~0.01 anyway)
+        for (x, y), (tx, ty) in zip(got, torch_loader(src, seed=3, **kw), strict=True):
+            torch.testing.assert_close(x, tx, rtol=0, atol=1e-5)
+            assert torch.equal(y, ty)

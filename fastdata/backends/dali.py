@@ -325,35 +325,30 @@ class DaliLoader(DaliFiles, Loader):
                 # (files_decoder). Either way the ROI below is the box in what was decoded.
                 op, kwargs = self._decoder
                 windowed = op == "image_slice"
-                enc, *windows, roi_start, roi_end, mirror = fn.external_source(
-                    **feed, num_outputs=6 if windowed else 4,
-                    dtype=[types.UINT8] + [types.INT32, types.INT32] * windowed
-                    + [types.FLOAT, types.FLOAT, types.INT32])
+                enc, *window, box = fn.external_source(**feed, num_outputs=3 if windowed else 2,
+                                                       dtype=[types.UINT8] + [types.INT32] * windowed + [types.FLOAT])
+                windows = (window[0][0:2], window[0][2:4]) if windowed else ()   # (anchor, shape)
                 if self._paths is not None:   # file names: DALI reads the bytes in its C++ threads
                     # Read, not mmap: a file truncated while mapped (rewritten in place) is a SIGBUS
                     # that kills the process; a read of it is an error the loader handles.
                     enc = fn.io.file.read(enc, dont_use_mmap=True)
                 img = getattr(fn.decoders, op)(enc, *windows, output_type=types.RGB,
                                                **{**kwargs, **decoder_tuning(opts, known)})
-                img = fn.resize(img, size=[aug.size, aug.size], roi_start=roi_start, roi_end=roi_end,
-                                roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
-            else:
-                # With crop "none" there is no window to feed: 2 inputs instead of 4.
-                n_in = 2 if aug.crop is Crop.NONE else 4
-                ins = fn.external_source(**feed, num_outputs=n_in, layout=["HWC"] + [None] * (n_in - 1),
-                                         dtype=[types.UINT8, types.FLOAT, types.FLOAT][:n_in - 1] + [types.INT32])
-                img, mirror = ins[0], ins[-1]
-                p0, p1 = (ins[1], ins[2]) if n_in == 4 else (None, None)
-                img = img.gpu() if gpu else img
+            else:   # the images and their parameters in one array (see prepare): split here
+                img, box = fn.external_source(**feed, num_outputs=2, layout=["HWC", None],
+                                              dtype=[types.UINT8, types.FLOAT if aug.crop.resamples else types.INT32])
+                img, mirror = img.gpu() if gpu else img, box   # crop "none": the flips alone
                 if aug.crop is Crop.TRANSLATE:
                     # pad + random crop as one slice whose window may leave the image by up to pad px,
                     # filled by the recipe's padding (host-padded batches: the window stays inside).
-                    policy = "pad" if self._host_pad else SLICE_POLICY[aug.padding]
-                    img = fn.slice(img, p0, p1, axis_names="HW", normalized_anchor=False,
-                                   normalized_shape=False, out_of_bounds_policy=policy, fill_values=0)
-                elif aug.crop.resamples:
-                    img = fn.resize(img, size=[aug.size, aug.size], roi_start=p0, roi_end=p1,
-                                    roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
+                    policy, mirror = "pad" if self._host_pad else SLICE_POLICY[aug.padding], box[2]
+                    img = fn.slice(img, start=box[0:2], shape=list(cast(ArrayPixels, self.source).image_shape[:2]),
+                                   axis_names="HW", out_of_bounds_policy=policy, fill_values=0)
+            if files and not self.host_decode or not files and aug.crop.resamples:
+                # The box (roi start y, x, end y, x) in what was decoded, and the flip (see prepare).
+                img = fn.resize(img, size=[aug.size, aug.size], roi_start=box[0:2], roi_end=box[2:4],
+                                roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
+                mirror = fn.cast(box[4], dtype=types.INT32)
             # One fused pass: flip, (x - 255 mean) / (255 std), HWC → CHW (or kept for channels_last),
             # and the output dtype (bf16 does not exist in DALI: float32, converted by torch below).
             img = fn.crop_mirror_normalize(
@@ -406,21 +401,25 @@ class DaliLoader(DaliFiles, Loader):
         h, w, _ = src.image_shape
         images = src.images[ids]
         params = draw_params(aug, rng, n, (h, w))   # the recipe's one source of random numbers
-        flips = params.flips.astype(np.int32)
-        if params.offsets is not None:
+        # Two inputs a batch: the images and every sample's parameters in one array (split in the
+        # graph). Each input is a feed through DALI's Python on the training thread: ~90 us a feed
+        # behind a training step here, 4 feeds a batch before.
+        if params.offsets is not None:   # int32 (n, 3): the slice's anchor (y, x), the flip
+            par = np.empty((n, 3), np.int32)
             if self._host_pad:   # the window inside the padded images: anchor = offset
                 p = aug.pad
                 images = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)), mode=NUMPY_PAD_MODE[aug.padding])
-                p0 = params.offsets.astype(np.float32)
+                par[:, :2] = params.offsets
             else:                # the window shifted by offset - pad: out of bounds by up to pad px
-                p0 = (params.offsets - aug.pad).astype(np.float32)             # slice anchor
-            p1 = np.tile(np.array([h, w], np.float32), (n, 1))                 # slice shape
-        elif params.boxes is not None:
+                par[:, :2] = params.offsets - aug.pad
+        elif params.boxes is not None:   # float32 (n, 5): the box's start (y, x), end (y, x), the flip
+            par = np.empty((n, 5), np.float32)
             boxes = params.boxes.astype(np.float32)                            # (top, left, h, w)
-            p0, p1 = boxes[:, :2].copy(), boxes[:, :2] + boxes[:, 2:]
+            par[:, :2], par[:, 2:4] = boxes[:, :2], boxes[:, :2] + boxes[:, 2:]
         else:
-            return (images, flips), record
-        return (images, p0, p1, flips), record
+            return (images, params.flips.astype(np.int32)), record
+        par[:, -1] = params.flips
+        return (images, par), record
 
     #: Batches whose generators are seeded at once (EpochPlan.batch_rngs): seeding one generator per
     #: batch took a third of an array batch's input callback, which DALI runs on the training thread
