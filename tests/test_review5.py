@@ -172,3 +172,18 @@ def test_grouped_batches_with_an_empty_or_padded_last_batch_are_the_one_by_one_b
     for (xa, ya, ia, pa), (xb, yb, ib, pb) in zip(one_by_one, grouped, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb) and np.array_equal(ia, ib) and pa == pb
         assert len(ib) == len(yb)
+
+
+def test_a_pass_that_ended_keeps_no_batch_for_its_ids_check():
+    """batch_ids counts a batch's rows when read; the labels it counts them from are let go when the
+    pass ends (the last batch's, a view of memory's whole epoch of labels: megabytes on a GPU), and a
+    loader that yields fewer rows than ids without saying which still raises when read after it."""
+    import gc
+    import weakref
+
+    loader = make_loader(SyntheticDigits(100, seed=1), "memory", batch_size=30, device="cpu", drop_last=False)
+    refs = [weakref.ref(y) for _, y in loader]
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert len(loader.batch_ids) == 10   # the partial last batch
+    loader.close()

@@ -501,6 +501,7 @@ class Loader(SampleIds):
                     tracker.last_batch(batch[1].shape[0] - self.batch_padding, batch[1].device)
                 yield batch
         finally:
+            self._settle_ids()
             tracker.close()
             close = getattr(it, "close", None)
             if close is not None:

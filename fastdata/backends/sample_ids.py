@@ -46,9 +46,8 @@ class SampleIds:
         ``source.sample_name(i)``, ``source.labels[i]``): a file skipped with ``on_error="skip"`` has no
         row and no id. Under ``even_batches`` the last batch's padding rows (its last
         ``batch_padding``) repeat ids of the epoch's start. Empty before the first batch of a pass."""
+        self._settle_ids()
         p = self._pass_ids
-        if p is not None and p.rows_of is not None:
-            p.unknown, p.rows_of = self._unknown(p.last, p.rows_of.shape[0]), None
         if p is not None and p.unknown is not None:
             raise RuntimeError(p.unknown)
         ids = (p.last if p is not None else _NONE).view()
@@ -95,6 +94,13 @@ class SampleIds:
 
     def _start_ids(self) -> None:
         self._pass_ids = _PassIds()
+
+    def _settle_ids(self) -> None:
+        """Count the last batch's rows against its ids now (the pass ended): its labels are not kept
+        past the pass (on a GPU, a view of memory's whole epoch of labels)."""
+        p = self._pass_ids
+        if p is not None and p.rows_of is not None:
+            p.unknown, p.rows_of = self._unknown(p.last, p.rows_of.shape[0]), None
 
     def _unknown(self, ids: np.ndarray, rows: int) -> str | None:
         """Why ``batch_ids`` cannot name a batch of ``rows`` rows said to hold ``ids`` (None: it can)."""

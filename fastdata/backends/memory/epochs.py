@@ -183,10 +183,11 @@ class DrawAhead:
 
     def start(self, key: tuple, make: Callable[[], Draws]) -> None:
         """Run ``make()`` on the thread for ``key``, unless that is already made or being made."""
+        self._leave_parents()
         if self._key == key:
             return
         self.cancel()
-        if self._jobs is None or self._pid != os.getpid():
+        if self._jobs is None:
             jobs: queue.SimpleQueue = queue.SimpleQueue()
             threading.Thread(target=_draw, args=(jobs,), name="fastdata-memory-draws", daemon=True).start()
             weakref.finalize(self, jobs.put, None)   # the thread ends with its DrawAhead (no loader ref)
@@ -196,6 +197,7 @@ class DrawAhead:
 
     def take(self, key: tuple, batches: list) -> Draws | None:
         """The draws made for ``key`` if they are ``batches``' (once the thread made them), else None."""
+        self._leave_parents()
         job = self._job
         if self._key != key or job is None:   # a key is set together with its job
             return None
@@ -203,6 +205,13 @@ class DrawAhead:
         self._key, self._job = None, None
         made = job.made
         return made if made is not None and made.matches(key, batches) else None
+
+    def _leave_parents(self) -> None:
+        """In a forked child, forget the parent's thread and its job: neither runs here, so the job's
+        event is never set (take() waited for it forever) and its queue has no reader. The child
+        draws in place, and its next start() starts a thread of its own."""
+        if self._jobs is not None and self._pid != os.getpid():
+            self._key, self._job, self._jobs = None, None, None
 
     def cancel(self) -> None:
         """Forget the slot; the thread skips its job if it has not begun it (it only draws numbers)."""
