@@ -119,19 +119,12 @@ from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, 
     files_decoder,
     slice_has_policy,
 )
-from ..decode.dali_outputs import DRIVEN_AHEAD, DrivenOutputs, Outputs
+from ..decode.dali_outputs import DRIVEN_AHEAD, DrivenOutputs, Outputs, PassLabels, output_itemsize
 from ..errors import DecodeError
 from ..host_memory import available_ram
 from ..images.on_error import OnError
 from ..images.photo import displayed_size, exif_orientation, open_image
 from .base import Loader, labels_on
-
-
-def output_itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of the pipeline's output for loader dtype ``dtype``: float16 is made in DALI
-    (``crop_mirror_normalize``'s dtype), anything else leaves it as float32 (DALI has no bfloat16: see
-    ``_build`` and ``_convert``)."""
-    return 2 if dtype == torch.float16 else 4
 
 
 class _StreamEnded(Exception):
@@ -450,9 +443,10 @@ class DaliLoader(DaliFiles, Loader):
         retried = -1   # the position last fed again after a failure no single file explains
         if total and not self._continues(epoch, batches, start):
             self._restart(epoch, batches, start)
+        planned = PassLabels(batches, lambda flat: labels_on(self.device, self.source.labels[flat]))
         while pos < total:
             try:
-                for out in self._outputs(total - pos):
+                for out in self._outputs(total - pos, planned, pos):
                     pos += 1
                     if pos == total:   # set before the last yield: the consumer may never come back
                         self._expect = epoch + 1
@@ -495,10 +489,11 @@ class DaliLoader(DaliFiles, Loader):
         planned = self.plan.batches_from(epoch, 0)
         return len(planned) == len(batches) and np.array_equal(planned[0], batches[0])
 
-    def _outputs(self, remaining: int):
-        """(images, labels) for the next ``remaining`` batches of the stream, empty ones included."""
+    def _outputs(self, remaining: int, planned: PassLabels, pos: int):
+        """(images, labels) for the next ``remaining`` batches of the stream, empty ones included: the
+        pass's batches from position ``pos`` (``planned``: their labels as planned, uploaded at once)."""
         records, keep_ids = self._feeder.records, self.ids_keeper()
-        for _ in range(remaining):
+        for k in range(pos, pos + remaining):
             while not records and self._ready is None:  # nothing fed yet: ask DALI, which calls the feeder
                 self._ready = self._fetch()
             rec = records[0]
@@ -513,7 +508,8 @@ class DaliLoader(DaliFiles, Loader):
                 yield self._empty()
                 continue
             out, self._ready = self._ready, None
-            yield self._convert(out, rec["labels"])
+            labels = planned.of(k, rec["ids"], rec["skipped"])
+            yield self._convert(out, rec["labels"] if labels is None else labels)
 
     def _fetch(self):
         """DALI's next output; None when its stream ended on a run of empty batches that the records
@@ -528,16 +524,16 @@ class DaliLoader(DaliFiles, Loader):
                 return None
             raise _StreamEnded from None
 
-    def _convert(self, images: torch.Tensor, labels: np.ndarray):
-        """The batch DALI made, and its labels from the record: labels never go through DALI (they are
-        known here; as a pipeline input and output they cost an external_source feed, an output and a
-        DLPack hand-over per batch for 64 integers)."""
+    def _convert(self, images: torch.Tensor, labels: np.ndarray | torch.Tensor):
+        """The batch DALI made, and its labels (the pass's, or the record's where files were skipped):
+        labels never go through DALI (they are known here; as a pipeline input and output they cost an
+        external_source feed, an output and a DLPack hand-over per batch for 64 integers)."""
         if self.config.channels_last:
             # NHWC memory viewed as NCHW is exactly the channels_last layout: no copy.
             images = images.permute(0, 3, 1, 2)
         if self.config.dtype == torch.bfloat16:   # on a GPU Outputs' copy made it bfloat16: returned as is
             images = images.to(torch.bfloat16, memory_format=torch.preserve_format)
-        return images, labels_on(self.device, labels)
+        return images, labels if isinstance(labels, torch.Tensor) else labels_on(self.device, labels)
 
     def _empty(self):
         memory = torch.channels_last if self.config.channels_last else torch.contiguous_format

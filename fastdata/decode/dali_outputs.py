@@ -33,7 +33,42 @@ import queue
 import threading
 import time
 
+import numpy as np
 import torch
+
+
+def output_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of the pipeline's output for loader dtype ``dtype``: float16 is made in DALI
+    (``crop_mirror_normalize``'s dtype), anything else leaves it as float32 (DALI has no bfloat16: see
+    the dali backend's ``_build`` and ``_convert``)."""
+    return 2 if dtype == torch.float16 else 4
+
+
+class PassLabels:
+    """A pass's labels on the loader's device, uploaded once, one view per batch: the labels a batch is
+    handed out with when DALI's record of it holds the batch's planned samples (no file skipped).
+
+    Why: per batch, ``labels_on`` (the batch's int64 labels pinned and copied to the GPU) is several
+    calls into torch on the training thread: 161 us of each batch's ~1.2 ms data wait in the H200's first
+    command (a 5 ms step), and the part of DALI's hand-over left on that thread under driver="thread".
+    Uploaded lazily, at the pass's first batch, and split in one call (no torch call per batch).
+    """
+
+    def __init__(self, batches: list, upload):
+        self._batches, self._upload = batches, upload   # upload(flat ids) -> the labels on the device
+        self._parts: tuple | None = None
+
+    def of(self, k: int, ids, skipped: int) -> torch.Tensor | None:
+        """Batch ``k``'s labels if its record holds ``ids`` with nothing ``skipped`` and they are its
+        planned samples (the same array, as arrays' batches are, or equal), else None."""
+        planned = self._batches[k] if k < len(self._batches) else None
+        if skipped or planned is None or not (ids is planned or np.array_equal(ids, planned)):
+            return None
+        if self._parts is None:
+            flat = np.concatenate(self._batches) if self._batches else np.empty(0, np.int64)
+            self._parts = self._upload(flat).split([len(b) for b in self._batches])
+        return self._parts[k]
+
 
 #: ``handover`` values: "stream" has the consumer's current CUDA stream wait for each batch (no host wait);
 #: "host" waits on the host for each batch, as ``DALIGenericIterator`` does (kept for measurement).
