@@ -318,8 +318,9 @@ class DaliLoader(DaliFiles, Loader):
                 # (files_decoder). Either way the ROI below is the box in what was decoded.
                 op, kwargs = self._decoder
                 windowed = op == "image_slice"
-                enc, *window, box = fn.external_source(**feed, num_outputs=3 if windowed else 2,
-                                                       dtype=[types.UINT8] + [types.INT32] * windowed + [types.FLOAT])
+                enc, *window, box, mirror = fn.external_source(
+                    **feed, num_outputs=4 if windowed else 3,
+                    dtype=[types.UINT8] + [types.INT32] * windowed + [types.FLOAT, types.INT32])
                 windows = (window[0][0:2], window[0][2:4]) if windowed else ()   # (anchor, shape)
                 if self._paths is not None:   # file names: DALI reads the bytes in its C++ threads
                     # Read, not mmap: a file truncated while mapped (rewritten in place) is a SIGBUS
@@ -327,10 +328,11 @@ class DaliLoader(DaliFiles, Loader):
                     enc = fn.io.file.read(enc, dont_use_mmap=True)
                 img = getattr(fn.decoders, op)(enc, *windows, output_type=types.RGB,
                                                **{**kwargs, **decoder_tuning(opts, known)})
-            else:   # the images and their parameters in one array (see prepare): split here
-                img, box = fn.external_source(**feed, num_outputs=2, layout=["HWC", None],
-                                              dtype=[types.UINT8, types.FLOAT if aug.crop.resamples else types.INT32])
-                img, mirror = img.gpu() if gpu else img, box   # crop "none": the flips alone
+            else:   # the images and their parameters (see prepare)
+                n_in = 3 if aug.crop.resamples else 2
+                img, *par = fn.external_source(**feed, num_outputs=n_in, layout=["HWC"] + [None] * (n_in - 1),
+                                               dtype=[types.UINT8] + [types.FLOAT] * (n_in - 2) + [types.INT32])
+                img, box, mirror = img.gpu() if gpu else img, par[0], par[-1]   # crop "none": the flips alone
                 if aug.crop is Crop.TRANSLATE:
                     # pad + random crop as one slice whose window may leave the image by up to pad px,
                     # filled by the recipe's padding (host-padded batches: the window stays inside).
@@ -338,10 +340,9 @@ class DaliLoader(DaliFiles, Loader):
                     img = fn.slice(img, start=box[0:2], shape=list(cast(ArrayPixels, self.source).image_shape[:2]),
                                    axis_names="HW", out_of_bounds_policy=policy, fill_values=0)
             if files and not self.host_decode or not files and aug.crop.resamples:
-                # The box (roi start y, x, end y, x) in what was decoded, and the flip (see prepare).
+                # The box (roi start y, x, end y, x) in what was decoded (see prepare).
                 img = fn.resize(img, size=[aug.size, aug.size], roi_start=box[0:2], roi_end=box[2:4],
                                 roi_relative=False, interp_type=types.INTERP_LINEAR, antialias=True)
-                mirror = fn.cast(box[4], dtype=types.INT32)
             # One fused pass: flip, (x - 255 mean) / (255 std), HWC → CHW (or kept for channels_last),
             # and the output dtype (bf16 does not exist in DALI: float32, converted by torch below).
             img = fn.crop_mirror_normalize(
@@ -394,25 +395,25 @@ class DaliLoader(DaliFiles, Loader):
         h, w, _ = src.image_shape
         images = src.images[ids]
         params = draw_params(aug, rng, n, (h, w))   # the recipe's one source of random numbers
-        # Two inputs a batch: the images and every sample's parameters in one array (split in the
-        # graph). Each input is a feed through DALI's Python on the training thread: ~90 us a feed
-        # behind a training step here, 4 feeds a batch before.
+        # Each input is a feed through DALI's Python on the training thread (~90 us a feed behind a
+        # training step here): the samples' parameters go in one array, split in the graph by
+        # subscripts (a cast there cost more than the feed it saved: the flips stay an int32 input
+        # where the array is float). 4 inputs a batch before; 2 for translations, 3 for boxes.
+        flips = params.flips.astype(np.int32)
         if params.offsets is not None:   # int32 (n, 3): the slice's anchor (y, x), the flip
             par = np.empty((n, 3), np.int32)
+            par[:, 2] = flips
             if self._host_pad:   # the window inside the padded images: anchor = offset
                 p = aug.pad
                 images = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)), mode=NUMPY_PAD_MODE[aug.padding])
                 par[:, :2] = params.offsets
             else:                # the window shifted by offset - pad: out of bounds by up to pad px
                 par[:, :2] = params.offsets - aug.pad
-        elif params.boxes is not None:   # float32 (n, 5): the box's start (y, x), end (y, x), the flip
-            par = np.empty((n, 5), np.float32)
+            return (images, par), record
+        if params.boxes is not None:     # float32 (n, 4): the box's start (y, x), end (y, x)
             boxes = params.boxes.astype(np.float32)                            # (top, left, h, w)
-            par[:, :2], par[:, 2:4] = boxes[:, :2], boxes[:, :2] + boxes[:, 2:]
-        else:
-            return (images, params.flips.astype(np.int32)), record
-        par[:, -1] = params.flips
-        return (images, par), record
+            return (images, np.concatenate([boxes[:, :2], boxes[:, :2] + boxes[:, 2:]], axis=1), flips), record
+        return (images, flips), record
 
     #: Batches whose generators are seeded at once (EpochPlan.batch_rngs): seeding one generator per
     #: batch took a third of an array batch's input callback, which DALI runs on the training thread

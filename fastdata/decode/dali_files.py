@@ -138,11 +138,12 @@ class DaliFiles:
         enc = data if clean else [buf for buf, ok in zip(data, usable) if ok]
         if self._paths is not None:
             enc = dense_names(enc)
-        # Per sample, the window as int32 (anchor y, x, shape h, w) and the box with the flip as float32
-        # (roi start y, x, end y, x, flip), split in the graph: each input is a feed through DALI's Python
-        # in schedule_run, on the training thread (~90 us a feed behind a training step here).
-        box = np.concatenate([roi0, roi1, flips[:, None]], axis=1, dtype=np.float32)
-        return (enc, *((np.concatenate([anchor, shape], axis=1),) if windowed else ()), box), record
+        # Per sample, the window as int32 (anchor y, x, shape h, w) and the box as float32 (roi start y, x,
+        # end y, x), split in the graph: each input is a feed through DALI's Python in schedule_run, on the
+        # training thread (~90 us a feed behind a training step here). The flips stay an int32 input.
+        box = np.concatenate([roi0, roi1], axis=1)
+        return (enc, *((np.concatenate([anchor, shape], axis=1),) if windowed else ()), box,
+                flips.astype(np.int32)), record
 
     def _batch_data(self, ids) -> tuple[list, bool]:
         """(``_read_file`` of each id in order, clean: whether each is the name of a file known OK and
