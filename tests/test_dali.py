@@ -199,18 +199,29 @@ def test_translation_equals_torch_backend_and_shift_statistics():
     assert chi2 < 52.6, f"shift histogram not uniform (chi2={chi2:.1f} > 99.9% quantile, 24 dof)"
 
 
-def test_generators_seeded_ahead_give_each_batch_its_own_draws_across_stretches_and_resumes():
-    """The input callback takes each batch's generator from a stretch seeded at once (_seeded, 64 at a
-    time): the draws are still batch_rng(epoch, k)'s over stretch boundaries, from a resumed position
-    and when a batch is prepared again (a restart): the torch backend's pixels each time."""
-    n = 1300
+@pytest.mark.parametrize("n", [1300, 1305])
+def test_generators_seeded_ahead_give_each_batch_its_own_draws_across_stretches_and_resumes(n, monkeypatch):
+    """The input callback takes each batch's draws from a stretch drawn at once (64 batches: one
+    batch's draw_params behind a training step took ~100 us, against ~15 in the loop): the draws are
+    still batch_rng(epoch, k)'s over stretch boundaries, for a smaller last batch (its own generator),
+    from a resumed position and when a batch is prepared again (a restart): the torch backend's pixels
+    each time."""
+    from fastdata.decode import dali_arrays
+
     images = np.zeros((n, 7, 7), np.uint8)
     images[:, 3, 3] = 255
     src = ArraySource(images, np.arange(n) % 10, mean=(0.0,), std=(1.0,), digits=True)
-    kw = dict(batch_size=10, train=True, seed=3)          # 130 batches: three stretches
+    kw = dict(batch_size=10, train=True, seed=3, drop_last=False)   # 130 or 131 batches: three stretches
     t = torch.cat([x for x, _ in torch_loader(src, **kw)])
     loader = dali(src, **kw)
+    drawn = []
+    real = dali_arrays.draw_params
+    monkeypatch.setattr(dali_arrays, "draw_params", lambda *a: drawn.append(a[2]) or real(*a))
     torch.testing.assert_close(torch.cat([x for x, _ in loader]), t, rtol=0, atol=1e-6)
+    # In stretches of 64 full batches (DALI runs ahead: the next epoch's first stretch too); a last
+    # batch of 5 draws alone.
+    assert drawn[:130] == [10] * 130 and (n == 1300 or 5 in drawn)
+    assert len(drawn) % 64 == (n != 1300)
     state = loader.state_dict() | {"epoch": 0, "batch": 70, "samples": 700}
     loader.load_state_dict(state)                          # resumed mid-stretch
     torch.testing.assert_close(torch.cat([x for x, _ in loader]), t[700:], rtol=0, atol=1e-6)

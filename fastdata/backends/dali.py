@@ -101,15 +101,14 @@ import numpy as np
 import torch
 
 from ..augment import (
-    NUMPY_PAD_MODE,
-    draw_params,
     require_fixed_size,
 )
 from ..config import Crop, Padding
 from ..datasets import SourceKind
 from ..datasets.base import ArrayPixels, tell_in_flight
+from ..decode.dali_arrays import DaliArrays
 from ..decode.dali_errors import dali_reason, free_frames, is_dali_failure
-from ..decode.dali_feed import Feeder, WorkerPool, batch_record, stream
+from ..decode.dali_feed import Feeder, WorkerPool, stream
 from ..decode.dali_files import BROKEN, OK, UNSEEN, DaliFiles, plain_file_paths
 from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, the option's values)
     DECODE_CHOICES,
@@ -152,7 +151,7 @@ def _close_live() -> None:
             pass
 
 
-class DaliLoader(DaliFiles, Loader):
+class DaliLoader(DaliArrays, DaliFiles, Loader):
     """NVIDIA DALI backend (CPU threads here, nvJPEG + CUDA kernels on a GPU).
 
     Options:
@@ -244,7 +243,7 @@ class DaliLoader(DaliFiles, Loader):
         self._stamps = np.zeros(n, np.int64)   # each file's (size, mtime) when its size was read
         self._why: dict[int, str] = {}
         self._rewritten: dict[int, str | None] = {}   # see DaliFiles._learn_input
-        self._rngs: dict = {}   # (epoch, batch) -> its generator, seeded ahead (_seeded)
+        self._rngs, self._drawn = {}, {}   # generators seeded and draws made ahead (decode.dali_arrays)
         self._rewrite_dir, self._rewrite_lock, self._rewrite_owner = None, threading.Lock(), 0
         self._copied_bytes, self._copies_warned = 0, False
         # Reading: one assembler thread prepares whole batches in stream order (the augmentation draws
@@ -381,55 +380,6 @@ class DaliLoader(DaliFiles, Loader):
         self._ready = self._expect = None
 
     # ------------------------------------------------------------------ inputs for one batch
-    def prepare(self, epoch: int, k: int, ids: np.ndarray):
-        """DALI inputs of batch ``k`` of ``epoch`` (None when it is empty) and its record (the feeder's
-        job; files run in the assembler thread)."""
-        rng = self._seeded(epoch, k)
-        if self.source.kind is SourceKind.FILES:
-            return self._prepare_files(rng, k, ids)
-        src, aug = cast(ArrayPixels, self.source), self.augment   # not FILES: the kind's pixels array
-        n = len(ids)
-        record = batch_record(k, ids, src.labels)
-        if n == 0:
-            return None, record
-        h, w, _ = src.image_shape
-        images = src.images[ids]
-        params = draw_params(aug, rng, n, (h, w))   # the recipe's one source of random numbers
-        # Each input is a feed through DALI's Python on the training thread (~90 us a feed behind a
-        # training step here): the samples' parameters go in one array, split in the graph by
-        # subscripts (a cast there cost more than the feed it saved: the flips stay an int32 input
-        # where the array is float). 4 inputs a batch before; 2 for translations, 3 for boxes.
-        flips = params.flips.astype(np.int32)
-        if params.offsets is not None:   # int32 (n, 3): the slice's anchor (y, x), the flip
-            par = np.empty((n, 3), np.int32)
-            par[:, 2] = flips
-            if self._host_pad:   # the window inside the padded images: anchor = offset
-                p = aug.pad
-                images = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)), mode=NUMPY_PAD_MODE[aug.padding])
-                par[:, :2] = params.offsets
-            else:                # the window shifted by offset - pad: out of bounds by up to pad px
-                par[:, :2] = params.offsets - aug.pad
-            return (images, par), record
-        if params.boxes is not None:     # float32 (n, 4): the box's start (y, x), end (y, x)
-            boxes = params.boxes.astype(np.float32)                            # (top, left, h, w)
-            return (images, np.concatenate([boxes[:, :2], boxes[:, :2] + boxes[:, 2:]], axis=1), flips), record
-        return (images, flips), record
-
-    #: Batches whose generators are seeded at once (EpochPlan.batch_rngs): seeding one generator per
-    #: batch took a third of an array batch's input callback, which DALI runs on the training thread
-    #: (30 of 90 us here); 64 at once cost 3 us a batch.
-    _SEED_AHEAD = 64
-
-    def _seeded(self, epoch: int, k: int):
-        """``batch_rng(epoch, k)``, from generators seeded ahead for the next batches. Each is handed out
-        once (a batch prepared again, after a restart, gets a fresh one: the same draws). Called by one
-        thread at a time: the assembler for files, DALI's callback on the training thread for arrays."""
-        rng = self._rngs.pop((epoch, k), None)
-        if rng is None:
-            self._rngs = {(epoch, k + j): g for j, g in enumerate(self.batch_rngs(epoch, k, self._SEED_AHEAD))}
-            rng = self._rngs.pop((epoch, k))
-        return rng
-
     # ------------------------------------------------------------------ one epoch
     def _epoch(self, epoch, batches, start):
         if self._closed:
@@ -655,7 +605,7 @@ class DaliLoader(DaliFiles, Loader):
         _INHERITED.append((self._pipe, self._iter, self._probe_pipe))
         self._probe_pipe = None
         self._release()   # the references dropped here are kept in _INHERITED: nothing is destroyed
-        self._rngs = {}
+        self._rngs, self._drawn = {}, {}
         self._rewrite_lock = threading.Lock()   # a parent's thread may have held the old one at the fork
         if self.assembler is not None:
             self.assembler = WorkerPool(1, "fastdata-dali-batch")
