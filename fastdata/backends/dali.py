@@ -108,7 +108,7 @@ from ..datasets import SourceKind
 from ..datasets.base import ArrayPixels, tell_in_flight
 from ..decode.dali_arrays import DaliArrays
 from ..decode.dali_errors import dali_reason, free_frames, is_dali_failure
-from ..decode.dali_feed import Feeder, WorkerPool, stream
+from ..decode.dali_feed import Feeder, WorkerPool, record_labels, stream
 from ..decode.dali_files import BROKEN, OK, UNSEEN, DaliFiles, plain_file_paths
 from ..decode.dali_options import (  # noqa: F401 (DECODE_CHOICES: re-exported, the option's values)
     DECODE_CHOICES,
@@ -460,7 +460,7 @@ class DaliLoader(DaliArrays, DaliFiles, Loader):
                 continue
             out, self._ready = self._ready, None
             labels = planned.of(k, rec["ids"], rec["skipped"])
-            yield self._convert(out, rec["labels"] if labels is None else labels)
+            yield self._convert(out, record_labels(rec) if labels is None else labels)
 
     def _fetch(self):
         """DALI's next output; None when its stream ended on a run of empty batches that the records

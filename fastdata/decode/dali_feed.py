@@ -26,6 +26,8 @@ import weakref
 from concurrent import futures
 from concurrent.futures import Future
 
+import numpy as np
+
 from ..errors import DecodeError
 
 
@@ -116,9 +118,15 @@ def stream(plan, epoch: int, batches: list, start: int):
 
 def batch_record(k: int, ids, labels, skipped: int = 0) -> dict:
     """What ``Feeder.records`` holds for batch ``k``: the ids DALI decodes (those kept, an int array),
-    their count, the files skipped, and their labels from the source's ``labels`` array (labels never
-    go through DALI)."""
-    return {"k": k, "ids": ids, "n": len(ids), "skipped": skipped, "labels": labels[ids]}
+    their count, the files skipped, and the source's ``labels`` array (labels never go through DALI;
+    ``record_labels`` gathers the batch's where the pass's planned ones do not serve: an array batch's
+    callback runs on the training thread, where a gather per batch is time the step waits for)."""
+    return {"k": k, "ids": ids, "n": len(ids), "skipped": skipped, "labels_of": labels}
+
+
+def record_labels(record: dict) -> np.ndarray:
+    """The labels of the samples a ``batch_record`` holds, in order."""
+    return record["labels_of"][record["ids"]]
 
 
 class Feeder:
