@@ -52,6 +52,9 @@ class PassLabels:
     calls into torch on the training thread: 161 us of each batch's ~1.2 ms data wait in the H200's first
     command (a 5 ms step), and the part of DALI's hand-over left on that thread under driver="thread".
     Uploaded lazily, at the pass's first batch, and split in one call (no torch call per batch).
+    On a GPU the upload is ordered on the stream current at that batch, as the memory backend's epoch
+    labels are: a consumer that moves to another stream mid-pass waits for that one first (the images
+    are handed over on each batch's current stream).
     """
 
     def __init__(self, batches: list, upload):
