@@ -233,6 +233,40 @@ def test_a_backend_that_drops_samples_without_saying_which_is_named():
         _ = loader.batch_ids
 
 
+def test_a_keeper_told_none_names_the_batch_by_its_planned_ids():
+    """ids_keeper(None) says a batch holds its planned samples (the dali backend says so for every batch
+    that lost no file: no numpy call per batch); batches recorded with ids between such batches keep
+    their own ids, in order, and a short batch recorded as None is still refused when read."""
+    from fastdata.config import LoaderConfig
+
+    class Saying(_simple_backend()):
+        name = "saying"
+
+        def _epoch(self, epoch, batches, start):
+            keep = super().ids_keeper()
+            for k, (images, labels) in enumerate(super()._epoch(epoch, batches, start)):
+                if k == 1:   # drops its first sample, and says which it kept
+                    keep(self.source_ids(batches[k][1:]))
+                    yield images[1:], labels[1:]
+                else:
+                    keep(None)
+                    yield (images[1:], labels[1:]) if k == 3 else (images, labels)
+
+        def ids_keeper(self):
+            return lambda ids: None
+
+    source = indexed_source(32)
+    loader = Saying(source, LoaderConfig(batch_size=8, device="cpu", train=False))
+    planned = [loader.source_ids(b) for b in loader.plan.batches_from(0, 0)]
+    for k, (_, labels) in enumerate(loader):
+        if k == 3:
+            with pytest.raises(RuntimeError, match="yielded a batch of 7 rows for 8 sample ids"):
+                _ = loader.batch_ids
+            continue
+        expect = planned[k][1:] if k == 1 else planned[k]
+        assert np.array_equal(loader.batch_ids, expect) and np.array_equal(labels.numpy(), source.labels[expect])
+
+
 @pytest.mark.parametrize("backend", backend_params())
 def test_batch_ids_index_the_subset_read(backend):
     """With indices= the loader reads a subset (loader.dataset): its ids index that, as documented."""

@@ -454,12 +454,12 @@ class DaliLoader(DaliArrays, DaliFiles, Loader):
                 self._ready = self._fetch()
             records.popleft()
             self.skipped += rec["skipped"]
-            keep_ids(rec["ids"])   # the files this batch holds (loader.batch_ids)
+            labels = planned.of(k, rec["ids"], rec["skipped"]) if rec["n"] else None
+            keep_ids(None if labels is not None else rec["ids"])   # the files it holds: as planned, or these
             if not rec["n"]:
                 yield self._empty()
                 continue
             out, self._ready = self._ready, None
-            labels = planned.of(k, rec["ids"], rec["skipped"])
             yield self._convert(out, record_labels(rec) if labels is None else labels)
 
     def _fetch(self):

@@ -85,12 +85,13 @@ class SampleIds:
         """For backends that drop files from a batch, called as the pass's batches start: a function
         taking the source ids of the samples each batch yielded holds, in row order, to be called once
         per batch, in yield order, for every batch of the pass (or never: the planned ids are then the
-        batch's). Bound to this pass: a producer thread of a pass left early that records its last batch
-        after the next pass began (prefetch) records into its own pass, not into the next one's."""
+        batch's); None says the batch holds its planned samples (no numpy call per batch where nothing
+        was dropped). Bound to this pass: a producer thread of a pass left early that records its last
+        batch after the next pass began (prefetch) records into its own pass, not into the next one's."""
         p = self._pass_ids
         if p is None:
             return lambda ids: None
-        return lambda ids: p.kept.append(np.asarray(ids, dtype=np.int64))
+        return lambda ids: p.kept.append(None if ids is None else np.asarray(ids, dtype=np.int64))
 
     def _start_ids(self) -> None:
         self._pass_ids = _PassIds()
@@ -115,20 +116,21 @@ class SampleIds:
         p = self._pass_ids
         if p is None:
             return
-        if not p.kept and self.kept is None:
-            # Positions are the sample ids (the plan's int64 arrays) and no backend said otherwise: the
-            # common case, per batch on the training thread, so with no call into numpy or torch (cold
-            # after a training step, each costs microseconds). The rows are counted against the ids
-            # when batch_ids is read.
+        said = p.kept.popleft() if p.kept else None   # what the backend said this batch holds, if it did
+        if said is None and self.kept is None:
+            # Positions are the sample ids (the plan's int64 arrays) and the backend said nothing else:
+            # the common case, per batch on the training thread, so with no call into numpy or torch
+            # (cold after a training step, each costs microseconds). The rows are counted against the
+            # ids when batch_ids is read.
             p.last, p.padding, p.unknown, p.rows_of = planned, padding, None, labels
             return
         rows = labels.shape[0]
         planned = self.source_ids(planned)
         p.rows_of = None
-        if not p.kept and len(planned) == rows:
+        if said is None and len(planned) == rows:
             p.last, p.padding, p.unknown = planned, padding, None
             return
-        p.last, p.padding = (p.kept.popleft() if p.kept else planned), padding
+        p.last, p.padding = (planned if said is None else said), padding
         p.unknown = self._unknown(p.last, rows)
         if len(p.last) < len(planned):
             p.skipped.append(planned[~np.isin(planned, p.last)])
