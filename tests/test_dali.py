@@ -756,7 +756,10 @@ def test_cuda_the_first_command_on_dali_waits_for_data_at_most_5_percent(monkeyp
     and the hand-over (``_convert``). DALI calls the callback from inside its iterator, so ``fetch``
     includes it. Inside ``fetch``, DALI's three calls apart (``schedule_run`` includes the callback), and
     a pass of the same loader with no model beside it: whether DALI alone outruns the step (the H200 run
-    of 2026-11-28 read 22.8% with fetch 1.0 ms a batch, and could not tell work from a wait)."""
+    of 2026-11-28 read 22.8% with fetch 1.0 ms a batch, and could not tell work from a wait). Since that
+    run the training thread's part shrank on the CPU behind a step (0.79-0.81 -> 0.56-0.57 ms a batch,
+    paired): 2 inputs fed instead of 4, the pass's labels uploaded once (convert 161 us on the H200),
+    draws made 64 batches at a time, no ids recorded for planned batches."""
     import functools
     import statistics
     import time
