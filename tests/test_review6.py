@@ -17,23 +17,10 @@ try:
     import nvidia.dali.plugin.pytorch  # noqa: F401
 except ImportError as e:
     skip_missing(f"the dali backend needs nvidia-dali-cuda120 ({e})", allow_module_level=True)
-from fastdata import Augmentation, make_loader  # noqa: E402
+from fastdata import Augmentation  # noqa: E402
 from fastdata.backends import dali as dali_module  # noqa: E402
 from fastdata.datasets import ImageFolder, SyntheticDigits  # noqa: E402
-
-_OPENED: list = []
-
-
-@pytest.fixture(autouse=True)
-def _close_what_the_test_opened():
-    yield
-    while _OPENED:
-        _OPENED.pop().close()
-
-
-def _dali(source, **kw):
-    _OPENED.append(make_loader(source, backend="dali", device="cpu", **kw))
-    return _OPENED[-1]
+from test_dali import _close_what_the_test_opened, dali  # noqa: E402,F401 (the autouse fixture closes them)
 
 
 def _count_uploads(monkeypatch) -> list:
@@ -57,7 +44,7 @@ def test_a_stream_restarted_after_a_dali_failure_keeps_the_pass_labels(tmp_path,
     bad.write_bytes(bad.read_bytes()[:2000])
     src = ImageFolder(root)
     uploads = _count_uploads(monkeypatch)
-    loader = _dali(src, batch_size=3, train=False, validate=False, on_error="skip", decode="dali", driver=driver)
+    loader = dali(src, batch_size=3, train=False, validate=False, on_error="skip", decode="dali", driver=driver)
     for _ in range(2):   # the failures (restarts), then the files known bad (skipped when prepared)
         uploads.clear()
         sizes = []
@@ -78,7 +65,7 @@ def test_even_batches_padding_rows_get_their_samples_labels_from_the_pass_upload
     and are their samples' labels."""
     src = SyntheticDigits(13, seed=2)
     uploads = _count_uploads(monkeypatch)
-    loader = _dali(src, batch_size=4, world_size=2, rank=rank, even_batches=True, drop_last=False, seed=1,
+    loader = dali(src, batch_size=4, world_size=2, rank=rank, even_batches=True, drop_last=False, seed=1,
                    augment=Augmentation(crop="translate", pad=2, hflip=0.5))
     for _ in range(2):
         uploads.clear()
