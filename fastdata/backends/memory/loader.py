@@ -336,6 +336,9 @@ class MemoryLoader(CacheBuild, NodeCache, Loader):
             # a batch's 37, the loader's whole next() now 12). Views along dim 0 keep the group's
             # layout (contiguous or channels-last) and own no storage: the group's memory is freed
             # once its last batch is.
+            if len(group) == 1:   # the CPU's groups (and a batch as large as a group): the gather is it
+                yield x, labels[a:b]
+                continue
             sizes = [e - s for s, e in group]
             yield from zip(x.split(sizes), labels[a:b].split(sizes))
 
