@@ -100,9 +100,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from ..augment import (
-    require_fixed_size,
-)
+from ..augment import require_fixed_size
 from ..config import Crop, Padding
 from ..datasets import SourceKind
 from ..datasets.base import ArrayPixels, tell_in_flight
@@ -460,7 +458,7 @@ class DaliLoader(DaliArrays, DaliFiles, Loader):
                 yield self._empty()
                 continue
             out, self._ready = self._ready, None
-            yield self._convert(out, record_labels(rec) if labels is None else labels)
+            yield self._convert(out, labels_on(self.device, record_labels(rec)) if labels is None else labels)
 
     def _fetch(self):
         """DALI's next output; None when its stream ended on a run of empty batches that the records
@@ -475,7 +473,7 @@ class DaliLoader(DaliArrays, DaliFiles, Loader):
                 return None
             raise _StreamEnded from None
 
-    def _convert(self, images: torch.Tensor, labels: np.ndarray | torch.Tensor):
+    def _convert(self, images: torch.Tensor, labels: torch.Tensor):
         """The batch DALI made, and its labels (the pass's, or the record's where files were skipped):
         labels never go through DALI (they are known here; as a pipeline input and output they cost an
         external_source feed, an output and a DLPack hand-over per batch for 64 integers)."""
@@ -484,7 +482,7 @@ class DaliLoader(DaliArrays, DaliFiles, Loader):
             images = images.permute(0, 3, 1, 2)
         if self.config.dtype == torch.bfloat16:   # on a GPU Outputs' copy made it bfloat16: returned as is
             images = images.to(torch.bfloat16, memory_format=torch.preserve_format)
-        return images, labels if isinstance(labels, torch.Tensor) else labels_on(self.device, labels)
+        return images, labels
 
     def _empty(self):
         memory = torch.channels_last if self.config.channels_last else torch.contiguous_format

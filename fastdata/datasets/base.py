@@ -260,8 +260,9 @@ def reading_call(source, plan, epoch: int, offset: int):
     given: dict = {}
     if "next_order" in takes:
         given["next_order"] = functools.partial(plan.order, epoch + 1)
-    if "padding" in takes and plan.padded(offset):
-        given["padding"] = plan.padded(offset)
+    padded = plan.padded(offset) if "padding" in takes else 0
+    if padded:
+        given["padding"] = padded
     return functools.partial(source.reading, **given) if given else source.reading
 
 
